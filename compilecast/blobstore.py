@@ -1,0 +1,262 @@
+"""Content-addressed artifact store on local disk.
+
+Blobs are named by the sha256 of their uncompressed bytes and stored
+zstd-compressed:
+
+    ROOT/blobs/ab/abcdef....zst   committed blobs (ab = first two hex digits)
+    ROOT/tmp/                     writes in progress; emptied on open
+    ROOT/quarantine/              blobs that failed verification, kept for study
+
+Write protocol: stream into a temp file while hashing, fsync, verify the
+digest and size, then rename atomically into place and fsync the directory. A
+crash at any point leaves either nothing or a complete blob; temp files are
+swept on the next open. Every read re-hashes what it returns; a mismatch
+quarantines the blob and raises CorruptBlob after the last chunk, so a reader
+must not use the bytes before the stream ends cleanly.
+
+Concurrency: any number of readers and writers, threads or processes. Two
+writers of the same digest race harmlessly (the rename is idempotent). The
+optional size bound evicts least-recently-read blobs; the running total is kept
+in memory and the directory is scanned only when the bound is exceeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import zstandard
+
+from compilecast import validate
+from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, TooLarge
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BlobWriter:
+    """One blob being written. Use as a context manager: leaving the block
+    without `commit()` removes the temp file."""
+
+    def __init__(self, store: DiskBlobStore, max_size: int) -> None:
+        self._store = store
+        self._max_size = max_size
+        fd, name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".part")
+        self._path = Path(name)
+        self._file = os.fdopen(fd, "wb")
+        self._zw = zstandard.ZstdCompressor(level=store.level).stream_writer(
+            self._file, closefd=False
+        )
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self._done = False
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > self._max_size:
+            raise TooLarge(f"artifact exceeds the limit of {self._max_size} bytes")
+        self._hash.update(data)
+        self._zw.write(data)
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    def commit(self, digest: str, size: int) -> Path:
+        """Verify and move the blob into place; returns its path."""
+        validate.digest(digest)
+        try:
+            self._zw.flush(zstandard.FLUSH_FRAME)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            actual = self._hash.hexdigest()
+            if actual != digest:
+                raise DigestMismatch(
+                    f"digest mismatch: header says {digest}, bytes hash to {actual}"
+                )
+            if self.size != size:
+                raise DigestMismatch(f"size mismatch: header says {size}, received {self.size}")
+            final = self._store.path_of(digest)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            stored = self._path.stat().st_size
+            existed = final.exists()
+            os.replace(self._path, final)
+            _fsync_dir(final.parent)
+            self._done = True
+            if not existed:
+                self._store._account(stored)
+            return final
+        finally:
+            if not self._done:
+                self.abort()
+
+    def abort(self) -> None:
+        self._done = True
+        with contextlib.suppress(Exception):
+            self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
+
+    def __enter__(self) -> BlobWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._done:
+            self.abort()
+
+
+class DiskBlobStore:
+    """A directory of content-addressed, zstd-compressed blobs."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        max_bytes: int | None = None,
+        max_blob_size: int = 8 << 30,
+        level: int = 3,
+    ) -> None:
+        self.root = Path(root)
+        self.blob_dir = self.root / "blobs"
+        self.tmp_dir = self.root / "tmp"
+        self.quarantine_dir = self.root / "quarantine"
+        for d in (self.blob_dir, self.tmp_dir, self.quarantine_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        for stale in self.tmp_dir.iterdir():
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        self.max_bytes = max_bytes
+        self.max_blob_size = max_blob_size
+        self.level = level
+        self.quarantined = 0
+        self._lock = threading.Lock()
+        self._total = sum(p.stat().st_size for p in self.blob_dir.glob("*/*.zst"))
+
+    # -- queries ---------------------------------------------------------
+    def path_of(self, digest: str) -> Path:
+        return self.blob_dir / digest[:2] / f"{digest}.zst"
+
+    def has(self, digest: str) -> bool:
+        return self.path_of(digest).exists()
+
+    @property
+    def stored_bytes(self) -> int:
+        return self._total
+
+    def count(self) -> int:
+        return sum(1 for _ in self.blob_dir.glob("*/*.zst"))
+
+    # -- writes ----------------------------------------------------------
+    def writer(self) -> BlobWriter:
+        return BlobWriter(self, self.max_blob_size)
+
+    def put_bytes(self, data: bytes) -> str:
+        """Store a small in-memory blob; returns its digest."""
+        digest = hashlib.sha256(data).hexdigest()
+        with self.writer() as w:
+            w.write(data)
+            w.commit(digest, len(data))
+        return digest
+
+    def _account(self, delta: int) -> None:
+        with self._lock:
+            self._total += delta
+            over = self.max_bytes is not None and self._total > self.max_bytes
+        if over:
+            self._evict()
+
+    def _evict(self) -> None:
+        assert self.max_bytes is not None
+        target = int(self.max_bytes * 0.9)
+        entries = []
+        for p in self.blob_dir.glob("*/*.zst"):
+            with contextlib.suppress(FileNotFoundError):
+                st = p.stat()
+                entries.append((st.st_mtime, st.st_size, p))
+        entries.sort()
+        for _, size, p in entries:
+            with self._lock:
+                if self._total <= target:
+                    return
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                with self._lock:
+                    self._total -= size
+                log.info("evicted blob %s (%d bytes) from the bounded store", p.stem, size)
+
+    def delete(self, digest: str) -> None:
+        p = self.path_of(digest)
+        with contextlib.suppress(FileNotFoundError):
+            size = p.stat().st_size
+            p.unlink()
+            with self._lock:
+                self._total -= size
+
+    def quarantine(self, digest: str, why: str) -> None:
+        p = self.path_of(digest)
+        dest = self.quarantine_dir / f"{digest}.{int(time.time() * 1000)}.zst"
+        with contextlib.suppress(FileNotFoundError):
+            size = p.stat().st_size
+            os.replace(p, dest)
+            with self._lock:
+                self._total -= size
+        self.quarantined += 1
+        log.error("quarantined blob %s: %s (kept at %s)", digest, why, dest)
+
+    # -- reads -----------------------------------------------------------
+    def read(self, digest: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        """Yield the uncompressed bytes of a blob, verifying its digest.
+
+        Raises NotFound if absent, CorruptBlob (after quarantining it) if the
+        stored bytes do not hash to `digest`; the error comes after the last
+        chunk, so consumers must treat the data as unverified until then.
+        """
+        validate.digest(digest)
+        path = self.path_of(digest)
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed in finally
+        except FileNotFoundError:
+            raise NotFound(f"blob {digest} is not in the store") from None
+        h = hashlib.sha256()
+        try:
+            if self.max_bytes is not None:
+                with contextlib.suppress(OSError):
+                    os.utime(path)
+            reader = zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
+            try:
+                while True:
+                    chunk = reader.read(chunk_size)
+                    if not chunk:
+                        break
+                    h.update(chunk)
+                    yield chunk
+            except zstandard.ZstdError as exc:
+                self.quarantine(digest, f"undecodable: {exc}")
+                raise CorruptBlob(f"blob {digest} is corrupt (undecodable)") from None
+        finally:
+            f.close()
+        if h.hexdigest() != digest:
+            self.quarantine(digest, f"hashes to {h.hexdigest()}")
+            raise CorruptBlob(f"blob {digest} is corrupt: its bytes hash to {h.hexdigest()}")
+
+    def read_bytes(self, digest: str) -> bytes:
+        return b"".join(self.read(digest))
+
+
+__all__ = ["CHUNK", "BlobWriter", "DigestMismatch", "DiskBlobStore"]

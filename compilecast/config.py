@@ -1,0 +1,168 @@
+"""Configuration: one dataclass per role, separate from the runtime.
+
+Every setting has a flag (`--lease-ttl-s`), an environment variable with the
+COMPILECAST_ prefix (`COMPILECAST_LEASE_TTL_S`) and a key in a YAML file
+(`lease_ttl_s`). Precedence: flag > environment > file > default. `load()`
+is the one place that parses and validates, and it records where each value
+came from for `compilecast config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "COMPILECAST_"
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message names it and its source."""
+
+
+def default_home() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "compilecast"
+
+
+def default_worker_target() -> str:
+    return f"unix://{default_home() / 'worker.sock'}"
+
+
+def _jax_share_binary_timeout_ms() -> int:
+    # JAX's own knob, when the user set it in the environment.
+    raw = os.environ.get("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS")
+    return int(raw) if raw and raw.isdigit() else 20 * 60 * 1000
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class CoordinatorConfig:
+    listen: str = field(default="127.0.0.1:7640", metadata=_help("gRPC listen address host:port"))
+    etcd_endpoints: str = field(
+        default="127.0.0.1:2379", metadata=_help("comma-separated etcd client endpoints host:port")
+    )
+    etcd_prefix: str = field(default="/compilecast/v1", metadata=_help("etcd key prefix"))
+    store_dir: str = field(
+        default_factory=lambda: str(default_home() / "coordinator"),
+        metadata=_help("artifact store directory"),
+    )
+    metrics_port: int = field(default=7641, metadata=_help("Prometheus port (0: off)"))
+    metrics_host: str = field(default="127.0.0.1", metadata=_help("Prometheus bind address"))
+    lease_ttl_s: int = field(default=10, metadata=_help("compile lease TTL in seconds"))
+    share_binary_between_hosts_timeout_ms: int = field(
+        default_factory=_jax_share_binary_timeout_ms,
+        metadata=_help("longest a waiter waits before compiling itself (JAX's name)"),
+    )
+    designated_grace_s: float = field(
+        default=10.0,
+        metadata=_help("how long job waiters wait for the designated process to take the lease"),
+    )
+    local_marker_ttl_s: int = field(
+        default=60, metadata=_help("how long a 'compile locally' verdict for a key lasts")
+    )
+    max_artifact_bytes: int = field(default=4 << 30, metadata=_help("largest accepted artifact"))
+
+    def validate(self) -> None:
+        _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
+                  "local_marker_ttl_s", "max_artifact_bytes")
+        if not self.etcd_endpoints.strip():
+            raise ConfigError("etcd_endpoints is empty")
+        if not self.etcd_prefix.startswith("/"):
+            raise ConfigError(f"etcd_prefix {self.etcd_prefix!r} must start with '/'")
+        _hostport(self.listen, "listen")
+
+
+@dataclass
+class WorkerConfig:
+    listen: str = field(
+        default_factory=default_worker_target,
+        metadata=_help("local API: unix:///path or host:port"),
+    )
+    coordinator: str = field(default="127.0.0.1:7640", metadata=_help("coordinator host:port"))
+    cache_dir: str = field(
+        default_factory=lambda: str(default_home() / "worker"),
+        metadata=_help("host cache directory"),
+    )
+    cache_max_bytes: int = field(default=20 << 30, metadata=_help("host cache size bound"))
+    metrics_port: int = field(default=7642, metadata=_help("Prometheus port (0: off)"))
+    metrics_host: str = field(default="127.0.0.1", metadata=_help("Prometheus bind address"))
+    rpc_timeout_s: float = field(default=5.0, metadata=_help("deadline of unary upstream calls"))
+
+    def validate(self) -> None:
+        _positive(self, "cache_max_bytes", "rpc_timeout_s")
+        if not self.listen.startswith("unix://"):
+            _hostport(self.listen, "listen")
+        _hostport(self.coordinator, "coordinator")
+
+
+def _positive(cfg: Any, *names: str) -> None:
+    for n in names:
+        if getattr(cfg, n) <= 0:
+            raise ConfigError(f"{n} must be > 0, got {getattr(cfg, n)!r}")
+
+
+def _hostport(value: str, name: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"{name} {value!r} is not host:port")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
+    typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[f.type]
+    try:
+        return typ(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{f.name}={raw!r} from {source} is not a valid {typ.__name__}") from None
+
+
+def load(cls: type, *, flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+         file: str | None = None) -> tuple[Any, dict[str, str]]:
+    """Build and validate a config; returns it and {setting: source}."""
+    env = os.environ if env is None else env
+    file_values: dict[str, Any] = {}
+    if file:
+        try:
+            with open(file) as fh:
+                file_values = yaml.safe_load(fh) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {file} is not valid YAML: {exc}") from None
+        if not isinstance(file_values, dict):
+            raise ConfigError(f"config file {file} must hold a mapping of settings")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(file_values) - set(known)
+    if unknown:
+        raise ConfigError(f"unknown settings in {file}: {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, f in known.items():
+        if flags and flags.get(name) is not None:
+            values[name], sources[name] = _coerce(f, flags[name], "flag"), f"flag {flag_name(name)}"
+        elif env_name(name) in env:
+            src = f"env {env_name(name)}"
+            values[name], sources[name] = _coerce(f, env[env_name(name)], src), src
+        elif name in file_values:
+            src = f"file {file}"
+            values[name], sources[name] = _coerce(f, file_values[name], src), src
+        else:
+            sources[name] = "default"
+    cfg = cls(**values)
+    cfg.validate()
+    return cfg, sources

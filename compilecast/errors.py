@@ -1,0 +1,65 @@
+"""The error type of compilecast's core.
+
+Grouped by what the caller should do. Exactly one edge maps them to gRPC
+status codes (`compilecast.errors.grpc_code`), used by both servers.
+
+    CompilecastError
+    ├── InvalidRequest        fix the request          -> INVALID_ARGUMENT
+    │   └── DigestMismatch    bytes differ from digest -> INVALID_ARGUMENT
+    ├── NotFound              nothing under that key   -> NOT_FOUND
+    ├── LeaseError            not (or no longer) the lease holder
+    │                                                  -> FAILED_PRECONDITION
+    ├── AlreadyPublished      write-once key taken     -> ALREADY_EXISTS
+    ├── TooLarge              over a size limit        -> RESOURCE_EXHAUSTED
+    ├── CorruptBlob           stored bytes fail their digest; quarantined
+    │                                                  -> DATA_LOSS
+    └── Unavailable           etcd or the coordinator cannot be reached;
+                              retry later or compile locally -> UNAVAILABLE
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class CompilecastError(Exception):
+    """Base of every error compilecast raises on purpose."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(CompilecastError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class DigestMismatch(InvalidRequest):
+    pass
+
+
+class NotFound(CompilecastError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class LeaseError(CompilecastError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AlreadyPublished(CompilecastError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class TooLarge(CompilecastError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class CorruptBlob(CompilecastError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class Unavailable(CompilecastError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def grpc_code(exc: CompilecastError) -> grpc.StatusCode:
+    """The gRPC status for one of our errors."""
+    return exc.code

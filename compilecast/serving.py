@@ -1,0 +1,76 @@
+"""Lifecycle shared by the coordinator and worker servers: a grpc.aio server
+with health checking and reflection, a Prometheus endpoint, and graceful
+shutdown on SIGINT/SIGTERM with a deadline (previous handlers restored)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from compilecast.grpcutil import CHANNEL_OPTIONS
+from compilecast.v1 import cache_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CompileCache"].full_name
+
+
+def make_server(add_servicer: Callable[[grpc.aio.Server], None]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    add_servicer(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return server, health_servicer
+
+
+async def set_serving(health_servicer, serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)
+
+
+def start_metrics(registry: CollectorRegistry, host: str, port: int) -> object | None:
+    if port <= 0:
+        return None
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server
+
+
+async def serve_until_signal(
+    server: grpc.aio.Server,
+    *,
+    on_stop: Callable[[], Awaitable[None]],
+    grace_s: float = 10.0,
+    stop_event: asyncio.Event | None = None,
+) -> None:
+    """Run until SIGINT/SIGTERM (or `stop_event`), then stop gracefully:
+    refuse new calls, let in-flight calls (publishes) finish within
+    `grace_s`, then run `on_stop`."""
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, RuntimeError):
+            previous[sig] = signal.getsignal(sig)
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("shutting down (grace %.0fs)", grace_s)
+        await server.stop(grace_s)
+        await on_stop()
+    finally:
+        for sig, handler in previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)

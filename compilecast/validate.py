@@ -1,0 +1,51 @@
+"""Validation of request fields shared by the coordinator and the worker."""
+
+from __future__ import annotations
+
+import re
+
+from compilecast.errors import InvalidRequest
+
+KEY_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+JOB_RE = re.compile(r"^[A-Za-z0-9._:-]{0,128}$")
+MAX_CLIENT_LEN = 256
+MAX_DETAIL_LEN = 1024
+
+
+def key(value: str) -> str:
+    if not value:
+        raise InvalidRequest("key is empty")
+    if not KEY_RE.match(value):
+        raise InvalidRequest(
+            f"key {value[:80]!r} is invalid: use 1-200 characters of [A-Za-z0-9._-]"
+        )
+    if value in (".", ".."):
+        raise InvalidRequest("key may not be '.' or '..'")
+    return value
+
+
+def digest(value: str) -> str:
+    if not DIGEST_RE.match(value):
+        raise InvalidRequest(
+            f"digest {value[:80]!r} is invalid: expected 64 lowercase hex characters (sha256)"
+        )
+    return value
+
+
+def requester(req) -> None:  # a compilecast.v1.Requester
+    if not JOB_RE.match(req.job):
+        raise InvalidRequest(
+            f"requester.job {req.job[:80]!r} is invalid: use at most 128 of [A-Za-z0-9._:-]"
+        )
+    if req.job and (req.process_id < 0 or req.designated_process < 0):
+        raise InvalidRequest("requester.process_id and designated_process must be >= 0")
+    if len(req.client) > MAX_CLIENT_LEN:
+        raise InvalidRequest(f"requester.client is longer than {MAX_CLIENT_LEN} characters")
+
+
+def lease(lease) -> None:  # a compilecast.v1.Lease
+    if lease.id <= 0:
+        raise InvalidRequest("lease.id is missing: pass the lease returned with COMPILE")
+    if lease.revision <= 0:
+        raise InvalidRequest("lease.revision is missing: pass the lease returned with COMPILE")

@@ -1,0 +1,230 @@
+"""A small asyncio etcd v3 client over grpc.aio.
+
+It speaks the etcd v3 gRPC API directly, using the API stubs shipped by the
+`cslab-etcd3` package, so the coordinator's event loop never blocks on etcd
+and needs no thread bridges. All endpoints of the cluster go into one gRPC
+channel (round-robin with automatic failover), so losing one member does not
+fail client operations. Every call has a deadline; transport failures are
+raised as compilecast.errors.Unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from etcd3.etcdrpc import rpc_pb2 as pb
+from etcd3.etcdrpc import rpc_pb2_grpc as rpc
+
+from compilecast.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+Compare = pb.Compare
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range_end that selects every key starting with `prefix`."""
+    b = bytearray(prefix)
+    for i in range(len(b) - 1, -1, -1):
+        if b[i] < 0xFF:
+            b[i] += 1
+            return bytes(b[: i + 1])
+    return b"\0"
+
+
+@dataclass(frozen=True)
+class KV:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+def _kv(k) -> KV:
+    return KV(k.key, k.value, k.create_revision, k.mod_revision, k.lease)
+
+
+# -- txn building helpers ---------------------------------------------------
+def cmp_absent(key: bytes):
+    return pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.CREATE, key=key, create_revision=0)
+
+
+def cmp_mod_revision(key: bytes, revision: int):
+    return pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.MOD, key=key, mod_revision=revision)
+
+
+def op_put(key: bytes, value: bytes, lease: int = 0):
+    return pb.RequestOp(request_put=pb.PutRequest(key=key, value=value, lease=lease))
+
+
+def op_delete(key: bytes):
+    return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=key))
+
+
+def op_get(key: bytes):
+    return pb.RequestOp(request_range=pb.RangeRequest(key=key))
+
+
+class Etcd:
+    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+        target = "ipv4:" + ",".join(e.strip().removeprefix("http://") for e in endpoints)
+        self.endpoints = list(endpoints)
+        self._channel = grpc.aio.insecure_channel(
+            target,
+            options=[
+                ("grpc.lb_policy_name", "round_robin"),
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2_000),
+            ],
+        )
+        self.timeout = timeout
+        self.kv = rpc.KVStub(self._channel)
+        self.lease = rpc.LeaseStub(self._channel)
+        self.watch_stub = rpc.WatchStub(self._channel)
+        self.maintenance = rpc.MaintenanceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, fn, request, *, retries: int = 3):
+        """One unary call with a deadline; safe calls retry with backoff."""
+        delay = 0.05
+        for attempt in range(retries + 1):
+            try:
+                return await fn(request, timeout=self.timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in RETRYABLE and attempt < retries:
+                    await asyncio.sleep(delay)
+                    delay *= 4
+                    continue
+                if exc.code() in RETRYABLE:
+                    raise Unavailable(f"etcd unavailable: {exc.details()}") from None
+                raise
+
+    # -- KV ------------------------------------------------------------------
+    async def get(self, key: bytes) -> KV | None:
+        resp = await self._call(self.kv.Range, pb.RangeRequest(key=key))
+        return _kv(resp.kvs[0]) if resp.kvs else None
+
+    async def get_prefix(self, prefix: bytes, *, limit: int = 0) -> list[KV]:
+        resp = await self._call(
+            self.kv.Range, pb.RangeRequest(key=prefix, range_end=prefix_end(prefix), limit=limit)
+        )
+        return [_kv(k) for k in resp.kvs]
+
+    async def count_prefix(self, prefix: bytes) -> int:
+        resp = await self._call(
+            self.kv.Range,
+            pb.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True),
+        )
+        return int(resp.count)
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        resp = await self._call(self.kv.Put, pb.PutRequest(key=key, value=value, lease=lease))
+        return int(resp.header.revision)
+
+    async def delete(self, key: bytes) -> None:
+        await self._call(self.kv.DeleteRange, pb.DeleteRangeRequest(key=key))
+
+    async def txn(self, compare, success, failure=()) -> tuple[bool, int, list]:
+        """Run a transaction; returns (succeeded, revision, responses).
+
+        Transactions are not retried on a deadline: a put may have landed. The
+        callers' txns are all idempotent under their own compares, so the
+        caller may re-read and decide again.
+        """
+        resp = await self._call(
+            self.kv.Txn,
+            pb.TxnRequest(compare=list(compare), success=list(success), failure=list(failure)),
+            retries=0,
+        )
+        return bool(resp.succeeded), int(resp.header.revision), list(resp.responses)
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[KV | None]:
+        """Read several keys at one revision in one round trip."""
+        _, _, responses = await self.txn([], [op_get(k) for k in keys])
+        out: list[KV | None] = []
+        for r in responses:
+            kvs = r.response_range.kvs
+            out.append(_kv(kvs[0]) if kvs else None)
+        return out
+
+    # -- leases --------------------------------------------------------------
+    async def grant(self, ttl: int) -> int:
+        resp = await self._call(self.lease.LeaseGrant, pb.LeaseGrantRequest(TTL=ttl))
+        return int(resp.ID)
+
+    async def revoke(self, lease_id: int) -> None:
+        try:
+            await self._call(self.lease.LeaseRevoke, pb.LeaseRevokeRequest(ID=lease_id))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+
+    async def keepalive_once(self, lease_id: int) -> int:
+        """Refresh a lease; returns the TTL left (0: the lease is gone)."""
+
+        async def one():
+            yield pb.LeaseKeepAliveRequest(ID=lease_id)
+
+        try:
+            call = self.lease.LeaseKeepAlive(one(), timeout=self.timeout)
+            async for resp in call:
+                return int(resp.TTL)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in RETRYABLE:
+                raise Unavailable(f"etcd unavailable: {exc.details()}") from None
+            raise
+        return 0
+
+    async def healthy(self) -> bool:
+        try:
+            await self.kv.Range(pb.RangeRequest(key=b"health", limit=1), timeout=2.0)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    # -- watch ---------------------------------------------------------------
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[list]:
+        """Yield batches of events under `prefix` from `start_revision` on.
+
+        Raises Unavailable when the stream breaks; the caller resumes from the
+        last revision it saw plus one.
+        """
+        create = pb.WatchRequest(
+            create_request=pb.WatchCreateRequest(
+                key=prefix, range_end=prefix_end(prefix), start_revision=start_revision,
+                progress_notify=True,
+            )
+        )
+        queue: asyncio.Queue = asyncio.Queue()
+        await queue.put(create)
+
+        async def requests():
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                yield item
+
+        call = self.watch_stub.Watch(requests())
+        try:
+            async for resp in call:
+                if resp.compact_revision:
+                    raise Unavailable(f"watch compacted at {resp.compact_revision}")
+                if resp.canceled:
+                    raise Unavailable(f"watch canceled: {resp.cancel_reason}")
+                yield resp.header.revision, list(resp.events)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"etcd watch broke: {exc.code().name} {exc.details()}") from None
+        finally:
+            await queue.put(None)
+            call.cancel()

@@ -1,0 +1,57 @@
+"""Coordinator metrics. One metric per concept, labels for variants, and an
+injected registry (never the global one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class CoordinatorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.lookups = Counter(
+            "compilecast_coordinator_lookups", "Acquire requests by result",
+            ["result"], registry=registry,
+        )
+        self.decisions = Counter(
+            "compilecast_coordinator_decisions", "Decisions returned by Acquire and Wait",
+            ["decision"], registry=registry,
+        )
+        self.compiles = Counter(
+            "compilecast_coordinator_compiles",
+            "Compile leases granted (first holders and promotions)", ["how"], registry=registry,
+        )
+        self.publishes = Counter(
+            "compilecast_coordinator_publishes", "Publish attempts by outcome",
+            ["outcome"], registry=registry,
+        )
+        self.releases = Counter(
+            "compilecast_coordinator_releases", "Leases released without publishing",
+            ["reason"], registry=registry,
+        )
+        self.waits = Counter(
+            "compilecast_coordinator_waits", "Finished waits by outcome",
+            ["outcome"], registry=registry,
+        )
+        self.compile_seconds_saved = Counter(
+            "compilecast_coordinator_compile_seconds_saved",
+            "Compile time avoided by hits (the publisher's compile time per hit)",
+            registry=registry,
+        )
+        self.wait_seconds = Histogram(
+            "compilecast_coordinator_wait_seconds", "Time a waiter waited",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200), registry=registry,
+        )
+        self.bytes = Counter(
+            "compilecast_coordinator_artifact_bytes", "Artifact bytes moved",
+            ["direction"], registry=registry,
+        )
+        self.waiters = Gauge(
+            "compilecast_coordinator_waiters", "Waits in progress on this replica",
+            registry=registry,
+        )
+        self.corrupt_blobs = Counter(
+            "compilecast_coordinator_corrupt_blobs",
+            "Stored blobs that failed digest verification and were quarantined",
+            registry=registry,
+        )

@@ -1,0 +1,68 @@
+"""Coordinator entry point: wires etcd, the store, metrics and the service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import CollectorRegistry
+
+from compilecast.blobstore import DiskBlobStore
+from compilecast.config import CoordinatorConfig
+from compilecast.serving import make_server, serve_until_signal, set_serving, start_metrics
+from compilecast.v1 import cache_pb2_grpc as rpc
+
+from .etcd import Etcd
+from .metrics import CoordinatorMetrics
+from .service import CoordinatorService
+from .state import CoordinatorState
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    """A running coordinator replica (start/stop for tests and `up`)."""
+
+    def __init__(self, cfg: CoordinatorConfig, registry: CollectorRegistry | None = None) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.registry = registry or CollectorRegistry()
+        self.metrics = CoordinatorMetrics(self.registry)
+        self.store = DiskBlobStore(cfg.store_dir, max_blob_size=cfg.max_artifact_bytes)
+        self.port = 0
+        self._metrics_server = None
+
+    async def start(self) -> None:
+        # grpc.aio objects bind to the running loop: build them here.
+        self.etcd = Etcd(self.cfg.etcd_endpoints.split(","))
+        self.state = CoordinatorState(self.cfg, self.etcd, self.store, self.metrics)
+        self.server, self.health = make_server(
+            lambda s: rpc.add_CompileCacheServicer_to_server(CoordinatorService(self.state), s)
+        )
+        self.port = self.server.add_insecure_port(self.cfg.listen)
+        await self.state.start()
+        await self.server.start()
+        await set_serving(self.health, True)
+        self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
+                                             self.cfg.metrics_port)
+        log.info("coordinator listening on %s (etcd %s, store %s)", self.cfg.listen,
+                 self.cfg.etcd_endpoints, self.cfg.store_dir)
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        await set_serving(self.health, False)
+        await self.server.stop(grace_s)
+        await self._close()
+
+    async def _close(self) -> None:
+        await self.state.stop()
+        await self.etcd.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+
+    async def serve(self, stop_event: asyncio.Event | None = None) -> None:
+        await self.start()
+        await serve_until_signal(self.server, on_stop=self._close, stop_event=stop_event)
+
+
+def run(cfg: CoordinatorConfig) -> None:
+    asyncio.run(Coordinator(cfg).serve())

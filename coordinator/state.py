@@ -1,0 +1,477 @@
+"""The coordinator's decisions over etcd: leases, the artifact index, waiters.
+
+etcd layout under the prefix P (KEY is a validated cache key, so it holds no '/'):
+
+    P/a/KEY              artifact index entry (JSON ArtifactInfo); write-once
+    P/l/KEY              compile lease record (JSON), attached to the holder's etcd lease
+    P/x/KEY              "compile locally" verdict, attached to a short etcd lease
+    P/w/KEY/RANK/ID      a registered waiter, attached to this replica's session lease
+
+Lease rules (the invariants everything else leans on):
+- P/l/KEY is created only by a txn that checks P/l/KEY, P/a/KEY and P/x/KEY are all
+  absent, so at most one holder exists per key at any revision.
+- The lease's fencing token is the revision that created P/l/KEY. Publish and
+  Release are txns that compare P/l/KEY's mod_revision with that token, so a
+  holder whose etcd lease expired (and whose record may have been re-created
+  for someone else) can never publish.
+- Publish writes P/a/KEY and deletes P/l/KEY in one txn, after the blob is
+  durably in the store; an index entry never points at a missing blob.
+- Waiters are woken by one prefix watch per replica (WatchHub), so a publish
+  through any replica wakes waiters on every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from compilecast import validate
+from compilecast.blobstore import DiskBlobStore
+from compilecast.config import CoordinatorConfig
+from compilecast.errors import (
+    AlreadyPublished,
+    CorruptBlob,
+    InvalidRequest,
+    LeaseError,
+    NotFound,
+    TooLarge,
+    Unavailable,
+)
+from compilecast.v1 import cache_pb2 as pb
+
+from .etcd import Etcd, cmp_absent, cmp_mod_revision, op_delete, op_put
+from .metrics import CoordinatorMetrics
+from .watch import WatchHub
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 2.0
+PROMOTION_STAGGER_S = 0.5
+
+
+@dataclass
+class KeyState:
+    artifact: pb.ArtifactInfo | None
+    artifact_rev: int
+    lease: dict | None
+    lease_rev: int
+    local: dict | None
+
+
+def _info_json(info: pb.ArtifactInfo) -> bytes:
+    return json.dumps(
+        {
+            "digest": info.digest,
+            "size": info.size,
+            "compile_time_seconds": info.compile_time_seconds,
+            "created_unix": info.created_unix,
+        },
+        sort_keys=True,
+    ).encode()
+
+
+def _info_from(key: str, raw: bytes) -> pb.ArtifactInfo:
+    d = json.loads(raw)
+    return pb.ArtifactInfo(key=key, **d)
+
+
+def _holder_name(rec: dict) -> str:
+    if rec.get("job"):
+        return f"job {rec['job']} process {rec.get('process', 0)} ({rec.get('client', '?')})"
+    return rec.get("client") or "an independent process"
+
+
+class CoordinatorState:
+    def __init__(
+        self,
+        cfg: CoordinatorConfig,
+        etcd: Etcd,
+        store: DiskBlobStore,
+        metrics: CoordinatorMetrics,
+    ) -> None:
+        self.cfg = cfg
+        self.etcd = etcd
+        self.store = store
+        self.metrics = metrics
+        self.prefix = cfg.etcd_prefix.rstrip("/").encode()
+        self.hub = WatchHub(etcd, self.prefix)
+        self._session_lease = 0
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+        self.in_flight_publishes = 0
+
+    # -- etcd keys -------------------------------------------------------
+    def _k(self, kind: str, key: str) -> bytes:
+        return self.prefix + f"/{kind}/{key}".encode()
+
+    # -- lifecycle -------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self.hub.run(), name="watch-hub"))
+        self._tasks.append(asyncio.create_task(self._session_keeper(), name="session"))
+        await self.hub.ready.wait()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._session_lease:
+            with contextlib.suppress(Exception):
+                await self.etcd.revoke(self._session_lease)
+
+    async def _session_keeper(self) -> None:
+        """Keep this replica's session lease (waiter registrations) alive."""
+        ttl = max(self.cfg.lease_ttl_s, 5)
+        while True:
+            try:
+                if not self._session_lease:
+                    self._session_lease = await self.etcd.grant(ttl)
+                left = await self.etcd.keepalive_once(self._session_lease)
+                if left <= 0:
+                    self._session_lease = 0
+                    continue
+            except Exception as exc:
+                log.warning("session lease keepalive failed: %s", exc)
+            await asyncio.sleep(ttl / 3)
+
+    async def _session(self) -> int:
+        if not self._session_lease:
+            self._session_lease = await self.etcd.grant(max(self.cfg.lease_ttl_s, 5))
+        return self._session_lease
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- reads -----------------------------------------------------------
+    async def _read(self, key: str) -> KeyState:
+        a, lrec, x = await self.etcd.get_many([self._k("a", key), self._k("l", key), self._k("x", key)])
+        return KeyState(
+            artifact=_info_from(key, a.value) if a else None,
+            artifact_rev=a.mod_revision if a else 0,
+            lease=json.loads(lrec.value) if lrec else None,
+            lease_rev=lrec.mod_revision if lrec else 0,
+            local=json.loads(x.value) if x else None,
+        )
+
+    async def _usable_artifact(self, st: KeyState) -> pb.ArtifactInfo | None:
+        """The artifact if its blob is present; a dangling entry is dropped."""
+        if st.artifact is None:
+            return None
+        if await asyncio.to_thread(self.store.has, st.artifact.digest):
+            return st.artifact
+        log.error("index entry %s points at missing blob %s; dropping it",
+                  st.artifact.key, st.artifact.digest)
+        await self.etcd.txn([cmp_mod_revision(self._k("a", st.artifact.key), st.artifact_rev)],
+                            [op_delete(self._k("a", st.artifact.key))])
+        return None
+
+    def _hit(self, info: pb.ArtifactInfo) -> None:
+        self.metrics.compile_seconds_saved.inc(max(info.compile_time_seconds, 0.0))
+
+    # -- the lease -------------------------------------------------------
+    async def _try_take(self, key: str, req: pb.Requester) -> pb.Lease | None:
+        ttl = self.cfg.lease_ttl_s
+        lease_id = await self.etcd.grant(ttl)
+        record = json.dumps(
+            {"lease": lease_id, "job": req.job, "process": req.process_id,
+             "client": req.client, "granted": time.time()}
+        ).encode()
+        ok, rev, _ = await self.etcd.txn(
+            [cmp_absent(self._k("l", key)), cmp_absent(self._k("a", key)),
+             cmp_absent(self._k("x", key))],
+            [op_put(self._k("l", key), record, lease=lease_id)],
+        )
+        if not ok:
+            self._spawn(self.etcd.revoke(lease_id))
+            return None
+        return pb.Lease(id=lease_id, ttl_seconds=ttl, revision=rev)
+
+    async def _check_holder(self, key: str, lease: pb.Lease) -> None:
+        rec = await self.etcd.get(self._k("l", key))
+        if rec is None:
+            raise LeaseError(f"no compile lease is held for key {key} (expired or never taken)")
+        holder = json.loads(rec.value)
+        if holder.get("lease") != lease.id or rec.mod_revision != lease.revision:
+            raise LeaseError(f"the compile lease for key {key} is held by someone else")
+
+    # -- Acquire ---------------------------------------------------------
+    async def acquire(self, key: str, req: pb.Requester) -> pb.AcquireResponse:
+        validate.key(key)
+        validate.requester(req)
+        try:
+            resp = await self._decide(key, req)
+        except Unavailable as exc:
+            resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
+                                      reason=f"coordinator cannot reach etcd: {exc}")
+        self.metrics.lookups.labels("hit" if resp.decision == pb.HIT else "miss").inc()
+        self.metrics.decisions.labels(pb.Decision.Name(resp.decision).lower()).inc()
+        return resp
+
+    async def _decide(self, key: str, req: pb.Requester) -> pb.AcquireResponse:
+        for _ in range(3):
+            st = await self._read(key)
+            info = await self._usable_artifact(st)
+            if info is not None:
+                self._hit(info)
+                return pb.AcquireResponse(decision=pb.HIT, artifact=info)
+            if st.local:
+                return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
+                                          reason=st.local.get("reason", "not cached"))
+            if st.lease:
+                return pb.AcquireResponse(decision=pb.WAIT,
+                                          reason=f"compiled by {_holder_name(st.lease)}")
+            if req.job and req.process_id != req.designated_process:
+                return pb.AcquireResponse(
+                    decision=pb.WAIT,
+                    reason=f"process {req.designated_process} of job {req.job} compiles",
+                )
+            lease = await self._try_take(key, req)
+            if lease is not None:
+                self.metrics.compiles.labels("first").inc()
+                log.info("compile lease for %s to %s", key, req.client or req.job)
+                return pb.AcquireResponse(decision=pb.COMPILE, lease=lease)
+        return pb.AcquireResponse(decision=pb.WAIT, reason="contended; wait")
+
+    # -- Wait ------------------------------------------------------------
+    async def wait(self, key: str, req: pb.Requester, timeout_ms: int) -> AsyncIterator[pb.WaitEvent]:
+        validate.key(key)
+        validate.requester(req)
+        if timeout_ms < 0:
+            raise InvalidRequest("timeout_ms must be >= 0")
+        timeout = (timeout_ms or self.cfg.share_binary_between_hosts_timeout_ms) / 1000.0
+        start = time.monotonic()
+        deadline = start + timeout
+        rank = f"{req.process_id:010d}" if req.job else f"9{time.time_ns():019d}"
+        wkey = self._k("w", key) + f"/{rank}/{uuid.uuid4().hex[:12]}".encode()
+        sub = self.hub.subscribe(key)
+        self.metrics.waiters.inc()
+        outcome = "compile_locally"
+        try:
+            try:
+                await self.etcd.put(wkey, b"", lease=await self._session())
+            except Unavailable as exc:
+                yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
+                                   reason=f"coordinator cannot reach etcd: {exc}")
+                return
+            seen_holder = False
+            free_since: float | None = None
+            while True:
+                sub.clear()
+                try:
+                    st = await self._read(key)
+                    info = await self._usable_artifact(st)
+                    if info is not None:
+                        self._hit(info)
+                        outcome = "hit"
+                        yield pb.WaitEvent(decision=pb.HIT, artifact=info)
+                        return
+                    if st.local:
+                        yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
+                                           reason=st.local.get("reason", "not cached"))
+                        return
+                    now = time.monotonic()
+                    if st.lease:
+                        seen_holder, free_since = True, None
+                    elif (not req.job or seen_holder or req.process_id == req.designated_process
+                          or now - start >= self.cfg.designated_grace_s):
+                        free_since = free_since or now
+                        position = await self._waiter_position(key, wkey)
+                        if now - free_since >= PROMOTION_STAGGER_S * position:
+                            lease = await self._try_take(key, req)
+                            if lease is not None:
+                                outcome = "promoted"
+                                self.metrics.compiles.labels("promoted").inc()
+                                log.info("promoted %s to compile %s", req.client or req.job, key)
+                                yield pb.WaitEvent(decision=pb.COMPILE, lease=lease)
+                                return
+                            continue
+                except Unavailable as exc:
+                    yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
+                                       reason=f"coordinator cannot reach etcd: {exc}")
+                    return
+                now = time.monotonic()
+                if now >= deadline:
+                    outcome = "timeout"
+                    yield pb.WaitEvent(
+                        decision=pb.COMPILE_LOCALLY,
+                        reason=f"share-binary timeout of {timeout:.1f}s passed; compile locally",
+                    )
+                    return
+                nap = min(deadline - now, HEARTBEAT_S)
+                if free_since is not None:
+                    nap = min(nap, PROMOTION_STAGGER_S)
+                if not await sub.wait(nap):
+                    yield pb.WaitEvent(decision=pb.WAIT, reason="still compiling")
+        finally:
+            self.hub.unsubscribe(key, sub)
+            self.metrics.waiters.dec()
+            self.metrics.waits.labels(outcome).inc()
+            self.metrics.wait_seconds.observe(time.monotonic() - start)
+            self._spawn(self._forget(wkey))
+
+    async def _forget(self, wkey: bytes) -> None:
+        with contextlib.suppress(Exception):
+            await self.etcd.delete(wkey)
+
+    async def _waiter_position(self, key: str, wkey: bytes) -> int:
+        waiters = await self.etcd.get_prefix(self._k("w", key) + b"/")
+        for i, kv in enumerate(waiters):
+            if kv.key == wkey:
+                return i
+        return len(waiters)
+
+    # -- Publish ---------------------------------------------------------
+    async def publish(self, header: pb.PublishHeader,
+                      chunks: AsyncIterator[bytes]) -> pb.ArtifactInfo:
+        key = validate.key(header.key)
+        validate.lease(header.lease)
+        validate.digest(header.digest)
+        if header.size <= 0:
+            raise InvalidRequest("size must be > 0")
+        if header.size > self.cfg.max_artifact_bytes:
+            raise TooLarge(f"artifact of {header.size} bytes exceeds the limit of "
+                           f"{self.cfg.max_artifact_bytes}")
+        if not 0 <= header.compile_time_seconds < 1e7:
+            raise InvalidRequest("compile_time_seconds must be in [0, 1e7)")
+        self.in_flight_publishes += 1
+        try:
+            return await self._publish(key, header, chunks)
+        except Exception as exc:
+            self.metrics.publishes.labels(type(exc).__name__).inc()
+            raise
+        finally:
+            self.in_flight_publishes -= 1
+
+    async def _publish(self, key: str, header: pb.PublishHeader,
+                       chunks: AsyncIterator[bytes]) -> pb.ArtifactInfo:
+        await self._check_holder(key, header.lease)
+        if await self.etcd.get(self._k("a", key)) is not None:
+            raise AlreadyPublished(f"key {key} is already published")
+        writer = self.store.writer()
+        with writer:
+            async for data in chunks:
+                if writer.size + len(data) > header.size:
+                    raise InvalidRequest(f"received more than the declared {header.size} bytes")
+                await asyncio.to_thread(writer.write, data)
+            await asyncio.to_thread(writer.commit, header.digest, header.size)
+        self.metrics.bytes.labels("in").inc(header.size)
+        info = pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
+                               compile_time_seconds=header.compile_time_seconds,
+                               created_unix=time.time())
+        ok, _, _ = await self.etcd.txn(
+            [cmp_mod_revision(self._k("l", key), header.lease.revision),
+             cmp_absent(self._k("a", key))],
+            [op_put(self._k("a", key), _info_json(info)), op_delete(self._k("l", key))],
+        )
+        if not ok:
+            raise LeaseError(f"the compile lease for key {key} was lost before the publish "
+                             "completed (expired or taken over)")
+        self._spawn(self.etcd.revoke(header.lease.id))
+        self.metrics.publishes.labels("ok").inc()
+        log.info("published %s digest=%s size=%d compile_time=%.2fs", key, header.digest,
+                 header.size, header.compile_time_seconds)
+        return info
+
+    # -- Release ---------------------------------------------------------
+    async def release(self, key: str, lease: pb.Lease, reason: int, detail: str) -> None:
+        validate.key(key)
+        validate.lease(lease)
+        if reason not in pb.ReleaseReason.values() or reason == pb.RELEASE_REASON_UNSPECIFIED:
+            raise InvalidRequest("reason must be COMPILE_FAILED, BELOW_THRESHOLD or ABANDONED")
+        await self._check_holder(key, lease)
+        name = pb.ReleaseReason.Name(reason)
+        ops = [op_delete(self._k("l", key))]
+        if reason in (pb.COMPILE_FAILED, pb.BELOW_THRESHOLD):
+            marker_lease = await self.etcd.grant(self.cfg.local_marker_ttl_s)
+            why = ("the compile failed on the holder" if reason == pb.COMPILE_FAILED
+                   else "the entry is below the caching thresholds")
+            body = json.dumps({"reason": f"{why}; compile locally", "detail": detail[:1024]})
+            ops.append(op_put(self._k("x", key), body.encode(), lease=marker_lease))
+        ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k("l", key), lease.revision)], ops)
+        if not ok:
+            raise LeaseError(f"the compile lease for key {key} is no longer held")
+        self._spawn(self.etcd.revoke(lease.id))
+        self.metrics.releases.labels(name.lower()).inc()
+        log.info("released %s (%s) %s", key, name, detail[:200])
+
+    # -- KeepAlive -------------------------------------------------------
+    async def keepalive(self, key: str, lease: pb.Lease) -> int:
+        validate.key(key)
+        validate.lease(lease)
+        try:
+            await self._check_holder(key, lease)
+        except LeaseError:
+            return 0
+        return await self.etcd.keepalive_once(lease.id)
+
+    # -- Fetch -----------------------------------------------------------
+    async def fetch(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, AsyncIterator[bytes]]:
+        validate.key(key)
+        if digest:
+            validate.digest(digest)
+        rec = await self.etcd.get(self._k("a", key))
+        if rec is None:
+            raise NotFound(f"no artifact is published under key {key}")
+        info = _info_from(key, rec.value)
+        if digest and info.digest != digest:
+            raise NotFound(f"key {key} holds digest {info.digest}, not {digest}")
+        if not await asyncio.to_thread(self.store.has, info.digest):
+            await self._usable_artifact(KeyState(info, rec.mod_revision, None, 0, None))
+            raise NotFound(f"the blob of key {key} is missing; recompile")
+        return info, self._stream(info)
+
+    async def _stream(self, info: pb.ArtifactInfo) -> AsyncIterator[bytes]:
+        it = self.store.read(info.digest)
+        sentinel = object()
+        try:
+            while True:
+                chunk = await asyncio.to_thread(next, it, sentinel)
+                if chunk is sentinel:
+                    break
+                self.metrics.bytes.labels("out").inc(len(chunk))
+                yield chunk
+        except CorruptBlob:
+            self.metrics.corrupt_blobs.inc()
+            with contextlib.suppress(Exception):
+                await self.etcd.delete(self._k("a", info.key))
+            raise
+        finally:
+            it.close()
+
+    # -- Status ----------------------------------------------------------
+    async def status(self) -> pb.StatusResponse:
+        healthy = await self.etcd.healthy()
+        resp = pb.StatusResponse(role="coordinator", upstream_healthy=healthy,
+                                 upstream="etcd " + ",".join(self.etcd.endpoints))
+        reg = self.metrics.registry
+        resp.hits = int(reg.get_sample_value("compilecast_coordinator_lookups_total",
+                                             {"result": "hit"}) or 0)
+        resp.misses = int(reg.get_sample_value("compilecast_coordinator_lookups_total",
+                                               {"result": "miss"}) or 0)
+        resp.compile_seconds_saved = float(
+            reg.get_sample_value("compilecast_coordinator_compile_seconds_saved_total") or 0.0)
+        if not healthy:
+            return resp
+        resp.artifacts = await self.etcd.count_prefix(self.prefix + b"/a/")
+        leases = await self.etcd.get_prefix(self.prefix + b"/l/", limit=100)
+        resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l/")
+        resp.waiters = await self.etcd.count_prefix(self.prefix + b"/w/")
+        now = time.time()
+        for kv in leases:
+            key = kv.key[len(self.prefix) + 3:].decode()
+            rec = json.loads(kv.value)
+            nwait = await self.etcd.count_prefix(self._k("w", key) + b"/")
+            resp.in_flight.append(pb.InFlight(key=key, holder=_holder_name(rec),
+                                              age_seconds=now - rec.get("granted", now),
+                                              waiters=nwait))
+        return resp
+

@@ -1,0 +1,165 @@
+"""Fixtures: a real etcd on loopback, real coordinator and worker servers.
+
+etcd is one process per test session; every test gets its own key prefix, so
+tests never see each other's state. Servers run on their own asyncio loop in
+a background thread and speak real gRPC on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from compilecast.config import CoordinatorConfig, WorkerConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdProcess:
+    def __init__(self, data_dir: Path) -> None:
+        binary = shutil.which("etcd") or "/usr/bin/etcd"
+        if not os.path.exists(binary):
+            pytest.fail("etcd is not installed: run `make install` (installs etcd-server)")
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.log = open(data_dir / "etcd.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [binary, "--name", "test", "--data-dir", str(data_dir / "data"),
+             "--listen-client-urls", f"http://{self.endpoint}",
+             "--advertise-client-urls", f"http://{self.endpoint}",
+             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.client_port)) == 0:
+                    return
+            time.sleep(0.05)
+        self.stop()
+        pytest.fail("etcd did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory) -> Iterator[EtcdProcess]:
+    proc = EtcdProcess(tmp_path_factory.mktemp("etcd"))
+    yield proc
+    proc.stop()
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; run coroutines on it from tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"/compilecast-test/{uuid.uuid4().hex[:10]}"
+
+
+def coordinator_config(etcd: EtcdProcess, tmp: Path, prefix: str, **kw) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        listen=f"127.0.0.1:{free_port()}", etcd_endpoints=etcd.endpoint, etcd_prefix=prefix,
+        store_dir=str(tmp / "store"), metrics_port=0, **kw,
+    )
+
+
+class Running:
+    """Start/stop a Coordinator or Worker on a LoopThread."""
+
+    def __init__(self, lt: LoopThread, server) -> None:
+        self.lt = lt
+        self.server = server
+        lt.run(server.start())
+        self.stopped = False
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.lt.run(self.server.stop(2.0))
+
+
+@pytest.fixture
+def start_coordinator(etcd, tmp_path, prefix, loop_thread):
+    from compilecast.coordinator.server import Coordinator
+
+    running: list[Running] = []
+
+    def start(store_dir: Path | None = None, **kw) -> Coordinator:
+        cfg = coordinator_config(etcd, tmp_path, prefix, **kw)
+        if store_dir is not None:
+            cfg.store_dir = str(store_dir)
+        r = Running(loop_thread, Coordinator(cfg))
+        running.append(r)
+        return r.server
+
+    yield start
+    for r in running:
+        r.stop()
+
+
+@pytest.fixture
+def coordinator(start_coordinator):
+    return start_coordinator()
+
+
+@pytest.fixture
+def start_worker(tmp_path, loop_thread):
+    from compilecast.worker.server import Worker
+
+    running: list[Running] = []
+
+    def start(coordinator_addr: str, name: str = "w", **kw) -> Worker:
+        sock = Path("/tmp") / f"cc-{uuid.uuid4().hex[:8]}.sock"
+        cfg = WorkerConfig(listen=f"unix://{sock}", coordinator=coordinator_addr,
+                           cache_dir=str(tmp_path / f"hostcache-{name}"), metrics_port=0, **kw)
+        r = Running(loop_thread, Worker(cfg))
+        running.append(r)
+        return r.server
+
+    yield start
+    for r in running:
+        r.stop()

@@ -1,0 +1,174 @@
+"""Synchronous client of the CompileCache API, for code inside a user's
+process (the JAX integration), the CLI and tests.
+
+Every call has a deadline. Artifacts are verified against their digest before
+they are returned; a mismatch raises CorruptBlob and the bytes are dropped.
+Lease keepalives run on a daemon thread that never blocks the caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from compilecast.errors import CorruptBlob
+from compilecast.grpcutil import CHANNEL_OPTIONS
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+
+
+def default_client_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class Identity:
+    """Who this process is: see compilecast.v1.Requester."""
+
+    job: str = ""
+    process_id: int = 0
+    designated_process: int = 0
+    client: str = ""
+
+    def requester(self) -> pb.Requester:
+        return pb.Requester(job=self.job, process_id=self.process_id,
+                            designated_process=self.designated_process,
+                            client=self.client or default_client_name())
+
+
+class CacheClient:
+    def __init__(self, target: str, *, timeout_s: float = 5.0,
+                 identity: Identity | None = None) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.identity = identity or Identity()
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = rpc.CompileCacheStub(self._channel)
+        self._keepers: dict[int, threading.Event] = {}
+
+    def close(self) -> None:
+        for stop in self._keepers.values():
+            stop.set()
+        self._channel.close()
+
+    # -- decisions -------------------------------------------------------
+    def acquire(self, key: str) -> pb.AcquireResponse:
+        return self.stub.Acquire(
+            pb.AcquireRequest(key=key, requester=self.identity.requester()),
+            timeout=self.timeout_s,
+        )
+
+    def wait(self, key: str, timeout_s: float) -> pb.WaitEvent:
+        """Wait until HIT, promotion (COMPILE) or COMPILE_LOCALLY.
+
+        Never blocks past `timeout_s` plus the call deadline slack: the server
+        ends the stream at timeout_s, and the client deadline backs it up.
+        """
+        call = self.stub.Wait(
+            pb.WaitRequest(key=key, requester=self.identity.requester(),
+                           timeout_ms=max(1, int(timeout_s * 1000))),
+            timeout=timeout_s + self.timeout_s,
+        )
+        for event in call:
+            if event.decision != pb.WAIT:
+                call.cancel()
+                return event
+        return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="wait stream ended early")
+
+    # -- artifacts -------------------------------------------------------
+    def fetch(self, key: str, digest: str = "") -> tuple[pb.ArtifactInfo, bytes]:
+        """Fetch and verify an artifact; returns its info and bytes."""
+        info = None
+        parts: list[bytes] = []
+        h = hashlib.sha256()
+        for chunk in self.stub.Fetch(pb.FetchRequest(key=key, digest=digest),
+                                     timeout=max(60.0, self.timeout_s)):
+            if chunk.HasField("artifact"):
+                info = chunk.artifact
+            h.update(chunk.data)
+            parts.append(chunk.data)
+        if info is None:
+            raise CorruptBlob(f"fetch of {key} returned no artifact header")
+        if h.hexdigest() != info.digest:
+            raise CorruptBlob(f"fetched bytes of {key} hash to {h.hexdigest()}, "
+                              f"expected {info.digest}; discarded")
+        return info, b"".join(parts)
+
+    def publish(self, key: str, lease: pb.Lease, data: bytes,
+                compile_time_s: float) -> pb.ArtifactInfo:
+        header = pb.PublishHeader(key=key, lease=lease, digest=hashlib.sha256(data).hexdigest(),
+                                  size=len(data), compile_time_seconds=compile_time_s,
+                                  requester=self.identity.requester())
+        resp = self.stub.Publish(publish_messages(header, data),
+                                 timeout=max(60.0, self.timeout_s))
+        return resp.artifact
+
+    def release(self, key: str, lease: pb.Lease, reason: int, detail: str = "") -> None:
+        self.stub.Release(pb.ReleaseRequest(key=key, lease=lease, reason=reason,
+                                            detail=detail[:1024]), timeout=self.timeout_s)
+
+    def keepalive(self, key: str, lease: pb.Lease) -> int:
+        return self.stub.KeepAlive(pb.KeepAliveRequest(key=key, lease=lease),
+                                   timeout=self.timeout_s).ttl_seconds
+
+    def status(self) -> pb.StatusResponse:
+        return self.stub.Status(pb.StatusRequest(), timeout=self.timeout_s)
+
+    # -- lease keepalive thread ------------------------------------------
+    def keep_lease(self, key: str, lease: pb.Lease) -> None:
+        """Keep `lease` alive in the background until stop_lease()."""
+        stop = threading.Event()
+        self._keepers[lease.id] = stop
+        interval = max(lease.ttl_seconds / 3.0, 0.5)
+
+        def run() -> None:
+            while not stop.wait(interval):
+                try:
+                    if self.keepalive(key, lease) <= 0:
+                        log.warning("compile lease for %s lapsed", key)
+                        return
+                except grpc.RpcError as exc:
+                    log.debug("keepalive for %s failed: %s", key, exc.code())
+
+        threading.Thread(target=run, name=f"compilecast-keepalive-{lease.id}",
+                         daemon=True).start()
+
+    def stop_lease(self, lease: pb.Lease) -> None:
+        stop = self._keepers.pop(lease.id, None)
+        if stop is not None:
+            stop.set()
+
+
+def publish_messages(header: pb.PublishHeader, data: bytes) -> Iterator[pb.PublishChunk]:
+    yield pb.PublishChunk(header=header)
+    view = memoryview(data)
+    for off in range(0, len(data), CHUNK):
+        yield pb.PublishChunk(data=bytes(view[off:off + CHUNK]))
+
+
+def wait_until_healthy(target: str, timeout_s: float = 30.0) -> pb.StatusResponse:
+    """Poll Status until it answers (for `up` and tests)."""
+    deadline = time.monotonic() + timeout_s
+    client = CacheClient(target, timeout_s=2.0)
+    try:
+        while True:
+            try:
+                return client.status()
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    finally:
+        client.close()
