@@ -25,6 +25,8 @@ class ConfigError(ValueError):
 
 
 def default_home() -> Path:
+    if os.environ.get("COMPILECAST_HOME"):
+        return Path(os.environ["COMPILECAST_HOME"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "compilecast"
 
@@ -66,7 +68,7 @@ class CoordinatorConfig:
         metadata=_help("how long job waiters wait for the designated process to take the lease"),
     )
     local_marker_ttl_s: int = field(
-        default=60, metadata=_help("how long a 'compile locally' verdict for a key lasts")
+        default=30, metadata=_help("how long a 'compile locally' verdict for a key lasts")
     )
     max_artifact_bytes: int = field(default=4 << 30, metadata=_help("largest accepted artifact"))
 

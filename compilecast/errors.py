@@ -63,3 +63,11 @@ class Unavailable(CompilecastError):
 def grpc_code(exc: CompilecastError) -> grpc.StatusCode:
     """The gRPC status for one of our errors."""
     return exc.code
+
+
+class UpstreamError(CompilecastError):
+    """A status returned by the coordinator, relayed unchanged by a worker."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,185 @@
+"""The `compilecast` command line. Thin: parse, load config, call in."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+from compilecast import __version__
+from compilecast.config import (
+    ConfigError,
+    CoordinatorConfig,
+    WorkerConfig,
+    default_worker_target,
+    env_name,
+    flag_name,
+    load,
+)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+               "logger": record.name, "msg": record.getMessage()}
+        for field in ("key", "job", "process"):
+            if hasattr(record, field):
+                out[field] = getattr(record, field)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _add_config_flags(p: argparse.ArgumentParser, cls: type) -> None:
+    p.add_argument("--config", help="YAML file of settings")
+    for f in dataclasses.fields(cls):
+        p.add_argument(flag_name(f.name), dest=f.name, default=None,
+                       help=f"{f.metadata.get('help', '')} (env {env_name(f.name)})")
+
+
+def _load(cls: type, args: argparse.Namespace):
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return load(cls, flags=flags, file=args.config)
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from compilecast.coordinator.server import run
+
+    cfg, _ = _load(CoordinatorConfig, args)
+    run(cfg)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from compilecast.worker.server import run
+
+    cfg, _ = _load(WorkerConfig, args)
+    run(cfg)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    cls = CoordinatorConfig if args.role == "coordinator" else WorkerConfig
+    cfg, sources = _load(cls, args)
+    for f in dataclasses.fields(cls):
+        print(f"{f.name} = {getattr(cfg, f.name)!r}    # {sources[f.name]}")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from compilecast.up import default_up_config, run
+
+    cfg = default_up_config()
+    if args.home:
+        cfg.home = Path(args.home)
+    for name in ("etcd_port", "etcd_peer_port", "coordinator_port",
+                 "coordinator_metrics_port", "worker_metrics_port"):
+        if getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
+    return run(cfg)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from compilecast.worker.client import CacheClient
+
+    client = CacheClient(args.worker, timeout_s=args.timeout)
+    try:
+        st = client.status()
+    except grpc.RpcError as exc:
+        print(f"worker {args.worker}: unreachable ({exc.code().name}: {exc.details()})")
+        return 2
+    finally:
+        client.close()
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(st, always_print_fields_with_no_presence=True), indent=2))
+    else:
+        total = st.hits + st.misses
+        ratio = f"{100.0 * st.hits / total:.1f}%" if total else "n/a"
+        print(f"worker       {args.worker}: healthy")
+        print(f"upstream     {st.upstream}: {'healthy' if st.upstream_healthy else 'UNREACHABLE'}")
+        print(f"artifacts    {st.artifacts}")
+        print(f"in flight    {st.compiles_in_flight} compiles, {st.waiters} waiters")
+        print(f"lookups      {st.hits} hits, {st.misses} misses (hit ratio {ratio})")
+        print(f"saved        {st.compile_seconds_saved:.1f} s of compile time")
+        for f in st.in_flight:
+            print(f"  compiling  {f.key}  by {f.holder}  for {f.age_seconds:.0f}s, "
+                  f"{f.waiters} waiting")
+    return 0 if st.upstream_healthy else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="compilecast", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"compilecast {__version__}")
+    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--log-format", choices=("text", "json"), default="text")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="run etcd, a coordinator and a worker on this machine")
+    p.add_argument("--home", help="data directory (default ~/.cache/compilecast)")
+    for name in ("etcd_port", "etcd_peer_port", "coordinator_port",
+                 "coordinator_metrics_port", "worker_metrics_port"):
+        p.add_argument(flag_name(name), dest=name, type=int, default=None)
+    p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("coordinator", help="run a coordinator replica")
+    _add_config_flags(p, CoordinatorConfig)
+    p.set_defaults(fn=cmd_coordinator)
+
+    p = sub.add_parser("worker", help="run the per-host worker daemon")
+    _add_config_flags(p, WorkerConfig)
+    p.set_defaults(fn=cmd_worker)
+
+    p = sub.add_parser("status", help="health and counters of the local worker and coordinator")
+    p.add_argument("--worker", default=default_worker_target())
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("config", help="print the effective configuration and its sources")
+    roles = p.add_subparsers(dest="role", required=True)
+    for role, cls in (("coordinator", CoordinatorConfig), ("worker", WorkerConfig)):
+        rp = roles.add_parser(role)
+        _add_config_flags(rp, cls)
+        rp.set_defaults(fn=cmd_config)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    try:
+        return int(args.fn(args) or 0)
+    except ConfigError as exc:
+        print(f"compilecast: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from compilecast.up import UpError
+
+        if isinstance(exc, UpError):
+            print(f"compilecast up: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

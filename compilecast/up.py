@@ -1,0 +1,155 @@
+"""`compilecast up`: the embedded single-machine default.
+
+Starts a local etcd (Debian's etcd-server binary; data under the user's cache
+directory), a coordinator and a worker in this process, prints where each
+listens, and stops all of them on Ctrl-C or SIGTERM. etcd runs as a child
+with PR_SET_PDEATHSIG, so even a SIGKILL of `up` leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from compilecast.config import CoordinatorConfig, WorkerConfig, default_home
+
+log = logging.getLogger(__name__)
+
+
+class UpError(RuntimeError):
+    """`up` cannot start; the message says what to do."""
+
+
+@dataclass
+class UpConfig:
+    home: Path
+    etcd_port: int = 7679
+    etcd_peer_port: int = 7680
+    coordinator_port: int = 7640
+    coordinator_metrics_port: int = 7641
+    worker_metrics_port: int = 7642
+
+
+def find_etcd() -> str:
+    path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+    if path is None:
+        raise UpError("etcd is not installed: run `make install` "
+                      "(or `apt-get install etcd-server`)")
+    return path
+
+
+def _pdeathsig() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_etcd(cfg: UpConfig) -> subprocess.Popen:
+    binary = find_etcd()
+    for port in (cfg.etcd_port, cfg.etcd_peer_port):
+        if _port_open(port):
+            raise UpError(f"port {port} is taken (another `compilecast up`?); "
+                          "pass --etcd-port/--etcd-peer-port")
+    data = cfg.home / "etcd"
+    data.mkdir(parents=True, exist_ok=True)
+    logf = open(cfg.home / "etcd.log", "ab")  # noqa: SIM115 - owned by the child
+    peer = f"http://127.0.0.1:{cfg.etcd_peer_port}"
+    client = f"http://127.0.0.1:{cfg.etcd_port}"
+    proc = subprocess.Popen(
+        [binary, "--name", "compilecast", "--data-dir", str(data),
+         "--listen-client-urls", client, "--advertise-client-urls", client,
+         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+         "--initial-cluster", f"compilecast={peer}"],
+        stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_pdeathsig,
+    )
+    logf.close()
+    deadline = time.monotonic() + 20
+    while not _port_open(cfg.etcd_port):
+        if proc.poll() is not None:
+            raise UpError(f"etcd exited with {proc.returncode}; see {cfg.home / 'etcd.log'}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise UpError(f"etcd did not start in 20s; see {cfg.home / 'etcd.log'}")
+        time.sleep(0.05)
+    return proc
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str) -> None:
+    from compilecast.coordinator.server import Coordinator
+    from compilecast.serving import serve_until_signal
+    from compilecast.worker.server import Worker
+
+    coordinator = Coordinator(ccfg)
+    worker = Worker(wcfg)
+    await coordinator.start()
+    await worker.start()
+    print(ready_msg, flush=True)
+
+    async def stop_coordinator() -> None:
+        await worker._close()
+        await coordinator.stop(10.0)
+
+    await serve_until_signal(worker.server, on_stop=stop_coordinator)
+
+
+def run(cfg: UpConfig) -> int:
+    cfg.home.mkdir(parents=True, exist_ok=True)
+    ccfg = CoordinatorConfig(
+        listen=f"127.0.0.1:{cfg.coordinator_port}",
+        etcd_endpoints=f"127.0.0.1:{cfg.etcd_port}",
+        store_dir=str(cfg.home / "coordinator"),
+        metrics_port=cfg.coordinator_metrics_port,
+    )
+    sock = cfg.home / "worker.sock"
+    wcfg = WorkerConfig(listen=f"unix://{sock}", coordinator=ccfg.listen,
+                        cache_dir=str(cfg.home / "worker"),
+                        metrics_port=cfg.worker_metrics_port)
+    ccfg.validate()
+    wcfg.validate()
+    if _port_open(cfg.coordinator_port):
+        raise UpError(f"port {cfg.coordinator_port} is taken (another `compilecast up`?)")
+    etcd = start_etcd(cfg)
+    msg = "\n".join([
+        "compilecast is up (Ctrl-C stops it)",
+        f"  etcd         127.0.0.1:{cfg.etcd_port}   data {cfg.home / 'etcd'}",
+        f"  coordinator  {ccfg.listen}   store {ccfg.store_dir}   "
+        f"metrics http://127.0.0.1:{cfg.coordinator_metrics_port}/metrics",
+        f"  worker       {wcfg.listen}   cache {wcfg.cache_dir}   "
+        f"metrics http://127.0.0.1:{cfg.worker_metrics_port}/metrics",
+        "  use it from JAX: COMPILECAST_ENABLE=1 python train.py",
+    ])
+    try:
+        asyncio.run(_serve(ccfg, wcfg, msg))
+    finally:
+        stop_process(etcd)
+        print("compilecast stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def default_up_config() -> UpConfig:
+    return UpConfig(home=default_home())

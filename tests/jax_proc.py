@@ -1,0 +1,62 @@
+"""One JAX process of an end-to-end test: runs the demo training step and
+prints a JSON report on its last line.
+
+Usage: python tests/jax_proc.py LAYERS WIDTH [--no-compilecast] [--start-at T]
+Environment: COMPILECAST_WORKER (the worker), JAX_* as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+ap = argparse.ArgumentParser()
+ap.add_argument("layers", type=int)
+ap.add_argument("width", type=int)
+ap.add_argument("--no-compilecast", action="store_true")
+ap.add_argument("--start-at", type=float, default=0.0, help="unix time to start compiling")
+ap.add_argument("--distributed", default="", help="coordinator_address,num_processes,process_id")
+args = ap.parse_args()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_platforms", "cpu")
+if args.distributed:
+    addr, n, pid = args.distributed.split(",")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(addr, num_processes=int(n), process_id=int(pid))
+
+from jax import monitoring  # noqa: E402
+
+from compilecast.demo_step import make_inputs, make_step, result_digest  # noqa: E402
+
+events: dict[str, int] = {}
+monitoring.register_event_listener(lambda name, **kw: events.__setitem__(name, events.get(name, 0) + 1))
+
+if not args.no_compilecast:
+    import compilecast.jax
+
+    assert compilecast.jax.enable() is not None
+
+params, x, y = make_inputs(args.layers, args.width)
+step = make_step()
+if args.start_at:
+    time.sleep(max(0.0, args.start_at - time.time()))
+t0 = time.monotonic()
+new_params, loss = step(params, x, y)
+jax.block_until_ready(loss)
+elapsed = time.monotonic() - t0
+
+requests = events.get("/jax/compilation_cache/compile_requests_use_cache", 0)
+hits = events.get("/jax/compilation_cache/cache_hits", 0)
+report = {
+    "digest": result_digest(new_params, loss),
+    "loss": float(loss),
+    "seconds": elapsed,
+    # JAX's own accounting: compile requests that missed the cache were compiled by XLA.
+    "xla_compiles": requests - hits if not args.no_compilecast else 1,
+    "jax_cache_hits": hits,
+    "compilecast": compilecast.jax.stats() if not args.no_compilecast else {},
+}
+print(json.dumps(report))

@@ -1,0 +1,63 @@
+"""The host cache: a size-bounded blob store plus a key index on local disk.
+
+    ROOT/blobs/...          DiskBlobStore (LRU-evicted above max_bytes)
+    ROOT/keys/KEY.json      ArtifactInfo of KEY (written atomically)
+
+A key entry whose blob was evicted reads as a miss. Both the worker and a
+restarted worker see the same entries; processes on the host never read this
+directory themselves, they ask the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from compilecast.blobstore import DiskBlobStore
+from compilecast.v1 import cache_pb2 as pb
+
+
+class HostCache:
+    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int) -> None:
+        self.root = Path(root)
+        self.store = DiskBlobStore(self.root, max_bytes=max_bytes)
+        self.keys = self.root / "keys"
+        self.keys.mkdir(parents=True, exist_ok=True)
+
+    def lookup(self, key: str) -> pb.ArtifactInfo | None:
+        try:
+            raw = (self.keys / f"{key}.json").read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            info = pb.ArtifactInfo(key=key, **json.loads(raw))
+        except (ValueError, TypeError):
+            self.forget(key)
+            return None
+        return info if self.store.has(info.digest) else None
+
+    def record(self, info: pb.ArtifactInfo) -> None:
+        body = json.dumps({"digest": info.digest, "size": info.size,
+                           "compile_time_seconds": info.compile_time_seconds,
+                           "created_unix": info.created_unix}).encode()
+        fd, tmp = tempfile.mkstemp(dir=self.keys, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.keys / f"{info.key}.json")
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def forget(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.keys / f"{key}.json").unlink()
+
+    def count(self) -> int:
+        return sum(1 for p in self.keys.glob("*.json") if self.lookup(p.stem) is not None)

@@ -1,0 +1,290 @@
+"""Routes JAX's persistent compilation cache through the local worker.
+
+Runs inside the user's JAX process, so it never raises into JAX and never
+blocks past the share-binary timeout: every failure ends in "compile
+locally", with a warning that says why. When the worker is unreachable the
+integration stops asking for a short backoff, so a dead worker costs one
+failed connection, not one per compile.
+
+The decision read before a compile (see jax_adapter) goes:
+  HIT             -> fetch, verify the digest, hand the bytes to JAX
+  COMPILE         -> return a miss; JAX compiles; the compile hook publishes
+  WAIT            -> wait (HIT: load; promoted: compile and publish;
+                     timeout or error: compile locally)
+  COMPILE_LOCALLY -> return a miss and publish nothing
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from compilecast.config import default_worker_target
+from compilecast.v1 import cache_pb2 as pb
+
+from . import jax_adapter
+from .client import CacheClient, Identity
+
+log = logging.getLogger("compilecast.jax")
+
+UNREACHABLE_BACKOFF_S = 30.0
+
+
+@dataclass
+class Stats:
+    """What this process did; `compilecast.jax.stats()` returns a copy."""
+
+    hits: int = 0
+    compiles: int = 0  # compiles under a lease (the fleet's one compile)
+    published: int = 0
+    waits: int = 0
+    promotions: int = 0
+    local_compiles: int = 0  # compiles without sharing (fallbacks, thresholds)
+    fallbacks: int = 0  # errors that ended in compiling locally
+    released: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__, reasons=list(self.reasons))
+
+
+@dataclass
+class _Held:
+    lease: pb.Lease
+    started: float
+
+
+class CompilecastCache(jax_adapter.CacheInterface):
+    def __init__(self, target: str, *, timeout_ms: int | None = None, job: str | None = None,
+                 rpc_timeout_s: float = 5.0) -> None:
+        self.target = target
+        self.timeout_ms = timeout_ms
+        self.job = job
+        self.client = CacheClient(target, timeout_s=rpc_timeout_s)
+        self.stats = Stats()
+        self._held: dict[str, _Held] = {}
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+
+    # -- identity and settings --------------------------------------------
+    def _identity(self) -> Identity:
+        ident = jax_adapter.process_identity()
+        if ident is None and not self.job:
+            return Identity()
+        pid, _count = ident or (0, 1)
+        job = self.job or f"jaxdist-{jax_adapter.coordinator_address()}"
+        # The designated compiler is the lowest process id (JAX's rule).
+        return Identity(job=job[:128], process_id=pid, designated_process=0)
+
+    def _wait_timeout_s(self) -> float:
+        ms = self.timeout_ms or jax_adapter.settings()["share_binary_between_hosts_timeout_ms"]
+        return ms / 1000.0
+
+    # -- failure handling -------------------------------------------------
+    def _fallback(self, key: str, why: str) -> None:
+        self.stats.fallbacks += 1
+        self.stats.reasons.append(why)
+        log.warning("compilecast: compiling %s locally: %s", key, why)
+
+    def _unreachable(self, key: str, exc: grpc.RpcError) -> None:
+        self._down_until = time.monotonic() + UNREACHABLE_BACKOFF_S
+        self._fallback(key, f"worker {self.target} unreachable ({exc.code().name}: "
+                            f"{exc.details()}); not asking again for {UNREACHABLE_BACKOFF_S:.0f}s")
+
+    # -- CacheInterface ----------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        if time.monotonic() < self._down_until:
+            return None
+        try:
+            if getattr(self._local, "acquiring", None) == key:
+                return self._decide(key)
+            return self._lookup(key)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._unreachable(key, exc)
+            else:
+                self._fallback(key, f"{exc.code().name}: {exc.details()}")
+        except Exception as exc:  # never raise into JAX
+            self._fallback(key, f"{type(exc).__name__}: {exc}")
+        return None
+
+    def put(self, key: str, value: bytes) -> None:
+        # JAX calls this on process 0 after its own thresholds passed.
+        self._settle_publish(key, value)
+
+    # -- decisions --------------------------------------------------------
+    def _lookup(self, key: str) -> bytes | None:
+        try:
+            _, data = self.client.fetch(key)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+        return data
+
+    def _decide(self, key: str) -> bytes | None:
+        self.client.identity = self._identity()
+        resp = self.client.acquire(key)
+        if resp.decision == pb.HIT:
+            return self._fetch_hit(key, resp.artifact)
+        if resp.decision == pb.COMPILE:
+            self._hold(key, resp.lease)
+            return None
+        if resp.decision == pb.WAIT:
+            self.stats.waits += 1
+            log.info("compilecast: waiting for %s (%s)", key, resp.reason)
+            event = self.client.wait(key, self._wait_timeout_s())
+            if event.decision == pb.HIT:
+                return self._fetch_hit(key, event.artifact)
+            if event.decision == pb.COMPILE:
+                self.stats.promotions += 1
+                self._hold(key, event.lease)
+                return None
+            self._compile_locally(key, event.reason)
+            return None
+        self._compile_locally(key, resp.reason)
+        return None
+
+    def _compile_locally(self, key: str, reason: str) -> None:
+        self.stats.local_compiles += 1
+        self.stats.reasons.append(reason)
+        log.warning("compilecast: compiling %s locally: %s", key, reason)
+
+    def _fetch_hit(self, key: str, info: pb.ArtifactInfo) -> bytes:
+        _, data = self.client.fetch(key, info.digest)  # verified against the digest
+        self.stats.hits += 1
+        return data
+
+    def _hold(self, key: str, lease: pb.Lease) -> None:
+        with self._lock:
+            self._held[key] = _Held(lease, time.monotonic())
+        self.client.keep_lease(key, lease)
+        self.stats.compiles += 1
+
+    def _take(self, key: str) -> _Held | None:
+        with self._lock:
+            held = self._held.pop(key, None)
+        if held is not None:
+            self.client.stop_lease(held.lease)
+        return held
+
+    # -- settling a lease ---------------------------------------------------
+    def _settle_publish(self, key: str, value: bytes) -> None:
+        held = self._take(key)
+        if held is None:
+            return  # compiled without the lease: nothing to share
+        try:
+            self.client.publish(key, held.lease, value, time.monotonic() - held.started)
+            self.stats.published += 1
+        except grpc.RpcError as exc:
+            self._fallback(key, f"publish failed: {exc.code().name}: {exc.details()}")
+            self._release(key, held, pb.ABANDONED, "publish failed")
+
+    def _release(self, key: str, held: _Held, reason: int, detail: str) -> None:
+        try:
+            self.client.release(key, held.lease, reason, detail)
+            self.stats.released += 1
+        except grpc.RpcError as exc:
+            log.warning("compilecast: release of %s failed (%s); the lease lapses in %ss",
+                        key, exc.code().name, held.lease.ttl_seconds)
+
+    # -- hooks called by jax_adapter ---------------------------------------
+    @contextlib.contextmanager
+    def acquiring(self, key: str) -> Iterator[None]:
+        self._local.acquiring = key
+        try:
+            yield
+        finally:
+            self._local.acquiring = None
+
+    def compile(self, key: str, module_name: str, has_host_callbacks: bool,
+                run: Callable[[], Any], serialize: Callable[[Any, float], bytes]) -> Any:
+        start = time.monotonic()
+        try:
+            executable = run()
+        except BaseException as exc:
+            held = self._take(key)
+            if held is not None:
+                self._release(key, held, pb.COMPILE_FAILED, f"{type(exc).__name__}: {exc}")
+            raise
+        with self._lock:
+            still_held = key in self._held
+        if still_held:  # JAX did not call put: not process 0, or under a threshold
+            self._settle_after_compile(key, module_name, has_host_callbacks, executable,
+                                       time.monotonic() - start, serialize)
+        return executable
+
+    def _settle_after_compile(self, key: str, module_name: str, has_host_callbacks: bool,
+                              executable: Any, compile_time_s: float,
+                              serialize: Callable[[Any, float], bytes]) -> None:
+        limits = jax_adapter.settings()
+        why = None
+        if has_host_callbacks:
+            why = "the program uses host callbacks"
+        elif compile_time_s < limits["min_compile_time_s"]:
+            why = (f"compile took {compile_time_s:.2f}s < "
+                   f"min_compile_time {limits['min_compile_time_s']}s")
+        value = None
+        if why is None:
+            try:
+                value = serialize(executable, compile_time_s)
+            except Exception as exc:
+                why = f"cannot serialize the executable: {exc}"
+        if value is not None and len(value) < limits["min_entry_size_bytes"]:
+            why = f"entry of {len(value)} bytes < min_entry_size {limits['min_entry_size_bytes']}"
+        if why is None and value is not None:
+            self._settle_publish(key, value)
+            return
+        held = self._take(key)
+        if held is not None:
+            log.info("compilecast: not caching %s (%s)", module_name, why)
+            self._release(key, held, pb.BELOW_THRESHOLD, why or "")
+
+
+_active: CompilecastCache | None = None
+
+
+def enable(target: str | None = None, *, timeout_ms: int | None = None,
+           job: str | None = None) -> CompilecastCache | None:
+    """Route JAX's persistent compilation cache through the compilecast worker.
+
+    `target` defaults to $COMPILECAST_WORKER, else the socket `compilecast up`
+    serves. Returns None (and warns) if this JAX release cannot be hooked;
+    JAX then compiles as usual.
+    """
+    import os
+
+    global _active
+    target = target or os.environ.get("COMPILECAST_WORKER") or default_worker_target()
+    if timeout_ms is None and os.environ.get("COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"):
+        timeout_ms = int(os.environ["COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"])
+    job = job or os.environ.get("COMPILECAST_JOB") or None
+    try:
+        cache = CompilecastCache(target, timeout_ms=timeout_ms, job=job)
+        jax_adapter.install(cache, cache)
+    except jax_adapter.AdapterError as exc:
+        log.warning("compilecast disabled: %s", exc)
+        return None
+    _active = cache
+    log.info("compilecast enabled (worker %s)", target)
+    return cache
+
+
+def disable() -> None:
+    global _active
+    jax_adapter.uninstall()
+    if _active is not None:
+        _active.client.close()
+    _active = None
+
+
+def stats() -> dict[str, Any]:
+    return _active.stats.as_dict() if _active is not None else {}

@@ -1,0 +1,40 @@
+"""Worker metrics (injected registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.lookups = Counter(
+            "compilecast_worker_lookups",
+            "Acquire requests by outcome: host_hit (served from the host cache), hit, "
+            "compile, wait, or compile_locally (decided upstream or by fallback)",
+            ["result"], registry=registry,
+        )
+        self.fallbacks = Counter(
+            "compilecast_worker_fallbacks",
+            "Requests answered 'compile locally' because the coordinator was unreachable",
+            ["rpc"], registry=registry,
+        )
+        self.fetches = Counter(
+            "compilecast_worker_fetches", "Fetches served, by where the bytes came from",
+            ["source"], registry=registry,
+        )
+        self.fetch_seconds = Histogram(
+            "compilecast_worker_fetch_seconds", "Time to fill the host cache from the coordinator",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=registry,
+        )
+        self.bytes = Counter(
+            "compilecast_worker_artifact_bytes", "Artifact bytes moved",
+            ["direction"], registry=registry,
+        )
+        self.compile_seconds_saved = Counter(
+            "compilecast_worker_compile_seconds_saved",
+            "Compile time avoided by host-cache hits", registry=registry,
+        )
+        self.cache_bytes = Gauge(
+            "compilecast_worker_cache_bytes", "Bytes stored in the host cache", registry=registry,
+        )

@@ -1,0 +1,75 @@
+"""Worker daemon entry point: the host cache and the local API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from compilecast.config import WorkerConfig
+from compilecast.serving import make_server, serve_until_signal, set_serving, start_metrics
+from compilecast.v1 import cache_pb2_grpc as rpc
+
+from .hostcache import HostCache
+from .metrics import WorkerMetrics
+from .service import WorkerService
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, registry: CollectorRegistry | None = None) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.registry = registry or CollectorRegistry()
+        self.metrics = WorkerMetrics(self.registry)
+        self.cache = HostCache(cfg.cache_dir, max_bytes=cfg.cache_max_bytes)
+        self._metrics_server = None
+
+    @property
+    def target(self) -> str:
+        return self.cfg.listen
+
+    async def start(self) -> None:
+        self.service = WorkerService(self.cfg.coordinator, self.cache, self.metrics,
+                                     rpc_timeout_s=self.cfg.rpc_timeout_s)
+        self.server, self.health = make_server(
+            lambda s: rpc.add_CompileCacheServicer_to_server(self.service, s)
+        )
+        listen = self.cfg.listen
+        if listen.startswith("unix://"):
+            path = Path(listen.removeprefix("unix://"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # stale socket of a previous run
+        self.server.add_insecure_port(listen)
+        await self.server.start()
+        if listen.startswith("unix://"):
+            os.chmod(listen.removeprefix("unix://"), 0o660)
+        await set_serving(self.health, True)
+        self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
+                                             self.cfg.metrics_port)
+        log.info("worker listening on %s (coordinator %s, host cache %s)", listen,
+                 self.cfg.coordinator, self.cfg.cache_dir)
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        await set_serving(self.health, False)
+        await self.server.stop(grace_s)
+        await self._close()
+
+    async def _close(self) -> None:
+        await self.service.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+
+    async def serve(self, stop_event: asyncio.Event | None = None) -> None:
+        await self.start()
+        await serve_until_signal(self.server, on_stop=self._close, stop_event=stop_event)
+
+
+def run(cfg: WorkerConfig) -> None:
+    asyncio.run(Worker(cfg).serve())

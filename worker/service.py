@@ -1,0 +1,211 @@
+"""The worker's CompileCache service: a caching, single-flight proxy.
+
+- Acquire answers HIT from the host cache without a round trip; otherwise it
+  asks the coordinator. When the coordinator cannot be reached the answer is
+  COMPILE_LOCALLY at once, so a process never waits on a dead service.
+- Fetch fills the host cache once per key (one download however many local
+  processes ask), then serves every local reader from disk.
+- Publish forwards the stream and keeps a copy, so a restarted process on
+  this host hits locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from compilecast import validate
+from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
+from compilecast.grpcutil import CHANNEL_OPTIONS, rpc_errors
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.coordinator.service import publish_stream
+
+from .hostcache import HostCache
+from .metrics import WorkerMetrics
+
+DEGRADED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
+    return UpstreamError(exc.code(), f"coordinator: {exc.details()}")
+
+
+class WorkerService(rpc.CompileCacheServicer):
+    def __init__(self, coordinator: str, cache: HostCache, metrics: WorkerMetrics,
+                 *, rpc_timeout_s: float) -> None:
+        self.coordinator = coordinator
+        self.cache = cache
+        self.metrics = metrics
+        self.rpc_timeout_s = rpc_timeout_s
+        self.channel = grpc.aio.insecure_channel(coordinator, options=CHANNEL_OPTIONS)
+        self.up = rpc.CompileCacheStub(self.channel)
+        self._fills: dict[str, asyncio.Future] = {}
+        self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _local(self, rpc_name: str, exc: grpc.aio.AioRpcError) -> str:
+        self.metrics.fallbacks.labels(rpc_name).inc()
+        return f"coordinator {self.coordinator} unreachable ({exc.code().name}); compile locally"
+
+    @rpc_errors
+    async def Acquire(self, request, context):
+        validate.key(request.key)
+        info = await asyncio.to_thread(self.cache.lookup, request.key)
+        if info is not None:
+            self.metrics.lookups.labels("host_hit").inc()
+            self.metrics.compile_seconds_saved.inc(info.compile_time_seconds)
+            return pb.AcquireResponse(decision=pb.HIT, artifact=info)
+        try:
+            resp = await self.up.Acquire(request, timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in DEGRADED:
+                raise _relay(exc) from None
+            resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
+                                      reason=self._local("acquire", exc))
+        self.metrics.lookups.labels(pb.Decision.Name(resp.decision).lower()).inc()
+        return resp
+
+    @rpc_errors
+    async def Wait(self, request, context):
+        validate.key(request.key)
+        timeout_s = request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
+        try:
+            call = self.up.Wait(request, timeout=(timeout_s + self.rpc_timeout_s)
+                                if timeout_s else None)
+            async for event in call:
+                yield event
+                if event.decision != pb.WAIT:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in DEGRADED:
+                raise _relay(exc) from None
+            yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._local("wait", exc))
+
+    @rpc_errors
+    async def Publish(self, request_iterator, context):
+        header, chunks = await publish_stream(request_iterator)
+        validate.key(header.key)
+        validate.digest(header.digest)
+        writer = self.cache.store.writer()
+        with writer:
+
+            async def forward() -> AsyncIterator[pb.PublishChunk]:
+                yield pb.PublishChunk(header=header)
+                async for data in chunks:
+                    await asyncio.to_thread(writer.write, data)
+                    yield pb.PublishChunk(data=data)
+
+            try:
+                resp = await self.up.Publish(forward(), timeout=max(300.0, self.rpc_timeout_s))
+            except grpc.aio.AioRpcError as exc:
+                raise _relay(exc) from None
+            await asyncio.to_thread(writer.commit, header.digest, header.size)
+        await asyncio.to_thread(self.cache.record, resp.artifact)
+        self.metrics.bytes.labels("published").inc(header.size)
+        return resp
+
+    @rpc_errors
+    async def Release(self, request, context):
+        try:
+            return await self.up.Release(request, timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _relay(exc) from None
+
+    @rpc_errors
+    async def KeepAlive(self, request, context):
+        try:
+            return await self.up.KeepAlive(request, timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _relay(exc) from None
+
+    # -- Fetch -----------------------------------------------------------
+    async def _fill(self, key: str, digest: str) -> pb.ArtifactInfo:
+        """Download `key` into the host cache once, however many ask."""
+        fut = self._fills.get(key)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._fills[key] = fut
+            try:
+                fut.set_result(await self._download(key, digest))
+            except BaseException as exc:
+                fut.set_exception(exc)
+            finally:
+                del self._fills[key]
+        return await asyncio.shield(fut)
+
+    async def _download(self, key: str, digest: str) -> pb.ArtifactInfo:
+        start = time.monotonic()
+        info = None
+        writer = self.cache.store.writer()
+        with writer:
+            try:
+                async for chunk in self.up.Fetch(pb.FetchRequest(key=key, digest=digest),
+                                                 timeout=max(300.0, self.rpc_timeout_s)):
+                    if chunk.HasField("artifact"):
+                        info = chunk.artifact
+                    await asyncio.to_thread(writer.write, chunk.data)
+            except grpc.aio.AioRpcError as exc:
+                raise _relay(exc) from None
+            if info is None:
+                raise CorruptBlob(f"coordinator sent no artifact header for {key}")
+            try:
+                await asyncio.to_thread(writer.commit, info.digest, info.size)
+            except InvalidRequest as exc:
+                raise CorruptBlob(f"artifact {key} from the coordinator failed "
+                                  f"verification: {exc}") from None
+        await asyncio.to_thread(self.cache.record, info)
+        self.metrics.fetch_seconds.observe(time.monotonic() - start)
+        self.metrics.bytes.labels("fetched").inc(info.size)
+        return info
+
+    @rpc_errors
+    async def Fetch(self, request, context):
+        validate.key(request.key)
+        if request.digest:
+            validate.digest(request.digest)
+        info = await asyncio.to_thread(self.cache.lookup, request.key)
+        if info is not None and (not request.digest or info.digest == request.digest):
+            self.metrics.fetches.labels("host").inc()
+        else:
+            info = await self._fill(request.key, request.digest)
+            self.metrics.fetches.labels("coordinator").inc()
+        it = self.cache.store.read(info.digest)
+        sentinel = object()
+        first = True
+        try:
+            while True:
+                data = await asyncio.to_thread(next, it, sentinel)
+                if data is sentinel:
+                    break
+                self.metrics.bytes.labels("served").inc(len(data))
+                if first:
+                    first = False
+                    yield pb.FetchChunk(artifact=info, data=data)
+                else:
+                    yield pb.FetchChunk(data=data)
+        except CorruptBlob:
+            self.cache.forget(request.key)
+            raise
+        finally:
+            it.close()
+
+    @rpc_errors
+    async def Status(self, request, context):
+        resp = pb.StatusResponse(role="worker", upstream=f"coordinator {self.coordinator}")
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            up = await self.up.Status(request, timeout=self.rpc_timeout_s)
+            resp.CopyFrom(up)
+            resp.role = "worker"
+            resp.upstream = f"coordinator {self.coordinator}"
+            resp.upstream_healthy = up.upstream_healthy
+            return resp
+        resp.upstream_healthy = False
+        resp.artifacts = await asyncio.to_thread(self.cache.count)
+        return resp
