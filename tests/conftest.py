@@ -108,7 +108,7 @@ def coordinator_config(etcd: EtcdProcess, tmp: Path, prefix: str, **kw) -> Coord
 
 
 class Running:
-    """Start/stop a Coordinator or Worker on a LoopThread."""
+    """A Coordinator or Worker started on a LoopThread; attributes pass through."""
 
     def __init__(self, lt: LoopThread, server) -> None:
         self.lt = lt
@@ -120,6 +120,9 @@ class Running:
         if not self.stopped:
             self.stopped = True
             self.lt.run(self.server.stop(2.0))
+
+    def __getattr__(self, name: str):
+        return getattr(self.server, name)
 
 
 @pytest.fixture
@@ -134,7 +137,7 @@ def start_coordinator(etcd, tmp_path, prefix, loop_thread):
             cfg.store_dir = str(store_dir)
         r = Running(loop_thread, Coordinator(cfg))
         running.append(r)
-        return r.server
+        return r  # type: ignore[return-value]
 
     yield start
     for r in running:
@@ -158,7 +161,7 @@ def start_worker(tmp_path, loop_thread):
                            cache_dir=str(tmp_path / f"hostcache-{name}"), metrics_port=0, **kw)
         r = Running(loop_thread, Worker(cfg))
         running.append(r)
-        return r.server
+        return r  # type: ignore[return-value]
 
     yield start
     for r in running:

@@ -1,0 +1,90 @@
+"""The content-addressed store: atomic writes, verified reads, quarantine, bounds."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from compilecast.blobstore import DiskBlobStore
+from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, TooLarge
+
+
+def test_roundtrip_is_verified_and_compressed(tmp_path):
+    store = DiskBlobStore(tmp_path)
+    data = b"abc" * 100_000
+    digest = store.put_bytes(data)
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert store.read_bytes(digest) == data
+    assert store.path_of(digest).stat().st_size < len(data) // 10
+
+
+def test_wrong_digest_stores_nothing(tmp_path):
+    store = DiskBlobStore(tmp_path)
+    with pytest.raises(DigestMismatch), store.writer() as w:
+        w.write(b"payload")
+        w.commit("0" * 64, 7)
+    assert store.count() == 0
+    assert list(store.tmp_dir.iterdir()) == []
+
+
+def test_wrong_size_stores_nothing(tmp_path):
+    store = DiskBlobStore(tmp_path)
+    data = b"payload"
+    with pytest.raises(DigestMismatch), store.writer() as w:
+        w.write(data)
+        w.commit(hashlib.sha256(data).hexdigest(), len(data) + 1)
+    assert store.count() == 0
+
+
+def test_flipped_byte_is_detected_and_quarantined(tmp_path):
+    store = DiskBlobStore(tmp_path, level=1)
+    data = os.urandom(200_000)  # incompressible, so a flipped byte is a flipped data byte
+    digest = store.put_bytes(data)
+    path = store.path_of(digest)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptBlob):
+        store.read_bytes(digest)
+    assert not store.has(digest)
+    assert store.quarantined == 1
+    assert len(list(store.quarantine_dir.iterdir())) == 1
+
+
+def test_missing_blob_is_not_found(tmp_path):
+    store = DiskBlobStore(tmp_path)
+    with pytest.raises(NotFound):
+        store.read_bytes("a" * 64)
+
+
+def test_leftover_temp_files_are_swept_on_open(tmp_path):
+    store = DiskBlobStore(tmp_path)
+    w = store.writer()
+    w.write(b"half written")
+    w._file.close()  # simulate a crash: the process dies mid-write, never committing
+    assert len(list(store.tmp_dir.iterdir())) == 1
+    store2 = DiskBlobStore(tmp_path)
+    assert list(store2.tmp_dir.iterdir()) == []
+    assert store2.count() == 0
+
+
+def test_size_limit_per_blob(tmp_path):
+    store = DiskBlobStore(tmp_path, max_blob_size=10)
+    with pytest.raises(TooLarge), store.writer() as w:
+        w.write(b"x" * 11)
+    assert list(store.tmp_dir.iterdir()) == []
+
+
+def test_bounded_store_evicts_least_recently_used(tmp_path):
+    store = DiskBlobStore(tmp_path, max_bytes=350_000, level=1)
+    blobs = [os.urandom(100_000) for _ in range(3)]
+    digests = [store.put_bytes(b) for b in blobs]
+    os.utime(store.path_of(digests[0]), (1, 1))  # the oldest
+    os.utime(store.path_of(digests[1]), (2, 2))
+    store.read_bytes(digests[0])  # reading refreshes it
+    store.put_bytes(os.urandom(100_000))
+    assert store.stored_bytes <= 350_000
+    assert store.has(digests[0])
+    assert not store.has(digests[1])

@@ -1,0 +1,252 @@
+"""The decision protocol against a real etcd and real gRPC on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import grpc
+import pytest
+
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker.client import CacheClient, Identity, publish_messages
+
+DATA = b"executable-bytes" * 50_000
+
+
+def client(target: str, **ident) -> CacheClient:
+    return CacheClient(target, identity=Identity(**ident) if ident else None)
+
+
+def code_of(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+def in_thread(fn):
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("v", fn()))
+    t.start()
+    return t, out
+
+
+# -- first come, first served ------------------------------------------------
+
+def test_first_compiles_second_waits_and_is_woken_by_publish(coordinator):
+    a, b = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
+    first = a.acquire("k")
+    assert first.decision == pb.COMPILE and first.lease.id > 0
+    assert b.acquire("k").decision == pb.WAIT
+    t, out = in_thread(lambda: b.wait("k", 30))
+    time.sleep(0.3)
+    info = a.publish("k", first.lease, DATA, 2.5)
+    t.join(10)
+    assert out["v"].decision == pb.HIT
+    assert out["v"].artifact.digest == hashlib.sha256(DATA).hexdigest()
+    got_info, got = b.fetch("k")
+    assert got == DATA and got_info.digest == info.digest
+    assert a.acquire("k").decision == pb.HIT
+    reg = coordinator.registry
+    assert reg.get_sample_value("compilecast_coordinator_lookups_total", {"result": "hit"}) == 1
+    assert reg.get_sample_value("compilecast_coordinator_compile_seconds_saved_total") == 5.0
+
+
+def test_publish_is_write_once(coordinator):
+    a = client(coordinator.cfg.listen)
+    lease = a.acquire("k").lease
+    a.publish("k", lease, DATA, 1.0)
+    code, _ = code_of(lambda: a.publish("k", lease, b"other", 1.0))
+    assert code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS)
+    assert a.fetch("k")[1] == DATA
+
+
+# -- refusals ----------------------------------------------------------------
+
+@pytest.mark.parametrize("bad_key", ["", "a/b", "x" * 201, "..", "key with space", "ключ"])
+def test_malformed_keys_are_invalid_argument(coordinator, bad_key):
+    c = client(coordinator.cfg.listen)
+    for call in (lambda: c.acquire(bad_key), lambda: c.wait(bad_key, 1),
+                 lambda: c.fetch(bad_key)):
+        code, details = code_of(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "key" in details
+
+
+def test_malformed_publishes_are_invalid_argument(coordinator):
+    c = client(coordinator.cfg.listen)
+    lease = c.acquire("k").lease
+    digest = hashlib.sha256(DATA).hexdigest()
+    cases = {
+        "no header": iter([pb.PublishChunk(data=b"x")]),
+        "empty stream": iter([]),
+        "bad digest": publish_messages(
+            pb.PublishHeader(key="k", lease=lease, digest="xyz", size=1), b"x"),
+        "no lease": publish_messages(
+            pb.PublishHeader(key="k", digest=digest, size=len(DATA)), DATA),
+        "zero size": publish_messages(
+            pb.PublishHeader(key="k", lease=lease, digest=digest, size=0), DATA),
+        "second header": iter([pb.PublishChunk(header=pb.PublishHeader(
+            key="k", lease=lease, digest=digest, size=len(DATA))),
+            pb.PublishChunk(header=pb.PublishHeader(key="k"))]),
+        "more than declared": publish_messages(
+            pb.PublishHeader(key="k", lease=lease, digest=digest, size=10), DATA),
+    }
+    for name, msgs in cases.items():
+        code, details = code_of(lambda m=msgs: c.stub.Publish(m, timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, details)
+    assert coordinator.store.count() == 0
+
+
+def test_wait_with_negative_timeout_is_invalid(coordinator):
+    c = client(coordinator.cfg.listen)
+    code, _ = code_of(lambda: list(c.stub.Wait(pb.WaitRequest(key="k", timeout_ms=-1),
+                                               timeout=5)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_publish_without_the_lease_is_refused_and_stores_nothing(coordinator):
+    holder, other = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
+    lease = holder.acquire("k").lease
+    forged = pb.Lease(id=lease.id + 1, ttl_seconds=10, revision=lease.revision)
+    code, details = code_of(lambda: other.publish("k", forged, DATA, 1.0))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "lease" in details
+    stale = pb.Lease(id=lease.id, ttl_seconds=10, revision=lease.revision - 1)
+    assert code_of(lambda: other.publish("k", stale, DATA, 1.0))[0] == \
+        grpc.StatusCode.FAILED_PRECONDITION
+    never = pb.Lease(id=12345, ttl_seconds=10, revision=1)
+    assert code_of(lambda: other.publish("other-key", never, DATA, 1.0))[0] == \
+        grpc.StatusCode.FAILED_PRECONDITION
+    assert coordinator.store.count() == 0
+    assert code_of(lambda: other.fetch("k"))[0] == grpc.StatusCode.NOT_FOUND
+
+
+def test_publish_with_wrong_digest_is_refused_and_stores_nothing(coordinator):
+    c = client(coordinator.cfg.listen)
+    lease = c.acquire("k").lease
+    header = pb.PublishHeader(key="k", lease=lease, digest="0" * 64, size=len(DATA))
+    code, details = code_of(lambda: c.stub.Publish(publish_messages(header, DATA), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "digest" in details
+    assert coordinator.store.count() == 0
+    assert list(coordinator.store.tmp_dir.iterdir()) == []
+    # The holder keeps its lease and can publish the right bytes.
+    c.publish("k", lease, DATA, 1.0)
+    assert c.fetch("k")[1] == DATA
+
+
+def test_fetch_of_unknown_key_is_not_found(coordinator):
+    assert code_of(lambda: client(coordinator.cfg.listen).fetch("nope"))[0] == \
+        grpc.StatusCode.NOT_FOUND
+
+
+# -- release and expiry --------------------------------------------------------
+
+def test_failed_compile_releases_waiters_at_once(coordinator):
+    a, b = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
+    lease = a.acquire("k").lease
+    t, out = in_thread(lambda: b.wait("k", 60))
+    time.sleep(0.3)
+    start = time.monotonic()
+    a.release("k", lease, pb.COMPILE_FAILED, "boom")
+    t.join(10)
+    assert out["v"].decision == pb.COMPILE_LOCALLY
+    assert "failed" in out["v"].reason
+    assert time.monotonic() - start < 5
+
+
+def test_expired_holder_is_replaced_by_a_waiter(start_coordinator):
+    coordinator = start_coordinator(lease_ttl_s=2)
+    a, b = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
+    dead = a.acquire("k").lease  # never kept alive: the holder "died"
+    t, out = in_thread(lambda: b.wait("k", 60))
+    t.join(20)
+    assert out["v"].decision == pb.COMPILE
+    promoted = out["v"].lease
+    assert code_of(lambda: a.publish("k", dead, DATA, 1.0))[0] == \
+        grpc.StatusCode.FAILED_PRECONDITION
+    b.publish("k", promoted, DATA, 1.0)
+    assert a.fetch("k")[1] == DATA
+
+
+def test_keepalive_holds_the_lease_past_its_ttl(start_coordinator):
+    coordinator = start_coordinator(lease_ttl_s=2)
+    a = client(coordinator.cfg.listen)
+    lease = a.acquire("k").lease
+    for _ in range(4):
+        time.sleep(1)
+        assert a.keepalive("k", lease) > 0
+    a.publish("k", lease, DATA, 1.0)
+    assert a.keepalive("k", lease) == 0
+
+
+def test_wait_times_out_into_compile_locally(coordinator):
+    a, b = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
+    a.keep_lease("k", a.acquire("k").lease)
+    start = time.monotonic()
+    event = b.wait("k", 1.0)
+    assert event.decision == pb.COMPILE_LOCALLY and "timeout" in event.reason
+    assert time.monotonic() - start < 5
+
+
+# -- jobs ----------------------------------------------------------------------
+
+def test_designated_process_compiles_others_wait(coordinator):
+    target = coordinator.cfg.listen
+    p1 = client(target, job="j1", process_id=1, designated_process=0)
+    p0 = client(target, job="j1", process_id=0, designated_process=0)
+    assert p1.acquire("k").decision == pb.WAIT  # arrived first, still waits
+    resp = p0.acquire("k")
+    assert resp.decision == pb.COMPILE
+    t, out = in_thread(lambda: p1.wait("k", 30))
+    p0.publish("k", resp.lease, DATA, 1.0)
+    t.join(10)
+    assert out["v"].decision == pb.HIT
+
+
+# -- replicas and the worker ---------------------------------------------------
+
+def test_publish_on_one_replica_wakes_a_waiter_on_another(start_coordinator, tmp_path):
+    shared = tmp_path / "shared-store"
+    r1, r2 = start_coordinator(store_dir=shared), start_coordinator(store_dir=shared)
+    a, b = client(r1.cfg.listen), client(r2.cfg.listen)
+    lease = a.acquire("k").lease
+    assert b.acquire("k").decision == pb.WAIT
+    t, out = in_thread(lambda: b.wait("k", 30))
+    time.sleep(0.3)
+    a.publish("k", lease, DATA, 1.0)
+    t.join(10)
+    assert out["v"].decision == pb.HIT
+    assert b.fetch("k")[1] == DATA
+
+
+def test_worker_serves_host_hits_after_the_coordinator_is_gone(coordinator, start_worker):
+    worker = start_worker(coordinator.cfg.listen)
+    c = client(worker.target)
+    lease = c.acquire("k").lease
+    c.publish("k", lease, DATA, 3.0)
+    # Stop the coordinator: the host cache still answers.
+    coordinator.stop()
+    resp = c.acquire("k")
+    assert resp.decision == pb.HIT
+    assert c.fetch("k")[1] == DATA
+    assert worker.registry.get_sample_value("compilecast_worker_lookups_total",
+                                            {"result": "host_hit"}) == 1
+    # A miss with the coordinator gone: compile locally, at once.
+    start = time.monotonic()
+    miss = c.acquire("other")
+    assert miss.decision == pb.COMPILE_LOCALLY and "unreachable" in miss.reason
+    assert time.monotonic() - start < 6
+
+
+def test_worker_fills_its_cache_once_for_many_readers(coordinator, start_worker):
+    direct = client(coordinator.cfg.listen)
+    direct.publish("k", direct.acquire("k").lease, DATA, 1.0)
+    worker = start_worker(coordinator.cfg.listen)
+    readers = [in_thread(lambda: client(worker.target).fetch("k")[1]) for _ in range(6)]
+    for t, out in readers:
+        t.join(20)
+        assert out["v"] == DATA
+    reg = coordinator.registry
+    assert reg.get_sample_value("compilecast_coordinator_artifact_bytes_total",
+                                {"direction": "out"}) == len(DATA)
