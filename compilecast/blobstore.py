@@ -230,7 +230,7 @@ class DiskBlobStore:
         validate.digest(digest)
         path = self.path_of(digest)
         try:
-            f = open(path, "rb")  # noqa: SIM115 - closed in finally
+            f = open(path, "rb")
         except FileNotFoundError:
             raise NotFound(f"blob {digest} is not in the store") from None
         h = hashlib.sha256()

@@ -67,7 +67,7 @@ def start_etcd(cfg: UpConfig) -> subprocess.Popen:
                           "pass --etcd-port/--etcd-peer-port")
     data = cfg.home / "etcd"
     data.mkdir(parents=True, exist_ok=True)
-    logf = open(cfg.home / "etcd.log", "ab")  # noqa: SIM115 - owned by the child
+    logf = open(cfg.home / "etcd.log", "ab")
     peer = f"http://127.0.0.1:{cfg.etcd_peer_port}"
     client = f"http://127.0.0.1:{cfg.etcd_port}"
     proc = subprocess.Popen(

@@ -29,10 +29,10 @@ class Subscription:
     def set(self) -> None:
         self._event.set()
 
-    async def wait(self, timeout: float) -> bool:
-        """True if woken, False if `timeout` passed first."""
+    async def wait(self, seconds: float) -> bool:
+        """True if woken, False if `seconds` passed first."""
         try:
-            await asyncio.wait_for(self._event.wait(), timeout)
+            await asyncio.wait_for(self._event.wait(), seconds)
             return True
         except TimeoutError:
             return False

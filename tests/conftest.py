@@ -37,7 +37,7 @@ class EtcdProcess:
         self.client_port = free_port()
         self.peer_port = free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
-        self.log = open(data_dir / "etcd.log", "wb")  # noqa: SIM115
+        self.log = open(data_dir / "etcd.log", "wb")
         self.proc = subprocess.Popen(
             [binary, "--name", "test", "--data-dir", str(data_dir / "data"),
              "--listen-client-urls", f"http://{self.endpoint}",

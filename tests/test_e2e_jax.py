@@ -18,7 +18,6 @@ from .conftest import free_port
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).parent
 LAYERS, WIDTH = 48, 256
 
 
@@ -37,7 +36,7 @@ class Up:
         args = [sys.executable, "-m", "compilecast.cli", "up", "--home", str(self.home)]
         for name, port in self.ports.items():
             args += [f"--{name}", str(port)]
-        self.log = open(self.home.parent / f"{self.home.name}-up.log", "ab")  # noqa: SIM115
+        self.log = open(self.home.parent / f"{self.home.name}-up.log", "ab")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         wait_until_healthy(self.target, timeout_s=30)
 
@@ -73,7 +72,7 @@ def run_procs(n: int, target: str, *, extra_env: dict | None = None,
     env.update(extra_env or {})
     env.pop("COMPILECAST_ENABLE", None)
     start_at = time.time() + 5.0  # all processes start compiling at this moment
-    cmd = [sys.executable, str(HERE / "jax_proc.py"), str(LAYERS), str(WIDTH),
+    cmd = [sys.executable, "-m", "compilecast.demo_proc", str(LAYERS), str(WIDTH),
            "--start-at", str(start_at)]
     if no_compilecast:
         cmd.append("--no-compilecast")

@@ -42,10 +42,7 @@ class Worker:
         )
         listen = self.cfg.listen
         if listen.startswith("unix://"):
-            path = Path(listen.removeprefix("unix://"))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # stale socket of a previous run
+            _prepare_socket(Path(listen.removeprefix("unix://")))
         self.server.add_insecure_port(listen)
         await self.server.start()
         if listen.startswith("unix://"):
@@ -69,6 +66,12 @@ class Worker:
     async def serve(self, stop_event: asyncio.Event | None = None) -> None:
         await self.start()
         await serve_until_signal(self.server, on_stop=self._close, stop_event=stop_event)
+
+
+def _prepare_socket(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # stale socket of a previous run
 
 
 def run(cfg: WorkerConfig) -> None:

@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from compilecast import validate
+from compilecast.coordinator.service import publish_stream
 from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
 from compilecast.grpcutil import CHANNEL_OPTIONS, rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.coordinator.service import publish_stream
 
 from .hostcache import HostCache
 from .metrics import WorkerMetrics

@@ -1,7 +1,7 @@
-"""One JAX process of an end-to-end test: runs the demo training step and
-prints a JSON report on its last line.
+"""One JAX process of the demo and the end-to-end tests: runs the demo
+training step and prints a JSON report on its last line.
 
-Usage: python tests/jax_proc.py LAYERS WIDTH [--no-compilecast] [--start-at T]
+Usage: python -m compilecast.demo_proc LAYERS WIDTH [--no-compilecast] [--start-at T]
 Environment: COMPILECAST_WORKER (the worker), JAX_* as usual.
 """
 

@@ -1,0 +1,40 @@
+# compilecast: `make demo` and `make test` work on a fresh Debian/Ubuntu machine.
+PY      ?= python3
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+HELM_VERSION ?= v3.16.4
+GOBIN   ?= $(CURDIR)/bin
+HELM    := $(GOBIN)/helm
+STAMP   := .make-installed
+
+.PHONY: install demo test test-fast lint proto bench clean
+
+$(STAMP): pyproject.toml
+	@command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || \
+	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server etcd-client)
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m compilecast.demo
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+lint: install
+	$(PY) -m pip install -q ruff
+	$(PY) -m ruff check .
+
+proto:
+	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos \
+	  --grpc_python_out=protos protos/compilecast/v1/cache.proto
+
+bench: install
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(STAMP) build *.egg-info .pytest_cache

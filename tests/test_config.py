@@ -1,0 +1,45 @@
+"""Configuration: precedence, sources and clear errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from compilecast.config import ConfigError, CoordinatorConfig, WorkerConfig, load
+
+
+def test_flag_beats_env_beats_file_beats_default(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("lease_ttl_s: 7\nmetrics_port: 9000\netcd_prefix: /fromfile\n")
+    cfg, src = load(CoordinatorConfig, flags={"lease_ttl_s": "3"},
+                    env={"COMPILECAST_METRICS_PORT": "9100"}, file=str(f))
+    assert (cfg.lease_ttl_s, cfg.metrics_port, cfg.etcd_prefix) == (3, 9100, "/fromfile")
+    assert src["lease_ttl_s"] == "flag --lease-ttl-s"
+    assert src["metrics_port"] == "env COMPILECAST_METRICS_PORT"
+    assert src["etcd_prefix"].startswith("file ")
+    assert src["listen"] == "default"
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"COMPILECAST_LEASE_TTL_S": "soon"}, "lease_ttl_s='soon' from env"),
+    ({"COMPILECAST_LEASE_TTL_S": "0"}, "lease_ttl_s must be > 0"),
+    ({"COMPILECAST_LISTEN": "nowhere"}, "listen 'nowhere' is not host:port"),
+    ({"COMPILECAST_ETCD_PREFIX": "relative"}, "must start with '/'"),
+])
+def test_bad_values_name_the_setting(env, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(CoordinatorConfig, env=env)
+
+
+def test_unknown_file_keys_are_refused(tmp_path):
+    f = tmp_path / "w.yaml"
+    f.write_text("cache_max_byte: 10\n")
+    with pytest.raises(ConfigError, match=r"unknown settings.*cache_max_byte"):
+        load(WorkerConfig, env={}, file=str(f))
+
+
+def test_jax_share_binary_timeout_is_honoured(monkeypatch):
+    monkeypatch.setenv("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "1234")
+    cfg, _ = load(CoordinatorConfig, env={})
+    assert cfg.share_binary_between_hosts_timeout_ms == 1234
