@@ -12,7 +12,12 @@ JAX's persistent compilation cache has no public plugin hook. We use:
   0, where JAX never calls put), or released when the compile raised or the
   entry is under JAX's thresholds;
 - `combine_executable_and_time` / `compress_executable`, to write entries in
-  exactly JAX's own format.
+  exactly JAX's own format;
+- `jax._src.compilation_cache.get_cache_key`, replaced by compilecast's
+  canonical key (worker/keys.py), which is identical on every process of a
+  job and ignores names and debug metadata;
+- jaxlib's MLIR bindings (`jax._src.lib.mlir`, the HLO -> StableHLO
+  converter `_jax.mlir.hlo_to_stablehlo`) that the key library parses with.
 
 `check()` verifies every one of these exists with the expected signature and
 raises AdapterError naming what moved; tests/test_jax_adapter.py calls it so a
@@ -29,11 +34,17 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
+from jax._src import cache_key as _ck
 from jax._src import compilation_cache as _cc
 from jax._src import compiler as _compiler
 from jax._src import config as _config
 from jax._src import distributed as _distributed
 from jax._src.compilation_cache_interface import CacheInterface
+from jax._src.interpreters import mlir as _mlir
+from jax._src.lib import _jax
+from jax._src.lib import version_str as _jaxlib_version
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir import passmanager as _passmanager
 
 TESTED_JAX = ("0.10",)
 
@@ -50,6 +61,13 @@ _EXPECTED: list[tuple[Any, str, tuple[str, ...] | None]] = [
     (_cc, "_cache_initialized_mutex", None),
     (_cc, "combine_executable_and_time", ("serialized_executable", "compile_time")),
     (_cc, "compress_executable", ("executable",)),
+    (_cc, "get_cache_key", ("module", "devices", "compile_options", "backend",
+                            "ignore_callbacks")),
+    (_mlir, "make_ir_context", ()),
+    (_ck, "_hash_serialized_compile_options",
+     ("hash_obj", "compile_options_obj", "strip_device_assignment")),
+    (_ck, "xla_flags_to_exclude_from_cache_key", None),
+    (_jax.mlir, "hlo_to_stablehlo", None),
     (_compiler, "_cache_read",
      ("module_name", "cache_key", "compile_options", "backend", "executable_devices")),
     (_compiler, "_compile_and_write_cache",
@@ -80,6 +98,8 @@ def check() -> None:
 
 
 class Hooks(Protocol):
+    def cache_key(self, module: Any, devices: Any, compile_options: Any, backend: Any) -> str: ...
+
     def acquiring(self, key: str) -> contextlib.AbstractContextManager[None]: ...
 
     def compile(self, key: str, module_name: str, has_host_callbacks: bool,
@@ -125,6 +145,7 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
             _originals["_cache_read"] = _compiler._cache_read
             _originals["_compile_and_write_cache"] = _compiler._compile_and_write_cache
             _originals["share_binary"] = _config.share_binary_between_hosts.value
+            _originals["get_cache_key"] = _cc.get_cache_key
         orig_read = _originals["_cache_read"]
         orig_compile = _originals["_compile_and_write_cache"]
 
@@ -142,7 +163,11 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
                 serialize,
             )
 
+        def get_cache_key(module, devices, compile_options, backend, ignore_callbacks=None):
+            return hooks.cache_key(module, devices, compile_options, backend)
+
         _compiler._cache_read = _cache_read
+        _cc.get_cache_key = get_cache_key
         _compiler._compile_and_write_cache = _compile_and_write_cache
         # compilecast replaces JAX's own share-binary exchange.
         jax.config.update("jax_share_binary_between_hosts", False)
@@ -160,6 +185,7 @@ def uninstall() -> None:
         _compiler._cache_read = _originals.pop("_cache_read")
         _compiler._compile_and_write_cache = _originals.pop("_compile_and_write_cache")
         jax.config.update("jax_share_binary_between_hosts", _originals.pop("share_binary"))
+        _cc.get_cache_key = _originals.pop("get_cache_key")
         with _cc._cache_initialized_mutex:
             _cc._cache = None
             _cc._cache_initialized = False
@@ -170,3 +196,49 @@ def uninstall() -> None:
 def installed_cache() -> CacheInterface | None:
     return _cc._cache
 
+
+
+# -- the key library's view of jaxlib ------------------------------------------
+
+def mlir_context() -> Any:
+    """An MLIR context with every dialect JAX lowers to registered."""
+    return _mlir.make_ir_context()
+
+
+def strip_debuginfo(module: Any) -> None:
+    _passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+
+
+def hlo_to_stablehlo(hlo_module_proto: bytes) -> bytes:
+    """Convert a serialized HloModuleProto to StableHLO (MLIR bytecode)."""
+    return _jax.mlir.hlo_to_stablehlo(hlo_module_proto)
+
+
+def jaxlib_version() -> str:
+    return str(_jaxlib_version)
+
+
+def compile_options_bytes(compile_options: Any) -> bytes:
+    """CompileOptionsProto bytes without the debug-only fields JAX itself
+    leaves out of its key (dump paths and formats, forced device counts),
+    computed by JAX's own function so the two lists never drift apart."""
+    class _Capture:
+        data = b""
+
+        def update(self, b: bytes) -> None:
+            self.data += b
+
+    import copy
+
+    opts = copy.deepcopy(compile_options)
+    # A host-local path (JAX derives it from its own cache directory, which
+    # may differ per process); where autotune results are cached does not
+    # change generated code.
+    opts.executable_build_options.debug_options.xla_gpu_per_fusion_autotune_cache_dir = ""
+    cap = _Capture()
+    _ck._hash_serialized_compile_options(cap, opts, strip_device_assignment=False)
+    return cap.data
+
+
+def excluded_xla_flags() -> list[str]:
+    return list(_ck.xla_flags_to_exclude_from_cache_key)

@@ -29,7 +29,7 @@ import grpc
 from compilecast.config import default_worker_target
 from compilecast.v1 import cache_pb2 as pb
 
-from . import jax_adapter
+from . import jax_adapter, keys
 from .client import CacheClient, Identity
 
 log = logging.getLogger("compilecast.jax")
@@ -69,6 +69,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self.job = job
         self.client = CacheClient(target, timeout_s=rpc_timeout_s)
         self.stats = Stats()
+        self.key_config = keys.KeyConfig.from_env()
         self._held: dict[str, _Held] = {}
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -197,6 +198,17 @@ class CompilecastCache(jax_adapter.CacheInterface):
                         key, exc.code().name, held.lease.ttl_seconds)
 
     # -- hooks called by jax_adapter ---------------------------------------
+    def cache_key(self, module: Any, devices: Any, compile_options: Any,
+                  backend: Any) -> str | None:
+        """compilecast's canonical key (None: skip the cache, compile locally)."""
+        try:
+            key = keys.jax_key(module, devices, compile_options, backend, self.key_config)
+        except Exception as exc:  # never raise into JAX
+            self._fallback("?", f"cannot compute the cache key: {type(exc).__name__}: {exc}")
+            return None
+        log.debug("compilecast key %s components %s", key.value, key.components)
+        return key.value
+
     @contextlib.contextmanager
     def acquiring(self, key: str) -> Iterator[None]:
         self._local.acquiring = key

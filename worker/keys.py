@@ -1,0 +1,308 @@
+"""Canonical cache keys.
+
+A key is a versioned digest over named components; each component's digest
+is kept so `explain` can say which one caused a miss:
+
+    program          the canonical program (below)
+    compile_options  CompileOptionsProto minus debug-only fields (JAX only)
+    platform         backend platform and platform version (JAX only)
+    versions         jaxlib / XLA version
+    xla_flags        XLA_FLAGS and LIBTPU_INIT_ARGS that change code generation
+    topology         device kinds, count and the device assignment (JAX only)
+    compression      the entry format
+    key_version      bumps whenever canonicalization changes
+
+Canonicalization parses the program with jaxlib's MLIR (HloModuleProto input
+is first converted to StableHLO by XLA's own importer) and drops only what
+cannot change the executable:
+- debug locations, which is where every OpMetadata field (op_type, op_name,
+  source_file, source_line, stack frames) and every HLO instruction and
+  parameter name ends up (`strip-debuginfo`);
+- the module name (JAX puts the Python function name there; PyTorch/XLA a
+  global graph counter);
+- names of private functions: renamed to f0, f1, ... in order of
+  appearance, which also removes HLO computation names and unique ids;
+- the attributes in `ignore_attributes` (default: JAX's jax.arg_info and
+  jax.result_info, Python pytree paths that XLA never reads).
+Everything else stays, byte for byte, in MLIR bytecode: every element of every
+constant (bytecode never elides), shapes, dtypes, layouts, shardings, aliasing
+and donation, frontend attributes, backend configs, custom-call targets,
+precision configs, comparison directions, reductions and operand order. SSA
+value names are not part of MLIR bytecode, so instruction renumbering cannot
+change a key. A program that cannot be parsed is keyed by its raw bytes
+(sound, never metadata-agnostic) and the key says so (`program_format: raw`).
+
+`include_metadata=True` switches all of this off (as JAX's
+compilation_cache_include_metadata_in_key does): the key then covers the
+program's bytecode with locations and names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import jax_adapter
+
+KEY_VERSION = "1"
+KEY_PREFIX = "cc1-"
+DEFAULT_IGNORED_ATTRIBUTES = ("jax.arg_info", "jax.result_info")
+MLIR_BYTECODE_MAGIC = b"ML\xefR"
+
+
+@dataclass(frozen=True)
+class KeyConfig:
+    include_metadata: bool = False
+    ignore_attributes: tuple[str, ...] = DEFAULT_IGNORED_ATTRIBUTES
+    rename_private_functions: bool = True
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> KeyConfig:
+        env = os.environ if env is None else env
+        include = env.get("COMPILECAST_KEY_INCLUDE_METADATA", "").lower() in ("1", "true", "yes")
+        extra = tuple(a for a in env.get("COMPILECAST_KEY_IGNORE_ATTRIBUTES", "").split(",") if a)
+        return cls(include_metadata=include,
+                   ignore_attributes=DEFAULT_IGNORED_ATTRIBUTES + extra)
+
+
+@dataclass
+class Key:
+    components: dict[str, str] = field(default_factory=dict)
+    # Canonical program text for `explain` (only kept when asked for).
+    program_text: str | None = None
+
+    @property
+    def value(self) -> str:
+        h = hashlib.sha256()
+        for name in sorted(self.components):
+            h.update(f"{name}={self.components[name]}\n".encode())
+        return KEY_PREFIX + h.hexdigest()
+
+
+def _digest(data: bytes | str) -> str:
+    if isinstance(data, str):
+        data = data.encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+# -- formats -------------------------------------------------------------------
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if i >= len(buf):
+            raise ValueError("truncated varint")
+        b = buf[i]
+        i += 1
+        result |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            return result, i
+
+
+def hlo_module_bytes(data: bytes) -> bytes:
+    """The HloModuleProto inside an HloProto (field 1), or `data` itself when
+    it already is an HloModuleProto (whose field 1 is the name string)."""
+    i = 0
+    while i < len(data):
+        tag, i = _varint(data, i)
+        number, wire = tag >> 3, tag & 7
+        if wire == 2:
+            n, i = _varint(data, i)
+            if number == 1:
+                inner = data[i:i + n]
+                # HloModuleProto.name is a string; an HloProto's field 1 is a message.
+                try:
+                    inner.decode("utf-8")
+                    looks_like_name = n < 4096 and b"\n" not in inner[:1]
+                except UnicodeDecodeError:
+                    looks_like_name = False
+                return data if looks_like_name else inner
+            i += n
+        elif wire == 0:
+            _, i = _varint(data, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        else:
+            raise ValueError(f"not a protobuf message (wire type {wire})")
+    raise ValueError("no module in the protobuf message")
+
+
+def detect_format(data: bytes) -> str:
+    if data.startswith(MLIR_BYTECODE_MAGIC):
+        return "mlir-bytecode"
+    head = data[:4096]
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = ""
+    if text and ("module" in text or "func.func" in text or "stablehlo." in text
+                 or "mhlo." in text):
+        return "mlir-text"
+    return "hlo-proto"
+
+
+# -- canonicalization ------------------------------------------------------------
+
+def _strip_attributes(module: Any, names: tuple[str, ...]) -> None:
+    ir = jax_adapter.ir
+    drop = set(names)
+
+    def clean_dict(d: Any) -> Any:
+        kept = {a.name: a.attr for a in ir.DictAttr(d) if a.name not in drop}
+        return ir.DictAttr.get(kept)
+
+    def visit(op: Any) -> Any:
+        attrs = op.attributes
+        for name in drop:
+            if name in attrs:
+                del attrs[name]
+        for list_name in ("arg_attrs", "res_attrs"):
+            if list_name in attrs:
+                arr = ir.ArrayAttr(attrs[list_name])
+                attrs[list_name] = ir.ArrayAttr.get([clean_dict(d) for d in arr])
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+
+
+def _rename_private_functions(module: Any) -> None:
+    ir = jax_adapter.ir
+    body = module.body
+    private = []
+    for op in body.operations:
+        attrs = op.operation.attributes
+        if "sym_name" in attrs and "sym_visibility" in attrs and \
+                ir.StringAttr(attrs["sym_visibility"]).value == "private":
+            private.append(op)
+    # Two phases so that a new name never collides with an old one.
+    for phase, fmt in ((0, "__compilecast_tmp_{}"), (1, "f{}")):
+        for i, op in enumerate(private):
+            old = ir.StringAttr(op.operation.attributes["sym_name"]).value
+            new = fmt.format(i)
+            ir.SymbolTable.replace_all_symbol_uses(old, new, module.operation)
+            op.operation.attributes["sym_name"] = ir.StringAttr.get(new)
+        del phase
+
+
+def parse_program(data: bytes, fmt: str | None = None) -> tuple[Any, str]:
+    """Parse into an MLIR module (in a fresh context); returns (module, format)."""
+    fmt = fmt or detect_format(data)
+    ctx = jax_adapter.mlir_context()
+    with ctx:
+        if fmt == "hlo-proto":
+            data = jax_adapter.hlo_to_stablehlo(hlo_module_bytes(data))
+        if fmt == "mlir-text":
+            module = jax_adapter.ir.Module.parse(data.decode("utf-8"))
+        else:
+            module = jax_adapter.ir.Module.parse(data)
+    return module, fmt
+
+
+def canonicalize(module: Any, cfg: KeyConfig) -> Any:
+    """A canonical clone of `module` (the input is left untouched)."""
+    with module.context:
+        m = jax_adapter.ir.Module.parse(_bytecode(module))  # deep copy
+        if cfg.include_metadata:
+            return m
+        jax_adapter.strip_debuginfo(m)
+        if "sym_name" in m.operation.attributes:
+            del m.operation.attributes["sym_name"]
+        if cfg.ignore_attributes:
+            _strip_attributes(m, cfg.ignore_attributes)
+        if cfg.rename_private_functions:
+            _rename_private_functions(m)
+        return m
+
+
+def _bytecode(module: Any) -> bytes:
+    out = io.BytesIO()
+    module.operation.write_bytecode(file=out)
+    return out.getvalue()
+
+
+def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False
+                   ) -> tuple[str, str | None]:
+    canon = canonicalize(module, cfg)
+    text = canon.operation.get_asm(enable_debug_info=False) if keep_text else None
+    return _digest(_bytecode(canon)), text
+
+
+# -- keys ----------------------------------------------------------------------
+
+def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = False) -> Key:
+    """The key of a program file (HloProto/HloModuleProto, StableHLO text or
+    MLIR bytecode). Only program-level components: a file carries no
+    platform, flags or topology."""
+    cfg = cfg or KeyConfig()
+    key = Key()
+    try:
+        module, fmt = parse_program(data)
+        digest, text = program_digest(module, cfg, keep_text=keep_text)
+        key.program_text = text
+    except Exception:
+        fmt, digest = "raw", _digest(data)
+    key.components.update(program=digest, program_format=fmt, key_version=KEY_VERSION,
+                          include_metadata=str(cfg.include_metadata))
+    return key
+
+
+def xla_flags() -> list[str]:
+    excluded = set(jax_adapter.excluded_xla_flags())
+    flags = []
+    for var in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"):
+        flags.extend(os.environ.get(var, "").split())
+    return sorted(f for f in flags if f.split("=")[0] not in excluded)
+
+
+def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
+            cfg: KeyConfig | None = None) -> Key:
+    """The key of a program JAX is about to compile.
+
+    Identical on every process of a job: nothing process-specific goes in.
+    The device assignment (global device ids) is the same on every process;
+    the process index is not part of CompileOptions' serialized form that
+    changes the executable on CPU, see docs/keys.md.
+    """
+    cfg = cfg or KeyConfig()
+    digest, _ = program_digest(module, cfg)
+    kinds = sorted({str(d.device_kind) for d in devices.flat})
+    ids = [int(d.id) for d in devices.flat]
+    return Key(components={
+        "program": digest,
+        "program_format": "mlir",
+        "compile_options": _digest(jax_adapter.compile_options_bytes(compile_options)),
+        "platform": _digest(f"{backend.platform}\n{backend.platform_version}"),
+        "versions": _digest(f"jaxlib {jax_adapter.jaxlib_version()}"),
+        "xla_flags": _digest("\n".join(xla_flags())),
+        "topology": _digest(f"{kinds}\n{devices.shape}\n{ids}"),
+        "compression": "jax-entry-zstd",
+        "key_version": KEY_VERSION,
+        "include_metadata": str(cfg.include_metadata),
+    })
+
+
+def explain(a: Key, b: Key) -> list[str]:
+    """Human-readable differences between two keys."""
+    lines = []
+    for name in sorted(set(a.components) | set(b.components)):
+        va, vb = a.components.get(name, "-"), b.components.get(name, "-")
+        if va != vb:
+            lines.append(f"component {name} differs: {va[:16]} vs {vb[:16]}")
+    if a.program_text is not None and b.program_text is not None and \
+            a.components.get("program") != b.components.get("program"):
+        la, lb = a.program_text.splitlines(), b.program_text.splitlines()
+        for i, (x, y) in enumerate(zip(la, lb, strict=False)):
+            if x != y:
+                lines.append(f"first differing operation (canonical line {i + 1}):")
+                lines.append(f"  - {x.strip()}")
+                lines.append(f"  + {y.strip()}")
+                break
+        else:
+            lines.append(f"one program is a prefix of the other ({len(la)} vs {len(lb)} lines)")
+    return lines
