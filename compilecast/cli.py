@@ -123,6 +123,45 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if st.upstream_healthy else 1
 
 
+def _file_key(path: str, include_metadata: bool):
+    from compilecast.worker.keys import KeyConfig, program_key
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+    return program_key(data, KeyConfig(include_metadata=include_metadata), keep_text=True)
+
+
+class CliError(Exception):
+    """A readable command-line error (exit status 2)."""
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    for path in args.files:
+        key = _file_key(path, args.include_metadata)
+        fmt = key.components["program_format"]
+        note = "  (unparsed: keyed by raw bytes)" if fmt == "raw" else ""
+        print(f"{key.value}  {path}{note}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from compilecast.worker.keys import explain
+
+    a = _file_key(args.a, args.include_metadata)
+    b = _file_key(args.b, args.include_metadata)
+    if a.value == b.value:
+        print(f"same key {a.value}")
+        return 0
+    print(f"{a.value}  {args.a}")
+    print(f"{b.value}  {args.b}")
+    for line in explain(a, b):
+        print(line)
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="compilecast", description=__doc__)
     ap.add_argument("--version", action="version", version=f"compilecast {__version__}")
@@ -151,6 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_status)
 
+    p = sub.add_parser("key", help="print the canonical key of program files (like sha256sum)")
+    p.add_argument("files", nargs="+", help="HloProto/HloModuleProto, StableHLO text or MLIR bytecode")
+    p.add_argument("--include-metadata", action="store_true",
+                   help="keep debug metadata and names in the key")
+    p.set_defaults(fn=cmd_key)
+
+    p = sub.add_parser("explain", help="say which key components of two programs differ")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--include-metadata", action="store_true")
+    p.set_defaults(fn=cmd_explain)
+
     p = sub.add_parser("config", help="print the effective configuration and its sources")
     roles = p.add_subparsers(dest="role", required=True)
     for role, cls in (("coordinator", CoordinatorConfig), ("worker", WorkerConfig)):
@@ -168,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args) or 0)
     except ConfigError as exc:
         print(f"compilecast: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except CliError as exc:
+        print(f"compilecast: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

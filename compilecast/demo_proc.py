@@ -41,6 +41,22 @@ if not args.no_compilecast:
 
 params, x, y = make_inputs(args.layers, args.width)
 step = make_step()
+if args.distributed:
+    # One program over every device of the job: batch sharded, params replicated.
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rows = x.shape[0] // jax.process_count()
+    lo = jax.process_index() * rows
+
+    def shard(a, spec):
+        local = a[lo:lo + rows] if spec == P("data") else a
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local, a.shape)
+
+    params = jax.tree_util.tree_map(lambda a: shard(a, P()), params)
+    x, y = shard(x, P("data")), shard(y, P("data"))
 if args.start_at:
     time.sleep(max(0.0, args.start_at - time.time()))
 t0 = time.monotonic()
@@ -50,6 +66,9 @@ elapsed = time.monotonic() - t0
 
 requests = events.get("/jax/compilation_cache/compile_requests_use_cache", 0)
 hits = events.get("/jax/compilation_cache/cache_hits", 0)
+if args.distributed:  # replicated outputs: every process holds a full copy
+    new_params = jax.tree_util.tree_map(lambda a: a.addressable_data(0), new_params)
+    loss = loss.addressable_data(0)
 report = {
     "digest": result_digest(new_params, loss),
     "loss": float(loss),

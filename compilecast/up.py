@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from compilecast.config import CoordinatorConfig, WorkerConfig, default_home
+from compilecast.config import CoordinatorConfig, WorkerConfig, default_home, load
 
 log = logging.getLogger(__name__)
 
@@ -119,18 +119,22 @@ async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str) ->
 
 def run(cfg: UpConfig) -> int:
     cfg.home.mkdir(parents=True, exist_ok=True)
-    ccfg = CoordinatorConfig(
-        listen=f"127.0.0.1:{cfg.coordinator_port}",
-        etcd_endpoints=f"127.0.0.1:{cfg.etcd_port}",
-        store_dir=str(cfg.home / "coordinator"),
-        metrics_port=cfg.coordinator_metrics_port,
-    )
+    # `up` fixes where things listen; every other setting comes from the
+    # environment (COMPILECAST_LEASE_TTL_S, ...) as for the standalone roles.
+    ccfg, _ = load(CoordinatorConfig, flags={
+        "listen": f"127.0.0.1:{cfg.coordinator_port}",
+        "etcd_endpoints": f"127.0.0.1:{cfg.etcd_port}",
+        "store_dir": str(cfg.home / "coordinator"),
+        "metrics_port": cfg.coordinator_metrics_port,
+        "metrics_host": "127.0.0.1",
+        "etcd_prefix": "/compilecast/v1",
+    })
     sock = cfg.home / "worker.sock"
-    wcfg = WorkerConfig(listen=f"unix://{sock}", coordinator=ccfg.listen,
-                        cache_dir=str(cfg.home / "worker"),
-                        metrics_port=cfg.worker_metrics_port)
-    ccfg.validate()
-    wcfg.validate()
+    wcfg, _ = load(WorkerConfig, flags={
+        "listen": f"unix://{sock}", "coordinator": ccfg.listen,
+        "cache_dir": str(cfg.home / "worker"), "metrics_port": cfg.worker_metrics_port,
+        "metrics_host": "127.0.0.1",
+    })
     if _port_open(cfg.coordinator_port):
         raise UpError(f"port {cfg.coordinator_port} is taken (another `compilecast up`?)")
     etcd = start_etcd(cfg)

@@ -166,3 +166,29 @@ def start_worker(tmp_path, loop_thread):
     yield start
     for r in running:
         r.stop()
+
+
+@pytest.fixture
+def start_up(tmp_path):
+    """Start `compilecast up` as a real subprocess (stopped at teardown)."""
+    from .e2e import Up
+
+    started: list = []
+
+    def start(env: dict | None = None, name: str = "cc"):
+        home = tmp_path / name
+        home.mkdir()
+        u = Up(home, env)
+        u.start()
+        started.append(u)
+        return u
+
+    yield start
+    for u in started:
+        if u.proc is not None:
+            u.stop()
+
+
+@pytest.fixture
+def up(start_up):
+    return start_up()

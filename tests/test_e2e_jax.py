@@ -2,90 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
-from compilecast.worker.client import wait_until_healthy
-
-from .conftest import free_port
+from .e2e import run_procs
 
 pytestmark = pytest.mark.slow
-
-LAYERS, WIDTH = 48, 256
-
-
-class Up:
-    """`compilecast up` as a real subprocess on free ports."""
-
-    def __init__(self, home: Path) -> None:
-        self.home = home
-        self.ports = {name: free_port() for name in
-                      ("etcd-port", "etcd-peer-port", "coordinator-port",
-                       "coordinator-metrics-port", "worker-metrics-port")}
-        self.target = f"unix://{home / 'worker.sock'}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        args = [sys.executable, "-m", "compilecast.cli", "up", "--home", str(self.home)]
-        for name, port in self.ports.items():
-            args += [f"--{name}", str(port)]
-        self.log = open(self.home.parent / f"{self.home.name}-up.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until_healthy(self.target, timeout_s=30)
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(30)
-        self.log.close()
-        self.proc = None
-        return rc
-
-    def children_left(self) -> list[str]:
-        out = subprocess.run(["pgrep", "-af", f"--data-dir {self.home / 'etcd'}"],
-                             capture_output=True, text=True).stdout
-        return [line for line in out.splitlines() if "pgrep" not in line]
-
-
-@pytest.fixture
-def up(tmp_path):
-    home = tmp_path / "cc"
-    home.mkdir()
-    u = Up(home)
-    u.start()
-    yield u
-    if u.proc is not None:
-        u.stop()
-
-
-def run_procs(n: int, target: str, *, extra_env: dict | None = None,
-              no_compilecast: bool = False) -> list[dict]:
-    env = dict(os.environ, COMPILECAST_WORKER=target, JAX_PLATFORMS="cpu",
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    env.update(extra_env or {})
-    env.pop("COMPILECAST_ENABLE", None)
-    start_at = time.time() + 5.0  # all processes start compiling at this moment
-    cmd = [sys.executable, "-m", "compilecast.demo_proc", str(LAYERS), str(WIDTH),
-           "--start-at", str(start_at)]
-    if no_compilecast:
-        cmd.append("--no-compilecast")
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(n)]
-    reports = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
-        report = json.loads(out.strip().splitlines()[-1])
-        report["stderr"] = err
-        reports.append(report)
-    return reports
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -80,10 +81,14 @@ class CompilecastCache(jax_adapter.CacheInterface):
         ident = jax_adapter.process_identity()
         if ident is None and not self.job:
             return Identity()
-        pid, _count = ident or (0, 1)
+        if ident is not None:
+            pid = ident[0]
+        else:  # a job declared by configuration, outside jax.distributed
+            pid = int(os.environ.get("COMPILECAST_PROCESS_ID", "0") or 0)
         job = self.job or f"jaxdist-{jax_adapter.coordinator_address()}"
+        designated = int(os.environ.get("COMPILECAST_DESIGNATED_PROCESS", "0") or 0)
         # The designated compiler is the lowest process id (JAX's rule).
-        return Identity(job=job[:128], process_id=pid, designated_process=0)
+        return Identity(job=job[:128], process_id=pid, designated_process=designated)
 
     def _wait_timeout_s(self) -> float:
         ms = self.timeout_ms or jax_adapter.settings()["share_binary_between_hosts_timeout_ms"]
@@ -272,8 +277,6 @@ def enable(target: str | None = None, *, timeout_ms: int | None = None,
     serves. Returns None (and warns) if this JAX release cannot be hooked;
     JAX then compiles as usual.
     """
-    import os
-
     global _active
     target = target or os.environ.get("COMPILECAST_WORKER") or default_worker_target()
     if timeout_ms is None and os.environ.get("COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"):

@@ -1,0 +1,73 @@
+"""Multi-process jobs with real JAX processes: the designated process compiles,
+the others wait, nobody hangs when the holder dies."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from compilecast.worker.client import CacheClient
+
+from .conftest import free_port
+from .e2e import collect, run_procs, start_procs
+
+pytestmark = pytest.mark.slow
+
+
+def distributed_args(n: int) -> list[list[str]]:
+    addr = f"127.0.0.1:{free_port()}"
+    return [["--distributed", f"{addr},{n},{i}"] for i in range(n)]
+
+
+def test_distributed_job_compiles_once_and_a_rerun_compiles_nothing(up):
+    n = 2
+    reference = run_procs(n, "unix:///nonexistent", no_compilecast=True,
+                          args=distributed_args(n))
+    first = run_procs(n, up.target, args=distributed_args(n))
+    assert sum(r["xla_compiles"] for r in first) == 1, first
+    assert first[0]["compilecast"]["published"] == 1  # process 0 is the designated one
+    assert first[1]["compilecast"]["waits"] == 1 and first[1]["compilecast"]["hits"] == 1
+    assert {r["digest"] for r in first} == {reference[0]["digest"]}
+
+    again = run_procs(n, up.target, args=distributed_args(n))
+    assert sum(r["xla_compiles"] for r in again) == 0, again
+    assert {r["digest"] for r in again} == {reference[0]["digest"]}
+
+
+def _wait_for(predicate, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not reached")
+
+
+def test_holder_killed_mid_compile_a_waiter_is_promoted(start_up):
+    ttl = 3
+    up = start_up({"COMPILECAST_LEASE_TTL_S": str(ttl)})
+    status = CacheClient(up.target)
+    job = {"COMPILECAST_JOB": "killtest", "COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS":
+           "300000"}
+    per_process = [dict(job, COMPILECAST_PROCESS_ID=str(i)) for i in range(3)]
+    procs = start_procs(3, up.target, per_process=per_process, layers=400, width=384)
+    # Process 0 (designated) holds the lease while 1 and 2 wait: kill it then.
+    _wait_for(lambda: (s := status.status()).compiles_in_flight == 1 and s.waiters == 2)
+    procs[0].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    procs[0].communicate(timeout=10)
+    status.close()
+    survivors = collect(procs[1:])
+    waited = time.monotonic() - killed_at
+    assert sum(r["xla_compiles"] for r in survivors) == 1, survivors
+    promoted, loader = survivors
+    assert promoted["compilecast"]["promotions"] == 1  # the lowest-id waiter
+    assert promoted["compilecast"]["published"] == 1
+    assert loader["compilecast"]["hits"] == 1
+    assert loader["digest"] == promoted["digest"]
+    # Nobody sat out the 300 s share-binary timeout.
+    assert waited < 120, waited
+

@@ -1,0 +1,242 @@
+"""Canonical keys: a corpus generated with JAX in the tests, in all three formats.
+
+Pairs that must share a key differ only in what cannot change the executable;
+pairs that must not share one differ in exactly one thing that can.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compilecast.worker.keys import KeyConfig, detect_format, explain, program_key
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "torch_xla"
+FORMATS = ("mlir-text", "mlir-bytecode", "hlo-proto")
+
+
+def lowered_bytes(lowered, fmt: str) -> bytes:
+    if fmt == "mlir-text":
+        return lowered.as_text(debug_info=True).encode()
+    if fmt == "mlir-bytecode":
+        out = io.BytesIO()
+        lowered.compiler_ir("stablehlo").operation.write_bytecode(file=out)
+        return out.getvalue()
+    return lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+
+
+def key_of(lowered, fmt: str, **cfg) -> str:
+    data = lowered_bytes(lowered, fmt)
+    assert detect_format(data) == fmt
+    k = program_key(data, KeyConfig(**cfg))
+    assert k.components["program_format"] == fmt  # parsed, not keyed raw
+    return k.value
+
+
+def define(source: str, name: str, *, filename: str = "model.py", line: int = 0,
+           env: dict | None = None):
+    """Compile `source` as if it stood at `line` of `filename`; return `name`."""
+    ns = {"jax": jax, "jnp": jnp, "np": np, **(env or {})}
+    code = compile("\n" * line + textwrap.dedent(source), filename, "exec")
+    exec(code, ns)
+    return ns[name]
+
+
+STEP = """
+def helper(x):
+    return jnp.tanh(x) * 2.0
+
+def step(w, x):
+    h = jax.jit(helper)(x @ w)
+    return jnp.sum(h ** 2)
+"""
+ARGS = (jnp.ones((8, 8)), jnp.ones((4, 8)))
+
+
+def lower(fn, *args, **jit_kw):
+    return jax.jit(fn, **jit_kw).lower(*args)
+
+
+# -- must share a key ------------------------------------------------------------
+
+SAME = {
+    "another line": lambda: define(STEP, "step", line=40),
+    "another file": lambda: define(STEP, "step", filename="/elsewhere/other_model.py"),
+    "another python name": lambda: define(STEP.replace("def step", "def train_step"),
+                                          "train_step"),
+    "renamed helper": lambda: define(STEP.replace("helper", "my_renamed_fn"), "step"),
+    "renamed arguments": lambda: define(
+        STEP.replace("def step(w, x)", "def step(weights, inputs)")
+            .replace("x @ w", "inputs @ weights"), "step"),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("variant", sorted(SAME))
+def test_same_program_shares_a_key(variant, fmt):
+    base = key_of(lower(define(STEP, "step"), *ARGS), fmt)
+    assert key_of(lower(SAME[variant](), *ARGS), fmt) == base
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ids_and_names_renumbered_by_earlier_graphs_share_a_key(fmt):
+    first = key_of(lower(define(STEP, "step"), *ARGS), fmt)
+    for i in range(3):  # other graphs first: global name counters move
+        lower(define(STEP.replace("2.0", f"{i + 5}.0"), "step"), *ARGS).compiler_ir("hlo")
+    assert key_of(lower(define(STEP, "step"), *ARGS), fmt) == first
+
+
+def test_metadata_switch_puts_names_back_into_the_key():
+    a, b = lower(define(STEP, "step"), *ARGS), lower(define(STEP, "step", line=40), *ARGS)
+    assert key_of(a, "mlir-text") == key_of(b, "mlir-text")
+    assert key_of(a, "mlir-text", include_metadata=True) != \
+        key_of(b, "mlir-text", include_metadata=True)
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    ("mlp.hlo.pb", "mlp_moved_lines.hlo.pb", True),
+    ("mlp.hlo.pb", "mlp_other_file.hlo.pb", True),
+    ("mlp.hlo.pb", "mlp_after_other_graphs.hlo.pb", True),
+    ("mlp.hlo.pb", "mlp_wider.hlo.pb", False),
+    ("mlp.hlo.pb", "mlp_gelu.hlo.pb", False),
+])
+def test_pytorch_xla_dumps(a, b, same):
+    if not FIXTURES.exists():
+        pytest.fail(f"fixtures missing at {FIXTURES}")
+    ka = program_key((FIXTURES / a).read_bytes())
+    kb = program_key((FIXTURES / b).read_bytes())
+    assert ka.components["program_format"] == "hlo-proto"
+    assert (ka.value == kb.value) is same
+
+
+# -- must not share a key --------------------------------------------------------
+
+def _pair(f, g, *args, jit_f=None, jit_g=None):
+    return lower(f, *args, **(jit_f or {})), lower(g, *args, **(jit_g or {}))
+
+
+x4, y4 = jnp.arange(4.0), jnp.ones(4)
+big = np.arange(1000, dtype=np.float32)
+big_edit = big.copy()
+big_edit[-1] += 1
+m8 = jnp.ones((8, 8))
+
+DIFFERENT = {
+    "constant value": lambda: _pair(lambda x: x * 2.0, lambda x: x * 3.0, x4),
+    "one element of a large constant": lambda: _pair(
+        lambda x: x + jnp.asarray(big)[:4].sum() + jnp.asarray(big).max(),
+        lambda x: x + jnp.asarray(big_edit)[:4].sum() + jnp.asarray(big_edit).max(), x4),
+    "shape": lambda: (lower(lambda x: x * 2, jnp.ones(4)), lower(lambda x: x * 2, jnp.ones(5))),
+    "dtype": lambda: (lower(lambda x: x * 2, jnp.ones(4, jnp.float32)),
+                      lower(lambda x: x * 2, jnp.ones(4, jnp.bfloat16))),
+    "donation": lambda: _pair(lambda x: x * 2, lambda x: x * 2, x4,
+                              jit_g={"donate_argnums": 0}),
+    "precision config": lambda: _pair(
+        lambda a: jnp.dot(a, a, precision=jax.lax.Precision.DEFAULT),
+        lambda a: jnp.dot(a, a, precision=jax.lax.Precision.HIGHEST), m8),
+    "comparison direction": lambda: _pair(lambda x, y: jnp.where(x < y, x, y),
+                                          lambda x, y: jnp.where(x > y, x, y), x4, y4),
+    "reduction computation": lambda: _pair(lambda x: jnp.max(x), lambda x: jnp.min(x), x4),
+    "operand order": lambda: _pair(lambda x, y: x - y, lambda x, y: y - x, x4, y4),
+    "custom call": lambda: _pair(lambda a: jnp.linalg.cholesky(a @ a.T + 8 * jnp.eye(8)),
+                                 lambda a: jnp.linalg.qr(a)[1], m8),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("variant", sorted(DIFFERENT))
+def test_programs_that_differ_get_different_keys(variant, fmt):
+    a, b = DIFFERENT[variant]()
+    assert key_of(a, fmt) != key_of(b, fmt)
+
+
+# Attributes JAX does not emit on CPU by itself: edit real lowered text.
+TEXT_EDITS = {
+    "sharding": ('"{replicated}"', '"{maximal device=0}"'),
+    "frontend attribute": ('_xla_compute_type = "host"', '_xla_compute_type = "dev"'),
+    "custom-call target": ("@my_kernel_a", "@my_kernel_b"),
+    "backend config": ('backend_config = "cfg-a"', 'backend_config = "cfg-b"'),
+    "layout": ("result_layout = dense<[0, 1]>", "result_layout = dense<[1, 0]>"),
+}
+EDIT_PROGRAM = """
+module @m {
+  func.func public @main(%arg0: tensor<4x4xf32> {mhlo.sharding = "{replicated}"}) -> tensor<4x4xf32> {
+    %0 = stablehlo.custom_call @my_kernel_a(%arg0) {backend_config = "cfg-a"} : (tensor<4x4xf32>) -> tensor<4x4xf32>
+    %1 = stablehlo.transpose %0, dims = [1, 0] {result_layout = dense<[0, 1]> : tensor<2xindex>} : (tensor<4x4xf32>) -> tensor<4x4xf32>
+    %2 = stablehlo.add %1, %arg0 {mhlo.frontend_attributes = {_xla_compute_type = "host"}} : tensor<4x4xf32>
+    return %2 : tensor<4x4xf32>
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("variant", sorted(TEXT_EDITS))
+def test_attribute_edits_change_the_key(variant):
+    old, new = TEXT_EDITS[variant]
+    assert old in EDIT_PROGRAM
+    a = program_key(EDIT_PROGRAM.encode())
+    b = program_key(EDIT_PROGRAM.replace(old, new).encode())
+    assert a.components["program_format"] == "mlir-text"
+    assert a.value != b.value
+
+
+def test_explain_names_the_first_differing_operation():
+    a, b = DIFFERENT["operand order"]()
+    ka = program_key(lowered_bytes(a, "mlir-text"), keep_text=True)
+    kb = program_key(lowered_bytes(b, "mlir-text"), keep_text=True)
+    lines = explain(ka, kb)
+    assert lines[0].startswith("component program differs")
+    assert any("stablehlo.subtract" in line for line in lines)
+
+
+def test_unparseable_input_is_keyed_by_its_bytes():
+    a = program_key(b"\x00\x01 not a program")
+    b = program_key(b"\x00\x01 not a program!")
+    assert a.components["program_format"] == "raw"
+    assert a.value != b.value
+
+
+# -- properties -----------------------------------------------------------------
+
+LOC = re.compile(r'loc\("[^"]*":\d+:\d+(?: to \d*:\d+)?\)')
+BASE_TEXT = lower(define(STEP, "step"), *ARGS).as_text(debug_info=True)
+BASE_KEY = program_key(BASE_TEXT.encode()).value
+
+paths = st.text(alphabet="abcdefghij/_.", min_size=1, max_size=30)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(paths, st.integers(1, 99999), st.integers(0, 999)),
+                min_size=1, max_size=8))
+def test_random_metadata_edits_never_change_the_key(edits):
+    assert LOC.search(BASE_TEXT), "the corpus program must carry source locations"
+    it = iter(edits * 100)
+
+    def repl(_m):
+        path, line, col = next(it)
+        return f'loc("{path}":{line}:{col} to :{col + 5})'
+
+    edited = LOC.sub(repl, BASE_TEXT)
+    assert edited != BASE_TEXT
+    edited = edited.replace("@jit_step", "@jit_renamed").replace('loc("step"', 'loc("other"')
+    assert program_key(edited.encode()).value == BASE_KEY
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.floats(-1e6, 1e6, allow_nan=False, width=32), st.floats(-1e6, 1e6, allow_nan=False,
+                                                                    width=32))
+def test_random_constant_edits_always_change_the_key(c1, c2):
+    if np.float32(c1).tobytes() == np.float32(c2).tobytes():
+        return
+    text = lower(lambda x: x * c1, x4).as_text(debug_info=True)
+    other = lower(lambda x: x * c2, x4).as_text(debug_info=True)
+    assert program_key(text.encode()).value != program_key(other.encode()).value
