@@ -147,11 +147,37 @@ def cmd_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seen_key(key: str, worker: str):
+    """A Key built from what the coordinator recorded about `key`."""
+    import grpc
+
+    from compilecast.worker.client import CacheClient
+    from compilecast.worker.keys import Key
+
+    client = CacheClient(worker)
+    try:
+        d = client.describe(key)
+    except grpc.RpcError as exc:
+        raise CliError(f"{key}: {exc.details()}") from None
+    finally:
+        client.close()
+    k = Key(components=dict(d.key_components))
+    return k
+
+
+def _explain_operand(arg: str, args: argparse.Namespace):
+    from compilecast.worker.keys import KEY_PREFIX
+
+    if arg.startswith(KEY_PREFIX) and not Path(arg).exists():
+        return _seen_key(arg, args.worker)
+    return _file_key(arg, args.include_metadata)
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from compilecast.worker.keys import explain
 
-    a = _file_key(args.a, args.include_metadata)
-    b = _file_key(args.b, args.include_metadata)
+    a = _explain_operand(args.a, args)
+    b = _explain_operand(args.b, args)
     if a.value == b.value:
         print(f"same key {a.value}")
         return 0
@@ -196,10 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep debug metadata and names in the key")
     p.set_defaults(fn=cmd_key)
 
-    p = sub.add_parser("explain", help="say which key components of two programs differ")
+    p = sub.add_parser("explain", help="say which key components of two programs (files, or "
+                                       "keys the coordinator has seen) differ")
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--include-metadata", action="store_true")
+    p.add_argument("--worker", default=default_worker_target())
     p.set_defaults(fn=cmd_explain)
 
     p = sub.add_parser("config", help="print the effective configuration and its sources")

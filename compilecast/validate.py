@@ -49,3 +49,20 @@ def lease(lease) -> None:  # a compilecast.v1.Lease
         raise InvalidRequest("lease.id is missing: pass the lease returned with COMPILE")
     if lease.revision <= 0:
         raise InvalidRequest("lease.revision is missing: pass the lease returned with COMPILE")
+
+
+MAX_COMPONENTS = 32
+COMPONENT_NAME_RE = re.compile(r"^[a-z0-9_]{1,64}$")
+PROGRAM_NAME_RE = re.compile(r"^[\x21-\x7e]{0,200}$")
+
+
+def components(comps, program_name: str) -> None:
+    if len(comps) > MAX_COMPONENTS:
+        raise InvalidRequest(f"at most {MAX_COMPONENTS} key_components, got {len(comps)}")
+    for name, value in comps.items():
+        if not COMPONENT_NAME_RE.match(name):
+            raise InvalidRequest(f"key component name {name[:80]!r} is invalid: use [a-z0-9_]{{1,64}}")
+        if len(value) > 128:
+            raise InvalidRequest(f"key component {name} is longer than 128 characters")
+    if not PROGRAM_NAME_RE.match(program_name):
+        raise InvalidRequest("program_name must be at most 200 printable ASCII characters")

@@ -50,6 +50,12 @@ class CoordinatorMetrics:
             "compilecast_coordinator_waiters", "Waits in progress on this replica",
             registry=registry,
         )
+        self.misses_by_component = Counter(
+            "compilecast_coordinator_misses_by_component",
+            "Compiles by the key component that differed from the nearest earlier key of "
+            "the same program name (new_program: no earlier key)",
+            ["component"], registry=registry,
+        )
         self.corrupt_blobs = Counter(
             "compilecast_coordinator_corrupt_blobs",
             "Stored blobs that failed digest verification and were quarantined",

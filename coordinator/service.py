@@ -38,7 +38,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
 
     @rpc_errors
     async def Acquire(self, request, context):
-        return await self.state.acquire(request.key, request.requester)
+        return await self.state.acquire(request.key, request.requester,
+                                        dict(request.key_components), request.program_name)
 
     @rpc_errors
     async def Wait(self, request, context):
@@ -71,6 +72,10 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def KeepAlive(self, request, context):
         ttl = await self.state.keepalive(request.key, request.lease)
         return pb.KeepAliveResponse(ttl_seconds=ttl)
+
+    @rpc_errors
+    async def DescribeKey(self, request, context):
+        return await self.state.describe(request.key)
 
     @rpc_errors
     async def Status(self, request, context):

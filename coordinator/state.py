@@ -6,6 +6,8 @@ etcd layout under the prefix P (KEY is a validated cache key, so it holds no '/'
     P/l/KEY              compile lease record (JSON), attached to the holder's etcd lease
     P/x/KEY              "compile locally" verdict, attached to a short etcd lease
     P/w/KEY/RANK/ID      a registered waiter, attached to this replica's session lease
+    P/k/KEY              the key's component digests and program name (for `explain`)
+    P/n/NAMEHASH/KEY     index of keys by program name (nearest earlier key on a miss)
 
 Lease rules (the invariants everything else leans on):
 - P/l/KEY is created only by a txn that checks P/l/KEY, P/a/KEY and P/x/KEY are all
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -203,10 +206,56 @@ class CoordinatorState:
         if holder.get("lease") != lease.id or rec.mod_revision != lease.revision:
             raise LeaseError(f"the compile lease for key {key} is held by someone else")
 
+    # -- key records (explaining misses) ---------------------------------
+    def _name_prefix(self, program_name: str) -> bytes:
+        return self.prefix + f"/n/{hashlib.sha256(program_name.encode()).hexdigest()[:32]}/".encode()
+
+    async def _record_key(self, key: str, program_name: str, comps: dict[str, str]) -> None:
+        """Remember a key's components; count the miss by what differed from
+        the nearest earlier key of the same program name."""
+        try:
+            if not comps or await self.etcd.get(self._k("k", key)) is not None:
+                return
+            earlier = await self.etcd.get_prefix(self._name_prefix(program_name), limit=64)
+            best: list[str] | None = None
+            for kv in earlier:
+                other = await self.etcd.get(self._k("k", kv.key.rsplit(b"/", 1)[1].decode()))
+                if other is None:
+                    continue
+                theirs = json.loads(other.value).get("components", {})
+                diff = sorted(n for n in set(comps) | set(theirs) if comps.get(n) != theirs.get(n))
+                if best is None or len(diff) < len(best):
+                    best = diff
+            for component in ["new_program"] if best is None else best:
+                self.metrics.misses_by_component.labels(component).inc()
+            record = json.dumps({"program_name": program_name, "components": comps,
+                                 "first_seen": time.time()}).encode()
+            await self.etcd.txn([cmp_absent(self._k("k", key))],
+                                [op_put(self._k("k", key), record),
+                                 op_put(self._name_prefix(program_name) + key.encode(), b"")])
+        except Exception as exc:  # bookkeeping only; never fails a decision
+            log.debug("could not record key %s: %s", key, exc)
+
+    async def describe(self, key: str) -> pb.DescribeKeyResponse:
+        validate.key(key)
+        rec, art = await self.etcd.get_many([self._k("k", key), self._k("a", key)])
+        if rec is None:
+            raise NotFound(f"the coordinator has not seen key {key}")
+        d = json.loads(rec.value)
+        resp = pb.DescribeKeyResponse(key=key, program_name=d.get("program_name", ""),
+                                      first_seen_unix=d.get("first_seen", 0.0))
+        resp.key_components.update(d.get("components", {}))
+        if art is not None:
+            resp.artifact.CopyFrom(_info_from(key, art.value))
+        return resp
+
     # -- Acquire ---------------------------------------------------------
-    async def acquire(self, key: str, req: pb.Requester) -> pb.AcquireResponse:
+    async def acquire(self, key: str, req: pb.Requester,
+                      components: dict[str, str] | None = None,
+                      program_name: str = "") -> pb.AcquireResponse:
         validate.key(key)
         validate.requester(req)
+        validate.components(components or {}, program_name)
         try:
             resp = await self._decide(key, req)
         except Unavailable as exc:
@@ -214,6 +263,8 @@ class CoordinatorState:
                                       reason=f"coordinator cannot reach etcd: {exc}")
         self.metrics.lookups.labels("hit" if resp.decision == pb.HIT else "miss").inc()
         self.metrics.decisions.labels(pb.Decision.Name(resp.decision).lower()).inc()
+        if resp.decision == pb.COMPILE and components:
+            self._spawn(self._record_key(key, program_name, dict(components)))
         return resp
 
     async def _decide(self, key: str, req: pb.Requester) -> pb.AcquireResponse:

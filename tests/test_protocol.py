@@ -250,3 +250,37 @@ def test_worker_fills_its_cache_once_for_many_readers(coordinator, start_worker)
     reg = coordinator.registry
     assert reg.get_sample_value("compilecast_coordinator_artifact_bytes_total",
                                 {"direction": "out"}) == len(DATA)
+
+
+# -- explaining misses -----------------------------------------------------------
+
+def test_misses_are_counted_by_the_component_that_differed(coordinator):
+    c = client(coordinator.cfg.listen)
+    base = {"program": "p1", "compile_options": "o1", "platform": "cpu"}
+    assert c.acquire("k1", components=base, program_name="jit_step").decision == pb.COMPILE
+    changed = dict(base, compile_options="o2")
+    assert c.acquire("k2", components=changed, program_name="jit_step").decision == pb.COMPILE
+    reg = coordinator.registry
+
+    def count(component):
+        return reg.get_sample_value("compilecast_coordinator_misses_by_component_total",
+                                    {"component": component})
+
+    deadline = time.monotonic() + 10
+    while count("compile_options") is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # recorded in the background
+    assert count("new_program") == 1
+    assert count("compile_options") == 1
+    assert count("program") is None
+    d = c.describe("k2")
+    assert d.program_name == "jit_step" and dict(d.key_components) == changed
+
+
+def test_malformed_key_components_are_invalid_argument(coordinator):
+    c = client(coordinator.cfg.listen)
+    for comps, name in (({"Bad Name": "x"}, ""), ({f"c{i}": "x" for i in range(40)}, ""),
+                        ({"program": "x" * 200}, ""), ({}, "name with spaces")):
+        code, _ = code_of(lambda comps=comps, name=name:
+                          c.acquire("k", components=comps, program_name=name))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: c.describe("never-seen"))[0] == grpc.StatusCode.NOT_FOUND

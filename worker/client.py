@@ -64,11 +64,16 @@ class CacheClient:
         self._channel.close()
 
     # -- decisions -------------------------------------------------------
-    def acquire(self, key: str) -> pb.AcquireResponse:
+    def acquire(self, key: str, *, components: dict[str, str] | None = None,
+                program_name: str = "") -> pb.AcquireResponse:
         return self.stub.Acquire(
-            pb.AcquireRequest(key=key, requester=self.identity.requester()),
+            pb.AcquireRequest(key=key, requester=self.identity.requester(),
+                              key_components=components or {}, program_name=program_name),
             timeout=self.timeout_s,
         )
+
+    def describe(self, key: str) -> pb.DescribeKeyResponse:
+        return self.stub.DescribeKey(pb.DescribeKeyRequest(key=key), timeout=self.timeout_s)
 
     def wait(self, key: str, timeout_s: float) -> pb.WaitEvent:
         """Wait until HIT, promotion (COMPILE) or COMPILE_LOCALLY.

@@ -43,7 +43,7 @@ from jax._src.compilation_cache_interface import CacheInterface
 from jax._src.interpreters import mlir as _mlir
 from jax._src.lib import _jax
 from jax._src.lib import version_str as _jaxlib_version
-from jax._src.lib.mlir import ir
+from jax._src.lib.mlir import ir  # noqa: F401 - re-exported for worker/keys.py
 from jax._src.lib.mlir import passmanager as _passmanager
 
 TESTED_JAX = ("0.10",)

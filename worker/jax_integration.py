@@ -72,6 +72,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self.stats = Stats()
         self.key_config = keys.KeyConfig.from_env()
         self._held: dict[str, _Held] = {}
+        self._described: dict[str, tuple[str, dict[str, str]]] = {}
         self._local = threading.local()
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -138,7 +139,9 @@ class CompilecastCache(jax_adapter.CacheInterface):
 
     def _decide(self, key: str) -> bytes | None:
         self.client.identity = self._identity()
-        resp = self.client.acquire(key)
+        with self._lock:
+            name, components = self._described.pop(key, ("", {}))
+        resp = self.client.acquire(key, components=components, program_name=name)
         if resp.decision == pb.HIT:
             return self._fetch_hit(key, resp.artifact)
         if resp.decision == pb.COMPILE:
@@ -211,7 +214,12 @@ class CompilecastCache(jax_adapter.CacheInterface):
         except Exception as exc:  # never raise into JAX
             self._fallback("?", f"cannot compute the cache key: {type(exc).__name__}: {exc}")
             return None
-        log.debug("compilecast key %s components %s", key.value, key.components)
+        name = str(jax_adapter.ir.StringAttr(module.operation.attributes["sym_name"]).value) \
+            if "sym_name" in module.operation.attributes else ""
+        with self._lock:
+            self._described[key.value] = (name[:200], key.components)
+        log.debug("compilecast key %s of %s components %s", key.value, name, key.components,
+                  extra={"key": key.value})
         return key.value
 
     @contextlib.contextmanager

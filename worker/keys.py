@@ -171,23 +171,72 @@ def _strip_attributes(module: Any, names: tuple[str, ...]) -> None:
     module.operation.walk(visit)
 
 
-def _rename_private_functions(module: Any) -> None:
+def _remap_symbols(attr: Any, mapping: dict[str, str]) -> Any | None:
+    """`attr` with symbol references renamed, or None when nothing changed."""
     ir = jax_adapter.ir
-    body = module.body
-    private = []
-    for op in body.operations:
+    if isinstance(attr, ir.FlatSymbolRefAttr):
+        name = attr.value
+        return ir.FlatSymbolRefAttr.get(mapping[name]) if name in mapping else None
+    if isinstance(attr, ir.ArrayAttr):
+        items = list(attr)
+        new = [_remap_symbols(a, mapping) for a in items]
+        if any(n is not None for n in new):
+            return ir.ArrayAttr.get([n if n is not None else a for a, n in zip(items, new,
+                                                                                strict=True)])
+        return None
+    if isinstance(attr, ir.DictAttr):
+        entries = {a.name: a.attr for a in attr}
+        new = {k: _remap_symbols(v, mapping) for k, v in entries.items()}
+        if any(v is not None for v in new.values()):
+            return ir.DictAttr.get({k: new[k] if new[k] is not None else v
+                                    for k, v in entries.items()})
+        return None
+    # Nested references (@outer::@inner) do not occur in XLA programs; leaving
+    # one unrenamed can only cause a miss, never a collision.
+    return None
+
+
+def _body(module: Any) -> Any:
+    return module.operation.regions[0].blocks[0]
+
+
+def _rename_private_functions(module: Any) -> None:
+    """Rename private functions to f0, f1, ... in order of appearance, with
+    one walk over the module (not one per function)."""
+    ir = jax_adapter.ir
+    mapping: dict[str, str] = {}
+    for op in _body(module).operations:
         attrs = op.operation.attributes
         if "sym_name" in attrs and "sym_visibility" in attrs and \
                 ir.StringAttr(attrs["sym_visibility"]).value == "private":
-            private.append(op)
-    # Two phases so that a new name never collides with an old one.
-    for phase, fmt in ((0, "__compilecast_tmp_{}"), (1, "f{}")):
-        for i, op in enumerate(private):
-            old = ir.StringAttr(op.operation.attributes["sym_name"]).value
-            new = fmt.format(i)
-            ir.SymbolTable.replace_all_symbol_uses(old, new, module.operation)
-            op.operation.attributes["sym_name"] = ir.StringAttr.get(new)
-        del phase
+            mapping[ir.StringAttr(attrs["sym_name"]).value] = f"f{len(mapping)}"
+    if not mapping:
+        return
+    # Public names are kept; a private one renamed onto a public name would
+    # collide, so such a module keeps its names (a miss at worst).
+    public = {ir.StringAttr(op.operation.attributes["sym_name"]).value
+              for op in _body(module).operations
+              if "sym_name" in op.operation.attributes} - set(mapping)
+    if public & set(mapping.values()):
+        return
+
+    def visit(op: Any) -> Any:
+        attrs = op.attributes
+        for name in [a if isinstance(a, str) else a.name for a in attrs]:
+            if name == "sym_name":
+                continue
+            new = _remap_symbols(attrs[name], mapping)
+            if new is not None:
+                attrs[name] = new
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    for op in _body(module).operations:
+        attrs = op.operation.attributes
+        if "sym_name" in attrs:
+            old = ir.StringAttr(attrs["sym_name"]).value
+            if old in mapping:
+                attrs["sym_name"] = ir.StringAttr.get(mapping[old])
 
 
 def parse_program(data: bytes, fmt: str | None = None) -> tuple[Any, str]:
@@ -204,10 +253,10 @@ def parse_program(data: bytes, fmt: str | None = None) -> tuple[Any, str]:
     return module, fmt
 
 
-def canonicalize(module: Any, cfg: KeyConfig) -> Any:
-    """A canonical clone of `module` (the input is left untouched)."""
+def canonicalize(module: Any, cfg: KeyConfig, *, copy: bool = True) -> Any:
+    """A canonical form of `module` (a clone unless copy=False)."""
     with module.context:
-        m = jax_adapter.ir.Module.parse(_bytecode(module))  # deep copy
+        m = module.operation.clone() if copy else module  # an Operation works as a Module here
         if cfg.include_metadata:
             return m
         jax_adapter.strip_debuginfo(m)
@@ -226,9 +275,9 @@ def _bytecode(module: Any) -> bytes:
     return out.getvalue()
 
 
-def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False
-                   ) -> tuple[str, str | None]:
-    canon = canonicalize(module, cfg)
+def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
+                   copy: bool = True) -> tuple[str, str | None]:
+    canon = canonicalize(module, cfg, copy=copy)
     text = canon.operation.get_asm(enable_debug_info=False) if keep_text else None
     return _digest(_bytecode(canon)), text
 
@@ -243,7 +292,7 @@ def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = 
     key = Key()
     try:
         module, fmt = parse_program(data)
-        digest, text = program_digest(module, cfg, keep_text=keep_text)
+        digest, text = program_digest(module, cfg, keep_text=keep_text, copy=False)
         key.program_text = text
     except Exception:
         fmt, digest = "raw", _digest(data)

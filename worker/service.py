@@ -119,6 +119,13 @@ class WorkerService(rpc.CompileCacheServicer):
             raise _relay(exc) from None
 
     @rpc_errors
+    async def DescribeKey(self, request, context):
+        try:
+            return await self.up.DescribeKey(request, timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _relay(exc) from None
+
+    @rpc_errors
     async def KeepAlive(self, request, context):
         try:
             return await self.up.KeepAlive(request, timeout=self.rpc_timeout_s)

@@ -68,12 +68,23 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("key", "requester")
+    __slots__ = ("key", "requester", "key_components", "program_name")
+    class KeyComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    KEY_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_NAME_FIELD_NUMBER: _ClassVar[int]
     key: str
     requester: Requester
-    def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ...) -> None: ...
+    key_components: _containers.ScalarMap[str, str]
+    program_name: str
+    def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., key_components: _Optional[_Mapping[str, str]] = ..., program_name: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("decision", "artifact", "lease", "reason")
@@ -184,6 +195,33 @@ class KeepAliveResponse(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ttl_seconds: int
     def __init__(self, ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class DescribeKeyRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class DescribeKeyResponse(_message.Message):
+    __slots__ = ("key", "program_name", "key_components", "first_seen_unix", "artifact")
+    class KeyComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    program_name: str
+    key_components: _containers.ScalarMap[str, str]
+    first_seen_unix: float
+    artifact: ArtifactInfo
+    def __init__(self, key: _Optional[str] = ..., program_name: _Optional[str] = ..., key_components: _Optional[_Mapping[str, str]] = ..., first_seen_unix: _Optional[float] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

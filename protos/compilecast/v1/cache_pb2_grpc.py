@@ -64,6 +64,11 @@ class CompileCacheStub:
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=compilecast_dot_v1_dot_cache__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.DescribeKey = channel.unary_unary(
+                '/compilecast.v1.CompileCache/DescribeKey',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.DescribeKeyRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.DescribeKeyResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/compilecast.v1.CompileCache/Status',
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.StatusRequest.SerializeToString,
@@ -117,6 +122,13 @@ class CompileCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeKey(self, request, context):
+        """What the coordinator recorded about a key (for `compilecast explain`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Counters for operators and `compilecast status`.
         """
@@ -156,6 +168,11 @@ def add_CompileCacheServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=compilecast_dot_v1_dot_cache__pb2.KeepAliveRequest.FromString,
                     response_serializer=compilecast_dot_v1_dot_cache__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'DescribeKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeKey,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.DescribeKeyRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.DescribeKeyResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -325,6 +342,33 @@ class CompileCache:
             '/compilecast.v1.CompileCache/KeepAlive',
             compilecast_dot_v1_dot_cache__pb2.KeepAliveRequest.SerializeToString,
             compilecast_dot_v1_dot_cache__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/DescribeKey',
+            compilecast_dot_v1_dot_cache__pb2.DescribeKeyRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.DescribeKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

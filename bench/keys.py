@@ -1,0 +1,115 @@
+"""Key computation time against sha256 of the same serialized module.
+
+    python bench/keys.py [--sizes-mb 0.1 1 10 100]
+
+For each target size it builds a real JAX program (op-heavy: a deep MLP
+training step; or constant-heavy for the largest sizes), serializes it as MLIR
+bytecode and as an HloModuleProto, and times side by side, in one process:
+  sha256      hashlib.sha256 over the serialized bytes
+  cc-key      compilecast's canonical program key (parse, canonicalize, hash)
+  jax-key     JAX's own canonicalization (strip-debuginfo + bytecode), bytecode only
+Peak RSS of each key computation is measured in a fresh subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def build(size_mb: float) -> tuple[bytes, bytes, str]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from compilecast.demo_step import make_inputs, make_step
+
+    if size_mb >= 5:  # constant-heavy: one big baked-in table
+        table = np.random.default_rng(0).standard_normal(int(size_mb * 2**20 / 4),
+                                                          dtype=np.float32)
+        lowered = jax.jit(lambda x: x + jnp.asarray(table).sum()).lower(jnp.ones(4))
+        kind = "constants"
+    else:  # op-heavy: MLIR bytecode takes ~420 bytes per layer of this training step
+        layers = max(2, int(size_mb * 2400))
+        params, x, y = make_inputs(layers, 64, batch=8)
+        lowered = make_step().lower(params, x, y)
+        kind = f"ops ({layers} layers)"
+    out = io.BytesIO()
+    lowered.compiler_ir("stablehlo").operation.write_bytecode(file=out)
+    hlo = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+    return out.getvalue(), hlo, kind
+
+
+def best_of(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def jax_canonical(data: bytes) -> str:
+    from jax._src import cache_key
+
+    from compilecast.worker import jax_adapter
+
+    with jax_adapter.mlir_context():
+        module = jax_adapter.ir.Module.parse(data)
+        return hashlib.sha256(cache_key._canonicalize_ir(module, cache_key.IgnoreCallbacks.NO)
+                              ).hexdigest()
+
+
+def peak_rss_mb(path: str) -> float:
+    code = ("import sys, resource; from compilecast.worker.keys import program_key;"
+            "program_key(open(sys.argv[1],'rb').read());"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    base = ("import resource, compilecast.worker.keys, jax;"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    with_key = float(subprocess.check_output([sys.executable, "-c", code, path]).decode())
+    idle = float(subprocess.check_output([sys.executable, "-c", base]).decode())
+    return with_key - idle
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[0.1, 1, 10, 100])
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+
+    from compilecast.worker.keys import program_key
+
+    rows = []
+    for size in args.sizes_mb:
+        bc, hlo, kind = build(size)
+        for fmt, data in (("mlir-bytecode", bc), ("hlo-proto", hlo)):
+            sha = best_of(lambda d=data: hashlib.sha256(d).digest(), args.repeat)
+            ours = best_of(lambda d=data: program_key(d), args.repeat)
+            theirs = best_of(lambda d=data: jax_canonical(d), args.repeat) \
+                if fmt == "mlir-bytecode" else float("nan")
+            with tempfile.NamedTemporaryFile(suffix=".bin") as f:
+                f.write(data)
+                f.flush()
+                rss = peak_rss_mb(f.name)
+            row = {"target_mb": size, "kind": kind, "format": fmt,
+                   "bytes": len(data), "sha256_s": sha, "cc_key_s": ours,
+                   "cc_vs_sha256": ours / sha, "jax_key_s": theirs,
+                   "jax_vs_sha256": theirs / sha, "key_peak_rss_mb": rss}
+            rows.append(row)
+            print(f"{fmt:14s} {len(data) / 2**20:8.2f} MB {kind:22s} sha256 {sha * 1e3:9.2f} ms  "
+                  f"cc-key {ours * 1e3:9.2f} ms ({ours / sha:7.1f}x)  "
+                  f"jax-key {theirs * 1e3:9.2f} ms ({theirs / sha:7.1f}x)  "
+                  f"peak +{rss:.0f} MB", flush=True)
+    print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
