@@ -1,7 +1,7 @@
 # compilecast: `make demo` and `make test` work on a fresh Debian/Ubuntu machine.
 PY      ?= python3
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-HELM_VERSION ?= v3.16.4
+HELM_VERSION ?= v3.22.0
 GOBIN   ?= $(CURDIR)/bin
 HELM    := $(GOBIN)/helm
 STAMP   := .make-installed
@@ -14,13 +14,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
-install: $(STAMP)
+# Helm is not a Debian package: build the pinned release from the Go module proxy.
+$(HELM):
+	GOBIN=$(GOBIN) go install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+
+install: $(STAMP) $(HELM)
 
 demo: install
 	$(PY) -m compilecast.demo
 
 test: install
-	$(PY) -m pytest
+	$(HELM) lint --strict helm/compilecast
+	HELM=$(HELM) $(PY) -m pytest
 
 test-fast: install
 	$(PY) -m pytest -m "not slow"
@@ -34,7 +39,8 @@ proto:
 	  --grpc_python_out=protos protos/compilecast/v1/cache.proto
 
 bench: install
-	$(PY) bench/run.py
+	$(PY) bench/keys.py
+	$(PY) bench/time_to_executable.py
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache

@@ -68,13 +68,16 @@ def jax_canonical(data: bytes) -> str:
 
 
 def peak_rss_mb(path: str) -> float:
-    code = ("import sys, resource; from compilecast.worker.keys import program_key;"
-            "program_key(open(sys.argv[1],'rb').read());"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
-    base = ("import resource, compilecast.worker.keys, jax;"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
-    with_key = float(subprocess.check_output([sys.executable, "-c", code, path]).decode())
-    idle = float(subprocess.check_output([sys.executable, "-c", base]).decode())
+    """Peak RSS of a process that computes one key, minus one that only reads
+    the file and imports everything (so: what the key computation adds)."""
+    prelude = ("import sys, resource; import compilecast.worker.keys as k;"
+               "from compilecast.worker import jax_adapter; jax_adapter.mlir_context();"
+               "data = open(sys.argv[1], 'rb').read();")
+    report = "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    with_key = float(subprocess.check_output(
+        [sys.executable, "-c", prelude + "k.program_key(data);" + report, path]).decode())
+    idle = float(subprocess.check_output(
+        [sys.executable, "-c", prelude + report, path]).decode())
     return with_key - idle
 
 

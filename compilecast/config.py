@@ -97,9 +97,16 @@ class WorkerConfig:
     metrics_port: int = field(default=7642, metadata=_help("Prometheus port (0: off)"))
     metrics_host: str = field(default="127.0.0.1", metadata=_help("Prometheus bind address"))
     rpc_timeout_s: float = field(default=5.0, metadata=_help("deadline of unary upstream calls"))
+    share_binary_between_hosts_timeout_ms: int = field(
+        default=0,
+        metadata=_help("operator bound on how long waiters on this host wait before "
+                       "compiling themselves (0: the process's own setting)"),
+    )
 
     def validate(self) -> None:
         _positive(self, "cache_max_bytes", "rpc_timeout_s")
+        if self.share_binary_between_hosts_timeout_ms < 0:
+            raise ConfigError("share_binary_between_hosts_timeout_ms must be >= 0")
         if not self.listen.startswith("unix://"):
             _hostport(self.listen, "listen")
         _hostport(self.coordinator, "coordinator")

@@ -36,7 +36,9 @@ class Worker:
 
     async def start(self) -> None:
         self.service = WorkerService(self.cfg.coordinator, self.cache, self.metrics,
-                                     rpc_timeout_s=self.cfg.rpc_timeout_s)
+                                     rpc_timeout_s=self.cfg.rpc_timeout_s,
+                                     share_binary_timeout_ms=(
+                                         self.cfg.share_binary_between_hosts_timeout_ms))
         self.server, self.health = make_server(
             lambda s: rpc.add_CompileCacheServicer_to_server(self.service, s)
         )

@@ -37,7 +37,8 @@ def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
 
 class WorkerService(rpc.CompileCacheServicer):
     def __init__(self, coordinator: str, cache: HostCache, metrics: WorkerMetrics,
-                 *, rpc_timeout_s: float) -> None:
+                 *, rpc_timeout_s: float, share_binary_timeout_ms: int = 0) -> None:
+        self.share_binary_timeout_ms = share_binary_timeout_ms
         self.coordinator = coordinator
         self.cache = cache
         self.metrics = metrics
@@ -75,6 +76,9 @@ class WorkerService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Wait(self, request, context):
         validate.key(request.key)
+        if self.share_binary_timeout_ms > 0:  # the operator's bound for this host
+            request.timeout_ms = min(request.timeout_ms or self.share_binary_timeout_ms,
+                                     self.share_binary_timeout_ms)
         timeout_s = request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
         try:
             call = self.up.Wait(request, timeout=(timeout_s + self.rpc_timeout_s)

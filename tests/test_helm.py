@@ -1,0 +1,146 @@
+"""The Helm chart: lint, render every ci/*-values.yaml scenario, and check the
+rendered objects (kinds, labels, selectors that match, ports, probes,
+resources), plus the value combinations the chart must refuse."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "compilecast"
+SCENARIOS = sorted((CHART / "ci").glob("*-values.yaml"))
+
+
+def helm_binary() -> str:
+    for candidate in (os.environ.get("HELM"), str(ROOT / "bin" / "helm"), shutil.which("helm")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    pytest.fail("helm is not installed: run `make install` (go install helm.sh/helm/v3/cmd/helm)")
+
+
+def helm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([helm_binary(), *args], capture_output=True, text=True, timeout=120)
+
+
+def render(values: Path | None = None, *sets: str) -> list[dict]:
+    args = ["template", "rel", str(CHART)]
+    if values:
+        args += ["-f", str(values)]
+    for s in sets:
+        args += ["--set", s]
+    r = helm(*args)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@pytest.mark.parametrize("values", SCENARIOS, ids=lambda p: p.name)
+def test_lint_is_clean(values):
+    r = helm("lint", "--strict", str(CHART), "-f", str(values))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("values", SCENARIOS, ids=lambda p: p.name)
+def test_rendered_objects_are_consistent(values):
+    docs = render(values)
+    workloads = by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet") + \
+        by_kind(docs, "StatefulSet")
+    assert {w["kind"] for w in workloads} >= {"Deployment", "DaemonSet"}
+    pod_labels = []
+    for w in workloads:
+        selector = w["spec"]["selector"]["matchLabels"]
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), w["metadata"]["name"]
+        assert "app.kubernetes.io/component" in selector
+        pod_labels.append(labels)
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            assert c["resources"]["requests"], c["name"]
+            assert "readinessProbe" in c, c["name"]
+    # Every Service and PDB selects some workload's pods.
+    for obj in by_kind(docs, "Service") + by_kind(docs, "PodDisruptionBudget"):
+        sel = obj["spec"]["selector"]
+        sel = sel.get("matchLabels", sel)
+        assert any(sel.items() <= labels.items() for labels in pod_labels), obj["metadata"]
+    # Service target ports exist on the selected containers.
+    for svc in by_kind(docs, "Service"):
+        sel = svc["spec"]["selector"]
+        names = {p.get("name") for w in workloads
+                 if sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+                 for c in w["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert port.get("targetPort", port["name"]) in names, (svc["metadata"]["name"], port)
+    for obj in docs:
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_share_binary_timeout_and_lease_ttl_reach_the_processes():
+    docs = render(None, "cache.shareBinaryTimeoutMs=123000", "cache.leaseTtlSeconds=7")
+    (cm,) = by_kind(docs, "ConfigMap")
+    assert cm["data"]["COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"] == "123000"
+    assert cm["data"]["COMPILECAST_LEASE_TTL_S"] == "7"
+    (ds,) = by_kind(docs, "DaemonSet")
+    args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--share-binary-between-hosts-timeout-ms=123000" in args
+    (dep,) = by_kind(docs, "Deployment")
+    env_from = dep["spec"]["template"]["spec"]["containers"][0]["envFrom"]
+    assert env_from[0]["configMapRef"]["name"] == cm["metadata"]["name"]
+
+
+def test_worker_args_are_accepted_by_the_cli():
+    """Every flag the chart passes exists in `compilecast worker`/`coordinator`."""
+    from compilecast.cli import build_parser
+
+    docs = render(CHART / "ci" / "gke-tpu-values.yaml")
+    parser = build_parser()
+    for w in by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet"):
+        args = w["spec"]["template"]["spec"]["containers"][0]["args"]
+        parsed = parser.parse_args(args)
+        assert parsed.command in ("coordinator", "worker")
+
+
+def test_tpu_scenario_places_workers_on_tpu_nodes_and_enables_monitoring():
+    docs = render(CHART / "ci" / "gke-tpu-values.yaml")
+    (ds,) = by_kind(docs, "DaemonSet")
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"]
+    assert spec["tolerations"][0]["key"] == "google.com/tpu"
+    assert len(by_kind(docs, "ServiceMonitor")) == 2
+    dash = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("dashboard")]
+    assert dash and "compilecast_coordinator_lookups_total" in dash[0]["data"]["compilecast.json"]
+    assert not by_kind(docs, "PersistentVolumeClaim")  # existingClaim used
+
+
+def test_service_monitor_is_off_by_default():
+    assert by_kind(render(), "ServiceMonitor") == []
+
+
+def test_external_etcd_renders_no_etcd():
+    docs = render(CHART / "ci" / "external-etcd-values.yaml")
+    assert by_kind(docs, "StatefulSet") == []
+    (cm,) = by_kind(docs, "ConfigMap")
+    assert cm["data"]["COMPILECAST_ETCD_ENDPOINTS"].startswith("etcd-0.infra:2379,")
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["etcd.enabled=false"], "externalEndpoints"),
+    (["etcd.replicas=2"], "must be odd"),
+    (["coordinator.storage.accessModes={ReadWriteOnce}"], "shared artifact store"),
+    (["cache.leaseTtlSeconds=ten"], "leaseTtlSeconds"),
+    (["worker.socketDir=relative/dir"], "socketDir"),
+])
+def test_bad_value_combinations_fail_with_a_clear_message(sets, message):
+    args = ["template", "rel", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    r = helm(*args)
+    assert r.returncode != 0
+    assert message in r.stderr
