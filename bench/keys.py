@@ -67,18 +67,39 @@ def jax_canonical(data: bytes) -> str:
                               ).hexdigest()
 
 
+PEAK_PROBE = """
+import sys, threading, time
+import compilecast.worker.keys as k
+from compilecast.worker import jax_adapter
+jax_adapter.mlir_context()
+data = open(sys.argv[1], "rb").read()
+
+def rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+base, peak, done = rss(), [0.0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+
+t = threading.Thread(target=sample)
+t.start()
+k.program_key(data)
+done.set()
+t.join()
+print(max(peak[0], rss()) - base)
+"""
+
+
 def peak_rss_mb(path: str) -> float:
-    """Peak RSS of a process that computes one key, minus one that only reads
-    the file and imports everything (so: what the key computation adds)."""
-    prelude = ("import sys, resource; import compilecast.worker.keys as k;"
-               "from compilecast.worker import jax_adapter; jax_adapter.mlir_context();"
-               "data = open(sys.argv[1], 'rb').read();")
-    report = "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
-    with_key = float(subprocess.check_output(
-        [sys.executable, "-c", prelude + "k.program_key(data);" + report, path]).decode())
-    idle = float(subprocess.check_output(
-        [sys.executable, "-c", prelude + report, path]).decode())
-    return with_key - idle
+    """RSS the key computation adds on top of a process that has read the
+    file and imported everything (sampled every 2 ms)."""
+    return float(subprocess.check_output([sys.executable, "-c", PEAK_PROBE, path]).decode())
 
 
 def main() -> None:

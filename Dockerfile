@@ -1,0 +1,17 @@
+# The one image the Helm chart runs: `compilecast coordinator` and `compilecast worker`.
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY compilecast ./compilecast
+COPY coordinator ./coordinator
+COPY worker ./worker
+COPY protos ./protos
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[jax]'
+
+FROM python:3.11-slim
+RUN useradd --uid 10001 --create-home compilecast
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+USER 10001
+ENTRYPOINT ["compilecast"]
+CMD ["--help"]
