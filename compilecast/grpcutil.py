@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
-from compilecast.errors import CompilecastError
+from compilecast.errors import CompilecastError, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +66,66 @@ def rpc_errors(fn: Callable) -> Callable:
 
     return wrapper
 
+
+
+def _parser(cls):
+    def parse(raw: bytes):
+        try:
+            return cls.FromString(raw)
+        except Exception:  # DecodeError and friends: the client sent garbage
+            raise InvalidRequest(f"request is not a valid {cls.DESCRIPTOR.full_name}") from None
+
+    return parse
+
+
+def add_service(server: grpc.aio.Server, servicer, service_descriptor, message_classes) -> None:
+    """Register `servicer` so that undecodable requests get INVALID_ARGUMENT.
+
+    The generated add_*_to_server lets gRPC deserialize requests, and gRPC
+    answers a request it cannot decode with INTERNAL. Here requests arrive as
+    raw bytes and are parsed inside the handler, where a failure is our
+    InvalidRequest. `message_classes` maps message full names to classes.
+    """
+    handlers = {}
+    for method in service_descriptor.methods:
+        parse = _parser(message_classes[method.input_type.full_name])
+        serialize = message_classes[method.output_type.full_name].SerializeToString
+        impl = getattr(servicer, method.name)
+        if method.client_streaming:
+
+            if method.server_streaming:
+                raise NotImplementedError("bidirectional streams are not part of the API")
+
+            async def handler(raw_iter, context, impl=impl, parse=parse):
+                async def messages():
+                    async for raw in raw_iter:
+                        yield parse(raw)
+
+                return await impl(messages(), context)
+
+            make = grpc.stream_unary_rpc_method_handler
+        elif method.server_streaming:
+
+            async def handler(raw, context, impl=impl, parse=parse):
+                try:
+                    request = parse(raw)
+                except InvalidRequest as exc:
+                    await context.abort(exc.code, str(exc))
+                async for item in impl(request, context):
+                    yield item
+
+            make = grpc.unary_stream_rpc_method_handler
+        else:
+
+            async def handler(raw, context, impl=impl, parse=parse):
+                try:
+                    request = parse(raw)
+                except InvalidRequest as exc:
+                    await context.abort(exc.code, str(exc))
+                return await impl(request, context)
+
+            make = grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(handler, request_deserializer=None,
+                                     response_serializer=serialize)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from compilecast.grpcutil import CHANNEL_OPTIONS
+from compilecast.grpcutil import CHANNEL_OPTIONS, add_service
 from compilecast.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
@@ -23,9 +23,12 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CompileCache"].full_name
 
 
-def make_server(add_servicer: Callable[[grpc.aio.Server], None]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def make_server(servicer) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A grpc.aio server with the CompileCache `servicer`, health and reflection."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    add_servicer(server)
+    classes = {d.full_name: getattr(cache_pb2, d.name)
+               for d in cache_pb2.DESCRIPTOR.message_types_by_name.values()}
+    add_service(server, servicer, cache_pb2.DESCRIPTOR.services_by_name["CompileCache"], classes)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

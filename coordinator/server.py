@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry
 from compilecast.blobstore import DiskBlobStore
 from compilecast.config import CoordinatorConfig
 from compilecast.serving import make_server, serve_until_signal, set_serving, start_metrics
-from compilecast.v1 import cache_pb2_grpc as rpc
 
 from .etcd import Etcd
 from .metrics import CoordinatorMetrics
@@ -36,9 +35,7 @@ class Coordinator:
         # grpc.aio objects bind to the running loop: build them here.
         self.etcd = Etcd(self.cfg.etcd_endpoints.split(","))
         self.state = CoordinatorState(self.cfg, self.etcd, self.store, self.metrics)
-        self.server, self.health = make_server(
-            lambda s: rpc.add_CompileCacheServicer_to_server(CoordinatorService(self.state), s)
-        )
+        self.server, self.health = make_server(CoordinatorService(self.state))
         self.port = self.server.add_insecure_port(self.cfg.listen)
         await self.state.start()
         await self.server.start()

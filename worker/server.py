@@ -12,7 +12,6 @@ from prometheus_client import CollectorRegistry
 
 from compilecast.config import WorkerConfig
 from compilecast.serving import make_server, serve_until_signal, set_serving, start_metrics
-from compilecast.v1 import cache_pb2_grpc as rpc
 
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
@@ -39,9 +38,7 @@ class Worker:
                                      rpc_timeout_s=self.cfg.rpc_timeout_s,
                                      share_binary_timeout_ms=(
                                          self.cfg.share_binary_between_hosts_timeout_ms))
-        self.server, self.health = make_server(
-            lambda s: rpc.add_CompileCacheServicer_to_server(self.service, s)
-        )
+        self.server, self.health = make_server(self.service)
         listen = self.cfg.listen
         if listen.startswith("unix://"):
             _prepare_socket(Path(listen.removeprefix("unix://")))
