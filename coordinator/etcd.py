@@ -24,7 +24,9 @@ from compilecast.errors import Unavailable
 log = logging.getLogger(__name__)
 
 Compare = pb.Compare
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Transport failures and etcd's own "no leader" / "request timed out" errors.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.UNKNOWN}
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -105,9 +107,11 @@ class Etcd:
                     await asyncio.sleep(delay)
                     delay *= 4
                     continue
-                if exc.code() in RETRYABLE:
-                    raise Unavailable(f"etcd unavailable: {exc.details()}") from None
-                raise
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    raise  # e.g. revoking a lease that already expired
+                # Whatever else etcd says, for the caller etcd cannot serve now.
+                raise Unavailable(f"etcd unavailable: {exc.code().name}: {exc.details()}") \
+                    from None
 
     # -- KV ------------------------------------------------------------------
     async def get(self, key: bytes) -> KV | None:
@@ -137,14 +141,15 @@ class Etcd:
     async def txn(self, compare, success, failure=()) -> tuple[bool, int, list]:
         """Run a transaction; returns (succeeded, revision, responses).
 
-        Transactions are not retried on a deadline: a put may have landed. The
-        callers' txns are all idempotent under their own compares, so the
-        caller may re-read and decide again.
+        Retried on UNAVAILABLE/DEADLINE_EXCEEDED like every call, although a
+        write may have landed before the error: every write txn of the
+        coordinator is guarded by compares that make a re-run fail instead of
+        applying twice, and its callers treat "not succeeded" as "re-read and
+        decide again" (see coordinator/state.py), so a retry is safe.
         """
         resp = await self._call(
             self.kv.Txn,
             pb.TxnRequest(compare=list(compare), success=list(success), failure=list(failure)),
-            retries=0,
         )
         return bool(resp.succeeded), int(resp.header.revision), list(resp.responses)
 
@@ -180,9 +185,7 @@ class Etcd:
             async for resp in call:
                 return int(resp.TTL)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in RETRYABLE:
-                raise Unavailable(f"etcd unavailable: {exc.details()}") from None
-            raise
+            raise Unavailable(f"etcd unavailable: {exc.code().name}: {exc.details()}") from None
         return 0
 
     async def healthy(self) -> bool:

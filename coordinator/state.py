@@ -150,9 +150,16 @@ class CoordinatorState:
         return self._session_lease
 
     def _spawn(self, coro) -> None:
+        """Run best-effort bookkeeping (revokes, cleanups) in the background."""
         task = asyncio.create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+
+        def done(t: asyncio.Task) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.debug("background task failed: %s", t.exception())
+
+        task.add_done_callback(done)
 
     # -- reads -----------------------------------------------------------
     async def _read(self, key: str) -> KeyState:
