@@ -42,7 +42,7 @@ class EtcdCluster:
 
     def start(self, name: str) -> None:
         _, client, peer = next(m for m in self.members if m[0] == name)
-        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115
+        log = open(self.root / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
             ["etcd", "--name", name, "--data-dir", str(self.root / name),
              "--listen-client-urls", f"http://127.0.0.1:{client}",
