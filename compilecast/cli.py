@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from compilecast.worker.client import CacheClient
 
-    client = CacheClient(args.worker, timeout_s=args.timeout)
+    client = CacheClient(args.worker, timeout_s=args.timeout, token=args.token,
+                         ca_file=args.ca_file)
     try:
         st = client.status()
     except grpc.RpcError as exc:
@@ -214,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", default=default_worker_target())
     p.add_argument("--timeout", type=float, default=3.0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--token", default=os.environ.get("COMPILECAST_TOKEN", ""),
+                   help="bearer token (env COMPILECAST_TOKEN)")
+    p.add_argument("--ca-file", default="", help="CA to verify a TLS server")
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("key", help="print the canonical key of program files (like sha256sum)")

@@ -71,6 +71,18 @@ class CoordinatorConfig:
         default=30, metadata=_help("how long a 'compile locally' verdict for a key lasts")
     )
     max_artifact_bytes: int = field(default=4 << 30, metadata=_help("largest accepted artifact"))
+    auth_tokens_file: str = field(
+        default="", metadata=_help("YAML file of token sha256 -> tenant, permissions"))
+    allow_unauthenticated: bool = field(
+        default=False,
+        metadata=_help("serve calls without a token as tenant 'default' (loopback/tests only)"))
+    tls_cert_file: str = field(default="", metadata=_help("server certificate (PEM): enables TLS"))
+    tls_key_file: str = field(default="", metadata=_help("server private key (PEM)"))
+    tls_client_ca_file: str = field(
+        default="", metadata=_help("CA for client certificates: requires mTLS"))
+    etcd_ca_file: str = field(default="", metadata=_help("CA of etcd's certificate: enables TLS"))
+    etcd_cert_file: str = field(default="", metadata=_help("client certificate for etcd (PEM)"))
+    etcd_key_file: str = field(default="", metadata=_help("client key for etcd (PEM)"))
 
     def validate(self) -> None:
         _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
@@ -80,6 +92,15 @@ class CoordinatorConfig:
         if not self.etcd_prefix.startswith("/"):
             raise ConfigError(f"etcd_prefix {self.etcd_prefix!r} must start with '/'")
         _hostport(self.listen, "listen")
+        _pair(self, "tls_cert_file", "tls_key_file")
+        _pair(self, "etcd_cert_file", "etcd_key_file")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        if not self.auth_tokens_file and not self.allow_unauthenticated:
+            raise ConfigError("set auth_tokens_file, or allow_unauthenticated explicitly "
+                              "(only for loopback and tests)")
+        _readable(self, "auth_tokens_file", "tls_cert_file", "tls_key_file",
+                  "tls_client_ca_file", "etcd_ca_file", "etcd_cert_file", "etcd_key_file")
 
 
 @dataclass
@@ -97,6 +118,14 @@ class WorkerConfig:
     metrics_port: int = field(default=7642, metadata=_help("Prometheus port (0: off)"))
     metrics_host: str = field(default="127.0.0.1", metadata=_help("Prometheus bind address"))
     rpc_timeout_s: float = field(default=5.0, metadata=_help("deadline of unary upstream calls"))
+    token_file: str = field(
+        default="", metadata=_help("file holding this worker's bearer token for the coordinator"))
+    coordinator_ca_file: str = field(
+        default="", metadata=_help("CA of the coordinator's certificate: enables TLS upstream"))
+    coordinator_cert_file: str = field(default="", metadata=_help("client certificate (mTLS)"))
+    coordinator_key_file: str = field(default="", metadata=_help("client key (mTLS)"))
+    tls_cert_file: str = field(default="", metadata=_help("certificate for a TCP listen address"))
+    tls_key_file: str = field(default="", metadata=_help("key for a TCP listen address"))
     share_binary_between_hosts_timeout_ms: int = field(
         default=0,
         metadata=_help("operator bound on how long waiters on this host wait before "
@@ -107,6 +136,10 @@ class WorkerConfig:
         _positive(self, "cache_max_bytes", "rpc_timeout_s")
         if self.share_binary_between_hosts_timeout_ms < 0:
             raise ConfigError("share_binary_between_hosts_timeout_ms must be >= 0")
+        _pair(self, "coordinator_cert_file", "coordinator_key_file")
+        _pair(self, "tls_cert_file", "tls_key_file")
+        _readable(self, "token_file", "coordinator_ca_file", "coordinator_cert_file",
+                  "coordinator_key_file", "tls_cert_file", "tls_key_file")
         if not self.listen.startswith("unix://"):
             _hostport(self.listen, "listen")
         _hostport(self.coordinator, "coordinator")
@@ -116,6 +149,18 @@ def _positive(cfg: Any, *names: str) -> None:
     for n in names:
         if getattr(cfg, n) <= 0:
             raise ConfigError(f"{n} must be > 0, got {getattr(cfg, n)!r}")
+
+
+def _pair(cfg: Any, a: str, b: str) -> None:
+    if bool(getattr(cfg, a)) != bool(getattr(cfg, b)):
+        raise ConfigError(f"{a} and {b} go together: set both or neither")
+
+
+def _readable(cfg: Any, *names: str) -> None:
+    for n in names:
+        path = getattr(cfg, n)
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"{n} {path!r} is not a readable file")
 
 
 def _hostport(value: str, name: str) -> None:
@@ -132,8 +177,20 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
 def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
-    typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[f.type]
+    typ = f.type if isinstance(f.type, type) else \
+        {"int": int, "float": float, "str": str, "bool": bool}[f.type]
+    if typ is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in _TRUE | _FALSE:
+            return text in _TRUE
+        raise ConfigError(f"{f.name}={raw!r} from {source} is not a boolean (true/false)")
     try:
         return typ(raw)
     except (TypeError, ValueError):

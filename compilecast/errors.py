@@ -13,6 +13,9 @@ status codes (`compilecast.errors.grpc_code`), used by both servers.
     ├── TooLarge              over a size limit        -> RESOURCE_EXHAUSTED
     ├── CorruptBlob           stored bytes fail their digest; quarantined
     │                                                  -> DATA_LOSS
+    ├── Unauthenticated       present a valid credential -> UNAUTHENTICATED
+    ├── PermissionDenied      the identity lacks the permission -> PERMISSION_DENIED
+    ├── UpstreamError         a coordinator status relayed by a worker (same code)
     └── Unavailable           etcd or the coordinator cannot be reached;
                               retry later or compile locally -> UNAVAILABLE
 """
@@ -71,3 +74,15 @@ class UpstreamError(CompilecastError):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class Unauthenticated(CompilecastError):
+    """No or an unknown credential: -> UNAUTHENTICATED."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(CompilecastError):
+    """A known identity without the permission the call needs: -> PERMISSION_DENIED."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED

@@ -22,6 +22,45 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def _read(path: str) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str = ""
+                       ) -> grpc.ServerCredentials | None:
+    """TLS for a server (mTLS when client_ca_file is set); None: plaintext."""
+    if not cert_file:
+        return None
+    return grpc.ssl_server_credentials(
+        [(_read(key_file), _read(cert_file))], root_certificates=_read(client_ca_file),
+        require_client_auth=bool(client_ca_file))
+
+
+def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = ""
+                        ) -> grpc.ChannelCredentials | None:
+    """TLS for a client (with a client certificate for mTLS); None: plaintext."""
+    if not ca_file:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file),
+                                        private_key=_read(key_file),
+                                        certificate_chain=_read(cert_file))
+
+
+def aio_channel(target: str, creds: grpc.ChannelCredentials | None, options=()) -> grpc.aio.Channel:
+    opts = [*CHANNEL_OPTIONS, *options]
+    if creds is None:
+        return grpc.aio.insecure_channel(target, options=opts)
+    return grpc.aio.secure_channel(target, creds, options=opts)
+
+
+def bearer(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying a bearer token (empty without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: CompilecastError, name: str) -> None:
     log.info("%s refused: %s: %s", name, exc.code.name, exc)
     await context.abort(exc.code, str(exc))

@@ -128,6 +128,8 @@ def run(cfg: UpConfig) -> int:
         "metrics_port": cfg.coordinator_metrics_port,
         "metrics_host": "127.0.0.1",
         "etcd_prefix": "/compilecast/v1",
+        # Loopback and a unix socket only: no tokens (issue 5's rule for `up`).
+        "allow_unauthenticated": True,
     })
     sock = cfg.home / "worker.sock"
     wcfg, _ = load(WorkerConfig, flags={

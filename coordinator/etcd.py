@@ -2,10 +2,11 @@
 
 It speaks the etcd v3 gRPC API directly, using the API stubs shipped by the
 `cslab-etcd3` package, so the coordinator's event loop never blocks on etcd
-and needs no thread bridges. All endpoints of the cluster go into one gRPC
-channel (round-robin with automatic failover), so losing one member does not
-fail client operations. Every call has a deadline; transport failures are
-raised as compilecast.errors.Unavailable.
+and needs no thread bridges. It keeps one channel per member (IP or DNS
+name, plaintext or TLS) and moves to the next member when a call fails, so
+losing one member does not fail client operations. Every call has a
+deadline; whatever etcd cannot serve is raised as
+compilecast.errors.Unavailable.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from etcd3.etcdrpc import rpc_pb2 as pb
 from etcd3.etcdrpc import rpc_pb2_grpc as rpc
 
 from compilecast.errors import Unavailable
+from compilecast.grpcutil import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -74,36 +76,52 @@ def op_get(key: bytes):
 
 
 class Etcd:
-    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
-        target = "ipv4:" + ",".join(e.strip().removeprefix("http://") for e in endpoints)
-        self.endpoints = list(endpoints)
-        self._channel = grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.lb_policy_name", "round_robin"),
+    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.endpoints = [e.strip().removeprefix("http://").removeprefix("https://")
+                          for e in endpoints if e.strip()]
+        # One channel per member (IPs or DNS names alike); calls stick to one
+        # member and move to the next when it fails.
+        self._channels = [
+            aio_channel(host, credentials, options=[
                 ("grpc.keepalive_time_ms", 10_000),
                 ("grpc.keepalive_timeout_ms", 5_000),
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", 2_000),
-            ],
-        )
+            ])
+            for host in self.endpoints
+        ]
+        self._current = 0
         self.timeout = timeout
-        self.kv = rpc.KVStub(self._channel)
-        self.lease = rpc.LeaseStub(self._channel)
-        self.watch_stub = rpc.WatchStub(self._channel)
-        self.maintenance = rpc.MaintenanceStub(self._channel)
+        self._use(0)
+
+    def _use(self, index: int) -> None:
+        self._current = index % len(self._channels)
+        ch = self._channels[self._current]
+        self.kv = rpc.KVStub(ch)
+        self.lease = rpc.LeaseStub(ch)
+        self.watch_stub = rpc.WatchStub(ch)
+
+    def failover(self) -> None:
+        """Move to the next member (after a transport failure)."""
+        if len(self._channels) > 1:
+            self._use(self._current + 1)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for ch in self._channels:
+            await ch.close()
 
-    async def _call(self, fn, request, *, retries: int = 3):
-        """One unary call with a deadline; safe calls retry with backoff."""
+    async def _call(self, service: str, method: str, request, *, retries: int = 3):
+        """One unary call with a deadline; on a transport failure, retry with
+        backoff on the next member."""
         delay = 0.05
         for attempt in range(retries + 1):
+            fn = getattr(getattr(self, service), method)
             try:
                 return await fn(request, timeout=self.timeout)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in RETRYABLE and attempt < retries:
+                    self.failover()
                     await asyncio.sleep(delay)
                     delay *= 4
                     continue
@@ -115,28 +133,26 @@ class Etcd:
 
     # -- KV ------------------------------------------------------------------
     async def get(self, key: bytes) -> KV | None:
-        resp = await self._call(self.kv.Range, pb.RangeRequest(key=key))
+        resp = await self._call("kv", "Range", pb.RangeRequest(key=key))
         return _kv(resp.kvs[0]) if resp.kvs else None
 
     async def get_prefix(self, prefix: bytes, *, limit: int = 0) -> list[KV]:
-        resp = await self._call(
-            self.kv.Range, pb.RangeRequest(key=prefix, range_end=prefix_end(prefix), limit=limit)
+        resp = await self._call("kv", "Range", pb.RangeRequest(key=prefix, range_end=prefix_end(prefix), limit=limit)
         )
         return [_kv(k) for k in resp.kvs]
 
     async def count_prefix(self, prefix: bytes) -> int:
-        resp = await self._call(
-            self.kv.Range,
+        resp = await self._call("kv", "Range",
             pb.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True),
         )
         return int(resp.count)
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        resp = await self._call(self.kv.Put, pb.PutRequest(key=key, value=value, lease=lease))
+        resp = await self._call("kv", "Put", pb.PutRequest(key=key, value=value, lease=lease))
         return int(resp.header.revision)
 
     async def delete(self, key: bytes) -> None:
-        await self._call(self.kv.DeleteRange, pb.DeleteRangeRequest(key=key))
+        await self._call("kv", "DeleteRange", pb.DeleteRangeRequest(key=key))
 
     async def txn(self, compare, success, failure=()) -> tuple[bool, int, list]:
         """Run a transaction; returns (succeeded, revision, responses).
@@ -147,8 +163,7 @@ class Etcd:
         applying twice, and its callers treat "not succeeded" as "re-read and
         decide again" (see coordinator/state.py), so a retry is safe.
         """
-        resp = await self._call(
-            self.kv.Txn,
+        resp = await self._call("kv", "Txn",
             pb.TxnRequest(compare=list(compare), success=list(success), failure=list(failure)),
         )
         return bool(resp.succeeded), int(resp.header.revision), list(resp.responses)
@@ -164,12 +179,12 @@ class Etcd:
 
     # -- leases --------------------------------------------------------------
     async def grant(self, ttl: int) -> int:
-        resp = await self._call(self.lease.LeaseGrant, pb.LeaseGrantRequest(TTL=ttl))
+        resp = await self._call("lease", "LeaseGrant", pb.LeaseGrantRequest(TTL=ttl))
         return int(resp.ID)
 
     async def revoke(self, lease_id: int) -> None:
         try:
-            await self._call(self.lease.LeaseRevoke, pb.LeaseRevokeRequest(ID=lease_id))
+            await self._call("lease", "LeaseRevoke", pb.LeaseRevokeRequest(ID=lease_id))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -185,6 +200,7 @@ class Etcd:
             async for resp in call:
                 return int(resp.TTL)
         except grpc.aio.AioRpcError as exc:
+            self.failover()
             raise Unavailable(f"etcd unavailable: {exc.code().name}: {exc.details()}") from None
         return 0
 
@@ -193,6 +209,7 @@ class Etcd:
             await self.kv.Range(pb.RangeRequest(key=b"health", limit=1), timeout=2.0)
             return True
         except grpc.aio.AioRpcError:
+            self.failover()
             return False
 
     # -- watch ---------------------------------------------------------------
@@ -227,6 +244,7 @@ class Etcd:
                     raise Unavailable(f"watch canceled: {resp.cancel_reason}")
                 yield resp.header.revision, list(resp.events)
         except grpc.aio.AioRpcError as exc:
+            self.failover()
             raise Unavailable(f"etcd watch broke: {exc.code().name} {exc.details()}") from None
         finally:
             await queue.put(None)

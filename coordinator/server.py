@@ -9,8 +9,10 @@ from prometheus_client import CollectorRegistry
 
 from compilecast.blobstore import DiskBlobStore
 from compilecast.config import CoordinatorConfig
+from compilecast.grpcutil import channel_credentials, server_credentials
 from compilecast.serving import make_server, serve_until_signal, set_serving, start_metrics
 
+from .auth import Authenticator
 from .etcd import Etcd
 from .metrics import CoordinatorMetrics
 from .service import CoordinatorService
@@ -33,17 +35,22 @@ class Coordinator:
 
     async def start(self) -> None:
         # grpc.aio objects bind to the running loop: build them here.
-        self.etcd = Etcd(self.cfg.etcd_endpoints.split(","))
-        self.state = CoordinatorState(self.cfg, self.etcd, self.store, self.metrics)
-        self.server, self.health = make_server(CoordinatorService(self.state))
-        self.port = self.server.add_insecure_port(self.cfg.listen)
+        cfg = self.cfg
+        self.etcd = Etcd(cfg.etcd_endpoints.split(","), credentials=channel_credentials(
+            cfg.etcd_ca_file, cfg.etcd_cert_file, cfg.etcd_key_file))
+        self.state = CoordinatorState(cfg, self.etcd, self.store, self.metrics)
+        auth = Authenticator.from_file(cfg.auth_tokens_file, cfg.allow_unauthenticated)
+        self.server, self.health = make_server(CoordinatorService(self.state, auth))
+        creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+        self.port = (self.server.add_secure_port(cfg.listen, creds) if creds
+                     else self.server.add_insecure_port(cfg.listen))
         await self.state.start()
         await self.server.start()
         await set_serving(self.health, True)
         self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
                                              self.cfg.metrics_port)
-        log.info("coordinator listening on %s (etcd %s, store %s)", self.cfg.listen,
-                 self.cfg.etcd_endpoints, self.cfg.store_dir)
+        log.info("coordinator listening on %s (%s; etcd %s; store %s)", cfg.listen,
+                 "TLS" if creds else "plaintext", cfg.etcd_endpoints, cfg.store_dir)
 
     async def stop(self, grace_s: float = 10.0) -> None:
         await set_serving(self.health, False)

@@ -9,6 +9,7 @@ from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
+from .auth import Authenticator
 from .state import CoordinatorState
 
 
@@ -33,33 +34,46 @@ async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncItera
 
 
 class CoordinatorService(rpc.CompileCacheServicer):
-    def __init__(self, state: CoordinatorState) -> None:
+    """Every call is authenticated first; the principal's tenant scopes it."""
+
+    def __init__(self, state: CoordinatorState, auth: Authenticator) -> None:
         self.state = state
+        self.auth = auth
 
     @rpc_errors
     async def Acquire(self, request, context):
+        who = self.auth.identify(context)
         return await self.state.acquire(request.key, request.requester,
-                                        dict(request.key_components), request.program_name)
+                                        dict(request.key_components), request.program_name,
+                                        tenant=who.tenant, may_publish=who.can_publish)
 
     @rpc_errors
     async def Wait(self, request, context):
-        async for event in self.state.wait(request.key, request.requester, request.timeout_ms):
+        who = self.auth.identify(context)
+        async for event in self.state.wait(request.key, request.requester, request.timeout_ms,
+                                           tenant=who.tenant, may_publish=who.can_publish):
             yield event
 
     @rpc_errors
     async def Publish(self, request_iterator, context):
+        who = self.auth.identify(context)
+        who.require_publish()
         header, chunks = await publish_stream(request_iterator)
-        info = await self.state.publish(header, chunks)
+        info = await self.state.publish(header, chunks, tenant=who.tenant)
         return pb.PublishResponse(artifact=info)
 
     @rpc_errors
     async def Release(self, request, context):
-        await self.state.release(request.key, request.lease, request.reason, request.detail)
+        who = self.auth.identify(context)
+        who.require_publish()
+        await self.state.release(request.key, request.lease, request.reason, request.detail,
+                                 tenant=who.tenant)
         return pb.ReleaseResponse()
 
     @rpc_errors
     async def Fetch(self, request, context):
-        info, chunks = await self.state.fetch(request.key, request.digest)
+        who = self.auth.identify(context)
+        info, chunks = await self.state.fetch(request.key, request.digest, tenant=who.tenant)
         first = True
         async for data in chunks:
             if first:
@@ -70,13 +84,17 @@ class CoordinatorService(rpc.CompileCacheServicer):
 
     @rpc_errors
     async def KeepAlive(self, request, context):
-        ttl = await self.state.keepalive(request.key, request.lease)
+        who = self.auth.identify(context)
+        who.require_publish()
+        ttl = await self.state.keepalive(request.key, request.lease, tenant=who.tenant)
         return pb.KeepAliveResponse(ttl_seconds=ttl)
 
     @rpc_errors
     async def DescribeKey(self, request, context):
-        return await self.state.describe(request.key)
+        who = self.auth.identify(context)
+        return await self.state.describe(request.key, tenant=who.tenant)
 
     @rpc_errors
     async def Status(self, request, context):
-        return await self.state.status()
+        who = self.auth.identify(context)
+        return await self.state.status(tenant=who.tenant)

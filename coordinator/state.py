@@ -1,13 +1,15 @@
 """The coordinator's decisions over etcd: leases, the artifact index, waiters.
 
-etcd layout under the prefix P (KEY is a validated cache key, so it holds no '/'):
+etcd layout under the prefix P. KEY below is the scoped key TENANT/KEY (a
+validated cache key holds no '/', a tenant name neither), so tenants never
+see each other's records:
 
     P/a/KEY              artifact index entry (JSON ArtifactInfo); write-once
     P/l/KEY              compile lease record (JSON), attached to the holder's etcd lease
     P/x/KEY              "compile locally" verdict, attached to a short etcd lease
     P/w/KEY/RANK/ID      a registered waiter, attached to this replica's session lease
     P/k/KEY              the key's component digests and program name (for `explain`)
-    P/n/NAMEHASH/KEY     index of keys by program name (nearest earlier key on a miss)
+    P/n/TENANT/NAMEHASH/KEY  index of keys by program name (nearest earlier key on a miss)
 
 Lease rules (the invariants everything else leans on):
 - P/l/KEY is created only by a txn that checks P/l/KEY, P/a/KEY and P/x/KEY are all
@@ -84,6 +86,18 @@ def _info_from(key: str, raw: bytes) -> pb.ArtifactInfo:
     return pb.ArtifactInfo(key=key, **d)
 
 
+DEFAULT_TENANT = "default"
+
+
+def _scope(tenant: str, key: str) -> str:
+    """Tenants namespace every etcd record: P/<kind>/<tenant>/<key>."""
+    return f"{tenant}/{key}"
+
+
+def _plain(sk: str) -> str:
+    return sk.split("/", 1)[1]
+
+
 def _holder_name(rec: dict) -> str:
     if rec.get("job"):
         return f"job {rec['job']} process {rec.get('process', 0)} ({rec.get('client', '?')})"
@@ -110,8 +124,9 @@ class CoordinatorState:
         self.in_flight_publishes = 0
 
     # -- etcd keys -------------------------------------------------------
-    def _k(self, kind: str, key: str) -> bytes:
-        return self.prefix + f"/{kind}/{key}".encode()
+    def _k(self, kind: str, sk: str) -> bytes:
+        """etcd key of a scoped key (tenant/key)."""
+        return self.prefix + f"/{kind}/{sk}".encode()
 
     # -- lifecycle -------------------------------------------------------
     async def start(self) -> None:
@@ -162,17 +177,17 @@ class CoordinatorState:
         task.add_done_callback(done)
 
     # -- reads -----------------------------------------------------------
-    async def _read(self, key: str) -> KeyState:
-        a, lrec, x = await self.etcd.get_many([self._k("a", key), self._k("l", key), self._k("x", key)])
+    async def _read(self, sk: str) -> KeyState:
+        a, lrec, x = await self.etcd.get_many([self._k("a", sk), self._k("l", sk), self._k("x", sk)])
         return KeyState(
-            artifact=_info_from(key, a.value) if a else None,
+            artifact=_info_from(_plain(sk), a.value) if a else None,
             artifact_rev=a.mod_revision if a else 0,
             lease=json.loads(lrec.value) if lrec else None,
             lease_rev=lrec.mod_revision if lrec else 0,
             local=json.loads(x.value) if x else None,
         )
 
-    async def _usable_artifact(self, st: KeyState) -> pb.ArtifactInfo | None:
+    async def _usable_artifact(self, sk: str, st: KeyState) -> pb.ArtifactInfo | None:
         """The artifact if its blob is present; a dangling entry is dropped."""
         if st.artifact is None:
             return None
@@ -180,15 +195,15 @@ class CoordinatorState:
             return st.artifact
         log.error("index entry %s points at missing blob %s; dropping it",
                   st.artifact.key, st.artifact.digest)
-        await self.etcd.txn([cmp_mod_revision(self._k("a", st.artifact.key), st.artifact_rev)],
-                            [op_delete(self._k("a", st.artifact.key))])
+        await self.etcd.txn([cmp_mod_revision(self._k("a", sk), st.artifact_rev)],
+                            [op_delete(self._k("a", sk))])
         return None
 
     def _hit(self, info: pb.ArtifactInfo) -> None:
         self.metrics.compile_seconds_saved.inc(max(info.compile_time_seconds, 0.0))
 
     # -- the lease -------------------------------------------------------
-    async def _try_take(self, key: str, req: pb.Requester) -> pb.Lease | None:
+    async def _try_take(self, sk: str, req: pb.Requester) -> pb.Lease | None:
         ttl = self.cfg.lease_ttl_s
         lease_id = await self.etcd.grant(ttl)
         record = json.dumps(
@@ -196,37 +211,44 @@ class CoordinatorState:
              "client": req.client, "granted": time.time()}
         ).encode()
         ok, rev, _ = await self.etcd.txn(
-            [cmp_absent(self._k("l", key)), cmp_absent(self._k("a", key)),
-             cmp_absent(self._k("x", key))],
-            [op_put(self._k("l", key), record, lease=lease_id)],
+            [cmp_absent(self._k("l", sk)), cmp_absent(self._k("a", sk)),
+             cmp_absent(self._k("x", sk))],
+            [op_put(self._k("l", sk), record, lease=lease_id)],
         )
         if not ok:
             self._spawn(self.etcd.revoke(lease_id))
             return None
         return pb.Lease(id=lease_id, ttl_seconds=ttl, revision=rev)
 
-    async def _check_holder(self, key: str, lease: pb.Lease) -> None:
-        rec = await self.etcd.get(self._k("l", key))
+    async def _check_holder(self, sk: str, lease: pb.Lease,
+                            requester: pb.Requester | None = None) -> None:
+        key = _plain(sk)
+        rec = await self.etcd.get(self._k("l", sk))
         if rec is None:
             raise LeaseError(f"no compile lease is held for key {key} (expired or never taken)")
         holder = json.loads(rec.value)
         if holder.get("lease") != lease.id or rec.mod_revision != lease.revision:
             raise LeaseError(f"the compile lease for key {key} is held by someone else")
+        if requester is not None and requester.job != holder.get("job", ""):
+            raise LeaseError(f"the compile lease for key {key} belongs to another job")
 
     # -- key records (explaining misses) ---------------------------------
-    def _name_prefix(self, program_name: str) -> bytes:
-        return self.prefix + f"/n/{hashlib.sha256(program_name.encode()).hexdigest()[:32]}/".encode()
+    def _name_prefix(self, tenant: str, program_name: str) -> bytes:
+        digest = hashlib.sha256(program_name.encode()).hexdigest()[:32]
+        return self.prefix + f"/n/{tenant}/{digest}/".encode()
 
-    async def _record_key(self, key: str, program_name: str, comps: dict[str, str]) -> None:
+    async def _record_key(self, sk: str, program_name: str, comps: dict[str, str]) -> None:
         """Remember a key's components; count the miss by what differed from
         the nearest earlier key of the same program name."""
         try:
-            if not comps or await self.etcd.get(self._k("k", key)) is not None:
+            tenant, key = sk.split("/", 1)
+            if not comps or await self.etcd.get(self._k("k", sk)) is not None:
                 return
-            earlier = await self.etcd.get_prefix(self._name_prefix(program_name), limit=64)
+            earlier = await self.etcd.get_prefix(self._name_prefix(tenant, program_name), limit=64)
             best: list[str] | None = None
             for kv in earlier:
-                other = await self.etcd.get(self._k("k", kv.key.rsplit(b"/", 1)[1].decode()))
+                other_key = kv.key.rsplit(b"/", 1)[1].decode()
+                other = await self.etcd.get(self._k("k", f"{tenant}/{other_key}"))
                 if other is None:
                     continue
                 theirs = json.loads(other.value).get("components", {})
@@ -237,15 +259,16 @@ class CoordinatorState:
                 self.metrics.misses_by_component.labels(component).inc()
             record = json.dumps({"program_name": program_name, "components": comps,
                                  "first_seen": time.time()}).encode()
-            await self.etcd.txn([cmp_absent(self._k("k", key))],
-                                [op_put(self._k("k", key), record),
-                                 op_put(self._name_prefix(program_name) + key.encode(), b"")])
+            await self.etcd.txn([cmp_absent(self._k("k", sk))],
+                                [op_put(self._k("k", sk), record),
+                                 op_put(self._name_prefix(tenant, program_name) + key.encode(), b"")])
         except Exception as exc:  # bookkeeping only; never fails a decision
             log.debug("could not record key %s: %s", key, exc)
 
-    async def describe(self, key: str) -> pb.DescribeKeyResponse:
+    async def describe(self, key: str, tenant: str = DEFAULT_TENANT) -> pb.DescribeKeyResponse:
         validate.key(key)
-        rec, art = await self.etcd.get_many([self._k("k", key), self._k("a", key)])
+        sk = _scope(tenant, key)
+        rec, art = await self.etcd.get_many([self._k("k", sk), self._k("a", sk)])
         if rec is None:
             raise NotFound(f"the coordinator has not seen key {key}")
         d = json.loads(rec.value)
@@ -259,25 +282,27 @@ class CoordinatorState:
     # -- Acquire ---------------------------------------------------------
     async def acquire(self, key: str, req: pb.Requester,
                       components: dict[str, str] | None = None,
-                      program_name: str = "") -> pb.AcquireResponse:
+                      program_name: str = "", *, tenant: str = DEFAULT_TENANT,
+                      may_publish: bool = True) -> pb.AcquireResponse:
         validate.key(key)
         validate.requester(req)
         validate.components(components or {}, program_name)
         try:
-            resp = await self._decide(key, req)
+            resp = await self._decide(_scope(tenant, key), req, may_publish)
         except Unavailable as exc:
             resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
                                       reason=f"coordinator cannot reach etcd: {exc}")
         self.metrics.lookups.labels("hit" if resp.decision == pb.HIT else "miss").inc()
         self.metrics.decisions.labels(pb.Decision.Name(resp.decision).lower()).inc()
         if resp.decision == pb.COMPILE and components:
-            self._spawn(self._record_key(key, program_name, dict(components)))
+            self._spawn(self._record_key(_scope(tenant, key), program_name,
+                                         dict(components)))
         return resp
 
-    async def _decide(self, key: str, req: pb.Requester) -> pb.AcquireResponse:
+    async def _decide(self, sk: str, req: pb.Requester, may_publish: bool) -> pb.AcquireResponse:
         for _ in range(3):
-            st = await self._read(key)
-            info = await self._usable_artifact(st)
+            st = await self._read(sk)
+            info = await self._usable_artifact(sk, st)
             if info is not None:
                 self._hit(info)
                 return pb.AcquireResponse(decision=pb.HIT, artifact=info)
@@ -292,15 +317,19 @@ class CoordinatorState:
                     decision=pb.WAIT,
                     reason=f"process {req.designated_process} of job {req.job} compiles",
                 )
-            lease = await self._try_take(key, req)
+            if not may_publish:
+                return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
+                                          reason="this identity may not publish; compile locally")
+            lease = await self._try_take(sk, req)
             if lease is not None:
                 self.metrics.compiles.labels("first").inc()
-                log.info("compile lease for %s to %s", key, req.client or req.job)
+                log.info("compile lease for %s to %s", sk, req.client or req.job)
                 return pb.AcquireResponse(decision=pb.COMPILE, lease=lease)
         return pb.AcquireResponse(decision=pb.WAIT, reason="contended; wait")
 
     # -- Wait ------------------------------------------------------------
-    async def wait(self, key: str, req: pb.Requester, timeout_ms: int) -> AsyncIterator[pb.WaitEvent]:
+    async def wait(self, key: str, req: pb.Requester, timeout_ms: int, *,
+                   tenant: str = DEFAULT_TENANT, may_publish: bool = True) -> AsyncIterator[pb.WaitEvent]:
         validate.key(key)
         validate.requester(req)
         if timeout_ms < 0:
@@ -309,8 +338,9 @@ class CoordinatorState:
         start = time.monotonic()
         deadline = start + timeout
         rank = f"{req.process_id:010d}" if req.job else f"9{time.time_ns():019d}"
-        wkey = self._k("w", key) + f"/{rank}/{uuid.uuid4().hex[:12]}".encode()
-        sub = self.hub.subscribe(key)
+        sk = _scope(tenant, key)
+        wkey = self._k("w", sk) + f"/{rank}/{uuid.uuid4().hex[:12]}".encode()
+        sub = self.hub.subscribe(sk)
         self.metrics.waiters.inc()
         outcome = "compile_locally"
         try:
@@ -325,8 +355,8 @@ class CoordinatorState:
             while True:
                 sub.clear()
                 try:
-                    st = await self._read(key)
-                    info = await self._usable_artifact(st)
+                    st = await self._read(sk)
+                    info = await self._usable_artifact(sk, st)
                     if info is not None:
                         self._hit(info)
                         outcome = "hit"
@@ -339,12 +369,12 @@ class CoordinatorState:
                     now = time.monotonic()
                     if st.lease:
                         seen_holder, free_since = True, None
-                    elif (not req.job or seen_holder or req.process_id == req.designated_process
+                    elif may_publish and (not req.job or seen_holder or req.process_id == req.designated_process
                           or now - start >= self.cfg.designated_grace_s):
                         free_since = free_since or now
-                        position = await self._waiter_position(key, wkey)
+                        position = await self._waiter_position(sk, wkey)
                         if now - free_since >= PROMOTION_STAGGER_S * position:
-                            lease = await self._try_take(key, req)
+                            lease = await self._try_take(sk, req)
                             if lease is not None:
                                 outcome = "promoted"
                                 self.metrics.compiles.labels("promoted").inc()
@@ -370,7 +400,7 @@ class CoordinatorState:
                 if not await sub.wait(nap):
                     yield pb.WaitEvent(decision=pb.WAIT, reason="still compiling")
         finally:
-            self.hub.unsubscribe(key, sub)
+            self.hub.unsubscribe(sk, sub)
             self.metrics.waiters.dec()
             self.metrics.waits.labels(outcome).inc()
             self.metrics.wait_seconds.observe(time.monotonic() - start)
@@ -380,16 +410,16 @@ class CoordinatorState:
         with contextlib.suppress(Exception):
             await self.etcd.delete(wkey)
 
-    async def _waiter_position(self, key: str, wkey: bytes) -> int:
-        waiters = await self.etcd.get_prefix(self._k("w", key) + b"/")
+    async def _waiter_position(self, sk: str, wkey: bytes) -> int:
+        waiters = await self.etcd.get_prefix(self._k("w", sk) + b"/")
         for i, kv in enumerate(waiters):
             if kv.key == wkey:
                 return i
         return len(waiters)
 
     # -- Publish ---------------------------------------------------------
-    async def publish(self, header: pb.PublishHeader,
-                      chunks: AsyncIterator[bytes]) -> pb.ArtifactInfo:
+    async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[bytes], *,
+                      tenant: str = DEFAULT_TENANT) -> pb.ArtifactInfo:
         key = validate.key(header.key)
         validate.lease(header.lease)
         validate.digest(header.digest)
@@ -402,17 +432,18 @@ class CoordinatorState:
             raise InvalidRequest("compile_time_seconds must be in [0, 1e7)")
         self.in_flight_publishes += 1
         try:
-            return await self._publish(key, header, chunks)
+            return await self._publish(_scope(tenant, key), header, chunks)
         except Exception as exc:
             self.metrics.publishes.labels(type(exc).__name__).inc()
             raise
         finally:
             self.in_flight_publishes -= 1
 
-    async def _publish(self, key: str, header: pb.PublishHeader,
+    async def _publish(self, sk: str, header: pb.PublishHeader,
                        chunks: AsyncIterator[bytes]) -> pb.ArtifactInfo:
-        await self._check_holder(key, header.lease)
-        if await self.etcd.get(self._k("a", key)) is not None:
+        key = _plain(sk)
+        await self._check_holder(sk, header.lease, header.requester)
+        if await self.etcd.get(self._k("a", sk)) is not None:
             raise AlreadyPublished(f"key {key} is already published")
         writer = self.store.writer()
         with writer:
@@ -426,9 +457,9 @@ class CoordinatorState:
                                compile_time_seconds=header.compile_time_seconds,
                                created_unix=time.time())
         ok, _, _ = await self.etcd.txn(
-            [cmp_mod_revision(self._k("l", key), header.lease.revision),
-             cmp_absent(self._k("a", key))],
-            [op_put(self._k("a", key), _info_json(info)), op_delete(self._k("l", key))],
+            [cmp_mod_revision(self._k("l", sk), header.lease.revision),
+             cmp_absent(self._k("a", sk))],
+            [op_put(self._k("a", sk), _info_json(info)), op_delete(self._k("l", sk))],
         )
         if not ok:
             raise LeaseError(f"the compile lease for key {key} was lost before the publish "
@@ -440,21 +471,23 @@ class CoordinatorState:
         return info
 
     # -- Release ---------------------------------------------------------
-    async def release(self, key: str, lease: pb.Lease, reason: int, detail: str) -> None:
+    async def release(self, key: str, lease: pb.Lease, reason: int, detail: str, *,
+                      tenant: str = DEFAULT_TENANT) -> None:
         validate.key(key)
         validate.lease(lease)
         if reason not in pb.ReleaseReason.values() or reason == pb.RELEASE_REASON_UNSPECIFIED:
             raise InvalidRequest("reason must be COMPILE_FAILED, BELOW_THRESHOLD or ABANDONED")
-        await self._check_holder(key, lease)
+        sk = _scope(tenant, key)
+        await self._check_holder(sk, lease)
         name = pb.ReleaseReason.Name(reason)
-        ops = [op_delete(self._k("l", key))]
+        ops = [op_delete(self._k("l", sk))]
         if reason in (pb.COMPILE_FAILED, pb.BELOW_THRESHOLD):
             marker_lease = await self.etcd.grant(self.cfg.local_marker_ttl_s)
             why = ("the compile failed on the holder" if reason == pb.COMPILE_FAILED
                    else "the entry is below the caching thresholds")
             body = json.dumps({"reason": f"{why}; compile locally", "detail": detail[:1024]})
-            ops.append(op_put(self._k("x", key), body.encode(), lease=marker_lease))
-        ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k("l", key), lease.revision)], ops)
+            ops.append(op_put(self._k("x", sk), body.encode(), lease=marker_lease))
+        ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k("l", sk), lease.revision)], ops)
         if not ok:
             raise LeaseError(f"the compile lease for key {key} is no longer held")
         self._spawn(self.etcd.revoke(lease.id))
@@ -462,32 +495,34 @@ class CoordinatorState:
         log.info("released %s (%s) %s", key, name, detail[:200])
 
     # -- KeepAlive -------------------------------------------------------
-    async def keepalive(self, key: str, lease: pb.Lease) -> int:
+    async def keepalive(self, key: str, lease: pb.Lease, *,
+                        tenant: str = DEFAULT_TENANT) -> int:
         validate.key(key)
         validate.lease(lease)
         try:
-            await self._check_holder(key, lease)
+            await self._check_holder(_scope(tenant, key), lease)
         except LeaseError:
             return 0
         return await self.etcd.keepalive_once(lease.id)
 
     # -- Fetch -----------------------------------------------------------
-    async def fetch(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, AsyncIterator[bytes]]:
+    async def fetch(self, key: str, digest: str, *, tenant: str = DEFAULT_TENANT) -> tuple[pb.ArtifactInfo, AsyncIterator[bytes]]:
         validate.key(key)
         if digest:
             validate.digest(digest)
-        rec = await self.etcd.get(self._k("a", key))
+        sk = _scope(tenant, key)
+        rec = await self.etcd.get(self._k("a", sk))
         if rec is None:
             raise NotFound(f"no artifact is published under key {key}")
         info = _info_from(key, rec.value)
         if digest and info.digest != digest:
             raise NotFound(f"key {key} holds digest {info.digest}, not {digest}")
         if not await asyncio.to_thread(self.store.has, info.digest):
-            await self._usable_artifact(KeyState(info, rec.mod_revision, None, 0, None))
+            await self._usable_artifact(sk, KeyState(info, rec.mod_revision, None, 0, None))
             raise NotFound(f"the blob of key {key} is missing; recompile")
-        return info, self._stream(info)
+        return info, self._stream(sk, info)
 
-    async def _stream(self, info: pb.ArtifactInfo) -> AsyncIterator[bytes]:
+    async def _stream(self, sk: str, info: pb.ArtifactInfo) -> AsyncIterator[bytes]:
         it = self.store.read(info.digest)
         sentinel = object()
         try:
@@ -500,13 +535,13 @@ class CoordinatorState:
         except CorruptBlob:
             self.metrics.corrupt_blobs.inc()
             with contextlib.suppress(Exception):
-                await self.etcd.delete(self._k("a", info.key))
+                await self.etcd.delete(self._k("a", sk))
             raise
         finally:
             it.close()
 
     # -- Status ----------------------------------------------------------
-    async def status(self) -> pb.StatusResponse:
+    async def status(self, tenant: str = DEFAULT_TENANT) -> pb.StatusResponse:
         healthy = await self.etcd.healthy()
         resp = pb.StatusResponse(role="coordinator", upstream_healthy=healthy,
                                  upstream="etcd " + ",".join(self.etcd.endpoints))
@@ -519,15 +554,16 @@ class CoordinatorState:
             reg.get_sample_value("compilecast_coordinator_compile_seconds_saved_total") or 0.0)
         if not healthy:
             return resp
-        resp.artifacts = await self.etcd.count_prefix(self.prefix + b"/a/")
-        leases = await self.etcd.get_prefix(self.prefix + b"/l/", limit=100)
-        resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l/")
-        resp.waiters = await self.etcd.count_prefix(self.prefix + b"/w/")
+        scope = f"/{tenant}/".encode()
+        resp.artifacts = await self.etcd.count_prefix(self.prefix + b"/a" + scope)
+        leases = await self.etcd.get_prefix(self.prefix + b"/l" + scope, limit=100)
+        resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l" + scope)
+        resp.waiters = await self.etcd.count_prefix(self.prefix + b"/w" + scope)
         now = time.time()
         for kv in leases:
-            key = kv.key[len(self.prefix) + 3:].decode()
+            key = kv.key[len(self.prefix) + 3 + len(scope) - 1:].decode()
             rec = json.loads(kv.value)
-            nwait = await self.etcd.count_prefix(self._k("w", key) + b"/")
+            nwait = await self.etcd.count_prefix(self._k("w", _scope(tenant, key)) + b"/")
             resp.in_flight.append(pb.InFlight(key=key, holder=_holder_name(rec),
                                               age_seconds=now - rec.get("granted", now),
                                               waiters=nwait))

@@ -103,7 +103,8 @@ def prefix() -> str:
 def coordinator_config(etcd: EtcdProcess, tmp: Path, prefix: str, **kw) -> CoordinatorConfig:
     return CoordinatorConfig(
         listen=f"127.0.0.1:{free_port()}", etcd_endpoints=etcd.endpoint, etcd_prefix=prefix,
-        store_dir=str(tmp / "store"), metrics_port=0, **kw,
+        store_dir=str(tmp / "store"), metrics_port=0,
+        **{"allow_unauthenticated": True, **kw},
     )
 
 

@@ -13,7 +13,8 @@ def test_flag_beats_env_beats_file_beats_default(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("lease_ttl_s: 7\nmetrics_port: 9000\netcd_prefix: /fromfile\n")
     cfg, src = load(CoordinatorConfig, flags={"lease_ttl_s": "3"},
-                    env={"COMPILECAST_METRICS_PORT": "9100"}, file=str(f))
+                    env={"COMPILECAST_METRICS_PORT": "9100",
+                         "COMPILECAST_ALLOW_UNAUTHENTICATED": "yes"}, file=str(f))
     assert (cfg.lease_ttl_s, cfg.metrics_port, cfg.etcd_prefix) == (3, 9100, "/fromfile")
     assert src["lease_ttl_s"] == "flag --lease-ttl-s"
     assert src["metrics_port"] == "env COMPILECAST_METRICS_PORT"
@@ -29,7 +30,22 @@ def test_flag_beats_env_beats_file_beats_default(tmp_path):
 ])
 def test_bad_values_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load(CoordinatorConfig, env=env)
+        load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1", **env})
+
+
+def test_the_coordinator_refuses_to_start_open_unless_told():
+    with pytest.raises(ConfigError, match="allow_unauthenticated explicitly"):
+        load(CoordinatorConfig, env={})
+    with pytest.raises(ConfigError, match="not a boolean"):
+        load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "maybe"})
+
+
+def test_tls_files_must_come_in_pairs_and_exist(tmp_path):
+    env = {"COMPILECAST_ALLOW_UNAUTHENTICATED": "1"}
+    with pytest.raises(ConfigError, match="go together"):
+        load(CoordinatorConfig, env=dict(env, COMPILECAST_TLS_CERT_FILE=str(tmp_path)))
+    with pytest.raises(ConfigError, match="not a readable file"):
+        load(CoordinatorConfig, env=dict(env, COMPILECAST_AUTH_TOKENS_FILE="/no/such/file"))
 
 
 def test_unknown_file_keys_are_refused(tmp_path):
@@ -41,5 +57,5 @@ def test_unknown_file_keys_are_refused(tmp_path):
 
 def test_jax_share_binary_timeout_is_honoured(monkeypatch):
     monkeypatch.setenv("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "1234")
-    cfg, _ = load(CoordinatorConfig, env={})
+    cfg, _ = load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1"})
     assert cfg.share_binary_between_hosts_timeout_ms == 1234

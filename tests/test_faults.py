@@ -90,7 +90,8 @@ def cluster_coordinator(cluster, tmp_path):
 
     lt = LoopThread()
     cfg = CoordinatorConfig(listen=f"127.0.0.1:{free_port()}", etcd_endpoints=cluster.endpoints,
-                            store_dir=str(tmp_path / "store"), metrics_port=0, lease_ttl_s=5)
+                            store_dir=str(tmp_path / "store"), metrics_port=0, lease_ttl_s=5,
+                            allow_unauthenticated=True)
     r = Running(lt, Coordinator(cfg))
     yield r
     r.stop()
@@ -158,7 +159,8 @@ def test_coordinator_sigkill_during_publishes_loses_nothing_acknowledged(etcd, t
     port = free_port()
     args = [sys.executable, "-m", "compilecast.cli", "coordinator", "--listen",
             f"127.0.0.1:{port}", "--etcd-endpoints", etcd.endpoint, "--etcd-prefix",
-            f"/kill-{port}", "--store-dir", str(tmp_path / "store"), "--metrics-port", "0"]
+            f"/kill-{port}", "--store-dir", str(tmp_path / "store"), "--metrics-port", "0",
+            "--allow-unauthenticated", "true"]
     target = f"127.0.0.1:{port}"
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_until_healthy(target, 30)

@@ -136,6 +136,8 @@ def test_external_etcd_renders_no_etcd():
     (["coordinator.storage.accessModes={ReadWriteOnce}"], "shared artifact store"),
     (["cache.leaseTtlSeconds=ten"], "leaseTtlSeconds"),
     (["worker.socketDir=relative/dir"], "socketDir"),
+    (["auth.tokensSecret="], "allowUnauthenticated=true explicitly"),
+    (["tls.requireClientCerts=true"], "needs tls.secretName"),
 ])
 def test_bad_value_combinations_fail_with_a_clear_message(sets, message):
     args = ["template", "rel", str(CHART)]
@@ -144,3 +146,19 @@ def test_bad_value_combinations_fail_with_a_clear_message(sets, message):
     r = helm(*args)
     assert r.returncode != 0
     assert message in r.stderr
+
+
+def test_tls_and_tokens_are_wired_into_both_roles():
+    docs = render(CHART / "ci" / "gke-tpu-values.yaml")
+    (dep,) = by_kind(docs, "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert "--auth-tokens-file=/etc/compilecast/auth/tokens.yaml" in c["args"]
+    assert "--tls-client-ca-file=/etc/compilecast/tls/ca.crt" in c["args"]
+    assert "tcpSocket" in c["readinessProbe"]  # gRPC probes cannot speak TLS
+    assert not any(a.startswith("--allow-unauthenticated") for a in c["args"])
+    (ds,) = by_kind(docs, "DaemonSet")
+    w = ds["spec"]["template"]["spec"]["containers"][0]
+    assert "--coordinator-ca-file=/etc/compilecast/tls/ca.crt" in w["args"]
+    assert "--token-file=/etc/compilecast/token/token" in w["args"]
+    mounts = {m["name"] for m in w["volumeMounts"]}
+    assert {"tls", "token"} <= mounts

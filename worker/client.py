@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from compilecast.errors import CorruptBlob
-from compilecast.grpcutil import CHANNEL_OPTIONS
+from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
@@ -50,11 +50,16 @@ class Identity:
 
 class CacheClient:
     def __init__(self, target: str, *, timeout_s: float = 5.0,
-                 identity: Identity | None = None) -> None:
+                 identity: Identity | None = None, token: str = "",
+                 ca_file: str = "") -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.identity = identity or Identity()
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        creds = channel_credentials(ca_file)
+        self._channel = (grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS) if creds
+                         else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
+        self._channel = grpc.intercept_channel(self._channel, _Metadata(bearer(token))) \
+            if token else self._channel
         self.stub = rpc.CompileCacheStub(self._channel)
         self._keepers: dict[int, threading.Event] = {}
 
@@ -154,6 +159,26 @@ class CacheClient:
         stop = self._keepers.pop(lease.id, None)
         if stop is not None:
             stop.set()
+
+
+class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                grpc.StreamUnaryClientInterceptor):
+    """Adds fixed metadata (the bearer token) to every call."""
+
+    def __init__(self, metadata: tuple) -> None:
+        self.metadata = metadata
+
+    def _details(self, details):
+        return details._replace(metadata=(*(details.metadata or ()), *self.metadata))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
 
 
 def publish_messages(header: pb.PublishHeader, data: bytes) -> Iterator[pb.PublishChunk]:

@@ -1,9 +1,13 @@
 """The host cache: a size-bounded blob store plus a key index on local disk.
 
-    ROOT/blobs/...          DiskBlobStore (LRU-evicted above max_bytes)
-    ROOT/keys/KEY.json      ArtifactInfo of KEY (written atomically)
+    ROOT/blobs/...             DiskBlobStore (LRU-evicted above max_bytes)
+    ROOT/keys/NS/KEY.json      ArtifactInfo of KEY (written atomically)
 
-A key entry whose blob was evicted reads as a miss. Both the worker and a
+NS is the namespace of the credential the entry was fetched or published
+with (see WorkerService), so a host-cache hit is only served to a caller
+presenting the same credential: tenants never read each other's entries here.
+Blobs are content-addressed and shared. A key entry whose blob was evicted
+reads as a miss. Both the worker and a
 restarted worker see the same entries; processes on the host never read this
 directory themselves, they ask the worker.
 """
@@ -27,37 +31,43 @@ class HostCache:
         self.keys = self.root / "keys"
         self.keys.mkdir(parents=True, exist_ok=True)
 
-    def lookup(self, key: str) -> pb.ArtifactInfo | None:
+    def _entry(self, ns: str, key: str) -> Path:
+        return self.keys / ns / f"{key}.json"
+
+    def lookup(self, ns: str, key: str) -> pb.ArtifactInfo | None:
         try:
-            raw = (self.keys / f"{key}.json").read_bytes()
+            raw = self._entry(ns, key).read_bytes()
         except FileNotFoundError:
             return None
         try:
             info = pb.ArtifactInfo(key=key, **json.loads(raw))
         except (ValueError, TypeError):
-            self.forget(key)
+            self.forget(ns, key)
             return None
         return info if self.store.has(info.digest) else None
 
-    def record(self, info: pb.ArtifactInfo) -> None:
+    def record(self, ns: str, info: pb.ArtifactInfo) -> None:
         body = json.dumps({"digest": info.digest, "size": info.size,
                            "compile_time_seconds": info.compile_time_seconds,
                            "created_unix": info.created_unix}).encode()
-        fd, tmp = tempfile.mkstemp(dir=self.keys, suffix=".tmp")
+        entry = self._entry(ns, info.key)
+        entry.parent.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=entry.parent, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(body)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.keys / f"{info.key}.json")
+            os.replace(tmp, entry)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
 
-    def forget(self, key: str) -> None:
+    def forget(self, ns: str, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            (self.keys / f"{key}.json").unlink()
+            self._entry(ns, key).unlink()
 
     def count(self) -> int:
-        return sum(1 for p in self.keys.glob("*.json") if self.lookup(p.stem) is not None)
+        return sum(1 for p in self.keys.glob("*/*.json")
+                   if self.lookup(p.parent.name, p.stem) is not None)

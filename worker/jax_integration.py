@@ -68,7 +68,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self.target = target
         self.timeout_ms = timeout_ms
         self.job = job
-        self.client = CacheClient(target, timeout_s=rpc_timeout_s)
+        self.client = CacheClient(target, timeout_s=rpc_timeout_s,
+                                  token=os.environ.get("COMPILECAST_TOKEN", ""))
         self.stats = Stats()
         self.key_config = keys.KeyConfig.from_env()
         self._held: dict[str, _Held] = {}

@@ -11,6 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from compilecast.config import WorkerConfig
+from compilecast.grpcutil import channel_credentials, server_credentials
 from compilecast.serving import make_server, serve_until_signal, set_serving, start_metrics
 
 from .hostcache import HostCache
@@ -34,7 +35,13 @@ class Worker:
         return self.cfg.listen
 
     async def start(self) -> None:
-        self.service = WorkerService(self.cfg.coordinator, self.cache, self.metrics,
+        cfg = self.cfg
+        token = Path(cfg.token_file).read_text().strip() if cfg.token_file else ""  # noqa: ASYNC240
+        self.service = WorkerService(cfg.coordinator, self.cache, self.metrics,
+                                     token=token,
+                                     credentials=channel_credentials(
+                                         cfg.coordinator_ca_file, cfg.coordinator_cert_file,
+                                         cfg.coordinator_key_file),
                                      rpc_timeout_s=self.cfg.rpc_timeout_s,
                                      share_binary_timeout_ms=(
                                          self.cfg.share_binary_between_hosts_timeout_ms))
@@ -42,7 +49,11 @@ class Worker:
         listen = self.cfg.listen
         if listen.startswith("unix://"):
             _prepare_socket(Path(listen.removeprefix("unix://")))
-        self.server.add_insecure_port(listen)
+        creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
+        if creds is not None and not listen.startswith("unix://"):
+            self.server.add_secure_port(listen, creds)
+        else:
+            self.server.add_insecure_port(listen)
         await self.server.start()
         if listen.startswith("unix://"):
             os.chmod(listen.removeprefix("unix://"), 0o660)

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from compilecast import validate
+from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
-from compilecast.grpcutil import CHANNEL_OPTIONS, rpc_errors
+from compilecast.grpcutil import aio_channel, bearer, rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
@@ -37,19 +39,32 @@ def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
 
 class WorkerService(rpc.CompileCacheServicer):
     def __init__(self, coordinator: str, cache: HostCache, metrics: WorkerMetrics,
-                 *, rpc_timeout_s: float, share_binary_timeout_ms: int = 0) -> None:
+                 *, rpc_timeout_s: float, share_binary_timeout_ms: int = 0,
+                 token: str = "", credentials: grpc.ChannelCredentials | None = None) -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
         self.coordinator = coordinator
         self.cache = cache
         self.metrics = metrics
         self.rpc_timeout_s = rpc_timeout_s
-        self.channel = grpc.aio.insecure_channel(coordinator, options=CHANNEL_OPTIONS)
+        self.token = token
+        self.channel = aio_channel(coordinator, credentials)
         self.up = rpc.CompileCacheStub(self.channel)
         self._fills: dict[str, asyncio.Future] = {}
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
 
     async def close(self) -> None:
         await self.channel.close()
+
+    def _credential(self, context) -> tuple[str, tuple]:
+        """(host-cache namespace, upstream metadata) for a caller.
+
+        A caller's own bearer token (a per-job token) is forwarded as is and
+        gets its own namespace; callers without one act as this worker.
+        """
+        caller = token_from(context)
+        token = caller or self.token
+        ns = hashlib.sha256(f"caller:{caller}".encode()).hexdigest()[:16] if caller else "host"
+        return ns, bearer(token)
 
     def _local(self, rpc_name: str, exc: grpc.aio.AioRpcError) -> str:
         self.metrics.fallbacks.labels(rpc_name).inc()
@@ -58,13 +73,14 @@ class WorkerService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Acquire(self, request, context):
         validate.key(request.key)
-        info = await asyncio.to_thread(self.cache.lookup, request.key)
+        ns, md = self._credential(context)
+        info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is not None:
             self.metrics.lookups.labels("host_hit").inc()
             self.metrics.compile_seconds_saved.inc(info.compile_time_seconds)
             return pb.AcquireResponse(decision=pb.HIT, artifact=info)
         try:
-            resp = await self.up.Acquire(request, timeout=self.rpc_timeout_s)
+            resp = await self.up.Acquire(request, timeout=self.rpc_timeout_s, metadata=md)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in DEGRADED:
                 raise _relay(exc) from None
@@ -76,13 +92,14 @@ class WorkerService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Wait(self, request, context):
         validate.key(request.key)
+        _, md = self._credential(context)
         if self.share_binary_timeout_ms > 0:  # the operator's bound for this host
             request.timeout_ms = min(request.timeout_ms or self.share_binary_timeout_ms,
                                      self.share_binary_timeout_ms)
         timeout_s = request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
         try:
             call = self.up.Wait(request, timeout=(timeout_s + self.rpc_timeout_s)
-                                if timeout_s else None)
+                                if timeout_s else None, metadata=md)
             async for event in call:
                 yield event
                 if event.decision != pb.WAIT:
@@ -94,6 +111,7 @@ class WorkerService(rpc.CompileCacheServicer):
 
     @rpc_errors
     async def Publish(self, request_iterator, context):
+        ns, md = self._credential(context)
         header, chunks = await publish_stream(request_iterator)
         validate.key(header.key)
         validate.digest(header.digest)
@@ -107,58 +125,63 @@ class WorkerService(rpc.CompileCacheServicer):
                     yield pb.PublishChunk(data=data)
 
             try:
-                resp = await self.up.Publish(forward(), timeout=max(300.0, self.rpc_timeout_s))
+                resp = await self.up.Publish(forward(), timeout=max(300.0, self.rpc_timeout_s),
+                                             metadata=md)
             except grpc.aio.AioRpcError as exc:
                 raise _relay(exc) from None
             await asyncio.to_thread(writer.commit, header.digest, header.size)
-        await asyncio.to_thread(self.cache.record, resp.artifact)
+        await asyncio.to_thread(self.cache.record, ns, resp.artifact)
         self.metrics.bytes.labels("published").inc(header.size)
         return resp
 
     @rpc_errors
     async def Release(self, request, context):
         try:
-            return await self.up.Release(request, timeout=self.rpc_timeout_s)
+            return await self.up.Release(request, timeout=self.rpc_timeout_s,
+                                     metadata=self._credential(context)[1])
         except grpc.aio.AioRpcError as exc:
             raise _relay(exc) from None
 
     @rpc_errors
     async def DescribeKey(self, request, context):
         try:
-            return await self.up.DescribeKey(request, timeout=self.rpc_timeout_s)
+            return await self.up.DescribeKey(request, timeout=self.rpc_timeout_s,
+                                     metadata=self._credential(context)[1])
         except grpc.aio.AioRpcError as exc:
             raise _relay(exc) from None
 
     @rpc_errors
     async def KeepAlive(self, request, context):
         try:
-            return await self.up.KeepAlive(request, timeout=self.rpc_timeout_s)
+            return await self.up.KeepAlive(request, timeout=self.rpc_timeout_s,
+                                     metadata=self._credential(context)[1])
         except grpc.aio.AioRpcError as exc:
             raise _relay(exc) from None
 
     # -- Fetch -----------------------------------------------------------
-    async def _fill(self, key: str, digest: str) -> pb.ArtifactInfo:
+    async def _fill(self, ns: str, md: tuple, key: str, digest: str) -> pb.ArtifactInfo:
         """Download `key` into the host cache once, however many ask."""
-        fut = self._fills.get(key)
+        fut = self._fills.get((ns, key))
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
-            self._fills[key] = fut
+            self._fills[(ns, key)] = fut
             try:
-                fut.set_result(await self._download(key, digest))
+                fut.set_result(await self._download(ns, md, key, digest))
             except BaseException as exc:
                 fut.set_exception(exc)
             finally:
-                del self._fills[key]
+                del self._fills[(ns, key)]
         return await asyncio.shield(fut)
 
-    async def _download(self, key: str, digest: str) -> pb.ArtifactInfo:
+    async def _download(self, ns: str, md: tuple, key: str, digest: str) -> pb.ArtifactInfo:
         start = time.monotonic()
         info = None
         writer = self.cache.store.writer()
         with writer:
             try:
                 async for chunk in self.up.Fetch(pb.FetchRequest(key=key, digest=digest),
-                                                 timeout=max(300.0, self.rpc_timeout_s)):
+                                                 timeout=max(300.0, self.rpc_timeout_s),
+                                                 metadata=md):
                     if chunk.HasField("artifact"):
                         info = chunk.artifact
                     await asyncio.to_thread(writer.write, chunk.data)
@@ -171,7 +194,7 @@ class WorkerService(rpc.CompileCacheServicer):
             except InvalidRequest as exc:
                 raise CorruptBlob(f"artifact {key} from the coordinator failed "
                                   f"verification: {exc}") from None
-        await asyncio.to_thread(self.cache.record, info)
+        await asyncio.to_thread(self.cache.record, ns, info)
         self.metrics.fetch_seconds.observe(time.monotonic() - start)
         self.metrics.bytes.labels("fetched").inc(info.size)
         return info
@@ -181,11 +204,12 @@ class WorkerService(rpc.CompileCacheServicer):
         validate.key(request.key)
         if request.digest:
             validate.digest(request.digest)
-        info = await asyncio.to_thread(self.cache.lookup, request.key)
+        ns, md = self._credential(context)
+        info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is not None and (not request.digest or info.digest == request.digest):
             self.metrics.fetches.labels("host").inc()
         else:
-            info = await self._fill(request.key, request.digest)
+            info = await self._fill(ns, md, request.key, request.digest)
             self.metrics.fetches.labels("coordinator").inc()
         it = self.cache.store.read(info.digest)
         sentinel = object()
@@ -202,7 +226,7 @@ class WorkerService(rpc.CompileCacheServicer):
                 else:
                     yield pb.FetchChunk(data=data)
         except CorruptBlob:
-            self.cache.forget(request.key)
+            self.cache.forget(ns, request.key)
             raise
         finally:
             it.close()
@@ -211,7 +235,8 @@ class WorkerService(rpc.CompileCacheServicer):
     async def Status(self, request, context):
         resp = pb.StatusResponse(role="worker", upstream=f"coordinator {self.coordinator}")
         with contextlib.suppress(grpc.aio.AioRpcError):
-            up = await self.up.Status(request, timeout=self.rpc_timeout_s)
+            up = await self.up.Status(request, timeout=self.rpc_timeout_s,
+                                      metadata=self._credential(context)[1])
             resp.CopyFrom(up)
             resp.role = "worker"
             resp.upstream = f"coordinator {self.coordinator}"

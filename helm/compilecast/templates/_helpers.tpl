@@ -54,6 +54,12 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{- if and .Values.etcd.enabled (eq (mod (int .Values.etcd.replicas) 2) 0) -}}
 {{- fail "etcd.replicas must be odd (1, 3, 5) to keep a quorum" -}}
 {{- end -}}
+{{- if and (not .Values.auth.allowUnauthenticated) (not .Values.auth.tokensSecret) -}}
+{{- fail "set auth.tokensSecret (a Secret with tokens.yaml), or auth.allowUnauthenticated=true explicitly" -}}
+{{- end -}}
+{{- if and .Values.tls.requireClientCerts (not .Values.tls.secretName) -}}
+{{- fail "tls.requireClientCerts needs tls.secretName" -}}
+{{- end -}}
 {{- if and (gt (int .Values.coordinator.replicas) 1) (not .Values.coordinator.storage.existingClaim) (not (has "ReadWriteMany" .Values.coordinator.storage.accessModes)) -}}
 {{- fail "coordinator.replicas > 1 needs a shared artifact store: accessModes [ReadWriteMany] or an existingClaim" -}}
 {{- end -}}

@@ -1,0 +1,110 @@
+"""Who is calling, and what may they do.
+
+Credentials are bearer tokens in the `authorization: Bearer <token>` call
+metadata (over TLS in production). The tokens file maps the sha256 of each
+token (never the token itself) to a tenant and permissions:
+
+    tokens:
+      - name: training-job-a          # shown in logs only
+        sha256: 9f86d0...             # sha256 hex of the token
+        tenant: team-a                # [a-z0-9-]{1,63}
+        permissions: [read, publish]  # read: Acquire/Wait/Fetch/DescribeKey/Status
+                                      # publish: also take compile leases, Publish, Release
+
+Tenants are namespaces: one tenant's keys, leases, artifacts and records are
+invisible to another. With allow_unauthenticated, a call without a token is
+the tenant "default" with both permissions; `compilecast up` uses that on
+loopback only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+
+import grpc
+import yaml
+
+from compilecast.config import ConfigError
+from compilecast.errors import PermissionDenied, Unauthenticated
+
+TENANT_RE = re.compile(r"^[a-z0-9-]{1,63}$")
+PERMISSIONS = {"read", "publish"}
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str
+    tenant: str
+    can_read: bool
+    can_publish: bool
+
+    def require_publish(self) -> None:
+        if not self.can_publish:
+            raise PermissionDenied(f"identity {self.name} may not publish or hold compile leases")
+
+
+ANONYMOUS = Principal("anonymous", "default", True, True)
+
+
+def token_from(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token:
+                return token.strip()
+            raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
+    return None
+
+
+class Authenticator:
+    def __init__(self, by_digest: dict[str, Principal], allow_unauthenticated: bool) -> None:
+        self._by_digest = by_digest
+        self.allow_unauthenticated = allow_unauthenticated
+
+    @classmethod
+    def from_file(cls, path: str, allow_unauthenticated: bool) -> Authenticator:
+        if not path:
+            if not allow_unauthenticated:
+                raise ConfigError("no auth_tokens_file: set one, or allow_unauthenticated "
+                                  "explicitly (loopback and tests only)")
+            return cls({}, True)
+        try:
+            with open(path) as f:
+                doc = yaml.safe_load(f) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read auth_tokens_file {path}: {exc.strerror}") from None
+        by_digest: dict[str, Principal] = {}
+        for i, entry in enumerate(doc.get("tokens") or []):
+            where = f"{path}: tokens[{i}]"
+            digest = str(entry.get("sha256", "")).lower()
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ConfigError(f"{where}: sha256 must be 64 hex characters")
+            tenant = str(entry.get("tenant", ""))
+            if not TENANT_RE.match(tenant):
+                raise ConfigError(f"{where}: tenant {tenant!r} must match [a-z0-9-]{{1,63}}")
+            perms = set(entry.get("permissions") or [])
+            if not perms or perms - PERMISSIONS:
+                raise ConfigError(f"{where}: permissions must be a subset of {sorted(PERMISSIONS)}")
+            by_digest[digest] = Principal(str(entry.get("name", f"token-{i}")), tenant,
+                                          "read" in perms or "publish" in perms,
+                                          "publish" in perms)
+        return cls(by_digest, allow_unauthenticated)
+
+    def identify(self, context: grpc.aio.ServicerContext) -> Principal:
+        token = token_from(context)
+        if token is None:
+            if self.allow_unauthenticated:
+                return ANONYMOUS
+            raise Unauthenticated("a bearer token is required")
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        for known, principal in self._by_digest.items():
+            if hmac.compare_digest(known, digest):
+                return principal
+        raise Unauthenticated("unknown token")
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
