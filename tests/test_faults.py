@@ -230,6 +230,6 @@ def test_flipped_bytes_are_detected_never_served_and_counted(coordinator, start_
     assert info.value.code() == grpc.StatusCode.DATA_LOSS
     assert coordinator.registry.get_sample_value(
         "compilecast_coordinator_corrupt_blobs_total") == 1
-    assert worker.cache.lookup("k") is None  # nothing unverified reached the host cache
+    assert worker.cache.lookup("host", "k") is None  # nothing unverified reached the host cache
     # The entry is gone, so the next process recompiles instead of failing again.
     assert via_worker.acquire("k").decision == pb.COMPILE
