@@ -71,6 +71,12 @@ class CoordinatorConfig:
         default=30, metadata=_help("how long a 'compile locally' verdict for a key lasts")
     )
     max_artifact_bytes: int = field(default=4 << 30, metadata=_help("largest accepted artifact"))
+    hedge_factor: float = field(
+        default=3.0,
+        metadata=_help("hedge a holder compiling longer than this many times the program's "
+                       "longest known compile time (0: never hedge)"))
+    hedge_min_s: float = field(
+        default=120.0, metadata=_help("never hedge a holder younger than this many seconds"))
     auth_tokens_file: str = field(
         default="", metadata=_help("YAML file of token sha256 -> tenant, permissions"))
     allow_unauthenticated: bool = field(

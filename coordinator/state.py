@@ -6,6 +6,8 @@ see each other's records:
 
     P/a/KEY              artifact index entry (JSON ArtifactInfo); write-once
     P/l/KEY              compile lease record (JSON), attached to the holder's etcd lease
+    P/h/KEY              hedge lease record: a second compiler for a holder far past
+                         the program's expected compile time, attached to its etcd lease
     P/x/KEY              "compile locally" verdict, attached to a short etcd lease
     P/w/KEY/RANK/ID      a registered waiter, attached to this replica's session lease
     P/k/KEY              the key's component digests and program name (for `explain`)
@@ -18,8 +20,9 @@ Lease rules (the invariants everything else leans on):
   Release are txns that compare P/l/KEY's mod_revision with that token, so a
   holder whose etcd lease expired (and whose record may have been re-created
   for someone else) can never publish.
-- Publish writes P/a/KEY and deletes P/l/KEY in one txn, after the blob is
-  durably in the store; an index entry never points at a missing blob.
+- Publish writes P/a/KEY and deletes P/l/KEY and P/h/KEY in one txn, after
+  the blob is durably in the store; an index entry never points at a missing
+  blob. With a hedge, the first valid publish (holder or hedger) wins.
 - Waiters are woken by one prefix watch per replica (WatchHub), so a publish
   through any replica wakes waiters on every replica.
 """
@@ -67,6 +70,7 @@ class KeyState:
     lease: dict | None
     lease_rev: int
     local: dict | None
+    hedge: dict | None = None
 
 
 def _info_json(info: pb.ArtifactInfo) -> bytes:
@@ -178,13 +182,15 @@ class CoordinatorState:
 
     # -- reads -----------------------------------------------------------
     async def _read(self, sk: str) -> KeyState:
-        a, lrec, x = await self.etcd.get_many([self._k("a", sk), self._k("l", sk), self._k("x", sk)])
+        a, lrec, x, h = await self.etcd.get_many(
+            [self._k("a", sk), self._k("l", sk), self._k("x", sk), self._k("h", sk)])
         return KeyState(
             artifact=_info_from(_plain(sk), a.value) if a else None,
             artifact_rev=a.mod_revision if a else 0,
             lease=json.loads(lrec.value) if lrec else None,
             lease_rev=lrec.mod_revision if lrec else 0,
             local=json.loads(x.value) if x else None,
+            hedge=json.loads(h.value) if h else None,
         )
 
     async def _usable_artifact(self, sk: str, st: KeyState) -> pb.ArtifactInfo | None:
@@ -203,34 +209,61 @@ class CoordinatorState:
         self.metrics.compile_seconds_saved.inc(max(info.compile_time_seconds, 0.0))
 
     # -- the lease -------------------------------------------------------
-    async def _try_take(self, sk: str, req: pb.Requester) -> pb.Lease | None:
+    async def _try_take(self, sk: str, req: pb.Requester, program: str = "", *,
+                        hedge_of: int = 0) -> pb.Lease | None:
+        """Create the lease record (P/l), or with hedge_of the hedge record
+        (P/h) next to a holder whose record still has revision hedge_of."""
         ttl = self.cfg.lease_ttl_s
         lease_id = await self.etcd.grant(ttl)
         record = json.dumps(
             {"lease": lease_id, "job": req.job, "process": req.process_id,
-             "client": req.client, "granted": time.time()}
+             "client": req.client, "granted": time.time(), "program": program}
         ).encode()
+        if hedge_of:
+            compare = [cmp_mod_revision(self._k("l", sk), hedge_of),
+                       cmp_absent(self._k("h", sk)), cmp_absent(self._k("a", sk))]
+            kind = "h"
+        else:
+            compare = [cmp_absent(self._k("l", sk)), cmp_absent(self._k("a", sk)),
+                       cmp_absent(self._k("x", sk)), cmp_absent(self._k("h", sk))]
+            kind = "l"
         ok, rev, _ = await self.etcd.txn(
-            [cmp_absent(self._k("l", sk)), cmp_absent(self._k("a", sk)),
-             cmp_absent(self._k("x", sk))],
-            [op_put(self._k("l", sk), record, lease=lease_id)],
-        )
+            compare, [op_put(self._k(kind, sk), record, lease=lease_id)])
         if not ok:
             self._spawn(self.etcd.revoke(lease_id))
             return None
         return pb.Lease(id=lease_id, ttl_seconds=ttl, revision=rev)
 
     async def _check_holder(self, sk: str, lease: pb.Lease,
-                            requester: pb.Requester | None = None) -> None:
+                            requester: pb.Requester | None = None) -> str:
+        """Which record ("l": the lease, "h": a hedge) `lease` holds; raises
+        LeaseError when it holds neither."""
         key = _plain(sk)
-        rec = await self.etcd.get(self._k("l", sk))
-        if rec is None:
+        recs = await self.etcd.get_many([self._k("l", sk), self._k("h", sk)])
+        if recs[0] is None and recs[1] is None:
             raise LeaseError(f"no compile lease is held for key {key} (expired or never taken)")
-        holder = json.loads(rec.value)
-        if holder.get("lease") != lease.id or rec.mod_revision != lease.revision:
-            raise LeaseError(f"the compile lease for key {key} is held by someone else")
-        if requester is not None and requester.job != holder.get("job", ""):
-            raise LeaseError(f"the compile lease for key {key} belongs to another job")
+        for kind, rec in zip(("l", "h"), recs, strict=True):
+            if rec is None:
+                continue
+            holder = json.loads(rec.value)
+            if holder.get("lease") == lease.id and rec.mod_revision == lease.revision:
+                if requester is not None and requester.job != holder.get("job", ""):
+                    raise LeaseError(f"the compile lease for key {key} belongs to another job")
+                return kind
+        raise LeaseError(f"the compile lease for key {key} is held by someone else")
+
+    async def _expected_compile_s(self, tenant: str, program: str) -> float | None:
+        """The longest compile time published for earlier keys of the same
+        program name (None when unknown)."""
+        if not program:
+            return None
+        names = await self.etcd.get_prefix(self._name_prefix(tenant, program), limit=32)
+        keys = [f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}" for kv in names]
+        if not keys:
+            return None
+        arts = await self.etcd.get_many([self._k("a", k) for k in keys])
+        times = [json.loads(a.value)["compile_time_seconds"] for a in arts if a is not None]
+        return max(times) if times else None
 
     # -- key records (explaining misses) ---------------------------------
     def _name_prefix(self, tenant: str, program_name: str) -> bytes:
@@ -288,7 +321,7 @@ class CoordinatorState:
         validate.requester(req)
         validate.components(components or {}, program_name)
         try:
-            resp = await self._decide(_scope(tenant, key), req, may_publish)
+            resp = await self._decide(_scope(tenant, key), req, may_publish, program_name)
         except Unavailable as exc:
             resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
                                       reason=f"coordinator cannot reach etcd: {exc}")
@@ -299,7 +332,7 @@ class CoordinatorState:
                                          dict(components)))
         return resp
 
-    async def _decide(self, sk: str, req: pb.Requester, may_publish: bool) -> pb.AcquireResponse:
+    async def _decide(self, sk: str, req: pb.Requester, may_publish: bool, program: str) -> pb.AcquireResponse:
         for _ in range(3):
             st = await self._read(sk)
             info = await self._usable_artifact(sk, st)
@@ -309,9 +342,9 @@ class CoordinatorState:
             if st.local:
                 return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
                                           reason=st.local.get("reason", "not cached"))
-            if st.lease:
+            if st.lease or st.hedge:
                 return pb.AcquireResponse(decision=pb.WAIT,
-                                          reason=f"compiled by {_holder_name(st.lease)}")
+                                          reason=f"compiled by {_holder_name(st.lease or st.hedge)}")
             if req.job and req.process_id != req.designated_process:
                 return pb.AcquireResponse(
                     decision=pb.WAIT,
@@ -320,7 +353,7 @@ class CoordinatorState:
             if not may_publish:
                 return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
                                           reason="this identity may not publish; compile locally")
-            lease = await self._try_take(sk, req)
+            lease = await self._try_take(sk, req, program)
             if lease is not None:
                 self.metrics.compiles.labels("first").inc()
                 log.info("compile lease for %s to %s", sk, req.client or req.job)
@@ -351,6 +384,7 @@ class CoordinatorState:
                                    reason=f"coordinator cannot reach etcd: {exc}")
                 return
             seen_holder = False
+            expected: list[float | None] = []  # looked up once, when first needed
             free_since: float | None = None
             while True:
                 sub.clear()
@@ -367,8 +401,17 @@ class CoordinatorState:
                                            reason=st.local.get("reason", "not cached"))
                         return
                     now = time.monotonic()
-                    if st.lease:
+                    if st.lease or st.hedge:
                         seen_holder, free_since = True, None
+                        lease = await self._maybe_hedge(sk, wkey, req, st, may_publish,
+                                                        expected)
+                        if lease is not None:
+                            outcome = "hedged"
+                            yield pb.WaitEvent(decision=pb.COMPILE, lease=lease,
+                                               reason="the holder is far past the expected "
+                                                      "compile time: compile too; the first "
+                                                      "publish wins")
+                            return
                     elif may_publish and (not req.job or seen_holder or req.process_id == req.designated_process
                           or now - start >= self.cfg.designated_grace_s):
                         free_since = free_since or now
@@ -406,6 +449,31 @@ class CoordinatorState:
             self.metrics.wait_seconds.observe(time.monotonic() - start)
             self._spawn(self._forget(wkey))
 
+    async def _maybe_hedge(self, sk: str, wkey: bytes, req: pb.Requester, st: KeyState,
+                           may_publish: bool, expected: list[float | None]) -> pb.Lease | None:
+        """Hedge a holder that runs far past the program's expected compile
+        time: the lowest waiter gets a hedge lease (P/h) and compiles too."""
+        factor = self.cfg.hedge_factor
+        if factor <= 0 or not may_publish or st.lease is None or st.hedge is not None:
+            return None
+        if not expected:
+            expected.append(await self._expected_compile_s(sk.split("/", 1)[0],
+                                                           st.lease.get("program", "")))
+        if expected[0] is None:
+            return None  # never seen this program compile: nothing to compare with
+        age = time.time() - st.lease.get("granted", time.time())
+        if age < max(self.cfg.hedge_min_s, factor * expected[0]):
+            return None
+        if await self._waiter_position(sk, wkey) != 0:
+            return None
+        lease = await self._try_take(sk, req, st.lease.get("program", ""),
+                                     hedge_of=st.lease_rev)
+        if lease is not None:
+            self.metrics.compiles.labels("hedge").inc()
+            log.warning("hedging %s: holder %s compiles for %.0fs, expected %.0fs", sk,
+                        _holder_name(st.lease), age, expected[0])
+        return lease
+
     async def _forget(self, wkey: bytes) -> None:
         with contextlib.suppress(Exception):
             await self.etcd.delete(wkey)
@@ -442,7 +510,7 @@ class CoordinatorState:
     async def _publish(self, sk: str, header: pb.PublishHeader,
                        chunks: AsyncIterator[bytes]) -> pb.ArtifactInfo:
         key = _plain(sk)
-        await self._check_holder(sk, header.lease, header.requester)
+        kind = await self._check_holder(sk, header.lease, header.requester)
         if await self.etcd.get(self._k("a", sk)) is not None:
             raise AlreadyPublished(f"key {key} is already published")
         writer = self.store.writer()
@@ -457,9 +525,11 @@ class CoordinatorState:
                                compile_time_seconds=header.compile_time_seconds,
                                created_unix=time.time())
         ok, _, _ = await self.etcd.txn(
-            [cmp_mod_revision(self._k("l", sk), header.lease.revision),
+            [cmp_mod_revision(self._k(kind, sk), header.lease.revision),
              cmp_absent(self._k("a", sk))],
-            [op_put(self._k("a", sk), _info_json(info)), op_delete(self._k("l", sk))],
+            # The first valid publish wins; it ends the lease and any hedge.
+            [op_put(self._k("a", sk), _info_json(info)), op_delete(self._k("l", sk)),
+             op_delete(self._k("h", sk))],
         )
         if not ok:
             raise LeaseError(f"the compile lease for key {key} was lost before the publish "
@@ -478,16 +548,16 @@ class CoordinatorState:
         if reason not in pb.ReleaseReason.values() or reason == pb.RELEASE_REASON_UNSPECIFIED:
             raise InvalidRequest("reason must be COMPILE_FAILED, BELOW_THRESHOLD or ABANDONED")
         sk = _scope(tenant, key)
-        await self._check_holder(sk, lease)
+        kind = await self._check_holder(sk, lease)
         name = pb.ReleaseReason.Name(reason)
-        ops = [op_delete(self._k("l", sk))]
+        ops = [op_delete(self._k(kind, sk))]
         if reason in (pb.COMPILE_FAILED, pb.BELOW_THRESHOLD):
             marker_lease = await self.etcd.grant(self.cfg.local_marker_ttl_s)
             why = ("the compile failed on the holder" if reason == pb.COMPILE_FAILED
                    else "the entry is below the caching thresholds")
             body = json.dumps({"reason": f"{why}; compile locally", "detail": detail[:1024]})
             ops.append(op_put(self._k("x", sk), body.encode(), lease=marker_lease))
-        ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k("l", sk), lease.revision)], ops)
+        ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k(kind, sk), lease.revision)], ops)
         if not ok:
             raise LeaseError(f"the compile lease for key {key} is no longer held")
         self._spawn(self.etcd.revoke(lease.id))

@@ -67,7 +67,7 @@ class WatchHub:
         for ev in events:
             rest = ev.kv.key[skip:]
             kind, _, tail = rest.partition(b"/")
-            if kind not in (b"a", b"l", b"x"):
+            if kind not in (b"a", b"l", b"x", b"h"):
                 continue
             for s in self._subs.get(tail.decode(errors="replace"), ()):
                 s.set()

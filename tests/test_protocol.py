@@ -284,3 +284,32 @@ def test_malformed_key_components_are_invalid_argument(coordinator):
                           c.acquire("k", components=comps, program_name=name))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(lambda: c.describe("never-seen"))[0] == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_holder_far_past_the_expected_compile_time_is_hedged(start_coordinator):
+    coordinator = start_coordinator(hedge_factor=2.0, hedge_min_s=1.0)
+    holder, waiter = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
+    # History: an earlier version of the same program compiled in 0.2 s.
+    first = holder.acquire("v1", components={"program": "p1"}, program_name="jit_step")
+    time.sleep(0.3)  # the key record is written in the background
+    holder.publish("v1", first.lease, DATA, 0.2)
+    slow = holder.acquire("v2", components={"program": "p2"}, program_name="jit_step").lease
+    holder.keep_lease("v2", slow)  # alive, but stuck compiling
+    event = waiter.wait("v2", 60)
+    assert event.decision == pb.COMPILE and "first publish wins" in event.reason
+    mine = b"hedged" * 1000
+    waiter.publish("v2", event.lease, mine, 0.3)
+    code, _ = code_of(lambda: holder.publish("v2", slow, DATA, 9.0))
+    assert code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS)
+    assert holder.fetch("v2")[1] == mine
+    assert coordinator.registry.get_sample_value("compilecast_coordinator_compiles_total",
+                                                 {"how": "hedge"}) == 1
+
+
+def test_no_hedge_without_a_known_compile_time(start_coordinator):
+    coordinator = start_coordinator(hedge_factor=2.0, hedge_min_s=0.5)
+    holder, waiter = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
+    lease = holder.acquire("new", components={"program": "p"}, program_name="jit_new").lease
+    holder.keep_lease("new", lease)
+    event = waiter.wait("new", 2.0)
+    assert event.decision == pb.COMPILE_LOCALLY and "timeout" in event.reason
