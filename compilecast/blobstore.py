@@ -22,6 +22,7 @@ in memory and the directory is scanned only when the bound is exceeded.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
@@ -29,7 +30,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import zstandard
@@ -39,7 +40,7 @@ from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, TooLarge
 
 log = logging.getLogger(__name__)
 
-CHUNK = 1 << 20
+CHUNK = 2 << 20
 
 
 def _fsync_dir(path: Path) -> None:
@@ -259,4 +260,43 @@ class DiskBlobStore:
         return b"".join(self.read(digest))
 
 
-__all__ = ["CHUNK", "BlobWriter", "DigestMismatch", "DiskBlobStore"]
+async def aread(store: DiskBlobStore, digest: str, *, depth: int = 4,
+                chunk_size: int = CHUNK) -> AsyncIterator[bytes]:
+    """`store.read` for an event loop: a thread reads, decompresses and
+    verifies up to `depth` chunks ahead while the caller sends; errors
+    (CorruptBlob after the last chunk) are raised in the caller."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    room = threading.Semaphore(depth)  # backpressure without a loop round trip per chunk
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        item: object = done
+        try:
+            for chunk in store.read(digest, chunk_size):
+                room.acquire()
+                if stop.is_set():
+                    return
+                loop.call_soon_threadsafe(queue.put_nowait, chunk)
+        except BaseException as exc:
+            item = exc
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    producer = loop.run_in_executor(None, produce)
+    try:
+        while True:
+            item = await queue.get()
+            if item is done:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            room.release()
+            yield item
+    finally:
+        stop.set()
+        room.release()  # wake a producer blocked on a full window
+        await asyncio.shield(producer)
+
+
+__all__ = ["CHUNK", "BlobWriter", "DigestMismatch", "DiskBlobStore", "aread"]

@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from compilecast import validate
-from compilecast.blobstore import DiskBlobStore
+from compilecast.blobstore import DiskBlobStore, aread
 from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
     AlreadyPublished,
@@ -593,13 +593,8 @@ class CoordinatorState:
         return info, self._stream(sk, info)
 
     async def _stream(self, sk: str, info: pb.ArtifactInfo) -> AsyncIterator[bytes]:
-        it = self.store.read(info.digest)
-        sentinel = object()
         try:
-            while True:
-                chunk = await asyncio.to_thread(next, it, sentinel)
-                if chunk is sentinel:
-                    break
+            async for chunk in aread(self.store, info.digest):
                 self.metrics.bytes.labels("out").inc(len(chunk))
                 yield chunk
         except CorruptBlob:
@@ -607,8 +602,6 @@ class CoordinatorState:
             with contextlib.suppress(Exception):
                 await self.etcd.delete(self._k("a", sk))
             raise
-        finally:
-            it.close()
 
     # -- Status ----------------------------------------------------------
     async def status(self, tenant: str = DEFAULT_TENANT) -> pb.StatusResponse:

@@ -35,6 +35,11 @@ class WorkerMetrics:
             "compilecast_worker_compile_seconds_saved",
             "Compile time avoided by host-cache hits", registry=registry,
         )
+        self.corrupt_blobs = Counter(
+            "compilecast_worker_corrupt_blobs",
+            "Host-cache blobs that failed digest verification and were quarantined",
+            registry=registry,
+        )
         self.cache_bytes = Gauge(
             "compilecast_worker_cache_bytes", "Bytes stored in the host cache", registry=registry,
         )

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from compilecast import validate
+from compilecast.blobstore import aread
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
@@ -211,14 +212,9 @@ class WorkerService(rpc.CompileCacheServicer):
         else:
             info = await self._fill(ns, md, request.key, request.digest)
             self.metrics.fetches.labels("coordinator").inc()
-        it = self.cache.store.read(info.digest)
-        sentinel = object()
         first = True
         try:
-            while True:
-                data = await asyncio.to_thread(next, it, sentinel)
-                if data is sentinel:
-                    break
+            async for data in aread(self.cache.store, info.digest):
                 self.metrics.bytes.labels("served").inc(len(data))
                 if first:
                     first = False
@@ -226,10 +222,9 @@ class WorkerService(rpc.CompileCacheServicer):
                 else:
                     yield pb.FetchChunk(data=data)
         except CorruptBlob:
+            self.metrics.corrupt_blobs.inc()
             self.cache.forget(ns, request.key)
             raise
-        finally:
-            it.close()
 
     @rpc_errors
     async def Status(self, request, context):

@@ -1,0 +1,110 @@
+"""Helpers shared by the benchmarks: etcd, coordinator and worker as real
+processes on free ports, peak RSS of a process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from compilecast.worker.client import wait_until_healthy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"port {port} did not open")
+
+
+class Stack:
+    """etcd + coordinator (+ workers) as subprocesses under `root`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: list[subprocess.Popen] = []
+        client, peer = free_port(), free_port()
+        self.etcd = f"127.0.0.1:{client}"
+        self._spawn([shutil.which("etcd") or "/usr/bin/etcd", "--data-dir", str(root / "etcd"),
+                     "--listen-client-urls", f"http://{self.etcd}",
+                     "--advertise-client-urls", f"http://{self.etcd}",
+                     "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                     "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                     "--initial-cluster", f"default=http://127.0.0.1:{peer}"])
+        wait_port(client)
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen:
+        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(p)
+        return p
+
+    def coordinator(self, name: str = "c", store: Path | None = None) -> tuple[str, subprocess.Popen]:
+        port = free_port()
+        p = self._spawn([sys.executable, "-m", "compilecast.cli", "--log-level", "warning",
+                         "coordinator", "--listen", f"127.0.0.1:{port}",
+                         "--etcd-endpoints", self.etcd,
+                         "--store-dir", str(store or self.root / f"store-{name}"),
+                         "--metrics-port", "0", "--allow-unauthenticated", "true"])
+        target = f"127.0.0.1:{port}"
+        wait_until_healthy(target, 30)
+        return target, p
+
+    def worker(self, coordinator: str, name: str) -> tuple[str, subprocess.Popen]:
+        sock = self.root / f"{name}.sock"
+        p = self._spawn([sys.executable, "-m", "compilecast.cli", "--log-level", "warning",
+                         "worker", "--listen", f"unix://{sock}", "--coordinator", coordinator,
+                         "--cache-dir", str(self.root / f"cache-{name}"), "--metrics-port", "0"])
+        target = f"unix://{sock}"
+        wait_until_healthy(target, 30)
+        return target, p
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """Peak resident set size (VmHWM) of a live process."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def random_file(path: Path, size: int) -> None:
+    """Incompressible bytes (the worst case for the zstd store)."""
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 64 << 20)
+            f.write(os.urandom(n))
+            left -= n

@@ -1,0 +1,126 @@
+"""Artifact fetch throughput and server memory.
+
+    python bench/fetch.py [--sizes-mb 100 1024 2048]
+
+Per size: publish an incompressible artifact, then fetch it (client verifies
+the sha256 on the fly, never holding it whole) from the coordinator, through
+a worker cold (fills its host cache) and warm (host hit), and stream the same
+bytes from a plain gRPC server without verification. Afterwards, the peak
+RSS of the coordinator and worker processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _servers import Stack, free_port, peak_rss_mb, random_file, wait_port
+
+from compilecast.grpcutil import CHANNEL_OPTIONS
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+
+
+def publish_file(target: str, key: str, path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    size = path.stat().st_size
+    ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    stub = rpc.CompileCacheStub(ch)
+    lease = stub.Acquire(pb.AcquireRequest(key=key), timeout=10).lease
+
+    def msgs():
+        yield pb.PublishChunk(header=pb.PublishHeader(key=key, lease=lease,
+                                                      digest=digest.hexdigest(), size=size,
+                                                      compile_time_seconds=1.0))
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                yield pb.PublishChunk(data=chunk)
+
+    stub.Publish(msgs(), timeout=600)
+    ch.close()
+    return digest.hexdigest()
+
+
+def fetch(target: str, key: str, expect: str) -> float:
+    ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    stub = rpc.CompileCacheStub(ch)
+    h = hashlib.sha256()
+    t0 = time.perf_counter()
+    for chunk in stub.Fetch(pb.FetchRequest(key=key), timeout=600):
+        h.update(chunk.data)
+    elapsed = time.perf_counter() - t0
+    ch.close()
+    assert h.hexdigest() == expect
+    return elapsed
+
+
+def plain(port: int) -> float:
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    call = ch.unary_stream("/bench.Plain/Stream", request_serializer=None,
+                           response_deserializer=None)
+    t0 = time.perf_counter()
+    n = 0
+    for chunk in call(b"", timeout=600):
+        n += len(chunk)
+    elapsed = time.perf_counter() - t0
+    ch.close()
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1024, 2048])
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="cc-fetch-"))
+    stack = Stack(root)
+    rows = []
+    try:
+        coord, cproc = stack.coordinator()
+        worker, wproc = stack.worker(coord, "w")
+        for mb in args.sizes_mb:
+            path = root / f"art-{mb}.bin"
+            random_file(path, mb << 20)
+            key = f"art-{mb}"
+            t0 = time.perf_counter()
+            digest = publish_file(coord, key, path)
+            pub = time.perf_counter() - t0
+            port = free_port()
+            ps = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_plain_server.py"),
+                                   str(port), str(path)])
+            wait_port(port)
+            base = plain(port)
+            ps.terminate()
+            ps.wait()
+            direct = fetch(coord, key, digest)
+            cold = fetch(worker, key, digest)
+            warm = fetch(worker, key, digest)
+            row = {"mb": mb, "publish_s": pub, "plain_s": base, "coordinator_s": direct,
+                   "worker_cold_s": cold, "worker_warm_s": warm,
+                   "coordinator_peak_rss_mb": peak_rss_mb(cproc.pid),
+                   "worker_peak_rss_mb": peak_rss_mb(wproc.pid)}
+            rows.append(row)
+            print(f"{mb:5d} MB  plain {mb / base:7.0f} MB/s | coordinator {mb / direct:7.0f} MB/s "
+                  f"({base / direct * 100:3.0f}% of plain) | worker cold {mb / cold:6.0f} MB/s | "
+                  f"worker warm {mb / warm:6.0f} MB/s ({base / warm * 100:3.0f}%) | publish "
+                  f"{mb / pub:5.0f} MB/s | peak RSS coordinator {row['coordinator_peak_rss_mb']:.0f}"
+                  f" MB, worker {row['worker_peak_rss_mb']:.0f} MB", flush=True)
+            path.unlink()
+    finally:
+        stack.close()
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
