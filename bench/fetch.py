@@ -28,6 +28,7 @@ from _servers import Stack, free_port, peak_rss_mb, random_file, wait_port
 from compilecast.grpcutil import CHANNEL_OPTIONS
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.worker.client import CacheClient
 
 
 def publish_file(target: str, key: str, path: Path) -> str:
@@ -48,8 +49,13 @@ def publish_file(target: str, key: str, path: Path) -> str:
             while chunk := f.read(1 << 20):
                 yield pb.PublishChunk(data=chunk)
 
-    stub.Publish(msgs(), timeout=600)
-    ch.close()
+    keeper = CacheClient(target)
+    keeper.keep_lease(key, lease)  # a long upload outlives the lease TTL
+    try:
+        stub.Publish(msgs(), timeout=600)
+    finally:
+        keeper.close()
+        ch.close()
     return digest.hexdigest()
 
 

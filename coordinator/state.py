@@ -122,6 +122,13 @@ class CoordinatorState:
         self.metrics = metrics
         self.prefix = cfg.etcd_prefix.rstrip("/").encode()
         self.hub = WatchHub(etcd, self.prefix)
+        # Published entries are write-once, so a HIT can be answered from
+        # memory. An entry leaves only when its blob proves corrupt or missing;
+        # the watch reports such deletes (and gaps, after which we forget all).
+        self._index: dict[str, tuple[pb.ArtifactInfo, int]] = {}
+        self._index_deleted: dict[str, int] = {}
+        self.hub.on_artifact_deleted.append(self._forget_artifact)
+        self.hub.on_gap.append(self._index.clear)
         self._session_lease = 0
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -180,10 +187,30 @@ class CoordinatorState:
 
         task.add_done_callback(done)
 
+    # -- the in-memory index of published entries --------------------------
+    def _forget_artifact(self, sk: str, revision: int) -> None:
+        self._index.pop(sk, None)
+        self._index_deleted[sk] = revision
+
+    def _remember_artifact(self, sk: str, info: pb.ArtifactInfo, revision: int) -> None:
+        if self._index_deleted.get(sk, 0) < revision:
+            self._index[sk] = (info, revision)
+
+    def _cached_artifact(self, sk: str) -> pb.ArtifactInfo | None:
+        entry = self._index.get(sk)
+        if entry is None:
+            return None
+        if not self.store.has(entry[0].digest):  # a stat; the blob may be gone
+            self._index.pop(sk, None)
+            return None
+        return entry[0]
+
     # -- reads -----------------------------------------------------------
     async def _read(self, sk: str) -> KeyState:
         a, lrec, x, h = await self.etcd.get_many(
             [self._k("a", sk), self._k("l", sk), self._k("x", sk), self._k("h", sk)])
+        if a is not None:
+            self._remember_artifact(sk, _info_from(_plain(sk), a.value), a.mod_revision)
         return KeyState(
             artifact=_info_from(_plain(sk), a.value) if a else None,
             artifact_rev=a.mod_revision if a else 0,
@@ -197,10 +224,11 @@ class CoordinatorState:
         """The artifact if its blob is present; a dangling entry is dropped."""
         if st.artifact is None:
             return None
-        if await asyncio.to_thread(self.store.has, st.artifact.digest):
+        if self.store.has(st.artifact.digest):  # one stat: cheaper than a thread hop
             return st.artifact
         log.error("index entry %s points at missing blob %s; dropping it",
                   st.artifact.key, st.artifact.digest)
+        self._forget_artifact(sk, st.artifact_rev + 1)
         await self.etcd.txn([cmp_mod_revision(self._k("a", sk), st.artifact_rev)],
                             [op_delete(self._k("a", sk))])
         return None
@@ -333,6 +361,10 @@ class CoordinatorState:
         return resp
 
     async def _decide(self, sk: str, req: pb.Requester, may_publish: bool, program: str) -> pb.AcquireResponse:
+        cached = self._cached_artifact(sk)
+        if cached is not None:
+            self._hit(cached)
+            return pb.AcquireResponse(decision=pb.HIT, artifact=cached)
         for _ in range(3):
             st = await self._read(sk)
             info = await self._usable_artifact(sk, st)
@@ -524,7 +556,7 @@ class CoordinatorState:
         info = pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
                                compile_time_seconds=header.compile_time_seconds,
                                created_unix=time.time())
-        ok, _, _ = await self.etcd.txn(
+        ok, revision, _ = await self.etcd.txn(
             [cmp_mod_revision(self._k(kind, sk), header.lease.revision),
              cmp_absent(self._k("a", sk))],
             # The first valid publish wins; it ends the lease and any hedge.
@@ -532,8 +564,15 @@ class CoordinatorState:
              op_delete(self._k("h", sk))],
         )
         if not ok:
-            raise LeaseError(f"the compile lease for key {key} was lost before the publish "
-                             "completed (expired or taken over)")
+            # A retried txn (the first attempt's reply lost with an etcd member)
+            # fails its compares after succeeding: the entry is then ours.
+            entry = await self.etcd.get(self._k("a", sk))
+            if entry is None or json.loads(entry.value).get("digest") != header.digest:
+                raise LeaseError(f"the compile lease for key {key} was lost before the "
+                                 "publish completed (expired or taken over)")
+            info = _info_from(key, entry.value)
+            revision = entry.mod_revision
+        self._remember_artifact(sk, info, revision)
         self._spawn(self.etcd.revoke(header.lease.id))
         self.metrics.publishes.labels("ok").inc()
         log.info("published %s digest=%s size=%d compile_time=%.2fs", key, header.digest,
@@ -581,14 +620,19 @@ class CoordinatorState:
         if digest:
             validate.digest(digest)
         sk = _scope(tenant, key)
-        rec = await self.etcd.get(self._k("a", sk))
-        if rec is None:
-            raise NotFound(f"no artifact is published under key {key}")
-        info = _info_from(key, rec.value)
+        info = self._cached_artifact(sk)
+        if info is None:
+            rec = await self.etcd.get(self._k("a", sk))
+            if rec is None:
+                raise NotFound(f"no artifact is published under key {key}")
+            info = _info_from(key, rec.value)
+            self._remember_artifact(sk, info, rec.mod_revision)
         if digest and info.digest != digest:
             raise NotFound(f"key {key} holds digest {info.digest}, not {digest}")
-        if not await asyncio.to_thread(self.store.has, info.digest):
-            await self._usable_artifact(sk, KeyState(info, rec.mod_revision, None, 0, None))
+        if not self.store.has(info.digest):
+            entry = await self.etcd.get(self._k("a", sk))
+            if entry is not None:
+                await self._usable_artifact(sk, KeyState(info, entry.mod_revision, None, 0, None))
             raise NotFound(f"the blob of key {key} is missing; recompile")
         return info, self._stream(sk, info)
 
@@ -599,6 +643,7 @@ class CoordinatorState:
                 yield chunk
         except CorruptBlob:
             self.metrics.corrupt_blobs.inc()
+            self._index.pop(sk, None)
             with contextlib.suppress(Exception):
                 await self.etcd.delete(self._k("a", sk))
             raise

@@ -44,6 +44,10 @@ class WatchHub:
         self.prefix = prefix
         self._subs: dict[str, set[Subscription]] = defaultdict(set)
         self.ready = asyncio.Event()
+        # Called with (scoped key, revision) when an artifact index entry is
+        # deleted, and with no arguments when the watch broke (events may be lost).
+        self.on_artifact_deleted: list = []
+        self.on_gap: list = []
 
     def subscribe(self, key: str) -> Subscription:
         sub = Subscription()
@@ -69,7 +73,11 @@ class WatchHub:
             kind, _, tail = rest.partition(b"/")
             if kind not in (b"a", b"l", b"x", b"h"):
                 continue
-            for s in self._subs.get(tail.decode(errors="replace"), ()):
+            sk = tail.decode(errors="replace")
+            if kind == b"a" and ev.type == ev.DELETE:
+                for fn in self.on_artifact_deleted:
+                    fn(sk, ev.kv.mod_revision)
+            for s in self._subs.get(sk, ()):
                 s.set()
 
     async def run(self) -> None:
@@ -95,6 +103,8 @@ class WatchHub:
                     start = 0
             except Exception:
                 log.exception("etcd watch failed; resuming")
+            for fn in self.on_gap:
+                fn()
             self._wake_all()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)

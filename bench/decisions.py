@@ -1,0 +1,107 @@
+"""Decision throughput: C concurrent clients send Acquire to one coordinator
+(a real process over a real etcd), half for published keys (HIT) and half
+for new keys (COMPILE: a lease grant and a txn in etcd).
+
+    python bench/decisions.py [--clients 1000] [--seconds 15] [--hit-ratio 0.5]
+
+Prints decisions per second and latency percentiles. The load generator is
+one grpc.aio process sharing the machine's 2 cores with the coordinator and
+etcd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _servers import Stack
+
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.worker.client import CacheClient
+
+
+async def load(target: str, clients: int, seconds: float, hit_ratio: float,
+               hit_keys: list[str]) -> tuple[list[float], dict[str, int], int]:
+    opts = [("grpc.lb_policy_name", "round_robin"), ("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(target, options=opts) for _ in range(8)]
+    stubs = [rpc.CompileCacheStub(c) for c in channels]
+    latencies: list[float] = []
+    decisions: dict[str, int] = {}
+    errors = 0
+    deadline = time.monotonic() + seconds
+    counter = 0
+
+    async def client(i: int) -> None:
+        nonlocal errors, counter
+        stub = stubs[i % len(stubs)]
+        rng = random.Random(i)
+        while time.monotonic() < deadline:
+            if rng.random() < hit_ratio:
+                key = rng.choice(hit_keys)
+            else:
+                counter += 1
+                key = f"miss-{i}-{counter}"
+            t0 = time.perf_counter()
+            try:
+                resp = await stub.Acquire(pb.AcquireRequest(key=key), timeout=30)
+            except grpc.aio.AioRpcError:
+                errors += 1
+                continue
+            latencies.append(time.perf_counter() - t0)
+            name = pb.Decision.Name(resp.decision)
+            decisions[name] = decisions.get(name, 0) + 1
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    for c in channels:
+        await c.close()
+    return latencies, decisions, errors
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", type=int, default=1000)
+    ap.add_argument("--seconds", type=float, default=15)
+    ap.add_argument("--hit-ratio", type=float, default=0.5)
+    ap.add_argument("--replicas", type=int, default=1)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="cc-decisions-"))
+    stack = Stack(root)
+    try:
+        store = root / "shared-store"
+        targets = [stack.coordinator(f"c{i}", store=store)[0] for i in range(args.replicas)]
+        c = CacheClient(targets[0])
+        hit_keys = []
+        for i in range(200):
+            key = f"hit-{i}"
+            c.publish(key, c.acquire(key).lease, f"artifact {i}".encode() * 100, 1.0)
+            hit_keys.append(key)
+        c.close()
+        # Several replicas: clients spread over them (one ipv4: target per replica).
+        target = "ipv4:" + ",".join(targets) if len(targets) > 1 else targets[0]
+        lat, decisions, errors = asyncio.run(load(target, args.clients, args.seconds,
+                                                  args.hit_ratio, hit_keys))
+        lat.sort()
+        n = len(lat)
+        row = {"clients": args.clients, "replicas": args.replicas, "decisions": n,
+               "per_second": n / args.seconds, "p50_ms": lat[n // 2] * 1e3,
+               "p99_ms": lat[int(n * 0.99)] * 1e3, "errors": errors, "by_decision": decisions}
+        print(f"{args.clients} clients, {args.replicas} replica(s): {row['per_second']:.0f} "
+              f"decisions/s, p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, "
+              f"errors {errors}, {decisions}")
+        print(json.dumps(row))
+    finally:
+        stack.close()
+
+
+if __name__ == "__main__":
+    main()
