@@ -31,7 +31,7 @@ from compilecast.worker.client import CacheClient
 
 
 async def load(target: str, clients: int, seconds: float, hit_ratio: float,
-               hit_keys: list[str]) -> tuple[list[float], dict[str, int], int]:
+               hit_keys: list[str], batch: int) -> tuple[list[float], dict[str, int], int]:
     opts = [("grpc.lb_policy_name", "round_robin"), ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(target, options=opts) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
@@ -46,20 +46,28 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
         stub = stubs[i % len(stubs)]
         rng = random.Random(i)
         while time.monotonic() < deadline:
-            if rng.random() < hit_ratio:
-                key = rng.choice(hit_keys)
-            else:
-                counter += 1
-                key = f"miss-{i}-{counter}"
+            keys = []
+            for _ in range(batch):
+                if rng.random() < hit_ratio:
+                    keys.append(rng.choice(hit_keys))
+                else:
+                    counter += 1
+                    keys.append(f"miss-{i}-{counter}")
             t0 = time.perf_counter()
             try:
-                resp = await stub.Acquire(pb.AcquireRequest(key=key), timeout=30)
+                if batch == 1:
+                    got = [await stub.Acquire(pb.AcquireRequest(key=keys[0]), timeout=60)]
+                else:
+                    resp = await stub.AcquireMany(pb.AcquireManyRequest(
+                        requests=[pb.AcquireRequest(key=k) for k in keys]), timeout=60)
+                    got = list(resp.responses)
             except grpc.aio.AioRpcError:
                 errors += 1
                 continue
             latencies.append(time.perf_counter() - t0)
-            name = pb.Decision.Name(resp.decision)
-            decisions[name] = decisions.get(name, 0) + 1
+            for r in got:
+                name = pb.Decision.Name(r.decision)
+                decisions[name] = decisions.get(name, 0) + 1
 
     await asyncio.gather(*(client(i) for i in range(clients)))
     for c in channels:
@@ -73,6 +81,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=15)
     ap.add_argument("--hit-ratio", type=float, default=0.5)
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1, help="keys per request (AcquireMany)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cc-decisions-"))
     stack = Stack(root)
@@ -89,14 +98,17 @@ def main() -> None:
         # Several replicas: clients spread over them (one ipv4: target per replica).
         target = "ipv4:" + ",".join(targets) if len(targets) > 1 else targets[0]
         lat, decisions, errors = asyncio.run(load(target, args.clients, args.seconds,
-                                                  args.hit_ratio, hit_keys))
+                                                  args.hit_ratio, hit_keys, args.batch))
         lat.sort()
         n = len(lat)
-        row = {"clients": args.clients, "replicas": args.replicas, "decisions": n,
-               "per_second": n / args.seconds, "p50_ms": lat[n // 2] * 1e3,
+        total = sum(decisions.values())
+        row = {"clients": args.clients, "replicas": args.replicas, "batch": args.batch,
+               "requests": n, "decisions": total,
+               "per_second": total / args.seconds, "p50_ms": lat[n // 2] * 1e3,
                "p99_ms": lat[int(n * 0.99)] * 1e3, "errors": errors, "by_decision": decisions}
-        print(f"{args.clients} clients, {args.replicas} replica(s): {row['per_second']:.0f} "
-              f"decisions/s, p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, "
+        print(f"{args.clients} clients, {args.replicas} replica(s), batch {args.batch}: "
+              f"{row['per_second']:.0f} decisions/s, request latency p50 {row['p50_ms']:.1f} ms, "
+              f"p99 {row['p99_ms']:.1f} ms, "
               f"errors {errors}, {decisions}")
         print(json.dumps(row))
     finally:

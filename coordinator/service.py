@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
+from compilecast import validate
 from compilecast.errors import InvalidRequest
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
@@ -33,6 +35,9 @@ async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncItera
     return first.header, data()
 
 
+MAX_BATCH = 1000
+
+
 class CoordinatorService(rpc.CompileCacheServicer):
     """Every call is authenticated first; the principal's tenant scopes it."""
 
@@ -46,6 +51,25 @@ class CoordinatorService(rpc.CompileCacheServicer):
         return await self.state.acquire(request.key, request.requester,
                                         dict(request.key_components), request.program_name,
                                         tenant=who.tenant, may_publish=who.can_publish)
+
+    @rpc_errors
+    async def AcquireMany(self, request, context):
+        who = self.auth.identify(context)
+        if len(request.requests) > MAX_BATCH:
+            raise InvalidRequest(f"at most {MAX_BATCH} requests per AcquireMany")
+        for r in request.requests:  # validate all before deciding any
+            validate.key(r.key)
+        # Decided concurrently: etcd pipelines the lease writes of the misses.
+        limit = asyncio.Semaphore(64)
+
+        async def one(r):
+            async with limit:
+                return await self.state.acquire(
+                    r.key, r.requester, dict(r.key_components), r.program_name,
+                    tenant=who.tenant, may_publish=who.can_publish)
+
+        responses = await asyncio.gather(*(one(r) for r in request.requests))
+        return pb.AcquireManyResponse(responses=responses)
 
     @rpc_errors
     async def Wait(self, request, context):

@@ -313,3 +313,19 @@ def test_no_hedge_without_a_known_compile_time(start_coordinator):
     holder.keep_lease("new", lease)
     event = waiter.wait("new", 2.0)
     assert event.decision == pb.COMPILE_LOCALLY and "timeout" in event.reason
+
+
+def test_acquire_many_decides_each_key_like_acquire(coordinator, start_worker):
+    worker = start_worker(coordinator.cfg.listen)
+    c = client(worker.target)
+    c.publish("done", c.acquire("done").lease, DATA, 1.0)
+    other = client(coordinator.cfg.listen)
+    other.acquire("busy")
+    got = c.acquire_many(["done", "busy", "fresh"])
+    assert [r.decision for r in got] == [pb.HIT, pb.WAIT, pb.COMPILE]
+    assert worker.registry.get_sample_value("compilecast_worker_lookups_total",
+                                            {"result": "host_hit"}) == 1
+    code, details = code_of(lambda: c.acquire_many(["ok", "bad/key"]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "key" in details
+    code, _ = code_of(lambda: client(coordinator.cfg.listen).acquire_many(["k"] * 1001))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT

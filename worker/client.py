@@ -77,6 +77,13 @@ class CacheClient:
             timeout=self.timeout_s,
         )
 
+    def acquire_many(self, keys: list[str]) -> list[pb.AcquireResponse]:
+        req = self.identity.requester()
+        resp = self.stub.AcquireMany(pb.AcquireManyRequest(
+            requests=[pb.AcquireRequest(key=k, requester=req) for k in keys]),
+            timeout=self.timeout_s)
+        return list(resp.responses)
+
     def describe(self, key: str) -> pb.DescribeKeyResponse:
         return self.stub.DescribeKey(pb.DescribeKeyRequest(key=key), timeout=self.timeout_s)
 

@@ -91,6 +91,35 @@ class WorkerService(rpc.CompileCacheServicer):
         return resp
 
     @rpc_errors
+    async def AcquireMany(self, request, context):
+        """Host-cache hits answered here; the rest in one upstream round trip."""
+        ns, md = self._credential(context)
+        answers: list[pb.AcquireResponse | None] = []
+        for r in request.requests:
+            validate.key(r.key)
+            info = await asyncio.to_thread(self.cache.lookup, ns, r.key)
+            answers.append(pb.AcquireResponse(decision=pb.HIT, artifact=info) if info else None)
+        ask = [r for r, a in zip(request.requests, answers, strict=True) if a is None]
+        upstream: list[pb.AcquireResponse] = []
+        if ask:
+            try:
+                resp = await self.up.AcquireMany(pb.AcquireManyRequest(requests=ask),
+                                                 timeout=self.rpc_timeout_s, metadata=md)
+                upstream = list(resp.responses)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in DEGRADED:
+                    raise _relay(exc) from None
+                why = self._local("acquire_many", exc)
+                upstream = [pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, reason=why)
+                            for _ in ask]
+        it = iter(upstream)
+        out = [a if a is not None else next(it) for a in answers]
+        for local, a in zip(answers, out, strict=True):
+            self.metrics.lookups.labels(
+                "host_hit" if local is not None else pb.Decision.Name(a.decision).lower()).inc()
+        return pb.AcquireManyResponse(responses=out)
+
+    @rpc_errors
     async def Wait(self, request, context):
         validate.key(request.key)
         _, md = self._credential(context)

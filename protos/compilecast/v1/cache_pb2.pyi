@@ -98,6 +98,18 @@ class AcquireResponse(_message.Message):
     reason: str
     def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class AcquireManyRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[AcquireRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[AcquireRequest, _Mapping]]] = ...) -> None: ...
+
+class AcquireManyResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
+
 class WaitRequest(_message.Message):
     __slots__ = ("key", "requester", "timeout_ms")
     KEY_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class CompileCacheStub:
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.AcquireRequest.SerializeToString,
                 response_deserializer=compilecast_dot_v1_dot_cache__pb2.AcquireResponse.FromString,
                 _registered_method=True)
+        self.AcquireMany = channel.unary_unary(
+                '/compilecast.v1.CompileCache/AcquireMany',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.AcquireManyRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.AcquireManyResponse.FromString,
+                _registered_method=True)
         self.Wait = channel.unary_stream(
                 '/compilecast.v1.CompileCache/Wait',
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.WaitRequest.SerializeToString,
@@ -81,6 +86,13 @@ class CompileCacheServicer:
 
     def Acquire(self, request, context):
         """Decide for one key: HIT, COMPILE (with a lease), WAIT or COMPILE_LOCALLY.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquireMany(self, request, context):
+        """Acquire for many keys at once (same rules, one round trip).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -143,6 +155,11 @@ def add_CompileCacheServicer_to_server(servicer, server):
                     servicer.Acquire,
                     request_deserializer=compilecast_dot_v1_dot_cache__pb2.AcquireRequest.FromString,
                     response_serializer=compilecast_dot_v1_dot_cache__pb2.AcquireResponse.SerializeToString,
+            ),
+            'AcquireMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireMany,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.AcquireManyRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.AcquireManyResponse.SerializeToString,
             ),
             'Wait': grpc.unary_stream_rpc_method_handler(
                     servicer.Wait,
@@ -207,6 +224,33 @@ class CompileCache:
             '/compilecast.v1.CompileCache/Acquire',
             compilecast_dot_v1_dot_cache__pb2.AcquireRequest.SerializeToString,
             compilecast_dot_v1_dot_cache__pb2.AcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/AcquireMany',
+            compilecast_dot_v1_dot_cache__pb2.AcquireManyRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.AcquireManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
