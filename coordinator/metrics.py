@@ -34,7 +34,7 @@ class CoordinatorMetrics:
             ["outcome"], registry=registry,
         )
         self.compile_seconds_saved = Counter(
-            "compilecast_coordinator_compile_seconds_saved",
+            "compilecast_coordinator_saved_compile_seconds",
             "Compile time avoided by hits (the publisher's compile time per hit)",
             registry=registry,
         )

@@ -659,7 +659,7 @@ class CoordinatorState:
         resp.misses = int(reg.get_sample_value("compilecast_coordinator_lookups_total",
                                                {"result": "miss"}) or 0)
         resp.compile_seconds_saved = float(
-            reg.get_sample_value("compilecast_coordinator_compile_seconds_saved_total") or 0.0)
+            reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") or 0.0)
         if not healthy:
             return resp
         scope = f"/{tenant}/".encode()

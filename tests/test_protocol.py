@@ -50,7 +50,7 @@ def test_first_compiles_second_waits_and_is_woken_by_publish(coordinator):
     assert a.acquire("k").decision == pb.HIT
     reg = coordinator.registry
     assert reg.get_sample_value("compilecast_coordinator_lookups_total", {"result": "hit"}) == 1
-    assert reg.get_sample_value("compilecast_coordinator_compile_seconds_saved_total") == 5.0
+    assert reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") == 5.0
 
 
 def test_publish_is_write_once(coordinator):

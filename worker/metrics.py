@@ -32,7 +32,7 @@ class WorkerMetrics:
             ["direction"], registry=registry,
         )
         self.compile_seconds_saved = Counter(
-            "compilecast_worker_compile_seconds_saved",
+            "compilecast_worker_saved_compile_seconds",
             "Compile time avoided by host-cache hits", registry=registry,
         )
         self.corrupt_blobs = Counter(
