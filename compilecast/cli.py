@@ -26,7 +26,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {"ts": round(record.created, 3), "level": record.levelname.lower(),
                "logger": record.name, "msg": record.getMessage()}
-        for field in ("key", "job", "process"):
+        for field in ("key", "job", "process_id"):
             if hasattr(record, field):
                 out[field] = getattr(record, field)
         if record.exc_info:
@@ -122,6 +122,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         for f in st.in_flight:
             print(f"  compiling  {f.key}  by {f.holder}  for {f.age_seconds:.0f}s, "
                   f"{f.waiters} waiting")
+        for j in st.jobs:
+            print(f"job          {j.job or '(no job)'}: {j.compiles_in_flight} compiling, "
+                  f"{j.waiters} waiting")
+        for m in st.recent_misses:
+            print(f"miss         {m.key[:24]}  {m.program_name or '?'}  "
+                  f"({', '.join(m.differing)} changed)  {m.age_seconds:.0f}s ago")
     return 0 if st.upstream_healthy else 1
 
 

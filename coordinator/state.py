@@ -36,6 +36,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -127,6 +128,7 @@ class CoordinatorState:
         # the watch reports such deletes (and gaps, after which we forget all).
         self._index: dict[str, tuple[pb.ArtifactInfo, int]] = {}
         self._index_deleted: dict[str, int] = {}
+        self.recent_misses: deque[tuple[str, str, list[str], float]] = deque(maxlen=20)
         self.hub.on_artifact_deleted.append(self._forget_artifact)
         self.hub.on_gap.append(self._index.clear)
         self._session_lease = 0
@@ -316,8 +318,11 @@ class CoordinatorState:
                 diff = sorted(n for n in set(comps) | set(theirs) if comps.get(n) != theirs.get(n))
                 if best is None or len(diff) < len(best):
                     best = diff
-            for component in ["new_program"] if best is None else best:
+            differing = ["new_program"] if best is None else best
+            for component in differing:
                 self.metrics.misses_by_component.labels(component).inc()
+            if differing:
+                self.recent_misses.appendleft((sk, program_name, differing, time.time()))
             record = json.dumps({"program_name": program_name, "components": comps,
                                  "first_seen": time.time()}).encode()
             await self.etcd.txn([cmp_absent(self._k("k", sk))],
@@ -388,7 +393,8 @@ class CoordinatorState:
             lease = await self._try_take(sk, req, program)
             if lease is not None:
                 self.metrics.compiles.labels("first").inc()
-                log.info("compile lease for %s to %s", sk, req.client or req.job)
+                log.info("compile lease for %s to %s", sk, req.client or req.job,
+                         extra={"key": sk, "job": req.job, "process_id": req.process_id})
                 return pb.AcquireResponse(decision=pb.COMPILE, lease=lease)
         return pb.AcquireResponse(decision=pb.WAIT, reason="contended; wait")
 
@@ -410,7 +416,8 @@ class CoordinatorState:
         outcome = "compile_locally"
         try:
             try:
-                await self.etcd.put(wkey, b"", lease=await self._session())
+                await self.etcd.put(wkey, json.dumps({"job": req.job, "process_id": req.process_id})
+                                     .encode(), lease=await self._session())
             except Unavailable as exc:
                 yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                    reason=f"coordinator cannot reach etcd: {exc}")
@@ -453,7 +460,9 @@ class CoordinatorState:
                             if lease is not None:
                                 outcome = "promoted"
                                 self.metrics.compiles.labels("promoted").inc()
-                                log.info("promoted %s to compile %s", req.client or req.job, key)
+                                log.info("promoted %s to compile %s", req.client or req.job, key,
+                                         extra={"key": sk, "job": req.job,
+                                                "process_id": req.process_id})
                                 yield pb.WaitEvent(decision=pb.COMPILE, lease=lease)
                                 return
                             continue
@@ -576,7 +585,9 @@ class CoordinatorState:
         self._spawn(self.etcd.revoke(header.lease.id))
         self.metrics.publishes.labels("ok").inc()
         log.info("published %s digest=%s size=%d compile_time=%.2fs", key, header.digest,
-                 header.size, header.compile_time_seconds)
+                 header.size, header.compile_time_seconds,
+                 extra={"key": sk, "job": header.requester.job,
+                        "process_id": header.requester.process_id})
         return info
 
     # -- Release ---------------------------------------------------------
@@ -601,7 +612,7 @@ class CoordinatorState:
             raise LeaseError(f"the compile lease for key {key} is no longer held")
         self._spawn(self.etcd.revoke(lease.id))
         self.metrics.releases.labels(name.lower()).inc()
-        log.info("released %s (%s) %s", key, name, detail[:200])
+        log.info("released %s (%s) %s", key, name, detail[:200], extra={"key": sk})
 
     # -- KeepAlive -------------------------------------------------------
     async def keepalive(self, key: str, lease: pb.Lease, *,
@@ -668,6 +679,20 @@ class CoordinatorState:
         resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l" + scope)
         resp.waiters = await self.etcd.count_prefix(self.prefix + b"/w" + scope)
         now = time.time()
+        jobs: dict[str, list[int]] = {}
+        for kv in leases:
+            rec = json.loads(kv.value)
+            jobs.setdefault(rec.get("job", ""), [0, 0])[0] += 1
+        for kv in await self.etcd.get_prefix(self.prefix + b"/w" + scope, limit=5000):
+            with contextlib.suppress(ValueError):
+                jobs.setdefault(json.loads(kv.value or b"{}").get("job", ""), [0, 0])[1] += 1
+        for job, (compiling, waiting) in sorted(jobs.items()):
+            resp.jobs.append(pb.JobStatus(job=job, compiles_in_flight=compiling, waiters=waiting))
+        for sk, name, differing, when in self.recent_misses:
+            if sk.split("/", 1)[0] == tenant:
+                resp.recent_misses.append(pb.RecentMiss(key=_plain(sk), program_name=name,
+                                                        differing=differing,
+                                                        age_seconds=now - when))
         for kv in leases:
             key = kv.key[len(self.prefix) + 3 + len(scope) - 1:].decode()
             rec = json.loads(kv.value)

@@ -43,3 +43,46 @@ def test_config_prints_values_and_sources():
     r = cc("config", "worker", "--rpc-timeout-s", "9")
     assert r.returncode == 0
     assert "rpc_timeout_s = 9.0    # flag --rpc-timeout-s" in r.stdout
+
+
+def test_status_shows_jobs_and_explained_misses(coordinator, start_worker):
+    from compilecast.worker.client import CacheClient, Identity
+
+    worker = start_worker(coordinator.cfg.listen)
+    holder = CacheClient(worker.target, identity=Identity(job="train-7", process_id=0))
+    holder.acquire("k1", components={"program": "a", "platform": "cpu"},
+                   program_name="jit_step")
+    holder.acquire("k2", components={"program": "a", "platform": "tpu"},
+                   program_name="jit_step")
+    waiter = CacheClient(worker.target, identity=Identity(job="train-7", process_id=1))
+    import threading
+
+    t = threading.Thread(target=lambda: waiter.wait("k1", 3))
+    t.start()
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        st = holder.status()
+        if st.recent_misses and st.waiters:
+            break
+        time.sleep(0.1)
+    r = cc("status", "--worker", worker.target)
+    t.join()
+    assert r.returncode == 0, r.stdout
+    assert "job          train-7: 2 compiling, 1 waiting" in r.stdout
+    assert "(platform changed)" in r.stdout
+
+
+def test_json_logs_carry_key_and_job(tmp_path):
+    import json
+    import logging
+
+    from compilecast.cli import JsonFormatter
+
+    rec = logging.LogRecord("compilecast.x", logging.INFO, __file__, 1, "published %s", ("k",),
+                            None)
+    rec.key, rec.job, rec.process_id = "default/k", "train-7", 3
+    out = json.loads(JsonFormatter().format(rec))
+    assert out["msg"] == "published k"
+    assert (out["key"], out["job"], out["process_id"]) == ("default/k", "train-7", 3)

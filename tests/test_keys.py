@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from compilecast.worker.keys import KeyConfig, detect_format, explain, program_key
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "torch_xla"
+FIXTURES = Path(__file__).parent / "fixtures" / "torch_xla"  # real dumps, see its README
 FORMATS = ("mlir-text", "mlir-bytecode", "hlo-proto")
 
 
@@ -111,7 +111,7 @@ def test_metadata_switch_puts_names_back_into_the_key():
 ])
 def test_pytorch_xla_dumps(a, b, same):
     if not FIXTURES.exists():
-        pytest.fail(f"fixtures missing at {FIXTURES}")
+        pytest.fail(f"fixtures missing at {FIXTURES}")  # they are in the repository
     ka = program_key((FIXTURES / a).read_bytes())
     kb = program_key((FIXTURES / b).read_bytes())
     assert ka.components["program_format"] == "hlo-proto"

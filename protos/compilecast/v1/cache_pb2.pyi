@@ -251,8 +251,30 @@ class InFlight(_message.Message):
     waiters: int
     def __init__(self, key: _Optional[str] = ..., holder: _Optional[str] = ..., age_seconds: _Optional[float] = ..., waiters: _Optional[int] = ...) -> None: ...
 
+class RecentMiss(_message.Message):
+    __slots__ = ("key", "program_name", "differing", "age_seconds")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_NAME_FIELD_NUMBER: _ClassVar[int]
+    DIFFERING_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    program_name: str
+    differing: _containers.RepeatedScalarFieldContainer[str]
+    age_seconds: float
+    def __init__(self, key: _Optional[str] = ..., program_name: _Optional[str] = ..., differing: _Optional[_Iterable[str]] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job", "compiles_in_flight", "waiters")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    COMPILES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WAITERS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    compiles_in_flight: int
+    waiters: int
+    def __init__(self, job: _Optional[str] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("role", "artifacts", "compiles_in_flight", "waiters", "hits", "misses", "compile_seconds_saved", "in_flight", "upstream_healthy", "upstream")
+    __slots__ = ("role", "artifacts", "compiles_in_flight", "waiters", "hits", "misses", "compile_seconds_saved", "in_flight", "upstream_healthy", "upstream", "recent_misses", "jobs")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     COMPILES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +285,8 @@ class StatusResponse(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_HEALTHY_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
+    RECENT_MISSES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
     role: str
     artifacts: int
     compiles_in_flight: int
@@ -273,4 +297,6 @@ class StatusResponse(_message.Message):
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
     upstream_healthy: bool
     upstream: str
-    def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ...) -> None: ...
+    recent_misses: _containers.RepeatedCompositeFieldContainer[RecentMiss]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ..., recent_misses: _Optional[_Iterable[_Union[RecentMiss, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
