@@ -12,13 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+from compilecast.launch import free_port
 from compilecast.worker.client import wait_until_healthy
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["Stack", "free_port", "peak_rss_mb", "random_file", "rss_mb", "wait_port"]
 
 
 def wait_port(port: int, timeout: float = 20) -> None:

@@ -15,56 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from compilecast.worker.client import wait_until_healthy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_up(home: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "compilecast.cli", "up", "--home", str(home)]
-    for flag in ("--etcd-port", "--etcd-peer-port", "--coordinator-port",
-                 "--coordinator-metrics-port", "--worker-metrics-port"):
-        cmd += [flag, str(free_port())]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target = f"unix://{home / 'worker.sock'}"
-    wait_until_healthy(target, 60)
-    return proc, target
+from compilecast.launch import Up, collect, start_wave
 
 
 def wave(n: int, target: str, layers: int, width: int, *, baseline: bool,
          distributed: bool = False) -> dict:
-    env = dict(os.environ, COMPILECAST_WORKER=target, JAX_PLATFORMS="cpu")
-    env.pop("COMPILECAST_ENABLE", None)
-    start_at = time.time() + 8.0
-    cmd = [sys.executable, "-m", "compilecast.demo_proc", str(layers), str(width),
-           "--start-at", str(start_at)]
-    if baseline:
-        cmd.append("--no-compilecast")
-    addr = f"127.0.0.1:{free_port()}"
-    procs = []
-    for i in range(n):
-        extra = ["--distributed", f"{addr},{n},{i}"] if distributed else []
-        procs.append(subprocess.Popen(cmd + extra, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, text=True))
-    reports = []
-    for p in procs:
-        out, _ = p.communicate(timeout=1800)
-        if p.returncode != 0:
-            raise SystemExit(f"a JAX process failed (rc {p.returncode})")
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    reports = collect(start_wave(n, target, layers, width, baseline=baseline,
+                                 distributed=distributed, delay_s=8.0), timeout_s=1800)
     # Each process measured from the common start moment to its executable.
     return {
         "n": n,
@@ -82,8 +42,11 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--distributed", type=int, default=4)
     args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="cc-bench-"))
-    up, target = start_up(home)
+    home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"
+    home.mkdir()
+    up = Up(home)
+    up.start()
+    target = up.target
     results = []
     try:
         (one,) = [wave(1, target, args.layers, args.width, baseline=True)]
@@ -108,8 +71,7 @@ def main() -> None:
                   f"{base['wall_s']:.2f}s | compilecast {cc['xla_compiles']} compile(s) "
                   f"{cc['wall_s']:.2f}s | ratio {cc['wall_s'] / base['wall_s']:.2f}", flush=True)
     finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(30)
+        up.stop()
     print(json.dumps(results))
 
 

@@ -8,44 +8,13 @@ shared, and the metrics.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
-from compilecast.worker.client import wait_until_healthy
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_wave(n: int, target: str, layers: int, width: int, *, baseline: bool = False) -> list[dict]:
-    env = dict(os.environ, COMPILECAST_WORKER=target, JAX_PLATFORMS="cpu")
-    env.pop("COMPILECAST_ENABLE", None)
-    start_at = time.time() + 6.0
-    cmd = [sys.executable, "-m", "compilecast.demo_proc", str(layers), str(width),
-           "--start-at", str(start_at)]
-    if baseline:
-        cmd.append("--no-compilecast")
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(n)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=600)
-        if p.returncode != 0:
-            raise SystemExit(f"a JAX process failed:\n{stderr[-2000:]}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+from compilecast.launch import Up, collect, start_wave
 
 
 def describe(r: dict) -> str:
@@ -77,24 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     home = Path(args.home or tempfile.mkdtemp(prefix="compilecast-demo-"))
-    ports = {k: _free_port() for k in ("etcd-port", "etcd-peer-port", "coordinator-port",
-                                        "coordinator-metrics-port", "worker-metrics-port")}
-    cmd = [sys.executable, "-m", "compilecast.cli", "up", "--home", str(home)]
-    for k, v in ports.items():
-        cmd += [f"--{k}", str(v)]
+    home.mkdir(parents=True, exist_ok=True)
     print(f"$ compilecast up --home {home}")
-    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    target = f"unix://{home / 'worker.sock'}"
+    up = Up(home)
+    ports, target = up.ports, up.target
     try:
-        wait_until_healthy(target, timeout_s=60)
+        up.start()
         step = f"{args.layers}-layer width-{args.width} training step"
         print(f"\n[baseline] one JAX process without compilecast runs the {step}")
-        (ref,) = run_wave(1, target, args.layers, args.width, baseline=True)
+        (ref,) = collect(start_wave(1, target, args.layers, args.width, baseline=True))
         print(f"  compile + first step: {ref['seconds']:.2f}s")
 
         for wave in (1, 2):
             print(f"\n[wave {wave}] {args.processes} JAX processes start the {step} at once")
-            reports = run_wave(args.processes, target, args.layers, args.width)
+            reports = collect(start_wave(args.processes, target, args.layers, args.width))
             for i, r in enumerate(reports):
                 same = "identical" if r["digest"] == ref["digest"] else "DIFFERENT"
                 print(f"  process {i}: {describe(r)}  result {same}")
@@ -115,11 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nOn CPU, loading an executable costs nearly as much as compiling it; the "
               "demo proves the protocol. On TPU/GPU a hit saves the whole compile.")
     finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
+        if up.proc is not None:
+            up.stop()
         print("compilecast up stopped")
     return 0
 

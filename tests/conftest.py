@@ -21,12 +21,7 @@ from pathlib import Path
 import pytest
 
 from compilecast.config import CoordinatorConfig, WorkerConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from compilecast.launch import free_port
 
 
 class EtcdProcess:

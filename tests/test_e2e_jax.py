@@ -38,7 +38,7 @@ def test_restart_with_the_same_data_directory_loses_nothing(up, reference_digest
     (first,) = run_procs(1, up.target)
     assert first["compilecast"]["published"] == 1
     assert up.stop() == 0
-    assert up.children_left() == []
+    assert up.leftover_processes() == []
     # A cold host cache too: only the coordinator's store and etcd remain.
     import shutil
 

@@ -10,28 +10,22 @@ import pytest
 
 from compilecast.worker.client import CacheClient
 
-from .conftest import free_port
 from .e2e import collect, run_procs, start_procs
 
 pytestmark = pytest.mark.slow
 
 
-def distributed_args(n: int) -> list[list[str]]:
-    addr = f"127.0.0.1:{free_port()}"
-    return [["--distributed", f"{addr},{n},{i}"] for i in range(n)]
-
-
 def test_distributed_job_compiles_once_and_a_rerun_compiles_nothing(up):
     n = 2
     reference = run_procs(n, "unix:///nonexistent", no_compilecast=True,
-                          args=distributed_args(n))
-    first = run_procs(n, up.target, args=distributed_args(n))
+                          distributed=True)
+    first = run_procs(n, up.target, distributed=True)
     assert sum(r["xla_compiles"] for r in first) == 1, first
     assert first[0]["compilecast"]["published"] == 1  # process 0 is the designated one
     assert first[1]["compilecast"]["waits"] == 1 and first[1]["compilecast"]["hits"] == 1
     assert {r["digest"] for r in first} == {reference[0]["digest"]}
 
-    again = run_procs(n, up.target, args=distributed_args(n))
+    again = run_procs(n, up.target, distributed=True)
     assert sum(r["xla_compiles"] for r in again) == 0, again
     assert {r["digest"] for r in again} == {reference[0]["digest"]}
 

@@ -1,0 +1,97 @@
+"""Launching the pieces as real processes: `compilecast up` on free ports and
+waves of JAX processes that start the same step at the same moment. Shared by
+`make demo`, the benchmarks and the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from compilecast.worker.client import wait_until_healthy
+
+UP_PORTS = ("etcd-port", "etcd-peer-port", "coordinator-port", "coordinator-metrics-port",
+            "worker-metrics-port")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Up:
+    """`compilecast up --home HOME` as a subprocess on free ports."""
+
+    def __init__(self, home: Path, env: dict | None = None) -> None:
+        self.home = home
+        self.env = dict(os.environ, **(env or {}))
+        self.ports = {name: free_port() for name in UP_PORTS}
+        self.target = f"unix://{home / 'worker.sock'}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 60) -> None:
+        args = [sys.executable, "-m", "compilecast.cli", "up", "--home", str(self.home)]
+        for name, port in self.ports.items():
+            args += [f"--{name}", str(port)]
+        with open(self.home.parent / f"{self.home.name}-up.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env)
+        wait_until_healthy(self.target, timeout_s=timeout_s)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.proc = None
+        return rc
+
+    def leftover_processes(self) -> list[str]:
+        """Processes still running on this home's etcd data (none after stop)."""
+        out = subprocess.run(["pgrep", "-af", f"--data-dir {self.home / 'etcd'}"],
+                             capture_output=True, text=True).stdout
+        return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def start_wave(n: int, target: str, layers: int, width: int, *, baseline: bool = False,
+               distributed: bool = False, env: dict | None = None,
+               per_process: list[dict] | None = None, delay_s: float = 6.0
+               ) -> list[subprocess.Popen]:
+    """Start n JAX processes (compilecast.demo_proc) that all begin the
+    training step at the same moment, `delay_s` from now."""
+    base_env = dict(os.environ, COMPILECAST_WORKER=target, JAX_PLATFORMS="cpu", **(env or {}))
+    base_env.pop("COMPILECAST_ENABLE", None)
+    cmd = [sys.executable, "-m", "compilecast.demo_proc", str(layers), str(width),
+           "--start-at", str(time.time() + delay_s)]
+    if baseline:
+        cmd.append("--no-compilecast")
+    addr = f"127.0.0.1:{free_port()}"
+    procs = []
+    for i in range(n):
+        extra = ["--distributed", f"{addr},{n},{i}"] if distributed else []
+        penv = dict(base_env, **(per_process[i] if per_process else {}))
+        procs.append(subprocess.Popen(cmd + extra, env=penv, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def collect(procs: list[subprocess.Popen], timeout_s: float = 900) -> list[dict]:
+    """Each process's JSON report (its last stdout line) plus its stderr."""
+    reports = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout_s)
+        if p.returncode != 0:
+            raise RuntimeError(f"a JAX process failed (rc {p.returncode}):\n{err[-3000:]}")
+        report = json.loads(out.strip().splitlines()[-1])
+        report["stderr"] = err
+        reports.append(report)
+    return reports
