@@ -126,8 +126,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"job          {j.job or '(no job)'}: {j.compiles_in_flight} compiling, "
                   f"{j.waiters} waiting")
         for m in st.recent_misses:
-            print(f"miss         {m.key[:24]}  {m.program_name or '?'}  "
-                  f"({', '.join(m.differing)} changed)  {m.age_seconds:.0f}s ago")
+            why = ("new program" if list(m.differing) == ["new_program"]
+                   else f"{', '.join(m.differing)} changed")
+            print(f"miss         {m.key[:24]}  {m.program_name or '?'}  ({why})  "
+                  f"{m.age_seconds:.0f}s ago")
     return 0 if st.upstream_healthy else 1
 
 

@@ -260,6 +260,11 @@ class CoordinatorState:
         ok, rev, _ = await self.etcd.txn(
             compare, [op_put(self._k(kind, sk), record, lease=lease_id)])
         if not ok:
+            # A retried txn whose first attempt landed (the reply was lost with
+            # an etcd member) fails its compares on our own record.
+            mine = await self.etcd.get(self._k(kind, sk))
+            if mine is not None and json.loads(mine.value).get("lease") == lease_id:
+                return pb.Lease(id=lease_id, ttl_seconds=ttl, revision=mine.mod_revision)
             self._spawn(self.etcd.revoke(lease_id))
             return None
         return pb.Lease(id=lease_id, ttl_seconds=ttl, revision=rev)

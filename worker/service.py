@@ -262,6 +262,12 @@ class WorkerService(rpc.CompileCacheServicer):
             up = await self.up.Status(request, timeout=self.rpc_timeout_s,
                                       metadata=self._credential(context)[1])
             resp.CopyFrom(up)
+            # Hits this worker answered from its host cache never reach the coordinator.
+            reg = self.metrics.registry
+            resp.hits += int(reg.get_sample_value("compilecast_worker_lookups_total",
+                                                  {"result": "host_hit"}) or 0)
+            resp.compile_seconds_saved += float(reg.get_sample_value(
+                "compilecast_worker_saved_compile_seconds_total") or 0.0)
             resp.role = "worker"
             resp.upstream = f"coordinator {self.coordinator}"
             resp.upstream_healthy = up.upstream_healthy
