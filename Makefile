@@ -41,6 +41,10 @@ proto:
 bench: install
 	$(PY) bench/keys.py
 	$(PY) bench/time_to_executable.py
+	$(PY) bench/warm_start.py
+	$(PY) bench/fetch.py
+	$(PY) bench/decisions.py
+	$(PY) bench/decisions.py --batch 100 --clients 100
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache
