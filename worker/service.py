@@ -34,6 +34,49 @@ from .metrics import WorkerMetrics
 DEGRADED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+class _Fill:
+    """One download into the host cache, streamed to the readers that join
+    before its first chunk (later ones read the committed blob). Readers get
+    unverified bytes as they arrive and, at the end, None once the digest
+    verified or the error; the client verifies the digest too."""
+
+    def __init__(self) -> None:
+        self.readers: list[asyncio.Queue] = []
+        self.started = False
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def join(self) -> asyncio.Queue | None:
+        if self.started:
+            return None
+        q: asyncio.Queue = asyncio.Queue(maxsize=8)
+        self.readers.append(q)
+        return q
+
+    def leave(self, q: asyncio.Queue) -> None:
+        if q in self.readers:
+            self.readers.remove(q)
+        while not q.empty():  # unblock a send waiting on this reader
+            q.get_nowait()
+
+    async def send(self, chunk: pb.FetchChunk) -> None:
+        self.started = True
+        for q in list(self.readers):
+            if q in self.readers:
+                await q.put(chunk)
+
+    async def finish(self, info: pb.ArtifactInfo | None, error: BaseException | None) -> None:
+        self.started = True
+        for q in list(self.readers):
+            if q in self.readers:
+                await q.put(error)  # None: verified and committed
+        if not self.done.done():
+            if error is None:
+                self.done.set_result(info)
+            else:
+                self.done.set_exception(error)
+                self.done.exception()  # retrieved: late joiners get it via await
+
+
 def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
     return UpstreamError(exc.code(), f"coordinator: {exc.details()}")
 
@@ -50,7 +93,8 @@ class WorkerService(rpc.CompileCacheServicer):
         self.token = token
         self.channel = aio_channel(coordinator, credentials)
         self.up = rpc.CompileCacheStub(self.channel)
-        self._fills: dict[str, asyncio.Future] = {}
+        self._fills: dict[tuple[str, str], _Fill] = {}
+        self._tasks: set[asyncio.Task] = set()
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
 
     async def close(self) -> None:
@@ -189,58 +233,43 @@ class WorkerService(rpc.CompileCacheServicer):
             raise _relay(exc) from None
 
     # -- Fetch -----------------------------------------------------------
-    async def _fill(self, ns: str, md: tuple, key: str, digest: str) -> pb.ArtifactInfo:
-        """Download `key` into the host cache once, however many ask."""
-        fut = self._fills.get((ns, key))
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            self._fills[(ns, key)] = fut
-            try:
-                fut.set_result(await self._download(ns, md, key, digest))
-            except BaseException as exc:
-                fut.set_exception(exc)
-            finally:
-                del self._fills[(ns, key)]
-        return await asyncio.shield(fut)
-
-    async def _download(self, ns: str, md: tuple, key: str, digest: str) -> pb.ArtifactInfo:
+    async def _run_fill(self, fill: _Fill, ns: str, md: tuple, key: str, digest: str) -> None:
+        """Download `key` into the host cache once, however many ask, passing
+        each chunk on to the readers that joined before the first one."""
         start = time.monotonic()
         info = None
         writer = self.cache.store.writer()
-        with writer:
-            try:
-                async for chunk in self.up.Fetch(pb.FetchRequest(key=key, digest=digest),
-                                                 timeout=max(300.0, self.rpc_timeout_s),
-                                                 metadata=md):
-                    if chunk.HasField("artifact"):
-                        info = chunk.artifact
-                    await asyncio.to_thread(writer.write, chunk.data)
-            except grpc.aio.AioRpcError as exc:
-                raise _relay(exc) from None
-            if info is None:
-                raise CorruptBlob(f"coordinator sent no artifact header for {key}")
-            try:
-                await asyncio.to_thread(writer.commit, info.digest, info.size)
-            except InvalidRequest as exc:
-                raise CorruptBlob(f"artifact {key} from the coordinator failed "
-                                  f"verification: {exc}") from None
-        await asyncio.to_thread(self.cache.record, ns, info)
-        self.metrics.fetch_seconds.observe(time.monotonic() - start)
-        self.metrics.bytes.labels("fetched").inc(info.size)
-        return info
+        try:
+            with writer:
+                try:
+                    async for chunk in self.up.Fetch(pb.FetchRequest(key=key, digest=digest),
+                                                     timeout=max(300.0, self.rpc_timeout_s),
+                                                     metadata=md):
+                        if chunk.HasField("artifact"):
+                            info = chunk.artifact
+                        await asyncio.to_thread(writer.write, chunk.data)
+                        await fill.send(chunk)
+                except grpc.aio.AioRpcError as exc:
+                    raise _relay(exc) from None
+                if info is None:
+                    raise CorruptBlob(f"coordinator sent no artifact header for {key}")
+                try:
+                    await asyncio.to_thread(writer.commit, info.digest, info.size)
+                except InvalidRequest as exc:
+                    raise CorruptBlob(f"artifact {key} from the coordinator failed "
+                                      f"verification: {exc}") from None
+            await asyncio.to_thread(self.cache.record, ns, info)
+            self.metrics.fetch_seconds.observe(time.monotonic() - start)
+            self.metrics.bytes.labels("fetched").inc(info.size)
+            await fill.finish(info, None)
+        except BaseException as exc:
+            await fill.finish(None, exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._fills.pop((ns, key), None)
 
-    @rpc_errors
-    async def Fetch(self, request, context):
-        validate.key(request.key)
-        if request.digest:
-            validate.digest(request.digest)
-        ns, md = self._credential(context)
-        info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
-        if info is not None and (not request.digest or info.digest == request.digest):
-            self.metrics.fetches.labels("host").inc()
-        else:
-            info = await self._fill(ns, md, request.key, request.digest)
-            self.metrics.fetches.labels("coordinator").inc()
+    async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str):
         first = True
         try:
             async for data in aread(self.cache.store, info.digest):
@@ -252,8 +281,45 @@ class WorkerService(rpc.CompileCacheServicer):
                     yield pb.FetchChunk(data=data)
         except CorruptBlob:
             self.metrics.corrupt_blobs.inc()
-            self.cache.forget(ns, request.key)
+            self.cache.forget(ns, key)
             raise
+
+    @rpc_errors
+    async def Fetch(self, request, context):
+        validate.key(request.key)
+        if request.digest:
+            validate.digest(request.digest)
+        ns, md = self._credential(context)
+        info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
+        if info is not None and (not request.digest or info.digest == request.digest):
+            self.metrics.fetches.labels("host").inc()
+            async for chunk in self._serve_blob(info, ns, request.key):
+                yield chunk
+            return
+        self.metrics.fetches.labels("coordinator").inc()
+        fill = self._fills.get((ns, request.key))
+        if fill is None:
+            fill = self._fills[(ns, request.key)] = _Fill()
+            self._tasks.add(task := asyncio.create_task(
+                self._run_fill(fill, ns, md, request.key, request.digest)))
+            task.add_done_callback(self._tasks.discard)
+        reader = fill.join()
+        if reader is None:  # joined late: wait for the blob, then read it from disk
+            info = await asyncio.shield(fill.done)
+            async for chunk in self._serve_blob(info, ns, request.key):
+                yield chunk
+            return
+        try:
+            while True:
+                item = await reader.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                self.metrics.bytes.labels("served").inc(len(item.data))
+                yield item
+        finally:
+            fill.leave(reader)
 
     @rpc_errors
     async def Status(self, request, context):
