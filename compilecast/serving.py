@@ -77,3 +77,33 @@ async def serve_until_signal(
         for sig, handler in previous.items():
             loop.remove_signal_handler(sig)
             signal.signal(sig, handler)
+
+
+class Role:
+    """Lifecycle shared by the coordinator and the worker: subclasses build
+    `server`, `health` and `_metrics_server` in start() and release their
+    own resources in _release()."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    _metrics_server: object | None = None
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def _release(self) -> None:
+        raise NotImplementedError
+
+    async def _close(self) -> None:
+        await self._release()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        await set_serving(self.health, False)
+        await self.server.stop(grace_s)
+        await self._close()
+
+    async def serve(self, stop_event: asyncio.Event | None = None) -> None:
+        await self.start()
+        await serve_until_signal(self.server, on_stop=self._close, stop_event=stop_event)

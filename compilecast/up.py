@@ -112,7 +112,7 @@ async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str) ->
 
     async def stop_coordinator() -> None:
         await worker._close()
-        await coordinator.stop(10.0)
+        await coordinator.stop(10.0)  # finishes in-flight publishes
 
     await serve_until_signal(worker.server, on_stop=stop_coordinator)
 

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from compilecast.blobstore import DiskBlobStore
 from compilecast.config import CoordinatorConfig
 from compilecast.grpcutil import channel_credentials, server_credentials
-from compilecast.serving import make_server, serve_until_signal, set_serving, start_metrics
+from compilecast.serving import Role, make_server, set_serving, start_metrics
 
 from .auth import Authenticator
 from .etcd import Etcd
@@ -21,7 +21,7 @@ from .state import CoordinatorState
 log = logging.getLogger(__name__)
 
 
-class Coordinator:
+class Coordinator(Role):
     """A running coordinator replica (start/stop for tests and `up`)."""
 
     def __init__(self, cfg: CoordinatorConfig, registry: CollectorRegistry | None = None) -> None:
@@ -52,20 +52,9 @@ class Coordinator:
         log.info("coordinator listening on %s (%s; etcd %s; store %s)", cfg.listen,
                  "TLS" if creds else "plaintext", cfg.etcd_endpoints, cfg.store_dir)
 
-    async def stop(self, grace_s: float = 10.0) -> None:
-        await set_serving(self.health, False)
-        await self.server.stop(grace_s)
-        await self._close()
-
-    async def _close(self) -> None:
+    async def _release(self) -> None:
         await self.state.stop()
         await self.etcd.close()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-
-    async def serve(self, stop_event: asyncio.Event | None = None) -> None:
-        await self.start()
-        await serve_until_signal(self.server, on_stop=self._close, stop_event=stop_event)
 
 
 def run(cfg: CoordinatorConfig) -> None:

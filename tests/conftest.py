@@ -122,22 +122,31 @@ class Running:
 
 
 @pytest.fixture
-def start_coordinator(etcd, tmp_path, prefix, loop_thread):
-    from compilecast.coordinator.server import Coordinator
-
+def started(loop_thread):
+    """start(server) runs a Coordinator or Worker until the test ends."""
     running: list[Running] = []
+
+    def start(server):
+        r = Running(loop_thread, server)
+        running.append(r)
+        return r
+
+    yield start
+    for r in running:
+        r.stop()
+
+
+@pytest.fixture
+def start_coordinator(etcd, tmp_path, prefix, started):
+    from compilecast.coordinator.server import Coordinator
 
     def start(store_dir: Path | None = None, **kw) -> Coordinator:
         cfg = coordinator_config(etcd, tmp_path, prefix, **kw)
         if store_dir is not None:
             cfg.store_dir = str(store_dir)
-        r = Running(loop_thread, Coordinator(cfg))
-        running.append(r)
-        return r  # type: ignore[return-value]
+        return started(Coordinator(cfg))
 
-    yield start
-    for r in running:
-        r.stop()
+    return start
 
 
 @pytest.fixture
@@ -146,22 +155,16 @@ def coordinator(start_coordinator):
 
 
 @pytest.fixture
-def start_worker(tmp_path, loop_thread):
+def start_worker(tmp_path, started):
     from compilecast.worker.server import Worker
-
-    running: list[Running] = []
 
     def start(coordinator_addr: str, name: str = "w", **kw) -> Worker:
         sock = Path("/tmp") / f"cc-{uuid.uuid4().hex[:8]}.sock"
         cfg = WorkerConfig(listen=f"unix://{sock}", coordinator=coordinator_addr,
                            cache_dir=str(tmp_path / f"hostcache-{name}"), metrics_port=0, **kw)
-        r = Running(loop_thread, Worker(cfg))
-        running.append(r)
-        return r  # type: ignore[return-value]
+        return started(Worker(cfg))
 
-    yield start
-    for r in running:
-        r.stop()
+    return start
 
 
 @pytest.fixture

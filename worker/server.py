@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from compilecast.config import WorkerConfig
 from compilecast.grpcutil import channel_credentials, server_credentials
-from compilecast.serving import make_server, serve_until_signal, set_serving, start_metrics
+from compilecast.serving import Role, make_server, set_serving, start_metrics
 
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
@@ -21,7 +21,7 @@ from .service import WorkerService
 log = logging.getLogger(__name__)
 
 
-class Worker:
+class Worker(Role):
     def __init__(self, cfg: WorkerConfig, registry: CollectorRegistry | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
@@ -63,19 +63,8 @@ class Worker:
         log.info("worker listening on %s (coordinator %s, host cache %s)", listen,
                  self.cfg.coordinator, self.cfg.cache_dir)
 
-    async def stop(self, grace_s: float = 10.0) -> None:
-        await set_serving(self.health, False)
-        await self.server.stop(grace_s)
-        await self._close()
-
-    async def _close(self) -> None:
+    async def _release(self) -> None:
         await self.service.close()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-
-    async def serve(self, stop_event: asyncio.Event | None = None) -> None:
-        await self.start()
-        await serve_until_signal(self.server, on_stop=self._close, stop_event=stop_event)
 
 
 def _prepare_socket(path: Path) -> None:
