@@ -66,3 +66,20 @@ def components(comps, program_name: str) -> None:
             raise InvalidRequest(f"key component {name} is longer than 128 characters")
     if not PROGRAM_NAME_RE.match(program_name):
         raise InvalidRequest("program_name must be at most 200 printable ASCII characters")
+
+
+def publish_header(header, max_size: int) -> str:  # a compilecast.v1.PublishHeader
+    """Check a Publish header (coordinator and worker alike); returns the key."""
+    from compilecast.errors import TooLarge
+
+    k = key(header.key)
+    lease(header.lease)
+    digest(header.digest)
+    requester(header.requester)
+    if header.size <= 0:
+        raise InvalidRequest("size must be > 0")
+    if header.size > max_size:
+        raise TooLarge(f"artifact of {header.size} bytes exceeds the limit of {max_size}")
+    if not 0 <= header.compile_time_seconds < 1e7:
+        raise InvalidRequest("compile_time_seconds must be in [0, 1e7)")
+    return k

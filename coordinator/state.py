@@ -49,7 +49,6 @@ from compilecast.errors import (
     InvalidRequest,
     LeaseError,
     NotFound,
-    TooLarge,
     Unavailable,
 )
 from compilecast.v1 import cache_pb2 as pb
@@ -534,16 +533,7 @@ class CoordinatorState:
     # -- Publish ---------------------------------------------------------
     async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[bytes], *,
                       tenant: str = DEFAULT_TENANT) -> pb.ArtifactInfo:
-        key = validate.key(header.key)
-        validate.lease(header.lease)
-        validate.digest(header.digest)
-        if header.size <= 0:
-            raise InvalidRequest("size must be > 0")
-        if header.size > self.cfg.max_artifact_bytes:
-            raise TooLarge(f"artifact of {header.size} bytes exceeds the limit of "
-                           f"{self.cfg.max_artifact_bytes}")
-        if not 0 <= header.compile_time_seconds < 1e7:
-            raise InvalidRequest("compile_time_seconds must be in [0, 1e7)")
+        key = validate.publish_header(header, self.cfg.max_artifact_bytes)
         self.in_flight_publishes += 1
         try:
             return await self._publish(_scope(tenant, key), header, chunks)

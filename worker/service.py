@@ -78,7 +78,12 @@ class _Fill:
 
 
 def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
-    return UpstreamError(exc.code(), f"coordinator: {exc.details()}")
+    """The coordinator's status for our caller; a stream reset or an upstream
+    bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
+    code = exc.code()
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        code = grpc.StatusCode.UNAVAILABLE
+    return UpstreamError(code, f"coordinator: {exc.details()}")
 
 
 class WorkerService(rpc.CompileCacheServicer):
@@ -187,8 +192,9 @@ class WorkerService(rpc.CompileCacheServicer):
     async def Publish(self, request_iterator, context):
         ns, md = self._credential(context)
         header, chunks = await publish_stream(request_iterator)
-        validate.key(header.key)
-        validate.digest(header.digest)
+        # Refuse bad headers here: a coordinator that aborts a stream the worker
+        # is still sending can surface as a reset (INTERNAL) instead of its status.
+        validate.publish_header(header, self.cache.store.max_blob_size)
         writer = self.cache.store.writer()
         with writer:
 
