@@ -1,7 +1,8 @@
 """The error type of compilecast's core.
 
-Grouped by what the caller should do. Exactly one edge maps them to gRPC
-status codes (`compilecast.errors.grpc_code`), used by both servers.
+Grouped by what the caller should do. Each class carries its gRPC status
+code; exactly one edge (`compilecast.grpcutil.rpc_errors`) turns them into
+statuses, for both servers.
 
     CompilecastError
     ├── InvalidRequest        fix the request          -> INVALID_ARGUMENT
@@ -61,11 +62,6 @@ class CorruptBlob(CompilecastError):
 
 class Unavailable(CompilecastError):
     code = grpc.StatusCode.UNAVAILABLE
-
-
-def grpc_code(exc: CompilecastError) -> grpc.StatusCode:
-    """The gRPC status for one of our errors."""
-    return exc.code
 
 
 class UpstreamError(CompilecastError):

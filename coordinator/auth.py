@@ -38,15 +38,14 @@ PERMISSIONS = {"read", "publish"}
 class Principal:
     name: str
     tenant: str
-    can_read: bool
-    can_publish: bool
+    can_publish: bool  # every identity may read
 
     def require_publish(self) -> None:
         if not self.can_publish:
             raise PermissionDenied(f"identity {self.name} may not publish or hold compile leases")
 
 
-ANONYMOUS = Principal("anonymous", "default", True, True)
+ANONYMOUS = Principal("anonymous", "default", can_publish=True)
 
 
 def token_from(context: grpc.aio.ServicerContext) -> str | None:
@@ -89,8 +88,7 @@ class Authenticator:
             if not perms or perms - PERMISSIONS:
                 raise ConfigError(f"{where}: permissions must be a subset of {sorted(PERMISSIONS)}")
             by_digest[digest] = Principal(str(entry.get("name", f"token-{i}")), tenant,
-                                          "read" in perms or "publish" in perms,
-                                          "publish" in perms)
+                                          can_publish="publish" in perms)
         return cls(by_digest, allow_unauthenticated)
 
     def identify(self, context: grpc.aio.ServicerContext) -> Principal:
@@ -104,7 +102,3 @@ class Authenticator:
             if hmac.compare_digest(known, digest):
                 return principal
         raise Unauthenticated("unknown token")
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()

@@ -133,7 +133,6 @@ class CoordinatorState:
         self._session_lease = 0
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
-        self.in_flight_publishes = 0
 
     # -- etcd keys -------------------------------------------------------
     def _k(self, kind: str, sk: str) -> bytes:
@@ -534,14 +533,11 @@ class CoordinatorState:
     async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[bytes], *,
                       tenant: str = DEFAULT_TENANT) -> pb.ArtifactInfo:
         key = validate.publish_header(header, self.cfg.max_artifact_bytes)
-        self.in_flight_publishes += 1
         try:
             return await self._publish(_scope(tenant, key), header, chunks)
         except Exception as exc:
             self.metrics.publishes.labels(type(exc).__name__).inc()
             raise
-        finally:
-            self.in_flight_publishes -= 1
 
     async def _publish(self, sk: str, header: pb.PublishHeader,
                        chunks: AsyncIterator[bytes]) -> pb.ArtifactInfo:
@@ -600,7 +596,7 @@ class CoordinatorState:
             marker_lease = await self.etcd.grant(self.cfg.local_marker_ttl_s)
             why = ("the compile failed on the holder" if reason == pb.COMPILE_FAILED
                    else "the entry is below the caching thresholds")
-            body = json.dumps({"reason": f"{why}; compile locally", "detail": detail[:1024]})
+            body = json.dumps({"reason": f"{why}; compile locally", "detail": detail[:validate.MAX_DETAIL_LEN]})
             ops.append(op_put(self._k("x", sk), body.encode(), lease=marker_lease))
         ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k(kind, sk), lease.revision)], ops)
         if not ok:

@@ -193,10 +193,6 @@ def uninstall() -> None:
             _cc._cache_used = False
 
 
-def installed_cache() -> CacheInterface | None:
-    return _cc._cache
-
-
 
 # -- the key library's view of jaxlib ------------------------------------------
 
