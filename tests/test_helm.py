@@ -162,3 +162,52 @@ def test_tls_and_tokens_are_wired_into_both_roles():
     assert "--token-file=/etc/compilecast/token/token" in w["args"]
     mounts = {m["name"] for m in w["volumeMounts"]}
     assert {"tls", "token"} <= mounts
+
+
+# -- the Kubernetes API schema, offline ---------------------------------------------
+
+MODELS = {"Deployment": "V1Deployment", "DaemonSet": "V1DaemonSet",
+          "StatefulSet": "V1StatefulSet", "Service": "V1Service",
+          "PodDisruptionBudget": "V1PodDisruptionBudget", "ConfigMap": "V1ConfigMap",
+          "NetworkPolicy": "V1NetworkPolicy", "PersistentVolumeClaim": "V1PersistentVolumeClaim",
+          "Pod": "V1Pod"}
+
+
+def _dropped(original, roundtrip, path="") -> list[str]:
+    """Paths present in `original` that the typed model did not keep."""
+    if isinstance(original, dict):
+        out = []
+        for k, v in original.items():
+            if not isinstance(roundtrip, dict) or k not in roundtrip:
+                out.append(f"{path}.{k}")
+            else:
+                out += _dropped(v, roundtrip[k], f"{path}.{k}")
+        return out
+    if isinstance(original, list):
+        return [p for i, v in enumerate(original)
+                for p in _dropped(v, roundtrip[i] if i < len(roundtrip) else None,
+                                  f"{path}[{i}]")]
+    return []
+
+
+@pytest.mark.parametrize("values", SCENARIOS, ids=lambda p: p.name)
+def test_rendered_objects_match_the_kubernetes_api_schema(values):
+    """Every field of every built-in object is one the Kubernetes API knows,
+    with the right nesting and required fields (kubernetes' OpenAPI models)."""
+    import json as _json
+
+    from kubernetes.client import ApiClient
+
+    api = ApiClient()
+    docs = render(values, "tls.secretName=s") + render(values)
+    checked = 0
+    for obj in docs:
+        model = MODELS.get(obj["kind"])
+        if model is None:
+            assert obj["kind"] == "ServiceMonitor", obj["kind"]  # a CRD: no built-in schema
+            continue
+        typed = api.deserialize(_json.dumps(obj), model, "application/json")
+        unknown = _dropped(obj, api.sanitize_for_serialization(typed))
+        assert unknown == [], (obj["kind"], obj["metadata"]["name"], unknown)
+        checked += 1
+    assert checked >= 8
