@@ -32,6 +32,10 @@ def test_four_processes_compile_once_then_a_second_wave_hits(up, reference_diges
     metrics = __import__("urllib.request").request.urlopen(
         f"http://127.0.0.1:{up.ports['coordinator-metrics-port']}/metrics").read().decode()
     assert 'compilecast_coordinator_compiles_total{how="first"} 1.0' in metrics
+    worker_metrics = __import__("urllib.request").request.urlopen(
+        f"http://127.0.0.1:{up.ports['worker-metrics-port']}/metrics").read().decode()
+    # Every process reported how long its canonical key took.
+    assert "compilecast_worker_key_seconds_count 8.0" in worker_metrics
 
 
 def test_restart_with_the_same_data_directory_loses_nothing(up, reference_digest):

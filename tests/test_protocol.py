@@ -329,3 +329,11 @@ def test_acquire_many_decides_each_key_like_acquire(coordinator, start_worker):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "key" in details
     code, _ = code_of(lambda: client(coordinator.cfg.listen).acquire_many(["k"] * 1001))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_worker_records_the_key_time_processes_report(coordinator, start_worker):
+    worker = start_worker(coordinator.cfg.listen)
+    client(worker.target).acquire("k", key_seconds=0.042)
+    reg = worker.registry
+    assert reg.get_sample_value("compilecast_worker_key_seconds_count") == 1
+    assert reg.get_sample_value("compilecast_worker_key_seconds_sum") == pytest.approx(0.042)

@@ -70,10 +70,11 @@ class CacheClient:
 
     # -- decisions -------------------------------------------------------
     def acquire(self, key: str, *, components: dict[str, str] | None = None,
-                program_name: str = "") -> pb.AcquireResponse:
+                program_name: str = "", key_seconds: float = 0.0) -> pb.AcquireResponse:
         return self.stub.Acquire(
             pb.AcquireRequest(key=key, requester=self.identity.requester(),
-                              key_components=components or {}, program_name=program_name),
+                              key_components=components or {}, program_name=program_name,
+                              key_seconds=key_seconds),
             timeout=self.timeout_s,
         )
 

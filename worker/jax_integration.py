@@ -73,7 +73,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self.stats = Stats()
         self.key_config = keys.KeyConfig.from_env()
         self._held: dict[str, _Held] = {}
-        self._described: dict[str, tuple[str, dict[str, str]]] = {}
+        self._described: dict[str, tuple[str, dict[str, str], float]] = {}
         self._local = threading.local()
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -100,7 +100,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
     def _fallback(self, key: str, why: str) -> None:
         self.stats.fallbacks += 1
         self.stats.reasons.append(why)
-        log.warning("compilecast: compiling %s locally: %s", key, why)
+        log.warning("compilecast: compiling %s locally: %s", key, why, extra={"key": key})
 
     def _unreachable(self, key: str, exc: grpc.RpcError) -> None:
         self._down_until = time.monotonic() + UNREACHABLE_BACKOFF_S
@@ -141,8 +141,9 @@ class CompilecastCache(jax_adapter.CacheInterface):
     def _decide(self, key: str) -> bytes | None:
         self.client.identity = self._identity()
         with self._lock:
-            name, components = self._described.pop(key, ("", {}))
-        resp = self.client.acquire(key, components=components, program_name=name)
+            name, components, key_s = self._described.pop(key, ("", {}, 0.0))
+        resp = self.client.acquire(key, components=components, program_name=name,
+                                   key_seconds=key_s)
         if resp.decision == pb.HIT:
             return self._fetch_hit(key, resp.artifact)
         if resp.decision == pb.COMPILE:
@@ -166,7 +167,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
     def _compile_locally(self, key: str, reason: str) -> None:
         self.stats.local_compiles += 1
         self.stats.reasons.append(reason)
-        log.warning("compilecast: compiling %s locally: %s", key, reason)
+        log.warning("compilecast: compiling %s locally: %s", key, reason, extra={"key": key})
 
     def _fetch_hit(self, key: str, info: pb.ArtifactInfo) -> bytes:
         _, data = self.client.fetch(key, info.digest)  # verified against the digest
@@ -210,6 +211,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
     def cache_key(self, module: Any, devices: Any, compile_options: Any,
                   backend: Any) -> str | None:
         """compilecast's canonical key (None: skip the cache, compile locally)."""
+        start = time.monotonic()
         try:
             key = keys.jax_key(module, devices, compile_options, backend, self.key_config)
         except Exception as exc:  # never raise into JAX
@@ -218,7 +220,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         name = str(jax_adapter.ir.StringAttr(module.operation.attributes["sym_name"]).value) \
             if "sym_name" in module.operation.attributes else ""
         with self._lock:
-            self._described[key.value] = (name[:200], key.components)
+            self._described[key.value] = (name[:200], key.components, time.monotonic() - start)
         log.debug("compilecast key %s of %s components %s", key.value, name, key.components,
                   extra={"key": key.value})
         return key.value

@@ -27,6 +27,11 @@ class WorkerMetrics:
             "compilecast_worker_fetch_seconds", "Time to fill the host cache from the coordinator",
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=registry,
         )
+        self.key_seconds = Histogram(
+            "compilecast_worker_key_seconds",
+            "Time processes on this host spent computing canonical keys",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10), registry=registry,
+        )
         self.bytes = Counter(
             "compilecast_worker_artifact_bytes", "Artifact bytes moved",
             ["direction"], registry=registry,

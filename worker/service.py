@@ -123,6 +123,8 @@ class WorkerService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Acquire(self, request, context):
         validate.key(request.key)
+        if 0 < request.key_seconds < 3600:
+            self.metrics.key_seconds.observe(request.key_seconds)
         ns, md = self._credential(context)
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is not None:

@@ -68,7 +68,7 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("key", "requester", "key_components", "program_name")
+    __slots__ = ("key", "requester", "key_components", "program_name", "key_seconds")
     class KeyComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,11 +80,13 @@ class AcquireRequest(_message.Message):
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     KEY_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     key: str
     requester: Requester
     key_components: _containers.ScalarMap[str, str]
     program_name: str
-    def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., key_components: _Optional[_Mapping[str, str]] = ..., program_name: _Optional[str] = ...) -> None: ...
+    key_seconds: float
+    def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., key_components: _Optional[_Mapping[str, str]] = ..., program_name: _Optional[str] = ..., key_seconds: _Optional[float] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("decision", "artifact", "lease", "reason")
