@@ -171,11 +171,7 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
         _compiler._compile_and_write_cache = _compile_and_write_cache
         # compilecast replaces JAX's own share-binary exchange.
         jax.config.update("jax_share_binary_between_hosts", False)
-        with _cc._cache_initialized_mutex:
-            _cc._cache = cache
-            _cc._cache_initialized = True
-            _cc._cache_checked = False
-            _cc._cache_used = False
+        _set_cache(cache)
 
 
 def uninstall() -> None:
@@ -186,12 +182,17 @@ def uninstall() -> None:
         _compiler._compile_and_write_cache = _originals.pop("_compile_and_write_cache")
         jax.config.update("jax_share_binary_between_hosts", _originals.pop("share_binary"))
         _cc.get_cache_key = _originals.pop("get_cache_key")
-        with _cc._cache_initialized_mutex:
-            _cc._cache = None
-            _cc._cache_initialized = False
-            _cc._cache_checked = False
-            _cc._cache_used = False
+        _set_cache(None)
 
+
+def _set_cache(cache: CacheInterface | None) -> None:
+    """Make `cache` JAX's persistent cache (None: back to uninitialized); JAX
+    re-checks whether to use it on its next compile."""
+    with _cc._cache_initialized_mutex:
+        _cc._cache = cache
+        _cc._cache_initialized = cache is not None
+        _cc._cache_checked = False
+        _cc._cache_used = False
 
 
 # -- the key library's view of jaxlib ------------------------------------------
