@@ -216,29 +216,25 @@ class WorkerService(rpc.CompileCacheServicer):
         self.metrics.bytes.labels("published").inc(header.size)
         return resp
 
-    @rpc_errors
-    async def Release(self, request, context):
+    async def _forward(self, method: str, request, context):
+        """A unary call passed to the coordinator as is, under the caller's credential."""
         try:
-            return await self.up.Release(request, timeout=self.rpc_timeout_s,
-                                     metadata=self._credential(context)[1])
+            return await getattr(self.up, method)(request, timeout=self.rpc_timeout_s,
+                                                  metadata=self._credential(context)[1])
         except grpc.aio.AioRpcError as exc:
             raise _relay(exc) from None
+
+    @rpc_errors
+    async def Release(self, request, context):
+        return await self._forward("Release", request, context)
 
     @rpc_errors
     async def DescribeKey(self, request, context):
-        try:
-            return await self.up.DescribeKey(request, timeout=self.rpc_timeout_s,
-                                     metadata=self._credential(context)[1])
-        except grpc.aio.AioRpcError as exc:
-            raise _relay(exc) from None
+        return await self._forward("DescribeKey", request, context)
 
     @rpc_errors
     async def KeepAlive(self, request, context):
-        try:
-            return await self.up.KeepAlive(request, timeout=self.rpc_timeout_s,
-                                     metadata=self._credential(context)[1])
-        except grpc.aio.AioRpcError as exc:
-            raise _relay(exc) from None
+        return await self._forward("KeepAlive", request, context)
 
     # -- Fetch -----------------------------------------------------------
     async def _run_fill(self, fill: _Fill, ns: str, md: tuple, key: str, digest: str) -> None:
