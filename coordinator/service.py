@@ -116,7 +116,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     @rpc_errors
     async def DescribeKey(self, request, context):
         who = self.auth.identify(context)
-        return await self.state.describe(request.key, tenant=who.tenant)
+        return await self.state.records.describe(request.key, tenant=who.tenant)
 
     @rpc_errors
     async def Status(self, request, context):

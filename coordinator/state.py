@@ -10,8 +10,7 @@ see each other's records:
                          the program's expected compile time, attached to its etcd lease
     P/x/KEY              "compile locally" verdict, attached to a short etcd lease
     P/w/KEY/RANK/ID      a registered waiter, attached to this replica's session lease
-    P/k/KEY              the key's component digests and program name (for `explain`)
-    P/n/TENANT/NAMEHASH/KEY  index of keys by program name (nearest earlier key on a miss)
+    P/k/..., P/n/...     what each key was made of: see records.py
 
 Lease rules (the invariants everything else leans on):
 - P/l/KEY is created only by a txn that checks P/l/KEY, P/a/KEY and P/x/KEY are all
@@ -31,12 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -55,6 +52,7 @@ from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import Etcd, cmp_absent, cmp_mod_revision, op_delete, op_put
 from .metrics import CoordinatorMetrics
+from .records import DEFAULT_TENANT, KeyRecords, info_from, info_json, plain, scope
 from .watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -71,35 +69,6 @@ class KeyState:
     lease_rev: int
     local: dict | None
     hedge: dict | None = None
-
-
-def _info_json(info: pb.ArtifactInfo) -> bytes:
-    return json.dumps(
-        {
-            "digest": info.digest,
-            "size": info.size,
-            "compile_time_seconds": info.compile_time_seconds,
-            "created_unix": info.created_unix,
-        },
-        sort_keys=True,
-    ).encode()
-
-
-def _info_from(key: str, raw: bytes) -> pb.ArtifactInfo:
-    d = json.loads(raw)
-    return pb.ArtifactInfo(key=key, **d)
-
-
-DEFAULT_TENANT = "default"
-
-
-def _scope(tenant: str, key: str) -> str:
-    """Tenants namespace every etcd record: P/<kind>/<tenant>/<key>."""
-    return f"{tenant}/{key}"
-
-
-def _plain(sk: str) -> str:
-    return sk.split("/", 1)[1]
 
 
 def _holder_name(rec: dict) -> str:
@@ -127,7 +96,7 @@ class CoordinatorState:
         # the watch reports such deletes (and gaps, after which we forget all).
         self._index: dict[str, tuple[pb.ArtifactInfo, int]] = {}
         self._index_deleted: dict[str, int] = {}
-        self.recent_misses: deque[tuple[str, str, list[str], float]] = deque(maxlen=20)
+        self.records = KeyRecords(etcd, self.prefix, metrics)
         self.hub.on_artifact_deleted.append(self._forget_artifact)
         self.hub.on_gap.append(self._index.clear)
         self._session_lease = 0
@@ -210,9 +179,9 @@ class CoordinatorState:
         a, lrec, x, h = await self.etcd.get_many(
             [self._k("a", sk), self._k("l", sk), self._k("x", sk), self._k("h", sk)])
         if a is not None:
-            self._remember_artifact(sk, _info_from(_plain(sk), a.value), a.mod_revision)
+            self._remember_artifact(sk, info_from(plain(sk), a.value), a.mod_revision)
         return KeyState(
-            artifact=_info_from(_plain(sk), a.value) if a else None,
+            artifact=info_from(plain(sk), a.value) if a else None,
             artifact_rev=a.mod_revision if a else 0,
             lease=json.loads(lrec.value) if lrec else None,
             lease_rev=lrec.mod_revision if lrec else 0,
@@ -271,7 +240,7 @@ class CoordinatorState:
                             requester: pb.Requester | None = None) -> str:
         """Which record ("l": the lease, "h": a hedge) `lease` holds; raises
         LeaseError when it holds neither."""
-        key = _plain(sk)
+        key = plain(sk)
         recs = await self.etcd.get_many([self._k("l", sk), self._k("h", sk)])
         if recs[0] is None and recs[1] is None:
             raise LeaseError(f"no compile lease is held for key {key} (expired or never taken)")
@@ -285,69 +254,6 @@ class CoordinatorState:
                 return kind
         raise LeaseError(f"the compile lease for key {key} is held by someone else")
 
-    async def _expected_compile_s(self, tenant: str, program: str) -> float | None:
-        """The longest compile time published for earlier keys of the same
-        program name (None when unknown)."""
-        if not program:
-            return None
-        names = await self.etcd.get_prefix(self._name_prefix(tenant, program), limit=32)
-        keys = [f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}" for kv in names]
-        if not keys:
-            return None
-        arts = await self.etcd.get_many([self._k("a", k) for k in keys])
-        times = [json.loads(a.value)["compile_time_seconds"] for a in arts if a is not None]
-        return max(times) if times else None
-
-    # -- key records (explaining misses) ---------------------------------
-    def _name_prefix(self, tenant: str, program_name: str) -> bytes:
-        digest = hashlib.sha256(program_name.encode()).hexdigest()[:32]
-        return self.prefix + f"/n/{tenant}/{digest}/".encode()
-
-    async def _record_key(self, sk: str, program_name: str, comps: dict[str, str]) -> None:
-        """Remember a key's components; count the miss by what differed from
-        the nearest earlier key of the same program name."""
-        try:
-            tenant, key = sk.split("/", 1)
-            if not comps or await self.etcd.get(self._k("k", sk)) is not None:
-                return
-            earlier = await self.etcd.get_prefix(self._name_prefix(tenant, program_name), limit=64)
-            best: list[str] | None = None
-            for kv in earlier:
-                other_key = kv.key.rsplit(b"/", 1)[1].decode()
-                other = await self.etcd.get(self._k("k", f"{tenant}/{other_key}"))
-                if other is None:
-                    continue
-                theirs = json.loads(other.value).get("components", {})
-                diff = sorted(n for n in set(comps) | set(theirs) if comps.get(n) != theirs.get(n))
-                if best is None or len(diff) < len(best):
-                    best = diff
-            differing = ["new_program"] if best is None else best
-            for component in differing:
-                self.metrics.misses_by_component.labels(component).inc()
-            if differing:
-                self.recent_misses.appendleft((sk, program_name, differing, time.time()))
-            record = json.dumps({"program_name": program_name, "components": comps,
-                                 "first_seen": time.time()}).encode()
-            await self.etcd.txn([cmp_absent(self._k("k", sk))],
-                                [op_put(self._k("k", sk), record),
-                                 op_put(self._name_prefix(tenant, program_name) + key.encode(), b"")])
-        except Exception as exc:  # bookkeeping only; never fails a decision
-            log.debug("could not record key %s: %s", key, exc)
-
-    async def describe(self, key: str, tenant: str = DEFAULT_TENANT) -> pb.DescribeKeyResponse:
-        validate.key(key)
-        sk = _scope(tenant, key)
-        rec, art = await self.etcd.get_many([self._k("k", sk), self._k("a", sk)])
-        if rec is None:
-            raise NotFound(f"the coordinator has not seen key {key}")
-        d = json.loads(rec.value)
-        resp = pb.DescribeKeyResponse(key=key, program_name=d.get("program_name", ""),
-                                      first_seen_unix=d.get("first_seen", 0.0))
-        resp.key_components.update(d.get("components", {}))
-        if art is not None:
-            resp.artifact.CopyFrom(_info_from(key, art.value))
-        return resp
-
     # -- Acquire ---------------------------------------------------------
     async def acquire(self, key: str, req: pb.Requester,
                       components: dict[str, str] | None = None,
@@ -357,14 +263,14 @@ class CoordinatorState:
         validate.requester(req)
         validate.components(components or {}, program_name)
         try:
-            resp = await self._decide(_scope(tenant, key), req, may_publish, program_name)
+            resp = await self._decide(scope(tenant, key), req, may_publish, program_name)
         except Unavailable as exc:
             resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
                                       reason=f"coordinator cannot reach etcd: {exc}")
         self.metrics.lookups.labels("hit" if resp.decision == pb.HIT else "miss").inc()
         self.metrics.decisions.labels(pb.Decision.Name(resp.decision).lower()).inc()
         if resp.decision == pb.COMPILE and components:
-            self._spawn(self._record_key(_scope(tenant, key), program_name,
+            self._spawn(self.records.record(scope(tenant, key), program_name,
                                          dict(components)))
         return resp
 
@@ -412,7 +318,7 @@ class CoordinatorState:
         start = time.monotonic()
         deadline = start + timeout
         rank = f"{req.process_id:010d}" if req.job else f"9{time.time_ns():019d}"
-        sk = _scope(tenant, key)
+        sk = scope(tenant, key)
         wkey = self._k("w", sk) + f"/{rank}/{uuid.uuid4().hex[:12]}".encode()
         sub = self.hub.subscribe(sk)
         self.metrics.waiters.inc()
@@ -501,7 +407,7 @@ class CoordinatorState:
         if factor <= 0 or not may_publish or st.lease is None or st.hedge is not None:
             return None
         if not expected:
-            expected.append(await self._expected_compile_s(sk.split("/", 1)[0],
+            expected.append(await self.records.expected_compile_s(sk.split("/", 1)[0],
                                                            st.lease.get("program", "")))
         if expected[0] is None:
             return None  # never seen this program compile: nothing to compare with
@@ -534,14 +440,14 @@ class CoordinatorState:
                       tenant: str = DEFAULT_TENANT) -> pb.ArtifactInfo:
         key = validate.publish_header(header, self.cfg.max_artifact_bytes)
         try:
-            return await self._publish(_scope(tenant, key), header, chunks)
+            return await self._publish(scope(tenant, key), header, chunks)
         except Exception as exc:
             self.metrics.publishes.labels(type(exc).__name__).inc()
             raise
 
     async def _publish(self, sk: str, header: pb.PublishHeader,
                        chunks: AsyncIterator[bytes]) -> pb.ArtifactInfo:
-        key = _plain(sk)
+        key = plain(sk)
         kind = await self._check_holder(sk, header.lease, header.requester)
         if await self.etcd.get(self._k("a", sk)) is not None:
             raise AlreadyPublished(f"key {key} is already published")
@@ -560,7 +466,7 @@ class CoordinatorState:
             [cmp_mod_revision(self._k(kind, sk), header.lease.revision),
              cmp_absent(self._k("a", sk))],
             # The first valid publish wins; it ends the lease and any hedge.
-            [op_put(self._k("a", sk), _info_json(info)), op_delete(self._k("l", sk)),
+            [op_put(self._k("a", sk), info_json(info)), op_delete(self._k("l", sk)),
              op_delete(self._k("h", sk))],
         )
         if not ok:
@@ -570,7 +476,7 @@ class CoordinatorState:
             if entry is None or json.loads(entry.value).get("digest") != header.digest:
                 raise LeaseError(f"the compile lease for key {key} was lost before the "
                                  "publish completed (expired or taken over)")
-            info = _info_from(key, entry.value)
+            info = info_from(key, entry.value)
             revision = entry.mod_revision
         self._remember_artifact(sk, info, revision)
         self._spawn(self.etcd.revoke(header.lease.id))
@@ -588,7 +494,7 @@ class CoordinatorState:
         validate.lease(lease)
         if reason not in pb.ReleaseReason.values() or reason == pb.RELEASE_REASON_UNSPECIFIED:
             raise InvalidRequest("reason must be COMPILE_FAILED, BELOW_THRESHOLD or ABANDONED")
-        sk = _scope(tenant, key)
+        sk = scope(tenant, key)
         kind = await self._check_holder(sk, lease)
         name = pb.ReleaseReason.Name(reason)
         ops = [op_delete(self._k(kind, sk))]
@@ -611,7 +517,7 @@ class CoordinatorState:
         validate.key(key)
         validate.lease(lease)
         try:
-            await self._check_holder(_scope(tenant, key), lease)
+            await self._check_holder(scope(tenant, key), lease)
         except LeaseError:
             return 0
         return await self.etcd.keepalive_once(lease.id)
@@ -621,13 +527,13 @@ class CoordinatorState:
         validate.key(key)
         if digest:
             validate.digest(digest)
-        sk = _scope(tenant, key)
+        sk = scope(tenant, key)
         info = self._cached_artifact(sk)
         if info is None:
             rec = await self.etcd.get(self._k("a", sk))
             if rec is None:
                 raise NotFound(f"no artifact is published under key {key}")
-            info = _info_from(key, rec.value)
+            info = info_from(key, rec.value)
             self._remember_artifact(sk, info, rec.mod_revision)
         if digest and info.digest != digest:
             raise NotFound(f"key {key} holds digest {info.digest}, not {digest}")
@@ -664,30 +570,30 @@ class CoordinatorState:
             reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") or 0.0)
         if not healthy:
             return resp
-        scope = f"/{tenant}/".encode()
-        resp.artifacts = await self.etcd.count_prefix(self.prefix + b"/a" + scope)
-        leases = await self.etcd.get_prefix(self.prefix + b"/l" + scope, limit=100)
-        resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l" + scope)
-        resp.waiters = await self.etcd.count_prefix(self.prefix + b"/w" + scope)
+        tenant_path = f"/{tenant}/".encode()
+        resp.artifacts = await self.etcd.count_prefix(self.prefix + b"/a" + tenant_path)
+        leases = await self.etcd.get_prefix(self.prefix + b"/l" + tenant_path, limit=100)
+        resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l" + tenant_path)
+        resp.waiters = await self.etcd.count_prefix(self.prefix + b"/w" + tenant_path)
         now = time.time()
         jobs: dict[str, list[int]] = {}
         for kv in leases:
             rec = json.loads(kv.value)
             jobs.setdefault(rec.get("job", ""), [0, 0])[0] += 1
-        for kv in await self.etcd.get_prefix(self.prefix + b"/w" + scope, limit=5000):
+        for kv in await self.etcd.get_prefix(self.prefix + b"/w" + tenant_path, limit=5000):
             with contextlib.suppress(ValueError):
                 jobs.setdefault(json.loads(kv.value or b"{}").get("job", ""), [0, 0])[1] += 1
         for job, (compiling, waiting) in sorted(jobs.items()):
             resp.jobs.append(pb.JobStatus(job=job, compiles_in_flight=compiling, waiters=waiting))
-        for sk, name, differing, when in self.recent_misses:
+        for sk, name, differing, when in self.records.recent:
             if sk.split("/", 1)[0] == tenant:
-                resp.recent_misses.append(pb.RecentMiss(key=_plain(sk), program_name=name,
+                resp.recent_misses.append(pb.RecentMiss(key=plain(sk), program_name=name,
                                                         differing=differing,
                                                         age_seconds=now - when))
         for kv in leases:
-            key = kv.key[len(self.prefix) + 3 + len(scope) - 1:].decode()
+            key = kv.key[len(self.prefix) + 3 + len(tenant_path) - 1:].decode()
             rec = json.loads(kv.value)
-            nwait = await self.etcd.count_prefix(self._k("w", _scope(tenant, key)) + b"/")
+            nwait = await self.etcd.count_prefix(self._k("w", scope(tenant, key)) + b"/")
             resp.in_flight.append(pb.InFlight(key=key, holder=_holder_name(rec),
                                               age_seconds=now - rec.get("granted", now),
                                               waiters=nwait))

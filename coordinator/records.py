@@ -1,0 +1,135 @@
+"""Keys, scoped by tenant, and what each key was made of.
+
+The layout helpers every coordinator module shares, and the records that
+explain misses:
+
+    P/k/TENANT/KEY               the key's component digests and program name
+    P/n/TENANT/NAMEHASH/KEY      keys by program name (the nearest earlier key on a miss,
+                                 and the program's known compile times for hedging)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from compilecast import validate
+from compilecast.errors import NotFound
+from compilecast.v1 import cache_pb2 as pb
+
+from .etcd import cmp_absent, op_put
+
+if TYPE_CHECKING:
+    from .etcd import Etcd
+    from .metrics import CoordinatorMetrics
+
+log = logging.getLogger(__name__)
+
+
+def info_json(info: pb.ArtifactInfo) -> bytes:
+    return json.dumps(
+        {
+            "digest": info.digest,
+            "size": info.size,
+            "compile_time_seconds": info.compile_time_seconds,
+            "created_unix": info.created_unix,
+        },
+        sort_keys=True,
+    ).encode()
+
+
+def info_from(key: str, raw: bytes) -> pb.ArtifactInfo:
+    d = json.loads(raw)
+    return pb.ArtifactInfo(key=key, **d)
+
+
+DEFAULT_TENANT = "default"
+
+
+def scope(tenant: str, key: str) -> str:
+    """Tenants namespace every etcd record: P/<kind>/<tenant>/<key>."""
+    return f"{tenant}/{key}"
+
+
+def plain(sk: str) -> str:
+    return sk.split("/", 1)[1]
+
+
+
+class KeyRecords:
+    def __init__(self, etcd: Etcd, prefix: bytes, metrics: CoordinatorMetrics) -> None:
+        self.etcd = etcd
+        self.prefix = prefix
+        self.metrics = metrics
+        # The latest explained misses of this replica: (scoped key, name, differing, when).
+        self.recent: deque[tuple[str, str, list[str], float]] = deque(maxlen=20)
+
+    def _k(self, kind: str, sk: str) -> bytes:
+        return self.prefix + f"/{kind}/{sk}".encode()
+
+    async def expected_compile_s(self, tenant: str, program: str) -> float | None:
+        """The longest compile time published for earlier keys of the same
+        program name (None when unknown)."""
+        if not program:
+            return None
+        names = await self.etcd.get_prefix(self.name_prefix(tenant, program), limit=32)
+        keys = [f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}" for kv in names]
+        if not keys:
+            return None
+        arts = await self.etcd.get_many([self._k("a", k) for k in keys])
+        times = [json.loads(a.value)["compile_time_seconds"] for a in arts if a is not None]
+        return max(times) if times else None
+
+    def name_prefix(self, tenant: str, program_name: str) -> bytes:
+        digest = hashlib.sha256(program_name.encode()).hexdigest()[:32]
+        return self.prefix + f"/n/{tenant}/{digest}/".encode()
+
+    async def record(self, sk: str, program_name: str, comps: dict[str, str]) -> None:
+        """Remember a key's components; count the miss by what differed from
+        the nearest earlier key of the same program name."""
+        try:
+            tenant, key = sk.split("/", 1)
+            if not comps or await self.etcd.get(self._k("k", sk)) is not None:
+                return
+            earlier = await self.etcd.get_prefix(self.name_prefix(tenant, program_name), limit=64)
+            best: list[str] | None = None
+            for kv in earlier:
+                other_key = kv.key.rsplit(b"/", 1)[1].decode()
+                other = await self.etcd.get(self._k("k", f"{tenant}/{other_key}"))
+                if other is None:
+                    continue
+                theirs = json.loads(other.value).get("components", {})
+                diff = sorted(n for n in set(comps) | set(theirs) if comps.get(n) != theirs.get(n))
+                if best is None or len(diff) < len(best):
+                    best = diff
+            differing = ["new_program"] if best is None else best
+            for component in differing:
+                self.metrics.misses_by_component.labels(component).inc()
+            if differing:
+                self.recent.appendleft((sk, program_name, differing, time.time()))
+            record = json.dumps({"program_name": program_name, "components": comps,
+                                 "first_seen": time.time()}).encode()
+            await self.etcd.txn([cmp_absent(self._k("k", sk))],
+                                [op_put(self._k("k", sk), record),
+                                 op_put(self.name_prefix(tenant, program_name) + key.encode(), b"")])
+        except Exception as exc:  # bookkeeping only; never fails a decision
+            log.debug("could not record key %s: %s", key, exc)
+
+    async def describe(self, key: str, tenant: str = DEFAULT_TENANT) -> pb.DescribeKeyResponse:
+        validate.key(key)
+        sk = scope(tenant, key)
+        rec, art = await self.etcd.get_many([self._k("k", sk), self._k("a", sk)])
+        if rec is None:
+            raise NotFound(f"the coordinator has not seen key {key}")
+        d = json.loads(rec.value)
+        resp = pb.DescribeKeyResponse(key=key, program_name=d.get("program_name", ""),
+                                      first_seen_unix=d.get("first_seen", 0.0))
+        resp.key_components.update(d.get("components", {}))
+        if art is not None:
+            resp.artifact.CopyFrom(info_from(key, art.value))
+        return resp
+
