@@ -15,7 +15,7 @@ from pathlib import Path
 from compilecast.launch import free_port
 from compilecast.worker.client import wait_until_healthy
 
-__all__ = ["Stack", "free_port", "peak_rss_mb", "random_file", "rss_mb", "wait_port"]
+__all__ = ["Stack", "free_port", "peak_rss_mb", "random_file", "wait_port"]
 
 
 def wait_port(port: int, timeout: float = 20) -> None:
@@ -87,14 +87,6 @@ def peak_rss_mb(pid: int) -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmHWM")
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def random_file(path: Path, size: int) -> None:

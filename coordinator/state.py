@@ -178,10 +178,11 @@ class CoordinatorState:
     async def _read(self, sk: str) -> KeyState:
         a, lrec, x, h = await self.etcd.get_many(
             [self._k("a", sk), self._k("l", sk), self._k("x", sk), self._k("h", sk)])
-        if a is not None:
-            self._remember_artifact(sk, info_from(plain(sk), a.value), a.mod_revision)
+        artifact = info_from(plain(sk), a.value) if a is not None else None
+        if artifact is not None:
+            self._remember_artifact(sk, artifact, a.mod_revision)
         return KeyState(
-            artifact=info_from(plain(sk), a.value) if a else None,
+            artifact=artifact,
             artifact_rev=a.mod_revision if a else 0,
             lease=json.loads(lrec.value) if lrec else None,
             lease_rev=lrec.mod_revision if lrec else 0,
