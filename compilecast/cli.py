@@ -122,6 +122,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for f in st.in_flight:
             print(f"  compiling  {f.key}  by {f.holder}  for {f.age_seconds:.0f}s, "
                   f"{f.waiters} waiting")
+        if st.tasks_queued or st.tasks_running or st.tasks_done or st.tasks_failed:
+            print(f"farm         {st.tasks_queued} queued, {st.tasks_running} running, "
+                  f"{st.tasks_done} done, {st.tasks_failed} failed")
         for j in st.jobs:
             print(f"job          {j.job or '(no job)'}: {j.compiles_in_flight} compiling, "
                   f"{j.waiters} waiting")
@@ -198,6 +201,121 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 1
 
 
+def _client(args: argparse.Namespace, timeout_s: float = 30.0):
+    from compilecast.worker.client import CacheClient
+
+    return CacheClient(args.coordinator, timeout_s=timeout_s, token=args.token,
+                       ca_file=args.ca_file)
+
+
+def _wait_tasks(client, ids: list[str], timeout_s: float) -> int:
+    """Print task progress until all are settled; 0 when all are done."""
+    import time
+
+    from compilecast.v1 import cache_pb2 as pb
+
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        tasks = client.tasks(ids)
+        states = [t.state for t in tasks]
+        counts = {pb.TaskState.Name(s).lower(): states.count(s) for s in set(states)}
+        if counts != last:
+            print("tasks: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), flush=True)
+            last = counts
+        if all(s in (pb.DONE, pb.FAILED) for s in states) and len(tasks) == len(ids):
+            for t in tasks:
+                print(f"{pb.TaskState.Name(t.state):6}  {t.program_name:30}  {t.target:16}  "
+                      f"{t.key[:24]:24}  {t.detail}")
+            return 0 if all(s == pb.DONE for s in states) else 1
+        if time.monotonic() > deadline:
+            print(f"compilecast: {len(ids)} tasks not settled after {timeout_s:.0f}s",
+                  file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+
+
+def cmd_precompile(args: argparse.Namespace) -> int:
+    import grpc
+
+    from compilecast.worker import aot
+
+    target = aot.parse_target(args.topology, args.platform)
+    client = _client(args)
+    try:
+        if args.farm:  # queue the work; farm workers compile it
+            if args.replay:
+                ids = client.submit(replay_job=args.replay, target=target)
+            else:
+                ids = client.submit([p.recipe for p in
+                                     aot.entry_programs(args.entry, target, args.job)])
+            print(f"queued {len(ids)} compile tasks for {aot.describe_target(target)}")
+            for t in ids:
+                print(t)
+            return _wait_tasks(client, ids, args.timeout) if args.wait else 0
+        if args.replay:
+            programs = []
+            for r in client.list_recipes(args.replay):
+                r.target.CopyFrom(target)
+                r.key = ""
+                programs.append(aot.recipe_program(r))
+            if not programs:
+                raise CliError(f"no recipes recorded for job {args.replay}")
+        else:
+            programs = aot.entry_programs(args.entry, target, args.job)
+        if args.check:
+            found = aot.check(client, programs, fetch=not args.no_fetch)
+            for p in found:
+                print(f"{'present' if p.present else 'MISSING'}  {p.key}  {p.name}  {p.size}")
+            return 0 if all(p.present for p in found) else 1
+        failed = 0
+        for prog in programs:
+            try:
+                out = aot.compile_and_share(client, prog)
+                print(f"{out.status:20}  {out.key}  {out.name}  {out.seconds:.1f}s  {out.size}",
+                      flush=True)
+            except aot.AotError as exc:
+                failed += 1
+                print(f"FAILED  {prog.name}: {exc}", file=sys.stderr)
+        return 1 if failed else 0
+    except aot.AotError as exc:
+        raise CliError(str(exc)) from exc
+    except grpc.RpcError as exc:
+        raise CliError(f"{args.coordinator}: {exc.code().name}: {exc.details()}") from exc
+    finally:
+        client.close()
+
+
+def cmd_farm(args: argparse.Namespace) -> int:
+    import signal
+    import socket
+    import threading
+
+    from compilecast.worker import aot
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    client = _client(args)
+    name = args.name or f"{socket.gethostname()}:{os.getpid()}"
+    farm = aot.FarmWorker(client, name, args.concurrency or aot.default_concurrency())
+    logging.getLogger("compilecast").info("farm worker %s: %d concurrent compiles, coordinator %s",
+                                          name, farm.concurrency, args.coordinator)
+    try:
+        farm.run(stop, max_tasks=args.max_tasks)
+    finally:
+        client.close()
+    return 0
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", default=os.environ.get("COMPILECAST_COORDINATOR")
+                   or default_worker_target(),
+                   help="coordinator (or worker) address (env COMPILECAST_COORDINATOR)")
+    p.add_argument("--token", default=os.environ.get("COMPILECAST_TOKEN", ""),
+                   help="bearer token with publish permission (env COMPILECAST_TOKEN)")
+    p.add_argument("--ca-file", default="", help="CA to verify a TLS server")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="compilecast", description=__doc__)
     ap.add_argument("--version", action="version", version=f"compilecast {__version__}")
@@ -242,6 +360,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-metadata", action="store_true")
     p.add_argument("--worker", default=default_worker_target())
     p.set_defaults(fn=cmd_explain)
+
+    p = sub.add_parser("precompile", help="compile programs for a target ahead of time and "
+                                          "publish them under the keys its processes compute")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--entry", help="package.module:function returning (jitted, abstract args) "
+                                     "pairs for the target's devices")
+    src.add_argument("--replay", metavar="JOB", help="recompile what was recorded for JOB")
+    p.add_argument("--topology", default="local",
+                   help="compile-only topology, e.g. v5e:2x2 (default: this machine's devices)")
+    p.add_argument("--platform", default="tpu", choices=("tpu", "gpu", "cpu"))
+    p.add_argument("--job", default="", help="job the programs belong to (recorded)")
+    p.add_argument("--farm", action="store_true", help="queue the compiles for the farm")
+    p.add_argument("--wait", action="store_true", help="with --farm: wait until all settle")
+    p.add_argument("--timeout", type=float, default=3600.0, help="with --wait: seconds")
+    p.add_argument("--check", action="store_true",
+                   help="compile nothing: report whether each key is present, as the "
+                        "target's processes will find it")
+    p.add_argument("--no-fetch", action="store_true",
+                   help="with --check: ask for presence only, do not fetch and verify")
+    _add_client_flags(p)
+    p.set_defaults(fn=cmd_precompile)
+
+    p = sub.add_parser("farm", help="run a compile-farm worker (takes queued compiles)")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="concurrent compiles (default: cores, at most one per 4 GiB)")
+    p.add_argument("--name", default="", help="this worker's name (default host:pid)")
+    p.add_argument("--max-tasks", type=int, default=None, help=argparse.SUPPRESS)
+    _add_client_flags(p)
+    p.set_defaults(fn=cmd_farm)
 
     p = sub.add_parser("config", help="print the effective configuration and its sources")
     roles = p.add_subparsers(dest="role", required=True)

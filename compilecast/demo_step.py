@@ -50,3 +50,39 @@ def result_digest(params, loss) -> str:
         h.update(np.asarray(b).tobytes())
     h.update(np.asarray(loss).tobytes())
     return h.hexdigest()
+
+
+def aot_programs(devices, layers: int | None = None, width: int | None = None,
+                 batch: int | None = None):
+    """An entry point for `compilecast precompile --entry
+    compilecast.demo_step:aot_programs`: the training step (data-parallel over
+    `devices`, parameters replicated) and its evaluation, as (jitted function,
+    abstract arguments) pairs. Sizes from $COMPILECAST_EXAMPLE_LAYERS /
+    _WIDTH / _BATCH (default 2 x 128, batch 8 per device)."""
+    import os
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    layers = layers or int(os.environ.get("COMPILECAST_EXAMPLE_LAYERS", "2"))
+    width = width or int(os.environ.get("COMPILECAST_EXAMPLE_WIDTH", "128"))
+    batch = (batch or int(os.environ.get("COMPILECAST_EXAMPLE_BATCH", "8"))) * len(devices)
+    mesh = Mesh(np.array(devices).reshape(-1), ("data",))
+    rep, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    params = [(jax.ShapeDtypeStruct((width, width), jnp.float32, sharding=rep),
+               jax.ShapeDtypeStruct((width,), jnp.float32, sharding=rep))
+              for _ in range(layers)]
+    x = jax.ShapeDtypeStruct((batch, width), jnp.float32, sharding=sharded)
+    y = jax.ShapeDtypeStruct((batch, width), jnp.float32, sharding=sharded)
+    step = make_step()
+
+    @jax.jit
+    def evaluate(params, x, y):
+        h = x
+        for w, b in params:
+            h = jnp.tanh(h @ w + b)
+        return jnp.mean((h - y) ** 2)
+
+    return [(step, (params, x, y)), (evaluate, (params, x, y))]

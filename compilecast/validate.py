@@ -83,3 +83,48 @@ def publish_header(header, max_size: int) -> str:  # a compilecast.v1.PublishHea
     if not 0 <= header.compile_time_seconds < 1e7:
         raise InvalidRequest("compile_time_seconds must be in [0, 1e7)")
     return k
+
+
+MAX_RECIPE_BYTES = 3 << 20
+PLATFORMS = ("tpu", "gpu", "cpu")
+TOPOLOGY_RE = re.compile(r"^[A-Za-z0-9:._x-]{0,64}$")
+ENTRY_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]{0,199}:[A-Za-z_][A-Za-z0-9_]{0,99})?$")
+TASK_ID_RE = re.compile(r"^[0-9]{20}-[0-9a-f]{8}$")
+
+
+def target(t) -> None:  # a compilecast.v1.Target
+    if t.platform not in PLATFORMS:
+        raise InvalidRequest(f"target.platform {t.platform[:20]!r} is invalid: use one of "
+                             f"{', '.join(PLATFORMS)}")
+    if not TOPOLOGY_RE.match(t.topology):
+        raise InvalidRequest(f"target.topology {t.topology[:80]!r} is invalid "
+                             "(a name such as v5e:2x2, at most 64 characters)")
+
+
+def recipe(r, *, need_target: bool) -> None:  # a compilecast.v1.Recipe
+    """A recipe is either an entry point or a lowered program, bounded in size."""
+    from compilecast.errors import TooLarge
+
+    if r.key:
+        key(r.key)
+    if not JOB_RE.match(r.job):
+        raise InvalidRequest(f"recipe.job {r.job[:80]!r} is invalid: use at most 128 of "
+                             "[A-Za-z0-9._:-]")
+    if not PROGRAM_NAME_RE.match(r.program_name):
+        raise InvalidRequest("recipe.program_name must be at most 200 printable ASCII characters")
+    if not ENTRY_RE.match(r.entry):
+        raise InvalidRequest(f"recipe.entry {r.entry[:80]!r} is invalid: use package.module:function")
+    if not r.entry and not r.program:
+        raise InvalidRequest("a recipe needs an entry point or a program")
+    if r.entry_index < 0:
+        raise InvalidRequest("recipe.entry_index must be >= 0")
+    if r.ByteSize() > MAX_RECIPE_BYTES:
+        raise TooLarge(f"recipe of {r.ByteSize()} bytes exceeds the limit of {MAX_RECIPE_BYTES}")
+    if need_target or r.HasField("target"):
+        target(r.target)
+
+
+def task_id(value: str) -> str:
+    if not TASK_ID_RE.match(value):
+        raise InvalidRequest(f"task_id {value[:80]!r} is invalid")
+    return value

@@ -61,3 +61,8 @@ class CoordinatorMetrics:
             "Stored blobs that failed digest verification and were quarantined",
             registry=registry,
         )
+        self.tasks = Counter(
+            "compilecast_coordinator_farm_tasks",
+            "Compile-farm tasks by event (submitted, claimed, done, failed)",
+            ["event"], registry=registry,
+        )

@@ -37,6 +37,7 @@ def info_json(info: pb.ArtifactInfo) -> bytes:
             "size": info.size,
             "compile_time_seconds": info.compile_time_seconds,
             "created_unix": info.created_unix,
+            **({"recipe_digest": info.recipe_digest} if info.recipe_digest else {}),
         },
         sort_keys=True,
     ).encode()

@@ -122,3 +122,42 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def Status(self, request, context):
         who = self.auth.identify(context)
         return await self.state.status(tenant=who.tenant)
+
+    # -- ahead-of-time compiles -----------------------------------------
+    @rpc_errors
+    async def ListRecipes(self, request, context):
+        who = self.auth.identify(context)
+        async for recipe in self.state.farm.list_recipes(who.tenant, request.job):
+            yield recipe
+
+    @rpc_errors
+    async def SubmitCompiles(self, request, context):
+        who = self.auth.identify(context)
+        who.require_publish()
+        ids = await self.state.farm.submit(who.tenant, request)
+        return pb.SubmitCompilesResponse(task_ids=ids)
+
+    @rpc_errors
+    async def ClaimCompile(self, request, context):
+        who = self.auth.identify(context)
+        who.require_publish()
+        return await self.state.farm.claim(who.tenant, request.worker, request.wait_ms)
+
+    @rpc_errors
+    async def RenewClaim(self, request, context):
+        who = self.auth.identify(context)
+        who.require_publish()
+        ttl = await self.state.farm.renew(who.tenant, request.task_id, request.claim)
+        return pb.KeepAliveResponse(ttl_seconds=ttl)
+
+    @rpc_errors
+    async def FinishCompile(self, request, context):
+        who = self.auth.identify(context)
+        who.require_publish()
+        await self.state.farm.finish(who.tenant, request)
+        return pb.FinishCompileResponse()
+
+    @rpc_errors
+    async def Tasks(self, request, context):
+        who = self.auth.identify(context)
+        return await self.state.farm.tasks(who.tenant, list(request.task_ids))

@@ -51,6 +51,7 @@ from compilecast.errors import (
 from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import Etcd, cmp_absent, cmp_mod_revision, op_delete, op_put
+from .farm import Farm
 from .metrics import CoordinatorMetrics
 from .records import DEFAULT_TENANT, KeyRecords, info_from, info_json, plain, scope
 from .watch import WatchHub
@@ -97,6 +98,7 @@ class CoordinatorState:
         self._index: dict[str, tuple[pb.ArtifactInfo, int]] = {}
         self._index_deleted: dict[str, int] = {}
         self.records = KeyRecords(etcd, self.prefix, metrics)
+        self.farm = Farm(etcd, store, self.prefix, metrics, cfg.lease_ttl_s)
         self.hub.on_artifact_deleted.append(self._forget_artifact)
         self.hub.on_gap.append(self._index.clear)
         self._session_lease = 0
@@ -440,6 +442,8 @@ class CoordinatorState:
     async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[bytes], *,
                       tenant: str = DEFAULT_TENANT) -> pb.ArtifactInfo:
         key = validate.publish_header(header, self.cfg.max_artifact_bytes)
+        if header.HasField("recipe"):
+            validate.recipe(header.recipe, need_target=False)
         try:
             return await self._publish(scope(tenant, key), header, chunks)
         except Exception as exc:
@@ -460,9 +464,17 @@ class CoordinatorState:
                 await asyncio.to_thread(writer.write, data)
             await asyncio.to_thread(writer.commit, header.digest, header.size)
         self.metrics.bytes.labels("in").inc(header.size)
+        recipe = None
+        if header.HasField("recipe"):  # stored before the index entry that names it
+            recipe = pb.Recipe()
+            recipe.CopyFrom(header.recipe)
+            recipe.key = key
+            if not recipe.job:
+                recipe.job = header.requester.job
         info = pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
                                compile_time_seconds=header.compile_time_seconds,
-                               created_unix=time.time())
+                               created_unix=time.time(),
+                               recipe_digest=await self.farm.store_recipe(recipe) if recipe else "")
         ok, revision, _ = await self.etcd.txn(
             [cmp_mod_revision(self._k(kind, sk), header.lease.revision),
              cmp_absent(self._k("a", sk))],
@@ -481,6 +493,8 @@ class CoordinatorState:
             revision = entry.mod_revision
         self._remember_artifact(sk, info, revision)
         self._spawn(self.etcd.revoke(header.lease.id))
+        if recipe is not None and info.recipe_digest:
+            await self.farm.record(sk.split("/", 1)[0], recipe, info.recipe_digest)
         self.metrics.publishes.labels("ok").inc()
         log.info("published %s digest=%s size=%d compile_time=%.2fs", key, header.digest,
                  header.size, header.compile_time_seconds,
@@ -571,6 +585,9 @@ class CoordinatorState:
             reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") or 0.0)
         if not healthy:
             return resp
+        counts = await self.farm.counts(tenant)
+        resp.tasks_queued, resp.tasks_running = counts["queued"], counts["running"]
+        resp.tasks_done, resp.tasks_failed = counts["done"], counts["failed"]
         tenant_path = f"/{tenant}/".encode()
         resp.artifacts = await self.etcd.count_prefix(self.prefix + b"/a" + tenant_path)
         leases = await self.etcd.get_prefix(self.prefix + b"/l" + tenant_path, limit=100)

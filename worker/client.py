@@ -125,10 +125,10 @@ class CacheClient:
         return info, b"".join(parts)
 
     def publish(self, key: str, lease: pb.Lease, data: bytes,
-                compile_time_s: float) -> pb.ArtifactInfo:
+                compile_time_s: float, recipe: pb.Recipe | None = None) -> pb.ArtifactInfo:
         header = pb.PublishHeader(key=key, lease=lease, digest=hashlib.sha256(data).hexdigest(),
                                   size=len(data), compile_time_seconds=compile_time_s,
-                                  requester=self.identity.requester())
+                                  requester=self.identity.requester(), recipe=recipe)
         resp = self.stub.Publish(publish_messages(header, data),
                                  timeout=max(60.0, self.timeout_s))
         return resp.artifact
@@ -143,6 +143,33 @@ class CacheClient:
 
     def status(self) -> pb.StatusResponse:
         return self.stub.Status(pb.StatusRequest(), timeout=self.timeout_s)
+
+    # -- ahead-of-time compiles ---------------------------------------------
+    def list_recipes(self, job: str) -> list[pb.Recipe]:
+        return list(self.stub.ListRecipes(pb.ListRecipesRequest(job=job),
+                                          timeout=max(60.0, self.timeout_s)))
+
+    def submit(self, recipes: list[pb.Recipe] = (), *, replay_job: str = "",
+               target: pb.Target | None = None) -> list[str]:
+        req = pb.SubmitCompilesRequest(recipes=recipes, replay_job=replay_job, target=target)
+        return list(self.stub.SubmitCompiles(req, timeout=max(60.0, self.timeout_s)).task_ids)
+
+    def claim(self, worker: str, wait_ms: int) -> pb.ClaimCompileResponse:
+        return self.stub.ClaimCompile(pb.ClaimCompileRequest(worker=worker, wait_ms=wait_ms),
+                                      timeout=self.timeout_s + wait_ms / 1000.0)
+
+    def renew(self, task_id: str, claim: pb.Lease) -> int:
+        return self.stub.RenewClaim(pb.RenewClaimRequest(task_id=task_id, claim=claim),
+                                    timeout=self.timeout_s).ttl_seconds
+
+    def finish(self, task_id: str, claim: pb.Lease, ok: bool, detail: str, key: str = "") -> None:
+        self.stub.FinishCompile(pb.FinishCompileRequest(task_id=task_id, claim=claim, ok=ok,
+                                                        detail=detail[:1024], key=key),
+                                timeout=self.timeout_s)
+
+    def tasks(self, task_ids: list[str] = ()) -> list[pb.TaskStatus]:
+        return list(self.stub.Tasks(pb.TasksRequest(task_ids=task_ids),
+                                    timeout=self.timeout_s).tasks)
 
     # -- lease keepalive thread ------------------------------------------
     def keep_lease(self, key: str, lease: pb.Lease) -> None:

@@ -17,7 +17,11 @@ JAX's persistent compilation cache has no public plugin hook. We use:
   canonical key (worker/keys.py), which is identical on every process of a
   job and ignores names and debug metadata;
 - jaxlib's MLIR bindings (`jax._src.lib.mlir`, the HLO -> StableHLO
-  converter `_jax.mlir.hlo_to_stablehlo`) that the key library parses with.
+  converter `_jax.mlir.hlo_to_stablehlo`) that the key library parses with;
+- for recipes and replays (worker/aot.py): `mlir.module_to_bytecode`,
+  `xla_client.CompileOptions` (de)serialization, `xla_client.DeviceList` and
+  `compiler.compile_or_get_cached`, which compiles a recorded program through
+  the same hooked path (and so under the same key) as a jitted function.
 
 `check()` verifies every one of these exists with the expected signature and
 raises AdapterError naming what moved; tests/test_jax_adapter.py calls it so a
@@ -43,7 +47,8 @@ from jax._src.compilation_cache_interface import CacheInterface
 from jax._src.interpreters import mlir as _mlir
 from jax._src.lib import _jax
 from jax._src.lib import version_str as _jaxlib_version
-from jax._src.lib.mlir import ir  # noqa: F401 - re-exported for worker/keys.py
+from jax._src.lib import xla_client as _xc
+from jax._src.lib.mlir import ir  # also used by worker/keys.py
 from jax._src.lib.mlir import passmanager as _passmanager
 
 TESTED_JAX = ("0.10",)
@@ -73,6 +78,12 @@ _EXPECTED: list[tuple[Any, str, tuple[str, ...] | None]] = [
     (_compiler, "_compile_and_write_cache",
      ("backend", "computation", "executable_devices", "compile_options", "host_callbacks",
       "module_name", "cache_key")),
+    (_compiler, "compile_or_get_cached",
+     ("backend", "computation", "devices", "compile_options", "host_callbacks",
+      "executable_devices", "pgle_profiler")),
+    (_mlir, "module_to_bytecode", ("module",)),
+    (_xc, "CompileOptions", None),
+    (_xc, "DeviceList", None),
 ]
 
 
@@ -239,3 +250,41 @@ def compile_options_bytes(compile_options: Any) -> bytes:
 
 def excluded_xla_flags() -> list[str]:
     return list(_ck.xla_flags_to_exclude_from_cache_key)
+
+
+# -- recipes: what it takes to compile a program again -------------------------
+
+def module_bytecode(module: Any) -> bytes:
+    return bytes(_mlir.module_to_bytecode(module))
+
+
+def compile_options_proto(compile_options: Any) -> bytes:
+    """The full CompileOptionsProto (for a recipe; the key uses compile_options_bytes)."""
+    return bytes(compile_options.SerializeAsString())
+
+
+def libtpu_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def compile_program(program: bytes, compile_options: bytes, devices: list[Any],
+                    device_shape: tuple[int, ...]) -> Any:
+    """Compile recorded MLIR bytecode for `devices` (in the recorded assignment
+    order) through JAX's own compile path: the installed hooks see it exactly
+    as they see a jitted function, so it gets the same key."""
+    import numpy as np
+
+    with mlir_context() as ctx:
+        module = ir.Module.parse(program, context=ctx)
+        opts = _xc.CompileOptions.ParseFromString(compile_options)
+        arr = np.empty(len(devices), dtype=object)
+        arr[:] = devices
+        backend = devices[0].client
+        return _compiler.compile_or_get_cached(
+            backend, module, arr.reshape(device_shape), opts, [], _xc.DeviceList(tuple(devices)),
+            None)

@@ -60,6 +60,10 @@ class Stats:
 class _Held:
     lease: pb.Lease
     started: float
+    inputs: tuple = ()  # (module, devices, compile_options, backend), for the recipe
+
+
+MAX_DESCRIBED = 256
 
 
 class CompilecastCache(jax_adapter.CacheInterface):
@@ -73,7 +77,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self.stats = Stats()
         self.key_config = keys.KeyConfig.from_env()
         self._held: dict[str, _Held] = {}
-        self._described: dict[str, tuple[str, dict[str, str], float]] = {}
+        self._described: dict[str, tuple[str, dict[str, str], float, tuple]] = {}
         self._local = threading.local()
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -141,13 +145,13 @@ class CompilecastCache(jax_adapter.CacheInterface):
     def _decide(self, key: str) -> bytes | None:
         self.client.identity = self._identity()
         with self._lock:
-            name, components, key_s = self._described.pop(key, ("", {}, 0.0))
+            name, components, key_s, inputs = self._described.pop(key, ("", {}, 0.0, ()))
         resp = self.client.acquire(key, components=components, program_name=name,
                                    key_seconds=key_s)
         if resp.decision == pb.HIT:
             return self._fetch_hit(key, resp.artifact)
         if resp.decision == pb.COMPILE:
-            self._hold(key, resp.lease)
+            self._hold(key, resp.lease, inputs)
             return None
         if resp.decision == pb.WAIT:
             self.stats.waits += 1
@@ -157,7 +161,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
                 return self._fetch_hit(key, event.artifact)
             if event.decision == pb.COMPILE:
                 self.stats.promotions += 1
-                self._hold(key, event.lease)
+                self._hold(key, event.lease, inputs)
                 return None
             self._compile_locally(key, event.reason)
             return None
@@ -174,9 +178,9 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self.stats.hits += 1
         return data
 
-    def _hold(self, key: str, lease: pb.Lease) -> None:
+    def _hold(self, key: str, lease: pb.Lease, inputs: tuple = ()) -> None:
         with self._lock:
-            self._held[key] = _Held(lease, time.monotonic())
+            self._held[key] = _Held(lease, time.monotonic(), inputs)
         self.client.keep_lease(key, lease)
         self.stats.compiles += 1
 
@@ -193,11 +197,25 @@ class CompilecastCache(jax_adapter.CacheInterface):
         if held is None:
             return  # compiled without the lease: nothing to share
         try:
-            self.client.publish(key, held.lease, value, time.monotonic() - held.started)
+            self.client.publish(key, held.lease, value, time.monotonic() - held.started,
+                                recipe=self._recipe(key, held))
             self.stats.published += 1
         except grpc.RpcError as exc:
             self._fallback(key, f"publish failed: {exc.code().name}: {exc.details()}")
             self._release(key, held, pb.ABANDONED, "publish failed")
+
+    def _recipe(self, key: str, held: _Held) -> pb.Recipe | None:
+        """How to compile the program again (for replays onto other targets)."""
+        if not held.inputs:
+            return None
+        try:
+            from .aot import fill_recipe
+
+            recipe = fill_recipe(pb.Recipe(key=key, job=self._identity().job), *held.inputs)
+        except Exception as exc:  # the artifact matters more than its recipe
+            log.info("compilecast: no recipe for %s: %s: %s", key, type(exc).__name__, exc)
+            return None
+        return recipe if recipe.program else None
 
     def _release(self, key: str, held: _Held, reason: int, detail: str) -> None:
         try:
@@ -220,7 +238,10 @@ class CompilecastCache(jax_adapter.CacheInterface):
         name = str(jax_adapter.ir.StringAttr(module.operation.attributes["sym_name"]).value) \
             if "sym_name" in module.operation.attributes else ""
         with self._lock:
-            self._described[key.value] = (name[:200], key.components, time.monotonic() - start)
+            if len(self._described) >= MAX_DESCRIBED:  # keys only ever looked up
+                self._described.pop(next(iter(self._described)))
+            self._described[key.value] = (name[:200], key.components, time.monotonic() - start,
+                                          (module, devices, compile_options, backend))
         log.debug("compilecast key %s of %s components %s", key.value, name, key.components,
                   extra={"key": key.value})
         return key.value

@@ -236,6 +236,15 @@ class WorkerService(rpc.CompileCacheServicer):
     async def KeepAlive(self, request, context):
         return await self._forward("KeepAlive", request, context)
 
+    # The farm's calls, for clients that only know their host's worker.
+    @rpc_errors
+    async def SubmitCompiles(self, request, context):
+        return await self._forward("SubmitCompiles", request, context)
+
+    @rpc_errors
+    async def Tasks(self, request, context):
+        return await self._forward("Tasks", request, context)
+
     # -- Fetch -----------------------------------------------------------
     async def _run_fill(self, fill: _Fill, ns: str, md: tuple, key: str, digest: str) -> None:
         """Download `key` into the host cache once, however many ask, passing

@@ -21,6 +21,14 @@ class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMPILE_FAILED: _ClassVar[ReleaseReason]
     BELOW_THRESHOLD: _ClassVar[ReleaseReason]
     ABANDONED: _ClassVar[ReleaseReason]
+
+class TaskState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_STATE_UNSPECIFIED: _ClassVar[TaskState]
+    QUEUED: _ClassVar[TaskState]
+    RUNNING: _ClassVar[TaskState]
+    DONE: _ClassVar[TaskState]
+    FAILED: _ClassVar[TaskState]
 DECISION_UNSPECIFIED: Decision
 HIT: Decision
 COMPILE: Decision
@@ -30,6 +38,11 @@ RELEASE_REASON_UNSPECIFIED: ReleaseReason
 COMPILE_FAILED: ReleaseReason
 BELOW_THRESHOLD: ReleaseReason
 ABANDONED: ReleaseReason
+TASK_STATE_UNSPECIFIED: TaskState
+QUEUED: TaskState
+RUNNING: TaskState
+DONE: TaskState
+FAILED: TaskState
 
 class Requester(_message.Message):
     __slots__ = ("job", "process_id", "designated_process", "client")
@@ -44,18 +57,20 @@ class Requester(_message.Message):
     def __init__(self, job: _Optional[str] = ..., process_id: _Optional[int] = ..., designated_process: _Optional[int] = ..., client: _Optional[str] = ...) -> None: ...
 
 class ArtifactInfo(_message.Message):
-    __slots__ = ("key", "digest", "size", "compile_time_seconds", "created_unix")
+    __slots__ = ("key", "digest", "size", "compile_time_seconds", "created_unix", "recipe_digest")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     COMPILE_TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     key: str
     digest: str
     size: int
     compile_time_seconds: float
     created_unix: float
-    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., compile_time_seconds: _Optional[float] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    recipe_digest: str
+    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., compile_time_seconds: _Optional[float] = ..., created_unix: _Optional[float] = ..., recipe_digest: _Optional[str] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("id", "ttl_seconds", "revision")
@@ -135,20 +150,22 @@ class WaitEvent(_message.Message):
     def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("key", "lease", "digest", "size", "compile_time_seconds", "requester")
+    __slots__ = ("key", "lease", "digest", "size", "compile_time_seconds", "requester", "recipe")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     COMPILE_TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
     key: str
     lease: Lease
     digest: str
     size: int
     compile_time_seconds: float
     requester: Requester
-    def __init__(self, key: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., compile_time_seconds: _Optional[float] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ...) -> None: ...
+    recipe: Recipe
+    def __init__(self, key: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., compile_time_seconds: _Optional[float] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ...) -> None: ...
 
 class PublishChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -276,7 +293,7 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("role", "artifacts", "compiles_in_flight", "waiters", "hits", "misses", "compile_seconds_saved", "in_flight", "upstream_healthy", "upstream", "recent_misses", "jobs")
+    __slots__ = ("role", "artifacts", "compiles_in_flight", "waiters", "hits", "misses", "compile_seconds_saved", "in_flight", "upstream_healthy", "upstream", "recent_misses", "jobs", "tasks_queued", "tasks_running", "tasks_done", "tasks_failed")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     COMPILES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +306,10 @@ class StatusResponse(_message.Message):
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
     RECENT_MISSES_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FAILED_FIELD_NUMBER: _ClassVar[int]
     role: str
     artifacts: int
     compiles_in_flight: int
@@ -301,4 +322,148 @@ class StatusResponse(_message.Message):
     upstream: str
     recent_misses: _containers.RepeatedCompositeFieldContainer[RecentMiss]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
-    def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ..., recent_misses: _Optional[_Iterable[_Union[RecentMiss, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+    tasks_queued: int
+    tasks_running: int
+    tasks_done: int
+    tasks_failed: int
+    def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ..., recent_misses: _Optional[_Iterable[_Union[RecentMiss, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_failed: _Optional[int] = ...) -> None: ...
+
+class Target(_message.Message):
+    __slots__ = ("platform", "topology", "platform_version", "jaxlib_version", "libtpu_version")
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    JAXLIB_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIBTPU_VERSION_FIELD_NUMBER: _ClassVar[int]
+    platform: str
+    topology: str
+    platform_version: str
+    jaxlib_version: str
+    libtpu_version: str
+    def __init__(self, platform: _Optional[str] = ..., topology: _Optional[str] = ..., platform_version: _Optional[str] = ..., jaxlib_version: _Optional[str] = ..., libtpu_version: _Optional[str] = ...) -> None: ...
+
+class Recipe(_message.Message):
+    __slots__ = ("key", "program_name", "job", "entry", "entry_index", "program", "compile_options", "device_ids", "device_shape", "xla_flags", "target", "created_unix")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_NAME_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    XLA_FLAGS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    program_name: str
+    job: str
+    entry: str
+    entry_index: int
+    program: bytes
+    compile_options: bytes
+    device_ids: _containers.RepeatedScalarFieldContainer[int]
+    device_shape: _containers.RepeatedScalarFieldContainer[int]
+    xla_flags: _containers.RepeatedScalarFieldContainer[str]
+    target: Target
+    created_unix: float
+    def __init__(self, key: _Optional[str] = ..., program_name: _Optional[str] = ..., job: _Optional[str] = ..., entry: _Optional[str] = ..., entry_index: _Optional[int] = ..., program: _Optional[bytes] = ..., compile_options: _Optional[bytes] = ..., device_ids: _Optional[_Iterable[int]] = ..., device_shape: _Optional[_Iterable[int]] = ..., xla_flags: _Optional[_Iterable[str]] = ..., target: _Optional[_Union[Target, _Mapping]] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class ListRecipesRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class SubmitCompilesRequest(_message.Message):
+    __slots__ = ("recipes", "replay_job", "target")
+    RECIPES_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_JOB_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    recipes: _containers.RepeatedCompositeFieldContainer[Recipe]
+    replay_job: str
+    target: Target
+    def __init__(self, recipes: _Optional[_Iterable[_Union[Recipe, _Mapping]]] = ..., replay_job: _Optional[str] = ..., target: _Optional[_Union[Target, _Mapping]] = ...) -> None: ...
+
+class SubmitCompilesResponse(_message.Message):
+    __slots__ = ("task_ids",)
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClaimCompileRequest(_message.Message):
+    __slots__ = ("worker", "wait_ms")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    wait_ms: int
+    def __init__(self, worker: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class ClaimCompileResponse(_message.Message):
+    __slots__ = ("task_id", "recipe", "claim")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    recipe: Recipe
+    claim: Lease
+    def __init__(self, task_id: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., claim: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class RenewClaimRequest(_message.Message):
+    __slots__ = ("task_id", "claim")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    claim: Lease
+    def __init__(self, task_id: _Optional[str] = ..., claim: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class FinishCompileRequest(_message.Message):
+    __slots__ = ("task_id", "claim", "ok", "detail", "key")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    claim: Lease
+    ok: bool
+    detail: str
+    key: str
+    def __init__(self, task_id: _Optional[str] = ..., claim: _Optional[_Union[Lease, _Mapping]] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class FinishCompileResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TaskStatus(_message.Message):
+    __slots__ = ("task_id", "state", "program_name", "target", "worker", "detail", "key", "age_seconds")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_NAME_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    state: TaskState
+    program_name: str
+    target: str
+    worker: str
+    detail: str
+    key: str
+    age_seconds: float
+    def __init__(self, task_id: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., program_name: _Optional[str] = ..., target: _Optional[str] = ..., worker: _Optional[str] = ..., detail: _Optional[str] = ..., key: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+
+class TasksRequest(_message.Message):
+    __slots__ = ("task_ids",)
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TasksResponse(_message.Message):
+    __slots__ = ("tasks",)
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ...) -> None: ...

@@ -79,6 +79,36 @@ class CompileCacheStub:
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.StatusRequest.SerializeToString,
                 response_deserializer=compilecast_dot_v1_dot_cache__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.ListRecipes = channel.unary_stream(
+                '/compilecast.v1.CompileCache/ListRecipes',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.ListRecipesRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.Recipe.FromString,
+                _registered_method=True)
+        self.SubmitCompiles = channel.unary_unary(
+                '/compilecast.v1.CompileCache/SubmitCompiles',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.SubmitCompilesRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.SubmitCompilesResponse.FromString,
+                _registered_method=True)
+        self.ClaimCompile = channel.unary_unary(
+                '/compilecast.v1.CompileCache/ClaimCompile',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.ClaimCompileRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.ClaimCompileResponse.FromString,
+                _registered_method=True)
+        self.RenewClaim = channel.unary_unary(
+                '/compilecast.v1.CompileCache/RenewClaim',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.RenewClaimRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
+        self.FinishCompile = channel.unary_unary(
+                '/compilecast.v1.CompileCache/FinishCompile',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.FinishCompileRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.FinishCompileResponse.FromString,
+                _registered_method=True)
+        self.Tasks = channel.unary_unary(
+                '/compilecast.v1.CompileCache/Tasks',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.TasksRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.TasksResponse.FromString,
+                _registered_method=True)
 
 
 class CompileCacheServicer:
@@ -148,6 +178,49 @@ class CompileCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRecipes(self, request, context):
+        """Ahead-of-time compiles (coordinator only).
+        The recipes recorded with the artifacts of a job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitCompiles(self, request, context):
+        """Queue compiles for the farm (needs publish permission).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimCompile(self, request, context):
+        """A farm worker takes the oldest queued task.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewClaim(self, request, context):
+        """Keep a claim alive while compiling; ttl 0: the claim lapsed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishCompile(self, request, context):
+        """Settle a claimed task.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tasks(self, request, context):
+        """Task states (for `compilecast precompile --wait` and status).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CompileCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +268,36 @@ def add_CompileCacheServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=compilecast_dot_v1_dot_cache__pb2.StatusRequest.FromString,
                     response_serializer=compilecast_dot_v1_dot_cache__pb2.StatusResponse.SerializeToString,
+            ),
+            'ListRecipes': grpc.unary_stream_rpc_method_handler(
+                    servicer.ListRecipes,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.ListRecipesRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.Recipe.SerializeToString,
+            ),
+            'SubmitCompiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitCompiles,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.SubmitCompilesRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.SubmitCompilesResponse.SerializeToString,
+            ),
+            'ClaimCompile': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimCompile,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.ClaimCompileRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.ClaimCompileResponse.SerializeToString,
+            ),
+            'RenewClaim': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewClaim,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.RenewClaimRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'FinishCompile': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishCompile,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.FinishCompileRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.FinishCompileResponse.SerializeToString,
+            ),
+            'Tasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tasks,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.TasksRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.TasksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +543,168 @@ class CompileCache:
             '/compilecast.v1.CompileCache/Status',
             compilecast_dot_v1_dot_cache__pb2.StatusRequest.SerializeToString,
             compilecast_dot_v1_dot_cache__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRecipes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/ListRecipes',
+            compilecast_dot_v1_dot_cache__pb2.ListRecipesRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.Recipe.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitCompiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/SubmitCompiles',
+            compilecast_dot_v1_dot_cache__pb2.SubmitCompilesRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.SubmitCompilesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimCompile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/ClaimCompile',
+            compilecast_dot_v1_dot_cache__pb2.ClaimCompileRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.ClaimCompileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewClaim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/RenewClaim',
+            compilecast_dot_v1_dot_cache__pb2.RenewClaimRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishCompile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/FinishCompile',
+            compilecast_dot_v1_dot_cache__pb2.FinishCompileRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.FinishCompileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/Tasks',
+            compilecast_dot_v1_dot_cache__pb2.TasksRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.TasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

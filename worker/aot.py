@@ -1,0 +1,468 @@
+"""Ahead-of-time compiles: `compilecast precompile`, the compile farm, pod checks.
+
+A program is compiled here for a *target* (a platform plus, for TPUs, a
+compile-only topology such as v5e:2x2, on whatever jaxlib/libtpu this process
+runs) and published under the key the target's own processes will compute,
+so that their first step is a hit.
+
+The key is computed by the same code as in a user's process: JAX's compile
+path runs with compilecast's hooks installed (jax_adapter), and the hook
+computes keys.jax_key from exactly what JAX hands it. Here the hooks first
+*probe* (compute the key, then stop JAX before it compiles), ask the
+coordinator, and only compile when they get the lease. Publishing follows
+the host protocol: lease, keepalive, fenced write-once publish, release on
+failure. Every artifact is published with its recipe.
+
+Programs come from a user entry point (`package.module:function`, called
+with the target's devices, returning (jitted_function, abstract_args) pairs,
+optionally with a kwargs dict as third element) or from recorded recipes
+(replay).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from compilecast.v1 import cache_pb2 as pb
+
+from . import jax_adapter, keys
+from .client import CacheClient
+
+log = logging.getLogger("compilecast.aot")
+
+
+class AotError(RuntimeError):
+    """A program cannot be compiled ahead of time (bad entry point, target, recipe)."""
+
+
+# -- the hooks: probe a key, or compile and capture the entry -----------------
+
+class _Probed(Exception):
+    pass
+
+
+class _Box(threading.local):
+    mode: str = ""
+    key: keys.Key | None = None
+    inputs: tuple | None = None
+    data: bytes | None = None
+    seconds: float = 0.0
+
+
+class _AotHooks:
+    def __init__(self) -> None:
+        self.box = _Box()
+        self.key_config = keys.KeyConfig.from_env()
+
+    def cache_key(self, module: Any, devices: Any, compile_options: Any, backend: Any) -> str:
+        key = keys.jax_key(module, devices, compile_options, backend, self.key_config)
+        self.box.key = key
+        self.box.inputs = (module, devices, compile_options, backend)
+        if self.box.mode == "probe":
+            raise _Probed()
+        return key.value
+
+    def acquiring(self, key: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def compile(self, key: str, module_name: str, has_host_callbacks: bool,
+                run: Callable[[], Any], serialize: Callable[[Any, float], bytes]) -> Any:
+        start = time.monotonic()
+        executable = run()
+        self.box.seconds = time.monotonic() - start
+        self.box.data = serialize(executable, self.box.seconds)
+        return executable
+
+
+class _NoCache(jax_adapter.CacheInterface):
+    """JAX's cache while compiling ahead of time: always a miss, never stores."""
+
+    def get(self, key: str) -> bytes | None:
+        return None
+
+    def put(self, key: str, value: bytes) -> None:
+        pass
+
+
+_hooks: _AotHooks | None = None
+_install_lock = threading.Lock()
+
+
+def _installed() -> _AotHooks:
+    global _hooks
+    with _install_lock:
+        if _hooks is None:
+            hooks = _AotHooks()
+            jax_adapter.install(_NoCache(), hooks)
+            _hooks = hooks
+        return _hooks
+
+
+@dataclass
+class Probe:
+    key: keys.Key
+    module: Any
+    devices: Any
+    compile_options: Any
+    backend: Any
+
+
+def probe(trigger: Callable[[], Any]) -> Probe:
+    """The key JAX's compile path computes for a program, without compiling it."""
+    hooks = _installed()
+    hooks.box.mode, hooks.box.key = "probe", None
+    try:
+        trigger()
+    except _Probed:
+        pass
+    finally:
+        hooks.box.mode = ""
+    if hooks.box.key is None:
+        raise AotError("JAX compiled without consulting its persistent cache "
+                       "(is the compilation cache disabled for this platform?)")
+    return Probe(hooks.box.key, *hooks.box.inputs)
+
+
+def compile_entry(trigger: Callable[[], Any]) -> tuple[str, bytes, float]:
+    """Compile through JAX; returns (key, the entry in JAX's cache format, seconds)."""
+    hooks = _installed()
+    hooks.box.mode, hooks.box.data, hooks.box.key = "compile", None, None
+    try:
+        trigger()
+    finally:
+        hooks.box.mode = ""
+    if hooks.box.data is None or hooks.box.key is None:
+        raise AotError("JAX did not compile the program through the cache path")
+    return hooks.box.key.value, hooks.box.data, hooks.box.seconds
+
+
+# -- targets and programs -------------------------------------------------------
+
+def parse_target(spec: str, platform: str = "tpu") -> pb.Target:
+    """'v5e:2x2' (a compile-only topology of `platform`) or 'local'."""
+    if spec in ("", "local"):
+        import jax
+
+        return pb.Target(platform=platform if platform != "tpu" else jax.default_backend())
+    return pb.Target(platform=platform, topology=spec)
+
+
+def describe_target(t: pb.Target) -> str:
+    return f"{t.platform}:{t.topology or 'local'}"
+
+
+def target_devices(target: pb.Target) -> list[Any]:
+    import jax
+
+    if target.topology:
+        from jax.experimental import topologies
+
+        try:
+            topo = topologies.get_topology_desc(topology_name=target.topology,
+                                                platform=target.platform)
+        except Exception as exc:
+            raise AotError(f"cannot make a compile-only {target.platform} topology "
+                           f"{target.topology!r}: {exc} (for TPUs: pip install libtpu)") from exc
+        return list(topo.devices)
+    return list(jax.devices(target.platform))
+
+
+@dataclass
+class Program:
+    name: str
+    trigger: Callable[[], Any]  # runs JAX's compile path for the target
+    recipe: pb.Recipe  # entry or program, target, job; completed after the probe
+
+
+def load_entry(spec: str) -> Callable[..., Any]:
+    mod_name, _, fn_name = spec.partition(":")
+    if not mod_name or not fn_name:
+        raise AotError(f"entry point {spec!r} must look like package.module:function")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise AotError(f"cannot load entry point {spec}: {exc}") from exc
+    if not callable(fn):
+        raise AotError(f"entry point {spec} is not callable")
+    return fn
+
+
+def entry_programs(entry: str, target: pb.Target, job: str = "") -> list[Program]:
+    """Lower every program an entry point returns for the target's devices."""
+    fn = load_entry(entry)
+    devices = target_devices(target)
+    items = fn(devices)
+    if isinstance(items, dict):
+        items = list(items.values())
+    programs = []
+    for i, item in enumerate(items):
+        if not isinstance(item, tuple | list) or len(item) not in (2, 3):
+            raise AotError(f"{entry} item {i}: expected (jitted_function, args[, kwargs])")
+        jitted, args, kwargs = item[0], tuple(item[1]), dict(item[2]) if len(item) == 3 else {}
+        traced = jitted.trace(*args, **kwargs)
+        lowered = (traced.lower(lowering_platforms=(target.platform,)) if target.topology
+                   else traced.lower())
+        name = getattr(jitted, "__name__", f"program{i}")
+        recipe = pb.Recipe(entry=entry, entry_index=i, job=job, target=target,
+                           program_name=f"jit_{name}"[:200])
+        programs.append(Program(name, lowered.compile, recipe))
+    if not programs:
+        raise AotError(f"entry point {entry} returned no programs")
+    return programs
+
+
+_entry_cache: dict[tuple[str, bytes, str], list[Program]] = {}
+_entry_lock = threading.Lock()
+
+
+def recipe_program(recipe: pb.Recipe) -> Program:
+    """The program a recipe describes, for the recipe's target."""
+    if recipe.entry:
+        ident = (recipe.entry, recipe.target.SerializeToString(), recipe.job)
+        with _entry_lock:
+            if ident not in _entry_cache:
+                _entry_cache[ident] = entry_programs(recipe.entry, recipe.target, recipe.job)
+            programs = _entry_cache[ident]
+        if recipe.entry_index >= len(programs):
+            raise AotError(f"{recipe.entry} returns {len(programs)} programs, not "
+                           f"{recipe.entry_index + 1}")
+        return programs[recipe.entry_index]
+    devices = target_devices(recipe.target)
+    by_id = {int(d.id): d for d in devices}
+    missing = [i for i in recipe.device_ids if i not in by_id]
+    if missing or not recipe.device_ids:
+        raise AotError(
+            f"the recorded program of {recipe.program_name or recipe.key} is lowered for devices "
+            f"{list(recipe.device_ids)[:8]}; target {describe_target(recipe.target)} lacks "
+            f"{missing[:8] or 'them'}. A lowered program cannot be retargeted to another "
+            "slice; record it with an entry point (compilecast precompile --entry)")
+    chosen = [by_id[i] for i in recipe.device_ids]
+    shape = tuple(recipe.device_shape) or (len(chosen),)
+    out = pb.Recipe()
+    out.CopyFrom(recipe)
+    return Program(recipe.program_name or "program",
+                   lambda: jax_adapter.compile_program(recipe.program, recipe.compile_options,
+                                                       chosen, shape), out)
+
+
+def complete_recipe(recipe: pb.Recipe, p: Probe) -> pb.Recipe:
+    """Fill in what only JAX's compile path knows: the lowered program and its
+    compile inputs, the versions of the compiler."""
+    out = pb.Recipe()
+    out.CopyFrom(recipe)
+    fill_recipe(out, p.module, p.devices, p.compile_options, p.backend)
+    out.key = p.key.value
+    return out
+
+
+def fill_recipe(out: pb.Recipe, module: Any, devices: Any, compile_options: Any,
+                backend: Any) -> pb.Recipe:
+    from compilecast import validate
+
+    if not out.program_name and "sym_name" in module.operation.attributes:
+        out.program_name = str(jax_adapter.ir.StringAttr(
+            module.operation.attributes["sym_name"]).value)[:200]
+    out.program = jax_adapter.module_bytecode(module)
+    out.compile_options = jax_adapter.compile_options_proto(compile_options)
+    del out.device_ids[:], out.device_shape[:], out.xla_flags[:]
+    out.device_ids.extend(int(d.id) for d in devices.flat)
+    out.device_shape.extend(int(n) for n in devices.shape)
+    out.xla_flags.extend(keys.xla_flags())
+    out.target.platform = str(backend.platform)
+    out.target.platform_version = str(backend.platform_version)[:500]
+    out.target.jaxlib_version = jax_adapter.jaxlib_version()
+    out.target.libtpu_version = jax_adapter.libtpu_version() if out.target.platform == "tpu" else ""
+    out.created_unix = time.time()
+    if out.ByteSize() > validate.MAX_RECIPE_BYTES:
+        out.program = b""  # still replayable from its entry point, if it has one
+    return out
+
+
+# -- compile and share ----------------------------------------------------------
+
+@dataclass
+class Outcome:
+    name: str
+    key: str
+    status: str  # "published", "cached", "published-by-another"
+    seconds: float = 0.0
+    size: int = 0
+
+
+def compile_and_share(client: CacheClient, program: Program, *,
+                      wait_timeout_s: float = 1200.0) -> Outcome:
+    """Make sure the program's executable is published under its key."""
+    p = probe(program.trigger)
+    key = p.key.value
+    recipe = complete_recipe(program.recipe, p)
+    resp = client.acquire(key, components=p.key.components, program_name=recipe.program_name)
+    lease = None
+    if resp.decision == pb.HIT:
+        return Outcome(program.name, key, "cached", size=resp.artifact.size)
+    if resp.decision == pb.WAIT:
+        event = client.wait(key, wait_timeout_s)
+        if event.decision == pb.HIT:
+            return Outcome(program.name, key, "published-by-another", size=event.artifact.size)
+        if event.decision != pb.COMPILE:
+            raise AotError(f"{program.name}: waited for {key}, then told "
+                           f"{pb.Decision.Name(event.decision)}: {event.reason}")
+        lease = event.lease
+    elif resp.decision == pb.COMPILE:
+        lease = resp.lease
+    else:
+        raise AotError(f"{program.name}: the coordinator cannot share {key} now "
+                       f"({pb.Decision.Name(resp.decision)}: {resp.reason})")
+    client.keep_lease(key, lease)
+    try:
+        got, data, seconds = compile_entry(program.trigger)
+        if got != key:
+            raise AotError(f"{program.name}: the compile computed key {got}, the probe {key}")
+        client.publish(key, lease, data, seconds, recipe=recipe)
+    except BaseException as exc:
+        client.stop_lease(lease)
+        with contextlib.suppress(grpc.RpcError):
+            client.release(key, lease, pb.COMPILE_FAILED, f"{type(exc).__name__}: {exc}")
+        raise
+    client.stop_lease(lease)
+    log.info("published %s (%s) in %.1fs, %d bytes", program.name, key, seconds, len(data))
+    return Outcome(program.name, key, "published", seconds, len(data))
+
+
+@dataclass
+class Presence:
+    name: str
+    key: str
+    present: bool
+    size: int = 0
+    seconds: float = 0.0
+
+
+def check(client: CacheClient, programs: list[Program], *, fetch: bool = True) -> list[Presence]:
+    """What a target process will find: each program's key and whether its
+    artifact is stored (fetched and digest-verified when `fetch`)."""
+    out = []
+    for prog in programs:
+        start = time.monotonic()
+        key = probe(prog.trigger).key.value
+        try:
+            if fetch:
+                info, _ = client.fetch(key)
+            else:
+                info = client.describe(key).artifact
+                if not info.digest:
+                    raise _Absent()
+            out.append(Presence(prog.name, key, True, info.size, time.monotonic() - start))
+        except (_Absent, grpc.RpcError) as exc:
+            if isinstance(exc, grpc.RpcError) and exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            out.append(Presence(prog.name, key, False, 0, time.monotonic() - start))
+    return out
+
+
+class _Absent(Exception):
+    pass
+
+
+# -- the farm -------------------------------------------------------------------
+
+def default_concurrency() -> int:
+    """One compile per core, at most one per 4 GiB of memory."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    except (ValueError, OSError):
+        mem_gib = 4.0
+    return max(1, min(cores or 1, int(mem_gib // 4)))
+
+
+class FarmWorker:
+    """Takes compile tasks from the coordinator's queue and runs them."""
+
+    def __init__(self, client: CacheClient, name: str, concurrency: int, *,
+                 claim_wait_ms: int = 5000) -> None:
+        self.client = client
+        self.name = name
+        self.concurrency = max(1, concurrency)
+        self.claim_wait_ms = claim_wait_ms
+        self.done = 0
+        self.failed = 0
+        self._slots = threading.Semaphore(self.concurrency)
+        self._threads: list[threading.Thread] = []
+
+    def run(self, stop: threading.Event, max_tasks: int | None = None) -> None:
+        taken = 0
+        while not stop.is_set() and (max_tasks is None or taken < max_tasks):
+            if not self._slots.acquire(timeout=1.0):
+                continue
+            try:
+                resp = self.client.claim(self.name, self.claim_wait_ms)
+            except grpc.RpcError as exc:
+                self._slots.release()
+                log.warning("farm: cannot claim a task (%s: %s); retrying",
+                            exc.code().name, exc.details())
+                stop.wait(2.0)
+                continue
+            if not resp.task_id:
+                self._slots.release()
+                continue
+            taken += 1
+            t = threading.Thread(target=self._run_task, args=(resp,),
+                                 name=f"farm-{resp.task_id}", daemon=True)
+            self._threads.append(t)
+            t.start()
+        for t in self._threads:
+            t.join()
+
+    @contextlib.contextmanager
+    def _claim_kept(self, task_id: str, claim: pb.Lease) -> Iterator[None]:
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(max(claim.ttl_seconds / 3.0, 0.5)):
+                with contextlib.suppress(grpc.RpcError):
+                    if self.client.renew(task_id, claim) <= 0:
+                        log.warning("farm: the claim on task %s lapsed", task_id)
+                        return
+
+        t = threading.Thread(target=renew, daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+
+    def _run_task(self, resp: pb.ClaimCompileResponse) -> None:
+        recipe = resp.recipe
+        what = f"{recipe.program_name or recipe.entry} for {describe_target(recipe.target)}"
+        ok, detail, key = False, "", ""
+        try:
+            with self._claim_kept(resp.task_id, resp.claim):
+                out = compile_and_share(self.client, recipe_program(recipe))
+            ok, key = True, out.key
+            detail = f"{out.status}" + (f" in {out.seconds:.1f}s" if out.seconds else "")
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+            log.warning("farm: task %s (%s) failed: %s", resp.task_id, what, detail)
+        finally:
+            self._slots.release()
+        try:
+            self.client.finish(resp.task_id, resp.claim, ok, detail, key)
+        except grpc.RpcError as exc:
+            log.warning("farm: cannot settle task %s (%s); its claim lapses and it is retried",
+                        resp.task_id, exc.details())
+            return
+        if ok:
+            self.done += 1
+        else:
+            self.failed += 1
+        log.info("farm: task %s (%s): %s", resp.task_id, what, detail)
