@@ -65,3 +65,16 @@ def test_holder_killed_mid_compile_a_waiter_is_promoted(start_up):
     # Nobody sat out the 300 s share-binary timeout.
     assert waited < 120, waited
 
+    # The promoted process published with the recipe of what it compiled:
+    # the recorded program hashes to the key's program component.
+    from compilecast.worker import keys
+
+    coordinator = CacheClient(f"127.0.0.1:{up.ports['coordinator-port']}")
+    recipes = coordinator.list_recipes("killtest")
+    assert len(recipes) == 1 and recipes[0].job == "killtest", recipes
+    recorded = coordinator.describe(recipes[0].key)
+    assert recorded.artifact.recipe_digest
+    assert keys.program_key(recipes[0].program).components["program"] == \
+        recorded.key_components["program"]
+    assert recipes[0].compile_options and list(recipes[0].device_ids) == [0]
+    coordinator.close()

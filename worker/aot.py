@@ -167,6 +167,10 @@ def target_devices(target: pb.Target) -> list[Any]:
     if target.topology:
         from jax.experimental import topologies
 
+        # A compile-only client never owns the accelerator: let it load
+        # libtpu next to other processes (libtpu's lockfile otherwise refuses).
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
         try:
             topo = topologies.get_topology_desc(topology_name=target.topology,
                                                 platform=target.platform)
@@ -240,6 +244,8 @@ def recipe_program(recipe: pb.Recipe) -> Program:
     devices = target_devices(recipe.target)
     by_id = {int(d.id): d for d in devices}
     missing = [i for i in recipe.device_ids if i not in by_id]
+    if recipe.slice_devices and recipe.slice_devices != len(devices):
+        missing = missing or [f"a slice of {recipe.slice_devices} devices, not {len(devices)}"]
     if missing or not recipe.device_ids:
         raise AotError(
             f"the recorded program of {recipe.program_name or recipe.key} is lowered for devices "
@@ -278,6 +284,7 @@ def fill_recipe(out: pb.Recipe, module: Any, devices: Any, compile_options: Any,
     out.device_ids.extend(int(d.id) for d in devices.flat)
     out.device_shape.extend(int(n) for n in devices.shape)
     out.xla_flags.extend(keys.xla_flags())
+    out.slice_devices = int(backend.device_count())
     out.target.platform = str(backend.platform)
     out.target.platform_version = str(backend.platform_version)[:500]
     out.target.jaxlib_version = jax_adapter.jaxlib_version()

@@ -47,7 +47,7 @@ from typing import Any
 
 from . import jax_adapter
 
-KEY_VERSION = "1"
+KEY_VERSION = "2"  # 2: the topology holds device coordinates and the slice size
 KEY_PREFIX = "cc1-"
 DEFAULT_IGNORED_ATTRIBUTES = ("jax.arg_info", "jax.result_info")
 MLIR_BYTECODE_MAGIC = b"ML\xefR"
@@ -322,6 +322,12 @@ def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
     digest, _ = program_digest(module, cfg)
     kinds = sorted({str(d.device_kind) for d in devices.flat})
     ids = [int(d.id) for d in devices.flat]
+    # Where each device sits in the slice (TPU chips' ICI coordinates and core)
+    # and how big the slice is: the same device ids on another slice shape are
+    # another machine. Every process of a job sees the same global devices.
+    coords = [(tuple(getattr(d, "coords", ()) or ()), int(getattr(d, "core_on_chip", 0) or 0))
+              for d in devices.flat]
+    slice_size = int(backend.device_count())
     return Key(components={
         "program": digest,
         "program_format": "mlir",
@@ -329,7 +335,7 @@ def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
         "platform": _digest(f"{backend.platform}\n{backend.platform_version}"),
         "versions": _digest(f"jaxlib {jax_adapter.jaxlib_version()}"),
         "xla_flags": _digest("\n".join(xla_flags())),
-        "topology": _digest(f"{kinds}\n{devices.shape}\n{ids}"),
+        "topology": _digest(f"{kinds}\n{devices.shape}\n{ids}\n{coords}\n{slice_size}"),
         "compression": "jax-entry-zstd",
         "key_version": KEY_VERSION,
         "include_metadata": str(cfg.include_metadata),

@@ -343,7 +343,7 @@ class Target(_message.Message):
     def __init__(self, platform: _Optional[str] = ..., topology: _Optional[str] = ..., platform_version: _Optional[str] = ..., jaxlib_version: _Optional[str] = ..., libtpu_version: _Optional[str] = ...) -> None: ...
 
 class Recipe(_message.Message):
-    __slots__ = ("key", "program_name", "job", "entry", "entry_index", "program", "compile_options", "device_ids", "device_shape", "xla_flags", "target", "created_unix")
+    __slots__ = ("key", "program_name", "job", "entry", "entry_index", "program", "compile_options", "device_ids", "device_shape", "xla_flags", "target", "created_unix", "slice_devices")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_NAME_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -356,6 +356,7 @@ class Recipe(_message.Message):
     XLA_FLAGS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SLICE_DEVICES_FIELD_NUMBER: _ClassVar[int]
     key: str
     program_name: str
     job: str
@@ -368,7 +369,8 @@ class Recipe(_message.Message):
     xla_flags: _containers.RepeatedScalarFieldContainer[str]
     target: Target
     created_unix: float
-    def __init__(self, key: _Optional[str] = ..., program_name: _Optional[str] = ..., job: _Optional[str] = ..., entry: _Optional[str] = ..., entry_index: _Optional[int] = ..., program: _Optional[bytes] = ..., compile_options: _Optional[bytes] = ..., device_ids: _Optional[_Iterable[int]] = ..., device_shape: _Optional[_Iterable[int]] = ..., xla_flags: _Optional[_Iterable[str]] = ..., target: _Optional[_Union[Target, _Mapping]] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    slice_devices: int
+    def __init__(self, key: _Optional[str] = ..., program_name: _Optional[str] = ..., job: _Optional[str] = ..., entry: _Optional[str] = ..., entry_index: _Optional[int] = ..., program: _Optional[bytes] = ..., compile_options: _Optional[bytes] = ..., device_ids: _Optional[_Iterable[int]] = ..., device_shape: _Optional[_Iterable[int]] = ..., xla_flags: _Optional[_Iterable[str]] = ..., target: _Optional[_Union[Target, _Mapping]] = ..., created_unix: _Optional[float] = ..., slice_devices: _Optional[int] = ...) -> None: ...
 
 class ListRecipesRequest(_message.Message):
     __slots__ = ("job",)

@@ -1,0 +1,179 @@
+"""Ahead-of-time compiles with real TPU programs (libtpu's compile-only
+client), a real etcd, coordinator and farm workers: a pod's first step hits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compilecast.launch import free_port
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker.client import CacheClient
+
+pytestmark = pytest.mark.slow
+
+ENTRY = "compilecast.demo_step:aot_programs"
+ROOT = Path(__file__).resolve().parent.parent
+# Compile-only TPU clients; JAX itself runs on the CPU.
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+       "TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "compilecast.cli", "--log-level", "warning",
+                           *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def coordinator_of(up) -> str:
+    return f"127.0.0.1:{up.ports['coordinator-port']}"
+
+
+def published_keys(out: str) -> dict[str, str]:
+    """`precompile` prints STATUS KEY NAME SECONDS SIZE per program."""
+    rows = [line.split() for line in out.splitlines() if line.startswith(("published", "cached"))]
+    return {r[2]: r[1] for r in rows}
+
+
+def simulated_pod(coordinator: str, topology: str, n: int) -> list[dict]:
+    """n processes of one jax.distributed job, each computing its keys as the
+    target's processes do and fetching + verifying every artifact."""
+    dist = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "pod_probe.py"), coordinator,
+                               ENTRY, topology, str(i), str(n), dist], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(n)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def test_precompiled_programs_are_all_hits_for_every_process_of_a_pod(up):
+    coord = coordinator_of(up)
+    missing = cli("precompile", "--entry", ENTRY, "--topology", "v5e:2x2", "--check",
+                  "--coordinator", coord)
+    assert missing.returncode == 1 and missing.stdout.count("MISSING") == 2, missing
+
+    done = cli("precompile", "--entry", ENTRY, "--topology", "v5e:2x2", "--job", "train-a",
+               "--coordinator", coord)
+    assert done.returncode == 0, done.stderr[-3000:]
+    published = published_keys(done.stdout)
+    assert set(published) == {"train_step", "evaluate"}, done.stdout
+
+    pod = simulated_pod(coord, "v5e:2x2", 4)
+    assert sorted(r["process_index"] for r in pod) == [0, 1, 2, 3]
+    for r in pod:  # every process: the farm's keys, every artifact present and verified
+        assert r["keys"] == published, (r, published)
+        assert all(r["present"].values()), r
+
+    # Compiling again finds everything cached: nothing is compiled twice.
+    again = cli("precompile", "--entry", ENTRY, "--topology", "v5e:2x2", "--coordinator", coord)
+    assert again.returncode == 0 and again.stdout.count("cached") == 2, again.stdout
+    st = CacheClient(coord).status()
+    assert st.artifacts == 2
+
+
+def test_keys_agree_across_the_processes_of_a_multi_host_topology(up):
+    """v5e:4x4 is four hosts: four processes of one job, standing in for them."""
+    coord = coordinator_of(up)
+    done = cli("precompile", "--entry", ENTRY, "--topology", "v5e:4x4", "--coordinator", coord)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pod = simulated_pod(coord, "v5e:4x4", 4)
+    assert {json.dumps(r["keys"], sort_keys=True) for r in pod} == \
+        {json.dumps(published_keys(done.stdout), sort_keys=True)}
+    assert all(all(r["present"].values()) for r in pod)
+
+
+def test_the_farm_compiles_the_queue_and_replays_a_job_onto_another_topology(up):
+    coord = coordinator_of(up)
+    farm = subprocess.Popen([sys.executable, "-m", "compilecast.cli", "farm", "--coordinator",
+                             coord, "--concurrency", "2", "--name", "farm-1"], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        queued = cli("precompile", "--entry", ENTRY, "--topology", "v5e:2x2", "--job", "train-b",
+                     "--farm", "--wait", "--timeout", "200", "--coordinator", coord)
+        assert queued.returncode == 0, queued.stdout + queued.stderr[-3000:]
+        assert queued.stdout.count("DONE") == 2 and "published" in queued.stdout, queued.stdout
+
+        # Replay everything recorded for the job onto a bigger slice.
+        replay = cli("precompile", "--replay", "train-b", "--topology", "v5e:2x4", "--farm",
+                     "--wait", "--timeout", "200", "--coordinator", coord)
+        assert replay.returncode == 0, replay.stdout + replay.stderr[-3000:]
+        pod = simulated_pod(coord, "v5e:2x4", 2)
+        assert all(all(r["present"].values()) for r in pod), pod
+
+        tasks = CacheClient(coord).tasks()
+        assert len(tasks) == 4 and {t.state for t in tasks} == {pb.DONE}
+        assert {t.worker for t in tasks} == {"farm-1"}
+        st = CacheClient(coord).status()
+        assert (st.tasks_done, st.tasks_failed, st.tasks_queued, st.artifacts) == (4, 0, 0, 4)
+    finally:
+        farm.send_signal(signal.SIGTERM)
+        out, _ = farm.communicate(timeout=60)
+    assert farm.returncode == 0, out[-3000:]
+
+
+def test_a_recorded_program_replays_to_the_same_key_and_refuses_another_slice(start_up):
+    """Recipes without an entry point: the lowered program and its compile
+    inputs, recompiled on a fresh coordinator, give the key the job computed."""
+    first, second = start_up(name="first"), start_up(name="second")
+    done = cli("precompile", "--entry", ENTRY, "--topology", "v5e:2x2", "--job", "train-c",
+               "--coordinator", coordinator_of(first))
+    assert done.returncode == 0, done.stderr[-3000:]
+    recipes = CacheClient(coordinator_of(first)).list_recipes("train-c")
+    assert sorted(r.key for r in recipes) == sorted(published_keys(done.stdout).values())
+    for r in recipes:
+        r.ClearField("entry")
+        assert r.program and r.compile_options and r.target.libtpu_version
+    other = []
+    for r in recipes:
+        o = pb.Recipe()
+        o.CopyFrom(r)
+        o.target.topology = "v5e:2x4"
+        other.append(o)
+    target = CacheClient(coordinator_of(second))
+    ids = target.submit(recipes + other)
+    farm = cli("farm", "--coordinator", coordinator_of(second), "--max-tasks", "4",
+               "--concurrency", "1")
+    assert farm.returncode == 0, farm.stderr[-3000:]
+    by_id = {t.task_id: t for t in target.tasks(ids)}
+    same = [by_id[i] for i in ids[:2]]
+    moved = [by_id[i] for i in ids[2:]]
+    assert [t.state for t in same] == [pb.DONE, pb.DONE], same
+    assert sorted(t.key for t in same) == sorted(r.key for r in recipes)
+    assert [t.state for t in moved] == [pb.FAILED, pb.FAILED], moved
+    assert all("cannot be retargeted" in t.detail for t in moved), moved
+
+
+def test_pod_key_check_script_agrees_with_itself_and_names_what_differs():
+    script = [sys.executable, str(ROOT / "scripts" / "pod_key_check.py"), "--entry", ENTRY,
+              "--topology", "v5e:2x2", "--json"]
+    same = subprocess.run([*script, "--against", "v5e:2x2"], env=ENV, capture_output=True,
+                          text=True, timeout=240)
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert all(p["agree"] for p in json.loads(same.stdout)["programs"])
+    differ = subprocess.run([*script, "--against", "v5e:2x4"], env=ENV, capture_output=True,
+                            text=True, timeout=240)
+    assert differ.returncode == 1, differ.stderr[-3000:]
+    programs = json.loads(differ.stdout)["programs"]
+    assert not any(p["agree"] for p in programs)
+    assert all(any("topology" in d for d in p["differences"]) for p in programs)
+
+
+def test_precompile_explains_a_bad_entry_point(up):
+    bad = cli("precompile", "--entry", "no_such_module:f", "--topology", "v5e:2x2",
+              "--coordinator", coordinator_of(up))
+    assert bad.returncode == 2 and "cannot load entry point" in bad.stderr, bad.stderr
+    topo = cli("precompile", "--entry", ENTRY, "--topology", "v99:1x1",
+               "--coordinator", coordinator_of(up))
+    assert topo.returncode == 2 and "compile-only tpu topology" in topo.stderr, topo.stderr
+
+
