@@ -39,10 +39,28 @@ UNARY = {
     "DescribeKey": st.builds(pb.DescribeKeyRequest, key=keys),
     "Status": st.just(pb.StatusRequest()),
 }
+targets = st.builds(pb.Target, platform=st.sampled_from(["tpu", "cpu", "", "x"]), topology=texts)
+recipes = st.builds(pb.Recipe, key=st.one_of(st.just(""), keys), job=texts, program_name=texts,
+                    entry=st.one_of(st.just("m:f"), texts), entry_index=ints,
+                    program=st.binary(max_size=200), device_ids=st.lists(longs, max_size=4),
+                    target=targets)
+task_ids = st.one_of(st.from_regex(r"\A[0-9]{20}-[0-9a-f]{8}\Z"), texts)
+UNARY.update({
+    "SubmitCompiles": st.builds(pb.SubmitCompilesRequest, recipes=st.lists(recipes, max_size=3),
+                                replay_job=st.one_of(st.just(""), texts),
+                                target=st.one_of(st.none(), targets)),
+    "ClaimCompile": st.builds(pb.ClaimCompileRequest, worker=texts,
+                              wait_ms=st.integers(-100, 200)),
+    "RenewClaim": st.builds(pb.RenewClaimRequest, task_id=task_ids, claim=leases),
+    "FinishCompile": st.builds(pb.FinishCompileRequest, task_id=task_ids, claim=leases,
+                               ok=st.booleans(), detail=texts, key=keys),
+    "Tasks": st.builds(pb.TasksRequest, task_ids=st.lists(task_ids, max_size=3)),
+})
 STREAMING = {
     "Wait": st.builds(pb.WaitRequest, key=keys, requester=requesters,
                       timeout_ms=st.integers(-1000, 300)),
     "Fetch": st.builds(pb.FetchRequest, key=keys, digest=digests),
+    "ListRecipes": st.builds(pb.ListRecipesRequest, job=texts),
 }
 publish_streams = st.lists(
     st.one_of(

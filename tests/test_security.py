@@ -142,3 +142,15 @@ def test_mtls_requires_a_client_certificate(start_coordinator, pki, start_worker
                           coordinator_cert_file=str(pki / "client.pem"),
                           coordinator_key_file=str(pki / "client.key"))
     assert CacheClient(worker.target).acquire("k").decision == pb.COMPILE
+
+
+def test_a_reader_cannot_queue_or_take_farm_compiles(secured):
+    reader = CacheClient(secured.cfg.listen, token="a-read")
+    recipe = pb.Recipe(entry="m:f", target=pb.Target(platform="tpu", topology="v5e:2x2"))
+    assert code_of(lambda: reader.submit([recipe])) == grpc.StatusCode.PERMISSION_DENIED
+    assert code_of(lambda: reader.claim("w", 0)) == grpc.StatusCode.PERMISSION_DENIED
+    publisher = CacheClient(secured.cfg.listen, token="a-pub")
+    [task] = publisher.submit([recipe])
+    # Another tenant's farm never sees the task.
+    assert not CacheClient(secured.cfg.listen, token="b-pub").claim("w", 0).task_id
+    assert publisher.claim("w", 0).task_id == task
