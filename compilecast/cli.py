@@ -204,8 +204,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace, timeout_s: float = 30.0):
     from compilecast.worker.client import CacheClient
 
-    return CacheClient(args.coordinator, timeout_s=timeout_s, token=args.token,
-                       ca_file=args.ca_file)
+    token = args.token
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise CliError(f"cannot read --token-file: {exc}") from exc
+    return CacheClient(args.coordinator, timeout_s=timeout_s, token=token,
+                       ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
 
 
 def _wait_tasks(client, ids: list[str], timeout_s: float) -> int:
@@ -297,7 +303,8 @@ def cmd_farm(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     client = _client(args)
     name = args.name or f"{socket.gethostname()}:{os.getpid()}"
-    farm = aot.FarmWorker(client, name, args.concurrency or aot.default_concurrency())
+    farm = aot.FarmWorker(client, name, args.concurrency or aot.default_concurrency(),
+                          heartbeat_file=args.heartbeat_file)
     logging.getLogger("compilecast").info("farm worker %s: %d concurrent compiles, coordinator %s",
                                           name, farm.concurrency, args.coordinator)
     try:
@@ -313,7 +320,10 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
                    help="coordinator (or worker) address (env COMPILECAST_COORDINATOR)")
     p.add_argument("--token", default=os.environ.get("COMPILECAST_TOKEN", ""),
                    help="bearer token with publish permission (env COMPILECAST_TOKEN)")
+    p.add_argument("--token-file", default="", help="file holding the bearer token")
     p.add_argument("--ca-file", default="", help="CA to verify a TLS server")
+    p.add_argument("--cert-file", default="", help="client certificate (mTLS)")
+    p.add_argument("--key-file", default="", help="client key (mTLS)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -387,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrent compiles (default: cores, at most one per 4 GiB)")
     p.add_argument("--name", default="", help="this worker's name (default host:pid)")
     p.add_argument("--max-tasks", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--heartbeat-file", default="",
+                   help="touched every loop (a liveness probe checks its age)")
     _add_client_flags(p)
     p.set_defaults(fn=cmd_farm)
 

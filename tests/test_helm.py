@@ -104,7 +104,7 @@ def test_worker_args_are_accepted_by_the_cli():
     for w in by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet"):
         args = w["spec"]["template"]["spec"]["containers"][0]["args"]
         parsed = parser.parse_args(args)
-        assert parsed.command in ("coordinator", "worker")
+        assert parsed.command in ("coordinator", "worker", "farm")
 
 
 def test_tpu_scenario_places_workers_on_tpu_nodes_and_enables_monitoring():
@@ -117,6 +117,26 @@ def test_tpu_scenario_places_workers_on_tpu_nodes_and_enables_monitoring():
     dash = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("dashboard")]
     assert dash and "compilecast_coordinator_lookups_total" in dash[0]["data"]["compilecast.json"]
     assert not by_kind(docs, "PersistentVolumeClaim")  # existingClaim used
+
+
+def test_farm_is_off_by_default_and_wired_when_enabled():
+    names = [d["metadata"]["name"] for d in by_kind(render(), "Deployment")]
+    assert not any(n.endswith("-farm") for n in names)
+    docs = render(CHART / "ci" / "gke-tpu-values.yaml")
+    (farm,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-farm")]
+    spec = farm["spec"]["template"]["spec"]
+    args = spec["containers"][0]["args"]
+    assert "--coordinator=rel-compilecast-coordinator:7640" in args
+    assert "--token-file=/etc/compilecast/token/token" in args
+    assert "--cert-file=/etc/compilecast/tls/tls.crt" in args  # mTLS in this scenario
+    assert spec["nodeSelector"] == {"cloud.google.com/gke-nodepool": "cpu-highmem"}
+    assert farm["spec"]["replicas"] == 4
+    (policy,) = [d for d in by_kind(docs, "NetworkPolicy")
+                 if d["metadata"]["name"].endswith("-coordinator")]
+    peers = policy["spec"]["ingress"][0]["from"]
+    assert {"app.kubernetes.io/component": "farm"}.items() <= \
+        peers[1]["podSelector"]["matchLabels"].items()
+    assert peers[2]["namespaceSelector"]["matchLabels"]
 
 
 def test_service_monitor_is_off_by_default():
@@ -150,7 +170,8 @@ def test_bad_value_combinations_fail_with_a_clear_message(sets, message):
 
 def test_tls_and_tokens_are_wired_into_both_roles():
     docs = render(CHART / "ci" / "gke-tpu-values.yaml")
-    (dep,) = by_kind(docs, "Deployment")
+    (dep,) = [d for d in by_kind(docs, "Deployment")
+              if d["metadata"]["name"].endswith("-coordinator")]
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert "--auth-tokens-file=/etc/compilecast/auth/tokens.yaml" in c["args"]
     assert "--tls-client-ca-file=/etc/compilecast/tls/ca.crt" in c["args"]

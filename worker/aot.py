@@ -396,8 +396,9 @@ class FarmWorker:
     """Takes compile tasks from the coordinator's queue and runs them."""
 
     def __init__(self, client: CacheClient, name: str, concurrency: int, *,
-                 claim_wait_ms: int = 5000) -> None:
+                 claim_wait_ms: int = 5000, heartbeat_file: str = "") -> None:
         self.client = client
+        self.heartbeat_file = heartbeat_file
         self.name = name
         self.concurrency = max(1, concurrency)
         self.claim_wait_ms = claim_wait_ms
@@ -409,6 +410,9 @@ class FarmWorker:
     def run(self, stop: threading.Event, max_tasks: int | None = None) -> None:
         taken = 0
         while not stop.is_set() and (max_tasks is None or taken < max_tasks):
+            if self.heartbeat_file:
+                with contextlib.suppress(OSError), open(self.heartbeat_file, "w") as f:
+                    f.write(f"{time.time():.0f}\n")
             if not self._slots.acquire(timeout=1.0):
                 continue
             try:

@@ -51,11 +51,11 @@ class Identity:
 class CacheClient:
     def __init__(self, target: str, *, timeout_s: float = 5.0,
                  identity: Identity | None = None, token: str = "",
-                 ca_file: str = "") -> None:
+                 ca_file: str = "", cert_file: str = "", key_file: str = "") -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.identity = identity or Identity()
-        creds = channel_credentials(ca_file)
+        creds = channel_credentials(ca_file, cert_file, key_file)
         self._channel = (grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS) if creds
                          else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
         self._channel = grpc.intercept_channel(self._channel, _Metadata(bearer(token))) \
