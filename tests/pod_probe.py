@@ -21,6 +21,9 @@ def main() -> None:
     if int(n) > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(dist, num_processes=int(n), process_id=int(pid))
+        # Every process brings up its CPU backend now, together, as a real job
+        # does at start (JAX's compile path would otherwise do it later, alone).
+        jax.devices()
     from compilecast.worker import aot
     from compilecast.worker.client import CacheClient
 

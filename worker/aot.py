@@ -120,13 +120,18 @@ class Probe:
 def probe(trigger: Callable[[], Any]) -> Probe:
     """The key JAX's compile path computes for a program, without compiling it."""
     hooks = _installed()
-    hooks.box.mode, hooks.box.key = "probe", None
-    try:
-        trigger()
-    except _Probed:
-        pass
-    finally:
-        hooks.box.mode = ""
+    for attempt in range(2):
+        hooks.box.mode, hooks.box.key = "probe", None
+        try:
+            trigger()
+        except _Probed:
+            break
+        finally:
+            hooks.box.mode = ""
+        if attempt == 0:  # answered from JAX's in-memory cache: forget it, ask again
+            import jax
+
+            jax.clear_caches()
     if hooks.box.key is None:
         raise AotError("JAX compiled without consulting its persistent cache "
                        "(is the compilation cache disabled for this platform?)")

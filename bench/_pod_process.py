@@ -1,0 +1,60 @@
+"""One host of bench/aot_farm.py's simulated pod.
+
+Usage: _pod_process.py MODE COORDINATOR TOPOLOGY PROCESS_ID N DIST_ADDR T0
+
+MODE local:     compile every program here (no compilecast)
+     share:     compilecast at job start: process 0 compiles and publishes, the
+                others wait, then fetch and verify
+     prewarmed: fetch and verify every program (the farm compiled them)
+Prints one JSON line; `ready` is seconds from T0 (the common start) until
+this process holds every executable's verified bytes.
+"""
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    mode, coordinator, topology, pid, n, dist, t0 = sys.argv[1:8]
+    pid, n, t0 = int(pid), int(n), float(t0)
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(dist, num_processes=n, process_id=pid)
+    # Every process brings up its CPU backend now, together, as a real job
+    # does at start (JAX's compile path would otherwise do it later, alone).
+    jax.devices()
+    from compilecast.worker import aot
+    from compilecast.worker.client import CacheClient, Identity
+
+    programs = aot.entry_programs("aot_job:programs", aot.parse_target(topology))
+    lowered = time.time() - t0
+    compiles, nbytes = 0, 0
+    if mode == "local":
+        for p in programs:
+            _, data, _ = aot.compile_entry(p.trigger)
+            compiles, nbytes = compiles + 1, nbytes + len(data)
+    else:
+        client = CacheClient(coordinator, timeout_s=60.0,
+                             identity=Identity(job="bench-pod", process_id=pid,
+                                               designated_process=0))
+        if mode == "share":
+            for p in programs:
+                out = aot.compile_and_share(client, p)
+                compiles += out.status == "published"
+                if out.status != "published":
+                    nbytes += len(client.fetch(out.key)[1])  # verified against its digest
+                else:
+                    nbytes += out.size
+        else:
+            found = aot.check(client, programs)  # fetch + verify every artifact
+            assert all(f.present for f in found), found
+            nbytes = sum(f.size for f in found)
+    print(json.dumps({"process": pid, "mode": mode, "ready": time.time() - t0,
+                      "lowered": lowered, "compiles": compiles, "bytes": nbytes}), flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
