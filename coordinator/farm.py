@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_WAIT_MS = 60_000
 POLL_S = 0.25
 MAX_TASKS_LISTED = 1000
+MAX_FINISHED = 10_000  # finished (done + failed) task records kept per tenant and state
 
 
 def target_name(t: pb.Target) -> str:
@@ -94,9 +95,12 @@ class Farm:
         for kv in await self.etcd.get_prefix(self._k("r", tenant, self._job_hash(job) + "/")):
             digest = kv.value.decode()
             try:
-                yield await self.load_recipe(digest)
-            except (NotFound, CorruptBlob) as exc:
-                log.warning("skipping the recipe of %s: %s", kv.key.decode(), exc)
+                recipe = await self.load_recipe(digest)
+            except (NotFound, CorruptBlob) as exc:  # evicted with the store: forget it
+                log.warning("dropping the recipe index entry %s: %s", kv.key.decode(), exc)
+                await self.etcd.delete(kv.key)
+                continue
+            yield recipe
 
     # -- tasks -----------------------------------------------------------
     async def submit(self, tenant: str, req: pb.SubmitCompilesRequest) -> list[str]:
@@ -223,8 +227,16 @@ class Farm:
         if not settled:
             raise LeaseError(f"the claim on task {task_id} is no longer held")
         await self.etcd.revoke(lease.id)
+        await self._prune(self._k("d" if ok else "f", tenant))
         self.metrics.tasks.labels("done" if ok else "failed").inc()
         log.info("task %s %s: %s", task_id, "done" if ok else "FAILED", detail[:200])
+
+    async def _prune(self, prefix: bytes, keep: int = MAX_FINISHED) -> None:
+        """Finished task records are history: keep the newest `keep`."""
+        excess = await self.etcd.count_prefix(prefix) - keep
+        if excess > 0:
+            for kv in await self.etcd.get_prefix(prefix, limit=excess):  # oldest ids first
+                await self.etcd.delete(kv.key)
 
     async def tasks(self, tenant: str, ids: list[str]) -> pb.TasksResponse:
         for t in ids:

@@ -78,3 +78,39 @@ def test_holder_killed_mid_compile_a_waiter_is_promoted(start_up):
         recorded.key_components["program"]
     assert recipes[0].compile_options and list(recipes[0].device_ids) == [0]
     coordinator.close()
+
+
+def _fdo_job(target: str, profiles: list[str]) -> list[dict]:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from compilecast.launch import free_port
+
+    dist = f"127.0.0.1:{free_port()}"
+    script = Path(__file__).resolve().parent / "fdo_proc.py"
+    procs = [subprocess.Popen([sys.executable, str(script), target, str(i), str(len(profiles)),
+                               dist, p], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, p in enumerate(profiles)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=180)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def test_the_fdo_profile_is_shared_once_and_a_restarted_job_reuses_it(up):
+    """PGLE's profile exchange: the lowest process's profile reaches every
+    process through compilecast, and is stored for the next run."""
+    first = _fdo_job(up.target, ["profile-of-0-run-1", "profile-of-1-run-1"])
+    assert [r["profile"] for r in first] == ["profile-of-0-run-1"] * 2, first
+    assert first[0]["stats"]["profiles_published"] == 1
+    assert first[1]["stats"]["profiles_received"] == 1
+    assert not any(r["stats"]["fallbacks"] for r in first), first
+
+    # A restarted job: new profiles measured, but both start from the stored one.
+    again = _fdo_job(up.target, ["profile-of-0-run-2", "profile-of-1-run-2"])
+    assert [r["profile"] for r in again] == ["profile-of-0-run-1"] * 2, again
+    assert [r["stats"]["profiles_received"] for r in again] == [1, 1]

@@ -130,3 +130,24 @@ def test_bad_farm_requests_get_clear_errors(coordinator):
     big = pb.Recipe(program=b"x" * (4 << 20), target=TPU)
     assert code_of(lambda: client.submit([big])) in (grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                      grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_finished_tasks_are_pruned_to_the_newest(coordinator, loop_thread):
+    client = CacheClient(coordinator.cfg.listen)
+    ids = client.submit([entry(i) for i in range(4)])
+    for _ in ids:
+        c = client.claim("w", 0)
+        client.finish(c.task_id, c.claim, True, "ok")
+    farm = coordinator.state.farm
+    loop_thread.run(farm._prune(farm._k("d", "default"), keep=2))
+    assert [t.task_id for t in client.tasks()] == ids[2:]
+
+
+def test_a_recipe_whose_blob_was_evicted_is_dropped_from_the_job_index(coordinator):
+    client = CacheClient(coordinator.cfg.listen, identity=Identity(job="job-e"))
+    recipe = pb.Recipe(program=b"\x00mlir", target=TPU)
+    info = client.publish("key-e", client.acquire("key-e").lease, b"x" * 100, 1.0, recipe=recipe)
+    coordinator.state.store.delete(info.recipe_digest)
+    assert client.list_recipes("job-e") == []
+    assert code_of(lambda: client.submit(replay_job="job-e", target=TPU)) == \
+        grpc.StatusCode.NOT_FOUND

@@ -11,6 +11,10 @@ JAX's persistent compilation cache has no public plugin hook. We use:
   always settled after the compile: published (even on processes other than
   0, where JAX never calls put), or released when the compile raised or the
   entry is under JAX's thresholds;
+- `jax._src.compiler._share_fdo_profiles`, wrapped so that the FDO (PGLE)
+  profile the lowest-id process hands to the others goes through compilecast:
+  one writer, the others wait for it, and it is stored, so a restarted job
+  compiles with the same profile (JAX's own exchange is the fallback);
 - `combine_executable_and_time` / `compress_executable`, to write entries in
   exactly JAX's own format;
 - `jax._src.compilation_cache.get_cache_key`, replaced by compilecast's
@@ -32,6 +36,7 @@ disabling the cache.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import threading
 from collections.abc import Callable
@@ -78,6 +83,8 @@ _EXPECTED: list[tuple[Any, str, tuple[str, ...] | None]] = [
     (_compiler, "_compile_and_write_cache",
      ("backend", "computation", "executable_devices", "compile_options", "host_callbacks",
       "module_name", "cache_key")),
+    (_compiler, "_share_fdo_profiles",
+     ("computation", "devices", "compile_options", "backend", "global_client", "min_process_id")),
     (_compiler, "compile_or_get_cached",
      ("backend", "computation", "devices", "compile_options", "host_callbacks",
       "executable_devices", "pgle_profiler")),
@@ -115,6 +122,9 @@ class Hooks(Protocol):
 
     def compile(self, key: str, module_name: str, has_host_callbacks: bool,
                 run: Callable[[], Any], serialize: Callable[[Any, float], bytes]) -> Any: ...
+
+    # Optional: share_profile(profile_key, profile, designated) -> bytes | None
+    # (None: use JAX's own exchange).
 
 
 def serialize(executable: Any, compile_time_s: float) -> bytes:
@@ -157,7 +167,9 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
             _originals["_compile_and_write_cache"] = _compiler._compile_and_write_cache
             _originals["share_binary"] = _config.share_binary_between_hosts.value
             _originals["get_cache_key"] = _cc.get_cache_key
+            _originals["_share_fdo_profiles"] = _compiler._share_fdo_profiles
         orig_read = _originals["_cache_read"]
+        orig_share = _originals["_share_fdo_profiles"]
         orig_compile = _originals["_compile_and_write_cache"]
 
         def _cache_read(module_name, cache_key, compile_options, backend, executable_devices):
@@ -177,7 +189,27 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
         def get_cache_key(module, devices, compile_options, backend, ignore_callbacks=None):
             return hooks.cache_key(module, devices, compile_options, backend)
 
+        def _share_fdo_profiles(computation, devices, compile_options, backend, global_client,
+                                min_process_id):
+            share = getattr(hooks, "share_profile", None)
+            profile = compile_options.executable_build_options.fdo_profile
+            got = None
+            if share is not None and profile is not None and len(profile):
+                # Keyed as JAX keys it: the program's key without the profile + "_fdo_sync".
+                opts = copy.deepcopy(compile_options)
+                opts.executable_build_options.fdo_profile = b""
+                key = hooks.cache_key(computation, devices, opts, backend)
+                if key:
+                    got = share(f"{key}_fdo_sync", bytes(profile),
+                                _distributed.global_state.process_id == min_process_id)
+            if got is None:
+                return orig_share(computation, devices, compile_options, backend, global_client,
+                                  min_process_id)
+            compile_options.executable_build_options.fdo_profile = b""  # as JAX's does
+            return got
+
         _compiler._cache_read = _cache_read
+        _compiler._share_fdo_profiles = _share_fdo_profiles
         _cc.get_cache_key = get_cache_key
         _compiler._compile_and_write_cache = _compile_and_write_cache
         # compilecast replaces JAX's own share-binary exchange.
@@ -193,6 +225,7 @@ def uninstall() -> None:
         _compiler._compile_and_write_cache = _originals.pop("_compile_and_write_cache")
         jax.config.update("jax_share_binary_between_hosts", _originals.pop("share_binary"))
         _cc.get_cache_key = _originals.pop("get_cache_key")
+        _compiler._share_fdo_profiles = _originals.pop("_share_fdo_profiles")
         _set_cache(None)
 
 
@@ -235,8 +268,6 @@ def compile_options_bytes(compile_options: Any) -> bytes:
 
         def update(self, b: bytes) -> None:
             self.data += b
-
-    import copy
 
     opts = copy.deepcopy(compile_options)
     # A host-local path (JAX derives it from its own cache directory, which

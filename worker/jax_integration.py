@@ -50,6 +50,8 @@ class Stats:
     local_compiles: int = 0  # compiles without sharing (fallbacks, thresholds)
     fallbacks: int = 0  # errors that ended in compiling locally
     released: int = 0
+    profiles_published: int = 0  # FDO/PGLE profiles this process shared
+    profiles_received: int = 0  # profiles taken from the store (another process's, or stored)
     reasons: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -78,6 +80,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self.key_config = keys.KeyConfig.from_env()
         self._held: dict[str, _Held] = {}
         self._described: dict[str, tuple[str, dict[str, str], float, tuple]] = {}
+        self._profiles: dict[str, bytes] = {}
         self._local = threading.local()
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -224,6 +227,46 @@ class CompilecastCache(jax_adapter.CacheInterface):
         except grpc.RpcError as exc:
             log.warning("compilecast: release of %s failed (%s); the lease lapses in %ss",
                         key, exc.code().name, held.lease.ttl_seconds)
+
+    # -- FDO / PGLE profiles --------------------------------------------------
+    def share_profile(self, key: str, profile: bytes, designated: bool) -> bytes | None:
+        """The profile every process of the job compiles with: the first one
+        stored under `key` (a restarted job finds the stored one), else the
+        designated process's. None: use JAX's own exchange."""
+        if time.monotonic() < self._down_until:
+            return None
+        try:
+            with self._lock:
+                if key in self._profiles:
+                    return self._profiles[key]
+            self.client.identity = self._identity()
+            resp = self.client.acquire(key, program_name="fdo_profile")
+            decision, artifact, lease = resp.decision, resp.artifact, resp.lease
+            if decision == pb.WAIT:
+                event = self.client.wait(key, self._wait_timeout_s())
+                decision, artifact, lease = event.decision, event.artifact, event.lease
+            if decision == pb.HIT:
+                _, got = self.client.fetch(key, artifact.digest)  # verified
+                self.stats.profiles_received += 1
+            elif decision == pb.COMPILE:  # the designated process, or promoted
+                self.client.publish(key, lease, profile, 0.0)
+                self.stats.profiles_published += 1
+                got = profile
+            else:
+                self._fallback(key, f"profile not shared through compilecast "
+                                    f"({pb.Decision.Name(decision)}); using JAX's exchange")
+                return None
+        except grpc.RpcError as exc:
+            self._fallback(key, f"profile exchange failed ({exc.code().name}); using JAX's")
+            return None
+        except Exception as exc:  # never raise into JAX
+            self._fallback(key, f"profile exchange failed ({type(exc).__name__}: {exc})")
+            return None
+        with self._lock:
+            self._profiles[key] = got
+        log.info("compilecast: FDO profile %s %s (%d bytes)", key,
+                 "published" if got is profile else "received", len(got), extra={"key": key})
+        return got
 
     # -- hooks called by jax_adapter ---------------------------------------
     def cache_key(self, module: Any, devices: Any, compile_options: Any,
