@@ -49,22 +49,25 @@ class Stack:
         self.procs.append(p)
         return p
 
-    def coordinator(self, name: str = "c", store: Path | None = None) -> tuple[str, subprocess.Popen]:
+    def coordinator(self, name: str = "c", store: Path | None = None,
+                    extra: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
         port = free_port()
         p = self._spawn([sys.executable, "-m", "compilecast.cli", "--log-level", "warning",
                          "coordinator", "--listen", f"127.0.0.1:{port}",
                          "--etcd-endpoints", self.etcd,
                          "--store-dir", str(store or self.root / f"store-{name}"),
-                         "--metrics-port", "0", "--allow-unauthenticated", "true"])
+                         "--metrics-port", "0", "--allow-unauthenticated", "true", *extra])
         target = f"127.0.0.1:{port}"
         wait_until_healthy(target, 30)
         return target, p
 
-    def worker(self, coordinator: str, name: str) -> tuple[str, subprocess.Popen]:
+    def worker(self, coordinator: str, name: str,
+               extra: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
         sock = self.root / f"{name}.sock"
         p = self._spawn([sys.executable, "-m", "compilecast.cli", "--log-level", "warning",
                          "worker", "--listen", f"unix://{sock}", "--coordinator", coordinator,
-                         "--cache-dir", str(self.root / f"cache-{name}"), "--metrics-port", "0"])
+                         "--cache-dir", str(self.root / f"cache-{name}"), "--metrics-port", "0",
+                         *extra])
         target = f"unix://{sock}"
         wait_until_healthy(target, 30)
         return target, p

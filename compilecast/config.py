@@ -77,6 +77,9 @@ class CoordinatorConfig:
                        "longest known compile time (0: never hedge)"))
     hedge_min_s: float = field(
         default=120.0, metadata=_help("never hedge a holder younger than this many seconds"))
+    relay_fanout: int = field(
+        default=2, metadata=_help("workers one relaying worker serves an artifact to, when "
+                                  "many fetch it at once (0: every worker fetches from here)"))
     auth_tokens_file: str = field(
         default="", metadata=_help("YAML file of token sha256 -> tenant, permissions"))
     allow_unauthenticated: bool = field(
@@ -93,6 +96,8 @@ class CoordinatorConfig:
     def validate(self) -> None:
         _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
                   "local_marker_ttl_s", "max_artifact_bytes")
+        if self.relay_fanout < 0:
+            raise ConfigError("relay_fanout must be >= 0")
         if not self.etcd_endpoints.strip():
             raise ConfigError("etcd_endpoints is empty")
         if not self.etcd_prefix.startswith("/"):
@@ -137,9 +142,19 @@ class WorkerConfig:
         metadata=_help("operator bound on how long waiters on this host wait before "
                        "compiling themselves (0: the process's own setting)"),
     )
+    relay_listen: str = field(
+        default="", metadata=_help("host:port where this worker relays artifacts it downloads "
+                                   "to other workers (empty: no relaying)"))
+    relay_advertise: str = field(
+        default="", metadata=_help("host:port other workers dial for relayed artifacts "
+                                   "(default: this host's name and relay_listen's port)"))
 
     def validate(self) -> None:
         _positive(self, "cache_max_bytes", "rpc_timeout_s")
+        if self.relay_listen:
+            _hostport(self.relay_listen, "relay_listen")
+        if self.relay_advertise:
+            _hostport(self.relay_advertise, "relay_advertise")
         if self.share_binary_between_hosts_timeout_ms < 0:
             raise ConfigError("share_binary_between_hosts_timeout_ms must be >= 0")
         _pair(self, "coordinator_cert_file", "coordinator_key_file")

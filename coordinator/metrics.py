@@ -66,3 +66,8 @@ class CoordinatorMetrics:
             "Compile-farm tasks by event (submitted, claimed, done, failed)",
             ["event"], registry=registry,
         )
+        self.relays = Counter(
+            "compilecast_coordinator_relay_redirects",
+            "Fetches sent to a peer worker that is downloading or holds the artifact",
+            registry=registry,
+        )

@@ -12,6 +12,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
 from .auth import Authenticator
+from .relay import check_address
 from .state import CoordinatorState
 
 
@@ -97,7 +98,15 @@ class CoordinatorService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Fetch(self, request, context):
         who = self.auth.identify(context)
-        info, chunks = await self.state.fetch(request.key, request.digest, tenant=who.tenant)
+        info, chunks = await self.state.fetch(request.key, request.digest, tenant=who.tenant,
+                                              offset=request.offset)
+        if request.relay_address and self.state.cfg.relay_fanout > 0:
+            parent = self.state.relays.assign((who.tenant, info.digest),
+                                              check_address(request.relay_address))
+            if parent is not None:
+                self.state.metrics.relays.inc()
+                yield pb.FetchChunk(artifact=info, relay_from=parent)
+                return
         first = True
         async for data in chunks:
             if first:

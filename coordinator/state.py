@@ -54,6 +54,7 @@ from .etcd import Etcd, cmp_absent, cmp_mod_revision, op_delete, op_put
 from .farm import Farm
 from .metrics import CoordinatorMetrics
 from .records import DEFAULT_TENANT, KeyRecords, info_from, info_json, plain, scope
+from .relay import RelayTrees
 from .watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class CoordinatorState:
         self._index_deleted: dict[str, int] = {}
         self.records = KeyRecords(etcd, self.prefix, metrics)
         self.farm = Farm(etcd, store, self.prefix, metrics, cfg.lease_ttl_s)
+        self.relays = RelayTrees(cfg.relay_fanout)
         self.hub.on_artifact_deleted.append(self._forget_artifact)
         self.hub.on_gap.append(self._index.clear)
         self._session_lease = 0
@@ -538,10 +540,13 @@ class CoordinatorState:
         return await self.etcd.keepalive_once(lease.id)
 
     # -- Fetch -----------------------------------------------------------
-    async def fetch(self, key: str, digest: str, *, tenant: str = DEFAULT_TENANT) -> tuple[pb.ArtifactInfo, AsyncIterator[bytes]]:
+    async def fetch(self, key: str, digest: str, *, tenant: str = DEFAULT_TENANT,
+                    offset: int = 0) -> tuple[pb.ArtifactInfo, AsyncIterator[bytes]]:
         validate.key(key)
         if digest:
             validate.digest(digest)
+        if offset < 0:
+            raise InvalidRequest("offset must be >= 0")
         sk = scope(tenant, key)
         info = self._cached_artifact(sk)
         if info is None:
@@ -557,11 +562,20 @@ class CoordinatorState:
             if entry is not None:
                 await self._usable_artifact(sk, KeyState(info, entry.mod_revision, None, 0, None))
             raise NotFound(f"the blob of key {key} is missing; recompile")
-        return info, self._stream(sk, info)
+        if offset > info.size:
+            raise InvalidRequest(f"offset {offset} is past the artifact's {info.size} bytes")
+        return info, self._stream(sk, info, offset)
 
-    async def _stream(self, sk: str, info: pb.ArtifactInfo) -> AsyncIterator[bytes]:
+    async def _stream(self, sk: str, info: pb.ArtifactInfo,
+                      offset: int = 0) -> AsyncIterator[bytes]:
+        skip = offset
         try:
             async for chunk in aread(self.store, info.digest):
+                if skip:  # resuming: what the caller already has is not sent again
+                    n = min(skip, len(chunk))
+                    chunk, skip = chunk[n:], skip - n
+                    if not chunk:
+                        continue
                 self.metrics.bytes.labels("out").inc(len(chunk))
                 yield chunk
         except CorruptBlob:

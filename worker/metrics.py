@@ -48,3 +48,9 @@ class WorkerMetrics:
         self.cache_bytes = Gauge(
             "compilecast_worker_cache_bytes", "Bytes stored in the host cache", registry=registry,
         )
+        self.relays = Counter(
+            "compilecast_worker_relays",
+            "Downloads the coordinator pointed at a peer worker (redirected), and those that "
+            "went back to the coordinator because the peer failed (fallback)",
+            ["event"], registry=registry,
+        )

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -16,7 +17,7 @@ from compilecast.serving import Role, make_server, set_serving, start_metrics
 
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
-from .service import WorkerService
+from .service import RelayService, WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class Worker(Role):
         self.metrics = WorkerMetrics(self.registry)
         self.cache = HostCache(cfg.cache_dir, max_bytes=cfg.cache_max_bytes)
         self._metrics_server = None
+        self.relay_server = None
 
     @property
     def target(self) -> str:
@@ -37,11 +39,19 @@ class Worker(Role):
     async def start(self) -> None:
         cfg = self.cfg
         token = Path(cfg.token_file).read_text().strip() if cfg.token_file else ""  # noqa: ASYNC240
+        upstream_creds = channel_credentials(cfg.coordinator_ca_file, cfg.coordinator_cert_file,
+                                             cfg.coordinator_key_file)
+        relay_address = ""
+        if cfg.relay_listen:
+            port = cfg.relay_listen.rpartition(":")[2]
+            relay_address = cfg.relay_advertise or f"{socket.getfqdn()}:{port}"
         self.service = WorkerService(cfg.coordinator, self.cache, self.metrics,
                                      token=token,
-                                     credentials=channel_credentials(
-                                         cfg.coordinator_ca_file, cfg.coordinator_cert_file,
-                                         cfg.coordinator_key_file),
+                                     credentials=upstream_creds,
+                                     relay_address=relay_address,
+                                     # Peers serve with the same certificates as the
+                                     # coordinator's CA signs (one PKI per release).
+                                     peer_credentials=upstream_creds,
                                      rpc_timeout_s=self.cfg.rpc_timeout_s,
                                      share_binary_timeout_ms=(
                                          self.cfg.share_binary_between_hosts_timeout_ms))
@@ -55,6 +65,16 @@ class Worker(Role):
         else:
             self.server.add_insecure_port(listen)
         await self.server.start()
+        self.relay_server = None
+        if cfg.relay_listen:
+            self.relay_server, _ = make_server(RelayService(self.service))
+            if creds is not None:
+                self.relay_server.add_secure_port(cfg.relay_listen, creds)
+            else:
+                self.relay_server.add_insecure_port(cfg.relay_listen)
+            await self.relay_server.start()
+            log.info("relaying artifacts to peer workers on %s (as %s)", cfg.relay_listen,
+                     relay_address)
         if listen.startswith("unix://"):
             os.chmod(listen.removeprefix("unix://"), 0o660)
         await set_serving(self.health, True)
@@ -64,6 +84,8 @@ class Worker(Role):
                  self.cfg.coordinator, self.cfg.cache_dir)
 
     async def _release(self) -> None:
+        if self.relay_server is not None:
+            await self.relay_server.stop(2.0)
         await self.service.close()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -31,24 +32,38 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
 
+log = logging.getLogger(__name__)
+
 DEGRADED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class _Fill:
-    """One download into the host cache, streamed to the readers that join
-    before its first chunk (later ones read the committed blob). Readers get
-    unverified bytes as they arrive and, at the end, None once the digest
-    verified or the error; the client verifies the digest too."""
+    """One download into the host cache, streamed to its readers as it arrives.
+
+    A reader that joins while the download runs first gets the chunks sent
+    so far (kept while they total at most MAX_BACKLOG bytes), then follows
+    live: that is how a relaying worker passes an artifact on to the peers
+    the coordinator points at it. Later readers read the committed blob.
+    Readers get unverified bytes and, at the end, None once the digest
+    verified or the error; every client verifies the digest too."""
+
+    MAX_BACKLOG = 64 << 20
 
     def __init__(self) -> None:
         self.readers: list[asyncio.Queue] = []
         self.started = False
+        self.finished = False
+        self.backlog: list[pb.FetchChunk] | None = []
+        self.backlog_bytes = 0
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def join(self) -> asyncio.Queue | None:
-        if self.started:
+        if self.finished or (self.started and self.backlog is None):
             return None
-        q: asyncio.Queue = asyncio.Queue(maxsize=8)
+        backlog = self.backlog or []
+        q: asyncio.Queue = asyncio.Queue(maxsize=len(backlog) + 8)
+        for chunk in backlog:
+            q.put_nowait(chunk)
         self.readers.append(q)
         return q
 
@@ -60,12 +75,19 @@ class _Fill:
 
     async def send(self, chunk: pb.FetchChunk) -> None:
         self.started = True
+        if self.backlog is not None:
+            self.backlog_bytes += len(chunk.data)
+            if self.backlog_bytes > self.MAX_BACKLOG:
+                self.backlog = None  # too far along: later readers wait for the blob
+            else:
+                self.backlog.append(chunk)
         for q in list(self.readers):
             if q in self.readers:
                 await q.put(chunk)
 
     async def finish(self, info: pb.ArtifactInfo | None, error: BaseException | None) -> None:
-        self.started = True
+        self.started = self.finished = True
+        self.backlog = None
         for q in list(self.readers):
             if q in self.readers:
                 await q.put(error)  # None: verified and committed
@@ -75,6 +97,40 @@ class _Fill:
             else:
                 self.done.set_exception(error)
                 self.done.exception()  # retrieved: late joiners get it via await
+
+
+PEER_IDLE_S = 30.0
+
+
+async def _idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
+    """The stream's items; TimeoutError when none comes for `idle_s` (a stalled peer)."""
+    it = stream.__aiter__()
+    try:
+        while True:
+            try:
+                item = await (asyncio.wait_for(it.__anext__(), idle_s) if idle_s
+                              else it.__anext__())
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if hasattr(stream, "cancel"):
+            stream.cancel()
+
+
+class RelayService(rpc.CompileCacheServicer):
+    """A worker's relay endpoint (TCP): Fetch only, for peer workers the
+    coordinator points here. Peers present the workers' token when there is one."""
+
+    def __init__(self, worker: WorkerService) -> None:
+        self.worker = worker
+
+    async def Fetch(self, request, context):
+        if self.worker.token and token_from(context) != self.worker.token:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "relay fetches need the workers' token")
+        async for chunk in self.worker.Fetch(request, context):
+            yield chunk
 
 
 def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
@@ -89,8 +145,13 @@ def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
 class WorkerService(rpc.CompileCacheServicer):
     def __init__(self, coordinator: str, cache: HostCache, metrics: WorkerMetrics,
                  *, rpc_timeout_s: float, share_binary_timeout_ms: int = 0,
-                 token: str = "", credentials: grpc.ChannelCredentials | None = None) -> None:
+                 token: str = "", credentials: grpc.ChannelCredentials | None = None,
+                 relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None
+                 ) -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
+        self.relay_address = relay_address
+        self.peer_credentials = peer_credentials
+        self._peers: dict[str, tuple[grpc.aio.Channel, rpc.CompileCacheStub]] = {}
         self.coordinator = coordinator
         self.cache = cache
         self.metrics = metrics
@@ -104,6 +165,14 @@ class WorkerService(rpc.CompileCacheServicer):
 
     async def close(self) -> None:
         await self.channel.close()
+        for channel, _ in self._peers.values():
+            await channel.close()
+
+    def _peer(self, address: str) -> rpc.CompileCacheStub:
+        if address not in self._peers:
+            channel = aio_channel(address, self.peer_credentials)
+            self._peers[address] = (channel, rpc.CompileCacheStub(channel))
+        return self._peers[address][1]
 
     def _credential(self, context) -> tuple[str, tuple]:
         """(host-cache namespace, upstream metadata) for a caller.
@@ -112,6 +181,8 @@ class WorkerService(rpc.CompileCacheServicer):
         gets its own namespace; callers without one act as this worker.
         """
         caller = token_from(context)
+        if caller == self.token:  # a peer worker relaying for its host: the same identity
+            caller = ""
         token = caller or self.token
         ns = hashlib.sha256(f"caller:{caller}".encode()).hexdigest()[:16] if caller else "host"
         return ns, bearer(token)
@@ -248,32 +319,64 @@ class WorkerService(rpc.CompileCacheServicer):
     # -- Fetch -----------------------------------------------------------
     async def _run_fill(self, fill: _Fill, ns: str, md: tuple, key: str, digest: str) -> None:
         """Download `key` into the host cache once, however many ask, passing
-        each chunk on to the readers that joined before the first one."""
+        each chunk on to the fill's readers. The coordinator may point us at a
+        peer worker that is downloading (or holds) the same artifact; if the
+        peer fails, the rest comes from the coordinator, from where we were."""
         start = time.monotonic()
         info = None
+        peer = ""
+        relay = self.relay_address
         writer = self.cache.store.writer()
         try:
             with writer:
-                try:
-                    async for chunk in self.up.Fetch(pb.FetchRequest(key=key, digest=digest),
-                                                     timeout=max(300.0, self.rpc_timeout_s),
-                                                     metadata=md):
-                        if chunk.HasField("artifact"):
-                            info = chunk.artifact
-                        await asyncio.to_thread(writer.write, chunk.data)
-                        await fill.send(chunk)
-                except grpc.aio.AioRpcError as exc:
-                    raise _relay(exc) from None
+                while True:
+                    request = pb.FetchRequest(key=key, digest=info.digest if info else digest,
+                                              relay_address="" if peer else relay,
+                                              offset=0 if peer else writer.size)
+                    stub = self._peer(peer) if peer else self.up
+                    try:
+                        redirect = ""
+                        async for chunk in _idle_timeout(
+                                stub.Fetch(request, timeout=max(3600.0, self.rpc_timeout_s),
+                                           metadata=md), PEER_IDLE_S if peer else None):
+                            if chunk.relay_from:
+                                redirect = chunk.relay_from
+                                info = chunk.artifact
+                                break
+                            if chunk.HasField("artifact"):
+                                if info is not None and chunk.artifact.digest != info.digest:
+                                    raise CorruptBlob(f"{key} changed digest mid-download")
+                                info = chunk.artifact
+                            if chunk.data:
+                                await asyncio.to_thread(writer.write, chunk.data)
+                                await fill.send(chunk)
+                    except (grpc.aio.AioRpcError, TimeoutError) as exc:
+                        if not peer:
+                            if isinstance(exc, TimeoutError):
+                                raise
+                            raise _relay(exc) from None
+                        why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) \
+                            else "stalled"
+                        log.warning("relay of %s from %s failed (%s) at byte %d; fetching the "
+                                    "rest from the coordinator", key, peer, why, writer.size)
+                        self.metrics.relays.labels("fallback").inc()
+                        peer, relay = "", ""  # asking again: served, never redirected
+                        continue
+                    if redirect and not peer and relay:
+                        peer = redirect
+                        self.metrics.relays.labels("redirected").inc()
+                        continue
+                    break
                 if info is None:
                     raise CorruptBlob(f"coordinator sent no artifact header for {key}")
                 try:
                     await asyncio.to_thread(writer.commit, info.digest, info.size)
                 except InvalidRequest as exc:
-                    raise CorruptBlob(f"artifact {key} from the coordinator failed "
+                    raise CorruptBlob(f"artifact {key} from {peer or 'the coordinator'} failed "
                                       f"verification: {exc}") from None
             await asyncio.to_thread(self.cache.record, ns, info)
             self.metrics.fetch_seconds.observe(time.monotonic() - start)
-            self.metrics.bytes.labels("fetched").inc(info.size)
+            self.metrics.bytes.labels("relayed_in" if peer else "fetched").inc(info.size)
             await fill.finish(info, None)
         except BaseException as exc:
             await fill.finish(None, exc)
@@ -302,6 +405,8 @@ class WorkerService(rpc.CompileCacheServicer):
         validate.key(request.key)
         if request.digest:
             validate.digest(request.digest)
+        if request.offset or request.relay_address:
+            raise InvalidRequest("offset and relay_address are for the coordinator")
         ns, md = self._credential(context)
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is not None and (not request.digest or info.digest == request.digest):

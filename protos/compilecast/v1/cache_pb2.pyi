@@ -198,20 +198,26 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("key", "digest")
+    __slots__ = ("key", "digest", "relay_address", "offset")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     key: str
     digest: str
-    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+    relay_address: str
+    offset: int
+    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., relay_address: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("artifact", "data")
+    __slots__ = ("artifact", "data", "relay_from")
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FROM_FIELD_NUMBER: _ClassVar[int]
     artifact: ArtifactInfo
     data: bytes
-    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    relay_from: str
+    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., relay_from: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("key", "lease")

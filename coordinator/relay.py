@@ -1,0 +1,78 @@
+"""Fan-out of one artifact to many workers: a relay tree per artifact.
+
+When N workers fetch the same artifact at once (every host of a pod after
+one compile), the coordinator streams it to the first and points each later
+one at an earlier one, breadth first with `fanout` children per worker: a
+tree of depth log_fanout(N) whose inner workers pass chunks on as they
+arrive (worker/service.py streams a download to readers that join while it
+runs). The coordinator sends about one copy instead of N.
+
+In memory and per replica: a replica that restarts, or another replica,
+just starts another tree (another copy). A worker that cannot get the
+artifact from its peer asks again without a relay address and gets the bytes
+from the coordinator, resuming at the offset it had reached; a worker asking
+again is never redirected again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from compilecast.errors import InvalidRequest
+
+
+@dataclass
+class _Node:
+    address: str
+    since: float
+    children: int = 0
+
+
+@dataclass
+class _Tree:
+    nodes: list[_Node] = field(default_factory=list)
+
+
+MAX_TREES = 4096
+
+
+def check_address(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(address) > 256 \
+            or any(c.isspace() or c == "/" for c in address):
+        raise InvalidRequest(f"relay_address {address[:80]!r} is invalid: use host:port")
+    return address
+
+
+class RelayTrees:
+    def __init__(self, fanout: int = 2, window_s: float = 300.0) -> None:
+        self.fanout = max(1, fanout)
+        self.window_s = window_s
+        self._trees: dict[tuple[str, str], _Tree] = {}
+
+    def assign(self, artifact: tuple[str, str], address: str) -> str | None:
+        """The peer `address` should fetch `artifact` from, or None: from us.
+        `artifact` is (tenant, digest)."""
+        now = time.monotonic()
+        tree = self._trees.get(artifact)
+        if tree is None:
+            if len(self._trees) >= MAX_TREES:
+                self._expire(now)
+            tree = self._trees[artifact] = _Tree()
+        tree.nodes = [n for n in tree.nodes if now - n.since < self.window_s]
+        if any(n.address == address for n in tree.nodes):
+            return None  # asking again: its peer failed it, or it lost the blob
+        parent = next((n for n in tree.nodes if n.children < self.fanout), None)
+        tree.nodes.append(_Node(address, now))
+        if parent is None:
+            return None
+        parent.children += 1
+        return parent.address
+
+    def _expire(self, now: float) -> None:
+        for k in [k for k, t in self._trees.items()
+                  if not t.nodes or now - t.nodes[-1].since >= self.window_s]:
+            del self._trees[k]
+        while len(self._trees) >= MAX_TREES:  # all busy: drop the oldest
+            del self._trees[next(iter(self._trees))]

@@ -1,0 +1,101 @@
+"""Fan-out: many workers fetching one artifact at once cost the coordinator
+about one copy; a failing peer costs a retry from the coordinator, never the
+artifact. Real coordinator, etcd and workers on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import grpc
+import pytest
+
+from compilecast.launch import free_port
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker.client import CacheClient
+
+SIZE = 24 << 20
+
+
+def publish(coordinator, key: str, data: bytes) -> pb.ArtifactInfo:
+    client = CacheClient(coordinator.cfg.listen)
+    return client.publish(key, client.acquire(key).lease, data, 2.0)
+
+
+def egress(coordinator) -> float:
+    return coordinator.registry.get_sample_value(
+        "compilecast_coordinator_artifact_bytes_total", {"direction": "out"}) or 0.0
+
+
+def relaying_worker(start_worker, coordinator, name: str):
+    port = free_port()
+    return start_worker(coordinator.cfg.listen, name, relay_listen=f"127.0.0.1:{port}",
+                        relay_advertise=f"127.0.0.1:{port}")
+
+
+def fetch_all(targets: list[str], key: str) -> list[bytes]:
+    out: list = [None] * len(targets)
+
+    def one(i: int) -> None:
+        out[i] = CacheClient(targets[i], timeout_s=60).fetch(key)[1]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(targets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def test_six_workers_fetching_at_once_cost_the_coordinator_about_one_copy(
+        start_coordinator, start_worker):
+    coordinator = start_coordinator(relay_fanout=2)
+    data = os.urandom(SIZE)
+    publish(coordinator, "big", data)
+    workers = [relaying_worker(start_worker, coordinator, f"w{i}") for i in range(6)]
+    before = egress(coordinator)
+    got = fetch_all([w.target for w in workers], "big")
+    assert all(g == data for g in got)
+    sent = egress(coordinator) - before
+    assert sent <= 2 * SIZE, sent / SIZE  # not 6 copies
+    redirects = coordinator.registry.get_sample_value(
+        "compilecast_coordinator_relay_redirects_total")
+    assert redirects >= 3
+    relayed = sum(w.registry.get_sample_value("compilecast_worker_relays_total",
+                                              {"event": "redirected"}) or 0 for w in workers)
+    assert relayed == redirects
+    # Each host cache holds the verified artifact: a second fetch is local.
+    for w in workers:
+        assert CacheClient(w.target).fetch("big")[1] == data
+
+
+def test_a_dead_peer_costs_a_retry_from_the_coordinator(start_coordinator, start_worker):
+    coordinator = start_coordinator(relay_fanout=2)
+    data = os.urandom(4 << 20)
+    info = publish(coordinator, "k", data)
+    # A "worker" that registers a relay address nobody serves, then vanishes.
+    dead = CacheClient(coordinator.cfg.listen)
+    first = list(dead.stub.Fetch(pb.FetchRequest(key="k", relay_address="127.0.0.1:1")))
+    assert hashlib.sha256(b"".join(c.data for c in first)).hexdigest() == info.digest
+    worker = relaying_worker(start_worker, coordinator, "w")
+    assert CacheClient(worker.target).fetch("k")[1] == data
+    assert worker.registry.get_sample_value("compilecast_worker_relays_total",
+                                            {"event": "fallback"}) == 1
+
+
+def test_fetch_resumes_at_an_offset_and_refuses_bad_relay_fields(coordinator, start_worker):
+    data = os.urandom(3 << 20)
+    publish(coordinator, "k", data)
+    client = CacheClient(coordinator.cfg.listen)
+    rest = b"".join(c.data for c in client.stub.Fetch(pb.FetchRequest(key="k", offset=1234567)))
+    assert rest == data[1234567:]
+    for bad in (pb.FetchRequest(key="k", offset=-1), pb.FetchRequest(key="k", offset=len(data) + 1),
+                pb.FetchRequest(key="k", relay_address="no port")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stub.Fetch(bad))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    worker = start_worker(coordinator.cfg.listen)
+    with pytest.raises(grpc.RpcError) as err:
+        list(CacheClient(worker.target).stub.Fetch(pb.FetchRequest(key="k", offset=5)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
