@@ -151,3 +151,14 @@ def test_a_recipe_whose_blob_was_evicted_is_dropped_from_the_job_index(coordinat
     assert client.list_recipes("job-e") == []
     assert code_of(lambda: client.submit(replay_job="job-e", target=TPU)) == \
         grpc.StatusCode.NOT_FOUND
+
+
+def test_a_worker_passes_the_farm_calls_on(coordinator, start_worker):
+    worker = start_worker(coordinator.cfg.listen)
+    via = CacheClient(worker.target, identity=Identity(job="job-w"))
+    info = via.publish("key-w", via.acquire("key-w").lease, b"y" * 64, 1.0,
+                       recipe=pb.Recipe(program=b"\x00p", target=TPU))
+    assert info.recipe_digest
+    assert [r.key for r in via.list_recipes("job-w")] == ["key-w"]
+    [task] = via.submit([entry()])
+    assert [t.task_id for t in via.tasks([task])] == [task]

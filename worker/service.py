@@ -316,6 +316,15 @@ class WorkerService(rpc.CompileCacheServicer):
     async def Tasks(self, request, context):
         return await self._forward("Tasks", request, context)
 
+    @rpc_errors
+    async def ListRecipes(self, request, context):
+        try:
+            async for recipe in self.up.ListRecipes(request, timeout=max(60.0, self.rpc_timeout_s),
+                                                    metadata=self._credential(context)[1]):
+                yield recipe
+        except grpc.aio.AioRpcError as exc:
+            raise _relay(exc) from None
+
     # -- Fetch -----------------------------------------------------------
     async def _run_fill(self, fill: _Fill, ns: str, md: tuple, key: str, digest: str) -> None:
         """Download `key` into the host cache once, however many ask, passing
