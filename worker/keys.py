@@ -22,7 +22,8 @@ cannot change the executable:
   global graph counter);
 - names of private functions: renamed to f0, f1, ... in order of
   appearance, which also removes HLO computation names and unique ids;
-- the attributes in `ignore_attributes` (default: JAX's jax.arg_info and
+- the attributes in `ignore_attributes` on the module, its functions and
+  their arguments and results (default: JAX's jax.arg_info and
   jax.result_info, Python pytree paths that XLA never reads).
 Everything else stays, byte for byte, in MLIR bytecode: every element of every
 constant (bytecode never elides), shapes, dtypes, layouts, shardings, aliasing
@@ -150,6 +151,10 @@ def detect_format(data: bytes) -> str:
 # -- canonicalization ------------------------------------------------------------
 
 def _strip_attributes(module: Any, names: tuple[str, ...]) -> None:
+    """Drop `names` from the module, its functions, and their argument and
+    result attributes. Only those levels: an op inside a function carries its
+    debug information in its location (dropped by strip-debuginfo), and a
+    Python walk over every op cost more than everything else in a key."""
     ir = jax_adapter.ir
     drop = set(names)
 
@@ -157,7 +162,7 @@ def _strip_attributes(module: Any, names: tuple[str, ...]) -> None:
         kept = {a.name: a.attr for a in ir.DictAttr(d) if a.name not in drop}
         return ir.DictAttr.get(kept)
 
-    def visit(op: Any) -> Any:
+    def visit(op: Any) -> None:
         attrs = op.attributes
         for name in drop:
             if name in attrs:
@@ -166,9 +171,10 @@ def _strip_attributes(module: Any, names: tuple[str, ...]) -> None:
             if list_name in attrs:
                 arr = ir.ArrayAttr(attrs[list_name])
                 attrs[list_name] = ir.ArrayAttr.get([clean_dict(d) for d in arr])
-        return ir.WalkResult.ADVANCE
 
-    module.operation.walk(visit)
+    visit(module.operation)
+    for op in _body(module).operations:
+        visit(op.operation)
 
 
 def _remap_symbols(attr: Any, mapping: dict[str, str]) -> Any | None:
