@@ -8,6 +8,8 @@ bytecode and as an HloModuleProto, and times side by side, in one process:
   sha256      hashlib.sha256 over the serialized bytes
   cc-key      compilecast's canonical program key (parse, canonicalize, hash)
   jax-key     JAX's own canonicalization (strip-debuginfo + bytecode), bytecode only
+and, as the JAX integration computes keys, on the module JAX holds in memory
+(no parsing; sha256 of its bytecode as the reference): row "in-memory".
 Peak RSS of each key computation is measured in a fresh subprocess.
 """
 
@@ -24,7 +26,7 @@ import tempfile
 import time
 
 
-def build(size_mb: float) -> tuple[bytes, bytes, str]:
+def build(size_mb: float):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -44,7 +46,7 @@ def build(size_mb: float) -> tuple[bytes, bytes, str]:
     out = io.BytesIO()
     lowered.compiler_ir("stablehlo").operation.write_bytecode(file=out)
     hlo = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
-    return out.getvalue(), hlo, kind
+    return out.getvalue(), hlo, kind, lowered.compiler_ir("stablehlo")
 
 
 def best_of(fn, repeat: int) -> float:
@@ -56,11 +58,15 @@ def best_of(fn, repeat: int) -> float:
     return min(times)
 
 
-def jax_canonical(data: bytes) -> str:
+def jax_canonical(data) -> str:
     from jax._src import cache_key
 
     from compilecast.worker import jax_adapter
 
+    if not isinstance(data, bytes):  # a module in memory
+        with data.context:
+            return hashlib.sha256(cache_key._canonicalize_ir(data, cache_key.IgnoreCallbacks.NO)
+                                  ).hexdigest()
     with jax_adapter.mlir_context():
         module = jax_adapter.ir.Module.parse(data)
         return hashlib.sha256(cache_key._canonicalize_ir(module, cache_key.IgnoreCallbacks.NO)
@@ -108,20 +114,28 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    from compilecast.worker.keys import program_key
+    from compilecast.worker.keys import KeyConfig, program_digest, program_key
 
     rows = []
     for size in args.sizes_mb:
-        bc, hlo, kind = build(size)
-        for fmt, data in (("mlir-bytecode", bc), ("hlo-proto", hlo)):
-            sha = best_of(lambda d=data: hashlib.sha256(d).digest(), args.repeat)
-            ours = best_of(lambda d=data: program_key(d), args.repeat)
+        bc, hlo, kind, module = build(size)
+        for fmt, data in (("mlir-bytecode", bc), ("hlo-proto", hlo), ("in-memory", module)):
+            raw = bc if fmt == "in-memory" else data
+            sha = best_of(lambda d=raw: hashlib.sha256(d).digest(), args.repeat)
+            if fmt == "in-memory":
+                ours = best_of(lambda m=data: program_digest(m, KeyConfig()), args.repeat)
+            else:
+                ours = best_of(lambda d=data: program_key(d), args.repeat)
             theirs = best_of(lambda d=data: jax_canonical(d), args.repeat) \
-                if fmt == "mlir-bytecode" else float("nan")
-            with tempfile.NamedTemporaryFile(suffix=".bin") as f:
-                f.write(data)
-                f.flush()
-                rss = peak_rss_mb(f.name)
+                if fmt != "hlo-proto" else float("nan")
+            if fmt == "in-memory":
+                rss = float("nan")
+            else:
+                with tempfile.NamedTemporaryFile(suffix=".bin") as f:
+                    f.write(data)
+                    f.flush()
+                    rss = peak_rss_mb(f.name)
+            data = raw
             row = {"target_mb": size, "kind": kind, "format": fmt,
                    "bytes": len(data), "sha256_s": sha, "cc_key_s": ours,
                    "cc_vs_sha256": ours / sha, "jax_key_s": theirs,
