@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,47 @@ def test_precompile_explains_a_bad_entry_point(up):
     assert topo.returncode == 2 and "compile-only tpu topology" in topo.stderr, topo.stderr
 
 
+
+
+def test_a_farm_worker_killed_mid_compile_loses_nothing(start_up):
+    """The claim lapses, another farm worker takes the task, and its publish
+    is the one: the dead worker's compile lease lapsed too."""
+    up = start_up({"COMPILECAST_LEASE_TTL_S": "3"})
+    coord = coordinator_of(up)
+    slow = {**ENV, "COMPILECAST_EXAMPLE_LAYERS": "48", "COMPILECAST_EXAMPLE_WIDTH": "1024"}
+
+    def farm(name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "compilecast.cli", "farm",
+                                 "--coordinator", coord, "--concurrency", "1", "--name", name],
+                                env=slow, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    client = CacheClient(coord)
+    recipe = pb.Recipe(entry=ENTRY, entry_index=0, target=pb.Target(platform="tpu",
+                                                                    topology="v5e:2x2"))
+    [task] = client.submit([recipe])
+    doomed = farm("doomed")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # running, and holding the compile lease
+        st = client.status()
+        if st.tasks_running == 1 and st.compiles_in_flight == 1:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the farm never started compiling")
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(10)
+    rescuer = farm("rescuer")
+    try:
+        while time.monotonic() < deadline + 120:
+            [t] = client.tasks([task])
+            if t.state in (pb.DONE, pb.FAILED):
+                break
+            time.sleep(0.5)
+        assert (t.state, t.worker) == (pb.DONE, "rescuer"), t
+        assert t.detail.startswith("published"), t
+        assert client.describe(t.key).artifact.digest
+        st = client.status()
+        assert (st.tasks_done, st.tasks_running, st.tasks_queued, st.artifacts) == (1, 0, 0, 1)
+    finally:
+        rescuer.terminate()
+        rescuer.wait(60)
