@@ -45,6 +45,8 @@ bench: install
 	$(PY) bench/fetch.py
 	$(PY) bench/decisions.py
 	$(PY) bench/decisions.py --batch 100 --clients 100
+	$(PY) bench/fanout.py
+	$(PY) bench/aot_farm.py --layers 64
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache
