@@ -1,7 +1,10 @@
 """Content-addressed artifact store on local disk.
 
 Blobs are named by the sha256 of their uncompressed bytes and stored
-zstd-compressed:
+zstd-compressed, or raw (after an 8-byte marker) when their first MiB does not
+compress: compressing incompressible bytes costs CPU on every write and read
+and saves nothing. A zstd frame starts with its own magic number, so the two
+forms never mistake each other:
 
     ROOT/blobs/ab/abcdef....zst   committed blobs (ab = first two hex digits)
     ROOT/tmp/                     writes in progress; emptied on open
@@ -41,6 +44,9 @@ from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, TooLarge
 log = logging.getLogger(__name__)
 
 CHUNK = 2 << 20
+RAW_MAGIC = b"CCRAW01\n"  # a stored blob that is not zstd (zstd frames begin 28 b5 2f fd)
+PROBE = 1 << 20  # bytes whose compressibility decides how a blob is stored
+MIN_SAVING = 0.05  # store raw unless zstd saves at least this fraction of the probe
 
 
 def _fsync_dir(path: Path) -> None:
@@ -61,9 +67,11 @@ class BlobWriter:
         fd, name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".part")
         self._path = Path(name)
         self._file = os.fdopen(fd, "wb")
-        self._zw = zstandard.ZstdCompressor(level=store.level).stream_writer(
-            self._file, closefd=False
-        )
+        self._level = store.level
+        self._zw = None  # a zstd stream writer, once the probe says compress
+        self._raw = False
+        self._probe: list[bytes] = []
+        self._probed = 0
         self._hash = hashlib.sha256()
         self.size = 0
         self._done = False
@@ -73,7 +81,34 @@ class BlobWriter:
         if self.size > self._max_size:
             raise TooLarge(f"artifact exceeds the limit of {self._max_size} bytes")
         self._hash.update(data)
-        self._zw.write(data)
+        if self._zw is not None:
+            self._zw.write(data)
+        elif self._raw:
+            self._file.write(data)
+        else:
+            self._probe.append(bytes(data))
+            self._probed += len(data)
+            if self._probed >= PROBE:
+                self._decide()
+
+    def _decide(self) -> None:
+        """Compress or not, from the first PROBE bytes; then write them."""
+        head = b"".join(self._probe)
+        self._probe = []
+        sample = head[:PROBE]
+        packed = zstandard.ZstdCompressor(level=self._level).compress(sample)
+        if sample and len(packed) > len(sample) * (1 - MIN_SAVING):
+            self._raw = True
+            self._file.write(RAW_MAGIC)
+            self._file.write(head)
+        else:
+            self._zw = zstandard.ZstdCompressor(level=self._level).stream_writer(
+                self._file, closefd=False)
+            self._zw.write(head)
+
+    @property
+    def stored_raw(self) -> bool:
+        return self._raw
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
@@ -82,7 +117,10 @@ class BlobWriter:
         """Verify and move the blob into place; returns its path."""
         validate.digest(digest)
         try:
-            self._zw.flush(zstandard.FLUSH_FRAME)
+            if self._zw is None and not self._raw:
+                self._decide()
+            if self._zw is not None:
+                self._zw.flush(zstandard.FLUSH_FRAME)
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
@@ -239,7 +277,10 @@ class DiskBlobStore:
             if self.max_bytes is not None:
                 with contextlib.suppress(OSError):
                     os.utime(path)
-            reader = zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
+            raw = f.read(len(RAW_MAGIC)) == RAW_MAGIC
+            if not raw:
+                f.seek(0)
+            reader = f if raw else zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
             try:
                 while True:
                     chunk = reader.read(chunk_size)

@@ -20,6 +20,33 @@ def test_roundtrip_is_verified_and_compressed(tmp_path):
     assert store.path_of(digest).stat().st_size < len(data) // 10
 
 
+def test_incompressible_blobs_are_stored_raw_and_still_verified(tmp_path):
+    from compilecast.blobstore import RAW_MAGIC
+
+    store = DiskBlobStore(tmp_path)
+    data = os.urandom(3 << 20)  # more than the 1 MiB probe, in several writes
+    with store.writer() as w:
+        for off in range(0, len(data), 700_000):
+            w.write(data[off:off + 700_000])
+        assert w.stored_raw
+        w.commit(hashlib.sha256(data).hexdigest(), len(data))
+    digest = hashlib.sha256(data).hexdigest()
+    path = store.path_of(digest)
+    assert path.read_bytes()[:len(RAW_MAGIC)] == RAW_MAGIC
+    assert path.stat().st_size == len(data) + len(RAW_MAGIC)
+    assert store.read_bytes(digest) == data
+    small = os.urandom(1000)  # decided at commit
+    assert store.read_bytes(store.put_bytes(small)) == small
+    assert store.path_of(hashlib.sha256(small).hexdigest()).read_bytes()[:8] == RAW_MAGIC
+    # A flipped byte in a raw blob is caught like in a compressed one.
+    raw = bytearray(path.read_bytes())
+    raw[len(RAW_MAGIC) + 12345] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptBlob):
+        store.read_bytes(digest)
+    assert store.quarantined == 1 and not store.has(digest)
+
+
 def test_wrong_digest_stores_nothing(tmp_path):
     store = DiskBlobStore(tmp_path)
     with pytest.raises(DigestMismatch), store.writer() as w:
