@@ -49,7 +49,8 @@ class _Fill:
 
     MAX_BACKLOG = 64 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, max_backlog: int = MAX_BACKLOG) -> None:
+        self.max_backlog = max_backlog
         self.readers: list[asyncio.Queue] = []
         self.started = False
         self.finished = False
@@ -77,7 +78,7 @@ class _Fill:
         self.started = True
         if self.backlog is not None:
             self.backlog_bytes += len(chunk.data)
-            if self.backlog_bytes > self.MAX_BACKLOG:
+            if self.backlog_bytes > self.max_backlog:
                 self.backlog = None  # too far along: later readers wait for the blob
             else:
                 self.backlog.append(chunk)
@@ -426,7 +427,9 @@ class WorkerService(rpc.CompileCacheServicer):
         self.metrics.fetches.labels("coordinator").inc()
         fill = self._fills.get((ns, request.key))
         if fill is None:
-            fill = self._fills[(ns, request.key)] = _Fill()
+            # Peers join a running download late: keep its head for them.
+            fill = self._fills[(ns, request.key)] = _Fill(
+                _Fill.MAX_BACKLOG if self.relay_address else 0)
             self._tasks.add(task := asyncio.create_task(
                 self._run_fill(fill, ns, md, request.key, request.digest)))
             task.add_done_callback(self._tasks.discard)
