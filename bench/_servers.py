@@ -29,7 +29,8 @@ def wait_port(port: int, timeout: float = 20) -> None:
 
 
 class Stack:
-    """etcd + coordinator (+ workers) as subprocesses under `root`."""
+    """etcd + coordinator (+ workers) as subprocesses under `root`, which
+    close() removes."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -81,6 +82,9 @@ class Stack:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait(15)
+        # Stores and host caches of GB-sized artifacts: never leave them behind.
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def peak_rss_mb(pid: int) -> float:
