@@ -191,3 +191,21 @@ def start_up(tmp_path):
 @pytest.fixture
 def up(start_up):
     return start_up()
+
+
+# Bearer tokens of the security and relay tests: token -> (tenant, permissions).
+TOKENS = {"a-pub": ("team-a", ["read", "publish"]), "a-read": ("team-a", ["read"]),
+          "b-pub": ("team-b", ["read", "publish"])}
+
+
+@pytest.fixture
+def tokens_file(tmp_path) -> Path:
+    import hashlib
+
+    import yaml
+
+    path = tmp_path / "tokens.yaml"
+    path.write_text(yaml.safe_dump({"tokens": [
+        {"name": tok, "sha256": hashlib.sha256(tok.encode()).hexdigest(), "tenant": tenant,
+         "permissions": perms} for tok, (tenant, perms) in TOKENS.items()]}))
+    return path

@@ -15,6 +15,8 @@ from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 
+from .test_security import DATA
+
 SIZE = 24 << 20
 
 
@@ -99,3 +101,32 @@ def test_fetch_resumes_at_an_offset_and_refuses_bad_relay_fields(coordinator, st
     with pytest.raises(grpc.RpcError) as err:
         list(CacheClient(worker.target).stub.Fetch(pb.FetchRequest(key="k", offset=5)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_relaying_respects_tokens_and_tenants(start_coordinator, start_worker, tokens_file,
+                                              tmp_path):
+    from compilecast.v1 import cache_pb2_grpc as rpc
+
+    coordinator = start_coordinator(auth_tokens_file=str(tokens_file),
+                                    allow_unauthenticated=False, relay_fanout=2)
+    worker_token = tmp_path / "worker-token"
+    worker_token.write_text("a-pub")
+    ports = [free_port(), free_port()]
+    workers = [start_worker(coordinator.cfg.listen, f"t{i}", token_file=str(worker_token),
+                            relay_listen=f"127.0.0.1:{p}", relay_advertise=f"127.0.0.1:{p}")
+               for i, p in enumerate(ports)]
+    a = CacheClient(workers[0].target)  # acts as the workers (tenant team-a)
+    a.publish("k", a.acquire("k").lease, DATA, 1.0)
+    # Both workers fetch; the second is relayed by the first.
+    assert fetch_all([w.target for w in workers], "k") == [DATA, DATA]
+    # The relay port serves nobody without a token, nor another tenant's token.
+    relay = rpc.CompileCacheStub(grpc.insecure_channel(f"127.0.0.1:{ports[0]}"))
+    with pytest.raises(grpc.RpcError) as err:
+        list(relay.Fetch(pb.FetchRequest(key="k")))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:
+        list(relay.Fetch(pb.FetchRequest(key="k"), metadata=(("authorization", "Bearer b-pub"),)))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # team-b has no such key
+    got = b"".join(c.data for c in relay.Fetch(
+        pb.FetchRequest(key="k"), metadata=(("authorization", "Bearer a-pub"),)))
+    assert got == DATA

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 
 DATA = b"executable" * 10_000
-TOKENS = {"a-pub": ("team-a", ["read", "publish"]), "a-read": ("team-a", ["read"]),
-          "b-pub": ("team-b", ["read", "publish"])}
-
-
-@pytest.fixture
-def tokens_file(tmp_path) -> Path:
-    path = tmp_path / "tokens.yaml"
-    path.write_text(yaml.safe_dump({"tokens": [
-        {"name": tok, "sha256": hashlib.sha256(tok.encode()).hexdigest(), "tenant": tenant,
-         "permissions": perms} for tok, (tenant, perms) in TOKENS.items()]}))
-    return path
-
-
 @pytest.fixture
 def secured(start_coordinator, tokens_file):
     return start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)

@@ -121,15 +121,18 @@ async def _idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
 
 class RelayService(rpc.CompileCacheServicer):
     """A worker's relay endpoint (TCP): Fetch only, for peer workers the
-    coordinator points here. Peers present the workers' token when there is one."""
+    coordinator points here. Where workers hold a token, a peer must present
+    one: the workers' own (this host's namespace) or the per-job token its
+    process used, which reaches only what that token fetched here or what the
+    coordinator grants it."""
 
     def __init__(self, worker: WorkerService) -> None:
         self.worker = worker
 
     async def Fetch(self, request, context):
-        if self.worker.token and token_from(context) != self.worker.token:
+        if self.worker.token and not token_from(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "relay fetches need the workers' token")
+                                "relay fetches need a token")
         async for chunk in self.worker.Fetch(request, context):
             yield chunk
 
