@@ -17,7 +17,6 @@ from libtpu's compile-only client, so "holds" means the digest-verified bytes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +25,8 @@ import time
 from pathlib import Path
 
 from _servers import Stack, free_port
+
+from compilecast.launch import collect
 
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
@@ -38,12 +39,7 @@ def pod(mode: str, coordinator: str, topology: str, n: int) -> dict:
                                topology, str(i), str(n), dist, str(t0)], env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(n)]
-    rows = []
-    for p in procs:
-        out, err = p.communicate(timeout=3600)
-        if p.returncode != 0:
-            raise RuntimeError(f"{mode} process failed:\n{err[-3000:]}")
-        rows.append(json.loads(out.strip().splitlines()[-1]))
+    rows = collect(procs, timeout_s=3600)
     return {"ready": max(r["ready"] for r in rows), "compiles": sum(r["compiles"] for r in rows),
             "lowered": max(r["lowered"] for r in rows), "bytes": rows[0]["bytes"]}
 

@@ -96,14 +96,13 @@ class BlobWriter:
         head = b"".join(self._probe)
         self._probe = []
         sample = head[:PROBE]
-        packed = zstandard.ZstdCompressor(level=self._level).compress(sample)
-        if sample and len(packed) > len(sample) * (1 - MIN_SAVING):
+        zc = zstandard.ZstdCompressor(level=self._level)
+        if sample and len(zc.compress(sample)) > len(sample) * (1 - MIN_SAVING):
             self._raw = True
             self._file.write(RAW_MAGIC)
             self._file.write(head)
         else:
-            self._zw = zstandard.ZstdCompressor(level=self._level).stream_writer(
-                self._file, closefd=False)
+            self._zw = zc.stream_writer(self._file, closefd=False)
             self._zw.write(head)
 
     @property

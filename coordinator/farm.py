@@ -241,6 +241,7 @@ class Farm:
     async def tasks(self, tenant: str, ids: list[str]) -> pb.TasksResponse:
         for t in ids:
             validate.task_id(t)
+        wanted = set(ids)
         now = time.time()
         claims = {kv.key.rsplit(b"/", 1)[1].decode(): json.loads(kv.value)
                   for kv in await self.etcd.get_prefix(self._k("c", tenant))}
@@ -248,7 +249,7 @@ class Farm:
         for kind, state in (("q", pb.QUEUED), ("d", pb.DONE), ("f", pb.FAILED)):
             for kv in await self.etcd.get_prefix(self._k(kind, tenant), limit=0 if ids else MAX_TASKS_LISTED):
                 task_id = kv.key.rsplit(b"/", 1)[1].decode()
-                if ids and task_id not in ids:
+                if wanted and task_id not in wanted:
                     continue
                 body = json.loads(kv.value)
                 st = state

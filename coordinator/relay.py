@@ -17,7 +17,7 @@ again is never redirected again.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from compilecast.errors import InvalidRequest
 
@@ -27,11 +27,6 @@ class _Node:
     address: str
     since: float
     children: int = 0
-
-
-@dataclass
-class _Tree:
-    nodes: list[_Node] = field(default_factory=list)
 
 
 MAX_TREES = 4096
@@ -49,30 +44,28 @@ class RelayTrees:
     def __init__(self, fanout: int = 2, window_s: float = 300.0) -> None:
         self.fanout = max(1, fanout)
         self.window_s = window_s
-        self._trees: dict[tuple[str, str], _Tree] = {}
+        self._trees: dict[tuple[str, str], list[_Node]] = {}
 
     def assign(self, artifact: tuple[str, str], address: str) -> str | None:
         """The peer `address` should fetch `artifact` from, or None: from us.
         `artifact` is (tenant, digest)."""
         now = time.monotonic()
-        tree = self._trees.get(artifact)
-        if tree is None:
-            if len(self._trees) >= MAX_TREES:
-                self._expire(now)
-            tree = self._trees[artifact] = _Tree()
-        tree.nodes = [n for n in tree.nodes if now - n.since < self.window_s]
-        if any(n.address == address for n in tree.nodes):
+        if artifact not in self._trees and len(self._trees) >= MAX_TREES:
+            self._expire(now)
+        nodes = self._trees[artifact] = [n for n in self._trees.get(artifact, ())
+                                         if now - n.since < self.window_s]
+        if any(n.address == address for n in nodes):
             return None  # asking again: its peer failed it, or it lost the blob
-        parent = next((n for n in tree.nodes if n.children < self.fanout), None)
-        tree.nodes.append(_Node(address, now))
+        parent = next((n for n in nodes if n.children < self.fanout), None)
+        nodes.append(_Node(address, now))
         if parent is None:
             return None
         parent.children += 1
         return parent.address
 
     def _expire(self, now: float) -> None:
-        for k in [k for k, t in self._trees.items()
-                  if not t.nodes or now - t.nodes[-1].since >= self.window_s]:
+        for k in [k for k, nodes in self._trees.items()
+                  if not nodes or now - nodes[-1].since >= self.window_s]:
             del self._trees[k]
         while len(self._trees) >= MAX_TREES:  # all busy: drop the oldest
             del self._trees[next(iter(self._trees))]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from compilecast.launch import free_port
+from compilecast.launch import collect, free_port
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 
@@ -49,12 +49,7 @@ def simulated_pod(coordinator: str, topology: str, n: int) -> list[dict]:
                                ENTRY, topology, str(i), str(n), dist], env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(n)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+    return collect(procs, timeout_s=240)
 
 
 def test_precompiled_programs_are_all_hits_for_every_process_of_a_pod(up):

@@ -81,7 +81,6 @@ def test_holder_killed_mid_compile_a_waiter_is_promoted(start_up):
 
 
 def _fdo_job(target: str, profiles: list[str]) -> list[dict]:
-    import json
     import subprocess
     import sys
     from pathlib import Path
@@ -93,12 +92,7 @@ def _fdo_job(target: str, profiles: list[str]) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, str(script), target, str(i), str(len(profiles)),
                                dist, p], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i, p in enumerate(profiles)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=180)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+    return collect(procs, timeout_s=180)
 
 
 def test_the_fdo_profile_is_shared_once_and_a_restarted_job_reuses_it(up):

@@ -367,22 +367,14 @@ def check(client: CacheClient, programs: list[Program], *, fetch: bool = True) -
         start = time.monotonic()
         key = probe(prog.trigger).key.value
         try:
-            if fetch:
-                info, _ = client.fetch(key)
-            else:
-                info = client.describe(key).artifact
-                if not info.digest:
-                    raise _Absent()
-            out.append(Presence(prog.name, key, True, info.size, time.monotonic() - start))
-        except (_Absent, grpc.RpcError) as exc:
-            if isinstance(exc, grpc.RpcError) and exc.code() != grpc.StatusCode.NOT_FOUND:
+            info = client.fetch(key)[0] if fetch else client.describe(key).artifact
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
-            out.append(Presence(prog.name, key, False, 0, time.monotonic() - start))
+            info = pb.ArtifactInfo()
+        out.append(Presence(prog.name, key, bool(info.digest), info.size,
+                            time.monotonic() - start))
     return out
-
-
-class _Absent(Exception):
-    pass
 
 
 # -- the farm -------------------------------------------------------------------

@@ -123,7 +123,7 @@ class Hooks(Protocol):
     def compile(self, key: str, module_name: str, has_host_callbacks: bool,
                 run: Callable[[], Any], serialize: Callable[[Any, float], bytes]) -> Any: ...
 
-    # Optional: share_profile(profile_key, profile, designated) -> bytes | None
+    # Optional: share_profile(profile_key, profile) -> bytes | None
     # (None: use JAX's own exchange).
 
 
@@ -199,9 +199,8 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
                 opts = copy.deepcopy(compile_options)
                 opts.executable_build_options.fdo_profile = b""
                 key = hooks.cache_key(computation, devices, opts, backend)
-                if key:
-                    got = share(f"{key}_fdo_sync", bytes(profile),
-                                _distributed.global_state.process_id == min_process_id)
+                if key:  # the coordinator picks the writer (the job's designated process)
+                    got = share(f"{key}_fdo_sync", bytes(profile))
             if got is None:
                 return orig_share(computation, devices, compile_options, backend, global_client,
                                   min_process_id)

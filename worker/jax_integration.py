@@ -229,7 +229,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
                         key, exc.code().name, held.lease.ttl_seconds)
 
     # -- FDO / PGLE profiles --------------------------------------------------
-    def share_profile(self, key: str, profile: bytes, designated: bool) -> bytes | None:
+    def share_profile(self, key: str, profile: bytes) -> bytes | None:
         """The profile every process of the job compiles with: the first one
         stored under `key` (a restarted job finds the stored one), else the
         designated process's. None: use JAX's own exchange."""
