@@ -25,9 +25,10 @@ import grpc
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack, free_port, peak_rss_mb, random_file, wait_port
 
+from compilecast import wire
 from compilecast.grpcutil import CHANNEL_OPTIONS
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.wire import DataChunk
 from compilecast.worker.client import CacheClient
 
 
@@ -38,7 +39,7 @@ def publish_file(target: str, key: str, path: Path) -> str:
             digest.update(chunk)
     size = path.stat().st_size
     ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-    stub = rpc.CompileCacheStub(ch)
+    stub = wire.stub(ch)
     lease = stub.Acquire(pb.AcquireRequest(key=key), timeout=10).lease
 
     def msgs():
@@ -47,7 +48,7 @@ def publish_file(target: str, key: str, path: Path) -> str:
                                                       compile_time_seconds=1.0))
         with open(path, "rb") as f:
             while chunk := f.read(1 << 20):
-                yield pb.PublishChunk(data=chunk)
+                yield DataChunk(chunk)
 
     keeper = CacheClient(target)
     keeper.keep_lease(key, lease)  # a long upload outlives the lease TTL
@@ -61,7 +62,7 @@ def publish_file(target: str, key: str, path: Path) -> str:
 
 def fetch(target: str, key: str, expect: str) -> float:
     ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-    stub = rpc.CompileCacheStub(ch)
+    stub = wire.stub(ch)
     h = hashlib.sha256()
     t0 = time.perf_counter()
     for chunk in stub.Fetch(pb.FetchRequest(key=key), timeout=600):

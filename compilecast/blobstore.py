@@ -13,9 +13,11 @@ forms never mistake each other:
 Write protocol: stream into a temp file while hashing, fsync, verify the
 digest and size, then rename atomically into place and fsync the directory. A
 crash at any point leaves either nothing or a complete blob; temp files are
-swept on the next open. Every read re-hashes what it returns; a mismatch
-quarantines the blob and raises CorruptBlob after the last chunk, so a reader
-must not use the bytes before the stream ends cleanly.
+swept on the next open. Reads hash what they return; a mismatch quarantines
+the blob and raises CorruptBlob after the last chunk, so a reader must not use
+the bytes before the stream ends cleanly. A blob this process wrote or
+verified less than `reverify_s` ago, in a file that has not changed since, is
+served without hashing it again (its readers verify every byte they receive).
 
 Concurrency: any number of readers and writers, threads or processes. Two
 writers of the same digest race harmlessly (the rename is idempotent). The
@@ -33,8 +35,9 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import zstandard
 
@@ -47,6 +50,18 @@ CHUNK = 2 << 20
 RAW_MAGIC = b"CCRAW01\n"  # a stored blob that is not zstd (zstd frames begin 28 b5 2f fd)
 PROBE = 1 << 20  # bytes whose compressibility decides how a blob is stored
 MIN_SAVING = 0.05  # store raw unless zstd saves at least this fraction of the probe
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is replaced or written to."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+T = TypeVar("T")
+
+
+def _same(chunk: bytes) -> Any:
+    return chunk
 
 
 def _fsync_dir(path: Path) -> None:
@@ -137,6 +152,7 @@ class BlobWriter:
             os.replace(self._path, final)
             _fsync_dir(final.parent)
             self._done = True
+            self._store._trust(digest, final.stat())  # hashed on the way in
             if not existed:
                 self._store._account(stored)
             return final
@@ -169,6 +185,7 @@ class DiskBlobStore:
         max_bytes: int | None = None,
         max_blob_size: int = 8 << 30,
         level: int = 3,
+        reverify_s: float = 600.0,
     ) -> None:
         self.root = Path(root)
         self.blob_dir = self.root / "blobs"
@@ -183,6 +200,8 @@ class DiskBlobStore:
         self.max_blob_size = max_blob_size
         self.level = level
         self.quarantined = 0
+        self.reverify_s = reverify_s  # 0: hash every byte of every read
+        self._verified: dict[str, tuple[tuple[int, ...], float]] = {}
         self._lock = threading.Lock()
         self._total = sum(p.stat().st_size for p in self.blob_dir.glob("*/*.zst"))
 
@@ -239,6 +258,7 @@ class DiskBlobStore:
                 log.info("evicted blob %s (%d bytes) from the bounded store", p.stem, size)
 
     def delete(self, digest: str) -> None:
+        self._distrust(digest)
         p = self.path_of(digest)
         with contextlib.suppress(FileNotFoundError):
             size = p.stat().st_size
@@ -247,6 +267,7 @@ class DiskBlobStore:
                 self._total -= size
 
     def quarantine(self, digest: str, why: str) -> None:
+        self._distrust(digest)
         p = self.path_of(digest)
         dest = self.quarantine_dir / f"{digest}.{int(time.time() * 1000)}.zst"
         with contextlib.suppress(FileNotFoundError):
@@ -258,12 +279,36 @@ class DiskBlobStore:
         log.error("quarantined blob %s: %s (kept at %s)", digest, why, dest)
 
     # -- reads -----------------------------------------------------------
-    def read(self, digest: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
-        """Yield the uncompressed bytes of a blob, verifying its digest.
+    def _trusted(self, digest: str, st: os.stat_result) -> float | None:
+        """When this process last verified the file behind `st`, if recently."""
+        with self._lock:
+            seen = self._verified.get(digest)
+        if seen is not None and seen[0] == _identity(st) \
+                and time.monotonic() - seen[1] < self.reverify_s:
+            return seen[1]
+        return None
+
+    def _trust(self, digest: str, st: os.stat_result, since: float | None = None) -> None:
+        if self.reverify_s > 0:
+            with self._lock:
+                self._verified[digest] = (_identity(st), time.monotonic() if since is None
+                                          else since)
+
+    def _distrust(self, digest: str) -> None:
+        with self._lock:
+            self._verified.pop(digest, None)
+
+    def read(self, digest: str, chunk_size: int = CHUNK, *, offset: int = 0) -> Iterator[bytes]:
+        """Yield the uncompressed bytes of a blob from `offset` on, verifying its digest.
 
         Raises NotFound if absent, CorruptBlob (after quarantining it) if the
         stored bytes do not hash to `digest`; the error comes after the last
         chunk, so consumers must treat the data as unverified until then.
+        Bytes before `offset` are read and hashed, not returned. A blob this
+        store wrote or verified within `reverify_s`, whose file has not
+        changed since (inode, size, mtime, ctime), is not hashed again: its
+        readers verify what they receive anyway, and on a busy coordinator
+        the second hash of every byte costs a core's worth of throughput.
         """
         validate.digest(digest)
         path = self.path_of(digest)
@@ -273,11 +318,19 @@ class DiskBlobStore:
             raise NotFound(f"blob {digest} is not in the store") from None
         h = hashlib.sha256()
         try:
+            started = time.monotonic()
+            since = self._trusted(digest, os.fstat(f.fileno()))
+            trusted = since is not None
             if self.max_bytes is not None:
                 with contextlib.suppress(OSError):
                     os.utime(path)
+                if since is not None:  # our own touch does not make it another file
+                    self._trust(digest, os.fstat(f.fileno()), since)
             raw = f.read(len(RAW_MAGIC)) == RAW_MAGIC
-            if not raw:
+            if raw and trusted and offset:
+                f.seek(len(RAW_MAGIC) + offset)
+                offset = 0
+            elif not raw:
                 f.seek(0)
             reader = f if raw else zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
             try:
@@ -285,14 +338,22 @@ class DiskBlobStore:
                     chunk = reader.read(chunk_size)
                     if not chunk:
                         break
-                    h.update(chunk)
+                    if not trusted:
+                        h.update(chunk)
+                    if offset:
+                        n = min(offset, len(chunk))
+                        chunk, offset = chunk[n:], offset - n
+                        if not chunk:
+                            continue
                     yield chunk
             except zstandard.ZstdError as exc:
                 self.quarantine(digest, f"undecodable: {exc}")
                 raise CorruptBlob(f"blob {digest} is corrupt (undecodable)") from None
+            if not trusted and h.hexdigest() == digest:
+                self._trust(digest, os.fstat(f.fileno()), started)
         finally:
             f.close()
-        if h.hexdigest() != digest:
+        if not trusted and h.hexdigest() != digest:
             self.quarantine(digest, f"hashes to {h.hexdigest()}")
             raise CorruptBlob(f"blob {digest} is corrupt: its bytes hash to {h.hexdigest()}")
 
@@ -300,10 +361,11 @@ class DiskBlobStore:
         return b"".join(self.read(digest))
 
 
-async def aread(store: DiskBlobStore, digest: str, *, depth: int = 4,
-                chunk_size: int = CHUNK) -> AsyncIterator[bytes]:
+async def aread(store: DiskBlobStore, digest: str, *, depth: int = 4, chunk_size: int = CHUNK,
+                offset: int = 0, transform: Callable[[bytes], T] = _same) -> AsyncIterator[T]:
     """`store.read` for an event loop: a thread reads, decompresses and
-    verifies up to `depth` chunks ahead while the caller sends; errors
+    verifies up to `depth` chunks ahead while the caller sends, and applies
+    `transform` to each chunk (the wire framing: off the event loop); errors
     (CorruptBlob after the last chunk) are raised in the caller."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -312,13 +374,14 @@ async def aread(store: DiskBlobStore, digest: str, *, depth: int = 4,
     done = object()
 
     def produce() -> None:
-        item: object = done
+        item: Any = done
         try:
-            for chunk in store.read(digest, chunk_size):
+            for chunk in store.read(digest, chunk_size, offset=offset):
+                out = transform(chunk)
                 room.acquire()
                 if stop.is_set():
                     return
-                loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                loop.call_soon_threadsafe(queue.put_nowait, out)
         except BaseException as exc:
             item = exc
         loop.call_soon_threadsafe(queue.put_nowait, item)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
+from compilecast import wire
 from compilecast.errors import CompilecastError, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,11 @@ def rpc_errors(fn: Callable) -> Callable:
 
 
 def _parser(cls):
+    from_string = wire.parser(cls) if cls.DESCRIPTOR.full_name in wire.BULK else cls.FromString
+
     def parse(raw: bytes):
         try:
-            return cls.FromString(raw)
+            return from_string(raw)
         except Exception:  # DecodeError and friends: the client sent garbage
             raise InvalidRequest(f"request is not a valid {cls.DESCRIPTOR.full_name}") from None
 
@@ -128,7 +131,8 @@ def add_service(server: grpc.aio.Server, servicer, service_descriptor, message_c
     handlers = {}
     for method in service_descriptor.methods:
         parse = _parser(message_classes[method.input_type.full_name])
-        serialize = message_classes[method.output_type.full_name].SerializeToString
+        serialize = (wire.serialize if method.output_type.full_name in wire.BULK
+                     else message_classes[method.output_type.full_name].SerializeToString)
         impl = getattr(servicer, method.name)
         if method.client_streaming:
 

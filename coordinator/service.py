@@ -107,13 +107,9 @@ class CoordinatorService(rpc.CompileCacheServicer):
                 self.state.metrics.relays.inc()
                 yield pb.FetchChunk(artifact=info, relay_from=parent)
                 return
-        first = True
-        async for data in chunks:
-            if first:
-                yield pb.FetchChunk(artifact=info, data=data)
-                first = False
-            else:
-                yield pb.FetchChunk(data=data)
+        yield pb.FetchChunk(artifact=info)
+        async for chunk in chunks:
+            yield chunk
 
     @rpc_errors
     async def KeepAlive(self, request, context):

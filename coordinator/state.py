@@ -49,6 +49,7 @@ from compilecast.errors import (
     Unavailable,
 )
 from compilecast.v1 import cache_pb2 as pb
+from compilecast.wire import DataChunk
 
 from .etcd import Etcd, cmp_absent, cmp_mod_revision, op_delete, op_put
 from .farm import Farm
@@ -541,7 +542,7 @@ class CoordinatorState:
 
     # -- Fetch -----------------------------------------------------------
     async def fetch(self, key: str, digest: str, *, tenant: str = DEFAULT_TENANT,
-                    offset: int = 0) -> tuple[pb.ArtifactInfo, AsyncIterator[bytes]]:
+                    offset: int = 0) -> tuple[pb.ArtifactInfo, AsyncIterator[DataChunk]]:
         validate.key(key)
         if digest:
             validate.digest(digest)
@@ -567,16 +568,13 @@ class CoordinatorState:
         return info, self._stream(sk, info, offset)
 
     async def _stream(self, sk: str, info: pb.ArtifactInfo,
-                      offset: int = 0) -> AsyncIterator[bytes]:
-        skip = offset
+                      offset: int = 0) -> AsyncIterator[DataChunk]:
+        out = self.metrics.bytes.labels("out")
         try:
-            async for chunk in aread(self.store, info.digest):
-                if skip:  # resuming: what the caller already has is not sent again
-                    n = min(skip, len(chunk))
-                    chunk, skip = chunk[n:], skip - n
-                    if not chunk:
-                        continue
-                self.metrics.bytes.labels("out").inc(len(chunk))
+            # Resuming at `offset`: what the caller already has is not sent again.
+            async for chunk in aread(self.store, info.digest, offset=offset,
+                                     transform=DataChunk.framed):
+                out.inc(len(chunk.data))
                 yield chunk
         except CorruptBlob:
             self.metrics.corrupt_blobs.inc()

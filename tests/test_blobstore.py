@@ -115,3 +115,48 @@ def test_bounded_store_evicts_least_recently_used(tmp_path):
     assert store.stored_bytes <= 350_000
     assert store.has(digests[0])
     assert not store.has(digests[1])
+
+
+@pytest.mark.parametrize("payload", [os.urandom(5 << 20), b"xyz" * 2_000_000],
+                         ids=["raw", "zstd"])
+def test_reads_from_an_offset_return_the_rest(tmp_path, payload):
+    store = DiskBlobStore(tmp_path)
+    digest = store.put_bytes(payload)  # trusted: written and hashed by this store
+    fresh = DiskBlobStore(tmp_path)  # another process: hashes its first read
+    for offset in (0, 1, (2 << 20) - 1, 2 << 20, 3_333_333, len(payload)):
+        assert b"".join(store.read(digest, offset=offset)) == payload[offset:]
+        assert b"".join(fresh.read(digest, offset=offset)) == payload[offset:]
+
+
+def test_a_trusted_blob_changed_in_place_is_hashed_again(tmp_path):
+    """Reads skip hashing only for a file unchanged since this store verified
+    it: an in-place edit, even with its mtime put back, changes its ctime."""
+    store = DiskBlobStore(tmp_path)
+    data = os.urandom(3 << 20)
+    digest = store.put_bytes(data)
+    assert store.read_bytes(digest) == data
+    path = store.path_of(digest)
+    before = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(1 << 20)
+        byte = f.read(1)
+        f.seek(1 << 20)
+        f.write(bytes([byte[0] ^ 0x01]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(CorruptBlob):
+        store.read_bytes(digest)
+    assert store.quarantined == 1 and not store.has(digest)
+
+
+def test_reverify_zero_hashes_every_read(tmp_path):
+    """With reverify_s=0 nothing is trusted: a blob swapped for another
+    file with the same size and times is still caught."""
+    store = DiskBlobStore(tmp_path, reverify_s=0)
+    data = os.urandom(1 << 20)
+    digest = store.put_bytes(data)
+    path = store.path_of(digest)
+    assert store.read_bytes(digest) == data
+    assert store._trusted(digest, path.stat()) is None
+    trusting = DiskBlobStore(tmp_path)
+    assert trusting.read_bytes(digest) == data
+    assert trusting._trusted(digest, path.stat()) is not None

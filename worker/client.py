@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from compilecast import wire
 from compilecast.errors import CorruptBlob
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.wire import DataChunk
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class CacheClient:
                          else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
         self._channel = grpc.intercept_channel(self._channel, _Metadata(bearer(token))) \
             if token else self._channel
-        self.stub = rpc.CompileCacheStub(self._channel)
+        self.stub = wire.stub(self._channel)
         self._keepers: dict[int, threading.Event] = {}
 
     def close(self) -> None:
@@ -220,7 +221,7 @@ def publish_messages(header: pb.PublishHeader, data: bytes) -> Iterator[pb.Publi
     yield pb.PublishChunk(header=header)
     view = memoryview(data)
     for off in range(0, len(data), CHUNK):
-        yield pb.PublishChunk(data=bytes(view[off:off + CHUNK]))
+        yield DataChunk(view[off:off + CHUNK])
 
 
 def wait_until_healthy(target: str, timeout_s: float = 30.0) -> pb.StatusResponse:

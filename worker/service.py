@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from compilecast import validate
+from compilecast import validate, wire
 from compilecast.blobstore import aread
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
@@ -28,6 +28,7 @@ from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
 from compilecast.grpcutil import aio_channel, bearer, rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.wire import DataChunk
 
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
@@ -162,7 +163,7 @@ class WorkerService(rpc.CompileCacheServicer):
         self.rpc_timeout_s = rpc_timeout_s
         self.token = token
         self.channel = aio_channel(coordinator, credentials)
-        self.up = rpc.CompileCacheStub(self.channel)
+        self.up = wire.stub(self.channel)
         self._fills: dict[tuple[str, str], _Fill] = {}
         self._tasks: set[asyncio.Task] = set()
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
@@ -175,7 +176,7 @@ class WorkerService(rpc.CompileCacheServicer):
     def _peer(self, address: str) -> rpc.CompileCacheStub:
         if address not in self._peers:
             channel = aio_channel(address, self.peer_credentials)
-            self._peers[address] = (channel, rpc.CompileCacheStub(channel))
+            self._peers[address] = (channel, wire.stub(channel))
         return self._peers[address][1]
 
     def _credential(self, context) -> tuple[str, tuple]:
@@ -279,7 +280,7 @@ class WorkerService(rpc.CompileCacheServicer):
                 yield pb.PublishChunk(header=header)
                 async for data in chunks:
                     await asyncio.to_thread(writer.write, data)
-                    yield pb.PublishChunk(data=data)
+                    yield DataChunk(data)
 
             try:
                 resp = await self.up.Publish(forward(), timeout=max(300.0, self.rpc_timeout_s),
@@ -359,6 +360,8 @@ class WorkerService(rpc.CompileCacheServicer):
                             if chunk.HasField("artifact"):
                                 if info is not None and chunk.artifact.digest != info.digest:
                                     raise CorruptBlob(f"{key} changed digest mid-download")
+                                if not fill.started:  # readers learn what to expect first
+                                    await fill.send(pb.FetchChunk(artifact=chunk.artifact))
                                 info = chunk.artifact
                             if chunk.data:
                                 await asyncio.to_thread(writer.write, chunk.data)
@@ -399,15 +402,12 @@ class WorkerService(rpc.CompileCacheServicer):
             self._fills.pop((ns, key), None)
 
     async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str):
-        first = True
+        yield pb.FetchChunk(artifact=info)
+        served = self.metrics.bytes.labels("served")
         try:
-            async for data in aread(self.cache.store, info.digest):
-                self.metrics.bytes.labels("served").inc(len(data))
-                if first:
-                    first = False
-                    yield pb.FetchChunk(artifact=info, data=data)
-                else:
-                    yield pb.FetchChunk(data=data)
+            async for chunk in aread(self.cache.store, info.digest, transform=DataChunk.framed):
+                served.inc(len(chunk.data))
+                yield chunk
         except CorruptBlob:
             self.metrics.corrupt_blobs.inc()
             self.cache.forget(ns, key)

@@ -1,0 +1,113 @@
+"""Artifact bytes on the wire without protobuf's copies.
+
+Almost every message of a Fetch or Publish stream is a FetchChunk or
+PublishChunk that holds nothing but `data` (field 2, bytes). Building and
+parsing those through protobuf copies each chunk into and out of the
+message's arena, and on a loopback stream that cost three quarters of the
+throughput (bench/fetch.py: 280 MB/s through protobuf against 850 MB/s for
+the same bytes unframed). Here such a message is encoded by hand, the field's
+tag and length in front of the bytes, and decoded as a view of the received
+buffer. The bytes on the wire are exactly what protobuf would write, so any
+gRPC client of the API reads and writes them as usual; messages that carry
+anything else go through protobuf.
+"""
+
+from __future__ import annotations
+
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+
+DATA_TAG = 0x12  # field 2, length-delimited: `data` in both FetchChunk and PublishChunk
+assert pb.FetchChunk.DESCRIPTOR.fields_by_name["data"].number == 2
+assert pb.PublishChunk.DESCRIPTOR.fields_by_name["data"].number == 2
+
+
+class DataChunk:
+    """A FetchChunk or PublishChunk whose only field is `data` (bytes or a
+    memoryview): read like the message it stands for."""
+
+    __slots__ = ("data", "wire")
+    relay_from = ""
+
+    def __init__(self, data) -> None:
+        self.data = data
+        self.wire: bytes | None = None
+
+    @classmethod
+    def framed(cls, data) -> DataChunk:
+        """Encoded now (on a reader thread, off the event loop); `data` is
+        then a view of the encoded message."""
+        wire = _encode(data)
+        chunk = cls(memoryview(wire)[len(wire) - len(data):])
+        chunk.wire = wire
+        return chunk
+
+    def HasField(self, name: str) -> bool:
+        return False
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _encode(data) -> bytes:
+    return b"".join((bytes((DATA_TAG,)), _varint(len(data)), data))
+
+
+def serialize(msg) -> bytes:
+    if type(msg) is DataChunk:
+        return msg.wire if msg.wire is not None else _encode(msg.data)
+    return msg.SerializeToString()
+
+
+def _data_only(raw: bytes) -> memoryview | None:
+    """The payload when `raw` is exactly one `data` field, else None."""
+    if not raw or raw[0] != DATA_TAG:
+        return None
+    n = shift = 0
+    i = 1
+    for i in range(1, min(len(raw), 11)):  # a length takes at most 10 bytes
+        b = raw[i]
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            break
+    else:
+        return None
+    return memoryview(raw)[i + 1:] if i + 1 + n == len(raw) else None
+
+
+def parser(cls):
+    """FromString for `cls`, with data-only messages as DataChunk views."""
+
+    def parse(raw: bytes):
+        data = _data_only(raw)
+        return DataChunk(data) if data is not None else cls.FromString(raw)
+
+    return parse
+
+
+# Messages whose streams carry artifact bytes.
+BULK = (pb.FetchChunk.DESCRIPTOR.full_name, pb.PublishChunk.DESCRIPTOR.full_name)
+
+_FETCH = "/compilecast.v1.CompileCache/Fetch"
+_PUBLISH = "/compilecast.v1.CompileCache/Publish"
+
+
+def stub(channel) -> rpc.CompileCacheStub:
+    """A CompileCache stub (sync or aio channel) whose Fetch and Publish use
+    the codec above."""
+    s = rpc.CompileCacheStub(channel)
+    s.Fetch = channel.unary_stream(_FETCH, request_serializer=pb.FetchRequest.SerializeToString,
+                                   response_deserializer=parser(pb.FetchChunk))
+    s.Publish = channel.stream_unary(_PUBLISH, request_serializer=serialize,
+                                     response_deserializer=pb.PublishResponse.FromString)
+    return s
+
+
+__all__ = ["BULK", "DataChunk", "parser", "serialize", "stub"]
