@@ -54,6 +54,11 @@ def _kv(k) -> KV:
     return KV(k.key, k.value, k.create_revision, k.mod_revision, k.lease)
 
 
+def ranged(responses) -> list[KV | None]:
+    """The key each op_get of a txn read, or None where it was absent."""
+    return [_kv(r.response_range.kvs[0]) if r.response_range.kvs else None for r in responses]
+
+
 # -- txn building helpers ---------------------------------------------------
 def cmp_absent(key: bytes):
     return pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.CREATE, key=key, create_revision=0)
@@ -171,11 +176,7 @@ class Etcd:
     async def get_many(self, keys: Sequence[bytes]) -> list[KV | None]:
         """Read several keys at one revision in one round trip."""
         _, _, responses = await self.txn([], [op_get(k) for k in keys])
-        out: list[KV | None] = []
-        for r in responses:
-            kvs = r.response_range.kvs
-            out.append(_kv(kvs[0]) if kvs else None)
-        return out
+        return ranged(responses)
 
     # -- leases --------------------------------------------------------------
     async def grant(self, ttl: int) -> int:

@@ -51,8 +51,9 @@ from compilecast.errors import (
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
-from .etcd import Etcd, cmp_absent, cmp_mod_revision, op_delete, op_put
+from .etcd import KV, Etcd, cmp_absent, cmp_mod_revision, op_delete, op_get, op_put, ranged
 from .farm import Farm
+from .leases import LeasePool
 from .metrics import CoordinatorMetrics
 from .records import DEFAULT_TENANT, KeyRecords, info_from, info_json, plain, scope
 from .relay import RelayTrees
@@ -102,6 +103,7 @@ class CoordinatorState:
         self.records = KeyRecords(etcd, self.prefix, metrics)
         self.farm = Farm(etcd, store, self.prefix, metrics, cfg.lease_ttl_s)
         self.relays = RelayTrees(cfg.relay_fanout)
+        self.leases = LeasePool(etcd, cfg.lease_ttl_s)
         self.hub.on_artifact_deleted.append(self._forget_artifact)
         self.hub.on_gap.append(self._index.clear)
         self._session_lease = 0
@@ -125,6 +127,7 @@ class CoordinatorState:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        await self.leases.close()
         if self._session_lease:
             with contextlib.suppress(Exception):
                 await self.etcd.revoke(self._session_lease)
@@ -180,9 +183,14 @@ class CoordinatorState:
         return entry[0]
 
     # -- reads -----------------------------------------------------------
+    def _state_keys(self, sk: str) -> list[bytes]:
+        return [self._k(kind, sk) for kind in "alxh"]
+
     async def _read(self, sk: str) -> KeyState:
-        a, lrec, x, h = await self.etcd.get_many(
-            [self._k("a", sk), self._k("l", sk), self._k("x", sk), self._k("h", sk)])
+        return self._state(sk, await self.etcd.get_many(self._state_keys(sk)))
+
+    def _state(self, sk: str, kvs: list[KV | None]) -> KeyState:
+        a, lrec, x, h = kvs
         artifact = info_from(plain(sk), a.value) if a is not None else None
         if artifact is not None:
             self._remember_artifact(sk, artifact, a.mod_revision)
@@ -212,35 +220,55 @@ class CoordinatorState:
         self.metrics.compile_seconds_saved.inc(max(info.compile_time_seconds, 0.0))
 
     # -- the lease -------------------------------------------------------
+    def _claim(self, lease_id: int, req: pb.Requester, program: str) -> bytes:
+        return json.dumps(
+            {"lease": lease_id, "job": req.job, "process": req.process_id,
+             "client": req.client, "granted": time.time(), "program": program}
+        ).encode()
+
     async def _try_take(self, sk: str, req: pb.Requester, program: str = "", *,
                         hedge_of: int = 0) -> pb.Lease | None:
         """Create the lease record (P/l), or with hedge_of the hedge record
         (P/h) next to a holder whose record still has revision hedge_of."""
-        ttl = self.cfg.lease_ttl_s
-        lease_id = await self.etcd.grant(ttl)
-        record = json.dumps(
-            {"lease": lease_id, "job": req.job, "process": req.process_id,
-             "client": req.client, "granted": time.time(), "program": program}
-        ).encode()
-        if hedge_of:
-            compare = [cmp_mod_revision(self._k("l", sk), hedge_of),
-                       cmp_absent(self._k("h", sk)), cmp_absent(self._k("a", sk))]
-            kind = "h"
-        else:
-            compare = [cmp_absent(self._k("l", sk)), cmp_absent(self._k("a", sk)),
-                       cmp_absent(self._k("x", sk)), cmp_absent(self._k("h", sk))]
-            kind = "l"
+        if not hedge_of:
+            return (await self._take_or_read(sk, req, program))[0]
+        lease = await self.leases.take()
+        compare = [cmp_mod_revision(self._k("l", sk), hedge_of),
+                   cmp_absent(self._k("h", sk)), cmp_absent(self._k("a", sk))]
         ok, rev, _ = await self.etcd.txn(
-            compare, [op_put(self._k(kind, sk), record, lease=lease_id)])
-        if not ok:
-            # A retried txn whose first attempt landed (the reply was lost with
-            # an etcd member) fails its compares on our own record.
-            mine = await self.etcd.get(self._k(kind, sk))
-            if mine is not None and json.loads(mine.value).get("lease") == lease_id:
-                return pb.Lease(id=lease_id, ttl_seconds=ttl, revision=mine.mod_revision)
-            self._spawn(self.etcd.revoke(lease_id))
-            return None
-        return pb.Lease(id=lease_id, ttl_seconds=ttl, revision=rev)
+            compare, [op_put(self._k("h", sk), self._claim(lease[0], req, program),
+                             lease=lease[0])])
+        if ok:
+            return pb.Lease(id=lease[0], ttl_seconds=self.cfg.lease_ttl_s, revision=rev)
+        # A retried txn whose first attempt landed (the reply was lost with
+        # an etcd member) fails its compares on our own record.
+        mine = await self.etcd.get(self._k("h", sk))
+        if mine is not None and json.loads(mine.value).get("lease") == lease[0]:
+            return pb.Lease(id=lease[0], ttl_seconds=self.cfg.lease_ttl_s,
+                            revision=mine.mod_revision)
+        self.leases.give_back(lease)
+        return None
+
+    async def _take_or_read(self, sk: str, req: pb.Requester,
+                            program: str) -> tuple[pb.Lease | None, KeyState | None]:
+        """Claim a free key in one round trip: the txn creates the lease
+        record when nothing (artifact, claim, hedge, local verdict) exists,
+        and otherwise reads what does. Returns (lease, None) or (None, state)."""
+        lease = await self.leases.take()
+        keys = self._state_keys(sk)
+        ok, rev, responses = await self.etcd.txn(
+            [cmp_absent(k) for k in keys],
+            [op_put(self._k("l", sk), self._claim(lease[0], req, program), lease=lease[0])],
+            [op_get(k) for k in keys])
+        if ok:
+            return pb.Lease(id=lease[0], ttl_seconds=self.cfg.lease_ttl_s, revision=rev), None
+        st = self._state(sk, ranged(responses))
+        if st.lease is not None and st.lease.get("lease") == lease[0]:
+            # A retried txn whose first attempt landed: the record is ours.
+            return pb.Lease(id=lease[0], ttl_seconds=self.cfg.lease_ttl_s,
+                            revision=st.lease_rev), None
+        self.leases.give_back(lease)
+        return None, st
 
     async def _check_holder(self, sk: str, lease: pb.Lease,
                             requester: pb.Requester | None = None) -> str:
@@ -285,8 +313,15 @@ class CoordinatorState:
         if cached is not None:
             self._hit(cached)
             return pb.AcquireResponse(decision=pb.HIT, artifact=cached)
+        # A process that may claim the key tries to at once; the others read.
+        claims = may_publish and (not req.job or req.process_id == req.designated_process)
         for _ in range(3):
-            st = await self._read(sk)
+            if claims:
+                lease, st = await self._take_or_read(sk, req, program)
+                if lease is not None:
+                    return self._granted(sk, req, lease)
+            else:
+                st = await self._read(sk)
             info = await self._usable_artifact(sk, st)
             if info is not None:
                 self._hit(info)
@@ -305,13 +340,13 @@ class CoordinatorState:
             if not may_publish:
                 return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
                                           reason="this identity may not publish; compile locally")
-            lease = await self._try_take(sk, req, program)
-            if lease is not None:
-                self.metrics.compiles.labels("first").inc()
-                log.info("compile lease for %s to %s", sk, req.client or req.job,
-                         extra={"key": sk, "job": req.job, "process_id": req.process_id})
-                return pb.AcquireResponse(decision=pb.COMPILE, lease=lease)
         return pb.AcquireResponse(decision=pb.WAIT, reason="contended; wait")
+
+    def _granted(self, sk: str, req: pb.Requester, lease: pb.Lease) -> pb.AcquireResponse:
+        self.metrics.compiles.labels("first").inc()
+        log.info("compile lease for %s to %s", sk, req.client or req.job,
+                 extra={"key": sk, "job": req.job, "process_id": req.process_id})
+        return pb.AcquireResponse(decision=pb.COMPILE, lease=lease)
 
     # -- Wait ------------------------------------------------------------
     async def wait(self, key: str, req: pb.Requester, timeout_ms: int, *,

@@ -1,0 +1,85 @@
+"""Pre-granted etcd leases for compile claims.
+
+A claim (P/l or P/h) lives on its own etcd lease, so that it vanishes when
+its holder stops renewing it. Granting that lease while the client waits
+costs a raft write and a round trip on every miss; here a small pool is
+granted ahead, in the background and concurrently (etcd batches the
+proposals), and a miss takes one. A lease that an attempt did not use (the
+key turned out to be taken) goes back into the pool. Leases older than a
+fifth of their TTL are not handed out: a holder renews at a third of the TTL
+it is told, so it always renews before a pooled lease could run out; the old
+ones are left to expire in etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from .etcd import Etcd
+
+log = logging.getLogger(__name__)
+
+
+class LeasePool:
+    def __init__(self, etcd: Etcd, ttl_s: int, *, size: int = 32) -> None:
+        self.etcd = etcd
+        self.ttl_s = ttl_s
+        self.size = size
+        self.max_age_s = ttl_s / 5
+        self._free: list[tuple[int, float]] = []  # (lease id, granted at), oldest first
+        self._refill: asyncio.Task | None = None
+        self.granted = 0  # for tests and status: leases granted, pooled or not
+
+    async def _grant(self) -> tuple[int, float]:
+        at = time.monotonic()
+        lease_id = await self.etcd.grant(self.ttl_s)
+        self.granted += 1
+        return lease_id, at
+
+    def _fresh(self, at: float) -> bool:
+        return time.monotonic() - at < self.max_age_s
+
+    async def _fill(self) -> None:
+        try:
+            while len(self._free) < self.size:
+                want = self.size - len(self._free)
+                got = await asyncio.gather(*(self._grant() for _ in range(want)),
+                                           return_exceptions=True)
+                fresh = [g for g in got if not isinstance(g, BaseException)]
+                if not fresh:
+                    return  # etcd is failing: takes grant directly and report it
+                self._free.extend(fresh)
+        finally:
+            self._refill = None
+
+    def _top_up(self) -> None:
+        if self._refill is None and len(self._free) < self.size // 2:
+            self._refill = asyncio.create_task(self._fill())
+
+    async def take(self) -> tuple[int, float]:
+        """(lease id, granted at): a lease with at least 4/5 of its TTL left."""
+        while self._free:
+            lease = self._free.pop()  # the newest
+            if self._fresh(lease[1]):
+                self._top_up()
+                return lease
+            self._free.clear()  # everything older is staler still
+        self._top_up()
+        return await self._grant()
+
+    def give_back(self, lease: tuple[int, float]) -> None:
+        """A lease from take() that no claim used."""
+        if self._fresh(lease[1]) and len(self._free) < self.size:
+            self._free.append(lease)
+            self._free.sort(key=lambda e: e[1])
+
+    async def close(self) -> None:
+        if self._refill is not None:
+            self._refill.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._refill
+        free, self._free = self._free, []
+        await asyncio.gather(*(self.etcd.revoke(i) for i, _ in free), return_exceptions=True)
