@@ -13,7 +13,10 @@ forms never mistake each other:
 Write protocol: stream into a temp file while hashing, fsync, verify the
 digest and size, then rename atomically into place and fsync the directory. A
 crash at any point leaves either nothing or a complete blob; temp files are
-swept on the next open. Reads hash what they return; a mismatch quarantines
+swept on the next open. A store opened with durable=False (a cache that can
+fetch again: the worker's host cache) skips both fsyncs, which cost as much as
+writing the bytes: a blob that a crash left short or empty fails its digest
+on the first read after the restart and is quarantined, never served. Reads hash what they return; a mismatch quarantines
 the blob and raises CorruptBlob after the last chunk, so a reader must not use
 the bytes before the stream ends cleanly. A blob this process wrote or
 verified less than `reverify_s` ago, in a file that has not changed since, is
@@ -136,7 +139,8 @@ class BlobWriter:
             if self._zw is not None:
                 self._zw.flush(zstandard.FLUSH_FRAME)
             self._file.flush()
-            os.fsync(self._file.fileno())
+            if self._store.durable:
+                os.fsync(self._file.fileno())
             self._file.close()
             actual = self._hash.hexdigest()
             if actual != digest:
@@ -150,7 +154,8 @@ class BlobWriter:
             stored = self._path.stat().st_size
             existed = final.exists()
             os.replace(self._path, final)
-            _fsync_dir(final.parent)
+            if self._store.durable:
+                _fsync_dir(final.parent)
             self._done = True
             self._store._trust(digest, final.stat())  # hashed on the way in
             if not existed:
@@ -186,6 +191,7 @@ class DiskBlobStore:
         max_blob_size: int = 8 << 30,
         level: int = 3,
         reverify_s: float = 600.0,
+        durable: bool = True,
     ) -> None:
         self.root = Path(root)
         self.blob_dir = self.root / "blobs"
@@ -201,6 +207,7 @@ class DiskBlobStore:
         self.level = level
         self.quarantined = 0
         self.reverify_s = reverify_s  # 0: hash every byte of every read
+        self.durable = durable
         self._verified: dict[str, tuple[tuple[int, ...], float]] = {}
         self._lock = threading.Lock()
         self._total = sum(p.stat().st_size for p in self.blob_dir.glob("*/*.zst"))

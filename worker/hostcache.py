@@ -27,7 +27,8 @@ from compilecast.v1 import cache_pb2 as pb
 class HostCache:
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int) -> None:
         self.root = Path(root)
-        self.store = DiskBlobStore(self.root, max_bytes=max_bytes)
+        # Not fsynced: what a crash cuts short fails verification and is fetched again.
+        self.store = DiskBlobStore(self.root, max_bytes=max_bytes, durable=False)
         self.keys = self.root / "keys"
         self.keys.mkdir(parents=True, exist_ok=True)
 
