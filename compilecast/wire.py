@@ -87,7 +87,11 @@ def parser(cls):
 
     def parse(raw: bytes):
         data = _data_only(raw)
-        return DataChunk(data) if data is not None else cls.FromString(raw)
+        if data is None:
+            return cls.FromString(raw)
+        chunk = DataChunk(data)
+        chunk.wire = raw  # passed on as received (a worker relaying it copies nothing)
+        return chunk
 
     return parse
 

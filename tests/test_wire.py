@@ -28,7 +28,7 @@ def test_data_chunks_encode_as_protobuf_does_and_parse_as_views(data):
         assert encoded == (cls(data=data).SerializeToString() if data else b"\x12\x00")
         assert cls.FromString(encoded).data == data
         parsed = wire.parser(cls)(encoded)
-        assert bytes(parsed.data) == data
+        assert bytes(parsed.data) == data and wire.serialize(parsed) == encoded
         framed = DataChunk.framed(data)
         assert wire.serialize(framed) == encoded and bytes(framed.data) == data
 
