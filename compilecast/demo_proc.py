@@ -57,7 +57,9 @@ if args.distributed:
 
     params = jax.tree_util.tree_map(lambda a: shard(a, P()), params)
     x, y = shard(x, P("data")), shard(y, P("data"))
+late = 0.0
 if args.start_at:
+    late = max(0.0, time.time() - args.start_at)  # still importing at the common start
     time.sleep(max(0.0, args.start_at - time.time()))
 t0 = time.monotonic()
 new_params, loss = step(params, x, y)
@@ -73,6 +75,7 @@ report = {
     "digest": result_digest(new_params, loss),
     "loss": float(loss),
     "seconds": elapsed,
+    "late_s": late,
     # JAX's own accounting: compile requests that missed the cache were compiled by XLA.
     "xla_compiles": requests - hits if not args.no_compilecast else 1,
     "jax_cache_hits": hits,
