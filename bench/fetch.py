@@ -5,7 +5,8 @@
 Per size: publish an incompressible artifact, then fetch it (client verifies
 the sha256 on the fly, never holding it whole) from the coordinator, through
 a worker cold (fills its host cache) and warm (host hit), and stream the same
-bytes from a plain gRPC server without verification. Afterwards, the peak
+bytes from a plain gRPC server, without verification and with the client
+hashing like ours (the fair ceiling for a verifying client). Afterwards, the peak
 RSS of the coordinator and worker processes.
 """
 
@@ -73,14 +74,19 @@ def fetch(target: str, key: str, expect: str) -> float:
     return elapsed
 
 
-def plain(port: int) -> float:
+def plain(port: int, verify: bool = False) -> float:
+    """The baseline: the same bytes from a plain gRPC server; with verify,
+    the client hashes them as compilecast's clients must."""
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     call = ch.unary_stream("/bench.Plain/Stream", request_serializer=None,
                            response_deserializer=None)
+    h = hashlib.sha256()
     t0 = time.perf_counter()
     n = 0
     for chunk in call(b"", timeout=600):
         n += len(chunk)
+        if verify:
+            h.update(chunk)
     elapsed = time.perf_counter() - t0
     ch.close()
     return elapsed
@@ -108,18 +114,21 @@ def main() -> None:
                                    str(port), str(path)])
             wait_port(port)
             base = plain(port)
+            base_verified = plain(port, verify=True)
             ps.terminate()
             ps.wait()
             direct = fetch(coord, key, digest)
             cold = fetch(worker, key, digest)
             warm = fetch(worker, key, digest)
-            row = {"mb": mb, "publish_s": pub, "plain_s": base, "coordinator_s": direct,
+            row = {"mb": mb, "publish_s": pub, "plain_s": base,
+                   "plain_verified_s": base_verified, "coordinator_s": direct,
                    "worker_cold_s": cold, "worker_warm_s": warm,
                    "coordinator_peak_rss_mb": peak_rss_mb(cproc.pid),
                    "worker_peak_rss_mb": peak_rss_mb(wproc.pid)}
             rows.append(row)
             print(f"{mb:5d} MB  plain {mb / base:7.0f} MB/s | coordinator {mb / direct:7.0f} MB/s "
-                  f"({base / direct * 100:3.0f}% of plain) | worker cold {mb / cold:6.0f} MB/s | "
+                  f"({base / direct * 100:3.0f}% of plain, {base_verified / direct * 100:3.0f}% of "
+                  f"plain verifying at {mb / base_verified:.0f} MB/s) | worker cold {mb / cold:6.0f} MB/s | "
                   f"worker warm {mb / warm:6.0f} MB/s ({base / warm * 100:3.0f}%) | publish "
                   f"{mb / pub:5.0f} MB/s | peak RSS coordinator {row['coordinator_peak_rss_mb']:.0f}"
                   f" MB, worker {row['worker_peak_rss_mb']:.0f} MB", flush=True)
