@@ -71,6 +71,11 @@ class CoordinatorConfig:
         default=30, metadata=_help("how long a 'compile locally' verdict for a key lasts")
     )
     max_artifact_bytes: int = field(default=4 << 30, metadata=_help("largest accepted artifact"))
+    store_reverify_s: float = field(
+        default=600.0,
+        metadata=_help("serve a blob this process wrote or verified, in an unchanged file, "
+                       "without hashing it again for this many seconds (0: hash every read; "
+                       "clients verify every byte either way)"))
     hedge_factor: float = field(
         default=3.0,
         metadata=_help("hedge a holder compiling longer than this many times the program's "
@@ -98,6 +103,7 @@ class CoordinatorConfig:
                   "local_marker_ttl_s", "max_artifact_bytes")
         if self.relay_fanout < 0:
             raise ConfigError("relay_fanout must be >= 0")
+        _not_negative(self, "store_reverify_s")
         if not self.etcd_endpoints.strip():
             raise ConfigError("etcd_endpoints is empty")
         if not self.etcd_prefix.startswith("/"):
@@ -126,6 +132,11 @@ class WorkerConfig:
         metadata=_help("host cache directory"),
     )
     cache_max_bytes: int = field(default=20 << 30, metadata=_help("host cache size bound"))
+    store_reverify_s: float = field(
+        default=600.0,
+        metadata=_help("serve a blob this process wrote or verified, in an unchanged file, "
+                       "without hashing it again for this many seconds (0: hash every read; "
+                       "clients verify every byte either way)"))
     metrics_port: int = field(default=7642, metadata=_help("Prometheus port (0: off)"))
     metrics_host: str = field(default="127.0.0.1", metadata=_help("Prometheus bind address"))
     rpc_timeout_s: float = field(default=5.0, metadata=_help("deadline of unary upstream calls"))
@@ -155,8 +166,7 @@ class WorkerConfig:
             _hostport(self.relay_listen, "relay_listen")
         if self.relay_advertise:
             _hostport(self.relay_advertise, "relay_advertise")
-        if self.share_binary_between_hosts_timeout_ms < 0:
-            raise ConfigError("share_binary_between_hosts_timeout_ms must be >= 0")
+        _not_negative(self, "share_binary_between_hosts_timeout_ms", "store_reverify_s")
         _pair(self, "coordinator_cert_file", "coordinator_key_file")
         _pair(self, "tls_cert_file", "tls_key_file")
         _readable(self, "token_file", "coordinator_ca_file", "coordinator_cert_file",
@@ -170,6 +180,12 @@ def _positive(cfg: Any, *names: str) -> None:
     for n in names:
         if getattr(cfg, n) <= 0:
             raise ConfigError(f"{n} must be > 0, got {getattr(cfg, n)!r}")
+
+
+def _not_negative(cfg: Any, *names: str) -> None:
+    for n in names:
+        if getattr(cfg, n) < 0:
+            raise ConfigError(f"{n} must be >= 0, got {getattr(cfg, n)!r}")
 
 
 def _pair(cfg: Any, a: str, b: str) -> None:

@@ -29,7 +29,8 @@ class Coordinator(Role):
         self.cfg = cfg
         self.registry = registry or CollectorRegistry()
         self.metrics = CoordinatorMetrics(self.registry)
-        self.store = DiskBlobStore(cfg.store_dir, max_blob_size=cfg.max_artifact_bytes)
+        self.store = DiskBlobStore(cfg.store_dir, max_blob_size=cfg.max_artifact_bytes,
+                                   reverify_s=cfg.store_reverify_s)
         self.port = 0
         self._metrics_server = None
 

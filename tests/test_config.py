@@ -27,6 +27,7 @@ def test_flag_beats_env_beats_file_beats_default(tmp_path):
     ({"COMPILECAST_LEASE_TTL_S": "0"}, "lease_ttl_s must be > 0"),
     ({"COMPILECAST_LISTEN": "nowhere"}, "listen 'nowhere' is not host:port"),
     ({"COMPILECAST_ETCD_PREFIX": "relative"}, "must start with '/'"),
+    ({"COMPILECAST_STORE_REVERIFY_S": "-1"}, "store_reverify_s must be >= 0"),
 ])
 def test_bad_values_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -28,7 +28,8 @@ class Worker(Role):
         self.cfg = cfg
         self.registry = registry or CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry)
-        self.cache = HostCache(cfg.cache_dir, max_bytes=cfg.cache_max_bytes)
+        self.cache = HostCache(cfg.cache_dir, max_bytes=cfg.cache_max_bytes,
+                               reverify_s=cfg.store_reverify_s)
         self._metrics_server = None
         self.relay_server = None
 
