@@ -8,7 +8,9 @@ proposals), and a miss takes one. A lease that an attempt did not use (the
 key turned out to be taken) goes back into the pool. Leases older than a
 fifth of their TTL are not handed out: a holder renews at a third of the TTL
 it is told, so it always renews before a pooled lease could run out; the old
-ones are left to expire in etcd.
+ones are left to expire in etcd. The pool holds no more leases than were
+taken in the last such interval (at most `size`): an idle coordinator grants
+nothing ahead, a busy one keeps a full pool.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 
 from .etcd import Etcd
 
@@ -31,6 +34,7 @@ class LeasePool:
         self.max_age_s = ttl_s / 5
         self._free: list[tuple[int, float]] = []  # (lease id, granted at), oldest first
         self._refill: asyncio.Task | None = None
+        self._taken: deque[float] = deque()  # when leases were taken, within max_age_s
         self.granted = 0  # for tests and status: leases granted, pooled or not
 
     async def _grant(self) -> tuple[int, float]:
@@ -42,10 +46,17 @@ class LeasePool:
     def _fresh(self, at: float) -> bool:
         return time.monotonic() - at < self.max_age_s
 
+    def _target(self) -> int:
+        """Leases to keep ready: as many as were taken in the last max_age_s."""
+        horizon = time.monotonic() - self.max_age_s
+        while self._taken and self._taken[0] < horizon:
+            self._taken.popleft()
+        return min(self.size, len(self._taken))
+
     async def _fill(self) -> None:
         try:
-            while len(self._free) < self.size:
-                want = self.size - len(self._free)
+            while len(self._free) < self._target():
+                want = self._target() - len(self._free)
                 got = await asyncio.gather(*(self._grant() for _ in range(want)),
                                            return_exceptions=True)
                 fresh = [g for g in got if not isinstance(g, BaseException)]
@@ -56,7 +67,8 @@ class LeasePool:
             self._refill = None
 
     def _top_up(self) -> None:
-        if self._refill is None and len(self._free) < self.size // 2:
+        self._taken.append(time.monotonic())
+        if self._refill is None and len(self._free) < max(1, self._target() // 2):
             self._refill = asyncio.create_task(self._fill())
 
     async def take(self) -> tuple[int, float]:
