@@ -74,10 +74,13 @@ def fetch(target: str, key: str, expect: str) -> float:
     return elapsed
 
 
+PLAIN_OPTIONS = [("grpc.max_receive_message_length", 8 << 20)]  # gRPC's defaults otherwise
+
+
 def plain(port: int, verify: bool = False) -> float:
     """The baseline: the same bytes from a plain gRPC server; with verify,
     the client hashes them as compilecast's clients must."""
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=PLAIN_OPTIONS)
     call = ch.unary_stream("/bench.Plain/Stream", request_serializer=None,
                            response_deserializer=None)
     h = hashlib.sha256()
