@@ -16,11 +16,13 @@ crash at any point leaves either nothing or a complete blob; temp files are
 swept on the next open. A store opened with durable=False (a cache that can
 fetch again: the worker's host cache) skips both fsyncs, which cost as much as
 writing the bytes: a blob that a crash left short or empty fails its digest
-on the first read after the restart and is quarantined, never served. Reads hash what they return; a mismatch quarantines
-the blob and raises CorruptBlob after the last chunk, so a reader must not use
-the bytes before the stream ends cleanly. A blob this process wrote or
-verified less than `reverify_s` ago, in a file that has not changed since, is
-served without hashing it again (its readers verify every byte they receive).
+on the first read after the restart and is quarantined, never served.
+
+Reads hash what they return; a mismatch quarantines the blob and raises
+CorruptBlob after the last chunk, so a reader must not use the bytes before
+the stream ends cleanly. A blob this process wrote or verified less than
+`reverify_s` ago, in a file that has not changed since, is served without
+hashing it again (its readers verify every byte they receive).
 
 Concurrency: any number of readers and writers, threads or processes. Two
 writers of the same digest race harmlessly (the rename is idempotent). The
@@ -55,12 +57,12 @@ PROBE = 1 << 20  # bytes whose compressibility decides how a blob is stored
 MIN_SAVING = 0.05  # store raw unless zstd saves at least this fraction of the probe
 
 
+T = TypeVar("T")
+
+
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     """What changes when a file is replaced or written to."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-T = TypeVar("T")
 
 
 def _same(chunk: bytes) -> Any:
@@ -262,6 +264,7 @@ class DiskBlobStore:
                 p.unlink()
                 with self._lock:
                     self._total -= size
+                    self._verified.pop(p.stem, None)
                 log.info("evicted blob %s (%d bytes) from the bounded store", p.stem, size)
 
     def delete(self, digest: str) -> None:
