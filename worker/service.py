@@ -364,8 +364,9 @@ class WorkerService(rpc.CompileCacheServicer):
                                     await fill.send(pb.FetchChunk(artifact=chunk.artifact))
                                 info = chunk.artifact
                             if chunk.data:
-                                await asyncio.to_thread(writer.write, chunk.data)
+                                # Readers first: they hash it while this worker does.
                                 await fill.send(chunk)
+                                await asyncio.to_thread(writer.write, chunk.data)
                     except (grpc.aio.AioRpcError, TimeoutError) as exc:
                         if not peer:
                             if isinstance(exc, TimeoutError):
