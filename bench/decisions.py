@@ -3,6 +3,7 @@
 for new keys (COMPILE: a lease grant and a txn in etcd).
 
     python bench/decisions.py [--clients 1000] [--seconds 15] [--hit-ratio 0.5]
+    python bench/decisions.py --ceiling   # the same load on a trivial grpc.aio server
 
 Prints decisions per second and latency percentiles. The load generator is
 one grpc.aio process sharing the machine's 2 cores with the coordinator and
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import json
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +25,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack
+from _servers import Stack, free_port, wait_port
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -82,7 +84,23 @@ def main() -> None:
     ap.add_argument("--hit-ratio", type=float, default=0.5)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--batch", type=int, default=1, help="keys per request (AcquireMany)")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="load a trivial grpc.aio server that answers HIT (gRPC's own ceiling)")
     args = ap.parse_args()
+    if args.ceiling:
+        port = free_port()
+        server = subprocess.Popen([sys.executable, str(Path(__file__).parent /
+                                                       "_trivial_server.py"), str(port)])
+        try:
+            wait_port(port)
+            lat, decisions, errors = asyncio.run(load(f"127.0.0.1:{port}", args.clients,
+                                                      args.seconds, 1.0, ["k"], 1))
+        finally:
+            server.terminate()
+            server.wait()
+        print(f"{args.clients} clients, trivial grpc.aio server: "
+              f"{sum(decisions.values()) / args.seconds:.0f} requests/s, errors {errors}")
+        return
     root = Path(tempfile.mkdtemp(prefix="cc-decisions-"))
     stack = Stack(root)
     try:
