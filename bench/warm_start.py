@@ -47,18 +47,24 @@ def main() -> None:
         first_call(up.target, args.layers, args.width, env=jax_env, baseline=True)
         first_call(up.target, args.layers, args.width)
         times: dict[str, list[float]] = {"jax-lru": [], "cc-host": [], "cc-coordinator": []}
-        for _ in range(args.repeat):
+        def jax_lru() -> None:
             r = first_call(up.target, args.layers, args.width, env=jax_env, baseline=True)
             times["jax-lru"].append(r["seconds"])
+
+        def cc(mode: str) -> None:
+            if mode == "cc-coordinator":
+                up.stop()
+                shutil.rmtree(home / "worker")  # cold host cache: fetch from the coordinator
+                up.start()
             r = first_call(up.target, args.layers, args.width)
             assert r["compilecast"]["hits"] == 1 and r["xla_compiles"] == 0
-            times["cc-host"].append(r["seconds"])
-            up.stop()
-            shutil.rmtree(home / "worker")  # cold host cache: fetch from the coordinator
-            up.start()
-            r = first_call(up.target, args.layers, args.width)
-            assert r["compilecast"]["hits"] == 1 and r["xla_compiles"] == 0
-            times["cc-coordinator"].append(r["seconds"])
+            times[mode].append(r["seconds"])
+
+        for i in range(args.repeat):
+            # Alternate the order, so that no way always runs first or after a restart.
+            steps = [jax_lru, lambda: cc("cc-coordinator"), lambda: cc("cc-host")]
+            for step in (steps if i % 2 == 0 else steps[::-1]):
+                step()
         best = {k: min(v) for k, v in times.items()}
         for k, v in best.items():
             print(f"{k:15s} first call {v:6.3f} s  ({v / best['jax-lru']:.2f}x JAX's local hit)")
