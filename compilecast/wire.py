@@ -3,9 +3,9 @@
 Almost every message of a Fetch or Publish stream is a FetchChunk or
 PublishChunk that holds nothing but `data` (field 2, bytes). Building and
 parsing those through protobuf copies each chunk into and out of the
-message's arena, and on a loopback stream that cost three quarters of the
-throughput (bench/fetch.py: 280 MB/s through protobuf against 850 MB/s for
-the same bytes unframed). Here such a message is encoded by hand, the field's
+message's arena, and on a loopback stream that cost two thirds of the
+throughput (1 MiB messages: 280-310 MB/s through protobuf, 750-1,000 MB/s for
+the same bytes unframed; BENCHMARKS.md). Here such a message is encoded by hand, the field's
 tag and length in front of the bytes, and decoded as a view of the received
 buffer. The bytes on the wire are exactly what protobuf would write, so any
 gRPC client of the API reads and writes them as usual; messages that carry
@@ -99,8 +99,9 @@ def parser(cls):
 # Messages whose streams carry artifact bytes.
 BULK = (pb.FetchChunk.DESCRIPTOR.full_name, pb.PublishChunk.DESCRIPTOR.full_name)
 
-_FETCH = "/compilecast.v1.CompileCache/Fetch"
-_PUBLISH = "/compilecast.v1.CompileCache/Publish"
+_SERVICE = pb.DESCRIPTOR.services_by_name["CompileCache"].full_name
+_FETCH = f"/{_SERVICE}/Fetch"
+_PUBLISH = f"/{_SERVICE}/Publish"
 
 
 def stub(channel) -> rpc.CompileCacheStub:
