@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def main() -> None:
                   f"{cc['wall_s']:.2f}s | ratio {cc['wall_s'] / base['wall_s']:.2f}", flush=True)
     finally:
         up.stop()
+        shutil.rmtree(home.parent, ignore_errors=True)
     print(json.dumps(results))
 
 

@@ -73,6 +73,7 @@ def main() -> None:
     finally:
         if up.proc is not None:
             up.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
