@@ -10,14 +10,16 @@ from compilecast.errors import InvalidRequest
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.wire import DataChunk
 
 from .auth import Authenticator
 from .relay import check_address
 from .state import CoordinatorState
 
 
-async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncIterator[bytes]]:
-    """Split a Publish stream into its header and its data chunks."""
+async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncIterator[DataChunk]]:
+    """Split a Publish stream into its header and its data chunks (a chunk
+    that arrived data-only keeps its frame: a worker forwards it as is)."""
     first = None
     async for msg in request_iterator:
         first = msg
@@ -25,13 +27,13 @@ async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncItera
     if first is None or not first.HasField("header"):
         raise InvalidRequest("the first Publish message must carry the header")
 
-    async def data() -> AsyncIterator[bytes]:
+    async def data() -> AsyncIterator[DataChunk]:
         if first.data:
-            yield first.data
+            yield DataChunk(first.data)
         async for msg in request_iterator:
             if msg.HasField("header"):
                 raise InvalidRequest("only the first Publish message may carry a header")
-            yield msg.data
+            yield msg if type(msg) is DataChunk else DataChunk(msg.data)
 
     return first.header, data()
 

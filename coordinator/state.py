@@ -232,43 +232,41 @@ class CoordinatorState:
         (P/h) next to a holder whose record still has revision hedge_of."""
         if not hedge_of:
             return (await self._take_or_read(sk, req, program))[0]
-        lease = await self.leases.take()
         compare = [cmp_mod_revision(self._k("l", sk), hedge_of),
                    cmp_absent(self._k("h", sk)), cmp_absent(self._k("a", sk))]
-        ok, rev, _ = await self.etcd.txn(
-            compare, [op_put(self._k("h", sk), self._claim(lease[0], req, program),
-                             lease=lease[0])])
-        if ok:
-            return pb.Lease(id=lease[0], ttl_seconds=self.cfg.lease_ttl_s, revision=rev)
-        # A retried txn whose first attempt landed (the reply was lost with
-        # an etcd member) fails its compares on our own record.
-        mine = await self.etcd.get(self._k("h", sk))
-        if mine is not None and json.loads(mine.value).get("lease") == lease[0]:
-            return pb.Lease(id=lease[0], ttl_seconds=self.cfg.lease_ttl_s,
-                            revision=mine.mod_revision)
-        self.leases.give_back(lease)
-        return None
+        return (await self._claim_txn(sk, "h", compare, [self._k("h", sk)], req, program))[0]
 
     async def _take_or_read(self, sk: str, req: pb.Requester,
                             program: str) -> tuple[pb.Lease | None, KeyState | None]:
         """Claim a free key in one round trip: the txn creates the lease
         record when nothing (artifact, claim, hedge, local verdict) exists,
         and otherwise reads what does. Returns (lease, None) or (None, state)."""
-        lease = await self.leases.take()
         keys = self._state_keys(sk)
+        lease, kvs = await self._claim_txn(sk, "l", [cmp_absent(k) for k in keys], keys,
+                                           req, program)
+        return (lease, None) if lease is not None else (None, self._state(sk, kvs))
+
+    async def _claim_txn(self, sk: str, kind: str, compare: list, read: list[bytes],
+                         req: pb.Requester, program: str
+                         ) -> tuple[pb.Lease | None, list[KV | None]]:
+        """Put the claim record P/kind on a pooled lease if `compare` holds,
+        else read `read` (which includes P/kind) in the same txn. A retried
+        txn whose first attempt landed (the reply was lost with an etcd
+        member) fails its compares on our own record: that is a success."""
+        lease_id, granted_at = await self.leases.take()
+        record = self._k(kind, sk)
         ok, rev, responses = await self.etcd.txn(
-            [cmp_absent(k) for k in keys],
-            [op_put(self._k("l", sk), self._claim(lease[0], req, program), lease=lease[0])],
-            [op_get(k) for k in keys])
+            compare, [op_put(record, self._claim(lease_id, req, program), lease=lease_id)],
+            [op_get(k) for k in read])
         if ok:
-            return pb.Lease(id=lease[0], ttl_seconds=self.cfg.lease_ttl_s, revision=rev), None
-        st = self._state(sk, ranged(responses))
-        if st.lease is not None and st.lease.get("lease") == lease[0]:
-            # A retried txn whose first attempt landed: the record is ours.
-            return pb.Lease(id=lease[0], ttl_seconds=self.cfg.lease_ttl_s,
-                            revision=st.lease_rev), None
-        self.leases.give_back(lease)
-        return None, st
+            return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s, revision=rev), []
+        kvs = ranged(responses)
+        mine = kvs[read.index(record)]
+        if mine is not None and json.loads(mine.value).get("lease") == lease_id:
+            return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s,
+                            revision=mine.mod_revision), kvs
+        self.leases.give_back((lease_id, granted_at))
+        return None, kvs
 
     async def _check_holder(self, sk: str, lease: pb.Lease,
                             requester: pb.Requester | None = None) -> str:
@@ -477,7 +475,7 @@ class CoordinatorState:
         return len(waiters)
 
     # -- Publish ---------------------------------------------------------
-    async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[bytes], *,
+    async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[DataChunk], *,
                       tenant: str = DEFAULT_TENANT) -> pb.ArtifactInfo:
         key = validate.publish_header(header, self.cfg.max_artifact_bytes)
         if header.HasField("recipe"):
@@ -489,14 +487,15 @@ class CoordinatorState:
             raise
 
     async def _publish(self, sk: str, header: pb.PublishHeader,
-                       chunks: AsyncIterator[bytes]) -> pb.ArtifactInfo:
+                       chunks: AsyncIterator[DataChunk]) -> pb.ArtifactInfo:
         key = plain(sk)
         kind = await self._check_holder(sk, header.lease, header.requester)
         if await self.etcd.get(self._k("a", sk)) is not None:
             raise AlreadyPublished(f"key {key} is already published")
         writer = self.store.writer()
         with writer:
-            async for data in chunks:
+            async for chunk in chunks:
+                data = chunk.data
                 if writer.size + len(data) > header.size:
                     raise InvalidRequest(f"received more than the declared {header.size} bytes")
                 await asyncio.to_thread(writer.write, data)

@@ -278,9 +278,9 @@ class WorkerService(rpc.CompileCacheServicer):
 
             async def forward() -> AsyncIterator[pb.PublishChunk]:
                 yield pb.PublishChunk(header=header)
-                async for data in chunks:
-                    await asyncio.to_thread(writer.write, data)
-                    yield DataChunk(data)
+                async for chunk in chunks:
+                    await asyncio.to_thread(writer.write, chunk.data)
+                    yield chunk  # as received: its frame goes on without re-encoding
 
             try:
                 resp = await self.up.Publish(forward(), timeout=max(300.0, self.rpc_timeout_s),
