@@ -12,9 +12,10 @@ is kept so `explain` can say which one caused a miss:
     compression      the entry format
     key_version      bumps whenever canonicalization changes
 
-Canonicalization parses the program with jaxlib's MLIR (HloModuleProto input
-is first converted to StableHLO by XLA's own importer) and drops only what
-cannot change the executable:
+HloModuleProto input (PyTorch/XLA and XLA dumps) is canonicalized at the
+protobuf wire level by `hlocanon` (names, ids, OpMetadata; see there), without
+MLIR. StableHLO text and MLIR bytecode are parsed with jaxlib's MLIR, and
+canonicalization drops only what cannot change the executable:
 - debug locations, which is where every OpMetadata field (op_type, op_name,
   source_file, source_line, stack frames) and every HLO instruction and
   parameter name ends up (`strip-debuginfo`);
@@ -46,9 +47,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import jax_adapter
+from . import hlocanon, jax_adapter
 
-KEY_VERSION = "2"  # 2: the topology holds device coordinates and the slice size
+KEY_VERSION = "3"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon
 KEY_PREFIX = "cc1-"
 DEFAULT_IGNORED_ATTRIBUTES = ("jax.arg_info", "jax.result_info")
 MLIR_BYTECODE_MAGIC = b"ML\xefR"
@@ -296,15 +297,27 @@ def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = 
     platform, flags or topology."""
     cfg = cfg or KeyConfig()
     key = Key()
+    fmt = detect_format(data)
     try:
-        module, fmt = parse_program(data)
-        digest, text = program_digest(module, cfg, keep_text=keep_text, copy=False)
-        key.program_text = text
+        if fmt == "hlo-proto":
+            digest = _hlo_digest(hlo_module_bytes(data), cfg)
+            if keep_text:  # for `explain` only: the program as MLIR prints it
+                module, _ = parse_program(data, fmt)
+                key.program_text = program_digest(module, cfg, keep_text=True, copy=False)[1]
+        else:
+            module, fmt = parse_program(data, fmt)
+            digest, key.program_text = program_digest(module, cfg, keep_text=keep_text,
+                                                      copy=False)
     except Exception:
         fmt, digest = "raw", _digest(data)
     key.components.update(program=digest, program_format=fmt, key_version=KEY_VERSION,
                           include_metadata=str(cfg.include_metadata))
     return key
+
+
+def _hlo_digest(module_bytes: bytes, cfg: KeyConfig) -> str:
+    canonical = hlocanon.canonical_hlo(module_bytes)  # validates even when unused
+    return _digest(module_bytes if cfg.include_metadata else canonical)
 
 
 def xla_flags() -> list[str]:

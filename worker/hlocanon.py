@@ -1,0 +1,256 @@
+"""Canonical bytes of a serialized HloModuleProto, without going through MLIR.
+
+The input is walked at the protobuf wire level. Every field is copied byte for
+byte unless this schema says otherwise, so a field that XLA adds tomorrow is
+in the key (a miss at worst, never a collision). What changes:
+
+- dropped (cannot change the executable): module, computation and instruction
+  names, the module id, the entry computation name, every OpMetadata
+  (instructions' and shardings'), the module's stack-frame index and the
+  parameter names of program shapes;
+- renumbered: instruction ids become their position in their computation and
+  computation ids their position in the module. Definitions are implied by
+  position; every reference (operands, control predecessors, called
+  computations, roots, the entry computation, schedules) is written as the
+  position it resolves to. A reference that resolves to nothing keeps its raw
+  value under a field number no real field uses, so it can never be mistaken
+  for a resolved one;
+- rewritten sub-messages are written as protobuf groups (start/end tags), so
+  the output parses unambiguously without length prefixes; schedule entries
+  (a map) are sorted by the position of their computation.
+
+The output is only ever hashed. `canonical_hlo` uses the C implementation
+(`_hlocanon`, built with the package) when it is importable and this module
+otherwise; both produce the same bytes (tests/test_hlocanon.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
+UNRESOLVED = 1 << 28  # added to the field number of a reference that resolves to nothing
+
+# Message kinds and what happens to their fields (anything not listed is kept).
+MODULE, COMPUTATION, INSTRUCTION, PROGRAM_SHAPE, SHARDING, NAMED_SHARDING, SCHEDULE = range(7)
+DROP, IDEF, CDEF, IREF, CREF, ROOT, ENTRY, SEQUENCES = range(8)  # non-message actions
+
+SCHEMA: dict[int, dict[int, tuple[int, int] | int]] = {
+    MODULE: {1: DROP, 2: DROP, 5: DROP, 17: DROP, 6: ENTRY,
+             3: (COMPUTATION, 0), 4: (PROGRAM_SHAPE, 0), 7: (SCHEDULE, 0),
+             12: (SHARDING, 0), 14: (SHARDING, 0)},
+    COMPUTATION: {1: DROP, 5: CDEF, 6: ROOT,
+                  2: (INSTRUCTION, 0), 4: (PROGRAM_SHAPE, 0)},
+    INSTRUCTION: {1: DROP, 7: DROP, 35: IDEF, 36: IREF, 37: IREF, 38: CREF,
+                  40: (SHARDING, 0), 54: (SHARDING, 0), 55: (SHARDING, 0)},
+    PROGRAM_SHAPE: {3: DROP},
+    SHARDING: {7: DROP, 5: (SHARDING, 0), 14: (NAMED_SHARDING, 0)},
+    NAMED_SHARDING: {6: DROP, 1: (NAMED_SHARDING, 0)},
+    SCHEDULE: {1: SEQUENCES},
+}
+
+
+def varint(v: int) -> bytes:
+    v &= 0xFFFFFFFFFFFFFFFF
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def _read_varint(buf: bytes, i: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if i >= end or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = buf[i]
+        i += 1
+        result |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            return result & 0xFFFFFFFFFFFFFFFF, i
+
+
+def fields(buf: bytes, i: int, end: int) -> Iterator[tuple[int, int, int, int, int, int]]:
+    """(field, wire type, tag start, value start, value end, varint value)."""
+    while i < end:
+        start = i
+        tag, i = _read_varint(buf, i, end)
+        number, wire = tag >> 3, tag & 7
+        if number == 0:
+            raise ValueError("field number 0")
+        value = 0
+        if wire == VARINT:
+            vs = i
+            value, i = _read_varint(buf, i, end)
+        elif wire == I64:
+            vs, i = i, i + 8
+        elif wire == I32:
+            vs, i = i, i + 4
+        elif wire == LEN:
+            n, vs = _read_varint(buf, i, end)
+            i = vs + n
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+        if i > end:
+            raise ValueError("field runs past the end of its message")
+        yield number, wire, start, vs, i, value
+
+
+def _ids(buf: bytes, wire: int, vs: int, ve: int, value: int) -> list[int]:
+    """The integers of a (possibly packed) repeated int64 field occurrence."""
+    if wire == VARINT:
+        return [value]
+    if wire != LEN:
+        raise ValueError("an id field that is not a varint")
+    out, i = [], vs
+    while i < ve:
+        v, i = _read_varint(buf, i, ve)
+        out.append(v)
+    return out
+
+
+def _last_varint(buf: bytes, vs: int, ve: int, number: int) -> int:
+    value = 0  # proto3: absent means 0
+    for f, wire, _s, _vs, _ve, v in fields(buf, vs, ve):
+        if f == number:
+            if wire != VARINT:
+                raise ValueError(f"field {number} is not a varint")
+            value = v
+    return value
+
+
+class _Module:
+    def __init__(self, buf: bytes) -> None:
+        self.buf = buf
+        self.comps: dict[int, int] = {}  # raw computation id -> position
+        self.instrs: list[dict[int, int]] = []  # per computation: raw id -> position
+        for f, wire, _s, vs, ve, _v in fields(buf, 0, len(buf)):
+            if f != 3:
+                continue
+            if wire != LEN:
+                raise ValueError("a computation that is not a message")
+            cid = _last_varint(buf, vs, ve, 5)
+            if cid in self.comps:
+                raise ValueError(f"duplicate computation id {cid}")
+            self.comps[cid] = len(self.instrs)
+            ids: dict[int, int] = {}
+            for g, w2, _s2, vs2, ve2, _v2 in fields(buf, vs, ve):
+                if g == 2:
+                    if w2 != LEN:
+                        raise ValueError("an instruction that is not a message")
+                    iid = _last_varint(buf, vs2, ve2, 35)
+                    if iid in ids:
+                        raise ValueError(f"duplicate instruction id {iid}")
+                    ids[iid] = len(ids)
+            self.instrs.append(ids)
+        if not self.instrs:
+            raise ValueError("no computations: not an HloModuleProto")
+
+
+def _ref(out: bytearray, number: int, raw: int, table: dict[int, int] | None) -> None:
+    pos = table.get(raw) if table is not None else None
+    if pos is None:
+        out += varint(((number + UNRESOLVED) << 3) | VARINT) + varint(raw)
+    else:
+        out += varint((number << 3) | VARINT) + varint(pos)
+
+
+def _emit(m: _Module, kind: int, vs: int, ve: int, out: bytearray,
+          comp: int | None) -> None:
+    buf = m.buf
+    schema = SCHEMA[kind]
+    instrs = m.instrs[comp] if comp is not None else None
+    tail: tuple[int, int, dict[int, int] | None] | None = None
+    if kind == COMPUTATION:
+        tail = (6, 0, instrs)  # root id; absent means 0
+    elif kind == MODULE:
+        tail = (6, 0, m.comps)  # entry computation id
+    entries: list[tuple[tuple[int, int, bytes], bytes]] = []
+    n_comp = 0
+    for f, wire, s, fvs, fve, value in fields(buf, vs, ve):
+        action = schema.get(f)
+        if action is None:
+            out += buf[s:fve]
+        elif isinstance(action, tuple):
+            if wire != LEN:
+                raise ValueError(f"field {f} should be a message")
+            sub_comp = comp
+            if kind == MODULE and f == 3:
+                sub_comp, n_comp = n_comp, n_comp + 1
+            out += varint((f << 3) | SGROUP)
+            _emit(m, action[0], fvs, fve, out, sub_comp)
+            out += varint((f << 3) | EGROUP)
+        elif action in (DROP, IDEF, CDEF):
+            continue
+        elif action in (ROOT, ENTRY):
+            if wire != VARINT:
+                raise ValueError(f"field {f} should be a varint")
+            assert tail is not None
+            tail = (tail[0], value, tail[2])
+        elif action in (IREF, CREF):
+            table = instrs if action == IREF else m.comps
+            for raw in _ids(buf, wire, fvs, fve, value):
+                _ref(out, f, raw, table)
+        elif action == SEQUENCES:
+            entries.append(_sequence(m, f, wire, fvs, fve))
+    for _key, entry in sorted(entries):
+        out += entry
+    if tail is not None:
+        _ref(out, tail[0], tail[1], tail[2])
+
+
+def _sequence(m: _Module, f: int, wire: int, vs: int,
+              ve: int) -> tuple[tuple[int, int, bytes], bytes]:
+    """One schedule map entry {1: computation id, 2: {1: instruction ids}} and
+    its sort key: map entries come in any order, so they are sorted by the
+    position of their computation (unresolved ones last, by raw id)."""
+    if wire != LEN:
+        raise ValueError("a schedule entry that is not a message")
+    buf = m.buf
+    raw_comp, seq = 0, None
+    for g, w2, _s, vs2, ve2, v2 in fields(buf, vs, ve):
+        if g == 1 and w2 == VARINT:
+            raw_comp = v2
+        elif g == 2 and w2 == LEN:
+            seq = (vs2, ve2)
+        else:
+            raise ValueError("unexpected field in a schedule entry")
+    pos = m.comps.get(raw_comp)
+    entry = bytearray(varint((f << 3) | SGROUP))
+    _ref(entry, 1, raw_comp, m.comps)
+    if seq is not None:
+        entry += varint((2 << 3) | SGROUP)
+        table = m.instrs[pos] if pos is not None else None
+        for g, w3, _s, vs3, ve3, v3 in fields(buf, *seq):
+            if g != 1:
+                raise ValueError("unexpected field in an instruction sequence")
+            for raw in _ids(buf, w3, vs3, ve3, v3):
+                _ref(entry, 1, raw, table)
+        entry += varint((2 << 3) | EGROUP)
+    entry += varint((f << 3) | EGROUP)
+    key = (0, pos, b"") if pos is not None else (1, raw_comp, bytes(entry))
+    return key, bytes(entry)
+
+
+def canonical_hlo_py(module_bytes: bytes) -> bytes:
+    """The reference implementation (pure Python)."""
+    m = _Module(bytes(module_bytes))
+    out = bytearray()
+    _emit(m, MODULE, 0, len(m.buf), out, None)
+    return bytes(out)
+
+
+try:
+    from ._hlocanon import canonical_hlo as _native
+except ImportError:  # not built (a source checkout): same bytes, slower
+    _native = None
+
+
+def canonical_hlo(module_bytes: bytes) -> bytes:
+    """Canonical bytes of an HloModuleProto; ValueError if it is malformed."""
+    if _native is not None:
+        return _native(module_bytes)
+    return canonical_hlo_py(module_bytes)
