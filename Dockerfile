@@ -1,5 +1,8 @@
 # The one image the Helm chart runs: `compilecast coordinator` and `compilecast worker`.
 FROM python:3.11-slim AS build
+# A C compiler for worker/_hlocanon.c (the HloModuleProto canonicalizer's fast path).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY compilecast ./compilecast

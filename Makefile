@@ -11,6 +11,8 @@ STAMP   := .make-installed
 $(STAMP): pyproject.toml
 	@command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || \
 	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server etcd-client)
+	@command -v cc >/dev/null 2>&1 || \
+	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq gcc libc6-dev)
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
 UNRESOLVED = 1 << 28  # added to the field number of a reference that resolves to nothing
+MAX_DEPTH = 64  # nested messages (shardings inside shardings) deeper than this are refused
 
 # Message kinds and what happens to their fields (anything not listed is kept).
 MODULE, COMPUTATION, INSTRUCTION, PROGRAM_SHAPE, SHARDING, NAMED_SHARDING, SCHEDULE = range(7)
@@ -159,7 +160,9 @@ def _ref(out: bytearray, number: int, raw: int, table: dict[int, int] | None) ->
 
 
 def _emit(m: _Module, kind: int, vs: int, ve: int, out: bytearray,
-          comp: int | None) -> None:
+          comp: int | None, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise ValueError("messages nested too deeply")
     buf = m.buf
     schema = SCHEMA[kind]
     instrs = m.instrs[comp] if comp is not None else None
@@ -181,7 +184,7 @@ def _emit(m: _Module, kind: int, vs: int, ve: int, out: bytearray,
             if kind == MODULE and f == 3:
                 sub_comp, n_comp = n_comp, n_comp + 1
             out += varint((f << 3) | SGROUP)
-            _emit(m, action[0], fvs, fve, out, sub_comp)
+            _emit(m, action[0], fvs, fve, out, sub_comp, depth + 1)
             out += varint((f << 3) | EGROUP)
         elif action in (DROP, IDEF, CDEF):
             continue

@@ -1,0 +1,526 @@
+/* Canonical bytes of a serialized HloModuleProto: the C implementation of
+ * worker/hlocanon.py (which documents the canonical form and is the
+ * reference; tests/test_hlocanon.py checks both give the same bytes).
+ *
+ * One pass records every computation's and instruction's position, a second
+ * writes the canonical stream. No protobuf library: fields are walked at the
+ * wire level and copied unless the schema below says otherwise. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { VARINT = 0, I64 = 1, LEN = 2, SGROUP = 3, EGROUP = 4, I32 = 5 };
+#define UNRESOLVED ((uint64_t)1 << 28)
+#define MAX_DEPTH 64
+
+enum { MODULE, COMPUTATION, INSTRUCTION, PROGRAM_SHAPE, SHARDING, NAMED_SHARDING, SCHEDULE };
+enum { KEEP, DROP, IDEF, CDEF, IREF, CREF, ROOT, ENTRY, SEQUENCES, MSG };
+
+typedef struct { int act; int kind; } Rule;
+
+static Rule rule(int kind, uint64_t f) {
+    Rule keep = {KEEP, 0}, drop = {DROP, 0};
+#define R(a) return (Rule){a, 0}
+#define M(k) return (Rule){MSG, k}
+    switch (kind) {
+    case MODULE:
+        switch (f) {
+        case 1: case 2: case 5: case 17: return drop;
+        case 6: R(ENTRY);
+        case 3: M(COMPUTATION);
+        case 4: M(PROGRAM_SHAPE);
+        case 7: M(SCHEDULE);
+        case 12: case 14: M(SHARDING);
+        }
+        break;
+    case COMPUTATION:
+        switch (f) {
+        case 1: return drop;
+        case 5: R(CDEF);
+        case 6: R(ROOT);
+        case 2: M(INSTRUCTION);
+        case 4: M(PROGRAM_SHAPE);
+        }
+        break;
+    case INSTRUCTION:
+        switch (f) {
+        case 1: case 7: return drop;
+        case 35: R(IDEF);
+        case 36: case 37: R(IREF);
+        case 38: R(CREF);
+        case 40: case 54: case 55: M(SHARDING);
+        }
+        break;
+    case PROGRAM_SHAPE:
+        if (f == 3) return drop;
+        break;
+    case SHARDING:
+        switch (f) {
+        case 7: return drop;
+        case 5: M(SHARDING);
+        case 14: M(NAMED_SHARDING);
+        }
+        break;
+    case NAMED_SHARDING:
+        switch (f) {
+        case 6: return drop;
+        case 1: M(NAMED_SHARDING);
+        }
+        break;
+    case SCHEDULE:
+        if (f == 1) R(SEQUENCES);
+        break;
+    }
+#undef R
+#undef M
+    return keep;
+}
+
+/* -- output buffer ------------------------------------------------------- */
+
+typedef struct { uint8_t *d; size_t n, cap; } Buf;
+
+static int reserve(Buf *b, size_t extra) {
+    if (b->n + extra <= b->cap) return 0;
+    size_t cap = b->cap ? b->cap : 4096;
+    while (cap < b->n + extra) cap *= 2;
+    uint8_t *d = realloc(b->d, cap);
+    if (!d) return -1;
+    b->d = d;
+    b->cap = cap;
+    return 0;
+}
+
+static int put(Buf *b, const uint8_t *p, size_t n) {
+    if (reserve(b, n)) return -1;
+    memcpy(b->d + b->n, p, n);
+    b->n += n;
+    return 0;
+}
+
+static int put_varint(Buf *b, uint64_t v) {
+    if (reserve(b, 10)) return -1;
+    while (v >= 0x80) {
+        b->d[b->n++] = (uint8_t)((v & 0x7F) | 0x80);
+        v >>= 7;
+    }
+    b->d[b->n++] = (uint8_t)v;
+    return 0;
+}
+
+/* -- wire reading --------------------------------------------------------- */
+
+typedef struct {
+    uint64_t num, val;
+    int wire;
+    const uint8_t *start, *vs, *ve;
+} Field;
+
+static inline int rd_varint(const uint8_t **p, const uint8_t *end, uint64_t *out) {
+    if (*p < end && **p < 0x80) {  /* most tags and lengths are one byte */
+        *out = *(*p)++;
+        return 0;
+    }
+    uint64_t r = 0;
+    int shift = 0;
+    for (;;) {
+        if (*p >= end || shift > 63) return -1;
+        uint8_t b = *(*p)++;
+        r |= (uint64_t)(b & 0x7F) << shift;
+        shift += 7;
+        if (b < 0x80) {
+            *out = r;
+            return 0;
+        }
+    }
+}
+
+/* 1: a field was read, 0: end of message, -1: malformed. */
+static inline int next_field(const uint8_t **p, const uint8_t *end, Field *f) {
+    if (*p >= end) return 0;
+    uint64_t tag, n;
+    f->start = *p;
+    if (rd_varint(p, end, &tag)) return -1;
+    f->num = tag >> 3;
+    f->wire = (int)(tag & 7);
+    f->val = 0;
+    if (f->num == 0) return -1;
+    f->vs = *p;
+    switch (f->wire) {
+    case VARINT:
+        if (rd_varint(p, end, &f->val)) return -1;
+        break;
+    case I64:
+        if (end - *p < 8) return -1;
+        *p += 8;
+        break;
+    case I32:
+        if (end - *p < 4) return -1;
+        *p += 4;
+        break;
+    case LEN:
+        if (rd_varint(p, end, &n)) return -1;
+        f->vs = *p;
+        if (n > (uint64_t)(end - *p)) return -1;
+        *p += n;
+        break;
+    default:
+        return -1;
+    }
+    f->ve = *p;
+    return 1;
+}
+
+/* -- id tables: (computation, raw id) -> position ---------------------------- */
+
+typedef struct { uint64_t raw; int64_t comp; int64_t pos; } Slot;
+typedef struct { Slot *s; size_t cap, n; } Map;
+
+static size_t slot_of(const Map *m, int64_t comp, uint64_t raw) {
+    /* splitmix64's finalizer over the pair */
+    uint64_t h = raw ^ ((uint64_t)comp * 0x9E3779B97F4A7C15ULL);
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EBULL;
+    h ^= h >> 31;
+    size_t i = (size_t)h & (m->cap - 1);
+    while (m->s[i].pos >= 0 && !(m->s[i].raw == raw && m->s[i].comp == comp))
+        i = (i + 1) & (m->cap - 1);
+    return i;
+}
+
+static int map_init(Map *m, size_t n) {
+    m->cap = 16;
+    while (m->cap < 2 * n + 16) m->cap *= 2;
+    m->n = 0;
+    m->s = malloc(m->cap * sizeof(Slot));
+    if (!m->s) return -1;
+    for (size_t i = 0; i < m->cap; i++) m->s[i].pos = -1;
+    return 0;
+}
+
+/* 0: added, 1: duplicate */
+static int map_add(Map *m, int64_t comp, uint64_t raw, int64_t pos) {
+    size_t i = slot_of(m, comp, raw);
+    if (m->s[i].pos >= 0) return 1;
+    m->s[i] = (Slot){raw, comp, pos};
+    m->n++;
+    return 0;
+}
+
+static int64_t map_get(const Map *m, int64_t comp, uint64_t raw) {
+    return m->s[slot_of(m, comp, raw)].pos;
+}
+
+/* -- the canonical stream ------------------------------------------------- */
+
+/* A computation whose instruction ids are dense (the usual case) looks them
+ * up in an array indexed by id - min; others go through the hash map. */
+typedef struct { uint64_t min, span; int32_t *dense; } Comp;
+
+typedef struct {
+    Map comps;   /* comp = -1 */
+    Map instrs;  /* comp = position of the computation (sparse ones only) */
+    Comp *cs;
+    size_t ncs;
+    const char *err;
+} Ctx;
+
+static int64_t instr_pos(const Ctx *c, int64_t comp, uint64_t raw) {
+    if (comp < 0) return -1;
+    const Comp *k = &c->cs[comp];
+    if (k->dense) {
+        uint64_t i = raw - k->min;
+        return raw >= k->min && i < k->span ? k->dense[i] : -1;
+    }
+    return map_get(&c->instrs, comp, raw);
+}
+
+#define FAIL(c, msg) do { (c)->err = (msg); return -1; } while (0)
+
+/* The last value of varint field `num` in a message (0 when absent). */
+static int last_varint(Ctx *c, const uint8_t *p, const uint8_t *end, uint64_t num,
+                       uint64_t *out) {
+    Field f;
+    int r;
+    *out = 0;
+    while ((r = next_field(&p, end, &f)) > 0) {
+        if (f.num == num) {
+            if (f.wire != VARINT) FAIL(c, "an id field that is not a varint");
+            *out = f.val;
+        }
+    }
+    if (r < 0) FAIL(c, "malformed protobuf");
+    return 0;
+}
+
+/* Record the positions of one computation's instructions. */
+static int index_computation(Ctx *c, int64_t cpos, const uint8_t *p, const uint8_t *end,
+                             uint64_t **ids, size_t *cap) {
+    Field g;
+    int r;
+    size_t n = 0;
+    uint64_t lo = UINT64_MAX, hi = 0, iid;
+    while ((r = next_field(&p, end, &g)) > 0) {
+        if (g.num != 2) continue;
+        if (g.wire != LEN) FAIL(c, "an instruction that is not a message");
+        if (last_varint(c, g.vs, g.ve, 35, &iid)) return -1;
+        if (n == *cap) {
+            *cap = *cap ? 2 * *cap : 1024;
+            uint64_t *grown = realloc(*ids, *cap * sizeof(uint64_t));
+            if (!grown) FAIL(c, "out of memory");
+            *ids = grown;
+        }
+        (*ids)[n++] = iid;
+        if (iid < lo) lo = iid;
+        if (iid > hi) hi = iid;
+    }
+    if (r < 0) FAIL(c, "malformed protobuf");
+    Comp *k = &c->cs[cpos];
+    if (n && hi - lo < 4 * (uint64_t)n + 64) {
+        k->min = lo;
+        k->span = hi - lo + 1;
+        k->dense = malloc(k->span * sizeof(int32_t));
+        if (!k->dense) FAIL(c, "out of memory");
+        memset(k->dense, 0xFF, k->span * sizeof(int32_t));  /* -1: no such id */
+        for (size_t i = 0; i < n; i++) {
+            int32_t *slot = &k->dense[(*ids)[i] - lo];
+            if (*slot >= 0) FAIL(c, "duplicate instruction id");
+            *slot = (int32_t)i;
+        }
+    } else {
+        for (size_t i = 0; i < n; i++)
+            if (map_add(&c->instrs, cpos, (*ids)[i], (int64_t)i))
+                FAIL(c, "duplicate instruction id");
+    }
+    return 0;
+}
+
+static int index_module(Ctx *c, const uint8_t *p, const uint8_t *end) {
+    Field f, g;
+    int r, r2;
+    size_t ncomp = 0, ninstr = 0;
+    const uint8_t *q = p;
+    while ((r = next_field(&q, end, &f)) > 0) {  /* sizes first */
+        if (f.num != 3) continue;
+        if (f.wire != LEN) FAIL(c, "a computation that is not a message");
+        ncomp++;
+        const uint8_t *s = f.vs;
+        while ((r2 = next_field(&s, f.ve, &g)) > 0)
+            if (g.num == 2) ninstr++;
+        if (r2 < 0) FAIL(c, "malformed protobuf");
+    }
+    if (r < 0) FAIL(c, "malformed protobuf");
+    if (ncomp == 0) FAIL(c, "no computations: not an HloModuleProto");
+    c->cs = calloc(ncomp, sizeof(Comp));
+    c->ncs = ncomp;
+    if (!c->cs || map_init(&c->comps, ncomp) || map_init(&c->instrs, ninstr))
+        FAIL(c, "out of memory");
+    int64_t cpos = 0;
+    uint64_t *ids = NULL;
+    size_t cap = 0;
+    int rc = 0;
+    while (rc == 0 && (r = next_field(&p, end, &f)) > 0) {
+        if (f.num != 3) continue;
+        uint64_t cid;
+        if (last_varint(c, f.vs, f.ve, 5, &cid)) rc = -1;
+        else if (map_add(&c->comps, -1, cid, cpos)) { c->err = "duplicate computation id"; rc = -1; }
+        else rc = index_computation(c, cpos++, f.vs, f.ve, &ids, &cap);
+    }
+    free(ids);
+    return rc;
+}
+
+/* A reference: its position under its own field number, or its raw value
+ * under field number + UNRESOLVED. */
+static int put_pos(Buf *o, uint64_t num, uint64_t raw, int64_t pos) {
+    if (pos < 0)
+        return put_varint(o, ((num + UNRESOLVED) << 3) | VARINT) || put_varint(o, raw);
+    return put_varint(o, (num << 3) | VARINT) || put_varint(o, (uint64_t)pos);
+}
+
+/* comp >= 0: instruction ids of that computation; -1: computation ids;
+ * -2: nothing resolves. */
+static int64_t resolve(const Ctx *c, int64_t comp, uint64_t raw) {
+    if (comp == -1) return map_get(&c->comps, -1, raw);
+    return instr_pos(c, comp, raw);
+}
+
+static int put_refs(Ctx *c, Buf *o, const Field *f, int64_t comp) {
+    if (f->wire == VARINT) {
+        if (put_pos(o, f->num, f->val, resolve(c, comp, f->val))) FAIL(c, "out of memory");
+        return 0;
+    }
+    if (f->wire != LEN) FAIL(c, "an id field that is not a varint");
+    const uint8_t *p = f->vs;
+    uint64_t v;
+    while (p < f->ve) {
+        if (rd_varint(&p, f->ve, &v)) FAIL(c, "malformed protobuf");
+        if (put_pos(o, f->num, v, resolve(c, comp, v))) FAIL(c, "out of memory");
+    }
+    return 0;
+}
+
+typedef struct { int group; uint64_t num; Buf b; } Entry;
+
+static int entry_cmp(const void *x, const void *y) {
+    const Entry *a = x, *b = y;
+    if (a->group != b->group) return a->group < b->group ? -1 : 1;
+    if (a->num != b->num) return a->num < b->num ? -1 : 1;
+    size_t n = a->b.n < b->b.n ? a->b.n : b->b.n;
+    int r = memcmp(a->b.d, b->b.d, n);
+    if (r) return r;
+    return a->b.n < b->b.n ? -1 : (a->b.n > b->b.n ? 1 : 0);
+}
+
+static int sequence(Ctx *c, const Field *f, Entry *e) {
+    Field g, h;
+    int r;
+    uint64_t raw = 0;
+    const uint8_t *seq = NULL, *seq_end = NULL;
+    if (f->wire != LEN) FAIL(c, "a schedule entry that is not a message");
+    const uint8_t *p = f->vs;
+    while ((r = next_field(&p, f->ve, &g)) > 0) {
+        if (g.num == 1 && g.wire == VARINT) raw = g.val;
+        else if (g.num == 2 && g.wire == LEN) { seq = g.vs; seq_end = g.ve; }
+        else FAIL(c, "unexpected field in a schedule entry");
+    }
+    if (r < 0) FAIL(c, "malformed protobuf");
+    int64_t pos = map_get(&c->comps, -1, raw);
+    Buf *o = &e->b;
+    if (put_varint(o, (f->num << 3) | SGROUP) || put_pos(o, 1, raw, pos))
+        FAIL(c, "out of memory");
+    if (seq) {
+        if (put_varint(o, (2 << 3) | SGROUP)) FAIL(c, "out of memory");
+        while ((r = next_field(&seq, seq_end, &h)) > 0) {
+            if (h.num != 1) FAIL(c, "unexpected field in an instruction sequence");
+            if (put_refs(c, o, &h, pos >= 0 ? pos : -2)) return -1;
+        }
+        if (r < 0) FAIL(c, "malformed protobuf");
+        if (put_varint(o, (2 << 3) | EGROUP)) FAIL(c, "out of memory");
+    }
+    if (put_varint(o, (f->num << 3) | EGROUP)) FAIL(c, "out of memory");
+    e->group = pos >= 0 ? 0 : 1;
+    e->num = pos >= 0 ? (uint64_t)pos : raw;
+    return 0;
+}
+
+static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, int64_t comp,
+                int depth);
+
+static int emit_schedule_entries(Ctx *c, Entry *es, size_t n, Buf *o) {
+    qsort(es, n, sizeof(Entry), entry_cmp);
+    for (size_t i = 0; i < n; i++)
+        if (put(o, es[i].b.d, es[i].b.n)) FAIL(c, "out of memory");
+    return 0;
+}
+
+static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, int64_t comp,
+                int depth) {
+    Field f;
+    int r, rc = -1;
+    uint64_t tail_raw = 0;
+    int64_t ncomp = 0;
+    Entry *es = NULL;
+    size_t nes = 0, capes = 0;
+    if (depth > MAX_DEPTH) FAIL(c, "messages nested too deeply");
+    while ((r = next_field(&p, end, &f)) > 0) {
+        Rule ru = rule(kind, f.num);
+        switch (ru.act) {
+        case KEEP:
+            if (put(o, f.start, (size_t)(f.ve - f.start))) { c->err = "out of memory"; goto out; }
+            break;
+        case DROP: case IDEF: case CDEF:
+            break;
+        case MSG: {
+            if (f.wire != LEN) { c->err = "a message field that is not a message"; goto out; }
+            int64_t sub = comp;
+            if (kind == MODULE && f.num == 3) sub = ncomp++;
+            if (put_varint(o, (f.num << 3) | SGROUP)) { c->err = "out of memory"; goto out; }
+            if (emit(c, ru.kind, f.vs, f.ve, o, sub, depth + 1)) goto out;
+            if (put_varint(o, (f.num << 3) | EGROUP)) { c->err = "out of memory"; goto out; }
+            break;
+        }
+        case ROOT: case ENTRY:
+            if (f.wire != VARINT) { c->err = "an id field that is not a varint"; goto out; }
+            tail_raw = f.val;
+            break;
+        case IREF:
+            if (put_refs(c, o, &f, comp >= 0 ? comp : -2)) goto out;
+            break;
+        case CREF:
+            if (put_refs(c, o, &f, -1)) goto out;
+            break;
+        case SEQUENCES:
+            if (nes == capes) {
+                capes = capes ? 2 * capes : 16;
+                Entry *grown = realloc(es, capes * sizeof(Entry));
+                if (!grown) { c->err = "out of memory"; goto out; }
+                es = grown;
+            }
+            memset(&es[nes], 0, sizeof(Entry));
+            nes++;
+            if (sequence(c, &f, &es[nes - 1])) goto out;
+            break;
+        }
+    }
+    if (r < 0) { c->err = "malformed protobuf"; goto out; }
+    if (nes && emit_schedule_entries(c, es, nes, o)) goto out;
+    if (kind == COMPUTATION) {
+        if (put_pos(o, 6, tail_raw, instr_pos(c, comp, tail_raw))) {
+            c->err = "out of memory";
+            goto out;
+        }
+    } else if (kind == MODULE) {
+        if (put_pos(o, 6, tail_raw, resolve(c, -1, tail_raw))) {
+            c->err = "out of memory";
+            goto out;
+        }
+    }
+    rc = 0;
+out:
+    for (size_t i = 0; i < nes; i++) free(es[i].b.d);
+    free(es);
+    return rc;
+}
+
+static PyObject *canonical_hlo(PyObject *self, PyObject *arg) {
+    (void)self;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Ctx c = {{0}, {0}, NULL, 0, NULL};
+    Buf o = {0};
+    int rc;
+    const uint8_t *p = view.buf, *end = p + view.len;
+    Py_BEGIN_ALLOW_THREADS
+    rc = reserve(&o, (size_t)view.len + 4096);  /* the output is rarely longer */
+    if (rc) c.err = "out of memory";
+    if (rc == 0) rc = index_module(&c, p, end);
+    if (rc == 0) rc = emit(&c, MODULE, p, end, &o, -1, 0);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    free(c.comps.s);
+    free(c.instrs.s);
+    for (size_t i = 0; c.cs && i < c.ncs; i++) free(c.cs[i].dense);
+    free(c.cs);
+    PyObject *result = NULL;
+    if (rc == 0)
+        result = PyBytes_FromStringAndSize((const char *)o.d, (Py_ssize_t)o.n);
+    else
+        PyErr_SetString(PyExc_ValueError, c.err ? c.err : "malformed HloModuleProto");
+    free(o.d);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"canonical_hlo", canonical_hlo, METH_O,
+     "Canonical bytes of a serialized HloModuleProto (see hlocanon.py)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hlocanon", NULL, -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__hlocanon(void) { return PyModule_Create(&module); }
