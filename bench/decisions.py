@@ -5,9 +5,10 @@ for new keys (COMPILE: a lease grant and a txn in etcd).
     python bench/decisions.py [--clients 1000] [--seconds 15] [--hit-ratio 0.5]
     python bench/decisions.py --ceiling   # the same load on a trivial grpc.aio server
 
-Prints decisions per second and latency percentiles. The load generator is
-one grpc.aio process sharing the machine's 2 cores with the coordinator and
-etcd.
+Prints decisions per second, latency percentiles and where the CPU went
+(cores used by the load generator, the coordinator(s) and etcd). The load
+generator is one grpc.aio process sharing the machine's 2 cores with the
+coordinator and etcd.
 """
 
 from __future__ import annotations
@@ -25,11 +26,27 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, free_port, wait_port
+from _servers import Stack, cpu_seconds, free_port, own_cpu_seconds, wait_port
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient
+
+
+def cores(pids: dict[str, int], run):
+    """Run `run()`; return its result and the cores each process (and this
+    one, the load generator) used meanwhile."""
+    before = {n: cpu_seconds(p) for n, p in pids.items()}
+    c0, t0 = own_cpu_seconds(), time.monotonic()
+    result = run()
+    wall = time.monotonic() - t0
+    used = {n: (cpu_seconds(p) - before[n]) / wall for n, p in pids.items()}
+    used["load generator"] = (own_cpu_seconds() - c0) / wall
+    return result, used
+
+
+def fmt_cores(used: dict[str, float]) -> str:
+    return "cores: " + ", ".join(f"{n} {v:.2f}" for n, v in used.items())
 
 
 async def load(target: str, clients: int, seconds: float, hit_ratio: float,
@@ -93,19 +110,23 @@ def main() -> None:
                                                        "_trivial_server.py"), str(port)])
         try:
             wait_port(port)
-            lat, decisions, errors = asyncio.run(load(f"127.0.0.1:{port}", args.clients,
-                                                      args.seconds, 1.0, ["k"], 1))
+            (lat, decisions, errors), used = cores({"server": server.pid}, lambda: asyncio.run(
+                load(f"127.0.0.1:{port}", args.clients, args.seconds, 1.0, ["k"], 1)))
         finally:
             server.terminate()
             server.wait()
         print(f"{args.clients} clients, trivial grpc.aio server: "
-              f"{sum(decisions.values()) / args.seconds:.0f} requests/s, errors {errors}")
+              f"{sum(decisions.values()) / args.seconds:.0f} requests/s, errors {errors}; "
+              f"{fmt_cores(used)}")
         return
     root = Path(tempfile.mkdtemp(prefix="cc-decisions-"))
     stack = Stack(root)
     try:
         store = root / "shared-store"
-        targets = [stack.coordinator(f"c{i}", store=store)[0] for i in range(args.replicas)]
+        started = [stack.coordinator(f"c{i}", store=store) for i in range(args.replicas)]
+        targets = [t for t, _ in started]
+        pids = {"etcd": stack.procs[0].pid}
+        pids.update({f"coordinator {i}": p.pid for i, (_, p) in enumerate(started)})
         c = CacheClient(targets[0])
         hit_keys = []
         for i in range(200):
@@ -115,19 +136,20 @@ def main() -> None:
         c.close()
         # Several replicas: clients spread over them (one ipv4: target per replica).
         target = "ipv4:" + ",".join(targets) if len(targets) > 1 else targets[0]
-        lat, decisions, errors = asyncio.run(load(target, args.clients, args.seconds,
-                                                  args.hit_ratio, hit_keys, args.batch))
+        (lat, decisions, errors), used = cores(pids, lambda: asyncio.run(
+            load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch)))
         lat.sort()
         n = len(lat)
         total = sum(decisions.values())
         row = {"clients": args.clients, "replicas": args.replicas, "batch": args.batch,
                "requests": n, "decisions": total,
                "per_second": total / args.seconds, "p50_ms": lat[n // 2] * 1e3,
-               "p99_ms": lat[int(n * 0.99)] * 1e3, "errors": errors, "by_decision": decisions}
+               "p99_ms": lat[int(n * 0.99)] * 1e3, "errors": errors, "by_decision": decisions,
+               "cores": used}
         print(f"{args.clients} clients, {args.replicas} replica(s), batch {args.batch}: "
               f"{row['per_second']:.0f} decisions/s, request latency p50 {row['p50_ms']:.1f} ms, "
               f"p99 {row['p99_ms']:.1f} ms, "
-              f"errors {errors}, {decisions}")
+              f"errors {errors}, {decisions}; {fmt_cores(used)}")
         print(json.dumps(row))
     finally:
         stack.close()
