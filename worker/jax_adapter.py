@@ -20,8 +20,9 @@ JAX's persistent compilation cache has no public plugin hook. We use:
 - `jax._src.compilation_cache.get_cache_key`, replaced by compilecast's
   canonical key (worker/keys.py), which is identical on every process of a
   job and ignores names and debug metadata;
-- jaxlib's MLIR bindings (`jax._src.lib.mlir`, the HLO -> StableHLO
-  converter `_jax.mlir.hlo_to_stablehlo`) that the key library parses with;
+- jaxlib's MLIR bindings (`jax._src.lib.mlir`) that the key library parses
+  MLIR programs with, and the HLO -> StableHLO converter
+  (`_jax.mlir.hlo_to_stablehlo`) that `explain` prints HLO protos with;
 - for recipes and replays (worker/aot.py): `mlir.module_to_bytecode`,
   `xla_client.CompileOptions` (de)serialization, `xla_client.DeviceList` and
   `compiler.compile_or_get_cached`, which compiles a recorded program through
