@@ -18,7 +18,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compilecast.worker.keys import KeyConfig, detect_format, explain, program_key
+from compilecast.worker.keys import (
+    KeyConfig,
+    detect_format,
+    explain,
+    hlo_module_bytes,
+    program_key,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torch_xla"  # real dumps, see its README
 FORMATS = ("mlir-text", "mlir-bytecode", "hlo-proto")
@@ -196,6 +202,19 @@ def test_explain_names_the_first_differing_operation():
     lines = explain(ka, kb)
     assert lines[0].startswith("component program differs")
     assert any("stablehlo.subtract" in line for line in lines)
+
+
+def test_explain_hlo_protos_that_differ_where_mlir_does_not_print():
+    # A field XLA's importer ignores (an unknown one here) still changes the
+    # wire-level key; explain says so instead of pointing at an operation.
+    data = hlo_module_bytes((FIXTURES / "mlp.hlo.pb").read_bytes())
+    extra = data + b"\xb8\x3e\x01"  # field 999, varint 1
+    ka, kb = program_key(data, keep_text=True), program_key(extra, keep_text=True)
+    assert kb.components["program_format"] == "hlo-proto"
+    assert ka.value != kb.value
+    lines = explain(ka, kb)
+    assert lines[0].startswith("component program differs")
+    assert "print the same" in lines[-1]
 
 
 def test_unparseable_input_is_keyed_by_its_bytes():

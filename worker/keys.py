@@ -92,46 +92,19 @@ def _digest(data: bytes | str) -> str:
 
 # -- formats -------------------------------------------------------------------
 
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if i >= len(buf):
-            raise ValueError("truncated varint")
-        b = buf[i]
-        i += 1
-        result |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            return result, i
-
-
 def hlo_module_bytes(data: bytes) -> bytes:
     """The HloModuleProto inside an HloProto (field 1), or `data` itself when
     it already is an HloModuleProto (whose field 1 is the name string)."""
-    i = 0
-    while i < len(data):
-        tag, i = _varint(data, i)
-        number, wire = tag >> 3, tag & 7
-        if wire == 2:
-            n, i = _varint(data, i)
-            if number == 1:
-                inner = data[i:i + n]
-                # HloModuleProto.name is a string; an HloProto's field 1 is a message.
-                try:
-                    inner.decode("utf-8")
-                    looks_like_name = n < 4096 and b"\n" not in inner[:1]
-                except UnicodeDecodeError:
-                    looks_like_name = False
-                return data if looks_like_name else inner
-            i += n
-        elif wire == 0:
-            _, i = _varint(data, i)
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        else:
-            raise ValueError(f"not a protobuf message (wire type {wire})")
+    for number, wire, _start, vs, ve, _value in hlocanon.fields(data, 0, len(data)):
+        if number == 1 and wire == hlocanon.LEN:
+            inner = data[vs:ve]
+            # HloModuleProto.name is a string; an HloProto's field 1 is a message.
+            try:
+                inner.decode("utf-8")
+                looks_like_name = len(inner) < 4096 and b"\n" not in inner[:1]
+            except UnicodeDecodeError:
+                looks_like_name = False
+            return data if looks_like_name else inner
     raise ValueError("no module in the protobuf message")
 
 
@@ -378,5 +351,10 @@ def explain(a: Key, b: Key) -> list[str]:
                 lines.append(f"  + {y.strip()}")
                 break
         else:
-            lines.append(f"one program is a prefix of the other ({len(la)} vs {len(lb)} lines)")
+            if len(la) == len(lb):
+                lines.append("the canonical programs print the same: they differ in a field "
+                             "the MLIR printer does not show")
+            else:
+                lines.append(f"one program is a prefix of the other ({len(la)} vs {len(lb)} "
+                             "lines)")
     return lines
