@@ -21,6 +21,8 @@ enum { KEEP, DROP, IDEF, CDEF, IREF, CREF, ROOT, ENTRY, SEQUENCES, MSG };
 
 typedef struct { int act; int kind; } Rule;
 
+#define FAIL(c, msg) do { (c)->err = (msg); return -1; } while (0)
+
 static Rule rule(int kind, uint64_t f) {
     Rule keep = {KEEP, 0}, drop = {DROP, 0};
 #define R(a) return (Rule){a, 0}
@@ -214,31 +216,111 @@ static int64_t map_get(const Map *m, int64_t comp, uint64_t raw) {
     return m->s[slot_of(m, comp, raw)].pos;
 }
 
+/* map_add that doubles the table when it is half full. -1: out of memory. */
+static int map_add_grow(Map *m, int64_t comp, uint64_t raw, int64_t pos) {
+    if (2 * (m->n + 1) > m->cap) {
+        Map bigger;
+        if (map_init(&bigger, m->cap)) return -1;
+        for (size_t i = 0; i < m->cap; i++)
+            if (m->s[i].pos >= 0) map_add(&bigger, m->s[i].comp, m->s[i].raw, m->s[i].pos);
+        free(m->s);
+        *m = bigger;
+    }
+    return map_add(m, comp, raw, pos);
+}
+
 /* -- the canonical stream ------------------------------------------------- */
 
 /* A computation whose instruction ids are dense (the usual case) looks them
  * up in an array indexed by id - min; others go through the hash map. */
-typedef struct { uint64_t min, span; int32_t *dense; } Comp;
+typedef struct { uint64_t min, span, cap; int32_t *dense; } Comp;
 
+/* Two ways to the same bytes. The single pass registers each instruction and
+ * computation as it is written, which is enough when every reference points
+ * back (XLA writes operands before users and callees before callers). Anything
+ * else (a reference forward or to nothing, ids that are not dense and rising)
+ * sets `retry`, and the module is done again in two passes: one that records
+ * every position, one that writes. */
 typedef struct {
     Map comps;   /* comp = -1 */
-    Map instrs;  /* comp = position of the computation (sparse ones only) */
+    Map instrs;  /* comp = position of the computation (sparse ones; two passes only) */
     Comp *cs;
     size_t ncs;
     const char *err;
+    int single, retry;
 } Ctx;
 
 static int64_t instr_pos(const Ctx *c, int64_t comp, uint64_t raw) {
-    if (comp < 0) return -1;
+    if (comp < 0 || (size_t)comp >= c->ncs) return -1;
     const Comp *k = &c->cs[comp];
     if (k->dense) {
         uint64_t i = raw - k->min;
         return raw >= k->min && i < k->span ? k->dense[i] : -1;
     }
-    return map_get(&c->instrs, comp, raw);
+    return c->single ? -1 : map_get(&c->instrs, comp, raw);
 }
 
-#define FAIL(c, msg) do { (c)->err = (msg); return -1; } while (0)
+/* Single pass: instruction `raw` of computation `comp` is at `pos`. */
+static int register_instr(Ctx *c, int64_t comp, uint64_t raw, int64_t pos) {
+    if ((size_t)comp >= c->ncs) {
+        size_t n = c->ncs ? 2 * c->ncs : 64;
+        while (n <= (size_t)comp) n *= 2;
+        Comp *grown = realloc(c->cs, n * sizeof(Comp));
+        if (!grown) FAIL(c, "out of memory");
+        memset(grown + c->ncs, 0, (n - c->ncs) * sizeof(Comp));
+        c->cs = grown;
+        c->ncs = n;
+    }
+    Comp *k = &c->cs[comp];
+    if (!k->dense) {
+        k->min = raw;
+        k->cap = 16;
+        k->dense = malloc(k->cap * sizeof(int32_t));
+        if (!k->dense) FAIL(c, "out of memory");
+        memset(k->dense, 0xFF, k->cap * sizeof(int32_t));
+    }
+    uint64_t limit = 4 * (uint64_t)pos + 65536;  /* sparser than this: two passes */
+    if (raw < k->min) {  /* ids need not rise (XLA numbers parameters late): move the base */
+        uint64_t shift = k->min - raw;
+        if (shift > limit || k->span + shift > limit) {
+            c->retry = 1;
+            FAIL(c, "retry");
+        }
+        uint64_t cap = k->cap;
+        while (cap < k->span + shift) cap *= 2;
+        int32_t *moved = malloc(cap * sizeof(int32_t));
+        if (!moved) FAIL(c, "out of memory");
+        memset(moved, 0xFF, cap * sizeof(int32_t));
+        memcpy(moved + shift, k->dense, k->span * sizeof(int32_t));
+        free(k->dense);
+        k->dense = moved;
+        k->cap = cap;
+        k->min = raw;
+        k->span += shift;
+    }
+    uint64_t i = raw - k->min;
+    if (i > limit) {
+        c->retry = 1;
+        FAIL(c, "retry");
+    }
+    if (i >= k->cap) {
+        uint64_t cap = 2 * k->cap;
+        while (cap <= i) cap *= 2;
+        int32_t *grown = realloc(k->dense, cap * sizeof(int32_t));
+        if (!grown) FAIL(c, "out of memory");
+        memset(grown + k->cap, 0xFF, (cap - k->cap) * sizeof(int32_t));
+        k->dense = grown;
+        k->cap = cap;
+    }
+    if (k->dense[i] >= 0) {
+        c->retry = 1;  /* a duplicate: the two passes say so */
+        FAIL(c, "retry");
+    }
+    k->dense[i] = (int32_t)pos;
+    if (i + 1 > k->span) k->span = i + 1;
+    return 0;
+}
+
 
 /* The last value of varint field `num` in a message (0 when absent). */
 static int last_varint(Ctx *c, const uint8_t *p, const uint8_t *end, uint64_t num,
@@ -343,14 +425,16 @@ static int put_pos(Buf *o, uint64_t num, uint64_t raw, int64_t pos) {
 
 /* comp >= 0: instruction ids of that computation; -1: computation ids;
  * -2: nothing resolves. */
-static int64_t resolve(const Ctx *c, int64_t comp, uint64_t raw) {
-    if (comp == -1) return map_get(&c->comps, -1, raw);
-    return instr_pos(c, comp, raw);
+static int64_t resolve(Ctx *c, int64_t comp, uint64_t raw) {
+    int64_t pos = comp == -1 ? map_get(&c->comps, -1, raw) : instr_pos(c, comp, raw);
+    if (pos < 0 && c->single) c->retry = 1;
+    return pos;
 }
 
 static int put_refs(Ctx *c, Buf *o, const Field *f, int64_t comp) {
     if (f->wire == VARINT) {
         if (put_pos(o, f->num, f->val, resolve(c, comp, f->val))) FAIL(c, "out of memory");
+        if (c->retry) FAIL(c, "retry");
         return 0;
     }
     if (f->wire != LEN) FAIL(c, "an id field that is not a varint");
@@ -360,6 +444,7 @@ static int put_refs(Ctx *c, Buf *o, const Field *f, int64_t comp) {
         if (rd_varint(&p, f->ve, &v)) FAIL(c, "malformed protobuf");
         if (put_pos(o, f->num, v, resolve(c, comp, v))) FAIL(c, "out of memory");
     }
+    if (c->retry) FAIL(c, "retry");
     return 0;
 }
 
@@ -388,7 +473,8 @@ static int sequence(Ctx *c, const Field *f, Entry *e) {
         else FAIL(c, "unexpected field in a schedule entry");
     }
     if (r < 0) FAIL(c, "malformed protobuf");
-    int64_t pos = map_get(&c->comps, -1, raw);
+    int64_t pos = resolve(c, -1, raw);
+    if (c->retry) FAIL(c, "retry");
     Buf *o = &e->b;
     if (put_varint(o, (f->num << 3) | SGROUP) || put_pos(o, 1, raw, pos))
         FAIL(c, "out of memory");
@@ -408,7 +494,7 @@ static int sequence(Ctx *c, const Field *f, Entry *e) {
 }
 
 static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, int64_t comp,
-                int depth);
+                int64_t ipos, int depth);
 
 static int emit_schedule_entries(Ctx *c, Entry *es, size_t n, Buf *o) {
     qsort(es, n, sizeof(Entry), entry_cmp);
@@ -418,28 +504,39 @@ static int emit_schedule_entries(Ctx *c, Entry *es, size_t n, Buf *o) {
 }
 
 static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, int64_t comp,
-                int depth) {
+                int64_t ipos, int depth) {
     Field f;
     int r, rc = -1;
-    uint64_t tail_raw = 0;
-    int64_t ncomp = 0;
+    uint64_t tail_raw = 0, def_raw = 0;
+    int64_t ncomp = 0, ninstr = 0;
     Entry *es = NULL;
     size_t nes = 0, capes = 0;
+    const uint8_t *kept = NULL;  /* start of the run of kept fields not yet copied */
     if (depth > MAX_DEPTH) FAIL(c, "messages nested too deeply");
     while ((r = next_field(&p, end, &f)) > 0) {
         Rule ru = rule(kind, f.num);
+        if (ru.act == KEEP) {
+            if (!kept) kept = f.start;
+            continue;
+        }
+        if (kept) {  /* one copy for a whole run of kept fields */
+            if (put(o, kept, (size_t)(f.start - kept))) { c->err = "out of memory"; goto out; }
+            kept = NULL;
+        }
         switch (ru.act) {
-        case KEEP:
-            if (put(o, f.start, (size_t)(f.ve - f.start))) { c->err = "out of memory"; goto out; }
+        case DROP:
             break;
-        case DROP: case IDEF: case CDEF:
+        case IDEF: case CDEF:
+            if (f.wire != VARINT) { c->err = "an id field that is not a varint"; goto out; }
+            def_raw = f.val;
             break;
         case MSG: {
             if (f.wire != LEN) { c->err = "a message field that is not a message"; goto out; }
-            int64_t sub = comp;
+            int64_t sub = comp, sub_ipos = -1;
             if (kind == MODULE && f.num == 3) sub = ncomp++;
+            if (kind == COMPUTATION && f.num == 2) sub_ipos = ninstr++;
             if (put_varint(o, (f.num << 3) | SGROUP)) { c->err = "out of memory"; goto out; }
-            if (emit(c, ru.kind, f.vs, f.ve, o, sub, depth + 1)) goto out;
+            if (emit(c, ru.kind, f.vs, f.ve, o, sub, sub_ipos, depth + 1)) goto out;
             if (put_varint(o, (f.num << 3) | EGROUP)) { c->err = "out of memory"; goto out; }
             break;
         }
@@ -467,17 +564,27 @@ static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, 
         }
     }
     if (r < 0) { c->err = "malformed protobuf"; goto out; }
+    if (kept && put(o, kept, (size_t)(end - kept))) { c->err = "out of memory"; goto out; }
     if (nes && emit_schedule_entries(c, es, nes, o)) goto out;
+    if (c->single && kind == INSTRUCTION && register_instr(c, comp, def_raw, ipos)) goto out;
     if (kind == COMPUTATION) {
-        if (put_pos(o, 6, tail_raw, instr_pos(c, comp, tail_raw))) {
+        if (put_pos(o, 6, tail_raw, resolve(c, comp, tail_raw))) {
             c->err = "out of memory";
             goto out;
+        }
+        if (c->retry) { c->err = "retry"; goto out; }
+        if (c->single) {
+            int added = map_add_grow(&c->comps, -1, def_raw, comp);
+            if (added < 0) { c->err = "out of memory"; goto out; }
+            if (added > 0) { c->retry = 1; c->err = "retry"; goto out; }
         }
     } else if (kind == MODULE) {
         if (put_pos(o, 6, tail_raw, resolve(c, -1, tail_raw))) {
             c->err = "out of memory";
             goto out;
         }
+        if (c->retry) { c->err = "retry"; goto out; }
+        if (ncomp == 0) { c->err = "no computations: not an HloModuleProto"; goto out; }
     }
     rc = 0;
 out:
@@ -486,30 +593,45 @@ out:
     return rc;
 }
 
+static void ctx_free(Ctx *c) {
+    free(c->comps.s);
+    free(c->instrs.s);
+    for (size_t i = 0; c->cs && i < c->ncs; i++) free(c->cs[i].dense);
+    free(c->cs);
+    memset(c, 0, sizeof(*c));
+}
+
+static int run(Ctx *c, const uint8_t *p, const uint8_t *end, Buf *o) {
+    if (reserve(o, (size_t)(end - p) + 4096)) FAIL(c, "out of memory");  /* rarely longer */
+    c->single = 1;
+    if (map_init(&c->comps, 64)) FAIL(c, "out of memory");
+    if (emit(c, MODULE, p, end, o, -1, -1, 0) == 0) return 0;
+    if (!c->retry) return -1;
+    ctx_free(c);
+    o->n = 0;
+    if (index_module(c, p, end)) return -1;
+    return emit(c, MODULE, p, end, o, -1, -1, 0);
+}
+
 static PyObject *canonical_hlo(PyObject *self, PyObject *arg) {
     (void)self;
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
-    Ctx c = {{0}, {0}, NULL, 0, NULL};
+    Ctx c;
+    memset(&c, 0, sizeof(c));
     Buf o = {0};
     int rc;
     const uint8_t *p = view.buf, *end = p + view.len;
     Py_BEGIN_ALLOW_THREADS
-    rc = reserve(&o, (size_t)view.len + 4096);  /* the output is rarely longer */
-    if (rc) c.err = "out of memory";
-    if (rc == 0) rc = index_module(&c, p, end);
-    if (rc == 0) rc = emit(&c, MODULE, p, end, &o, -1, 0);
+    rc = run(&c, p, end, &o);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
-    free(c.comps.s);
-    free(c.instrs.s);
-    for (size_t i = 0; c.cs && i < c.ncs; i++) free(c.cs[i].dense);
-    free(c.cs);
     PyObject *result = NULL;
     if (rc == 0)
         result = PyBytes_FromStringAndSize((const char *)o.d, (Py_ssize_t)o.n);
     else
         PyErr_SetString(PyExc_ValueError, c.err ? c.err : "malformed HloModuleProto");
+    ctx_free(&c);
     free(o.d);
     return result;
 }
