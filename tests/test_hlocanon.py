@@ -4,6 +4,7 @@ lowerings, the PyTorch/XLA dumps) and on modules written field by field."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 
@@ -119,6 +120,7 @@ def both(data: bytes) -> bytes:
         raise ValueError(str(exc)) from exc
     if hlocanon._native is not None:
         assert hlocanon._native(data) == ref
+        assert hlocanon._native_sha256(data) == hashlib.sha256(ref).hexdigest()
     return ref
 
 
@@ -196,6 +198,14 @@ def test_forward_references_resolve_like_backward_ones():
     assert out != both(data)  # positions moved with the computations
     marker = hlocanon.varint(((38 + hlocanon.UNRESOLVED) << 3) | 0)
     assert marker not in out  # the call still resolved
+
+
+def test_the_streamed_digest_covers_chunks_and_large_constants():
+    # Longer than the C code's 256 KiB hashing chunk, with one constant that
+    # is hashed straight from the input.
+    big = module(IDS).replace(packed(4, [7]), packed(4, list(range(200_000))))
+    assert len(big) > 300_000
+    assert both(big) != both(module(IDS))
 
 
 def test_agree_on_real_modules():

@@ -83,7 +83,37 @@ static Rule rule(int kind, uint64_t f) {
 
 /* -- output buffer ------------------------------------------------------- */
 
-typedef struct { uint8_t *d; size_t n, cap; } Buf;
+/* The output goes either into memory (`canonical_hlo`) or, in chunks, into a
+ * hashlib object (`canonical_hlo_sha256`): then no buffer ever holds the
+ * whole canonical module, and a long run of kept bytes (a large constant) is
+ * hashed straight from the input. */
+typedef struct {
+    PyObject *hasher;
+    PyThreadState *ts;  /* saved while the GIL is released */
+} Sink;
+
+typedef struct { uint8_t *d; size_t n, cap; Sink *sink; } Buf;
+
+#define CHUNK (256 << 10)
+
+static int sink_update(Sink *s, const uint8_t *p, size_t n) {
+    PyEval_RestoreThread(s->ts);
+    PyObject *view = PyMemoryView_FromMemory((char *)p, (Py_ssize_t)n, PyBUF_READ);
+    PyObject *r = view ? PyObject_CallMethod(s->hasher, "update", "O", view) : NULL;
+    int ok = r != NULL;
+    Py_XDECREF(r);
+    Py_XDECREF(view);
+    if (!ok) PyErr_Clear();
+    s->ts = PyEval_SaveThread();
+    return ok ? 0 : -1;
+}
+
+static int flush(Buf *b) {
+    if (!b->sink || !b->n) return 0;
+    int rc = sink_update(b->sink, b->d, b->n);
+    b->n = 0;
+    return rc;
+}
 
 static int reserve(Buf *b, size_t extra) {
     if (b->n + extra <= b->cap) return 0;
@@ -97,10 +127,11 @@ static int reserve(Buf *b, size_t extra) {
 }
 
 static int put(Buf *b, const uint8_t *p, size_t n) {
+    if (b->sink && n >= CHUNK) return flush(b) || sink_update(b->sink, p, n);
     if (reserve(b, n)) return -1;
     memcpy(b->d + b->n, p, n);
     b->n += n;
-    return 0;
+    return b->sink && b->n >= CHUNK ? flush(b) : 0;
 }
 
 static int put_varint(Buf *b, uint64_t v) {
@@ -110,7 +141,7 @@ static int put_varint(Buf *b, uint64_t v) {
         v >>= 7;
     }
     b->d[b->n++] = (uint8_t)v;
-    return 0;
+    return b->sink && b->n >= CHUNK ? flush(b) : 0;
 }
 
 /* -- wire reading --------------------------------------------------------- */
@@ -601,44 +632,77 @@ static void ctx_free(Ctx *c) {
     memset(c, 0, sizeof(*c));
 }
 
-static int run(Ctx *c, const uint8_t *p, const uint8_t *end, Buf *o) {
-    if (reserve(o, (size_t)(end - p) + 4096)) FAIL(c, "out of memory");  /* rarely longer */
+/* `fresh` (a second sink) takes over when the single pass has to be redone. */
+static int run(Ctx *c, const uint8_t *p, const uint8_t *end, Buf *o, Sink *fresh) {
+    size_t want = o->sink ? CHUNK + 4096 : (size_t)(end - p) + 4096;  /* rarely longer */
+    if (reserve(o, want)) FAIL(c, "out of memory");
     c->single = 1;
     if (map_init(&c->comps, 64)) FAIL(c, "out of memory");
-    if (emit(c, MODULE, p, end, o, -1, -1, 0) == 0) return 0;
+    if (emit(c, MODULE, p, end, o, -1, -1, 0) == 0) return flush(o);
     if (!c->retry) return -1;
     ctx_free(c);
     o->n = 0;
+    if (o->sink) {
+        fresh->ts = o->sink->ts;
+        o->sink = fresh;
+    }
     if (index_module(c, p, end)) return -1;
-    return emit(c, MODULE, p, end, o, -1, -1, 0);
+    if (emit(c, MODULE, p, end, o, -1, -1, 0)) return -1;
+    return flush(o);
 }
 
-static PyObject *canonical_hlo(PyObject *self, PyObject *arg) {
-    (void)self;
+/* Canonical bytes (hasher NULL), or the sha256 hex digest of them. */
+static PyObject *canonical(PyObject *arg, int digest) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     Ctx c;
     memset(&c, 0, sizeof(c));
     Buf o = {0};
-    int rc;
-    const uint8_t *p = view.buf, *end = p + view.len;
-    Py_BEGIN_ALLOW_THREADS
-    rc = run(&c, p, end, &o);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
+    Sink sinks[2] = {{NULL, NULL}, {NULL, NULL}};
     PyObject *result = NULL;
-    if (rc == 0)
-        result = PyBytes_FromStringAndSize((const char *)o.d, (Py_ssize_t)o.n);
-    else
+    if (digest) {
+        PyObject *hashlib = PyImport_ImportModule("hashlib");
+        for (int i = 0; hashlib && i < 2; i++)
+            sinks[i].hasher = PyObject_CallMethod(hashlib, "sha256", NULL);
+        Py_XDECREF(hashlib);
+        if (!sinks[0].hasher || !sinks[1].hasher) goto done;
+        o.sink = &sinks[0];
+    }
+    const uint8_t *p = view.buf, *end = p + view.len;
+    PyThreadState *ts = PyEval_SaveThread();
+    sinks[0].ts = ts;
+    int rc = run(&c, p, end, &o, &sinks[1]);
+    PyEval_RestoreThread(o.sink ? o.sink->ts : ts);
+    if (rc != 0)
         PyErr_SetString(PyExc_ValueError, c.err ? c.err : "malformed HloModuleProto");
+    else if (digest)
+        result = PyObject_CallMethod(o.sink->hasher, "hexdigest", NULL);
+    else
+        result = PyBytes_FromStringAndSize((const char *)o.d, (Py_ssize_t)o.n);
+done:
+    PyBuffer_Release(&view);
     ctx_free(&c);
     free(o.d);
+    Py_XDECREF(sinks[0].hasher);
+    Py_XDECREF(sinks[1].hasher);
     return result;
+}
+
+static PyObject *canonical_hlo(PyObject *self, PyObject *arg) {
+    (void)self;
+    return canonical(arg, 0);
+}
+
+static PyObject *canonical_hlo_sha256(PyObject *self, PyObject *arg) {
+    (void)self;
+    return canonical(arg, 1);
 }
 
 static PyMethodDef methods[] = {
     {"canonical_hlo", canonical_hlo, METH_O,
      "Canonical bytes of a serialized HloModuleProto (see hlocanon.py)."},
+    {"canonical_hlo_sha256", canonical_hlo_sha256, METH_O,
+     "sha256 hex digest of canonical_hlo(data), without holding the canonical bytes."},
     {NULL, NULL, 0, NULL},
 };
 

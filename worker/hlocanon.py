@@ -26,6 +26,7 @@ otherwise; both produce the same bytes (tests/test_hlocanon.py).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
@@ -248,8 +249,9 @@ def canonical_hlo_py(module_bytes: bytes) -> bytes:
 
 try:
     from ._hlocanon import canonical_hlo as _native
+    from ._hlocanon import canonical_hlo_sha256 as _native_sha256
 except ImportError:  # not built (a source checkout): same bytes, slower
-    _native = None
+    _native = _native_sha256 = None
 
 
 def canonical_hlo(module_bytes: bytes) -> bytes:
@@ -257,3 +259,11 @@ def canonical_hlo(module_bytes: bytes) -> bytes:
     if _native is not None:
         return _native(module_bytes)
     return canonical_hlo_py(module_bytes)
+
+
+def canonical_sha256(module_bytes: bytes) -> str:
+    """sha256 (hex) of `canonical_hlo(module_bytes)`. The C version hashes as
+    it goes and never holds the canonical module."""
+    if _native_sha256 is not None:
+        return _native_sha256(module_bytes)
+    return hashlib.sha256(canonical_hlo_py(module_bytes)).hexdigest()

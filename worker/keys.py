@@ -289,8 +289,8 @@ def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = 
 
 
 def _hlo_digest(module_bytes: bytes, cfg: KeyConfig) -> str:
-    canonical = hlocanon.canonical_hlo(module_bytes)  # validates even when unused
-    return _digest(module_bytes if cfg.include_metadata else canonical)
+    canonical = hlocanon.canonical_sha256(module_bytes)  # validates even when unused
+    return _digest(module_bytes) if cfg.include_metadata else canonical
 
 
 def xla_flags() -> list[str]:
