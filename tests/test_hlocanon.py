@@ -76,7 +76,8 @@ def computation(cid: int, name: str, instrs: list[bytes], root: int,
 
 def module(ids: dict[str, int], *, names: str = "a", meta: str = "x.py",
            constant: int = 7, schedule_order: tuple[int, ...] = (0, 1),
-           sharding_meta: str = "s", frames: str = "f", swap: bool = False) -> bytes:
+           sharding_meta: str = "s", frames: str = "f", swap: bool = False,
+           table: tuple[int, ...] = ()) -> bytes:
     """A two-computation module (a reducer and an entry that calls it) with
     every id, name and piece of metadata a parameter."""
     m = lambda op: ln(1, b"op") + ln(2, f"{meta}/{op}".encode()) + ln(3, meta.encode()) + \
@@ -92,7 +93,7 @@ def module(ids: dict[str, int], *, names: str = "a", meta: str = "x.py",
         instruction(ids["e0"], "parameter", [], name=f"{names}.arg", meta=m("arg"),
                     sharding=shard),
         instruction(ids["e1"], "constant", [], name=f"{names}.c", meta=m("c")) +
-        ln(8, vint(2, 0) + packed(4, [constant])),
+        ln(8, vint(2, 0) + packed(4, [constant, *table])),
         instruction(ids["e2"], "reduce", [ids["e0"], ids["e1"]], name=f"{names}.red",
                     meta=m("reduce"), calls=[ids["r"]]),
     ], ids["e2"], (f"{names}_arg",))
@@ -203,9 +204,10 @@ def test_forward_references_resolve_like_backward_ones():
 def test_the_streamed_digest_covers_chunks_and_large_constants():
     # Longer than the C code's 256 KiB hashing chunk, with one constant that
     # is hashed straight from the input.
-    big = module(IDS).replace(packed(4, [7]), packed(4, list(range(200_000))))
+    big = module(IDS, table=tuple(range(200_000)))
     assert len(big) > 300_000
-    assert both(big) != both(module(IDS))
+    edited = module(IDS, table=(*range(199_999), 1))
+    assert both(big) != both(edited) != both(module(IDS))
 
 
 def test_agree_on_real_modules():
