@@ -79,6 +79,7 @@ _EXPECTED: list[tuple[Any, str, tuple[str, ...] | None]] = [
      ("hash_obj", "compile_options_obj", "strip_device_assignment")),
     (_ck, "xla_flags_to_exclude_from_cache_key", None),
     (_jax.mlir, "hlo_to_stablehlo", None),
+    (_passmanager.PassManager, "enable_verifier", None),
     (_compiler, "_cache_read",
      ("module_name", "cache_key", "compile_options", "backend", "executable_devices")),
     (_compiler, "_compile_and_write_cache",
@@ -247,7 +248,12 @@ def mlir_context() -> Any:
 
 
 def strip_debuginfo(module: Any) -> None:
-    _passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+    """Drop every location. Without the verifier MLIR runs after each pass by
+    default: a module JAX lowered is valid, and dropping locations cannot make
+    it invalid (on a 2400-layer module, 143 ms with it, 4 ms without)."""
+    pm = _passmanager.PassManager.parse("builtin.module(strip-debuginfo)")
+    pm.enable_verifier(False)
+    pm.run(module.operation)
 
 
 def hlo_to_stablehlo(hlo_module_proto: bytes) -> bytes:

@@ -131,10 +131,20 @@ def _strip_attributes(module: Any, names: tuple[str, ...]) -> None:
     Python walk over every op cost more than everything else in a key."""
     ir = jax_adapter.ir
     drop = set(names)
+    empty = ir.DictAttr.get({})
 
-    def clean_dict(d: Any) -> Any:
-        kept = {a.name: a.attr for a in ir.DictAttr(d) if a.name not in drop}
-        return ir.DictAttr.get(kept)
+    def clean_dict(d: Any) -> Any | None:
+        """`d` without the dropped names, or None when it has none of them.
+        Most argument and result dicts hold nothing, or only what is dropped
+        (JAX's pytree paths): those cost a lookup, not a rebuild."""
+        dd = ir.DictAttr(d)
+        n = len(dd)
+        hits = sum(1 for name in drop if name in dd) if n else 0
+        if hits == 0:
+            return None
+        if hits == n:
+            return empty
+        return ir.DictAttr.get({a.name: a.attr for a in dd if a.name not in drop})
 
     def visit(op: Any) -> None:
         attrs = op.attributes
@@ -143,8 +153,11 @@ def _strip_attributes(module: Any, names: tuple[str, ...]) -> None:
                 del attrs[name]
         for list_name in ("arg_attrs", "res_attrs"):
             if list_name in attrs:
-                arr = ir.ArrayAttr(attrs[list_name])
-                attrs[list_name] = ir.ArrayAttr.get([clean_dict(d) for d in arr])
+                arr = list(ir.ArrayAttr(attrs[list_name]))
+                cleaned = [clean_dict(d) for d in arr]
+                if any(c is not None for c in cleaned):
+                    attrs[list_name] = ir.ArrayAttr.get(
+                        [d if c is None else c for d, c in zip(arr, cleaned, strict=True)])
 
     visit(module.operation)
     for op in _body(module).operations:
