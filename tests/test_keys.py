@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from compilecast.worker import keys as keys_mod
 from compilecast.worker.keys import (
     KeyConfig,
     detect_format,
@@ -193,6 +194,49 @@ def test_attribute_edits_change_the_key(variant):
     b = program_key(EDIT_PROGRAM.replace(old, new).encode())
     assert a.components["program_format"] == "mlir-text"
     assert a.value != b.value
+
+
+CALLS = """
+module @m {
+  func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = call @FIRST(%arg0) : (tensor<4xf32>) -> tensor<4xf32>
+    %1 = call @SECOND(%0) : (tensor<4xf32>) -> tensor<4xf32>
+    return %1 : tensor<4xf32>
+  }
+  func.func private @ADD(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = stablehlo.add %arg0, %arg0 : tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+  func.func private @MUL(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = stablehlo.multiply %arg0, %arg0 : tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+}
+"""
+
+
+def calls(add: str, mul: str, first: str, second: str) -> bytes:
+    return (CALLS.replace("FIRST", first).replace("SECOND", second)
+            .replace("ADD", add).replace("MUL", mul).encode())
+
+
+@pytest.mark.parametrize("path", ["mlir", "python walk"])
+def test_private_functions_renamed_onto_each_others_names(path, monkeypatch):
+    # Renamed in order of appearance: g -> f0, f0 -> f1. Renaming one at a
+    # time without care would send both calls to f1.
+    if path == "python walk":
+        monkeypatch.setattr(keys_mod, "CXX_RENAME_MAX", 0)
+    add_then_mul = program_key(calls("g", "f0", "g", "f0")).value
+    assert program_key(calls("a", "b", "a", "b")).value == add_then_mul
+    assert program_key(calls("g", "f0", "f0", "g")).value != add_then_mul
+
+
+def test_both_renaming_paths_give_the_same_keys(monkeypatch):
+    programs = [calls("g", "f0", "g", "f0"), calls("a", "b", "b", "a"),
+                lowered_bytes(lower(define(STEP, "step"), *ARGS), "mlir-bytecode")]
+    mlir = [program_key(p).value for p in programs]
+    monkeypatch.setattr(keys_mod, "CXX_RENAME_MAX", 0)
+    assert [program_key(p).value for p in programs] == mlir
 
 
 def test_explain_names_the_first_differing_operation():

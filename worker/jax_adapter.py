@@ -80,6 +80,7 @@ _EXPECTED: list[tuple[Any, str, tuple[str, ...] | None]] = [
     (_ck, "xla_flags_to_exclude_from_cache_key", None),
     (_jax.mlir, "hlo_to_stablehlo", None),
     (_passmanager.PassManager, "enable_verifier", None),
+    (ir.SymbolTable, "replace_all_symbol_uses", None),
     (_compiler, "_cache_read",
      ("module_name", "cache_key", "compile_options", "backend", "executable_devices")),
     (_compiler, "_compile_and_write_cache",

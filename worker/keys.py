@@ -193,9 +193,14 @@ def _body(module: Any) -> Any:
     return module.operation.regions[0].blocks[0]
 
 
+# Up to this many private functions, each is renamed by MLIR's own
+# replace_all_symbol_uses (one C++ walk of the module per function); more than
+# that, by one Python walk over every operation (about 3 us an operation).
+CXX_RENAME_MAX = 32
+
+
 def _rename_private_functions(module: Any) -> None:
-    """Rename private functions to f0, f1, ... in order of appearance, with
-    one walk over the module (not one per function)."""
+    """Rename private functions to f0, f1, ... in order of appearance."""
     ir = jax_adapter.ir
     mapping: dict[str, str] = {}
     for op in _body(module).operations:
@@ -212,6 +217,44 @@ def _rename_private_functions(module: Any) -> None:
               if "sym_name" in op.operation.attributes} - set(mapping)
     if public & set(mapping.values()):
         return
+    if len(mapping) <= CXX_RENAME_MAX:
+        _rename_uses_cxx(module, mapping, public)
+    else:
+        _rename_uses_py(module, mapping)
+    for op in _body(module).operations:
+        attrs = op.operation.attributes
+        if "sym_name" in attrs:
+            old = ir.StringAttr(attrs["sym_name"]).value
+            if old in mapping:
+                attrs["sym_name"] = ir.StringAttr.get(mapping[old])
+
+
+def _rename_uses_cxx(module: Any, mapping: dict[str, str], taken: set[str]) -> None:
+    """Every use of each private function, renamed by MLIR. Renaming one at a
+    time must never rename onto a name still in use, so when a new name is an
+    old one (a function already called f1), everything goes through unused
+    temporary names first."""
+    replace = jax_adapter.ir.SymbolTable.replace_all_symbol_uses
+    op = module.operation
+    steps = [mapping]
+    if set(mapping.values()) & set(mapping):
+        used = taken | set(mapping)
+        temp, i = {}, 0
+        for old in mapping:
+            while f"cc.tmp{i}" in used:
+                i += 1
+            temp[old] = f"cc.tmp{i}"
+            i += 1
+        steps = [temp, {temp[old]: new for old, new in mapping.items()}]
+    for step in steps:
+        for old, new in step.items():
+            replace(old, new, op)
+
+
+def _rename_uses_py(module: Any, mapping: dict[str, str]) -> None:
+    """Every use of the private functions, renamed in one Python walk (not one
+    walk per function)."""
+    ir = jax_adapter.ir
 
     def visit(op: Any) -> Any:
         attrs = op.attributes
@@ -224,12 +267,6 @@ def _rename_private_functions(module: Any) -> None:
         return ir.WalkResult.ADVANCE
 
     module.operation.walk(visit)
-    for op in _body(module).operations:
-        attrs = op.operation.attributes
-        if "sym_name" in attrs:
-            old = ir.StringAttr(attrs["sym_name"]).value
-            if old in mapping:
-                attrs["sym_name"] = ir.StringAttr.get(mapping[old])
 
 
 def parse_program(data: bytes, fmt: str | None = None) -> tuple[Any, str]:
