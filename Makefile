@@ -42,6 +42,7 @@ proto:
 
 bench: install
 	$(PY) bench/keys.py
+	$(PY) bench/keys.py --nested --sizes-mb 0.1 1
 	$(PY) bench/time_to_executable.py
 	$(PY) bench/warm_start.py
 	$(PY) bench/fetch.py

@@ -1,9 +1,10 @@
 """Key computation time against sha256 of the same serialized module.
 
-    python bench/keys.py [--sizes-mb 0.1 1 10 100]
+    python bench/keys.py [--sizes-mb 0.1 1 10 100] [--nested]
 
 For each target size it builds a real JAX program (op-heavy: a deep MLP
-training step; or constant-heavy for the largest sizes), serializes it as MLIR
+training step, with --nested one whose layers call a nested jit, so the module
+has private functions; or constant-heavy for the largest sizes), serializes it as MLIR
 bytecode and as an HloModuleProto, and times side by side, in one process:
   sha256      hashlib.sha256 over the serialized bytes
   cc-key      compilecast's canonical program key (parse, canonicalize, hash)
@@ -26,7 +27,7 @@ import tempfile
 import time
 
 
-def build(size_mb: float):
+def build(size_mb: float, nested: bool = False):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -38,6 +39,23 @@ def build(size_mb: float):
                                                           dtype=np.float32)
         lowered = jax.jit(lambda x: x + jnp.asarray(table).sum()).lower(jnp.ones(4))
         kind = "constants"
+    elif nested:  # op-heavy, each layer a call to a nested jit: private functions
+        layers = max(2, int(size_mb * 2400))
+        params, x, y = make_inputs(layers, 64, batch=8)
+        layer = jax.jit(lambda h, w, b: jnp.tanh(h @ w + b))
+
+        def loss_fn(params, x, y):
+            h = x
+            for w, b in params:
+                h = layer(h, w, b)
+            return jnp.mean((h - y) ** 2)
+
+        def step(params, x, y):
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+            return jax.tree_util.tree_map(lambda p, g: p - 1e-3 * g, params, grads), loss
+
+        lowered = jax.jit(step).lower(params, x, y)
+        kind = f"calls ({layers} layers)"
     else:  # op-heavy: MLIR bytecode takes ~420 bytes per layer of this training step
         layers = max(2, int(size_mb * 2400))
         params, x, y = make_inputs(layers, 64, batch=8)
@@ -112,13 +130,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[0.1, 1, 10, 100])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--nested", action="store_true",
+                    help="op-heavy programs whose layers call a nested jit (private functions)")
     args = ap.parse_args()
 
     from compilecast.worker.keys import KeyConfig, program_digest, program_key
 
     rows = []
     for size in args.sizes_mb:
-        bc, hlo, kind, module = build(size)
+        bc, hlo, kind, module = build(size, args.nested)
         for fmt, data in (("mlir-bytecode", bc), ("hlo-proto", hlo), ("in-memory", module)):
             raw = bc if fmt == "in-memory" else data
             sha = best_of(lambda d=raw: hashlib.sha256(d).digest(), args.repeat)
