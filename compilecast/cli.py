@@ -137,14 +137,24 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _file_key(path: str, include_metadata: bool):
+    """The key of a program file, under the same configuration (environment)
+    as the JAX integration's keys."""
+    import dataclasses
+
     from compilecast.worker.keys import KeyConfig, program_key
 
+    try:
+        cfg = KeyConfig.from_env()
+    except ValueError as exc:
+        raise CliError(f"key configuration: {exc}") from None
+    if include_metadata:
+        cfg = dataclasses.replace(cfg, include_metadata=True)
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror}") from None
-    return program_key(data, KeyConfig(include_metadata=include_metadata), keep_text=True)
+    return program_key(data, cfg, keep_text=True)
 
 
 class CliError(Exception):

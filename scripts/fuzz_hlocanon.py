@@ -6,7 +6,8 @@
 Builds worker/_hlocanon.c with -fsanitize=address,undefined into a temporary
 folder, re-runs itself with libasan preloaded, mutates real modules (the
 PyTorch/XLA dumps in tests/fixtures and a hand-made module with a schedule and
-shardings: flipped bytes, cut, inserted and truncated runs) and checks on each
+shardings and frontend attributes: flipped bytes, cut, inserted and truncated
+runs; with and without configured drops) and checks on each
 that the C code neither crashes nor trips a sanitizer, and gives the same bytes,
 digest or refusal as the Python reference. Run it after touching the C code
 (tests/test_hlocanon.py does a short sanitizer-free version in CI).
@@ -44,7 +45,8 @@ def seeds() -> list[bytes]:
     from compilecast.worker.keys import hlo_module_bytes
     out = [hlo_module_bytes(p.read_bytes())
            for p in sorted((ROOT / "tests" / "fixtures" / "torch_xla").glob("*.pb"))]
-    out.append(t.module(t.IDS))
+    out.append(t.module(t.IDS, frontend=(("_scope", "a"), ("_xla_compute_type", "host")),
+                        stats=t.ln(1, b"s")))
     out.append(t.module({k: v * 1000 + 5 for k, v in t.IDS.items()}, schedule_order=(1, 0)))
     return out
 
@@ -73,15 +75,20 @@ def fuzz(so: Path, iterations: int, seed: int) -> None:
     from compilecast.worker import hlocanon
 
     rng, inputs = random.Random(seed), seeds()
+    configs = [((), ()), (hlocanon.field_drops(["instruction.statistics_viz",
+                                                "instruction.frontend_attributes"]), ()),
+               ((), (b"_scope", b"_xla_compute_type", b""))]
     accepted = refused = 0
     for i in range(iterations):
         data = mutate(rng, rng.choice(inputs))
+        config = rng.choice(configs)
         try:
-            want = hlocanon.canonical_hlo_py(data)
+            want = hlocanon.canonical_hlo_py(data, *config)
         except (ValueError, RecursionError):
             want = None
         try:
-            got, digest = native.canonical_hlo(data), native.canonical_hlo_sha256(data)
+            got = native.canonical_hlo(data, *config)
+            digest = native.canonical_hlo_sha256(data, *config)
         except ValueError:
             got = digest = None
         if got != want or digest != (want and hashlib.sha256(want).hexdigest()):

@@ -45,8 +45,14 @@ def packed(number: int, values: list[int]) -> bytes:
     return ln(number, b"".join(hlocanon.varint(v) for v in values))
 
 
+def attrs(pairs: list[tuple[str, str]]) -> bytes:
+    """FrontendAttributes: map<string, string> map = 1, entries in this order."""
+    return b"".join(ln(1, ln(1, k.encode()) + ln(2, v.encode())) for k, v in pairs)
+
+
 def instruction(iid: int, opcode: str, operands: list[int], *, name: str = "",
-                meta: bytes = b"", calls: list[int] = (), sharding: bytes = b"") -> bytes:
+                meta: bytes = b"", calls: list[int] = (), sharding: bytes = b"",
+                frontend: bytes = b"", stats: bytes = b"") -> bytes:
     out = ln(1, name.encode()) if name else b""
     out += ln(2, opcode.encode())
     out += ln(3, vint(2, 11) + packed(3, [4]))  # f32[4]
@@ -60,6 +66,10 @@ def instruction(iid: int, opcode: str, operands: list[int], *, name: str = "",
         out += packed(38, list(calls))
     if sharding:
         out += ln(40, sharding)
+    if frontend:
+        out += ln(68, frontend)
+    if stats:
+        out += ln(82, stats)
     return out
 
 
@@ -77,7 +87,8 @@ def computation(cid: int, name: str, instrs: list[bytes], root: int,
 def module(ids: dict[str, int], *, names: str = "a", meta: str = "x.py",
            constant: int = 7, schedule_order: tuple[int, ...] = (0, 1),
            sharding_meta: str = "s", frames: str = "f", swap: bool = False,
-           table: tuple[int, ...] = ()) -> bytes:
+           table: tuple[int, ...] = (), frontend: tuple[tuple[str, str], ...] = (),
+           stats: bytes = b"") -> bytes:
     """A two-computation module (a reducer and an entry that calls it) with
     every id, name and piece of metadata a parameter."""
     m = lambda op: ln(1, b"op") + ln(2, f"{meta}/{op}".encode()) + ln(3, meta.encode()) + \
@@ -95,7 +106,8 @@ def module(ids: dict[str, int], *, names: str = "a", meta: str = "x.py",
         instruction(ids["e1"], "constant", [], name=f"{names}.c", meta=m("c")) +
         ln(8, vint(2, 0) + packed(4, [constant, *table])),
         instruction(ids["e2"], "reduce", [ids["e0"], ids["e1"]], name=f"{names}.red",
-                    meta=m("reduce"), calls=[ids["r"]]),
+                    meta=m("reduce"), calls=[ids["r"]], frontend=attrs(list(frontend)),
+                    stats=stats),
     ], ids["e2"], (f"{names}_arg",))
     seqs = {0: (ids["r"], [ids["r0"], ids["r1"], ids["r2"]]),
             1: (ids["e"], [ids["e0"], ids["e1"], ids["e2"]])}
@@ -109,19 +121,21 @@ def module(ids: dict[str, int], *, names: str = "a", meta: str = "x.py",
 IDS = {"r": 3, "r0": 10, "r1": 11, "r2": 12, "e": 4, "e0": 20, "e1": 21, "e2": 22}
 
 
-def both(data: bytes) -> bytes:
+def both(data: bytes, *config) -> bytes:
     """Canonical bytes, asserting the C and Python implementations agree
-    (including on refusing the input)."""
+    (including on refusing the input). `config`: (drops, attributes)."""
     try:
-        ref = hlocanon.canonical_hlo_py(data)
+        ref = hlocanon.canonical_hlo_py(data, *config)
     except (ValueError, RecursionError) as exc:
         if hlocanon._native is not None:
             with pytest.raises(ValueError):
-                hlocanon._native(data)
+                hlocanon._native(data, *config)
+            with pytest.raises(ValueError):
+                hlocanon._native_sha256(data, *config)
         raise ValueError(str(exc)) from exc
     if hlocanon._native is not None:
-        assert hlocanon._native(data) == ref
-        assert hlocanon._native_sha256(data) == hashlib.sha256(ref).hexdigest()
+        assert hlocanon._native(data, *config) == ref
+        assert hlocanon._native_sha256(data, *config) == hashlib.sha256(ref).hexdigest()
     return ref
 
 
@@ -136,6 +150,33 @@ def test_names_metadata_ids_and_schedule_order_do_not_change_the_bytes():
     assert both(module(IDS, sharding_meta="from another op")) == base
     assert both(module(IDS, frames="other frames")) == base
     assert both(module(IDS, schedule_order=(1, 0))) == base
+
+
+def test_frontend_attributes_are_a_map_in_any_order():
+    a = both(module(IDS, frontend=(("_xla_compute_type", "host"), ("_scope", "layer1"))))
+    b = both(module(IDS, frontend=(("_scope", "layer1"), ("_xla_compute_type", "host"))))
+    assert a == b
+    assert both(module(IDS, frontend=(("_xla_compute_type", "dev"), ("_scope", "layer1")))) != a
+
+
+def test_frontend_attributes_on_the_ignore_list_are_dropped():
+    config = ((), (b"_scope",))
+    a = both(module(IDS, frontend=(("_xla_compute_type", "host"), ("_scope", "layer1"))), *config)
+    b = both(module(IDS, frontend=(("_xla_compute_type", "host"), ("_scope", "layer7"))), *config)
+    c = both(module(IDS, frontend=(("_xla_compute_type", "dev"), ("_scope", "layer1"))), *config)
+    assert a == b != c
+    unconfigured = both(module(IDS, frontend=(("_xla_compute_type", "host"), ("_scope", "layer7"))))
+    assert unconfigured != both(module(IDS, frontend=(("_xla_compute_type", "host"),
+                                                      ("_scope", "layer1"))))
+
+
+def test_configured_fields_are_dropped_and_only_known_ones():
+    drops = hlocanon.field_drops(["instruction.statistics_viz"])
+    a, b = module(IDS, stats=ln(1, b"x")), module(IDS, stats=ln(1, b"y"))
+    assert both(a) != both(b)
+    assert both(a, drops, ()) == both(b, drops, ()) == both(module(IDS), drops, ())
+    with pytest.raises(ValueError, match=r"unknown HLO field 'instruction\.id'"):
+        hlocanon.field_drops(["instruction.id"])  # renumbered, never dropped
 
 
 def test_id_zero_is_an_id_like_any_other():

@@ -248,6 +248,27 @@ def test_explain_names_the_first_differing_operation():
     assert any("stablehlo.subtract" in line for line in lines)
 
 
+def test_ignore_configuration_is_in_the_key():
+    # Keys made under different ignore lists must never meet: the same
+    # program keys differently, and explain names the component.
+    data = (FIXTURES / "mlp.hlo.pb").read_bytes()
+    plain = program_key(data)
+    more = program_key(data, KeyConfig(ignore_hlo_fields=("instruction.statistics_viz",)))
+    attrs = program_key(data, KeyConfig(ignore_attributes=("jax.arg_info", "_scope")))
+    assert len({plain.value, more.value, attrs.value}) == 3
+    assert any(line.startswith("component ignored differs") for line in explain(plain, more))
+    assert explain(plain, attrs)[0].startswith("component ignored differs")
+
+
+def test_key_configuration_from_the_environment():
+    cfg = KeyConfig.from_env({"COMPILECAST_KEY_IGNORE_ATTRIBUTES": "_scope, x",
+                              "COMPILECAST_KEY_IGNORE_HLO_FIELDS": "instruction.original_value"})
+    assert cfg.ignore_attributes[-2:] == ("_scope", "x")
+    assert cfg.ignore_hlo_fields == ("instruction.original_value",)
+    with pytest.raises(ValueError, match="unknown HLO field"):
+        KeyConfig.from_env({"COMPILECAST_KEY_IGNORE_HLO_FIELDS": "instruction.nope"})
+
+
 def test_explain_hlo_protos_that_differ_where_mlir_does_not_print():
     # A field XLA's importer ignores (an unknown one here) still changes the
     # wire-level key; explain says so instead of pointing at an operation.

@@ -16,8 +16,10 @@ enum { VARINT = 0, I64 = 1, LEN = 2, SGROUP = 3, EGROUP = 4, I32 = 5 };
 #define UNRESOLVED ((uint64_t)1 << 28)
 #define MAX_DEPTH 64
 
-enum { MODULE, COMPUTATION, INSTRUCTION, PROGRAM_SHAPE, SHARDING, NAMED_SHARDING, SCHEDULE };
-enum { KEEP, DROP, IDEF, CDEF, IREF, CREF, ROOT, ENTRY, SEQUENCES, MSG };
+enum { MODULE, COMPUTATION, INSTRUCTION, PROGRAM_SHAPE, SHARDING, NAMED_SHARDING, SCHEDULE,
+       FRONTEND };
+enum { KEEP, DROP, IDEF, CDEF, IREF, CREF, ROOT, ENTRY, SEQUENCES, ATTRIBUTE, MSG };
+#define MAX_CONFIG 256  /* configured field drops and frontend attribute keys, each */
 
 typedef struct { int act; int kind; } Rule;
 
@@ -36,6 +38,7 @@ static Rule rule(int kind, uint64_t f) {
         case 4: M(PROGRAM_SHAPE);
         case 7: M(SCHEDULE);
         case 12: case 14: M(SHARDING);
+        case 19: M(FRONTEND);
         }
         break;
     case COMPUTATION:
@@ -54,6 +57,7 @@ static Rule rule(int kind, uint64_t f) {
         case 36: case 37: R(IREF);
         case 38: R(CREF);
         case 40: case 54: case 55: M(SHARDING);
+        case 68: M(FRONTEND);
         }
         break;
     case PROGRAM_SHAPE:
@@ -74,6 +78,9 @@ static Rule rule(int kind, uint64_t f) {
         break;
     case SCHEDULE:
         if (f == 1) R(SEQUENCES);
+        break;
+    case FRONTEND:
+        if (f == 1) R(ATTRIBUTE);
         break;
     }
 #undef R
@@ -279,7 +286,19 @@ typedef struct {
     size_t ncs;
     const char *err;
     int single, retry;
+    /* configuration: fields dropped as kind * 1000 + field, frontend attribute keys */
+    long drops[MAX_CONFIG];
+    int ndrops;
+    const char *attr[MAX_CONFIG];
+    Py_ssize_t attr_len[MAX_CONFIG];
+    int nattr;
 } Ctx;
+
+static int dropped(const Ctx *c, int kind, uint64_t f) {
+    for (int i = 0; i < c->ndrops; i++)
+        if ((uint64_t)c->drops[i] == (uint64_t)kind * 1000 + f && f < 1000) return 1;
+    return 0;
+}
 
 static int64_t instr_pos(const Ctx *c, int64_t comp, uint64_t raw) {
     if (comp < 0 || (size_t)comp >= c->ncs) return -1;
@@ -527,7 +546,38 @@ static int sequence(Ctx *c, const Field *f, Entry *e) {
 static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, int64_t comp,
                 int64_t ipos, int depth);
 
-static int emit_schedule_entries(Ctx *c, Entry *es, size_t n, Buf *o) {
+/* A new zeroed entry at the end of *es (NULL when out of memory). */
+static Entry *push_entry(Entry **es, size_t *n, size_t *cap) {
+    if (*n == *cap) {
+        size_t grown_cap = *cap ? 2 * *cap : 16;
+        Entry *grown = realloc(*es, grown_cap * sizeof(Entry));
+        if (!grown) return NULL;
+        *es = grown;
+        *cap = grown_cap;
+    }
+    memset(&(*es)[*n], 0, sizeof(Entry));
+    return &(*es)[(*n)++];
+}
+
+/* Is this frontend attribute's key on the ignore list? -1: malformed. */
+static int ignored_attribute(const Ctx *c, const Field *f) {
+    const uint8_t *q = f->vs, *key = NULL;
+    size_t klen = 0;
+    Field g;
+    int r;
+    while ((r = next_field(&q, f->ve, &g)) > 0)
+        if (g.num == 1 && g.wire == LEN) {
+            key = g.vs;
+            klen = (size_t)(g.ve - g.vs);
+        }
+    if (r < 0) return -1;
+    for (int i = 0; i < c->nattr; i++)
+        if ((size_t)c->attr_len[i] == klen && (klen == 0 || memcmp(c->attr[i], key, klen) == 0))
+            return 1;
+    return 0;
+}
+
+static int emit_sorted_entries(Ctx *c, Entry *es, size_t n, Buf *o) {
     qsort(es, n, sizeof(Entry), entry_cmp);
     for (size_t i = 0; i < n; i++)
         if (put(o, es[i].b.d, es[i].b.n)) FAIL(c, "out of memory");
@@ -546,6 +596,7 @@ static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, 
     if (depth > MAX_DEPTH) FAIL(c, "messages nested too deeply");
     while ((r = next_field(&p, end, &f)) > 0) {
         Rule ru = rule(kind, f.num);
+        if (c->ndrops && dropped(c, kind, f.num)) ru.act = DROP;
         if (ru.act == KEEP) {
             if (!kept) kept = f.start;
             continue;
@@ -581,22 +632,31 @@ static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, 
         case CREF:
             if (put_refs(c, o, &f, -1)) goto out;
             break;
-        case SEQUENCES:
-            if (nes == capes) {
-                capes = capes ? 2 * capes : 16;
-                Entry *grown = realloc(es, capes * sizeof(Entry));
-                if (!grown) { c->err = "out of memory"; goto out; }
-                es = grown;
-            }
-            memset(&es[nes], 0, sizeof(Entry));
-            nes++;
-            if (sequence(c, &f, &es[nes - 1])) goto out;
+        case SEQUENCES: {
+            Entry *e = push_entry(&es, &nes, &capes);
+            if (!e) { c->err = "out of memory"; goto out; }
+            if (sequence(c, &f, e)) goto out;
             break;
+        }
+        case ATTRIBUTE: {  /* a map entry, kept as it is unless ignored; sorted by bytes */
+            if (f.wire != LEN) { c->err = "a frontend attribute that is not a message"; goto out; }
+            if (c->nattr) {
+                int ignored = ignored_attribute(c, &f);
+                if (ignored < 0) { c->err = "malformed protobuf"; goto out; }
+                if (ignored) break;
+            }
+            Entry *e = push_entry(&es, &nes, &capes);
+            if (!e || put(&e->b, f.start, (size_t)(f.ve - f.start))) {
+                c->err = "out of memory";
+                goto out;
+            }
+            break;
+        }
         }
     }
     if (r < 0) { c->err = "malformed protobuf"; goto out; }
     if (kept && put(o, kept, (size_t)(end - kept))) { c->err = "out of memory"; goto out; }
-    if (nes && emit_schedule_entries(c, es, nes, o)) goto out;
+    if (nes && emit_sorted_entries(c, es, nes, o)) goto out;
     if (c->single && kind == INSTRUCTION && register_instr(c, comp, def_raw, ipos)) goto out;
     if (kind == COMPUTATION) {
         if (put_pos(o, 6, tail_raw, resolve(c, comp, tail_raw))) {
@@ -624,12 +684,18 @@ out:
     return rc;
 }
 
+/* Frees the tables and resets them; the configuration stays. */
 static void ctx_free(Ctx *c) {
     free(c->comps.s);
     free(c->instrs.s);
     for (size_t i = 0; c->cs && i < c->ncs; i++) free(c->cs[i].dense);
     free(c->cs);
-    memset(c, 0, sizeof(*c));
+    memset(&c->comps, 0, sizeof(c->comps));
+    memset(&c->instrs, 0, sizeof(c->instrs));
+    c->cs = NULL;
+    c->ncs = 0;
+    c->err = NULL;
+    c->single = c->retry = 0;
 }
 
 /* `fresh` (a second sink) takes over when the single pass has to be redone. */
@@ -651,12 +717,54 @@ static int run(Ctx *c, const uint8_t *p, const uint8_t *end, Buf *o, Sink *fresh
     return flush(o);
 }
 
+/* Configuration from Python: drops (ints, kind * 1000 + field) and frontend
+ * attribute keys (bytes), both sequences. The keys' bytes stay owned by
+ * `attributes`, which the caller holds for the whole call. */
+static int configure(Ctx *c, PyObject *drops, PyObject *attributes) {
+    if (!drops) return 0;
+    PyObject *d = PySequence_Fast(drops, "drops must be a sequence of ints");
+    if (!d) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(d);
+    if (n > MAX_CONFIG) n = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        c->drops[i] = PyLong_AsLong(PySequence_Fast_GET_ITEM(d, i));
+        if (c->drops[i] == -1 && PyErr_Occurred()) n = -2;
+    }
+    Py_DECREF(d);
+    if (n < 0) {
+        if (n == -1) PyErr_SetString(PyExc_ValueError, "too many fields to drop");
+        return -1;
+    }
+    c->ndrops = (int)n;
+    if (!attributes) return 0;
+    PyObject *a = PySequence_Fast(attributes, "attributes must be a sequence of bytes");
+    if (!a) return -1;
+    n = PySequence_Fast_GET_SIZE(a);
+    int rc = 0;
+    if (n > MAX_CONFIG) {
+        PyErr_SetString(PyExc_ValueError, "too many attributes to ignore");
+        rc = -1;
+    }
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+        char *p;
+        if (PyBytes_AsStringAndSize(PySequence_Fast_GET_ITEM(a, i), &p, &c->attr_len[i]) < 0)
+            rc = -1;
+        c->attr[i] = p;
+    }
+    if (rc == 0) c->nattr = (int)n;
+    Py_DECREF(a);  /* the items live on in `attributes` */
+    return rc;
+}
+
 /* Canonical bytes (hasher NULL), or the sha256 hex digest of them. */
-static PyObject *canonical(PyObject *arg, int digest) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+static PyObject *canonical(PyObject *args, int digest) {
+    PyObject *arg, *drops = NULL, *attributes = NULL;
+    if (!PyArg_ParseTuple(args, "O|OO", &arg, &drops, &attributes)) return NULL;
     Ctx c;
     memset(&c, 0, sizeof(c));
+    if (configure(&c, drops, attributes) < 0) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     Buf o = {0};
     Sink sinks[2] = {{NULL, NULL}, {NULL, NULL}};
     PyObject *result = NULL;
@@ -688,20 +796,21 @@ done:
     return result;
 }
 
-static PyObject *canonical_hlo(PyObject *self, PyObject *arg) {
+static PyObject *canonical_hlo(PyObject *self, PyObject *args) {
     (void)self;
-    return canonical(arg, 0);
+    return canonical(args, 0);
 }
 
-static PyObject *canonical_hlo_sha256(PyObject *self, PyObject *arg) {
+static PyObject *canonical_hlo_sha256(PyObject *self, PyObject *args) {
     (void)self;
-    return canonical(arg, 1);
+    return canonical(args, 1);
 }
 
 static PyMethodDef methods[] = {
-    {"canonical_hlo", canonical_hlo, METH_O,
-     "Canonical bytes of a serialized HloModuleProto (see hlocanon.py)."},
-    {"canonical_hlo_sha256", canonical_hlo_sha256, METH_O,
+    {"canonical_hlo", canonical_hlo, METH_VARARGS,
+     "canonical_hlo(data, drops=(), attributes=()): canonical bytes of a serialized "
+     "HloModuleProto (see hlocanon.py)."},
+    {"canonical_hlo_sha256", canonical_hlo_sha256, METH_VARARGS,
      "sha256 hex digest of canonical_hlo(data), without holding the canonical bytes."},
     {NULL, NULL, 0, NULL},
 };

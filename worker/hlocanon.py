@@ -17,7 +17,10 @@ in the key (a miss at worst, never a collision). What changes:
   for a resolved one;
 - rewritten sub-messages are written as protobuf groups (start/end tags), so
   the output parses unambiguously without length prefixes; schedule entries
-  (a map) are sorted by the position of their computation.
+  (a map) are sorted by the position of their computation, frontend attributes
+  (a map too) by their bytes;
+- configurable (KeyConfig): frontend attributes whose key is on the ignore
+  list, and the fields named in HLO_FIELDS that a deployment also drops.
 
 The output is only ever hashed. `canonical_hlo` uses the C implementation
 (`_hlocanon`, built with the package) when it is importable and this module
@@ -34,22 +37,55 @@ UNRESOLVED = 1 << 28  # added to the field number of a reference that resolves t
 MAX_DEPTH = 64  # nested messages (shardings inside shardings) deeper than this are refused
 
 # Message kinds and what happens to their fields (anything not listed is kept).
-MODULE, COMPUTATION, INSTRUCTION, PROGRAM_SHAPE, SHARDING, NAMED_SHARDING, SCHEDULE = range(7)
-DROP, IDEF, CDEF, IREF, CREF, ROOT, ENTRY, SEQUENCES = range(8)  # non-message actions
+(MODULE, COMPUTATION, INSTRUCTION, PROGRAM_SHAPE, SHARDING, NAMED_SHARDING, SCHEDULE,
+ FRONTEND) = range(8)
+DROP, IDEF, CDEF, IREF, CREF, ROOT, ENTRY, SEQUENCES, ATTRIBUTE = range(9)  # non-message actions
 
 SCHEMA: dict[int, dict[int, tuple[int, int] | int]] = {
     MODULE: {1: DROP, 2: DROP, 5: DROP, 17: DROP, 6: ENTRY,
              3: (COMPUTATION, 0), 4: (PROGRAM_SHAPE, 0), 7: (SCHEDULE, 0),
-             12: (SHARDING, 0), 14: (SHARDING, 0)},
+             12: (SHARDING, 0), 14: (SHARDING, 0), 19: (FRONTEND, 0)},
     COMPUTATION: {1: DROP, 5: CDEF, 6: ROOT,
                   2: (INSTRUCTION, 0), 4: (PROGRAM_SHAPE, 0)},
     INSTRUCTION: {1: DROP, 7: DROP, 35: IDEF, 36: IREF, 37: IREF, 38: CREF,
-                  40: (SHARDING, 0), 54: (SHARDING, 0), 55: (SHARDING, 0)},
+                  40: (SHARDING, 0), 54: (SHARDING, 0), 55: (SHARDING, 0),
+                  68: (FRONTEND, 0)},
     PROGRAM_SHAPE: {3: DROP},
     SHARDING: {7: DROP, 5: (SHARDING, 0), 14: (NAMED_SHARDING, 0)},
     NAMED_SHARDING: {6: DROP, 1: (NAMED_SHARDING, 0)},
     SCHEDULE: {1: SEQUENCES},
+    FRONTEND: {1: ATTRIBUTE},  # FrontendAttributes: map<string, string> map = 1
 }
+
+# Fields that configuration may add to what is dropped (KeyConfig.ignore_hlo_fields),
+# by `message.field` name. Only fields copied as they are can be named; naming one
+# that changes the executable makes different programs share a key.
+HLO_FIELDS: dict[str, tuple[int, int]] = {
+    **{f"instruction.{name}": (INSTRUCTION, number) for name, number in {
+        "opcode": 2, "shape": 3, "literal": 8, "parameter_number": 9, "fusion_kind": 11,
+        "tuple_index": 13, "dimensions": 14, "window": 15, "channel_id": 26,
+        "custom_call_target": 28, "backend_config": 43, "frontend_attributes": 68,
+        "statistics_viz": 82, "original_value": 88, "result_accuracy": 91}.items()},
+    **{f"computation.{name}": (COMPUTATION, number) for name, number in {
+        "is_fusion_computation": 7, "execution_thread": 8}.items()},
+    **{f"module.{name}": (MODULE, number) for name, number in {
+        "input_output_alias": 8, "cross_program_prefetches": 10, "is_dynamic": 11,
+        "profile_info": 13, "device_assignment": 15, "use_auto_spmd_partitioning": 16,
+        "buffer_donor": 18, "frontend_attributes": 19}.items()},
+}
+
+
+def field_drops(names: tuple[str, ...] | list[str]) -> tuple[int, ...]:
+    """Configured field names as the (kind * 1000 + field) codes both
+    implementations take; ValueError naming the field for an unknown one."""
+    codes = []
+    for name in names:
+        if name not in HLO_FIELDS:
+            known = ", ".join(sorted(HLO_FIELDS))
+            raise ValueError(f"unknown HLO field {name!r} in the ignore list (known: {known})")
+        kind, number = HLO_FIELDS[name]
+        codes.append(kind * 1000 + number)
+    return tuple(sorted(set(codes)))
 
 
 def varint(v: int) -> bytes:
@@ -125,8 +161,11 @@ def _last_varint(buf: bytes, vs: int, ve: int, number: int) -> int:
 
 
 class _Module:
-    def __init__(self, buf: bytes) -> None:
+    def __init__(self, buf: bytes, drops: tuple[int, ...] = (),
+                 attributes: tuple[bytes, ...] = ()) -> None:
         self.buf = buf
+        self.drops = {(code // 1000, code % 1000) for code in drops}
+        self.attributes = set(attributes)  # frontend attribute keys to drop
         self.comps: dict[int, int] = {}  # raw computation id -> position
         self.instrs: list[dict[int, int]] = []  # per computation: raw id -> position
         for f, wire, _s, vs, ve, _v in fields(buf, 0, len(buf)):
@@ -175,6 +214,8 @@ def _emit(m: _Module, kind: int, vs: int, ve: int, out: bytearray,
     entries: list[tuple[tuple[int, int, bytes], bytes]] = []
     n_comp = 0
     for f, wire, s, fvs, fve, value in fields(buf, vs, ve):
+        if (kind, f) in m.drops:
+            continue
         action = schema.get(f)
         if action is None:
             out += buf[s:fve]
@@ -200,6 +241,10 @@ def _emit(m: _Module, kind: int, vs: int, ve: int, out: bytearray,
                 _ref(out, f, raw, table)
         elif action == SEQUENCES:
             entries.append(_sequence(m, f, wire, fvs, fve))
+        elif action == ATTRIBUTE:
+            entry = _attribute(m, wire, s, fvs, fve)
+            if entry is not None:
+                entries.append(((0, 0, entry), entry))
     for _key, entry in sorted(entries):
         out += entry
     if tail is not None:
@@ -239,9 +284,27 @@ def _sequence(m: _Module, f: int, wire: int, vs: int,
     return key, bytes(entry)
 
 
-def canonical_hlo_py(module_bytes: bytes) -> bytes:
-    """The reference implementation (pure Python)."""
-    m = _Module(bytes(module_bytes))
+def _attribute(m: _Module, wire: int, s: int, vs: int, ve: int) -> bytes | None:
+    """One frontend attribute (a map entry {1: key, 2: value}) as it is, or
+    None when its key is on the ignore list. A map comes in any order, so the
+    entries are sorted by their bytes."""
+    if wire != LEN:
+        raise ValueError("a frontend attribute that is not a message")
+    if m.attributes:
+        key = b""
+        for g, w2, _s, vs2, ve2, _v in fields(m.buf, vs, ve):
+            if g == 1 and w2 == LEN:
+                key = m.buf[vs2:ve2]
+        if key in m.attributes:
+            return None
+    return m.buf[s:ve]
+
+
+def canonical_hlo_py(module_bytes: bytes, drops: tuple[int, ...] = (),
+                     attributes: tuple[bytes, ...] = ()) -> bytes:
+    """The reference implementation (pure Python). `drops`: field_drops()
+    codes; `attributes`: frontend attribute keys to leave out."""
+    m = _Module(bytes(module_bytes), drops, attributes)
     out = bytearray()
     _emit(m, MODULE, 0, len(m.buf), out, None)
     return bytes(out)
@@ -254,16 +317,18 @@ except ImportError:  # not built (a source checkout): same bytes, slower
     _native = _native_sha256 = None
 
 
-def canonical_hlo(module_bytes: bytes) -> bytes:
+def canonical_hlo(module_bytes: bytes, drops: tuple[int, ...] = (),
+                  attributes: tuple[bytes, ...] = ()) -> bytes:
     """Canonical bytes of an HloModuleProto; ValueError if it is malformed."""
     if _native is not None:
-        return _native(module_bytes)
-    return canonical_hlo_py(module_bytes)
+        return _native(module_bytes, drops, attributes)
+    return canonical_hlo_py(module_bytes, drops, attributes)
 
 
-def canonical_sha256(module_bytes: bytes) -> str:
-    """sha256 (hex) of `canonical_hlo(module_bytes)`. The C version hashes as
-    it goes and never holds the canonical module."""
+def canonical_sha256(module_bytes: bytes, drops: tuple[int, ...] = (),
+                     attributes: tuple[bytes, ...] = ()) -> str:
+    """sha256 (hex) of `canonical_hlo(...)`. The C version hashes as it goes
+    and never holds the canonical module."""
     if _native_sha256 is not None:
-        return _native_sha256(module_bytes)
-    return hashlib.sha256(canonical_hlo_py(module_bytes)).hexdigest()
+        return _native_sha256(module_bytes, drops, attributes)
+    return hashlib.sha256(canonical_hlo_py(module_bytes, drops, attributes)).hexdigest()

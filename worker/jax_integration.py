@@ -354,13 +354,14 @@ def enable(target: str | None = None, *, timeout_ms: int | None = None,
     """
     global _active
     target = target or os.environ.get("COMPILECAST_WORKER") or default_worker_target()
-    if timeout_ms is None and os.environ.get("COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"):
-        timeout_ms = int(os.environ["COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"])
     job = job or os.environ.get("COMPILECAST_JOB") or None
     try:
+        if timeout_ms is None and os.environ.get(
+                "COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"):
+            timeout_ms = int(os.environ["COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"])
         cache = CompilecastCache(target, timeout_ms=timeout_ms, job=job)
         jax_adapter.install(cache, cache)
-    except jax_adapter.AdapterError as exc:
+    except (jax_adapter.AdapterError, ValueError) as exc:  # ValueError: bad configuration
         log.warning("compilecast disabled: %s", exc)
         return None
     _active = cache

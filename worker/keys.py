@@ -11,6 +11,8 @@ is kept so `explain` can say which one caused a miss:
     topology         device kinds, count and the device assignment (JAX only)
     compression      the entry format
     key_version      bumps whenever canonicalization changes
+    ignored          the ignore lists (KeyConfig.describe): keys made under
+                     different configurations never meet
 
 HloModuleProto input (PyTorch/XLA and XLA dumps) is canonicalized at the
 protobuf wire level by `hlocanon` (names, ids, OpMetadata; see there), without
@@ -58,16 +60,35 @@ MLIR_BYTECODE_MAGIC = b"ML\xefR"
 @dataclass(frozen=True)
 class KeyConfig:
     include_metadata: bool = False
+    # MLIR attributes dropped from the module, its functions and their
+    # arguments and results; in HLO protos, frontend attributes with these keys.
     ignore_attributes: tuple[str, ...] = DEFAULT_IGNORED_ATTRIBUTES
     rename_private_functions: bool = True
+    # HLO proto fields a deployment also drops (names in hlocanon.HLO_FIELDS).
+    ignore_hlo_fields: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        hlocanon.field_drops(self.ignore_hlo_fields)  # ValueError naming an unknown field
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> KeyConfig:
         env = os.environ if env is None else env
         include = env.get("COMPILECAST_KEY_INCLUDE_METADATA", "").lower() in ("1", "true", "yes")
-        extra = tuple(a for a in env.get("COMPILECAST_KEY_IGNORE_ATTRIBUTES", "").split(",") if a)
+
+        def names(var: str) -> tuple[str, ...]:
+            return tuple(a.strip() for a in env.get(var, "").split(",") if a.strip())
+
         return cls(include_metadata=include,
-                   ignore_attributes=DEFAULT_IGNORED_ATTRIBUTES + extra)
+                   ignore_attributes=DEFAULT_IGNORED_ATTRIBUTES + names(
+                       "COMPILECAST_KEY_IGNORE_ATTRIBUTES"),
+                   ignore_hlo_fields=names("COMPILECAST_KEY_IGNORE_HLO_FIELDS"))
+
+    def describe(self) -> str:
+        """What this configuration leaves out, for the key's `ignored`
+        component: keys made under different ignore lists never meet."""
+        return (f"attributes={sorted(set(self.ignore_attributes))}\n"
+                f"hlo_fields={sorted(set(self.ignore_hlo_fields))}\n"
+                f"rename_private_functions={self.rename_private_functions}")
 
 
 @dataclass
@@ -334,12 +355,15 @@ def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = 
     except Exception:
         fmt, digest = "raw", _digest(data)
     key.components.update(program=digest, program_format=fmt, key_version=KEY_VERSION,
-                          include_metadata=str(cfg.include_metadata))
+                          include_metadata=str(cfg.include_metadata),
+                          ignored=_digest(cfg.describe()))
     return key
 
 
 def _hlo_digest(module_bytes: bytes, cfg: KeyConfig) -> str:
-    canonical = hlocanon.canonical_sha256(module_bytes)  # validates even when unused
+    canonical = hlocanon.canonical_sha256(  # validates even when unused
+        module_bytes, hlocanon.field_drops(cfg.ignore_hlo_fields),
+        tuple(a.encode() for a in cfg.ignore_attributes))
     return _digest(module_bytes) if cfg.include_metadata else canonical
 
 
@@ -381,6 +405,7 @@ def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
         "compression": "jax-entry-zstd",
         "key_version": KEY_VERSION,
         "include_metadata": str(cfg.include_metadata),
+        "ignored": _digest(cfg.describe()),
     })
 
 
