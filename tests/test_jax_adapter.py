@@ -41,6 +41,20 @@ def test_enable_with_a_moved_api_warns_and_leaves_jax_alone(monkeypatch, caplog)
     assert compilation_cache._cache is None
 
 
+@pytest.mark.parametrize("env", [{"COMPILECAST_KEY_IGNORE_HLO_FIELDS": "instruction.nope"},
+                                 {"COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS": "soon"}])
+def test_enable_with_bad_configuration_warns_and_leaves_jax_alone(monkeypatch, caplog, env):
+    from jax._src import compilation_cache
+
+    import compilecast.jax
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert compilecast.jax.enable("unix:///nonexistent") is None
+    assert "compilecast disabled" in caplog.text
+    assert compilation_cache._cache is None
+
+
 def test_install_and_uninstall_restore_jax(tmp_path):
     from jax._src import compilation_cache, compiler
 
