@@ -212,8 +212,9 @@ def test_malformed_modules_are_refused_and_keyed_raw(bad):
     assert program_key(bad).components["program_format"] == "raw"
 
 
-def test_deeply_nested_shardings_are_refused_not_a_crash():
-    s = vint(1, 0)
+@pytest.mark.parametrize("innermost", [vint(1, 0), b""])
+def test_deeply_nested_shardings_are_refused_not_a_crash(innermost):
+    s = innermost
     for _ in range(hlocanon.MAX_DEPTH + 5):
         s = ln(5, s)
     data = ln(3, computation(1, "a", [instruction(1, "parameter", [], sharding=s)], 1))
@@ -249,6 +250,21 @@ def test_the_streamed_digest_covers_chunks_and_large_constants():
     assert len(big) > 300_000
     edited = module(IDS, table=(*range(199_999), 1))
     assert both(big) != both(edited) != both(module(IDS))
+
+
+@pytest.mark.parametrize("innermost", [vint(1, 0), b""])
+def test_agree_at_the_nesting_limit(innermost):
+    refused = []
+    for wrappers in range(hlocanon.MAX_DEPTH - 5, hlocanon.MAX_DEPTH + 1):
+        s = innermost
+        for _ in range(wrappers):
+            s = ln(5, s)
+        data = ln(3, computation(1, "a", [instruction(1, "parameter", [], sharding=s)], 1))
+        try:
+            both(data)  # the same bytes, or refused by both
+        except ValueError:
+            refused.append(wrappers)
+    assert refused and refused[0] > hlocanon.MAX_DEPTH - 5  # the limit lies inside the range
 
 
 def test_agree_on_real_modules():

@@ -618,7 +618,13 @@ static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, 
             if (kind == MODULE && f.num == 3) sub = ncomp++;
             if (kind == COMPUTATION && f.num == 2) sub_ipos = ninstr++;
             if (put_varint(o, (f.num << 3) | SGROUP)) { c->err = "out of memory"; goto out; }
-            if (emit(c, ru.kind, f.vs, f.ve, o, sub, sub_ipos, depth + 1)) goto out;
+            /* An empty message writes nothing of its own, except the kinds that
+             * end with a reference or a registration (the commonest: an
+             * instruction's empty frontend attributes). */
+            int has_tail = ru.kind == MODULE || ru.kind == COMPUTATION || ru.kind == INSTRUCTION;
+            if ((f.ve > f.vs || has_tail || depth + 1 > MAX_DEPTH) &&
+                emit(c, ru.kind, f.vs, f.ve, o, sub, sub_ipos, depth + 1))
+                goto out;
             if (put_varint(o, (f.num << 3) | EGROUP)) { c->err = "out of memory"; goto out; }
             break;
         }
