@@ -1,13 +1,16 @@
 """One host of bench/aot_farm.py's simulated pod.
 
-Usage: _pod_process.py MODE COORDINATOR TOPOLOGY PROCESS_ID N DIST_ADDR T0
+Usage: _pod_process.py MODE COORDINATOR TOPOLOGY PROCESS_ID N DIST_ADDR T0 [ENTRY [GO]]
 
 MODE local:     compile every program here (no compilecast)
      share:     compilecast at job start: process 0 compiles and publishes, the
                 others wait, then fetch and verify
      prewarmed: fetch and verify every program (the farm compiled them)
 Prints one JSON line; `ready` is seconds from T0 (the common start) until
-this process holds every executable's verified bytes.
+this process holds every executable's verified bytes. With GO (a time after
+every process has started and lowered its programs), the processes wait for
+it and `ready` counts from GO instead; `late` says how far past GO this
+process finished lowering (0 when it was in time).
 """
 
 import json
@@ -17,6 +20,8 @@ import time
 
 def main() -> None:
     mode, coordinator, topology, pid, n, dist, t0 = sys.argv[1:8]
+    entry = sys.argv[8] if len(sys.argv) > 8 else "aot_job:programs"
+    go = float(sys.argv[9]) if len(sys.argv) > 9 else 0.0
     pid, n, t0 = int(pid), int(n), float(t0)
     import jax
 
@@ -28,8 +33,12 @@ def main() -> None:
     from compilecast.worker import aot
     from compilecast.worker.client import CacheClient, Identity
 
-    programs = aot.entry_programs("aot_job:programs", aot.parse_target(topology))
+    programs = aot.entry_programs(entry, aot.parse_target(topology))
     lowered = time.time() - t0
+    late = max(0.0, time.time() - go) if go else 0.0
+    if go:
+        time.sleep(max(0.0, go - time.time()))
+        t0 = go
     compiles, nbytes = 0, 0
     if mode == "local":
         for p in programs:
@@ -52,7 +61,8 @@ def main() -> None:
             assert all(f.present for f in found), found
             nbytes = sum(f.size for f in found)
     print(json.dumps({"process": pid, "mode": mode, "ready": time.time() - t0,
-                      "lowered": lowered, "compiles": compiles, "bytes": nbytes}), flush=True)
+                      "lowered": lowered, "late": late, "compiles": compiles, "bytes": nbytes}),
+          flush=True)
     jax.distributed.shutdown()
 
 

@@ -33,15 +33,21 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
        "TPU_WORKER_HOSTNAMES": "localhost", "PYTHONPATH": str(HERE)}
 
 
-def pod(mode: str, coordinator: str, topology: str, n: int) -> dict:
+def pod(mode: str, coordinator: str, topology: str, n: int, *,
+        entry: str = "aot_job:programs", go_after_s: float | None = None) -> dict:
+    """Run the n processes of a pod; with go_after_s, they start compiling or
+    fetching together that many seconds after launch (after their start-up
+    and lowering), and `ready` counts from then."""
     dist, t0 = f"127.0.0.1:{free_port()}", time.time()
+    extra = [entry] + ([str(t0 + go_after_s)] if go_after_s is not None else [])
     procs = [subprocess.Popen([sys.executable, str(HERE / "_pod_process.py"), mode, coordinator,
-                               topology, str(i), str(n), dist, str(t0)], env=ENV,
+                               topology, str(i), str(n), dist, str(t0), *extra], env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(n)]
     rows = collect(procs, timeout_s=3600)
     return {"ready": max(r["ready"] for r in rows), "compiles": sum(r["compiles"] for r in rows),
-            "lowered": max(r["lowered"] for r in rows), "bytes": rows[0]["bytes"]}
+            "lowered": max(r["lowered"] for r in rows), "bytes": rows[0]["bytes"],
+            "late": max(r.get("late", 0.0) for r in rows)}
 
 
 def farm_fill(coordinator: str, topology: str) -> float:

@@ -9,15 +9,31 @@ common start until the last process holds its executable (its first step
 done). Then the same for a real 4-process jax.distributed job.
 On CPU, loading a serialized executable costs nearly as much as compiling it,
 so these runs show the protocol's overhead and compile counts, not TPU savings.
+
+    python bench/time_to_executable.py --tpu v5e:4x4 [--n 4 16] [--layers 64] [--width 1024]
+                                       [--tpu-weights]
+
+does the same with a real TPU program: each of N processes (one jax.distributed
+job, as the hosts of a pod) lowers the training step for TOPOLOGY with libtpu's
+compile-only client; after a common start (once all have started and lowered)
+one compiles and publishes, the others wait and then fetch and verify the
+bytes (a compile-only client cannot load an executable). Reported against one
+process compiling the program alone, from the same kind of common start. With
+--tpu-weights the weights are baked in (default 16 layers: an ~80 MB executable
+that every waiter fetches).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 from compilecast.launch import Up, collect, start_wave
 
@@ -39,13 +55,66 @@ def wave(n: int, target: str, layers: int, width: int, *, baseline: bool,
     }
 
 
+def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
+        weights: bool) -> None:
+    import aot_farm
+    from _servers import Stack
+
+    aot_farm.ENV.update(BENCH_LAYERS=str(layers), BENCH_WIDTH=str(width))
+    entry = "aot_job:step_with_weights" if weights else "aot_job:step"
+    what = "with its weights as constants" if weights else "weights as arguments"
+    print(f"# the training step of {layers} layers x {width} ({what}) for {topology} "
+          f"(compile-only), {os.cpu_count()} cores", flush=True)
+    rows = []
+
+    def run(mode: str, n: int) -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            stack = Stack(Path(tmp))
+            try:
+                coordinator, _ = stack.coordinator()
+                # Start-up, JAX import and lowering take ~2 s a process on 2 cores.
+                r = aot_farm.pod(mode, coordinator, topology, n, entry=entry,
+                                 go_after_s=10.0 + 2.5 * n)
+            finally:
+                stack.close()
+        rows.append(dict(r, mode=mode, n=n))
+        return r
+
+    one = run("local", 1)
+    print(f"one process compiling alone: {one['ready']:.2f}s, "
+          f"{one['bytes'] / 1e6:.0f} MB executable", flush=True)
+    for n in ns:
+        cc = run("share", n)
+        line = (f"N={n:3d}  compilecast: {cc['compiles']} compile(s), all hold the verified "
+                f"bytes {cc['ready']:.2f}s = {cc['ready'] / one['ready']:.2f}x one compile alone")
+        if n <= baseline_max:
+            base = run("local", n)
+            line += (f" | every process compiles: {base['compiles']} compiles, "
+                     f"{base['ready']:.2f}s ({cc['ready'] / base['ready']:.2f})")
+        late = max(r["late"] for r in rows)
+        print(f"{line} | latest process late for the common start by {late:.1f}s", flush=True)
+    print(json.dumps(rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, nargs="+", default=[4, 16])
-    ap.add_argument("--layers", type=int, default=160)
-    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="default 160 on CPU, 64 with --tpu")
+    ap.add_argument("--width", type=int, default=None, help="default 512 on CPU, 1024 with --tpu")
     ap.add_argument("--distributed", type=int, default=4)
+    ap.add_argument("--tpu", metavar="TOPOLOGY",
+                    help="a real TPU program for TOPOLOGY (e.g. v5e:4x4), compile-only")
+    ap.add_argument("--tpu-baseline-max", type=int, default=4,
+                    help="with --tpu, also run every-process-compiles up to this N (memory)")
+    ap.add_argument("--tpu-weights", action="store_true",
+                    help="with --tpu, bake the weights into the program (a large executable)")
     args = ap.parse_args()
+    if args.tpu:
+        tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
+            args.width or 1024, args.tpu_baseline_max, args.tpu_weights)
+        return
+    args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"
     home.mkdir()
     up = Up(home)
