@@ -24,6 +24,7 @@ from compilecast.worker.keys import (
     detect_format,
     explain,
     hlo_module_bytes,
+    program_digest,
     program_key,
 )
 
@@ -164,6 +165,21 @@ DIFFERENT = {
 def test_programs_that_differ_get_different_keys(variant, fmt):
     a, b = DIFFERENT[variant]()
     assert key_of(a, fmt) != key_of(b, fmt)
+
+
+def test_one_element_of_a_resource_constant_changes_the_key():
+    # Large constants are MLIR resource blobs (dense_resource), written in the
+    # bytecode's resource section: they must be in the key like any other.
+    w = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    w_edit = w.copy()
+    w_edit[512, 7] += 1.0
+    a, b = _pair(lambda x: x @ w, lambda x: x @ w_edit, jnp.ones((4, 1024)))
+    module = a.compiler_ir("stablehlo")
+    assert "dense_resource" in module.operation.get_asm(large_elements_limit=16)
+    for fmt in ("mlir-bytecode", "hlo-proto"):
+        assert key_of(a, fmt) != key_of(b, fmt), fmt
+    cfg = KeyConfig()
+    assert program_digest(module, cfg) != program_digest(b.compiler_ir("stablehlo"), cfg)
 
 
 # Attributes JAX does not emit on CPU by itself: edit real lowered text.

@@ -276,13 +276,18 @@ def complete_recipe(recipe: pb.Recipe, p: Probe) -> pb.Recipe:
     return out
 
 
+def program_name(recipe: pb.Recipe, module: Any) -> str:
+    """The recipe's program name, else the module's (JAX's jit_<function>)."""
+    if recipe.program_name or "sym_name" not in module.operation.attributes:
+        return recipe.program_name
+    return str(jax_adapter.ir.StringAttr(module.operation.attributes["sym_name"]).value)[:200]
+
+
 def fill_recipe(out: pb.Recipe, module: Any, devices: Any, compile_options: Any,
                 backend: Any) -> pb.Recipe:
     from compilecast import validate
 
-    if not out.program_name and "sym_name" in module.operation.attributes:
-        out.program_name = str(jax_adapter.ir.StringAttr(
-            module.operation.attributes["sym_name"]).value)[:200]
+    out.program_name = program_name(out, module)
     out.program = jax_adapter.module_bytecode(module)
     out.compile_options = jax_adapter.compile_options_proto(compile_options)
     del out.device_ids[:], out.device_shape[:], out.xla_flags[:]
@@ -316,8 +321,10 @@ def compile_and_share(client: CacheClient, program: Program, *,
     """Make sure the program's executable is published under its key."""
     p = probe(program.trigger)
     key = p.key.value
-    recipe = complete_recipe(program.recipe, p)
-    resp = client.acquire(key, components=p.key.components, program_name=recipe.program_name)
+    # The recipe (the whole program serialized) is only needed to publish: a
+    # process that finds the executable, or waits for it, never builds one.
+    resp = client.acquire(key, components=p.key.components,
+                          program_name=program_name(program.recipe, p.module))
     lease = None
     if resp.decision == pb.HIT:
         return Outcome(program.name, key, "cached", size=resp.artifact.size)
@@ -336,6 +343,7 @@ def compile_and_share(client: CacheClient, program: Program, *,
                        f"({pb.Decision.Name(resp.decision)}: {resp.reason})")
     client.keep_lease(key, lease)
     try:
+        recipe = complete_recipe(program.recipe, p)
         got, data, seconds = compile_entry(program.trigger)
         if got != key:
             raise AotError(f"{program.name}: the compile computed key {got}, the probe {key}")
