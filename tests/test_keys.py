@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from compilecast.worker import hlocanon
 from compilecast.worker import keys as keys_mod
 from compilecast.worker.keys import (
     KeyConfig,
@@ -283,6 +284,16 @@ def test_key_configuration_from_the_environment():
     assert cfg.ignore_hlo_fields == ("instruction.original_value",)
     with pytest.raises(ValueError, match="unknown HLO field"):
         KeyConfig.from_env({"COMPILECAST_KEY_IGNORE_HLO_FIELDS": "instruction.nope"})
+
+
+def test_an_unnamed_hlo_module_is_still_a_module():
+    data = hlo_module_bytes((FIXTURES / "mlp.hlo.pb").read_bytes())
+    fields = list(hlocanon.fields(data, 0, len(data)))
+    assert fields[0][0] == 1  # the name
+    unnamed = data[fields[1][2]:]
+    key = program_key(unnamed)
+    assert key.components["program_format"] == "hlo-proto"
+    assert key.value == program_key(data).value  # names never count
 
 
 def test_explain_hlo_protos_that_differ_where_mlir_does_not_print():

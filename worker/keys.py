@@ -116,7 +116,9 @@ def _digest(data: bytes | str) -> str:
 def hlo_module_bytes(data: bytes) -> bytes:
     """The HloModuleProto inside an HloProto (field 1), or `data` itself when
     it already is an HloModuleProto (whose field 1 is the name string)."""
+    computations = False
     for number, wire, _start, vs, ve, _value in hlocanon.fields(data, 0, len(data)):
+        computations = computations or (number == 3 and wire == hlocanon.LEN)
         if number == 1 and wire == hlocanon.LEN:
             inner = data[vs:ve]
             # HloModuleProto.name is a string; an HloProto's field 1 is a message.
@@ -126,6 +128,8 @@ def hlo_module_bytes(data: bytes) -> bytes:
             except UnicodeDecodeError:
                 looks_like_name = False
             return data if looks_like_name else inner
+    if computations:  # an HloModuleProto without a name (proto3 leaves "" out)
+        return data
     raise ValueError("no module in the protobuf message")
 
 
