@@ -286,6 +286,21 @@ def test_key_configuration_from_the_environment():
         KeyConfig.from_env({"COMPILECAST_KEY_IGNORE_HLO_FIELDS": "instruction.nope"})
 
 
+def test_explain_text_never_changes_an_hlo_key(monkeypatch):
+    # The MLIR text is only for explain: if XLA's importer cannot read a
+    # proto, the key is the same as without the text, not a raw one.
+    data = (FIXTURES / "mlp.hlo.pb").read_bytes()
+    plain = program_key(data)
+
+    def broken(_data):
+        raise RuntimeError("importer failed")
+
+    monkeypatch.setattr(keys_mod.jax_adapter, "hlo_to_stablehlo", broken)
+    with_text = program_key(data, keep_text=True)
+    assert with_text.value == plain.value
+    assert with_text.program_text is None
+
+
 def test_an_unnamed_hlo_module_is_still_a_module():
     data = hlo_module_bytes((FIXTURES / "mlp.hlo.pb").read_bytes())
     fields = list(hlocanon.fields(data, 0, len(data)))

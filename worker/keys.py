@@ -350,8 +350,7 @@ def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = 
         if fmt == "hlo-proto":
             digest = _hlo_digest(hlo_module_bytes(data), cfg)
             if keep_text:  # for `explain` only: the program as MLIR prints it
-                module, _ = parse_program(data, fmt)
-                key.program_text = program_digest(module, cfg, keep_text=True, copy=False)[1]
+                key.program_text = _hlo_text(data, cfg)
         else:
             module, fmt = parse_program(data, fmt)
             digest, key.program_text = program_digest(module, cfg, keep_text=keep_text,
@@ -362,6 +361,16 @@ def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = 
                           include_metadata=str(cfg.include_metadata),
                           ignored=_digest(cfg.describe()))
     return key
+
+
+def _hlo_text(data: bytes, cfg: KeyConfig) -> str | None:
+    """An HLO proto as MLIR prints it after canonicalization (for `explain`),
+    or None when XLA's importer cannot read it: the key never depends on it."""
+    try:
+        module, _ = parse_program(data, "hlo-proto")
+        return program_digest(module, cfg, keep_text=True, copy=False)[1]
+    except Exception:  # any importer failure only loses the text
+        return None
 
 
 def _hlo_digest(module_bytes: bytes, cfg: KeyConfig) -> str:
