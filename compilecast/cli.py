@@ -136,7 +136,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if st.upstream_healthy else 1
 
 
-def _file_key(path: str, include_metadata: bool):
+def _file_key(path: str, include_metadata: bool, *, keep_text: bool = False):
     """The key of a program file, under the same configuration (environment)
     as the JAX integration's keys."""
     import dataclasses
@@ -154,7 +154,7 @@ def _file_key(path: str, include_metadata: bool):
             data = f.read()
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror}") from None
-    return program_key(data, cfg, keep_text=True)
+    return program_key(data, cfg, keep_text=keep_text)
 
 
 class CliError(Exception):
@@ -193,7 +193,7 @@ def _explain_operand(arg: str, args: argparse.Namespace):
 
     if arg.startswith(KEY_PREFIX) and not Path(arg).exists():
         return _seen_key(arg, args.worker)
-    return _file_key(arg, args.include_metadata)
+    return _file_key(arg, args.include_metadata, keep_text=True)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

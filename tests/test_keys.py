@@ -301,6 +301,19 @@ def test_explain_text_never_changes_an_hlo_key(monkeypatch):
     assert with_text.program_text is None
 
 
+def test_hlo_keys_do_not_import_jax():
+    # `compilecast key dump/*.hlo.pb` starts in a fraction of a second.
+    import subprocess
+    import sys
+
+    code = ("import sys; from compilecast.worker.keys import program_key; "
+            f"k = program_key(open({str(FIXTURES / 'mlp.hlo.pb')!r}, 'rb').read()); "
+            "print(k.components['program_format'], 'jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["hlo-proto", "False"]
+
+
 def test_an_unnamed_hlo_module_is_still_a_module():
     data = hlo_module_bytes((FIXTURES / "mlp.hlo.pb").read_bytes())
     fields = list(hlocanon.fields(data, 0, len(data)))

@@ -49,7 +49,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import hlocanon, jax_adapter
+from . import hlocanon
+
+
+class _JaxAdapter:
+    """worker/jax_adapter, imported on first use: HLO protos are keyed
+    without JAX, so `compilecast key dump/*.hlo.pb` never pays for importing it."""
+
+    def __getattr__(self, name: str) -> Any:
+        from . import jax_adapter as module
+        return getattr(module, name)
+
+
+jax_adapter: Any = _JaxAdapter()
 
 KEY_VERSION = "3"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon
 KEY_PREFIX = "cc1-"
