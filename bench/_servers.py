@@ -4,6 +4,7 @@ processes on free ports, peak RSS of a process."""
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -104,7 +105,6 @@ def cpu_seconds(pid: int) -> float:
 
 
 def own_cpu_seconds() -> float:
-    import resource
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime
 

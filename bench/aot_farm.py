@@ -17,11 +17,13 @@ from libtpu's compile-only client, so "holds" means the digest-verified bytes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from _servers import Stack, free_port
@@ -48,6 +50,17 @@ def pod(mode: str, coordinator: str, topology: str, n: int, *,
     return {"ready": max(r["ready"] for r in rows), "compiles": sum(r["compiles"] for r in rows),
             "lowered": max(r["lowered"] for r in rows), "bytes": rows[0]["bytes"],
             "late": max(r.get("late", 0.0) for r in rows)}
+
+
+@contextlib.contextmanager
+def fresh_coordinator() -> Iterator[str]:
+    """A coordinator on its own etcd in a temporary folder, for one way."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stack = Stack(Path(tmp))
+        try:
+            yield stack.coordinator()[0]
+        finally:
+            stack.close()
 
 
 def farm_fill(coordinator: str, topology: str) -> float:
@@ -77,14 +90,9 @@ def main() -> None:
           f"{args.width}, {os.cpu_count()} cores")
     results = {}
     for mode in ("local", "share", "prewarmed"):
-        with tempfile.TemporaryDirectory() as tmp:
-            stack = Stack(Path(tmp))
-            try:
-                coordinator, _ = stack.coordinator()
-                fill = farm_fill(coordinator, args.topology) if mode == "prewarmed" else None
-                results[mode] = r = pod(mode, coordinator, args.topology, args.hosts)
-            finally:
-                stack.close()
+        with fresh_coordinator() as coordinator:
+            fill = farm_fill(coordinator, args.topology) if mode == "prewarmed" else None
+            results[mode] = r = pod(mode, coordinator, args.topology, args.hosts)
         extra = f"  (farm filled the cache in {fill:.1f}s before the job)" if fill else ""
         print(f"{mode:10}  all {args.hosts} ready in {r['ready']:6.1f}s  compiles {r['compiles']:2}"
               f"  startup+lowering {r['lowered']:.1f}s  {r['bytes'] / 1e6:.0f} MB/process{extra}",

@@ -58,7 +58,6 @@ def wave(n: int, target: str, layers: int, width: int, *, baseline: bool,
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
         weights: bool) -> None:
     import aot_farm
-    from _servers import Stack
 
     aot_farm.ENV.update(BENCH_LAYERS=str(layers), BENCH_WIDTH=str(width))
     entry = "aot_job:step_with_weights" if weights else "aot_job:step"
@@ -68,15 +67,10 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
     rows = []
 
     def run(mode: str, n: int) -> dict:
-        with tempfile.TemporaryDirectory() as tmp:
-            stack = Stack(Path(tmp))
-            try:
-                coordinator, _ = stack.coordinator()
-                # Start-up, JAX import and lowering take ~2 s a process on 2 cores.
-                r = aot_farm.pod(mode, coordinator, topology, n, entry=entry,
-                                 go_after_s=10.0 + 2.5 * n)
-            finally:
-                stack.close()
+        with aot_farm.fresh_coordinator() as coordinator:
+            # Start-up, JAX import and lowering take ~2 s a process on 2 cores.
+            r = aot_farm.pod(mode, coordinator, topology, n, entry=entry,
+                             go_after_s=10.0 + 2.5 * n)
         rows.append(dict(r, mode=mode, n=n))
         return r
 

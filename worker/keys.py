@@ -43,6 +43,7 @@ program's bytecode with locations and names.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -58,6 +59,7 @@ class _JaxAdapter:
 
     def __getattr__(self, name: str) -> Any:
         from . import jax_adapter as module
+        globals()["jax_adapter"] = module  # later uses go straight to the module
         return getattr(module, name)
 
 
@@ -80,7 +82,13 @@ class KeyConfig:
     ignore_hlo_fields: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        hlocanon.field_drops(self.ignore_hlo_fields)  # ValueError naming an unknown field
+        self.hlo_config  # noqa: B018 - ValueError naming an unknown field, at once
+
+    @functools.cached_property
+    def hlo_config(self) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+        """(field drops, frontend attribute keys) as hlocanon takes them."""
+        return (hlocanon.field_drops(self.ignore_hlo_fields),
+                tuple(a.encode() for a in self.ignore_attributes))
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> KeyConfig:
@@ -386,9 +394,7 @@ def _hlo_text(data: bytes, cfg: KeyConfig) -> str | None:
 
 
 def _hlo_digest(module_bytes: bytes, cfg: KeyConfig) -> str:
-    canonical = hlocanon.canonical_sha256(  # validates even when unused
-        module_bytes, hlocanon.field_drops(cfg.ignore_hlo_fields),
-        tuple(a.encode() for a in cfg.ignore_attributes))
+    canonical = hlocanon.canonical_sha256(module_bytes, *cfg.hlo_config)  # validates even when unused
     return _digest(module_bytes) if cfg.include_metadata else canonical
 
 
