@@ -7,7 +7,8 @@ is kept so `explain` can say which one caused a miss:
     compile_options  CompileOptionsProto minus debug-only fields (JAX only)
     platform         backend platform and platform version (JAX only)
     versions         jaxlib / XLA version
-    xla_flags        XLA_FLAGS and LIBTPU_INIT_ARGS that change code generation
+    xla_flags        XLA_FLAGS and LIBTPU_INIT_ARGS in effect, as XLA reads them
+                     (worker/xlaflags.py), minus dump and debug flags
     topology         device kinds, count and the device assignment (JAX only)
     compression      the entry format
     key_version      bumps whenever canonicalization changes
@@ -50,7 +51,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import hlocanon
+from . import hlocanon, xlaflags
 
 
 class _JaxAdapter:
@@ -65,7 +66,8 @@ class _JaxAdapter:
 
 jax_adapter: Any = _JaxAdapter()
 
-KEY_VERSION = "3"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon
+KEY_VERSION = "4"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon;
+# 4: xla_flags as XLA reads them (last of a repeated flag, quoted values, flag files)
 KEY_PREFIX = "cc1-"
 DEFAULT_IGNORED_ATTRIBUTES = ("jax.arg_info", "jax.result_info")
 MLIR_BYTECODE_MAGIC = b"ML\xefR"
@@ -399,11 +401,9 @@ def _hlo_digest(module_bytes: bytes, cfg: KeyConfig) -> str:
 
 
 def xla_flags() -> list[str]:
-    excluded = set(jax_adapter.excluded_xla_flags())
-    flags = []
-    for var in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"):
-        flags.extend(os.environ.get(var, "").split())
-    return sorted(f for f in flags if f.split("=")[0] not in excluded)
+    """The XLA flags in effect as XLA reads them (see worker/xlaflags.py),
+    minus those JAX knows cannot change the executable."""
+    return xlaflags.describe(jax_adapter.excluded_xla_flags())
 
 
 def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
