@@ -379,3 +379,19 @@ def test_random_constant_edits_always_change_the_key(c1, c2):
     text = lower(lambda x: x * c1, x4).as_text(debug_info=True)
     other = lower(lambda x: x * c2, x4).as_text(debug_info=True)
     assert program_key(text.encode()).value != program_key(other.encode()).value
+
+
+def test_jax_custom_hook_extends_the_key_as_in_jax(monkeypatch):
+    from jax._src import cache_key  # what users set to extend JAX's own key
+
+    from compilecast.worker import aot
+
+    p = aot.probe(lambda: jax.jit(lambda x: x * 2 + 1)(jnp.ones(4)))
+    plain = keys_mod.jax_key(p.module, p.devices, p.compile_options, p.backend)
+    assert "custom_hook" not in plain.components
+    monkeypatch.setattr(cache_key, "custom_hook", lambda: "tenant-a")
+    a = keys_mod.jax_key(p.module, p.devices, p.compile_options, p.backend)
+    monkeypatch.setattr(cache_key, "custom_hook", lambda: "tenant-b")
+    b = keys_mod.jax_key(p.module, p.devices, p.compile_options, p.backend)
+    assert len({plain.value, a.value, b.value}) == 3
+    assert "component custom_hook differs" in "\n".join(keys_mod.explain(a, b))

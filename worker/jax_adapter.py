@@ -78,6 +78,8 @@ _EXPECTED: list[tuple[Any, str, tuple[str, ...] | None]] = [
     (_ck, "_hash_serialized_compile_options",
      ("hash_obj", "compile_options_obj", "strip_device_assignment")),
     (_ck, "xla_flags_to_exclude_from_cache_key", None),
+    (_ck, "custom_hook", ()),
+    (_ck, "get_flag_prefixes", ()),
     (_jax.mlir, "hlo_to_stablehlo", None),
     (_passmanager.PassManager, "enable_verifier", None),
     (ir.SymbolTable, "replace_all_symbol_uses", None),
@@ -288,6 +290,18 @@ def compile_options_bytes(compile_options: Any) -> bytes:
 
 def excluded_xla_flags() -> list[str]:
     return list(_ck.xla_flags_to_exclude_from_cache_key)
+
+
+def xla_flag_prefixes() -> list[str]:
+    """Command-line prefixes that plugins registered for JAX's key
+    (cache_key.add_flag_prefixes), besides `--xla`."""
+    return list(_ck.get_flag_prefixes())
+
+
+def custom_hook() -> str:
+    """What the user's cache_key.custom_hook adds to JAX's key ("" by default).
+    Looked up on every call: users replace the module attribute."""
+    return str(_ck.custom_hook())
 
 
 # -- recipes: what it takes to compile a program again -------------------------

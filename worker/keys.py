@@ -14,6 +14,7 @@ is kept so `explain` can say which one caused a miss:
     key_version      bumps whenever canonicalization changes
     ignored          the ignore lists (KeyConfig.describe): keys made under
                      different configurations never meet
+    custom_hook      what JAX's cache_key.custom_hook returns, when set (JAX only)
 
 HloModuleProto input (PyTorch/XLA and XLA dumps) is canonicalized at the
 protobuf wire level by `hlocanon` (names, ids, OpMetadata; see there), without
@@ -403,7 +404,8 @@ def _hlo_digest(module_bytes: bytes, cfg: KeyConfig) -> str:
 def xla_flags() -> list[str]:
     """The XLA flags in effect as XLA reads them (see worker/xlaflags.py),
     minus those JAX knows cannot change the executable."""
-    return xlaflags.describe(jax_adapter.excluded_xla_flags())
+    return xlaflags.describe(jax_adapter.excluded_xla_flags(),
+                             prefixes=jax_adapter.xla_flag_prefixes())
 
 
 def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
@@ -425,6 +427,7 @@ def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
     coords = [(tuple(getattr(d, "coords", ()) or ()), int(getattr(d, "core_on_chip", 0) or 0))
               for d in devices.flat]
     slice_size = int(backend.device_count())
+    hook = jax_adapter.custom_hook()  # set only by users who extend JAX's key
     return Key(components={
         "program": digest,
         "program_format": "mlir",
@@ -437,6 +440,7 @@ def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
         "key_version": KEY_VERSION,
         "include_metadata": str(cfg.include_metadata),
         "ignored": _digest(cfg.describe()),
+        **({"custom_hook": _digest(hook)} if hook else {}),
     })
 
 

@@ -96,10 +96,10 @@ def _read_env_value(value: str) -> tuple[tuple[str, ...], str, str]:
 
 
 def describe(excluded: Iterable[str] = (), environ: dict[str, str] | None = None,
-             argv: list[str] | None = None) -> list[str]:
+             argv: list[str] | None = None, prefixes: Iterable[str] = ()) -> list[str]:
     """The lines that make up the `xla_flags` component, one per flag, each
     prefixed with where XLA reads it. Command-line words that start with
-    `--xla` count too, as in JAX's key (a miss at worst)."""
+    `--xla` or one of `prefixes` count too, as in JAX's key (a miss at worst)."""
     env = os.environ if environ is None else environ
     excluded = tuple(excluded)
     lines: list[str] = []
@@ -110,6 +110,7 @@ def describe(excluded: Iterable[str] = (), environ: dict[str, str] | None = None
             lines.append(f"{var} ignored by XLA: {rest}")
         if source.startswith("unreadable"):
             lines.append(f"{var}: {source}")
-    args = [a for a in (sys.argv if argv is None else argv)[1:] if a.startswith("--xla")]
+    starts = ("--xla", *prefixes)
+    args = [a for a in (sys.argv if argv is None else argv)[1:] if a.startswith(starts)]
     lines.extend(f"argv: {flag}" for flag in effective(args, excluded))
     return lines
