@@ -395,3 +395,28 @@ def test_jax_custom_hook_extends_the_key_as_in_jax(monkeypatch):
     b = keys_mod.jax_key(p.module, p.devices, p.compile_options, p.backend)
     assert len({plain.value, a.value, b.value}) == 3
     assert "component custom_hook differs" in "\n".join(keys_mod.explain(a, b))
+
+
+CPUINFO = "processor\t: {n}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\n" \
+          "model name\t: Xeon {n}\nflags\t\t: {flags}\n\n"
+
+
+def test_host_cpu_tells_apart_what_xla_cpu_compiles_for():
+    base = keys_mod.host_cpu(CPUINFO.format(n=0, flags="sse2 avx2 fma"))
+    # Another core, the flags in another order, another marketing name: one CPU.
+    assert base == keys_mod.host_cpu(CPUINFO.format(n=0, flags="fma avx2 sse2")
+                                     + CPUINFO.format(n=1, flags="fma"))
+    assert base == keys_mod.host_cpu(CPUINFO.format(n=7, flags="sse2 avx2 fma"))
+    # One ISA feature more (an AVX-512 host's executable would not run here).
+    assert base != keys_mod.host_cpu(CPUINFO.format(n=0, flags="sse2 avx2 fma avx512f"))
+    assert base != keys_mod.host_cpu(CPUINFO.format(n=0, flags="sse2 avx2 fma")
+                                     .replace("model\t\t: 85", "model\t\t: 106"))
+
+
+def test_cpu_keys_carry_the_host_cpu():
+    from compilecast.worker import aot
+
+    p = aot.probe(lambda: jax.jit(lambda x: x - 3)(jnp.ones(4)))
+    key = keys_mod.jax_key(p.module, p.devices, p.compile_options, p.backend)
+    assert p.backend.platform == "cpu"
+    assert key.components["host_cpu"] == keys_mod._digest(keys_mod.host_cpu())

@@ -15,6 +15,7 @@ is kept so `explain` can say which one caused a miss:
     ignored          the ignore lists (KeyConfig.describe): keys made under
                      different configurations never meet
     custom_hook      what JAX's cache_key.custom_hook returns, when set (JAX only)
+    host_cpu         on the CPU platform: the host CPU XLA compiles for (JAX only)
 
 HloModuleProto input (PyTorch/XLA and XLA dumps) is canonicalized at the
 protobuf wire level by `hlocanon` (names, ids, OpMetadata; see there), without
@@ -408,6 +409,46 @@ def xla_flags() -> list[str]:
                              prefixes=jax_adapter.xla_flag_prefixes())
 
 
+# What LLVM reads to pick the CPU XLA:CPU compiles for (its host CPU name
+# comes from the vendor, family and model; its features from the ISA flags).
+_CPUINFO_FIELDS = ("vendor_id", "cpu family", "model", "flags",  # x86
+                   "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
+
+
+def host_cpu(cpuinfo: str | None = None) -> str:
+    """The host CPU as XLA:CPU compiles for it: architecture, vendor, family,
+    model and ISA features of the first processor in /proc/cpuinfo. A CPU
+    executable uses every feature of the host that compiled it, so hosts that
+    differ here must not share one (another host's would be refused on load,
+    or die of an illegal instruction)."""
+    import platform
+
+    if cpuinfo is None:
+        cpuinfo = _read_cpuinfo()
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor is enough: all of a host's cores match
+            continue
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in _CPUINFO_FIELDS:
+            words = value.split()
+            fields[name] = " ".join(sorted(words) if name in ("flags", "Features") else words)
+    described = "\n".join(f"{k}: {fields[k]}" for k in _CPUINFO_FIELDS if k in fields)
+    return f"{platform.machine()}\n{described or platform.processor()}"
+
+
+@functools.lru_cache(maxsize=1)
+def _read_cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
             cfg: KeyConfig | None = None) -> Key:
     """The key of a program JAX is about to compile.
@@ -441,6 +482,7 @@ def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
         "include_metadata": str(cfg.include_metadata),
         "ignored": _digest(cfg.describe()),
         **({"custom_hook": _digest(hook)} if hook else {}),
+        **({"host_cpu": _digest(host_cpu())} if backend.platform == "cpu" else {}),
     })
 
 
