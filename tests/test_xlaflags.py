@@ -111,3 +111,9 @@ def test_words_xla_ignores_still_count(monkeypatch):
 def test_xla_words_on_the_command_line_count_as_in_jax():
     assert xlaflags.describe(environ={}, argv=["train.py", "--xla_a=1", "--steps=3"]) == \
         ["argv: --xla_a=1"]
+
+
+def test_a_fifo_named_as_flag_file_never_hangs_the_process(monkeypatch, tmp_path):
+    fifo = tmp_path / "flags.fifo"
+    os.mkfifo(fifo)
+    assert "not a regular file" in _component(monkeypatch, XLA_FLAGS=str(fifo))

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 import sys
 from collections.abc import Iterable
 
 ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+MAX_FLAG_FILE_BYTES = 1 << 20
 _BLANK = " \t\r\n"
 _NAME_CHARS = frozenset("-_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 
@@ -86,13 +88,25 @@ def _read_env_value(value: str) -> tuple[tuple[str, ...], str, str]:
         flags, rest = split_flags(value)
         return tuple(flags), rest, ""
     try:
-        with open(value, encoding="utf-8", errors="surrogateescape") as f:
-            text = f.read()
+        # Only a regular file: reading a FIFO here could hang the user's process.
+        with open(value, "rb", opener=_open_regular) as f:
+            data = f.read(MAX_FLAG_FILE_BYTES + 1)
     except OSError as exc:
         # XLA exits the process on this; the key still tells it apart.
-        return (), "", f"unreadable flag file {value}: {exc.strerror}"
+        return (), "", f"unreadable flag file {value}: {exc.strerror or exc}"
+    if len(data) > MAX_FLAG_FILE_BYTES:
+        return (), "", f"unreadable flag file {value}: over {MAX_FLAG_FILE_BYTES} bytes"
+    text = data.decode("utf-8", errors="surrogateescape")
     flags, rest = split_flags(text)
     return tuple(flags), rest, f"file {value}"
+
+
+def _open_regular(path: str, flags: int) -> int:
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"not a regular file: {path}")
+    return fd
 
 
 def describe(excluded: Iterable[str] = (), environ: dict[str, str] | None = None,
