@@ -50,12 +50,10 @@ def main() -> None:
                                                designated_process=0))
         if mode == "share":
             for p in programs:
-                out = aot.compile_and_share(client, p)
+                # Waiters fetch (and verify) as the holder starts publishing.
+                out = aot.compile_and_share(client, p, fetch=True)
                 compiles += out.status == "published"
-                if out.status != "published":
-                    nbytes += len(client.fetch(out.key)[1])  # verified against its digest
-                else:
-                    nbytes += out.size
+                nbytes += len(out.data) if out.data is not None else out.size
         else:
             found = aot.check(client, programs)  # fetch + verify every artifact
             assert all(f.present for f in found), found

@@ -94,6 +94,7 @@ class BlobWriter:
         self._probed = 0
         self._hash = hashlib.sha256()
         self.size = 0
+        self._readable = 0
         self._done = False
 
     def write(self, data: bytes) -> None:
@@ -105,6 +106,8 @@ class BlobWriter:
             self._zw.write(data)
         elif self._raw:
             self._file.write(data)
+            self._file.flush()  # visible to readers of the file as it grows
+            self._readable = self.size
         else:
             self._probe.append(bytes(data))
             self._probed += len(data)
@@ -121,6 +124,8 @@ class BlobWriter:
             self._raw = True
             self._file.write(RAW_MAGIC)
             self._file.write(head)
+            self._file.flush()
+            self._readable = len(head)
         else:
             self._zw = zc.stream_writer(self._file, closefd=False)
             self._zw.write(head)
@@ -128,6 +133,17 @@ class BlobWriter:
     @property
     def stored_raw(self) -> bool:
         return self._raw
+
+    @property
+    def path(self) -> Path:
+        """The temp file being written (renamed into place by commit)."""
+        return self._path
+
+    def readable(self) -> int | None:
+        """How many bytes of the blob another reader may take from `path`,
+        after RAW_MAGIC, while the write goes on; None unless stored raw
+        (undecided or compressed: wait for the committed blob)."""
+        return self._readable if self._raw else None
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()

@@ -66,6 +66,11 @@ class CoordinatorMetrics:
             "Compile-farm tasks by event (submitted, claimed, done, failed)",
             ["event"], registry=registry,
         )
+        self.streamed_while_publishing = Counter(
+            "compilecast_coordinator_fetches_while_publishing",
+            "Fetches served from an upload still in progress on this replica",
+            registry=registry,
+        )
         self.relays = Counter(
             "compilecast_coordinator_relay_redirects",
             "Fetches sent to a peer worker that is downloading or holds the artifact",

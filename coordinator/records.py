@@ -10,6 +10,7 @@ explain misses:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -68,6 +69,9 @@ class KeyRecords:
         self.metrics = metrics
         # The latest explained misses of this replica: (scoped key, name, differing, when).
         self.recent: deque[tuple[str, str, list[str], float]] = deque(maxlen=20)
+        # Keys of one program name are recorded one at a time on a replica, so a
+        # key is compared with the one recorded just before it, not raced by it.
+        self._names: dict[tuple[str, str], list] = {}  # -> [lock, users]
 
     def _k(self, kind: str, sk: str) -> bytes:
         return self.prefix + f"/{kind}/{sk}".encode()
@@ -92,8 +96,20 @@ class KeyRecords:
     async def record(self, sk: str, program_name: str, comps: dict[str, str]) -> None:
         """Remember a key's components; count the miss by what differed from
         the nearest earlier key of the same program name."""
+        name = (sk.split("/", 1)[0], program_name)
+        slot = self._names.setdefault(name, [asyncio.Lock(), 0])
+        slot[1] += 1
         try:
-            tenant, key = sk.split("/", 1)
+            async with slot[0]:
+                await self._record(sk, program_name, comps)
+        finally:
+            slot[1] -= 1
+            if not slot[1]:
+                del self._names[name]
+
+    async def _record(self, sk: str, program_name: str, comps: dict[str, str]) -> None:
+        tenant, key = sk.split("/", 1)
+        try:
             if not comps or await self.etcd.get(self._k("k", sk)) is not None:
                 return
             earlier = await self.etcd.get_prefix(self.name_prefix(tenant, program_name), limit=64)

@@ -57,6 +57,8 @@ from .leases import LeasePool
 from .metrics import CoordinatorMetrics
 from .records import DEFAULT_TENANT, KeyRecords, info_from, info_json, plain, scope
 from .relay import RelayTrees
+from .uploads import Uploads
+from .uploads import stream as stream_upload
 from .watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,12 @@ class KeyState:
     lease_rev: int
     local: dict | None
     hedge: dict | None = None
+
+
+def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
+    """What fetchers of an upload in progress are told about it."""
+    return pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
+                           compile_time_seconds=header.compile_time_seconds)
 
 
 def _holder_name(rec: dict) -> str:
@@ -103,6 +111,7 @@ class CoordinatorState:
         self.records = KeyRecords(etcd, self.prefix, metrics)
         self.farm = Farm(etcd, store, self.prefix, metrics, cfg.lease_ttl_s)
         self.relays = RelayTrees(cfg.relay_fanout)
+        self.uploads = Uploads(self.hub.wake)
         self.leases = LeasePool(etcd, cfg.lease_ttl_s)
         self.hub.on_artifact_deleted.append(self._forget_artifact)
         self.hub.on_gap.append(self._index.clear)
@@ -371,6 +380,7 @@ class CoordinatorState:
                                    reason=f"coordinator cannot reach etcd: {exc}")
                 return
             seen_holder = False
+            announced = None
             expected: list[float | None] = []  # looked up once, when first needed
             free_since: float | None = None
             while True:
@@ -387,6 +397,12 @@ class CoordinatorState:
                         yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                            reason=st.local.get("reason", "not cached"))
                         return
+                    upload = self.uploads.get(sk)
+                    if upload is not None and upload is not announced:
+                        announced = upload  # once per upload: fetching it streams it
+                        yield pb.WaitEvent(decision=pb.WAIT, artifact=upload.info,
+                                           reason="publishing: a fetch streams the bytes "
+                                                  "as they upload")
                     now = time.monotonic()
                     if st.lease or st.hedge:
                         seen_holder, free_since = True, None
@@ -493,13 +509,20 @@ class CoordinatorState:
         if await self.etcd.get(self._k("a", sk)) is not None:
             raise AlreadyPublished(f"key {key} is already published")
         writer = self.store.writer()
-        with writer:
+        with writer, self.uploads.track(sk, _in_flight(key, header), writer) as upload:
             async for chunk in chunks:
                 data = chunk.data
                 if writer.size + len(data) > header.size:
                     raise InvalidRequest(f"received more than the declared {header.size} bytes")
                 await asyncio.to_thread(writer.write, data)
+                upload.advance()  # fetchers of the upload may read this far
             await asyncio.to_thread(writer.commit, header.digest, header.size)
+            upload.finish(ok=True)
+            return await self._announce(sk, kind, header)
+
+    async def _announce(self, sk: str, kind: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
+        """Index a committed blob in etcd under the key, if the lease still holds."""
+        key = plain(sk)
         self.metrics.bytes.labels("in").inc(header.size)
         recipe = None
         if header.HasField("recipe"):  # stored before the index entry that names it
@@ -587,7 +610,15 @@ class CoordinatorState:
         if info is None:
             rec = await self.etcd.get(self._k("a", sk))
             if rec is None:
-                raise NotFound(f"no artifact is published under key {key}")
+                upload = self.uploads.get(sk)
+                if upload is None or (digest and upload.info.digest != digest):
+                    raise NotFound(f"no artifact is published under key {key}")
+                if offset > upload.info.size:
+                    raise InvalidRequest(f"offset {offset} is past the artifact's "
+                                         f"{upload.info.size} bytes")
+                self.metrics.streamed_while_publishing.inc()
+                return upload.info, self._counted(stream_upload(
+                    upload, offset, lambda at: self._stream(sk, upload.info, at, count=False)))
             info = info_from(key, rec.value)
             self._remember_artifact(sk, info, rec.mod_revision)
         if digest and info.digest != digest:
@@ -601,14 +632,21 @@ class CoordinatorState:
             raise InvalidRequest(f"offset {offset} is past the artifact's {info.size} bytes")
         return info, self._stream(sk, info, offset)
 
+    async def _counted(self, chunks: AsyncIterator[DataChunk]) -> AsyncIterator[DataChunk]:
+        out = self.metrics.bytes.labels("out")
+        async for chunk in chunks:
+            out.inc(len(chunk.data))
+            yield chunk
+
     async def _stream(self, sk: str, info: pb.ArtifactInfo,
-                      offset: int = 0) -> AsyncIterator[DataChunk]:
+                      offset: int = 0, *, count: bool = True) -> AsyncIterator[DataChunk]:
         out = self.metrics.bytes.labels("out")
         try:
             # Resuming at `offset`: what the caller already has is not sent again.
             async for chunk in aread(self.store, info.digest, offset=offset,
                                      transform=DataChunk.framed):
-                out.inc(len(chunk.data))
+                if count:
+                    out.inc(len(chunk.data))
                 yield chunk
         except CorruptBlob:
             self.metrics.corrupt_blobs.inc()

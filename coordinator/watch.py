@@ -61,6 +61,11 @@ class WatchHub:
             if not subs:
                 del self._subs[key]
 
+    def wake(self, key: str) -> None:
+        """Wake the key's waiters to re-read its state (a change etcd does not see)."""
+        for s in self._subs.get(key, ()):
+            s.set()
+
     def _wake_all(self) -> None:
         for subs in self._subs.values():
             for s in subs:

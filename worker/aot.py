@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -314,11 +314,15 @@ class Outcome:
     status: str  # "published", "cached", "published-by-another"
     seconds: float = 0.0
     size: int = 0
+    data: bytes | None = field(default=None, repr=False)  # fetched and verified, on request
 
 
 def compile_and_share(client: CacheClient, program: Program, *,
-                      wait_timeout_s: float = 1200.0) -> Outcome:
-    """Make sure the program's executable is published under its key."""
+                      wait_timeout_s: float = 1200.0, fetch: bool = False) -> Outcome:
+    """Make sure the program's executable is published under its key. With
+    `fetch`, a process that did not compile it also fetches and verifies it
+    (as a host that loads it would; `Outcome.data`), a waiter as soon as the
+    holder starts to publish."""
     p = probe(program.trigger)
     key = p.key.value
     # The recipe (the whole program serialized) is only needed to publish: a
@@ -327,11 +331,16 @@ def compile_and_share(client: CacheClient, program: Program, *,
                           program_name=program_name(program.recipe, p.module))
     lease = None
     if resp.decision == pb.HIT:
-        return Outcome(program.name, key, "cached", size=resp.artifact.size)
+        data = client.fetch(key, resp.artifact.digest)[1] if fetch else None
+        return Outcome(program.name, key, "cached", size=resp.artifact.size, data=data)
     if resp.decision == pb.WAIT:
-        event = client.wait(key, wait_timeout_s)
+        if fetch:
+            event, data = client.wait_and_fetch(key, wait_timeout_s)
+        else:
+            event, data = client.wait(key, wait_timeout_s), None
         if event.decision == pb.HIT:
-            return Outcome(program.name, key, "published-by-another", size=event.artifact.size)
+            return Outcome(program.name, key, "published-by-another", size=event.artifact.size,
+                           data=data)
         if event.decision != pb.COMPILE:
             raise AotError(f"{program.name}: waited for {key}, then told "
                            f"{pb.Decision.Name(event.decision)}: {event.reason}")

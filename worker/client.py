@@ -89,8 +89,10 @@ class CacheClient:
     def describe(self, key: str) -> pb.DescribeKeyResponse:
         return self.stub.DescribeKey(pb.DescribeKeyRequest(key=key), timeout=self.timeout_s)
 
-    def wait(self, key: str, timeout_s: float) -> pb.WaitEvent:
-        """Wait until HIT, promotion (COMPILE) or COMPILE_LOCALLY.
+    def wait(self, key: str, timeout_s: float, *, publishing: bool = False) -> pb.WaitEvent:
+        """Wait until HIT, promotion (COMPILE) or COMPILE_LOCALLY; with
+        `publishing`, also return the WAIT event that says the holder has
+        started to publish (it carries the artifact: a fetch streams it).
 
         Never blocks past `timeout_s` plus the call deadline slack: the server
         ends the stream at timeout_s, and the client deadline backs it up.
@@ -101,10 +103,39 @@ class CacheClient:
             timeout=timeout_s + self.timeout_s,
         )
         for event in call:
-            if event.decision != pb.WAIT:
+            if event.decision != pb.WAIT or (publishing and event.HasField("artifact")):
                 call.cancel()
                 return event
         return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="wait stream ended early")
+
+    def wait_and_fetch(self, key: str, timeout_s: float) -> tuple[pb.WaitEvent, bytes | None]:
+        """Wait as `wait` does and fetch the artifact as soon as its holder
+        starts to publish it, so the download overlaps the upload. Returns a
+        HIT event and the verified bytes, or the event that ended the wait
+        (COMPILE, COMPILE_LOCALLY) and None. If that early fetch fails (the
+        publish failed midway), the wait goes on for the published artifact
+        within the same `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        early = True
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
+                                    reason=f"share-binary timeout of {timeout_s:.1f}s passed"), None
+            event = self.wait(key, left, publishing=early)
+            if event.decision not in (pb.HIT, pb.WAIT):
+                return event, None
+            try:
+                info, data = self.fetch(key, event.artifact.digest)
+            except (grpc.RpcError, CorruptBlob) as exc:
+                if event.decision == pb.HIT:
+                    raise
+                why = exc.code().name if isinstance(exc, grpc.RpcError) else str(exc)
+                log.info("fetching %s while it was published failed (%s); waiting for the "
+                         "published artifact", key, why)
+                early = False
+                continue
+            return pb.WaitEvent(decision=pb.HIT, artifact=info), data
 
     # -- artifacts -------------------------------------------------------
     def fetch(self, key: str, digest: str = "") -> tuple[pb.ArtifactInfo, bytes]:

@@ -159,9 +159,12 @@ class CompilecastCache(jax_adapter.CacheInterface):
         if resp.decision == pb.WAIT:
             self.stats.waits += 1
             log.info("compilecast: waiting for %s (%s)", key, resp.reason)
-            event = self.client.wait(key, self._wait_timeout_s())
-            if event.decision == pb.HIT:
-                return self._fetch_hit(key, event.artifact)
+            # Fetched as soon as the holder starts publishing: the bytes
+            # stream to us while they upload.
+            event, data = self.client.wait_and_fetch(key, self._wait_timeout_s())
+            if data is not None:
+                self.stats.hits += 1
+                return data
             if event.decision == pb.COMPILE:
                 self.stats.promotions += 1
                 self._hold(key, event.lease, inputs)

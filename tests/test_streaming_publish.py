@@ -1,0 +1,212 @@
+"""Waiters fetch an artifact while its holder uploads it (real etcd, real gRPC).
+
+The holder's upload is a generator the test holds halfway, so a test can see
+bytes reach a fetcher before the upload is done, and can cut the upload off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import grpc
+import pytest
+
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.wire import DataChunk
+from compilecast.worker.client import CacheClient, Identity
+
+MIB = 1 << 20
+HEAD = 3 * MIB  # past the store's 1 MiB probe: raw blobs are readable while written
+
+
+class HeldUpload:
+    """A publish in a thread that sends `data[:HEAD]`, then waits for `go`
+    (then sends the rest) or `cut` (then ends with an error, the upload short)."""
+
+    def __init__(self, client: CacheClient, key: str, lease: pb.Lease, data: bytes,
+                 digest: str = "") -> None:
+        self.go, self.cut, self.sent_head = threading.Event(), threading.Event(), threading.Event()
+        self.error: grpc.RpcError | None = None
+        header = pb.PublishHeader(key=key, lease=lease, size=len(data), compile_time_seconds=7.0,
+                                  requester=client.identity.requester(),
+                                  digest=digest or hashlib.sha256(data).hexdigest())
+
+        def messages():
+            yield pb.PublishChunk(header=header)
+            for at in range(0, HEAD, MIB):
+                yield DataChunk(data[at:at + MIB])
+            self.sent_head.set()
+            while not (self.go.wait(0.05) or self.cut.is_set()):
+                pass
+            if self.cut.is_set():
+                raise RuntimeError("holder died mid-upload")
+            for at in range(HEAD, len(data), MIB):
+                yield DataChunk(data[at:at + MIB])
+
+        def run():
+            try:
+                client.stub.Publish(messages(), timeout=60)
+            except grpc.RpcError as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert self.sent_head.wait(10), self.error
+
+
+def clients(target: str) -> tuple[CacheClient, CacheClient]:
+    holder = CacheClient(target, identity=Identity(job="j", process_id=0))
+    waiter = CacheClient(target, identity=Identity(job="j", process_id=1), timeout_s=10)
+    return holder, waiter
+
+
+def read_until(stream, n: int) -> tuple[pb.ArtifactInfo, bytearray]:
+    info, got = None, bytearray()
+    for chunk in stream:
+        if chunk.HasField("artifact"):
+            info = chunk.artifact
+        got += chunk.data
+        if len(got) >= n:
+            break
+    return info, got
+
+
+def test_a_waiter_is_told_when_publishing_starts_and_reads_bytes_before_the_upload_ends(
+        coordinator):
+    holder, waiter = clients(coordinator.cfg.listen)
+    data = os.urandom(8 * MIB)
+    lease = holder.acquire("k").lease
+    assert waiter.acquire("k").decision == pb.WAIT
+    up = HeldUpload(holder, "k", lease, data)
+
+    event = waiter.wait("k", 10, publishing=True)
+    assert event.decision == pb.WAIT and event.artifact.size == len(data)
+    assert event.artifact.digest == hashlib.sha256(data).hexdigest()
+    stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=event.artifact.digest), timeout=30)
+    info, got = read_until(stream, HEAD)
+    assert info.digest == event.artifact.digest
+    assert bytes(got) == data[:HEAD]
+    assert up.thread.is_alive(), "the upload is held: these bytes came while it ran"
+
+    up.go.set()
+    for chunk in stream:
+        got += chunk.data
+    up.thread.join(10)
+    assert up.error is None and bytes(got) == data
+    assert waiter.fetch("k")[1] == data  # and it is published as usual
+    reg = coordinator.registry
+    assert reg.get_sample_value("compilecast_coordinator_fetches_while_publishing_total") == 1
+
+
+def test_wait_and_fetch_returns_the_verified_bytes_of_the_upload(coordinator):
+    holder, waiter = clients(coordinator.cfg.listen)
+    data = os.urandom(6 * MIB)
+    lease = holder.acquire("k").lease
+    waiter.acquire("k")
+    up = HeldUpload(holder, "k", lease, data)
+    threading.Timer(0.5, up.go.set).start()
+    event, got = waiter.wait_and_fetch("k", 20)
+    assert event.decision == pb.HIT and got == data
+    assert event.artifact.digest == hashlib.sha256(data).hexdigest()
+    reg = coordinator.registry  # streamed from the upload, not fetched after it
+    assert reg.get_sample_value("compilecast_coordinator_fetches_while_publishing_total") == 1
+
+
+def test_a_fetch_can_resume_inside_an_upload(coordinator):
+    holder, waiter = clients(coordinator.cfg.listen)
+    data = os.urandom(5 * MIB)
+    lease = holder.acquire("k").lease
+    up = HeldUpload(holder, "k", lease, data)
+    digest = hashlib.sha256(data).hexdigest()
+    stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=digest, offset=HEAD - 100),
+                               timeout=30)
+    up.go.set()
+    got = b"".join(chunk.data for chunk in stream)
+    assert got == data[HEAD - 100:]
+
+
+def test_a_compressible_upload_is_sent_once_committed(coordinator):
+    holder, waiter = clients(coordinator.cfg.listen)
+    data = b"compressible executable " * (300 * 1024)  # stored zstd: not readable in flight
+    lease = holder.acquire("k").lease
+    up = HeldUpload(holder, "k", lease, data)
+    stream = waiter.stub.Fetch(pb.FetchRequest(key="k"), timeout=30)
+    threading.Timer(0.5, up.go.set).start()
+    assert b"".join(chunk.data for chunk in stream) == data
+
+
+def test_an_upload_cut_short_fails_its_fetchers_and_the_waiter_waits_on(coordinator):
+    holder, waiter = clients(coordinator.cfg.listen)
+    data = os.urandom(6 * MIB)
+    lease = holder.acquire("k").lease
+    waiter.acquire("k")
+    up = HeldUpload(holder, "k", lease, data)
+    event = waiter.wait("k", 10, publishing=True)
+    stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=event.artifact.digest), timeout=30)
+    read_until(stream, HEAD)
+    up.cut.set()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "wait for the key again" in err.value.details()
+    up.thread.join(10)
+    assert up.error is not None
+    # The holder gives up; the waiter, still waiting, is promoted to compile.
+    holder.release("k", lease, pb.ABANDONED, "died")
+    event, got = waiter.wait_and_fetch("k", 20)
+    assert event.decision == pb.COMPILE and got is None
+    code = None
+    try:
+        waiter.fetch("k")
+    except grpc.RpcError as exc:
+        code = exc.code()
+    assert code == grpc.StatusCode.NOT_FOUND  # nothing was published
+
+
+def test_an_upload_whose_bytes_lie_never_verifies_for_its_fetchers(coordinator):
+    holder, waiter = clients(coordinator.cfg.listen)
+    data = os.urandom(5 * MIB)
+    lease = holder.acquire("k").lease
+    claimed = hashlib.sha256(b"something else").hexdigest()
+    up = HeldUpload(holder, "k", lease, data, digest=claimed)
+    threading.Timer(0.3, up.go.set).start()
+    event, got = waiter.wait_and_fetch("k", 3)
+    assert got is None and event.decision != pb.HIT
+    up.thread.join(10)
+    assert up.error is not None and up.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_fetch_for_another_digest_is_not_served_from_the_upload(coordinator):
+    holder, waiter = clients(coordinator.cfg.listen)
+    data = os.urandom(4 * MIB)
+    up = HeldUpload(holder, "k", holder.acquire("k").lease, data)
+    with pytest.raises(grpc.RpcError) as err:
+        waiter.fetch("k", hashlib.sha256(b"other").hexdigest())
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    up.go.set()
+    up.thread.join(10)
+
+
+def test_a_waiter_behind_a_worker_streams_the_upload_too(coordinator, start_worker):
+    worker = start_worker(coordinator.cfg.listen)
+    holder = CacheClient(coordinator.cfg.listen, identity=Identity(job="j", process_id=0))
+    waiter = CacheClient(worker.cfg.listen, identity=Identity(job="j", process_id=1),
+                         timeout_s=10)
+    data = os.urandom(6 * MIB)
+    lease = holder.acquire("k").lease
+    assert waiter.acquire("k").decision == pb.WAIT
+    up = HeldUpload(holder, "k", lease, data)
+    event = waiter.wait("k", 10, publishing=True)
+    assert event.decision == pb.WAIT and event.artifact.size == len(data)
+    stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=event.artifact.digest), timeout=30)
+    _, got = read_until(stream, HEAD)
+    assert up.thread.is_alive()
+    up.go.set()
+    for chunk in stream:
+        got += chunk.data
+    assert bytes(got) == data
+    up.thread.join(10)
+    assert waiter.fetch("k")[1] == data  # now from the worker's host cache
