@@ -45,7 +45,7 @@ bench: install
 	$(PY) bench/keys.py --nested --sizes-mb 0.1 1
 	$(PY) bench/time_to_executable.py
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4
-	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights
+	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --tpu-after
 	$(PY) bench/warm_start.py
 	$(PY) bench/fetch.py
 	$(PY) bench/decisions.py

@@ -4,7 +4,8 @@ Usage: _pod_process.py MODE COORDINATOR TOPOLOGY PROCESS_ID N DIST_ADDR T0 [ENTR
 
 MODE local:     compile every program here (no compilecast)
      share:     compilecast at job start: process 0 compiles and publishes, the
-                others wait, then fetch and verify
+                others wait and fetch and verify as the publish starts (streamed)
+     share-after: the same, but the others fetch only once the publish is done
      prewarmed: fetch and verify every program (the farm compiled them)
 Prints one JSON line; `ready` is seconds from T0 (the common start) until
 this process holds every executable's verified bytes. With GO (a time after
@@ -48,11 +49,13 @@ def main() -> None:
         client = CacheClient(coordinator, timeout_s=60.0,
                              identity=Identity(job="bench-pod", process_id=pid,
                                                designated_process=0))
-        if mode == "share":
+        if mode in ("share", "share-after"):
             for p in programs:
-                # Waiters fetch (and verify) as the holder starts publishing.
-                out = aot.compile_and_share(client, p, fetch=True)
+                # share: waiters fetch (and verify) as the holder starts publishing.
+                out = aot.compile_and_share(client, p, fetch=mode == "share")
                 compiles += out.status == "published"
+                if out.status != "published" and out.data is None:
+                    out.data = client.fetch(out.key)[1]  # verified against its digest
                 nbytes += len(out.data) if out.data is not None else out.size
         else:
             found = aot.check(client, programs)  # fetch + verify every artifact

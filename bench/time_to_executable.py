@@ -11,7 +11,7 @@ On CPU, loading a serialized executable costs nearly as much as compiling it,
 so these runs show the protocol's overhead and compile counts, not TPU savings.
 
     python bench/time_to_executable.py --tpu v5e:4x4 [--n 4 16] [--layers 64] [--width 1024]
-                                       [--tpu-weights]
+                                       [--tpu-weights] [--tpu-after]
 
 does the same with a real TPU program: each of N processes (one jax.distributed
 job, as the hosts of a pod) lowers the training step for TOPOLOGY with libtpu's
@@ -56,7 +56,7 @@ def wave(n: int, target: str, layers: int, width: int, *, baseline: bool,
 
 
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
-        weights: bool) -> None:
+        weights: bool, after: bool = False) -> None:
     import aot_farm
 
     aot_farm.ENV.update(BENCH_LAYERS=str(layers), BENCH_WIDTH=str(width))
@@ -81,6 +81,10 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
         cc = run("share", n)
         line = (f"N={n:3d}  compilecast: {cc['compiles']} compile(s), all hold the verified "
                 f"bytes {cc['ready']:.2f}s = {cc['ready'] / one['ready']:.2f}x one compile alone")
+        if after:
+            late_fetch = run("share-after", n)
+            line += (f" | waiters fetching after the publish: {late_fetch['ready']:.2f}s = "
+                     f"{late_fetch['ready'] / one['ready']:.2f}x")
         if n <= baseline_max:
             base = run("local", n)
             line += (f" | every process compiles: {base['compiles']} compiles, "
@@ -101,12 +105,15 @@ def main() -> None:
                     help="a real TPU program for TOPOLOGY (e.g. v5e:4x4), compile-only")
     ap.add_argument("--tpu-baseline-max", type=int, default=4,
                     help="with --tpu, also run every-process-compiles up to this N (memory)")
+    ap.add_argument("--tpu-after", action="store_true",
+                    help="with --tpu, also run with waiters fetching only after the publish "
+                         "(before the streamed publish), side by side")
     ap.add_argument("--tpu-weights", action="store_true",
                     help="with --tpu, bake the weights into the program (a large executable)")
     args = ap.parse_args()
     if args.tpu:
         tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
-            args.width or 1024, args.tpu_baseline_max, args.tpu_weights)
+            args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after)
         return
     args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"

@@ -97,8 +97,11 @@ async def stream(upload: Upload, offset: int,
         fd = None
     try:
         while pos < size:
-            if fd is not None and upload.available > pos:
-                n = min(CHUNK, upload.available - pos)
+            ready = upload.available - pos
+            # Whole chunks while the upload runs: fewer, larger reads and sends.
+            if fd is not None and ready > 0 and (ready >= CHUNK or upload.available == size
+                                                  or upload.state != "open"):
+                n = min(CHUNK, ready)
                 chunk = await asyncio.to_thread(_read_framed, fd, n, len(RAW_MAGIC) + pos)
                 if not chunk.data:
                     raise Unavailable(f"the upload of key {upload.info.key} was cut short")

@@ -151,7 +151,8 @@ class CompileCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """Stream a published artifact.
+        """Stream a published artifact, or one being published through this
+        replica (its bytes as they arrive; UNAVAILABLE if the publish fails).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
