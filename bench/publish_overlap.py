@@ -1,6 +1,6 @@
 """Downloads overlapping the upload: the distribution phase alone.
 
-    python bench/publish_overlap.py [--mb 187] [--n 4 16] [--upload-mbps 0 200] [--repeat 2]
+    python bench/publish_overlap.py [--mb 187] [--n 4 16] [--upload-mbps 0 50] [--repeat 2]
 
 A holder publishes an incompressible artifact while N-1 waiter processes of
 its job are already waiting on the key; reported is the time from the start
@@ -96,7 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=187)
     ap.add_argument("--n", type=int, nargs="+", default=[4, 16])
-    ap.add_argument("--upload-mbps", type=float, nargs="+", default=[0.0, 200.0])
+    ap.add_argument("--upload-mbps", type=float, nargs="+", default=[0.0, 50.0])
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     data = os.urandom(args.mb * MIB)
