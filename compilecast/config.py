@@ -85,6 +85,9 @@ class CoordinatorConfig:
     relay_fanout: int = field(
         default=2, metadata=_help("workers one relaying worker serves an artifact to, when "
                                   "many fetch it at once (0: every worker fetches from here)"))
+    publish_stream_readers: int = field(
+        default=4, metadata=_help("fetchers an upload in progress streams to as it arrives; "
+                                  "later ones get the committed blob (0: none)"))
     auth_tokens_file: str = field(
         default="", metadata=_help("YAML file of token sha256 -> tenant, permissions"))
     allow_unauthenticated: bool = field(
@@ -103,6 +106,8 @@ class CoordinatorConfig:
                   "local_marker_ttl_s", "max_artifact_bytes")
         if self.relay_fanout < 0:
             raise ConfigError("relay_fanout must be >= 0")
+        if self.publish_stream_readers < 0:
+            raise ConfigError("publish_stream_readers must be >= 0")
         _not_negative(self, "store_reverify_s")
         if not self.etcd_endpoints.strip():
             raise ConfigError("etcd_endpoints is empty")

@@ -35,6 +35,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from compilecast import validate
@@ -112,6 +113,8 @@ class CoordinatorState:
         self.farm = Farm(etcd, store, self.prefix, metrics, cfg.lease_ttl_s)
         self.relays = RelayTrees(cfg.relay_fanout)
         self.uploads = Uploads(self.hub.wake)
+        # Publishes write on threads of their own, never queued behind readers.
+        self._publish_threads = ThreadPoolExecutor(4, thread_name_prefix="publish")
         self.leases = LeasePool(etcd, cfg.lease_ttl_s)
         self.hub.on_artifact_deleted.append(self._forget_artifact)
         self.hub.on_gap.append(self._index.clear)
@@ -137,6 +140,7 @@ class CoordinatorState:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         await self.leases.close()
+        self._publish_threads.shutdown(wait=False)
         if self._session_lease:
             with contextlib.suppress(Exception):
                 await self.etcd.revoke(self._session_lease)
@@ -509,12 +513,13 @@ class CoordinatorState:
         if await self.etcd.get(self._k("a", sk)) is not None:
             raise AlreadyPublished(f"key {key} is already published")
         writer = self.store.writer()
+        loop = asyncio.get_running_loop()
         with writer, self.uploads.track(sk, _in_flight(key, header), writer) as upload:
             async for chunk in chunks:
                 data = chunk.data
                 if writer.size + len(data) > header.size:
                     raise InvalidRequest(f"received more than the declared {header.size} bytes")
-                await asyncio.to_thread(writer.write, data)
+                await loop.run_in_executor(self._publish_threads, writer.write, data)
                 upload.advance()  # fetchers of the upload may read this far
             await asyncio.to_thread(writer.commit, header.digest, header.size)
             upload.finish(ok=True)
@@ -618,7 +623,8 @@ class CoordinatorState:
                                          f"{upload.info.size} bytes")
                 self.metrics.streamed_while_publishing.inc()
                 return upload.info, self._counted(stream_upload(
-                    upload, offset, lambda at: self._stream(sk, upload.info, at, count=False)))
+                    upload, offset, lambda at: self._stream(sk, upload.info, at, count=False),
+                    self.cfg.publish_stream_readers))
             info = info_from(key, rec.value)
             self._remember_artifact(sk, info, rec.mod_revision)
         if digest and info.digest != digest:

@@ -18,6 +18,10 @@ zstd already) can be read while it is written; a compressed upload's
 fetchers get the blob once it is committed. The temp file stays readable
 through its open descriptor after the commit renames it.
 
+The upload is what every fetcher waits on, so it must not be starved: at
+most `max_readers` fetchers read an upload in flight (the rest get the
+committed blob), and the publish writes on threads of its own.
+
 Concurrency: one event loop. The publish task calls `advance` after each
 write and `finish` once; any number of fetch tasks read.
 """
@@ -35,12 +39,16 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
 
+PARTIAL_WAIT_S = 0.05  # how long a fetcher waits for a whole chunk before taking less
+
+
 class Upload:
     def __init__(self, info: pb.ArtifactInfo, writer: BlobWriter) -> None:
         self.info = info
         self.writer = writer
         self.available = 0  # bytes readable from writer.path after RAW_MAGIC
         self.state = "open"  # then "committed" (the blob is in the store) or "failed"
+        self.readers = 0  # fetchers reading it in flight
         self._changed = asyncio.Event()
 
     def _notify(self) -> None:
@@ -87,21 +95,29 @@ class Uploads:
 
 
 async def stream(upload: Upload, offset: int,
-                 committed: Callable[[int], AsyncIterator[DataChunk]]) -> AsyncIterator[DataChunk]:
+                 committed: Callable[[int], AsyncIterator[DataChunk]],
+                 max_readers: int) -> AsyncIterator[DataChunk]:
     """The upload's bytes from `offset` as they arrive; the rest from the
     committed blob (`committed(offset)`) when they cannot be read in flight."""
     size, pos = upload.info.size, offset
-    try:
-        fd: int | None = os.open(upload.writer.path, os.O_RDONLY)
-    except FileNotFoundError:  # committed (renamed) or failed already
-        fd = None
+    fd: int | None = None
+    if upload.readers < max_readers:
+        with contextlib.suppress(FileNotFoundError):  # committed (renamed) or failed already
+            fd = os.open(upload.writer.path, os.O_RDONLY)
+    if fd is not None:
+        upload.readers += 1
     try:
         while pos < size:
             ready = upload.available - pos
-            # Whole chunks while the upload runs: fewer, larger reads and sends.
-            if fd is not None and ready > 0 and (ready >= CHUNK or upload.available == size
-                                                  or upload.state != "open"):
-                n = min(CHUNK, ready)
+            # Whole chunks while the upload runs (fewer, larger reads and sends),
+            # unless the upload pauses: then what is there.
+            if fd is not None and 0 < ready < CHUNK and upload.state == "open" \
+                    and upload.available < size:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(upload.changed(), PARTIAL_WAIT_S)
+                    continue
+            if fd is not None and ready > 0:
+                n = min(CHUNK, upload.available - pos)
                 chunk = await asyncio.to_thread(_read_framed, fd, n, len(RAW_MAGIC) + pos)
                 if not chunk.data:
                     raise Unavailable(f"the upload of key {upload.info.key} was cut short")
@@ -119,6 +135,7 @@ async def stream(upload: Upload, offset: int,
     finally:
         if fd is not None:
             os.close(fd)
+            upload.readers -= 1
 
 
 def _read_framed(fd: int, n: int, at: int) -> DataChunk:

@@ -210,3 +210,29 @@ def test_a_waiter_behind_a_worker_streams_the_upload_too(coordinator, start_work
     assert bytes(got) == data
     up.thread.join(10)
     assert waiter.fetch("k")[1] == data  # now from the worker's host cache
+
+
+def test_fetchers_past_the_stream_limit_get_the_committed_blob(start_coordinator):
+    coordinator = start_coordinator(publish_stream_readers=1)
+    holder, waiter = clients(coordinator.cfg.listen)
+    data = os.urandom(5 * MIB)
+    up = HeldUpload(holder, "k", holder.acquire("k").lease, data)
+    digest = hashlib.sha256(data).hexdigest()
+    first = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=digest), timeout=30)
+    _, got = read_until(first, HEAD)  # the one fetcher streamed in flight
+    second: dict = {}
+
+    def read_second():
+        stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=digest), timeout=30)
+        chunks = [c.data for c in stream]
+        second["data"], second["upload_done"] = b"".join(chunks), not up.thread.is_alive()
+
+    reader = threading.Thread(target=read_second)
+    reader.start()
+    reader.join(1.0)
+    assert reader.is_alive(), "the second fetcher must wait for the commit"
+    up.go.set()
+    for chunk in first:
+        got += chunk.data
+    reader.join(20)
+    assert bytes(got) == data and second["data"] == data
