@@ -224,15 +224,20 @@ def test_fetchers_past_the_stream_limit_get_the_committed_blob(start_coordinator
 
     def read_second():
         stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=digest), timeout=30)
-        chunks = [c.data for c in stream]
-        second["data"], second["upload_done"] = b"".join(chunks), not up.thread.is_alive()
+        chunks = []
+        for c in stream:
+            if c.data and not chunks:
+                second["first_bytes_while_held"] = not up.go.is_set()
+            if c.data:
+                chunks.append(c.data)
+        second["data"] = b"".join(chunks)
 
     reader = threading.Thread(target=read_second)
     reader.start()
-    reader.join(1.0)
-    assert reader.is_alive(), "the second fetcher must wait for the commit"
+    reader.join(1.0)  # time enough to stream the head, were it allowed to
     up.go.set()
     for chunk in first:
         got += chunk.data
     reader.join(20)
     assert bytes(got) == data and second["data"] == data
+    assert second["first_bytes_while_held"] is False, "the second fetcher waits for the commit"
