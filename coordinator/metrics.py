@@ -68,7 +68,8 @@ class CoordinatorMetrics:
         )
         self.streamed_while_publishing = Counter(
             "compilecast_coordinator_fetches_while_publishing",
-            "Fetches served from an upload still in progress on this replica",
+            "Fetches of an upload still in progress on this replica (streamed as it "
+            "arrives, to publish_stream_readers at a time; the rest once committed)",
             registry=registry,
         )
         self.relays = Counter(

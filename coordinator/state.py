@@ -521,7 +521,8 @@ class CoordinatorState:
                     raise InvalidRequest(f"received more than the declared {header.size} bytes")
                 await loop.run_in_executor(self._publish_threads, writer.write, data)
                 upload.advance()  # fetchers of the upload may read this far
-            await asyncio.to_thread(writer.commit, header.digest, header.size)
+            await loop.run_in_executor(self._publish_threads, writer.commit, header.digest,
+                                       header.size)
             upload.finish(ok=True)
             return await self._announce(sk, kind, header)
 
@@ -623,7 +624,7 @@ class CoordinatorState:
                                          f"{upload.info.size} bytes")
                 self.metrics.streamed_while_publishing.inc()
                 return upload.info, self._counted(stream_upload(
-                    upload, offset, lambda at: self._stream(sk, upload.info, at, count=False),
+                    upload, offset, lambda at: self._stream(sk, upload.info, at),
                     self.cfg.publish_stream_readers))
             info = info_from(key, rec.value)
             self._remember_artifact(sk, info, rec.mod_revision)
@@ -636,7 +637,7 @@ class CoordinatorState:
             raise NotFound(f"the blob of key {key} is missing; recompile")
         if offset > info.size:
             raise InvalidRequest(f"offset {offset} is past the artifact's {info.size} bytes")
-        return info, self._stream(sk, info, offset)
+        return info, self._counted(self._stream(sk, info, offset))
 
     async def _counted(self, chunks: AsyncIterator[DataChunk]) -> AsyncIterator[DataChunk]:
         out = self.metrics.bytes.labels("out")
@@ -645,14 +646,11 @@ class CoordinatorState:
             yield chunk
 
     async def _stream(self, sk: str, info: pb.ArtifactInfo,
-                      offset: int = 0, *, count: bool = True) -> AsyncIterator[DataChunk]:
-        out = self.metrics.bytes.labels("out")
+                      offset: int = 0) -> AsyncIterator[DataChunk]:
         try:
             # Resuming at `offset`: what the caller already has is not sent again.
             async for chunk in aread(self.store, info.digest, offset=offset,
                                      transform=DataChunk.framed):
-                if count:
-                    out.inc(len(chunk.data))
                 yield chunk
         except CorruptBlob:
             self.metrics.corrupt_blobs.inc()

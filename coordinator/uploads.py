@@ -38,7 +38,6 @@ from compilecast.errors import Unavailable
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
-
 PARTIAL_WAIT_S = 0.05  # how long a fetcher waits for a whole chunk before taking less
 
 
