@@ -441,6 +441,11 @@ def host_cpu(cpuinfo: str | None = None) -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def _host_cpu_digest() -> str:
+    return _digest(host_cpu())
+
+
+@functools.lru_cache(maxsize=1)
 def _read_cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -482,7 +487,7 @@ def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
         "include_metadata": str(cfg.include_metadata),
         "ignored": _digest(cfg.describe()),
         **({"custom_hook": _digest(hook)} if hook else {}),
-        **({"host_cpu": _digest(host_cpu())} if backend.platform == "cpu" else {}),
+        **({"host_cpu": _host_cpu_digest()} if backend.platform == "cpu" else {}),
     })
 
 
