@@ -107,10 +107,12 @@ class Etcd:
         self.lease = rpc.LeaseStub(ch)
         self.watch_stub = rpc.WatchStub(ch)
 
-    def failover(self) -> None:
-        """Move to the next member (after a transport failure)."""
-        if len(self._channels) > 1:
-            self._use(self._current + 1)
+    def failover(self, failed: int) -> None:
+        """Move past member `failed` (after a transport failure on it). Only
+        if it is still the current one: concurrent calls that failed on the
+        same member move once, never around the ring and back onto it."""
+        if len(self._channels) > 1 and self._current == failed:
+            self._use(failed + 1)
 
     async def close(self) -> None:
         for ch in self._channels:
@@ -121,12 +123,13 @@ class Etcd:
         backoff on the next member."""
         delay = 0.05
         for attempt in range(retries + 1):
+            member = self._current
             fn = getattr(getattr(self, service), method)
             try:
                 return await fn(request, timeout=self.timeout)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in RETRYABLE and attempt < retries:
-                    self.failover()
+                    self.failover(member)
                     await asyncio.sleep(delay)
                     delay *= 4
                     continue
@@ -196,21 +199,23 @@ class Etcd:
         async def one():
             yield pb.LeaseKeepAliveRequest(ID=lease_id)
 
+        member = self._current
         try:
             call = self.lease.LeaseKeepAlive(one(), timeout=self.timeout)
             async for resp in call:
                 return int(resp.TTL)
         except grpc.aio.AioRpcError as exc:
-            self.failover()
+            self.failover(member)
             raise Unavailable(f"etcd unavailable: {exc.code().name}: {exc.details()}") from None
         return 0
 
     async def healthy(self) -> bool:
+        member = self._current
         try:
             await self.kv.Range(pb.RangeRequest(key=b"health", limit=1), timeout=2.0)
             return True
         except grpc.aio.AioRpcError:
-            self.failover()
+            self.failover(member)
             return False
 
     # -- watch ---------------------------------------------------------------
@@ -236,6 +241,7 @@ class Etcd:
                     return
                 yield item
 
+        member = self._current
         call = self.watch_stub.Watch(requests())
         try:
             async for resp in call:
@@ -245,7 +251,7 @@ class Etcd:
                     raise Unavailable(f"watch canceled: {resp.cancel_reason}")
                 yield resp.header.revision, list(resp.events)
         except grpc.aio.AioRpcError as exc:
-            self.failover()
+            self.failover(member)
             raise Unavailable(f"etcd watch broke: {exc.code().name} {exc.details()}") from None
         finally:
             await queue.put(None)
