@@ -53,12 +53,13 @@ def pod(mode: str, coordinator: str, topology: str, n: int, *,
 
 
 @contextlib.contextmanager
-def fresh_coordinator() -> Iterator[str]:
-    """A coordinator on its own etcd in a temporary folder, for one way."""
+def fresh_coordinator(*flags: str) -> Iterator[str]:
+    """A coordinator (with these command-line flags) on its own etcd in a
+    temporary folder, for one way."""
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(Path(tmp))
         try:
-            yield stack.coordinator()[0]
+            yield stack.coordinator(extra=flags)[0]
         finally:
             stack.close()
 

@@ -7,7 +7,8 @@ its job are already waiting on the key; reported is the time from the start
 of the publish until every waiter holds the verified bytes, and how long the
 upload itself took, for waiters that fetch as the publish starts (`streamed`,
 CacheClient.wait_and_fetch) against waiters that fetch once it is done
-(`after`), alternating, each on a fresh etcd and coordinator. `--upload-mbps`
+(`after`), alternating, each on a fresh etcd and coordinator (streamed: with
+`--publish-stream-readers 4`). `--upload-mbps`
 paces the holder's upload (0: as fast as it goes), as a holder behind a
 slower link or disk than the coordinator's would.
 """
@@ -69,7 +70,9 @@ def one(mode: str, n: int, data: bytes, mbps: float) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(Path(tmp))
         try:
-            target, _ = stack.coordinator()
+            # Uploads stream to waiters only when the coordinator is told to.
+            target, _ = stack.coordinator(extra=("--publish-stream-readers", "4")
+                                          if mode == "streamed" else ())
             key = f"overlap-{mode}-{n}"
             holder = CacheClient(target, timeout_s=60, identity=Identity(job="bench"))
             lease = holder.acquire(key).lease

@@ -67,7 +67,9 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
     rows = []
 
     def run(mode: str, n: int) -> dict:
-        with aot_farm.fresh_coordinator() as coordinator:
+        # "share" streams uploads to the waiters (publish_stream_readers, off by default).
+        flags = ("--publish-stream-readers", "4") if mode == "share" and after else ()
+        with aot_farm.fresh_coordinator(*flags) as coordinator:
             # Start-up, JAX import and lowering take ~2 s a process on 2 cores.
             r = aot_farm.pod(mode, coordinator, topology, n, entry=entry,
                              go_after_s=10.0 + 2.5 * n)
@@ -111,8 +113,9 @@ def main() -> None:
     ap.add_argument("--tpu-baseline-max", type=int, default=4,
                     help="with --tpu, also run every-process-compiles up to this N (memory)")
     ap.add_argument("--tpu-after", action="store_true",
-                    help="with --tpu, also run with waiters fetching only after the publish "
-                         "(before the streamed publish), side by side")
+                    help="with --tpu, run the coordinator streaming uploads to 4 waiters "
+                         "(--publish-stream-readers 4) and, side by side, waiters fetching "
+                         "only after the publish (the default)")
     ap.add_argument("--tpu-weights", action="store_true",
                     help="with --tpu, bake the weights into the program (a large executable)")
     args = ap.parse_args()

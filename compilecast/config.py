@@ -86,8 +86,10 @@ class CoordinatorConfig:
         default=2, metadata=_help("workers one relaying worker serves an artifact to, when "
                                   "many fetch it at once (0: every worker fetches from here)"))
     publish_stream_readers: int = field(
-        default=4, metadata=_help("fetchers an upload in progress streams to as it arrives; "
-                                  "later ones get the committed blob (0: none)"))
+        default=0, metadata=_help("waiters an upload in progress streams to as it arrives "
+                                  "(later ones get the committed blob); 0: waiters fetch once "
+                                  "it is published. Worth 4 where holders upload over a slower "
+                                  "link than the coordinator's"))
     auth_tokens_file: str = field(
         default="", metadata=_help("YAML file of token sha256 -> tenant, permissions"))
     allow_unauthenticated: bool = field(

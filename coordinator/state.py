@@ -401,7 +401,7 @@ class CoordinatorState:
                         yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                            reason=st.local.get("reason", "not cached"))
                         return
-                    upload = self.uploads.get(sk)
+                    upload = self.uploads.get(sk) if self.cfg.publish_stream_readers else None
                     if upload is not None and upload is not announced:
                         announced = upload  # once per upload: fetching it streams it
                         yield pb.WaitEvent(decision=pb.WAIT, artifact=upload.info,

@@ -1,4 +1,5 @@
-"""Waiters fetch an artifact while its holder uploads it (real etcd, real gRPC).
+"""Waiters fetch an artifact while its holder uploads it (real etcd, real gRPC),
+when the coordinator streams uploads (publish_stream_readers > 0).
 
 The holder's upload is a generator the test holds halfway, so a test can see
 bytes reach a fetcher before the upload is done, and can cut the upload off.
@@ -18,6 +19,12 @@ from compilecast.wire import DataChunk
 from compilecast.worker.client import CacheClient, Identity
 
 MIB = 1 << 20
+
+
+@pytest.fixture
+def coordinator(start_coordinator):
+    """Streaming uploads are off by default (publish_stream_readers=0)."""
+    return start_coordinator(publish_stream_readers=4)
 HEAD = 3 * MIB  # past the store's 1 MiB probe: raw blobs are readable while written
 
 
@@ -241,3 +248,17 @@ def test_fetchers_past_the_stream_limit_get_the_committed_blob(start_coordinator
     reader.join(20)
     assert bytes(got) == data and second["data"] == data
     assert second["first_bytes_while_held"] is False, "the second fetcher waits for the commit"
+
+
+def test_by_default_waiters_are_not_told_and_fetch_once_published(start_coordinator):
+    coordinator = start_coordinator()
+    holder, waiter = clients(coordinator.cfg.listen)
+    data = os.urandom(4 * MIB)
+    lease = holder.acquire("k").lease
+    waiter.acquire("k")
+    up = HeldUpload(holder, "k", lease, data)
+    threading.Timer(1.0, up.go.set).start()
+    event = waiter.wait("k", 20, publishing=True)
+    # No publishing event: the first event that ends the wait is the published HIT.
+    assert event.decision == pb.HIT
+    assert waiter.fetch("k", event.artifact.digest)[1] == data
