@@ -69,7 +69,8 @@ class _JaxAdapter:
 jax_adapter: Any = _JaxAdapter()
 
 KEY_VERSION = "4"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon;
-# 4: xla_flags as XLA reads them (last of a repeated flag, quoted values, flag files)
+# 4: xla_flags as XLA reads them (last of a repeated flag, quoted values, flag files), and the
+# host CPU (CPU platform) and JAX's custom_hook (when set) as components
 KEY_PREFIX = "cc1-"
 DEFAULT_IGNORED_ATTRIBUTES = ("jax.arg_info", "jax.result_info")
 MLIR_BYTECODE_MAGIC = b"ML\xefR"
@@ -445,7 +446,6 @@ def _host_cpu_digest() -> str:
     return _digest(host_cpu())
 
 
-@functools.lru_cache(maxsize=1)
 def _read_cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
