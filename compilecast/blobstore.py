@@ -94,7 +94,6 @@ class BlobWriter:
         self._probed = 0
         self._hash = hashlib.sha256()
         self.size = 0
-        self._readable = 0
         self._done = False
 
     def write(self, data: bytes) -> None:
@@ -107,7 +106,6 @@ class BlobWriter:
         elif self._raw:
             self._file.write(data)
             self._file.flush()  # visible to readers of the file as it grows
-            self._readable = self.size
         else:
             self._probe.append(bytes(data))
             self._probed += len(data)
@@ -125,7 +123,6 @@ class BlobWriter:
             self._file.write(RAW_MAGIC)
             self._file.write(head)
             self._file.flush()
-            self._readable = len(head)
         else:
             self._zw = zc.stream_writer(self._file, closefd=False)
             self._zw.write(head)
@@ -141,9 +138,10 @@ class BlobWriter:
 
     def readable(self) -> int | None:
         """How many bytes of the blob another reader may take from `path`,
-        after RAW_MAGIC, while the write goes on; None unless stored raw
-        (undecided or compressed: wait for the committed blob)."""
-        return self._readable if self._raw else None
+        after RAW_MAGIC, between writes; None unless stored raw (undecided
+        or compressed: wait for the committed blob). Raw writes are flushed
+        as they are made, so that is every byte written."""
+        return self.size if self._raw else None
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()

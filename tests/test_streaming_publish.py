@@ -80,19 +80,25 @@ def read_until(stream, n: int) -> tuple[pb.ArtifactInfo, bytearray]:
     return info, got
 
 
-def test_a_waiter_is_told_when_publishing_starts_and_reads_bytes_before_the_upload_ends(
-        coordinator):
-    holder, waiter = clients(coordinator.cfg.listen)
-    data = os.urandom(8 * MIB)
+def held_and_announced(holder: CacheClient, waiter: CacheClient, size: int):
+    """The holder publishes `size` random bytes, held after HEAD; the waiter,
+    told that publishing started, fetches and reads HEAD bytes:
+    (data, upload, event, stream, (the stream's artifact info, the bytes read))."""
+    data = os.urandom(size)
     lease = holder.acquire("k").lease
     assert waiter.acquire("k").decision == pb.WAIT
     up = HeldUpload(holder, "k", lease, data)
-
     event = waiter.wait("k", 10, publishing=True)
     assert event.decision == pb.WAIT and event.artifact.size == len(data)
-    assert event.artifact.digest == hashlib.sha256(data).hexdigest()
     stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=event.artifact.digest), timeout=30)
-    info, got = read_until(stream, HEAD)
+    return data, up, event, stream, read_until(stream, HEAD)
+
+
+def test_a_waiter_is_told_when_publishing_starts_and_reads_bytes_before_the_upload_ends(
+        coordinator):
+    holder, waiter = clients(coordinator.cfg.listen)
+    data, up, event, stream, (info, got) = held_and_announced(holder, waiter, 8 * MIB)
+    assert event.artifact.digest == hashlib.sha256(data).hexdigest()
     assert info.digest == event.artifact.digest
     assert bytes(got) == data[:HEAD]
     assert up.thread.is_alive(), "the upload is held: these bytes came while it ran"
@@ -202,14 +208,7 @@ def test_a_waiter_behind_a_worker_streams_the_upload_too(coordinator, start_work
     holder = CacheClient(coordinator.cfg.listen, identity=Identity(job="j", process_id=0))
     waiter = CacheClient(worker.cfg.listen, identity=Identity(job="j", process_id=1),
                          timeout_s=10)
-    data = os.urandom(6 * MIB)
-    lease = holder.acquire("k").lease
-    assert waiter.acquire("k").decision == pb.WAIT
-    up = HeldUpload(holder, "k", lease, data)
-    event = waiter.wait("k", 10, publishing=True)
-    assert event.decision == pb.WAIT and event.artifact.size == len(data)
-    stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=event.artifact.digest), timeout=30)
-    _, got = read_until(stream, HEAD)
+    data, up, _, stream, (_, got) = held_and_announced(holder, waiter, 6 * MIB)
     assert up.thread.is_alive()
     up.go.set()
     for chunk in stream:

@@ -50,6 +50,7 @@ import functools
 import hashlib
 import io
 import os
+import platform
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -422,8 +423,6 @@ def host_cpu(cpuinfo: str | None = None) -> str:
     executable uses every feature of the host that compiled it, so hosts that
     differ here must not share one (another host's would be refused on load,
     or die of an illegal instruction)."""
-    import platform
-
     if cpuinfo is None:
         cpuinfo = _read_cpuinfo()
     fields: dict[str, str] = {}
