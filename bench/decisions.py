@@ -30,6 +30,7 @@ from _servers import Stack, cpu_seconds, free_port, own_cpu_seconds, wait_port
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.decide import Decider
 from compilecast.worker.client import CacheClient
 
 
@@ -50,48 +51,79 @@ def fmt_cores(used: dict[str, float]) -> str:
 
 
 async def load(target: str, clients: int, seconds: float, hit_ratio: float,
-               hit_keys: list[str], batch: int) -> tuple[list[float], dict[str, int], int]:
+               hit_keys: list[str], batch: int, streams: int = 0, rate: float = 0.0
+               ) -> tuple[list[float], dict[str, int], int, float]:
+    """Closed loop (rate 0): every client asks again as soon as it is answered.
+    Open loop (rate > 0): the clients together ask `rate` times a second
+    (Poisson arrivals), whether or not earlier requests were answered.
+    streams > 0: requests go over that many Decide streams (compilecast's
+    Decider, as a worker sends them), else one unary call each.
+    Returns latencies, decisions by kind, errors and the wall time."""
     opts = [("grpc.lb_policy_name", "round_robin"), ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(target, options=opts) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
+    deciders = [Decider(stubs[i % len(stubs)], timeout_s=60) for i in range(streams)]
     latencies: list[float] = []
     decisions: dict[str, int] = {}
     errors = 0
-    deadline = time.monotonic() + seconds
+    t_start = time.monotonic()
+    deadline = t_start + seconds
     counter = 0
 
+    def keys_for(rng: random.Random, i: int) -> list[str]:
+        nonlocal counter
+        keys = []
+        for _ in range(batch):
+            if rng.random() < hit_ratio:
+                keys.append(rng.choice(hit_keys))
+            else:
+                counter += 1
+                keys.append(f"miss-{i}-{counter}")
+        return keys
+
+    async def one(i: int, keys: list[str]) -> None:
+        nonlocal errors
+        requests = [pb.AcquireRequest(key=k) for k in keys]
+        t0 = time.perf_counter()
+        try:
+            if deciders:
+                got = await deciders[i % len(deciders)].decide(requests)
+            elif batch == 1:
+                got = [await stubs[i % len(stubs)].Acquire(requests[0], timeout=60)]
+            else:
+                resp = await stubs[i % len(stubs)].AcquireMany(
+                    pb.AcquireManyRequest(requests=requests), timeout=60)
+                got = list(resp.responses)
+        except grpc.aio.AioRpcError:
+            errors += 1
+            return
+        latencies.append(time.perf_counter() - t0)
+        for r in got:
+            name = pb.Decision.Name(r.decision)
+            decisions[name] = decisions.get(name, 0) + 1
+
+    sent: set[asyncio.Task] = set()
+
     async def client(i: int) -> None:
-        nonlocal errors, counter
-        stub = stubs[i % len(stubs)]
         rng = random.Random(i)
         while time.monotonic() < deadline:
-            keys = []
-            for _ in range(batch):
-                if rng.random() < hit_ratio:
-                    keys.append(rng.choice(hit_keys))
-                else:
-                    counter += 1
-                    keys.append(f"miss-{i}-{counter}")
-            t0 = time.perf_counter()
-            try:
-                if batch == 1:
-                    got = [await stub.Acquire(pb.AcquireRequest(key=keys[0]), timeout=60)]
-                else:
-                    resp = await stub.AcquireMany(pb.AcquireManyRequest(
-                        requests=[pb.AcquireRequest(key=k) for k in keys]), timeout=60)
-                    got = list(resp.responses)
-            except grpc.aio.AioRpcError:
-                errors += 1
+            if rate <= 0:
+                await one(i, keys_for(rng, i))
                 continue
-            latencies.append(time.perf_counter() - t0)
-            for r in got:
-                name = pb.Decision.Name(r.decision)
-                decisions[name] = decisions.get(name, 0) + 1
+            await asyncio.sleep(rng.expovariate(rate / clients))
+            task = asyncio.create_task(one(i, keys_for(rng, i)))
+            sent.add(task)
+            task.add_done_callback(sent.discard)
 
     await asyncio.gather(*(client(i) for i in range(clients)))
+    if sent:
+        await asyncio.wait(set(sent), timeout=60)
+    wall = time.monotonic() - t_start
+    for d in deciders:
+        await d.close()
     for c in channels:
         await c.close()
-    return latencies, decisions, errors
+    return latencies, decisions, errors, wall
 
 
 def main() -> None:
@@ -101,6 +133,11 @@ def main() -> None:
     ap.add_argument("--hit-ratio", type=float, default=0.5)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--batch", type=int, default=1, help="keys per request (AcquireMany)")
+    ap.add_argument("--streams", type=int, default=0,
+                    help="send over this many Decide streams (0: one unary call per request)")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="open loop: requests per second from all clients together "
+                         "(0: closed loop, each client asks again when answered)")
     ap.add_argument("--ceiling", action="store_true",
                     help="load a trivial grpc.aio server that answers HIT (gRPC's own ceiling)")
     args = ap.parse_args()
@@ -110,13 +147,15 @@ def main() -> None:
                                                        "_trivial_server.py"), str(port)])
         try:
             wait_port(port)
-            (lat, decisions, errors), used = cores({"server": server.pid}, lambda: asyncio.run(
-                load(f"127.0.0.1:{port}", args.clients, args.seconds, 1.0, ["k"], 1)))
+            (lat, decisions, errors, wall), used = cores(
+                {"server": server.pid}, lambda: asyncio.run(load(
+                    f"127.0.0.1:{port}", args.clients, args.seconds, 1.0, ["k"], 1,
+                    args.streams, args.rate)))
         finally:
             server.terminate()
             server.wait()
         print(f"{args.clients} clients, trivial grpc.aio server: "
-              f"{sum(decisions.values()) / args.seconds:.0f} requests/s, errors {errors}; "
+              f"{sum(decisions.values()) / wall:.0f} requests/s, errors {errors}; "
               f"{fmt_cores(used)}")
         return
     root = Path(tempfile.mkdtemp(prefix="cc-decisions-"))
@@ -136,17 +175,21 @@ def main() -> None:
         c.close()
         # Several replicas: clients spread over them (one ipv4: target per replica).
         target = "ipv4:" + ",".join(targets) if len(targets) > 1 else targets[0]
-        (lat, decisions, errors), used = cores(pids, lambda: asyncio.run(
-            load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch)))
+        (lat, decisions, errors, wall), used = cores(pids, lambda: asyncio.run(
+            load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch,
+                 args.streams, args.rate)))
         lat.sort()
         n = len(lat)
         total = sum(decisions.values())
         row = {"clients": args.clients, "replicas": args.replicas, "batch": args.batch,
+               "streams": args.streams, "offered_rate": args.rate,
                "requests": n, "decisions": total,
-               "per_second": total / args.seconds, "p50_ms": lat[n // 2] * 1e3,
+               "per_second": total / wall, "p50_ms": lat[n // 2] * 1e3,
                "p99_ms": lat[int(n * 0.99)] * 1e3, "errors": errors, "by_decision": decisions,
                "cores": used}
-        print(f"{args.clients} clients, {args.replicas} replica(s), batch {args.batch}: "
+        how = (f"{args.streams} Decide stream(s)" if args.streams else "unary calls") + (
+            f", offered {args.rate:.0f}/s" if args.rate else ", closed loop")
+        print(f"{args.clients} clients, {args.replicas} replica(s), batch {args.batch}, {how}: "
               f"{row['per_second']:.0f} decisions/s, request latency p50 {row['p50_ms']:.1f} ms, "
               f"p99 {row['p99_ms']:.1f} ms, "
               f"errors {errors}, {decisions}; {fmt_cores(used)}")

@@ -120,6 +120,11 @@ def _parser(cls):
     return parse
 
 
+async def _parsed(raw_iter, parse):
+    async for raw in raw_iter:
+        yield parse(raw)
+
+
 def add_service(server: grpc.aio.Server, servicer, service_descriptor, message_classes) -> None:
     """Register `servicer` so that undecodable requests get INVALID_ARGUMENT.
 
@@ -134,17 +139,17 @@ def add_service(server: grpc.aio.Server, servicer, service_descriptor, message_c
         serialize = (wire.serialize if method.output_type.full_name in wire.BULK
                      else message_classes[method.output_type.full_name].SerializeToString)
         impl = getattr(servicer, method.name)
-        if method.client_streaming:
-
-            if method.server_streaming:
-                raise NotImplementedError("bidirectional streams are not part of the API")
+        if method.client_streaming and method.server_streaming:
 
             async def handler(raw_iter, context, impl=impl, parse=parse):
-                async def messages():
-                    async for raw in raw_iter:
-                        yield parse(raw)
+                async for item in impl(_parsed(raw_iter, parse), context):
+                    yield item
 
-                return await impl(messages(), context)
+            make = grpc.stream_stream_rpc_method_handler
+        elif method.client_streaming:
+
+            async def handler(raw_iter, context, impl=impl, parse=parse):
+                return await impl(_parsed(raw_iter, parse), context)
 
             make = grpc.stream_unary_rpc_method_handler
         elif method.server_streaming:

@@ -68,6 +68,12 @@ def components(comps, program_name: str) -> None:
         raise InvalidRequest("program_name must be at most 200 printable ASCII characters")
 
 
+def acquire_request(r) -> None:  # a compilecast.v1.AcquireRequest
+    key(r.key)
+    requester(r.requester)
+    components(r.key_components, r.program_name)
+
+
 def publish_header(header, max_size: int) -> str:  # a compilecast.v1.PublishHeader
     """Check a Publish header (coordinator and worker alike); returns the key."""
     from compilecast.errors import TooLarge

@@ -50,6 +50,11 @@ class CoordinatorMetrics:
             "compilecast_coordinator_waiters", "Waits in progress on this replica",
             registry=registry,
         )
+        self.decide_streams = Gauge(
+            "compilecast_coordinator_decide_streams",
+            "Decide streams open on this replica (one per worker and credential)",
+            registry=registry,
+        )
         self.misses_by_component = Counter(
             "compilecast_coordinator_misses_by_component",
             "Compiles by the key component that differed from the nearest earlier key of "

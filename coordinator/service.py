@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
-from compilecast import validate
+from compilecast import decide
 from compilecast.errors import InvalidRequest
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
@@ -38,9 +39,6 @@ async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncItera
     return first.header, data()
 
 
-MAX_BATCH = 1000
-
-
 class CoordinatorService(rpc.CompileCacheServicer):
     """Every call is authenticated first; the principal's tenant scopes it."""
 
@@ -55,15 +53,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
                                         dict(request.key_components), request.program_name,
                                         tenant=who.tenant, may_publish=who.can_publish)
 
-    @rpc_errors
-    async def AcquireMany(self, request, context):
-        who = self.auth.identify(context)
-        if len(request.requests) > MAX_BATCH:
-            raise InvalidRequest(f"at most {MAX_BATCH} requests per AcquireMany")
-        for r in request.requests:  # validate all before deciding any
-            validate.key(r.key)
-        # Decided concurrently: etcd pipelines the lease writes of the misses.
-        limit = asyncio.Semaphore(64)
+    async def _acquire_many(self, requests, who) -> list[pb.AcquireResponse]:
+        """A checked batch, decided concurrently: etcd pipelines the misses' writes."""
 
         async def one(r):
             async with limit:
@@ -71,8 +62,28 @@ class CoordinatorService(rpc.CompileCacheServicer):
                     r.key, r.requester, dict(r.key_components), r.program_name,
                     tenant=who.tenant, may_publish=who.can_publish)
 
-        responses = await asyncio.gather(*(one(r) for r in request.requests))
-        return pb.AcquireManyResponse(responses=responses)
+        if len(requests) == 1:  # the common message of a Decide stream
+            limit = contextlib.nullcontext()
+            return [await one(requests[0])]
+        limit = asyncio.Semaphore(64)
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    @rpc_errors
+    async def AcquireMany(self, request, context):
+        who = self.auth.identify(context)
+        decide.check_batch(request.requests)  # all checked before any is decided
+        return pb.AcquireManyResponse(responses=await self._acquire_many(request.requests, who))
+
+    @rpc_errors
+    async def Decide(self, request_iterator, context):
+        who = self.auth.identify(context)
+        self.state.metrics.decide_streams.inc()
+        try:
+            async for answer in decide.serve(request_iterator,
+                                             lambda rs: self._acquire_many(rs, who)):
+                yield answer
+        finally:
+            self.state.metrics.decide_streams.dec()
 
     @rpc_errors
     async def Wait(self, request, context):

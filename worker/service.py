@@ -1,7 +1,8 @@
 """The worker's CompileCache service: a caching, single-flight proxy.
 
 - Acquire answers HIT from the host cache without a round trip; otherwise it
-  asks the coordinator. When the coordinator cannot be reached the answer is
+  asks the coordinator, over one Decide stream per credential that carries
+  every local process's decisions (compilecast.decide). When the coordinator cannot be reached the answer is
   COMPILE_LOCALLY at once, so a process never waits on a dead service.
 - Fetch fills the host cache once per key (one download however many local
   processes ask), then serves every local reader from disk.
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -20,10 +22,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from compilecast import validate, wire
+from compilecast import decide, validate, wire
 from compilecast.blobstore import aread
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
+from compilecast.decide import Decider
 from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
 from compilecast.grpcutil import aio_channel, bearer, rpc_errors
 from compilecast.v1 import cache_pb2 as pb
@@ -36,6 +39,7 @@ from .metrics import WorkerMetrics
 log = logging.getLogger(__name__)
 
 DEGRADED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+MAX_DECIDERS = 64  # upstream Decide streams kept open (one per caller credential)
 
 
 class _Fill:
@@ -166,9 +170,12 @@ class WorkerService(rpc.CompileCacheServicer):
         self.up = wire.stub(self.channel)
         self._fills: dict[tuple[str, str], _Fill] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
 
     async def close(self) -> None:
+        for decider in self._deciders.values():
+            await decider.close()
         await self.channel.close()
         for channel, _ in self._peers.values():
             await channel.close()
@@ -196,55 +203,69 @@ class WorkerService(rpc.CompileCacheServicer):
         self.metrics.fallbacks.labels(rpc_name).inc()
         return f"coordinator {self.coordinator} unreachable ({exc.code().name}); compile locally"
 
-    @rpc_errors
-    async def Acquire(self, request, context):
-        validate.key(request.key)
-        if 0 < request.key_seconds < 3600:
-            self.metrics.key_seconds.observe(request.key_seconds)
-        ns, md = self._credential(context)
-        info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
-        if info is not None:
-            self.metrics.lookups.labels("host_hit").inc()
-            self.metrics.compile_seconds_saved.inc(info.compile_time_seconds)
-            return pb.AcquireResponse(decision=pb.HIT, artifact=info)
-        try:
-            resp = await self.up.Acquire(request, timeout=self.rpc_timeout_s, metadata=md)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in DEGRADED:
-                raise _relay(exc) from None
-            resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
-                                      reason=self._local("acquire", exc))
-        self.metrics.lookups.labels(pb.Decision.Name(resp.decision).lower()).inc()
-        return resp
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    @rpc_errors
-    async def AcquireMany(self, request, context):
-        """Host-cache hits answered here; the rest in one upstream round trip."""
-        ns, md = self._credential(context)
+    def _decider(self, md: tuple) -> Decider:
+        """The Decide stream to the coordinator for one upstream credential."""
+        decider = self._deciders.pop(md, None)
+        if decider is None:
+            decider = Decider(self.up, md, timeout_s=self.rpc_timeout_s)
+            if len(self._deciders) >= MAX_DECIDERS:  # the least recently used goes
+                _, old = self._deciders.popitem(last=False)
+                self._spawn(old.close())
+        self._deciders[md] = decider
+        return decider
+
+    async def _acquire_many(self, requests, ns: str, md: tuple) -> list[pb.AcquireResponse]:
+        """Host-cache hits answered here; the rest in one message of the
+        Decide stream (with whatever other callers asked meanwhile)."""
+        decide.check_batch(requests)
         answers: list[pb.AcquireResponse | None] = []
-        for r in request.requests:
-            validate.key(r.key)
+        for r in requests:
+            if 0 < r.key_seconds < 3600:
+                self.metrics.key_seconds.observe(r.key_seconds)
             info = await asyncio.to_thread(self.cache.lookup, ns, r.key)
             answers.append(pb.AcquireResponse(decision=pb.HIT, artifact=info) if info else None)
-        ask = [r for r, a in zip(request.requests, answers, strict=True) if a is None]
+        ask = [r for r, a in zip(requests, answers, strict=True) if a is None]
         upstream: list[pb.AcquireResponse] = []
         if ask:
             try:
-                resp = await self.up.AcquireMany(pb.AcquireManyRequest(requests=ask),
-                                                 timeout=self.rpc_timeout_s, metadata=md)
-                upstream = list(resp.responses)
+                upstream = await self._decider(md).decide(ask)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in DEGRADED:
                     raise _relay(exc) from None
-                why = self._local("acquire_many", exc)
+                why = self._local("acquire", exc)
                 upstream = [pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, reason=why)
                             for _ in ask]
         it = iter(upstream)
         out = [a if a is not None else next(it) for a in answers]
         for local, a in zip(answers, out, strict=True):
-            self.metrics.lookups.labels(
-                "host_hit" if local is not None else pb.Decision.Name(a.decision).lower()).inc()
-        return pb.AcquireManyResponse(responses=out)
+            if local is not None:
+                self.metrics.lookups.labels("host_hit").inc()
+                self.metrics.compile_seconds_saved.inc(local.artifact.compile_time_seconds)
+            else:
+                self.metrics.lookups.labels(pb.Decision.Name(a.decision).lower()).inc()
+        return out
+
+    @rpc_errors
+    async def Acquire(self, request, context):
+        ns, md = self._credential(context)
+        return (await self._acquire_many([request], ns, md))[0]
+
+    @rpc_errors
+    async def AcquireMany(self, request, context):
+        ns, md = self._credential(context)
+        return pb.AcquireManyResponse(responses=await self._acquire_many(request.requests, ns, md))
+
+    @rpc_errors
+    async def Decide(self, request_iterator, context):
+        ns, md = self._credential(context)
+        async for answer in decide.serve(request_iterator,
+                                         lambda rs: self._acquire_many(rs, ns, md)):
+            yield answer
 
     @rpc_errors
     async def Wait(self, request, context):
@@ -434,9 +455,7 @@ class WorkerService(rpc.CompileCacheServicer):
             # Peers join a running download late: keep its head for them.
             fill = self._fills[(ns, request.key)] = _Fill(
                 _Fill.MAX_BACKLOG if self.relay_address else 0)
-            self._tasks.add(task := asyncio.create_task(
-                self._run_fill(fill, ns, md, request.key, request.digest)))
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._run_fill(fill, ns, md, request.key, request.digest))
         reader = fill.join()
         if reader is None:  # joined late: wait for the blob, then read it from disk
             info = await asyncio.shield(fill.done)

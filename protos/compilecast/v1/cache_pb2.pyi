@@ -127,6 +127,26 @@ class AcquireManyResponse(_message.Message):
     responses: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
     def __init__(self, responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
 
+class DecideRequest(_message.Message):
+    __slots__ = ("id", "requests")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    requests: _containers.RepeatedCompositeFieldContainer[AcquireRequest]
+    def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[AcquireRequest, _Mapping]]] = ...) -> None: ...
+
+class DecideResponse(_message.Message):
+    __slots__ = ("id", "responses", "error_code", "error_message")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    responses: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
+    error_code: int
+    error_message: str
+    def __init__(self, id: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
 class WaitRequest(_message.Message):
     __slots__ = ("key", "requester", "timeout_ms")
     KEY_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class CompileCacheStub:
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.AcquireManyRequest.SerializeToString,
                 response_deserializer=compilecast_dot_v1_dot_cache__pb2.AcquireManyResponse.FromString,
                 _registered_method=True)
+        self.Decide = channel.stream_stream(
+                '/compilecast.v1.CompileCache/Decide',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.DecideRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.DecideResponse.FromString,
+                _registered_method=True)
         self.Wait = channel.unary_stream(
                 '/compilecast.v1.CompileCache/Wait',
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.WaitRequest.SerializeToString,
@@ -123,6 +128,16 @@ class CompileCacheServicer:
 
     def AcquireMany(self, request, context):
         """Acquire for many keys at once (same rules, one round trip).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decide(self, request_iterator, context):
+        """Decisions over one long-lived stream: what a worker daemon uses. Messages
+        are answered as they are decided, possibly out of order (match by id);
+        a slow miss never holds up the hits behind it. Authenticated once, when
+        the stream opens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,6 +249,11 @@ def add_CompileCacheServicer_to_server(servicer, server):
                     servicer.AcquireMany,
                     request_deserializer=compilecast_dot_v1_dot_cache__pb2.AcquireManyRequest.FromString,
                     response_serializer=compilecast_dot_v1_dot_cache__pb2.AcquireManyResponse.SerializeToString,
+            ),
+            'Decide': grpc.stream_stream_rpc_method_handler(
+                    servicer.Decide,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.DecideRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.DecideResponse.SerializeToString,
             ),
             'Wait': grpc.unary_stream_rpc_method_handler(
                     servicer.Wait,
@@ -355,6 +375,33 @@ class CompileCache:
             '/compilecast.v1.CompileCache/AcquireMany',
             compilecast_dot_v1_dot_cache__pb2.AcquireManyRequest.SerializeToString,
             compilecast_dot_v1_dot_cache__pb2.AcquireManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decide(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/compilecast.v1.CompileCache/Decide',
+            compilecast_dot_v1_dot_cache__pb2.DecideRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.DecideResponse.FromString,
             options,
             channel_credentials,
             insecure,

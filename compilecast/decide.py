@@ -1,0 +1,236 @@
+"""Decisions over one long-lived stream (the Decide RPC), both ends.
+
+A unary Acquire costs gRPC Python about half a millisecond of CPU on each
+side for the call alone (BENCHMARKS.md, "Decisions per second"); a message on
+an open stream costs a fraction of that. A worker daemon therefore keeps one
+Decide stream per credential to the coordinator and sends every decision its
+processes ask for over it:
+
+- `Decider` (the client) coalesces: while one message is being written, the
+  requests that arrive queue up and leave together in the next one (at most
+  MAX_BATCH requests), so under load one message carries many decisions, and
+  at rest each request leaves at once.
+- `serve` (the server) decides each message as it arrives, concurrently (a
+  slow miss that waits on etcd never holds up the hits behind it), and answers
+  it when it is decided; ids match answers to messages.
+
+A message that is refused (a bad key from a client that does not validate)
+gets its status in its answer; the stream and the other messages carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import grpc
+
+from compilecast import validate
+from compilecast.errors import CompilecastError, InvalidRequest
+from compilecast.v1 import cache_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 1000  # requests per message, as for AcquireMany
+IN_FLIGHT = 64  # messages of one stream decided at once; reading pauses beyond
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def check_batch(requests: Sequence[pb.AcquireRequest]) -> None:
+    """Refuse a batch (AcquireMany, or one Decide message) before any of it is
+    decided: a bad request fails its batch and nothing else."""
+    if len(requests) > MAX_BATCH:
+        raise InvalidRequest(f"at most {MAX_BATCH} requests per batch")
+    for r in requests:
+        validate.acquire_request(r)
+
+
+Decide = Callable[[Sequence[pb.AcquireRequest]], Awaitable[list[pb.AcquireResponse]]]
+
+
+async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
+                in_flight: int = IN_FLIGHT) -> AsyncIterator[pb.DecideResponse]:
+    """Answer the messages of a Decide stream with `decide` (a checked batch
+    in, one response per request out), each as soon as it is decided."""
+    answers: asyncio.Queue[pb.DecideResponse | None] = asyncio.Queue()
+    slots = asyncio.Semaphore(in_flight)
+    running: set[asyncio.Task] = set()
+
+    async def one(msg: pb.DecideRequest) -> None:
+        try:
+            check_batch(msg.requests)
+            answer = pb.DecideResponse(id=msg.id, responses=await decide(msg.requests))
+        except CompilecastError as exc:
+            answer = pb.DecideResponse(id=msg.id, error_code=exc.code.value[0],
+                                       error_message=str(exc))
+        except Exception:
+            log.exception("Decide message %d failed", msg.id)
+            answer = pb.DecideResponse(id=msg.id, error_code=grpc.StatusCode.INTERNAL.value[0],
+                                       error_message="Decide: internal error")
+        finally:
+            slots.release()
+        answers.put_nowait(answer)
+
+    async def read() -> None:
+        try:
+            async for msg in messages:
+                await slots.acquire()
+                task = asyncio.create_task(one(msg))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:  # the client finished writing: answer what is left
+                await asyncio.wait(set(running))
+        finally:
+            answers.put_nowait(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (answer := await answers.get()) is not None:
+            yield answer
+        await reader  # raises what ended the reading (an undecodable message)
+    finally:
+        reader.cancel()
+        for task in list(running):
+            task.cancel()
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """An error as a unary call would have raised it, for callers of Decider."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+class Decider:
+    """The client end: `await decide(requests)` from any number of tasks of
+    one event loop; all of it travels over one Decide stream of `stub`.
+
+    The stream opens on first use and again after it fails; a failure fails
+    the decisions in flight with the stream's status (each caller then does
+    what it does when a unary call fails: the worker compiles locally). Against
+    a server without Decide, it falls back to AcquireMany, one call per
+    `decide`.
+    """
+
+    def __init__(self, stub, metadata: tuple = (), *, timeout_s: float = 5.0) -> None:
+        self._stub = stub
+        self._metadata = metadata
+        self.timeout_s = timeout_s
+        self._queue: list[tuple[Sequence[pb.AcquireRequest], asyncio.Future]] = []
+        self._wake = asyncio.Event()
+        self._sent: dict[int, list[tuple[int, asyncio.Future]]] = {}
+        self._ids = itertools.count(1)
+        self._runner: asyncio.Task | None = None
+        self._unary = False  # the server has no Decide
+        self.messages = 0  # messages written (fewer than decide calls under load)
+
+    async def decide(self, requests: Sequence[pb.AcquireRequest],
+                     timeout_s: float | None = None) -> list[pb.AcquireResponse]:
+        """One response per request, in order. Raises grpc.aio.AioRpcError
+        as AcquireMany would (InvalidRequest for a bad request, checked here
+        so that it never shares a message with anyone else's)."""
+        check_batch(requests)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not self._unary:
+            done = asyncio.get_running_loop().create_future()
+            self._queue.append((requests, done))
+            self._wake.set()
+            if self._runner is None:
+                self._runner = asyncio.create_task(self._run())
+            try:
+                return await asyncio.wait_for(done, timeout)
+            except TimeoutError:
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no decision within {timeout:.1f} s") from None
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("the server has no Decide stream; using AcquireMany")
+                self._unary = True
+        resp = await self._stub.AcquireMany(pb.AcquireManyRequest(requests=requests),
+                                            timeout=timeout, metadata=self._metadata)
+        return list(resp.responses)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+
+    def _next_message(self) -> pb.DecideRequest:
+        """Everything queued, up to MAX_BATCH requests, as one message."""
+        msg = pb.DecideRequest(id=next(self._ids))
+        entries = []
+        while self._queue and (not entries or
+                               len(msg.requests) + len(self._queue[0][0]) <= MAX_BATCH):
+            requests, done = self._queue.pop(0)
+            if done.done():  # its caller gave up before it was sent
+                continue
+            msg.requests.extend(requests)
+            entries.append((len(requests), done))
+        self._sent[msg.id] = entries
+        return msg
+
+    async def _run(self) -> None:
+        call = self._stub.Decide(metadata=self._metadata)
+        reader = asyncio.create_task(self._read(call))
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the Decide stream ended")
+        try:
+            while not reader.done():
+                if not self._queue:
+                    self._wake.clear()
+                    woken = asyncio.create_task(self._wake.wait())
+                    try:
+                        await asyncio.wait({woken, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        woken.cancel()
+                    continue
+                msg = self._next_message()
+                if msg.requests:
+                    await call.write(msg)
+                    self.messages += 1
+            if reader.exception() is not None:
+                error = reader.exception()
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except Exception as exc:  # a write on a call that gRPC already ended
+            log.warning("Decide stream failed: %s", exc)
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the Decide stream failed: {exc}")
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the Decider was closed")
+            raise
+        finally:
+            reader.cancel()
+            call.cancel()
+            self._runner = None
+            self._fail_all(error)
+
+    async def _read(self, call) -> None:
+        async for answer in call:
+            entries = self._sent.pop(answer.id, None)
+            if entries is None:
+                continue
+            if answer.error_code:
+                code = _CODES.get(answer.error_code, grpc.StatusCode.UNKNOWN)
+                for _, done in entries:
+                    if not done.done():
+                        done.set_exception(rpc_error(code, answer.error_message))
+                continue
+            responses = list(answer.responses)
+            if len(responses) != sum(n for n, _ in entries):
+                raise rpc_error(grpc.StatusCode.INTERNAL,
+                                f"Decide answer {answer.id} has {len(responses)} responses")
+            start = 0
+            for n, done in entries:
+                if not done.done():
+                    done.set_result(responses[start:start + n])
+                start += n
+
+    def _fail_all(self, error: BaseException) -> None:
+        waiting = [done for entries in self._sent.values() for _, done in entries]
+        waiting += [done for _, done in self._queue]
+        self._sent.clear()
+        self._queue.clear()
+        for done in waiting:
+            if not done.done():
+                done.set_exception(error)

@@ -1,0 +1,273 @@
+"""The Decide stream: decisions over one long-lived stream, against a real
+coordinator (etcd, gRPC on loopback); `serve` alone with a decide function of
+our own where the test needs to hold a decision back."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+import grpc
+import pytest
+
+from compilecast import decide
+from compilecast.errors import InvalidRequest
+from compilecast.grpcutil import aio_channel, bearer
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.worker.client import CacheClient, Identity
+
+DATA = b"decided" * 10_000
+
+
+def ask(key: str, **requester) -> pb.AcquireRequest:
+    return pb.AcquireRequest(key=key, requester=pb.Requester(**requester))
+
+
+def published(target: str, key: str) -> pb.ArtifactInfo:
+    c = CacheClient(target)
+    try:
+        return c.publish(key, c.acquire(key).lease, DATA, 1.0)
+    finally:
+        c.close()
+
+
+async def with_decider(target: str, body, metadata: tuple = ()):
+    channel = aio_channel(target, None)
+    decider = decide.Decider(rpc.CompileCacheStub(channel), metadata, timeout_s=10)
+    try:
+        return await body(decider)
+    finally:
+        await decider.close()
+        await channel.close()
+
+
+def test_decisions_over_the_stream_are_those_of_acquire(coordinator, loop_thread):
+    target = coordinator.cfg.listen
+    info = published(target, "hit")
+
+    async def body(d: decide.Decider):
+        hit, fresh = await d.decide([ask("hit"), ask("fresh", client="a")])
+        again = (await d.decide([ask("fresh", client="b")]))[0]
+        return hit, fresh, again
+
+    hit, fresh, again = loop_thread.run(with_decider(target, body))
+    assert hit.decision == pb.HIT and hit.artifact.digest == info.digest
+    assert fresh.decision == pb.COMPILE and fresh.lease.id > 0
+    assert again.decision == pb.WAIT and "compiled by a" in again.reason
+    # The lease granted over the stream is a real one: it publishes.
+    c = CacheClient(target)
+    try:
+        c.publish("fresh", fresh.lease, DATA, 1.0)
+        assert c.acquire("fresh").decision == pb.HIT
+    finally:
+        c.close()
+
+
+def test_concurrent_decisions_share_messages(coordinator, loop_thread):
+    target = coordinator.cfg.listen
+    digests = {k: published(target, k).digest for k in ("h0", "h1", "h2")}
+
+    async def body(d: decide.Decider):
+        keys = [f"h{i % 3}" for i in range(300)]
+        answers = await asyncio.gather(*(d.decide([ask(k)]) for k in keys))
+        return keys, answers, d.messages
+
+    keys, answers, messages = loop_thread.run(with_decider(target, body))
+    assert [a[0].artifact.digest for a in answers] == [digests[k] for k in keys]
+    assert all(a[0].decision == pb.HIT for a in answers)
+    assert messages < len(keys) // 10, f"{messages} messages for {len(keys)} decisions"
+    reg = coordinator.registry
+    assert reg.get_sample_value("compilecast_coordinator_lookups_total", {"result": "hit"}) == 300
+
+
+def test_a_bad_message_is_refused_alone(coordinator, loop_thread):
+    """A client that does not check its requests: the message with the bad key
+    gets INVALID_ARGUMENT; the stream and the message after it carry on."""
+    target = coordinator.cfg.listen
+    published(target, "good")
+
+    async def body():
+        channel = aio_channel(target, None)
+        try:
+            call = rpc.CompileCacheStub(channel).Decide()
+            await call.write(pb.DecideRequest(id=1, requests=[ask("bad key!")]))
+            await call.write(pb.DecideRequest(id=2, requests=[ask("good")]))
+            answers = {}
+            async for answer in call:
+                answers[answer.id] = answer
+                if len(answers) == 2:
+                    break
+            call.cancel()
+            return answers
+        finally:
+            await channel.close()
+
+    answers = loop_thread.run(body())
+    assert answers[1].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "bad key!" in answers[1].error_message and not answers[1].responses
+    assert answers[2].error_code == 0 and answers[2].responses[0].decision == pb.HIT
+
+
+def test_the_decider_checks_requests_before_they_share_a_message(coordinator, loop_thread):
+    async def body(d: decide.Decider):
+        with pytest.raises(InvalidRequest):
+            await d.decide([ask("ok"), ask("not/ok")])
+        return d.messages
+
+    assert loop_thread.run(with_decider(coordinator.cfg.listen, body)) == 0
+
+
+def test_an_undecodable_message_ends_the_stream_with_invalid_argument(coordinator, loop_thread):
+    async def body():
+        channel = aio_channel(coordinator.cfg.listen, None)
+        try:
+            call = channel.stream_stream("/compilecast.v1.CompileCache/Decide")()
+            await call.write(b"\xff\xff\xff")
+            await call.done_writing()
+            return await call.code(), await call.details()
+        finally:
+            await channel.close()
+
+    code, details = loop_thread.run(body())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "DecideRequest" in details
+
+
+def test_stream_is_authenticated_and_scoped(start_coordinator, tokens_file, loop_thread):
+
+    coord = start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+    target = coord.cfg.listen
+
+    async def decide_as(token: str, key: str):
+        async def body(d: decide.Decider):
+            return (await d.decide([ask(key)]))[0]
+
+        return await with_decider(target, body, bearer(token))
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        loop_thread.run(decide_as("", "k"))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert loop_thread.run(decide_as("a-read", "k")).decision == pb.COMPILE_LOCALLY
+    granted = loop_thread.run(decide_as("a-pub", "k"))
+    assert granted.decision == pb.COMPILE
+    # Another tenant's stream does not see team-a's claim.
+    assert loop_thread.run(decide_as("b-pub", "k")).decision == pb.COMPILE
+
+
+def test_stream_failure_fails_its_decisions_and_the_next_one_reconnects(
+        start_coordinator, started, loop_thread):
+    from compilecast.coordinator.server import Coordinator
+
+    coord = start_coordinator()
+    target = coord.cfg.listen
+    channel = loop_thread.run(_channel(target))
+    decider = decide.Decider(rpc.CompileCacheStub(channel), timeout_s=3)
+    try:
+        first = loop_thread.run(decider.decide([ask("r")]))[0]
+        assert first.decision == pb.COMPILE
+        assert coord.registry.get_sample_value("compilecast_coordinator_decide_streams") == 1
+        coord.stop()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            loop_thread.run(decider.decide([ask("r")]))
+        assert info.value.code() in (grpc.StatusCode.UNAVAILABLE,
+                                     grpc.StatusCode.DEADLINE_EXCEEDED)
+        again = started(Coordinator(coord.cfg))  # same port, same etcd state
+        for _ in range(50):  # the channel reconnects after its backoff
+            try:
+                second = loop_thread.run(decider.decide([ask("r", client="other")]))[0]
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                time.sleep(0.2)
+        assert second.decision == pb.WAIT  # the first lease still holds the key
+        assert again.registry.get_sample_value("compilecast_coordinator_decide_streams") == 1
+    finally:
+        loop_thread.run(decider.close())
+        loop_thread.run(channel.close())
+
+
+async def _channel(target: str) -> grpc.aio.Channel:
+    return aio_channel(target, None)
+
+
+class _AcquireManyOnly(rpc.CompileCacheServicer):
+    """A server from before the Decide stream."""
+
+    async def AcquireMany(self, request, context):
+        return pb.AcquireManyResponse(responses=[
+            pb.AcquireResponse(decision=pb.WAIT, reason=f"old server: {r.key}")
+            for r in request.requests])
+
+
+def test_falls_back_to_acquire_many_without_decide(loop_thread):
+    async def body():
+        server = grpc.aio.server()
+        rpc.add_CompileCacheServicer_to_server(_AcquireManyOnly(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async def ask_twice(d: decide.Decider):
+                one = await d.decide([ask("a"), ask("b")])
+                two = await d.decide([ask("c")])
+                return one + two, d.messages
+
+            return await with_decider(f"127.0.0.1:{port}", ask_twice)
+        finally:
+            await server.stop(0)
+
+    answers, messages = loop_thread.run(body())
+    assert [a.reason for a in answers] == ["old server: a", "old server: b", "old server: c"]
+    assert messages == 1  # the first try; after UNIMPLEMENTED, no stream again
+
+
+def test_worker_decides_over_one_stream(coordinator, start_worker, loop_thread):
+    target = coordinator.cfg.listen
+    w = start_worker(target)
+    info = published(target, "on-coordinator")
+    procs = [CacheClient(w.cfg.listen, identity=Identity(client=f"p{i}")) for i in range(4)]
+    try:
+        answers = [p.acquire("on-coordinator") for p in procs]
+        assert {a.artifact.digest for a in answers} == {info.digest}
+        assert procs[0].acquire("new").decision == pb.COMPILE
+        assert procs[1].acquire("new").decision == pb.WAIT
+        assert [a.decision for a in procs[2].acquire_many(["new", "on-coordinator"])] == [
+            pb.WAIT, pb.HIT]
+        # Every one of those decisions went over the worker's one stream.
+        reg = coordinator.registry
+        assert reg.get_sample_value("compilecast_coordinator_decide_streams") == 1
+        assert hashlib.sha256(DATA).hexdigest() == info.digest
+    finally:
+        for p in procs:
+            p.close()
+
+
+def test_serve_answers_each_message_when_it_is_decided(loop_thread):
+    """A message held back (a miss waiting on etcd) does not hold up the
+    answers to the messages after it."""
+    release = asyncio.Event()
+
+    async def fake_decide(requests):
+        if requests[0].key == "slow":
+            await release.wait()
+        return [pb.AcquireResponse(decision=pb.HIT, reason=r.key) for r in requests]
+
+    async def body():
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def messages():
+            while (msg := await inbox.get()) is not None:
+                yield msg
+
+        answers = decide.serve(messages(), fake_decide)
+        for i, key in enumerate(["slow", "fast", "faster"], 1):
+            inbox.put_nowait(pb.DecideRequest(id=i, requests=[ask(key)]))
+        order = [(await anext(answers)).id, (await anext(answers)).id]
+        release.set()
+        order.append((await anext(answers)).id)
+        inbox.put_nowait(None)
+        rest = [a async for a in answers]
+        return order, rest
+
+    order, rest = loop_thread.run(body())
+    assert sorted(order[:2]) == [2, 3] and order[2] == 1 and rest == []
