@@ -107,15 +107,27 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     async def client(i: int) -> None:
         rng = random.Random(i)
         while time.monotonic() < deadline:
-            if rate <= 0:
-                await one(i, keys_for(rng, i))
-                continue
-            await asyncio.sleep(rng.expovariate(rate / clients))
+            await one(i, keys_for(rng, i))
+
+    async def arrivals() -> None:
+        """One Poisson schedule for all clients (1,000 sleeping coroutines would
+        cost the load generator more than the requests): each arrival goes to
+        a random client; arrivals due within a millisecond leave together."""
+        rng = random.Random(0)
+        due = time.monotonic()
+        while due < deadline:
+            due += rng.expovariate(rate)
+            if due - time.monotonic() > 1e-3:
+                await asyncio.sleep(due - time.monotonic())
+            i = rng.randrange(clients)
             task = asyncio.create_task(one(i, keys_for(rng, i)))
             sent.add(task)
             task.add_done_callback(sent.discard)
 
-    await asyncio.gather(*(client(i) for i in range(clients)))
+    if rate > 0:
+        await arrivals()
+    else:
+        await asyncio.gather(*(client(i) for i in range(clients)))
     if sent:
         await asyncio.wait(set(sent), timeout=60)
     wall = time.monotonic() - t_start

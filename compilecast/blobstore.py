@@ -211,6 +211,7 @@ class DiskBlobStore:
     ) -> None:
         self.root = Path(root)
         self.blob_dir = self.root / "blobs"
+        self._blob_prefix = f"{self.blob_dir}/"
         self.tmp_dir = self.root / "tmp"
         self.quarantine_dir = self.root / "quarantine"
         for d in (self.blob_dir, self.tmp_dir, self.quarantine_dir):
@@ -233,7 +234,9 @@ class DiskBlobStore:
         return self.blob_dir / digest[:2] / f"{digest}.zst"
 
     def has(self, digest: str) -> bool:
-        return self.path_of(digest).exists()
+        # One stat on a string path: every HIT asks (pathlib's Path objects cost
+        # more than the stat; 12 % of the coordinator's CPU under a hit load).
+        return os.path.exists(f"{self._blob_prefix}{digest[:2]}/{digest}.zst")
 
     @property
     def stored_bytes(self) -> int:
