@@ -51,6 +51,8 @@ bench: install
 	$(PY) bench/fetch.py
 	$(PY) bench/decisions.py
 	$(PY) bench/decisions.py --batch 100 --clients 100
+	$(PY) bench/decisions.py --streams 8
+	$(PY) bench/decisions.py --streams 8 --hit-ratio 1.0 --rate 2000
 	$(PY) bench/fanout.py
 	$(PY) bench/aot_farm.py --layers 64
 

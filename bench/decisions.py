@@ -63,6 +63,8 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     channels = [grpc.aio.insecure_channel(target, options=opts) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
     deciders = [Decider(stubs[i % len(stubs)], timeout_s=60) for i in range(streams)]
+    # Workers keep their streams open: open them before the clock starts.
+    await asyncio.gather(*(d.decide([pb.AcquireRequest(key=hit_keys[0])]) for d in deciders))
     latencies: list[float] = []
     decisions: dict[str, int] = {}
     errors = 0
