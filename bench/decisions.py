@@ -51,13 +51,16 @@ def fmt_cores(used: dict[str, float]) -> str:
 
 
 async def load(target: str, clients: int, seconds: float, hit_ratio: float,
-               hit_keys: list[str], batch: int, streams: int = 0, rate: float = 0.0
-               ) -> tuple[list[float], dict[str, int], int, float]:
+               hit_keys: list[str], batch: int, streams: int = 0, rate: float = 0.0,
+               pod: bool = False) -> tuple[list[float], dict[str, int], int, float]:
     """Closed loop (rate 0): every client asks again as soon as it is answered.
     Open loop (rate > 0): the clients together ask `rate` times a second
     (Poisson arrivals), whether or not earlier requests were answered.
     streams > 0: requests go over that many Decide streams (compilecast's
     Decider, as a worker sends them), else one unary call each.
+    pod: the clients are the processes of one job (process 0 designated), and
+    each asks the programs pod-0, pod-1, ... in turn, as the hosts of a pod do
+    at job start: one COMPILE per program, WAIT for everyone else.
     Returns latencies, decisions by kind, errors and the wall time."""
     opts = [("grpc.lb_policy_name", "round_robin"), ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(target, options=opts) for _ in range(8)]
@@ -72,8 +75,13 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     deadline = t_start + seconds
     counter = 0
 
+    asked = [0] * clients
+
     def keys_for(rng: random.Random, i: int) -> list[str]:
         nonlocal counter
+        if pod:
+            asked[i] += batch
+            return [f"pod-{j}" for j in range(asked[i] - batch, asked[i])]
         keys = []
         for _ in range(batch):
             if rng.random() < hit_ratio:
@@ -85,7 +93,8 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
 
     async def one(i: int, keys: list[str]) -> None:
         nonlocal errors
-        requests = [pb.AcquireRequest(key=k) for k in keys]
+        who = pb.Requester(job="pod", process_id=i, designated_process=0) if pod else None
+        requests = [pb.AcquireRequest(key=k, requester=who) for k in keys]
         t0 = time.perf_counter()
         try:
             if deciders:
@@ -149,6 +158,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="keys per request (AcquireMany)")
     ap.add_argument("--streams", type=int, default=0,
                     help="send over this many Decide streams (0: one unary call per request)")
+    ap.add_argument("--pod", action="store_true",
+                    help="the clients are one job's processes asking the same programs in turn")
     ap.add_argument("--rate", type=float, default=0.0,
                     help="open loop: requests per second from all clients together "
                          "(0: closed loop, each client asks again when answered)")
@@ -191,7 +202,7 @@ def main() -> None:
         target = "ipv4:" + ",".join(targets) if len(targets) > 1 else targets[0]
         (lat, decisions, errors, wall), used = cores(pids, lambda: asyncio.run(
             load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch,
-                 args.streams, args.rate)))
+                 args.streams, args.rate, args.pod)))
         lat.sort()
         n = len(lat)
         total = sum(decisions.values())
@@ -201,7 +212,8 @@ def main() -> None:
                "per_second": total / wall, "p50_ms": lat[n // 2] * 1e3,
                "p99_ms": lat[int(n * 0.99)] * 1e3, "errors": errors, "by_decision": decisions,
                "cores": used}
-        how = (f"{args.streams} Decide stream(s)" if args.streams else "unary calls") + (
+        how = ("one job, same programs, " if args.pod else "") + (
+            f"{args.streams} Decide stream(s)" if args.streams else "unary calls") + (
             f", offered {args.rate:.0f}/s" if args.rate else ", closed loop")
         print(f"{args.clients} clients, {args.replicas} replica(s), batch {args.batch}, {how}: "
               f"{row['per_second']:.0f} decisions/s, request latency p50 {row['p50_ms']:.1f} ms, "

@@ -118,6 +118,15 @@ class CoordinatorState:
         self.leases = LeasePool(etcd, cfg.lease_ttl_s)
         self.hub.on_artifact_deleted.append(self._forget_artifact)
         self.hub.on_gap.append(self._index.clear)
+        # Keys with a compile lease record, as the watch reports them (in
+        # revision order, so no older read can undo a newer event): key -> why
+        # to WAIT. A key claimed here is a WAIT for everyone else without an
+        # etcd round trip; the view may lag etcd by the watch's delay, and an
+        # answer from a stale entry is a WAIT whose Wait re-reads etcd at once.
+        self._claimed: dict[str, str] = {}
+        self._reads: dict[str, asyncio.Future] = {}  # etcd reads in flight, by key
+        self.hub.on_claim.append(self._note_claim)
+        self.hub.on_gap.append(self._claimed.clear)
         self._session_lease = 0
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -195,12 +204,34 @@ class CoordinatorState:
             return None
         return entry[0]
 
+    def _note_claim(self, sk: str, record: bytes | None) -> None:
+        if record is None:
+            self._claimed.pop(sk, None)
+            return
+        try:
+            self._claimed[sk] = f"compiled by {_holder_name(json.loads(record))}"
+        except (ValueError, AttributeError):
+            self._claimed.pop(sk, None)  # not ours to read: ask etcd
+
     # -- reads -----------------------------------------------------------
     def _state_keys(self, sk: str) -> list[bytes]:
         return [self._k(kind, sk) for kind in "alxh"]
 
     async def _read(self, sk: str) -> KeyState:
         return self._state(sk, await self.etcd.get_many(self._state_keys(sk)))
+
+    async def _read_shared(self, sk: str) -> KeyState:
+        """_read for Acquire: concurrent decisions on one key (the hosts of a
+        pod asking for the same program) share one etcd read. Its answer may
+        predate a request by the read's few milliseconds, which can only turn a
+        HIT or COMPILE_LOCALLY into a WAIT whose Wait reads again, or a WAIT
+        into COMPILE_LOCALLY for an identity that may not publish. (Wait itself
+        never shares: its read must follow its subscription.)"""
+        read = self._reads.get(sk)
+        if read is None:
+            read = self._reads[sk] = asyncio.ensure_future(self._read(sk))
+            read.add_done_callback(lambda _: self._reads.pop(sk, None))
+        return await asyncio.shield(read)
 
     def _state(self, sk: str, kvs: list[KV | None]) -> KeyState:
         a, lrec, x, h = kvs
@@ -324,6 +355,9 @@ class CoordinatorState:
         if cached is not None:
             self._hit(cached)
             return pb.AcquireResponse(decision=pb.HIT, artifact=cached)
+        held = self._claimed.get(sk)
+        if held is not None:  # someone compiles it: what etcd would say, without asking
+            return pb.AcquireResponse(decision=pb.WAIT, reason=held)
         # A process that may claim the key tries to at once; the others read.
         claims = may_publish and (not req.job or req.process_id == req.designated_process)
         for _ in range(3):
@@ -332,7 +366,7 @@ class CoordinatorState:
                 if lease is not None:
                     return self._granted(sk, req, lease)
             else:
-                st = await self._read(sk)
+                st = await self._read_shared(sk)
             info = await self._usable_artifact(sk, st)
             if info is not None:
                 self._hit(info)

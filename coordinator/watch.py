@@ -45,8 +45,11 @@ class WatchHub:
         self._subs: dict[str, set[Subscription]] = defaultdict(set)
         self.ready = asyncio.Event()
         # Called with (scoped key, revision) when an artifact index entry is
-        # deleted, and with no arguments when the watch broke (events may be lost).
+        # deleted; with (scoped key, value or None) when a compile lease record
+        # is put or deleted; with no arguments when the watch broke (events
+        # may be lost).
         self.on_artifact_deleted: list = []
+        self.on_claim: list = []
         self.on_gap: list = []
 
     def subscribe(self, key: str) -> Subscription:
@@ -82,6 +85,9 @@ class WatchHub:
             if kind == b"a" and ev.type == ev.DELETE:
                 for fn in self.on_artifact_deleted:
                     fn(sk, ev.kv.mod_revision)
+            elif kind == b"l":
+                for fn in self.on_claim:
+                    fn(sk, None if ev.type == ev.DELETE else ev.kv.value)
             for s in self._subs.get(sk, ()):
                 s.set()
 

@@ -1,0 +1,139 @@
+"""Decisions that need no etcd round trip of their own: keys someone compiles
+(the watch's view of compile lease records) and concurrent reads of one key
+(shared). Against a real etcd and real gRPC on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from compilecast.coordinator.records import scope
+from compilecast.coordinator.server import Coordinator
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker.client import CacheClient, Identity
+
+from .conftest import EtcdProcess, coordinator_config
+
+DATA = b"claimed" * 5_000
+
+
+def member(target: str, process_id: int, timeout_s: float = 5.0) -> CacheClient:
+    return CacheClient(target, timeout_s=timeout_s, identity=Identity(
+        job="j", process_id=process_id, designated_process=0, client=f"p{process_id}"))
+
+
+def eventually(fn, what: str, seconds: float = 10.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"not within {seconds} s: {what}")
+
+
+def test_someone_compiles_is_answered_without_etcd(tmp_path, prefix, started):
+    """Once the watch has seen process 0's claim, the others get WAIT even
+    while etcd does not answer at all."""
+    etcd = EtcdProcess(tmp_path)
+    try:
+        coord = started(Coordinator(coordinator_config(etcd, tmp_path, prefix)))
+        target = coord.cfg.listen
+        p0, p1 = member(target, 0), member(target, 1, timeout_s=3.0)
+        try:
+            assert p0.acquire("k").decision == pb.COMPILE
+            eventually(lambda: scope("default", "k") in coord.state._claimed,
+                       "the watch reports the claim")
+            os.kill(etcd.proc.pid, signal.SIGSTOP)
+            try:
+                resp = p1.acquire("k")
+            finally:
+                os.kill(etcd.proc.pid, signal.SIGCONT)
+            assert resp.decision == pb.WAIT and "process 0 (p0)" in resp.reason
+        finally:
+            p0.close()
+            p1.close()
+            coord.stop()
+    finally:
+        etcd.stop()
+
+
+def test_the_view_follows_release_and_publish(coordinator):
+    target = coordinator.cfg.listen
+    p0, p1 = member(target, 0), member(target, 1)
+    try:
+        failed = p0.acquire("released").lease
+        p0.release("released", failed, pb.COMPILE_FAILED, "boom")
+        eventually(lambda: p1.acquire("released").decision == pb.COMPILE_LOCALLY,
+                   "a released key stops being WAIT")
+        lease = p0.acquire("published").lease
+        assert p1.acquire("published").decision == pb.WAIT
+        p0.publish("published", lease, DATA, 1.0)
+        eventually(lambda: p1.acquire("published").decision == pb.HIT,
+                   "a published key is a HIT")
+        assert not coordinator.state._claimed
+    finally:
+        p0.close()
+        p1.close()
+
+
+def test_a_stale_entry_costs_one_wait_and_no_wrong_answer(coordinator, loop_thread):
+    """An entry the watch has not removed yet (here: one that never existed)
+    answers WAIT; the Wait that follows reads etcd and promotes the caller."""
+    sk = scope("default", "ghost")
+
+    async def plant():
+        coordinator.state._claimed[sk] = "compiled by a ghost"
+
+    loop_thread.run(plant())
+    c = CacheClient(coordinator.cfg.listen)
+    try:
+        resp = c.acquire("ghost")
+        assert resp.decision == pb.WAIT and resp.reason == "compiled by a ghost"
+        event = c.wait("ghost", 10)
+        assert event.decision == pb.COMPILE and event.lease.id > 0
+        c.publish("ghost", event.lease, DATA, 1.0)
+    finally:
+        c.close()
+
+
+def test_concurrent_decisions_on_one_key_share_one_etcd_read(coordinator, loop_thread):
+    state = coordinator.state
+    reads: list[bytes] = []
+    real = state.etcd.get_many
+
+    async def counting(keys):
+        reads.append(keys[0])
+        await asyncio.sleep(0.05)  # a slow etcd: the others arrive meanwhile
+        return await real(keys)
+
+    async def ask_all():
+        state.etcd.get_many = counting
+        try:
+            return await asyncio.gather(*(state.acquire(
+                "shared", pb.Requester(job="j", process_id=i, designated_process=0))
+                for i in range(1, 51)))
+        finally:
+            del state.etcd.get_many
+
+    answers = loop_thread.run(ask_all())
+    assert [a.decision for a in answers] == [pb.WAIT] * 50
+    assert all("process 0 of job j compiles" in a.reason for a in answers)
+    assert reads.count(state._k("a", scope("default", "shared"))) == 1, reads
+
+
+def test_claimers_still_race_through_etcd(coordinator):
+    """The view only ever answers WAIT: with no claim known, two independent
+    processes still get exactly one COMPILE between them."""
+    a, b = CacheClient(coordinator.cfg.listen), CacheClient(coordinator.cfg.listen)
+    try:
+        got = sorted(c.acquire("race").decision for c in (a, b))
+        assert got == [pb.COMPILE, pb.WAIT]
+    finally:
+        a.close()
+        b.close()
+
