@@ -1,0 +1,110 @@
+"""A pod's job start, decisions and waits only: P processes of one job (process
+0 designated) each go through the same M programs. For each, process 0 gets
+COMPILE, "compiles" for --compile-s and publishes a small artifact; the
+others get WAIT, Wait, and are woken with HIT. Time until every process has
+a HIT for every program, against M x compile-s, and where the CPU went.
+
+    python bench/pod_start.py [--processes 1000] [--programs 5] [--compile-s 1.0]
+
+The processes are tasks of one grpc.aio load generator, over 8 Decide
+streams for Acquire (as workers send them) and one Wait stream each; all of
+it on the machine's 2 cores with the coordinator and etcd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _servers import Stack, cpu_seconds, own_cpu_seconds
+
+from compilecast.decide import Decider
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+
+ARTIFACT = b"executable" * 1000
+
+
+async def run(target: str, processes: int, programs: int, compile_s: float,
+              tag: str) -> dict[str, float]:
+    channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
+    stubs = [rpc.CompileCacheStub(c) for c in channels]
+    deciders = [Decider(s, timeout_s=120) for s in stubs]
+    counts = {"compile": 0, "wait_hit": 0, "acquire_hit": 0, "other": 0}
+
+    async def process(i: int) -> None:
+        who = pb.Requester(job=f"pod-{tag}", process_id=i, designated_process=0,
+                           client=f"host{i}")
+        stub = stubs[i % len(stubs)]
+        for m in range(programs):
+            key = f"{tag}-program-{m}"
+            resp = (await deciders[i % len(deciders)].decide(
+                [pb.AcquireRequest(key=key, requester=who)]))[0]
+            if resp.decision == pb.COMPILE:
+                counts["compile"] += 1
+                await asyncio.sleep(compile_s)
+
+                async def chunks():
+                    yield pb.PublishChunk(header=pb.PublishHeader(
+                        key=key, lease=resp.lease, digest=hashlib.sha256(ARTIFACT).hexdigest(),
+                        size=len(ARTIFACT), compile_time_seconds=compile_s, requester=who))
+                    yield pb.PublishChunk(data=ARTIFACT)
+
+                await stub.Publish(chunks(), timeout=60)
+            elif resp.decision == pb.HIT:
+                counts["acquire_hit"] += 1
+            elif resp.decision == pb.WAIT:
+                async for event in stub.Wait(pb.WaitRequest(key=key, requester=who,
+                                                            timeout_ms=120_000), timeout=130):
+                    if event.decision != pb.WAIT:
+                        counts["wait_hit" if event.decision == pb.HIT else "other"] += 1
+                        break
+            else:
+                counts["other"] += 1
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(process(i) for i in range(processes)))
+    wall = time.monotonic() - t0
+    for d in deciders:
+        await d.close()
+    for c in channels:
+        await c.close()
+    return {"wall": wall, **counts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--processes", type=int, default=1000)
+    ap.add_argument("--programs", type=int, default=5)
+    ap.add_argument("--compile-s", type=float, default=1.0)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="cc-podstart-"))
+    stack = Stack(root)
+    try:
+        target, coord = stack.coordinator()
+        pids = {"etcd": stack.procs[0].pid, "coordinator": coord.pid}
+        before = {n: cpu_seconds(p) for n, p in pids.items()}
+        c0 = own_cpu_seconds()
+        row = asyncio.run(run(target, args.processes, args.programs, args.compile_s, "a"))
+        used = {n: cpu_seconds(p) - before[n] for n, p in pids.items()}
+        used["load generator"] = own_cpu_seconds() - c0
+        ideal = args.programs * args.compile_s
+        print(f"{args.processes} processes x {args.programs} programs, compile {args.compile_s} s: "
+              f"all done in {row['wall']:.2f} s ({row['wall'] / ideal:.2f}x the {ideal:.1f} s of "
+              f"compiles); compiles {row['compile']}, woken with HIT {row['wait_hit']}, HIT at "
+              f"once {row['acquire_hit']}, other {row['other']}; CPU seconds: " +
+              ", ".join(f"{n} {v:.1f}" for n, v in used.items()))
+    finally:
+        stack.close()
+
+
+if __name__ == "__main__":
+    main()
