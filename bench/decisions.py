@@ -28,9 +28,9 @@ import grpc
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack, cpu_seconds, free_port, own_cpu_seconds, wait_port
 
+from compilecast.decide import Decider
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.decide import Decider
 from compilecast.worker.client import CacheClient
 
 

@@ -52,7 +52,7 @@ async def run(target: str, processes: int, programs: int, compile_s: float,
                 counts["compile"] += 1
                 await asyncio.sleep(compile_s)
 
-                async def chunks():
+                async def chunks(key=key, resp=resp):
                     yield pb.PublishChunk(header=pb.PublishHeader(
                         key=key, lease=resp.lease, digest=hashlib.sha256(ARTIFACT).hexdigest(),
                         size=len(ARTIFACT), compile_time_seconds=compile_s, requester=who))

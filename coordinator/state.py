@@ -52,7 +52,17 @@ from compilecast.errors import (
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
-from .etcd import KV, Etcd, cmp_absent, cmp_mod_revision, op_delete, op_get, op_put, ranged
+from .etcd import (
+    KV,
+    Etcd,
+    WriteBatcher,
+    cmp_absent,
+    cmp_mod_revision,
+    op_delete,
+    op_get,
+    op_put,
+    ranged,
+)
 from .farm import Farm
 from .leases import LeasePool
 from .metrics import CoordinatorMetrics
@@ -105,8 +115,10 @@ class CoordinatorState:
         self.prefix = cfg.etcd_prefix.rstrip("/").encode()
         self.hub = WatchHub(etcd, self.prefix)
         # Published entries are write-once, so a HIT can be answered from
-        # memory. An entry leaves only when its blob proves corrupt or missing;
-        # the watch reports such deletes (and gaps, after which we forget all).
+        # memory. The watch reports every entry put (so a waiter woken by a
+        # publish on any replica finds it here). An entry leaves only when its
+        # blob proves corrupt or missing; the watch reports such deletes (and
+        # gaps, after which we forget all).
         self._index: dict[str, tuple[pb.ArtifactInfo, int]] = {}
         self._index_deleted: dict[str, int] = {}
         self.records = KeyRecords(etcd, self.prefix, metrics)
@@ -116,6 +128,7 @@ class CoordinatorState:
         # Publishes write on threads of their own, never queued behind readers.
         self._publish_threads = ThreadPoolExecutor(4, thread_name_prefix="publish")
         self.leases = LeasePool(etcd, cfg.lease_ttl_s)
+        self.hub.on_artifact.append(self._published)
         self.hub.on_artifact_deleted.append(self._forget_artifact)
         self.hub.on_gap.append(self._index.clear)
         # Keys with a compile lease record, as the watch reports them (in
@@ -124,7 +137,9 @@ class CoordinatorState:
         # etcd round trip; the view may lag etcd by the watch's delay, and an
         # answer from a stale entry is a WAIT whose Wait re-reads etcd at once.
         self._claimed: dict[str, str] = {}
-        self._reads: dict[str, asyncio.Future] = {}  # etcd reads in flight, by key
+        # etcd reads in flight, by key, with the watch's event count at their start.
+        self._reads: dict[str, tuple[asyncio.Future, int]] = {}
+        self._waiter_writes = WriteBatcher(etcd)  # waiter records, put and deleted together
         self.hub.on_claim.append(self._note_claim)
         self.hub.on_gap.append(self._claimed.clear)
         self._session_lease = 0
@@ -195,6 +210,12 @@ class CoordinatorState:
         if self._index_deleted.get(sk, 0) < revision:
             self._index[sk] = (info, revision)
 
+    def _published(self, sk: str, value: bytes, revision: int) -> None:
+        try:
+            self._remember_artifact(sk, info_from(plain(sk), value), revision)
+        except (ValueError, TypeError):
+            log.warning("unreadable index entry for %s at revision %d", sk, revision)
+
     def _cached_artifact(self, sk: str) -> pb.ArtifactInfo | None:
         entry = self._index.get(sk)
         if entry is None:
@@ -220,18 +241,26 @@ class CoordinatorState:
     async def _read(self, sk: str) -> KeyState:
         return self._state(sk, await self.etcd.get_many(self._state_keys(sk)))
 
-    async def _read_shared(self, sk: str) -> KeyState:
-        """_read for Acquire: concurrent decisions on one key (the hosts of a
-        pod asking for the same program) share one etcd read. Its answer may
-        predate a request by the read's few milliseconds, which can only turn a
-        HIT or COMPILE_LOCALLY into a WAIT whose Wait reads again, or a WAIT
-        into COMPILE_LOCALLY for an identity that may not publish. (Wait itself
-        never shares: its read must follow its subscription.)"""
-        read = self._reads.get(sk)
-        if read is None:
-            read = self._reads[sk] = asyncio.ensure_future(self._read(sk))
-            read.add_done_callback(lambda _: self._reads.pop(sk, None))
-        return await asyncio.shield(read)
+    async def _read_shared(self, sk: str, *, fresh: bool = False) -> KeyState:
+        """_read, shared by concurrent callers on one key (the hosts of a pod
+        asking for the same program at once): one etcd read for all of them.
+
+        For Acquire (fresh=False) any read in flight will do. Its answer may
+        predate a request by the read's few milliseconds, which can only turn
+        a HIT or COMPILE_LOCALLY into a WAIT whose Wait reads again, or a WAIT
+        into COMPILE_LOCALLY for an identity that may not publish.
+        For Wait (fresh=True) the read must not miss an event its cleared
+        subscription would have seen: it joins a read in flight only if the
+        watch has delivered no event at all since that read started.
+        """
+        entry = self._reads.get(sk)
+        if entry is None or (fresh and entry[1] != self.hub.events):
+            read = asyncio.ensure_future(self._read(sk))
+            entry = (read, self.hub.events)
+            if sk not in self._reads:  # a fresher read never replaces one in flight
+                self._reads[sk] = entry
+                read.add_done_callback(lambda _: self._reads.pop(sk, None))
+        return await asyncio.shield(entry[0])
 
     def _state(self, sk: str, kvs: list[KV | None]) -> KeyState:
         a, lrec, x, h = kvs
@@ -410,9 +439,16 @@ class CoordinatorState:
         self.metrics.waiters.inc()
         outcome = "compile_locally"
         try:
+            cached = self._cached_artifact(sk)
+            if cached is not None:  # published already: no registration, no read
+                self._hit(cached)
+                outcome = "hit"
+                yield pb.WaitEvent(decision=pb.HIT, artifact=cached)
+                return
             try:
-                await self.etcd.put(wkey, json.dumps({"job": req.job, "process_id": req.process_id})
-                                     .encode(), lease=await self._session())
+                await self._waiter_writes.put(
+                    wkey, json.dumps({"job": req.job, "process_id": req.process_id}).encode(),
+                    lease=await self._session())
             except Unavailable as exc:
                 yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                    reason=f"coordinator cannot reach etcd: {exc}")
@@ -424,8 +460,10 @@ class CoordinatorState:
             while True:
                 sub.clear()
                 try:
-                    st = await self._read(sk)
-                    info = await self._usable_artifact(sk, st)
+                    # Woken by a publish: the watch has put the entry in memory.
+                    info = self._cached_artifact(sk)
+                    st = await self._read_shared(sk, fresh=True) if info is None else None
+                    info = info or await self._usable_artifact(sk, st)
                     if info is not None:
                         self._hit(info)
                         outcome = "hit"
@@ -519,7 +557,7 @@ class CoordinatorState:
 
     async def _forget(self, wkey: bytes) -> None:
         with contextlib.suppress(Exception):
-            await self.etcd.delete(wkey)
+            await self._waiter_writes.delete(wkey)
 
     async def _waiter_position(self, sk: str, wkey: bytes) -> int:
         waiters = await self.etcd.get_prefix(self._k("w", sk) + b"/")

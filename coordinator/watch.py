@@ -44,10 +44,14 @@ class WatchHub:
         self.prefix = prefix
         self._subs: dict[str, set[Subscription]] = defaultdict(set)
         self.ready = asyncio.Event()
-        # Called with (scoped key, revision) when an artifact index entry is
-        # deleted; with (scoped key, value or None) when a compile lease record
+        # Events delivered (and gaps), ever: a read that started when this was
+        # n has seen every event a subscription cleared since then could miss.
+        self.events = 0
+        # Called with (scoped key, value, revision) when an artifact index
+        # entry is put; with (scoped key, revision) when one is deleted; with (scoped key, value or None) when a compile lease record
         # is put or deleted; with no arguments when the watch broke (events
         # may be lost).
+        self.on_artifact: list = []
         self.on_artifact_deleted: list = []
         self.on_claim: list = []
         self.on_gap: list = []
@@ -75,6 +79,7 @@ class WatchHub:
                 s.set()
 
     def _dispatch(self, events: list) -> None:
+        self.events += len(events)
         skip = len(self.prefix) + 1  # "P/"
         for ev in events:
             rest = ev.kv.key[skip:]
@@ -82,9 +87,13 @@ class WatchHub:
             if kind not in (b"a", b"l", b"x", b"h"):
                 continue
             sk = tail.decode(errors="replace")
-            if kind == b"a" and ev.type == ev.DELETE:
-                for fn in self.on_artifact_deleted:
-                    fn(sk, ev.kv.mod_revision)
+            if kind == b"a":
+                if ev.type == ev.DELETE:
+                    for fn in self.on_artifact_deleted:
+                        fn(sk, ev.kv.mod_revision)
+                else:
+                    for fn in self.on_artifact:
+                        fn(sk, ev.kv.value, ev.kv.mod_revision)
             elif kind == b"l":
                 for fn in self.on_claim:
                     fn(sk, None if ev.type == ev.DELETE else ev.kv.value)
@@ -114,6 +123,7 @@ class WatchHub:
                     start = 0
             except Exception:
                 log.exception("etcd watch failed; resuming")
+            self.events += 1
             for fn in self.on_gap:
                 fn()
             self._wake_all()

@@ -1,0 +1,124 @@
+"""Writes sent together (WriteBatcher) and reads shared by waiters, against a
+real etcd on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+from compilecast.coordinator.etcd import Etcd, WriteBatcher
+from compilecast.coordinator.records import scope
+from compilecast.errors import Unavailable
+from compilecast.launch import free_port
+
+
+def test_concurrent_writes_share_txns(etcd, loop_thread, prefix):
+    async def body():
+        client = Etcd([etcd.endpoint])
+        batcher = WriteBatcher(client, max_ops=64)
+        try:
+            keys = [f"{prefix}/w/{i:03d}".encode() for i in range(200)]
+            await asyncio.gather(*(batcher.put(k, b"v%d" % i) for i, k in enumerate(keys)))
+            stored = await client.get_prefix(f"{prefix}/w/".encode())
+            await asyncio.gather(*(batcher.delete(k) for k in keys[:150]))
+            left = await client.get_prefix(f"{prefix}/w/".encode())
+            return stored, left, batcher.txns
+        finally:
+            await client.close()
+
+    stored, left, txns = loop_thread.run(body())
+    assert [kv.value for kv in stored] == [b"v%d" % i for i in range(200)]
+    assert [kv.key for kv in left] == [f"{prefix}/w/{i:03d}".encode() for i in range(150, 200)]
+    # 350 writes: at least ceil(200 / 64) + ceil(150 / 64) = 7 txns, far fewer than one each.
+    assert 7 <= txns <= 20, txns
+
+
+def test_a_delete_cancels_a_put_not_sent_yet(etcd, loop_thread, prefix):
+    async def body():
+        client = Etcd([etcd.endpoint])
+        batcher = WriteBatcher(client)
+        try:
+            key = f"{prefix}/gone".encode()
+            # The second put queues behind the first txn; its delete arrives
+            # before it is sent. etcd would refuse both in one txn.
+            first = asyncio.ensure_future(batcher.put(f"{prefix}/first".encode(), b"1"))
+            await asyncio.sleep(0)
+            put = asyncio.ensure_future(batcher.put(key, b"x"))
+            await asyncio.sleep(0)
+            await asyncio.gather(batcher.delete(key), put, first)
+            return await client.get(key), await client.get(f"{prefix}/first".encode())
+        finally:
+            await client.close()
+
+    gone, first = loop_thread.run(body())
+    assert gone is None and first.value == b"1"
+
+
+def test_a_failed_txn_fails_its_writes(loop_thread):
+    async def body():
+        client = Etcd([f"127.0.0.1:{free_port()}"], timeout=1.0)  # nothing listens
+        try:
+            return await asyncio.gather(*(WriteBatcher(client).put(b"/k%d" % i, b"v")
+                                          for i in range(3)), return_exceptions=True)
+        finally:
+            await client.close()
+
+    results = loop_thread.run(body())
+    assert all(isinstance(r, Unavailable) for r in results), results
+
+
+def test_waiters_share_a_read_unless_the_watch_moved(coordinator, loop_thread):
+    state = coordinator.state
+    sk = scope("default", "shared-wait")
+    reads: list[int] = []
+    real = state.etcd.get_many
+
+    async def counting(keys):
+        reads.append(1)
+        await asyncio.sleep(0.05)
+        return await real(keys)
+
+    async def body():
+        state.etcd.get_many = counting
+        try:
+            first = asyncio.ensure_future(state._read_shared(sk, fresh=True))
+            await asyncio.sleep(0)
+            joined = [asyncio.ensure_future(state._read_shared(sk, fresh=True))
+                      for _ in range(20)]
+            await asyncio.sleep(0)
+            shared = len(reads)
+            state.hub.events += 1  # an event after the read started: later waiters read again
+            late = await state._read_shared(sk, fresh=True)
+            await asyncio.gather(first, *joined)
+            return shared, len(reads), late
+        finally:
+            del state.etcd.get_many
+
+    shared, total, late = loop_thread.run(body())
+    assert shared == 1 and total == 2
+    assert late.artifact is None and late.lease is None
+
+
+def test_acquire_reads_join_any_read_in_flight(coordinator, loop_thread):
+    state = coordinator.state
+    sk = scope("default", "shared-acquire")
+    reads: list[int] = []
+    real = state.etcd.get_many
+
+    async def counting(keys):
+        reads.append(1)
+        await asyncio.sleep(0.05)
+        return await real(keys)
+
+    async def body():
+        state.etcd.get_many = counting
+        try:
+            first = asyncio.ensure_future(state._read_shared(sk))
+            await asyncio.sleep(0)
+            state.hub.events += 1
+            await state._read_shared(sk)
+            await first
+        finally:
+            del state.etcd.get_many
+
+    loop_thread.run(body())
+    assert len(reads) == 1
