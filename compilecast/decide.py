@@ -51,10 +51,28 @@ def check_batch(requests: Sequence[pb.AcquireRequest]) -> None:
 Decide = Callable[[Sequence[pb.AcquireRequest]], Awaitable[list[pb.AcquireResponse]]]
 
 
+class Streams:
+    """The Decide streams a server is running, so that a shutdown can end
+    them cleanly: `drain()` stops every stream reading; each answers what it
+    has read and ends with OK, and the clients send whatever it did not read
+    again on a new stream (to another replica)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._readers: set[asyncio.Task] = set()
+
+    def drain(self) -> None:
+        self.draining = True
+        for reader in list(self._readers):
+            reader.cancel()
+
+
 async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
-                in_flight: int = IN_FLIGHT) -> AsyncIterator[pb.DecideResponse]:
+                in_flight: int = IN_FLIGHT, streams: Streams | None = None
+                ) -> AsyncIterator[pb.DecideResponse]:
     """Answer the messages of a Decide stream with `decide` (a checked batch
-    in, one response per request out), each as soon as it is decided."""
+    in, one response per request out), each as soon as it is decided. With
+    `streams`, a drain ends the stream after answering every message read."""
     answers: asyncio.Queue[pb.DecideResponse | None] = asyncio.Queue()
     slots = asyncio.Semaphore(in_flight)
     running: set[asyncio.Task] = set()
@@ -76,17 +94,26 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
 
     async def read() -> None:
         try:
-            async for msg in messages:
-                await slots.acquire()
-                task = asyncio.create_task(one(msg))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            while running:  # the client finished writing: answer what is left
+            try:
+                async for msg in messages:
+                    await slots.acquire()
+                    task = asyncio.create_task(one(msg))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+            except asyncio.CancelledError:
+                if streams is None or not streams.draining:
+                    raise
+            while running:  # the client finished writing, or a drain: answer what was read
                 await asyncio.wait(set(running))
         finally:
             answers.put_nowait(None)
 
     reader = asyncio.create_task(read())
+    if streams is not None:
+        streams._readers.add(reader)
+        reader.add_done_callback(streams._readers.discard)
+        if streams.draining:
+            reader.cancel()
     try:
         while (answer := await answers.get()) is not None:
             yield answer
@@ -108,18 +135,21 @@ class Decider:
 
     The stream opens on first use and again after it fails; a failure fails
     the decisions in flight with the stream's status (each caller then does
-    what it does when a unary call fails: the worker compiles locally). Against
-    a server without Decide, it falls back to AcquireMany, one call per
-    `decide`.
+    what it does when a unary call fails: the worker compiles locally). A
+    stream the server ends with OK (a draining replica) has answered every
+    message it read, so what it left unanswered is sent again, once, on a new
+    stream. Against a server without Decide, it falls back to AcquireMany,
+    one call per `decide`.
     """
 
     def __init__(self, stub, metadata: tuple = (), *, timeout_s: float = 5.0) -> None:
         self._stub = stub
         self._metadata = metadata
         self.timeout_s = timeout_s
-        self._queue: list[tuple[Sequence[pb.AcquireRequest], asyncio.Future]] = []
+        # Entries: [requests, future, times sent]; queued, then sent by message id.
+        self._queue: list[list] = []
         self._wake = asyncio.Event()
-        self._sent: dict[int, list[tuple[int, asyncio.Future]]] = {}
+        self._sent: dict[int, list[list]] = {}
         self._ids = itertools.count(1)
         self._runner: asyncio.Task | None = None
         self._unary = False  # the server has no Decide
@@ -134,7 +164,7 @@ class Decider:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not self._unary:
             done = asyncio.get_running_loop().create_future()
-            self._queue.append((requests, done))
+            self._queue.append([requests, done, 0])
             self._wake.set()
             if self._runner is None:
                 self._runner = asyncio.create_task(self._run())
@@ -163,11 +193,12 @@ class Decider:
         entries = []
         while self._queue and (not entries or
                                len(msg.requests) + len(self._queue[0][0]) <= MAX_BATCH):
-            requests, done = self._queue.pop(0)
-            if done.done():  # its caller gave up before it was sent
+            entry = self._queue.pop(0)
+            if entry[1].done():  # its caller gave up before it was sent
                 continue
-            msg.requests.extend(requests)
-            entries.append((len(requests), done))
+            entry[2] += 1
+            msg.requests.extend(entry[0])
+            entries.append(entry)
         self._sent[msg.id] = entries
         return msg
 
@@ -175,6 +206,7 @@ class Decider:
         call = self._stub.Decide(metadata=self._metadata)
         reader = asyncio.create_task(self._read(call))
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the Decide stream ended")
+        clean = False  # the server ended the stream with OK
         try:
             while not reader.done():
                 if not self._queue:
@@ -191,11 +223,18 @@ class Decider:
                     self.messages += 1
             if reader.exception() is not None:
                 error = reader.exception()
+            else:
+                clean = True
         except grpc.aio.AioRpcError as exc:
             error = exc
-        except Exception as exc:  # a write on a call that gRPC already ended
-            log.warning("Decide stream failed: %s", exc)
-            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the Decide stream failed: {exc}")
+        except Exception as exc:  # a write on a call that already ended
+            await asyncio.wait({reader}, timeout=1.0)
+            if reader.done() and not reader.cancelled() and reader.exception() is None:
+                clean = True  # ended with OK: a drain
+            else:
+                log.warning("Decide stream failed: %s", exc)
+                error = rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                  f"the Decide stream failed: {exc}")
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.CANCELLED, "the Decider was closed")
             raise
@@ -203,7 +242,15 @@ class Decider:
             reader.cancel()
             call.cancel()
             self._runner = None
-            self._fail_all(error)
+            if clean:  # unanswered means unread: send it again (once) on a new stream
+                unread = [e for entries in self._sent.values() for e in entries]
+                self._sent.clear()
+                self._queue[:0] = [e for e in unread if e[2] < 2]
+                self._fail([e for e in unread if e[2] >= 2], error)
+                if self._queue:
+                    self._runner = asyncio.create_task(self._run())
+            else:
+                self._fail_all(error)
 
     async def _read(self, call) -> None:
         async for answer in call:
@@ -212,25 +259,26 @@ class Decider:
                 continue
             if answer.error_code:
                 code = _CODES.get(answer.error_code, grpc.StatusCode.UNKNOWN)
-                for _, done in entries:
-                    if not done.done():
-                        done.set_exception(rpc_error(code, answer.error_message))
+                self._fail(entries, rpc_error(code, answer.error_message))
                 continue
             responses = list(answer.responses)
-            if len(responses) != sum(n for n, _ in entries):
+            if len(responses) != sum(len(e[0]) for e in entries):
                 raise rpc_error(grpc.StatusCode.INTERNAL,
                                 f"Decide answer {answer.id} has {len(responses)} responses")
             start = 0
-            for n, done in entries:
+            for requests, done, _ in entries:
                 if not done.done():
-                    done.set_result(responses[start:start + n])
-                start += n
+                    done.set_result(responses[start:start + len(requests)])
+                start += len(requests)
 
     def _fail_all(self, error: BaseException) -> None:
-        waiting = [done for entries in self._sent.values() for _, done in entries]
-        waiting += [done for _, done in self._queue]
+        entries = [e for sent in self._sent.values() for e in sent] + self._queue
         self._sent.clear()
-        self._queue.clear()
-        for done in waiting:
+        self._queue = []
+        self._fail(entries, error)
+
+    @staticmethod
+    def _fail(entries: list[list], error: BaseException) -> None:
+        for _, done, _ in entries:
             if not done.done():
                 done.set_exception(error)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from compilecast.decide import Streams
 from compilecast.grpcutil import CHANNEL_OPTIONS, add_service
 from compilecast.v1 import cache_pb2
 
@@ -57,10 +58,11 @@ async def serve_until_signal(
     on_stop: Callable[[], Awaitable[None]],
     grace_s: float = 10.0,
     stop_event: asyncio.Event | None = None,
+    on_drain: Callable[[], None] = lambda: None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or `stop_event`), then stop gracefully:
-    refuse new calls, let in-flight calls (publishes) finish within
-    `grace_s`, then run `on_stop`."""
+    end long-lived streams cleanly (`on_drain`), refuse new calls, let
+    in-flight calls (publishes) finish within `grace_s`, then run `on_stop`."""
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     previous = {}
@@ -71,6 +73,7 @@ async def serve_until_signal(
     try:
         await stop.wait()
         log.info("shutting down (grace %.0fs)", grace_s)
+        on_drain()
         await server.stop(grace_s)
         await on_stop()
     finally:
@@ -85,6 +88,7 @@ class Role:
     own resources in _release()."""
 
     server: grpc.aio.Server
+    server_streams: Streams | None = None  # the service's Decide streams
     health: health.aio.HealthServicer
     _metrics_server: object | None = None
 
@@ -94,6 +98,11 @@ class Role:
     async def _release(self) -> None:
         raise NotImplementedError
 
+    def drain(self) -> None:
+        """End the Decide streams cleanly: each answers what it has read."""
+        if self.server_streams is not None:
+            self.server_streams.drain()
+
     async def _close(self) -> None:
         await self._release()
         if self._metrics_server is not None:
@@ -101,9 +110,11 @@ class Role:
 
     async def stop(self, grace_s: float = 10.0) -> None:
         await set_serving(self.health, False)
+        self.drain()
         await self.server.stop(grace_s)
         await self._close()
 
     async def serve(self, stop_event: asyncio.Event | None = None) -> None:
         await self.start()
-        await serve_until_signal(self.server, on_stop=self._close, stop_event=stop_event)
+        await serve_until_signal(self.server, on_stop=self._close, stop_event=stop_event,
+                                 on_drain=self.drain)

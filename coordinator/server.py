@@ -41,7 +41,9 @@ class Coordinator(Role):
             cfg.etcd_ca_file, cfg.etcd_cert_file, cfg.etcd_key_file))
         self.state = CoordinatorState(cfg, self.etcd, self.store, self.metrics)
         auth = Authenticator.from_file(cfg.auth_tokens_file, cfg.allow_unauthenticated)
-        self.server, self.health = make_server(CoordinatorService(self.state, auth))
+        service = CoordinatorService(self.state, auth)
+        self.server_streams = service.streams
+        self.server, self.health = make_server(service)
         creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
         self.port = (self.server.add_secure_port(cfg.listen, creds) if creds
                      else self.server.add_insecure_port(cfg.listen))

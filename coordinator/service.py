@@ -45,6 +45,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     def __init__(self, state: CoordinatorState, auth: Authenticator) -> None:
         self.state = state
         self.auth = auth
+        self.streams = decide.Streams()
 
     @rpc_errors
     async def Acquire(self, request, context):
@@ -80,7 +81,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
         self.state.metrics.decide_streams.inc()
         try:
             async for answer in decide.serve(request_iterator,
-                                             lambda rs: self._acquire_many(rs, who)):
+                                             lambda rs: self._acquire_many(rs, who),
+                                             streams=self.streams):
                 yield answer
         finally:
             self.state.metrics.decide_streams.dec()

@@ -271,3 +271,100 @@ def test_serve_answers_each_message_when_it_is_decided(loop_thread):
 
     order, rest = loop_thread.run(body())
     assert sorted(order[:2]) == [2, 3] and order[2] == 1 and rest == []
+
+
+def test_a_drain_answers_what_was_read_and_reads_no_more(loop_thread):
+    release = asyncio.Event()
+    streams = decide.Streams()
+
+    async def fake_decide(requests):
+        await release.wait()
+        return [pb.AcquireResponse(decision=pb.HIT, reason=r.key) for r in requests]
+
+    async def body():
+        inbox: asyncio.Queue = asyncio.Queue()
+        read: list[int] = []
+
+        async def messages():
+            while (msg := await inbox.get()) is not None:
+                read.append(msg.id)
+                yield msg
+
+        answers = decide.serve(messages(), fake_decide, streams=streams)
+        inbox.put_nowait(pb.DecideRequest(id=1, requests=[ask("held")]))
+        first = asyncio.ensure_future(anext(answers))
+        await asyncio.sleep(0.05)  # message 1 is read and being decided
+        streams.drain()
+        inbox.put_nowait(pb.DecideRequest(id=2, requests=[ask("after")]))
+        release.set()
+        got = [await first] + [a async for a in answers]
+        return got, read
+
+    got, read = loop_thread.run(body())
+    assert [(a.id, a.responses[0].reason) for a in got] == [(1, "held")]
+    assert read == [1]
+
+
+def test_stopping_the_coordinator_ends_decide_streams_with_ok(start_coordinator, loop_thread):
+    coord = start_coordinator()
+    published(coord.cfg.listen, "k")
+
+    async def open_stream():
+        channel = aio_channel(coord.cfg.listen, None)
+        call = rpc.CompileCacheStub(channel).Decide()
+        await call.write(pb.DecideRequest(id=1, requests=[ask("k")]))
+        answer = await call.read()
+        return channel, call, answer
+
+    channel, call, answer = loop_thread.run(open_stream())
+    try:
+        assert answer.responses[0].decision == pb.HIT
+        coord.stop()  # drains, then stops the server
+
+        async def ending():
+            return await call.code()
+
+        assert loop_thread.run(ending()) == grpc.StatusCode.OK
+    finally:
+        loop_thread.run(channel.close())
+
+
+class _ReadsOneMessagePerStream(rpc.CompileCacheServicer):
+    """A replica that drains after each message: it answers the first message
+    of every stream (slowly) and ends the stream with OK."""
+
+    def __init__(self) -> None:
+        self.streams = 0
+
+    async def Decide(self, request_iterator, context):
+        self.streams += 1
+        async for msg in request_iterator:
+            await asyncio.sleep(0.3)
+            yield pb.DecideResponse(id=msg.id, responses=[
+                pb.AcquireResponse(decision=pb.WAIT, reason=f"stream {self.streams}: {r.key}")
+                for r in msg.requests])
+            return
+
+
+def test_what_a_drained_stream_did_not_read_goes_again_on_a_new_one(loop_thread):
+    servicer = _ReadsOneMessagePerStream()
+
+    async def body():
+        server = grpc.aio.server()
+        rpc.add_CompileCacheServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async def two(d: decide.Decider):
+                first = asyncio.ensure_future(d.decide([ask("a")]))
+                await asyncio.sleep(0.05)  # "a" is on the wire: "b" goes in a second message
+                second = await d.decide([ask("b")])
+                return (await first) + second, d.messages
+
+            return await with_decider(f"127.0.0.1:{port}", two)
+        finally:
+            await server.stop(0)
+
+    answers, messages = loop_thread.run(body())
+    assert [a.reason for a in answers] == ["stream 1: a", "stream 2: b"]
+    assert messages == 3  # "b" was sent twice: unread on stream 1, answered on stream 2

@@ -56,6 +56,7 @@ class Worker(Role):
                                      rpc_timeout_s=self.cfg.rpc_timeout_s,
                                      share_binary_timeout_ms=(
                                          self.cfg.share_binary_between_hosts_timeout_ms))
+        self.server_streams = self.service.streams
         self.server, self.health = make_server(self.service)
         listen = self.cfg.listen
         if listen.startswith("unix://"):

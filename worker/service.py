@@ -171,6 +171,7 @@ class WorkerService(rpc.CompileCacheServicer):
         self._fills: dict[tuple[str, str], _Fill] = {}
         self._tasks: set[asyncio.Task] = set()
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
+        self.streams = decide.Streams()  # local processes' Decide streams
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
 
     async def close(self) -> None:
@@ -264,7 +265,8 @@ class WorkerService(rpc.CompileCacheServicer):
     async def Decide(self, request_iterator, context):
         ns, md = self._credential(context)
         async for answer in decide.serve(request_iterator,
-                                         lambda rs: self._acquire_many(rs, ns, md)):
+                                         lambda rs: self._acquire_many(rs, ns, md),
+                                         streams=self.streams):
             yield answer
 
     @rpc_errors
