@@ -75,6 +75,8 @@ from .watch import WatchHub
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
+# Published entries each replica keeps in memory (~0.5 KB each), oldest out first.
+INDEX_MAX = 200_000
 PROMOTION_STAGGER_S = 0.5
 
 
@@ -120,6 +122,7 @@ class CoordinatorState:
         # blob proves corrupt or missing; the watch reports such deletes (and
         # gaps, after which we forget all).
         self._index: dict[str, tuple[pb.ArtifactInfo, int]] = {}
+        self.index_max = INDEX_MAX
         self._index_deleted: dict[str, int] = {}
         self.records = KeyRecords(etcd, self.prefix, metrics)
         self.farm = Farm(etcd, store, self.prefix, metrics, cfg.lease_ttl_s)
@@ -208,6 +211,9 @@ class CoordinatorState:
 
     def _remember_artifact(self, sk: str, info: pb.ArtifactInfo, revision: int) -> None:
         if self._index_deleted.get(sk, 0) < revision:
+            if sk not in self._index and len(self._index) >= self.index_max:
+                # The oldest remembered entry goes (a HIT on it reads etcd again).
+                self._index.pop(next(iter(self._index)))
             self._index[sk] = (info, revision)
 
     def _published(self, sk: str, value: bytes, revision: int) -> None:

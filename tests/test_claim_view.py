@@ -137,3 +137,25 @@ def test_claimers_still_race_through_etcd(coordinator):
         a.close()
         b.close()
 
+
+
+def test_the_in_memory_index_is_bounded_and_a_forgotten_entry_still_hits(coordinator, loop_thread):
+    async def cap():
+        coordinator.state.index_max = 3
+
+    loop_thread.run(cap())
+    c = CacheClient(coordinator.cfg.listen)
+    try:
+        digests = {}
+        for i in range(6):
+            key = f"bounded-{i}"
+            digests[key] = c.publish(key, c.acquire(key).lease, DATA + bytes([i]), 1.0).digest
+        # The watch has reported all six publishes; only the newest three stay.
+        eventually(lambda: sorted(coordinator.state._index) == [
+            scope("default", f"bounded-{i}") for i in range(3, 6)], "the index keeps the newest")
+        for key, digest in digests.items():
+            resp = c.acquire(key)
+            assert resp.decision == pb.HIT and resp.artifact.digest == digest
+        assert len(coordinator.state._index) == 3
+    finally:
+        c.close()
