@@ -444,6 +444,7 @@ class CoordinatorState:
         sub = self.hub.subscribe(sk)
         self.metrics.waiters.inc()
         outcome = "compile_locally"
+        registered = False
         try:
             cached = self._cached_artifact(sk)
             if cached is not None:  # published already: no registration, no read
@@ -451,6 +452,7 @@ class CoordinatorState:
                 outcome = "hit"
                 yield pb.WaitEvent(decision=pb.HIT, artifact=cached)
                 return
+            registered = True  # from here on the record may exist: it is deleted at the end
             try:
                 await self._waiter_writes.put(
                     wkey, json.dumps({"job": req.job, "process_id": req.process_id}).encode(),
@@ -534,7 +536,8 @@ class CoordinatorState:
             self.metrics.waiters.dec()
             self.metrics.waits.labels(outcome).inc()
             self.metrics.wait_seconds.observe(time.monotonic() - start)
-            self._spawn(self._forget(wkey))
+            if registered:
+                self._spawn(self._forget(wkey))
 
     async def _maybe_hedge(self, sk: str, wkey: bytes, req: pb.Requester, st: KeyState,
                            may_publish: bool, expected: list[float | None]) -> pb.Lease | None:

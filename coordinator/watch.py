@@ -48,9 +48,9 @@ class WatchHub:
         # n has seen every event a subscription cleared since then could miss.
         self.events = 0
         # Called with (scoped key, value, revision) when an artifact index
-        # entry is put; with (scoped key, revision) when one is deleted; with (scoped key, value or None) when a compile lease record
-        # is put or deleted; with no arguments when the watch broke (events
-        # may be lost).
+        # entry is put; with (scoped key, revision) when one is deleted; with
+        # (scoped key, value or None) when a compile lease record is put or
+        # deleted; with no arguments when the watch broke (events may be lost).
         self.on_artifact: list = []
         self.on_artifact_deleted: list = []
         self.on_claim: list = []

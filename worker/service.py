@@ -2,8 +2,9 @@
 
 - Acquire answers HIT from the host cache without a round trip; otherwise it
   asks the coordinator, over one Decide stream per credential that carries
-  every local process's decisions (compilecast.decide). When the coordinator cannot be reached the answer is
-  COMPILE_LOCALLY at once, so a process never waits on a dead service.
+  every local process's decisions (compilecast.decide). When the coordinator
+  cannot be reached the answer is COMPILE_LOCALLY at once, so a process never
+  waits on a dead service.
 - Fetch fills the host cache once per key (one download however many local
   processes ask), then serves every local reader from disk.
 - Publish forwards the stream and keeps a copy, so a restarted process on
