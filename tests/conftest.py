@@ -24,6 +24,32 @@ from compilecast.config import CoordinatorConfig, WorkerConfig
 from compilecast.launch import free_port
 
 
+def eventually(predicate, what: str = "condition", seconds: float = 10.0):
+    """Poll `predicate` until it returns something true (returned); fail the
+    test after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"not within {seconds} s: {what}")
+
+
+def slow_counted_reads(state, reads: list):
+    """A stand-in for state.etcd.get_many that records the first key of each
+    read in `reads` and answers 50 ms late (a slow etcd: concurrent callers
+    arrive while a read is in flight), then reads etcd for real."""
+    real = state.etcd.get_many
+
+    async def get_many(keys):
+        reads.append(keys[0])
+        await asyncio.sleep(0.05)
+        return await real(keys)
+
+    return get_many
+
+
 class EtcdProcess:
     def __init__(self, data_dir: Path) -> None:
         binary = shutil.which("etcd") or "/usr/bin/etcd"

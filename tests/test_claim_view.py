@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
-
-import pytest
 
 from compilecast.coordinator.records import scope
 from compilecast.coordinator.server import Coordinator
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 
-from .conftest import EtcdProcess, coordinator_config
+from .conftest import EtcdProcess, coordinator_config, eventually, slow_counted_reads
 
 DATA = b"claimed" * 5_000
 
@@ -24,16 +21,6 @@ DATA = b"claimed" * 5_000
 def member(target: str, process_id: int, timeout_s: float = 5.0) -> CacheClient:
     return CacheClient(target, timeout_s=timeout_s, identity=Identity(
         job="j", process_id=process_id, designated_process=0, client=f"p{process_id}"))
-
-
-def eventually(fn, what: str, seconds: float = 10.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.05)
-    pytest.fail(f"not within {seconds} s: {what}")
 
 
 def test_someone_compiles_is_answered_without_etcd(tmp_path, prefix, started):
@@ -104,15 +91,9 @@ def test_a_stale_entry_costs_one_wait_and_no_wrong_answer(coordinator, loop_thre
 def test_concurrent_decisions_on_one_key_share_one_etcd_read(coordinator, loop_thread):
     state = coordinator.state
     reads: list[bytes] = []
-    real = state.etcd.get_many
-
-    async def counting(keys):
-        reads.append(keys[0])
-        await asyncio.sleep(0.05)  # a slow etcd: the others arrive meanwhile
-        return await real(keys)
 
     async def ask_all():
-        state.etcd.get_many = counting
+        state.etcd.get_many = slow_counted_reads(state, reads)
         try:
             return await asyncio.gather(*(state.acquire(
                 "shared", pb.Requester(job="j", process_id=i, designated_process=0))

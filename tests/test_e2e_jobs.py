@@ -10,6 +10,7 @@ import pytest
 
 from compilecast.worker.client import CacheClient
 
+from .conftest import eventually
 from .e2e import collect, run_procs, start_procs
 
 pytestmark = pytest.mark.slow
@@ -30,16 +31,6 @@ def test_distributed_job_compiles_once_and_a_rerun_compiles_nothing(up):
     assert {r["digest"] for r in again} == {reference[0]["digest"]}
 
 
-def _wait_for(predicate, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not reached")
-
-
 def test_holder_killed_mid_compile_a_waiter_is_promoted(start_up):
     ttl = 3
     up = start_up({"COMPILECAST_LEASE_TTL_S": str(ttl)})
@@ -49,7 +40,8 @@ def test_holder_killed_mid_compile_a_waiter_is_promoted(start_up):
     per_process = [dict(job, COMPILECAST_PROCESS_ID=str(i)) for i in range(3)]
     procs = start_procs(3, up.target, per_process=per_process, layers=400, width=384)
     # Process 0 (designated) holds the lease while 1 and 2 wait: kill it then.
-    _wait_for(lambda: (s := status.status()).compiles_in_flight == 1 and s.waiters == 2)
+    eventually(lambda: (s := status.status()).compiles_in_flight == 1 and s.waiters == 2,
+               "one compile in flight and two waiters", 60.0)
     procs[0].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     procs[0].communicate(timeout=10)

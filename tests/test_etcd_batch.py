@@ -10,6 +10,8 @@ from compilecast.coordinator.records import scope
 from compilecast.errors import Unavailable
 from compilecast.launch import free_port
 
+from .conftest import slow_counted_reads
+
 
 def test_concurrent_writes_share_txns(etcd, loop_thread, prefix):
     async def body():
@@ -69,16 +71,10 @@ def test_a_failed_txn_fails_its_writes(loop_thread):
 def test_waiters_share_a_read_unless_the_watch_moved(coordinator, loop_thread):
     state = coordinator.state
     sk = scope("default", "shared-wait")
-    reads: list[int] = []
-    real = state.etcd.get_many
-
-    async def counting(keys):
-        reads.append(1)
-        await asyncio.sleep(0.05)
-        return await real(keys)
+    reads: list[bytes] = []
 
     async def body():
-        state.etcd.get_many = counting
+        state.etcd.get_many = slow_counted_reads(state, reads)
         try:
             first = asyncio.ensure_future(state._read_shared(sk, fresh=True))
             await asyncio.sleep(0)
@@ -101,16 +97,10 @@ def test_waiters_share_a_read_unless_the_watch_moved(coordinator, loop_thread):
 def test_acquire_reads_join_any_read_in_flight(coordinator, loop_thread):
     state = coordinator.state
     sk = scope("default", "shared-acquire")
-    reads: list[int] = []
-    real = state.etcd.get_many
-
-    async def counting(keys):
-        reads.append(1)
-        await asyncio.sleep(0.05)
-        return await real(keys)
+    reads: list[bytes] = []
 
     async def body():
-        state.etcd.get_many = counting
+        state.etcd.get_many = slow_counted_reads(state, reads)
         try:
             first = asyncio.ensure_future(state._read_shared(sk))
             await asyncio.sleep(0)
