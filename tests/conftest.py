@@ -8,6 +8,7 @@ a background thread and speak real gRPC on loopback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -36,10 +37,12 @@ def eventually(predicate, what: str = "condition", seconds: float = 10.0):
     pytest.fail(f"not within {seconds} s: {what}")
 
 
-def slow_counted_reads(state, reads: list):
-    """A stand-in for state.etcd.get_many that records the first key of each
-    read in `reads` and answers 50 ms late (a slow etcd: concurrent callers
-    arrive while a read is in flight), then reads etcd for real."""
+@contextlib.contextmanager
+def slow_counted_reads(state):
+    """Within the block, the coordinator state's etcd reads (get_many) answer
+    50 ms late (a slow etcd: concurrent callers arrive while a read is in
+    flight) and record the first key of each read in the yielded list."""
+    reads: list[bytes] = []
     real = state.etcd.get_many
 
     async def get_many(keys):
@@ -47,7 +50,11 @@ def slow_counted_reads(state, reads: list):
         await asyncio.sleep(0.05)
         return await real(keys)
 
-    return get_many
+    state.etcd.get_many = get_many
+    try:
+        yield reads
+    finally:
+        del state.etcd.get_many
 
 
 class EtcdProcess:

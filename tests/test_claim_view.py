@@ -90,18 +90,14 @@ def test_a_stale_entry_costs_one_wait_and_no_wrong_answer(coordinator, loop_thre
 
 def test_concurrent_decisions_on_one_key_share_one_etcd_read(coordinator, loop_thread):
     state = coordinator.state
-    reads: list[bytes] = []
 
     async def ask_all():
-        state.etcd.get_many = slow_counted_reads(state, reads)
-        try:
+        with slow_counted_reads(state) as reads:
             return await asyncio.gather(*(state.acquire(
                 "shared", pb.Requester(job="j", process_id=i, designated_process=0))
-                for i in range(1, 51)))
-        finally:
-            del state.etcd.get_many
+                for i in range(1, 51))), reads
 
-    answers = loop_thread.run(ask_all())
+    answers, reads = loop_thread.run(ask_all())
     assert [a.decision for a in answers] == [pb.WAIT] * 50
     assert all("process 0 of job j compiles" in a.reason for a in answers)
     assert reads.count(state._k("a", scope("default", "shared"))) == 1, reads

@@ -71,11 +71,9 @@ def test_a_failed_txn_fails_its_writes(loop_thread):
 def test_waiters_share_a_read_unless_the_watch_moved(coordinator, loop_thread):
     state = coordinator.state
     sk = scope("default", "shared-wait")
-    reads: list[bytes] = []
 
     async def body():
-        state.etcd.get_many = slow_counted_reads(state, reads)
-        try:
+        with slow_counted_reads(state) as reads:
             first = asyncio.ensure_future(state._read_shared(sk, fresh=True))
             await asyncio.sleep(0)
             joined = [asyncio.ensure_future(state._read_shared(sk, fresh=True))
@@ -86,8 +84,6 @@ def test_waiters_share_a_read_unless_the_watch_moved(coordinator, loop_thread):
             late = await state._read_shared(sk, fresh=True)
             await asyncio.gather(first, *joined)
             return shared, len(reads), late
-        finally:
-            del state.etcd.get_many
 
     shared, total, late = loop_thread.run(body())
     assert shared == 1 and total == 2
@@ -97,18 +93,14 @@ def test_waiters_share_a_read_unless_the_watch_moved(coordinator, loop_thread):
 def test_acquire_reads_join_any_read_in_flight(coordinator, loop_thread):
     state = coordinator.state
     sk = scope("default", "shared-acquire")
-    reads: list[bytes] = []
 
     async def body():
-        state.etcd.get_many = slow_counted_reads(state, reads)
-        try:
+        with slow_counted_reads(state) as reads:
             first = asyncio.ensure_future(state._read_shared(sk))
             await asyncio.sleep(0)
             state.hub.events += 1
             await state._read_shared(sk)
             await first
-        finally:
-            del state.etcd.get_many
+            return len(reads)
 
-    loop_thread.run(body())
-    assert len(reads) == 1
+    assert loop_thread.run(body()) == 1
