@@ -2,7 +2,8 @@
 
 A unary Acquire costs gRPC Python about half a millisecond of CPU on each
 side for the call alone (BENCHMARKS.md, "Decisions per second"); a message on
-an open stream costs a fraction of that. A worker daemon therefore keeps one
+an open stream costs about half of that, and one message can carry many
+decisions. A worker daemon therefore keeps one
 Decide stream per credential to the coordinator and sends every decision its
 processes ask for over it:
 
@@ -16,6 +17,8 @@ processes ask for over it:
 
 A message that is refused (a bad key from a client that does not validate)
 gets its status in its answer; the stream and the other messages carry on.
+A stopping server drains its streams (`Streams.drain`): each answers what it
+has read and ends with OK, and the client sends the rest again elsewhere.
 """
 
 from __future__ import annotations
@@ -158,8 +161,8 @@ class Decider:
     async def decide(self, requests: Sequence[pb.AcquireRequest],
                      timeout_s: float | None = None) -> list[pb.AcquireResponse]:
         """One response per request, in order. Raises grpc.aio.AioRpcError
-        as AcquireMany would (InvalidRequest for a bad request, checked here
-        so that it never shares a message with anyone else's)."""
+        as AcquireMany would, and InvalidRequest for a bad request (checked
+        here, so that it never shares a message with anyone else's)."""
         check_batch(requests)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not self._unary:
