@@ -24,6 +24,7 @@ has read and ends with OK, and the client sends the rest again elsewhere.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -150,7 +151,7 @@ class Decider:
         self._metadata = metadata
         self.timeout_s = timeout_s
         # Entries: [requests, future, times sent]; queued, then sent by message id.
-        self._queue: list[list] = []
+        self._queue: collections.deque[list] = collections.deque()
         self._wake = asyncio.Event()
         self._sent: dict[int, list[list]] = {}
         self._ids = itertools.count(1)
@@ -196,7 +197,7 @@ class Decider:
         entries = []
         while self._queue and (not entries or
                                len(msg.requests) + len(self._queue[0][0]) <= MAX_BATCH):
-            entry = self._queue.pop(0)
+            entry = self._queue.popleft()
             if entry[1].done():  # its caller gave up before it was sent
                 continue
             entry[2] += 1
@@ -248,7 +249,7 @@ class Decider:
             if clean:  # unanswered means unread: send it again (once) on a new stream
                 unread = [e for entries in self._sent.values() for e in entries]
                 self._sent.clear()
-                self._queue[:0] = [e for e in unread if e[2] < 2]
+                self._queue.extendleft(reversed([e for e in unread if e[2] < 2]))
                 self._fail([e for e in unread if e[2] >= 2], error)
                 if self._queue:
                     self._runner = asyncio.create_task(self._run())
@@ -275,9 +276,9 @@ class Decider:
                 start += len(requests)
 
     def _fail_all(self, error: BaseException) -> None:
-        entries = [e for sent in self._sent.values() for e in sent] + self._queue
+        entries = [e for sent in self._sent.values() for e in sent] + list(self._queue)
         self._sent.clear()
-        self._queue = []
+        self._queue.clear()
         self._fail(entries, error)
 
     @staticmethod

@@ -12,6 +12,7 @@ compilecast.errors.Unavailable.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -300,9 +301,8 @@ class WriteBatcher:
     async def _run(self) -> None:
         try:
             while self._queue:
-                batch = []
-                for key in list(self._queue)[:self.max_ops]:
-                    batch.append(self._queue.pop(key))
+                keys = list(itertools.islice(self._queue, self.max_ops))
+                batch = [self._queue.pop(key) for key in keys]
                 try:
                     await self.etcd.txn([], [op for op, _ in batch])
                     self.txns += 1

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from compilecast import decide
+from compilecast import decide, validate
 from compilecast.errors import InvalidRequest
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
@@ -50,6 +50,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Acquire(self, request, context):
         who = self.auth.identify(context)
+        validate.acquire_request(request)
         return await self.state.acquire(request.key, request.requester,
                                         dict(request.key_components), request.program_name,
                                         tenant=who.tenant, may_publish=who.can_publish)

@@ -370,9 +370,8 @@ class CoordinatorState:
                       components: dict[str, str] | None = None,
                       program_name: str = "", *, tenant: str = DEFAULT_TENANT,
                       may_publish: bool = True) -> pb.AcquireResponse:
-        validate.key(key)
-        validate.requester(req)
-        validate.components(components or {}, program_name)
+        # The caller has checked the request (validate.acquire_request): the
+        # service does, once per request, before any of a batch is decided.
         try:
             resp = await self._decide(scope(tenant, key), req, may_publish, program_name)
         except Unavailable as exc:

@@ -80,6 +80,17 @@ def read_until(stream, n: int) -> tuple[pb.ArtifactInfo, bytearray]:
     return info, got
 
 
+def released_after(holder: CacheClient, waiter: CacheClient, data: bytes,
+                   seconds: float) -> HeldUpload:
+    """The holder claims "k" and starts a held upload of `data`, the waiter
+    asks (WAIT), and the upload goes on after `seconds`."""
+    lease = holder.acquire("k").lease
+    waiter.acquire("k")
+    up = HeldUpload(holder, "k", lease, data)
+    threading.Timer(seconds, up.go.set).start()
+    return up
+
+
 def held_and_announced(holder: CacheClient, waiter: CacheClient, size: int):
     """The holder publishes `size` random bytes, held after HEAD; the waiter,
     told that publishing started, fetches and reads HEAD bytes:
@@ -116,10 +127,7 @@ def test_a_waiter_is_told_when_publishing_starts_and_reads_bytes_before_the_uplo
 def test_wait_and_fetch_returns_the_verified_bytes_of_the_upload(coordinator):
     holder, waiter = clients(coordinator.cfg.listen)
     data = os.urandom(6 * MIB)
-    lease = holder.acquire("k").lease
-    waiter.acquire("k")
-    up = HeldUpload(holder, "k", lease, data)
-    threading.Timer(0.5, up.go.set).start()
+    released_after(holder, waiter, data, 0.5)
     event, got = waiter.wait_and_fetch("k", 20)
     assert event.decision == pb.HIT and got == data
     assert event.artifact.digest == hashlib.sha256(data).hexdigest()
@@ -253,10 +261,7 @@ def test_by_default_waiters_are_not_told_and_fetch_once_published(start_coordina
     coordinator = start_coordinator()
     holder, waiter = clients(coordinator.cfg.listen)
     data = os.urandom(4 * MIB)
-    lease = holder.acquire("k").lease
-    waiter.acquire("k")
-    up = HeldUpload(holder, "k", lease, data)
-    threading.Timer(1.0, up.go.set).start()
+    released_after(holder, waiter, data, 1.0)
     event = waiter.wait("k", 20, publishing=True)
     # No publishing event: the first event that ends the wait is the published HIT.
     assert event.decision == pb.HIT
