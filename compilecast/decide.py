@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -32,13 +33,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 
 from compilecast import validate
-from compilecast.errors import CompilecastError, InvalidRequest
+from compilecast.errors import CompilecastError, InvalidRequest, TooMany
 from compilecast.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 1000  # requests per message, as for AcquireMany
 IN_FLIGHT = 64  # messages of one stream decided at once; reading pauses beyond
+MAX_WAITS = 10_000  # waits of one stream at once; beyond, a wait is refused
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -53,6 +55,29 @@ def check_batch(requests: Sequence[pb.AcquireRequest]) -> None:
 
 
 Decide = Callable[[Sequence[pb.AcquireRequest]], Awaitable[list[pb.AcquireResponse]]]
+# A wait on the stream: the request and until_publishing in, the event that ends it out.
+WaitOnce = Callable[[pb.WaitRequest, bool], Awaitable[pb.WaitEvent]]
+
+
+async def ending_event(events: AsyncIterator[pb.WaitEvent],
+                       until_publishing: bool) -> pb.WaitEvent:
+    """The event of a Wait stream that ends it for a caller who does not want
+    heartbeats (and, with until_publishing, wants the publishing notice). The
+    stream is closed at once, so that its waiter record goes with it."""
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if event.decision != pb.WAIT or (until_publishing and event.HasField("artifact")):
+                return event
+    return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended without a decision")
+
+
+def _refusal(msg_id: int, exc: BaseException) -> pb.DecideResponse:
+    """The answer to a message that failed: its status, the stream carries on."""
+    if isinstance(exc, CompilecastError):
+        return pb.DecideResponse(id=msg_id, error_code=exc.code.value[0], error_message=str(exc))
+    log.error("Decide message %d failed", msg_id, exc_info=exc)
+    return pb.DecideResponse(id=msg_id, error_code=grpc.StatusCode.INTERNAL.value[0],
+                             error_message="Decide: internal error")
 
 
 class Streams:
@@ -72,41 +97,72 @@ class Streams:
 
 
 async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
-                in_flight: int = IN_FLIGHT, streams: Streams | None = None
+                wait: WaitOnce | None = None, in_flight: int = IN_FLIGHT,
+                max_waits: int = MAX_WAITS, streams: Streams | None = None
                 ) -> AsyncIterator[pb.DecideResponse]:
     """Answer the messages of a Decide stream with `decide` (a checked batch
-    in, one response per request out), each as soon as it is decided. With
-    `streams`, a drain ends the stream after answering every message read."""
+    in, one response per request out), each as soon as it is decided, and
+    its wait messages with `wait` (without it, with no event: the client
+    then uses Wait). With `streams`, a drain ends the stream after answering
+    every decision read; the waits it cuts short go unanswered, so that the
+    client sends them again."""
     answers: asyncio.Queue[pb.DecideResponse | None] = asyncio.Queue()
     slots = asyncio.Semaphore(in_flight)
     running: set[asyncio.Task] = set()
+    waiting: dict[int, asyncio.Task] = {}
 
     async def one(msg: pb.DecideRequest) -> None:
         try:
             check_batch(msg.requests)
             answer = pb.DecideResponse(id=msg.id, responses=await decide(msg.requests))
-        except CompilecastError as exc:
-            answer = pb.DecideResponse(id=msg.id, error_code=exc.code.value[0],
-                                       error_message=str(exc))
-        except Exception:
-            log.exception("Decide message %d failed", msg.id)
-            answer = pb.DecideResponse(id=msg.id, error_code=grpc.StatusCode.INTERNAL.value[0],
-                                       error_message="Decide: internal error")
+        except Exception as exc:
+            answer = _refusal(msg.id, exc)
         finally:
             slots.release()
         answers.put_nowait(answer)
+
+    async def wait_one(msg: pb.DecideRequest) -> None:
+        # Cancelled (by the client, or by a drain): no answer at all.
+        try:
+            if wait is None:
+                answer = pb.DecideResponse(id=msg.id)
+            else:
+                answer = pb.DecideResponse(id=msg.id,
+                                           event=await wait(msg.wait, msg.until_publishing))
+        except Exception as exc:
+            answer = _refusal(msg.id, exc)
+        finally:
+            if waiting.get(msg.id) is asyncio.current_task():
+                del waiting[msg.id]
+        answers.put_nowait(answer)
+
+    def start(coro, msg_id: int | None = None) -> None:
+        task = asyncio.create_task(coro)
+        running.add(task)
+        task.add_done_callback(running.discard)
+        if msg_id is not None:
+            waiting[msg_id] = task
 
     async def read() -> None:
         try:
             try:
                 async for msg in messages:
-                    await slots.acquire()
-                    task = asyncio.create_task(one(msg))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
+                    for gone in msg.cancel:
+                        if (task := waiting.pop(gone, None)) is not None:
+                            task.cancel()
+                    if msg.HasField("wait") and len(waiting) >= max_waits:
+                        answers.put_nowait(_refusal(msg.id, TooMany(
+                            f"at most {max_waits} waits per Decide stream; use Wait")))
+                    elif msg.HasField("wait"):
+                        start(wait_one(msg), msg.id)
+                    elif msg.requests or not msg.cancel:
+                        await slots.acquire()
+                        start(one(msg))
             except asyncio.CancelledError:
                 if streams is None or not streams.draining:
                     raise
+                for task in waiting.values():  # cut short: the client sends them again
+                    task.cancel()
             while running:  # the client finished writing, or a drain: answer what was read
                 await asyncio.wait(set(running))
         finally:
@@ -133,31 +189,74 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
+class _NoWaits(Exception):
+    """The server answered a wait message with no event: it predates them."""
+
+
+class _Entry:
+    """One caller's decisions (or one wait) on their way through a Decider."""
+
+    __slots__ = ("done", "msg_id", "requests", "sent", "until_publishing", "wait")
+
+    def __init__(self, done: asyncio.Future, requests: Sequence[pb.AcquireRequest] = (),
+                 wait: pb.WaitRequest | None = None, until_publishing: bool = False) -> None:
+        self.requests = requests
+        self.wait = wait
+        self.until_publishing = until_publishing
+        self.done = done
+        self.sent = 0  # times written (at most twice: once more after a drain)
+        self.msg_id = 0  # the message that carried it last
+
+
 class Decider:
-    """The client end: `await decide(requests)` from any number of tasks of
-    one event loop; all of it travels over one Decide stream of `stub`.
+    """The client end: `await decide(requests)` and `await wait(request)`
+    from any number of tasks of one event loop; all of it travels over one
+    Decide stream of `stub`.
 
     The stream opens on first use and again after it fails; a failure fails
-    the decisions in flight with the stream's status (each caller then does
-    what it does when a unary call fails: the worker compiles locally). A
-    stream the server ends with OK (a draining replica) has answered every
-    message it read, so what it left unanswered is sent again, once, on a new
-    stream. Against a server without Decide, it falls back to AcquireMany,
-    one call per `decide`.
+    the decisions and waits in flight with the stream's status (each caller
+    then does what it does when a unary call fails: the worker compiles
+    locally). A stream the server ends with OK (a draining replica) has
+    answered every decision it read, so what it left unanswered is sent
+    again, once, on a new stream. Against a server without Decide, it falls
+    back to AcquireMany, one call per `decide`, and to Wait; against one
+    that predates waits on the stream, to Wait.
     """
 
     def __init__(self, stub, metadata: tuple = (), *, timeout_s: float = 5.0) -> None:
         self._stub = stub
         self._metadata = metadata
         self.timeout_s = timeout_s
-        # Entries: [requests, future, times sent]; queued, then sent by message id.
-        self._queue: collections.deque[list] = collections.deque()
+        self._queue: collections.deque[_Entry] = collections.deque()
+        self._cancels: list[int] = []  # ids of sent waits nobody wants answered any more
         self._wake = asyncio.Event()
-        self._sent: dict[int, list[list]] = {}
+        self._sent: dict[int, list[_Entry]] = {}
         self._ids = itertools.count(1)
         self._runner: asyncio.Task | None = None
         self._unary = False  # the server has no Decide
+        self._no_waits = False  # the server answers no waits on the stream
         self.messages = 0  # messages written (fewer than decide calls under load)
+
+    async def _ask(self, entry: _Entry, limit_s: float | None):
+        """Queue `entry`, wake the writer and wait for its answer."""
+        self._queue.append(entry)
+        self._wake.set()
+        if self._runner is None:
+            self._runner = asyncio.create_task(self._run())
+        try:
+            return await asyncio.wait_for(entry.done, limit_s)
+        except TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer within {limit_s:.1f} s") from None
+        finally:
+            if entry.wait is not None and entry.done.cancelled():  # given up unanswered
+                self._give_up(entry)
+
+    def _give_up(self, entry: _Entry) -> None:
+        """A caller stopped waiting: a wait already sent is cancelled upstream."""
+        if entry.wait is not None and self._sent.pop(entry.msg_id, None) is not None:
+            self._cancels.append(entry.msg_id)
+            self._wake.set()
 
     async def decide(self, requests: Sequence[pb.AcquireRequest],
                      timeout_s: float | None = None) -> list[pb.AcquireResponse]:
@@ -167,16 +266,9 @@ class Decider:
         check_batch(requests)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not self._unary:
-            done = asyncio.get_running_loop().create_future()
-            self._queue.append([requests, done, 0])
-            self._wake.set()
-            if self._runner is None:
-                self._runner = asyncio.create_task(self._run())
+            entry = _Entry(asyncio.get_running_loop().create_future(), requests)
             try:
-                return await asyncio.wait_for(done, timeout)
-            except TimeoutError:
-                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"no decision within {timeout:.1f} s") from None
+                return await self._ask(entry, timeout)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
@@ -186,24 +278,65 @@ class Decider:
                                             timeout=timeout, metadata=self._metadata)
         return list(resp.responses)
 
+    async def wait(self, request: pb.WaitRequest, *,
+                   until_publishing: bool = False) -> pb.WaitEvent:
+        """The event that ends a wait for `request.key`: HIT, COMPILE
+        (promoted) or COMPILE_LOCALLY, or with `until_publishing` also the
+        WAIT that says the holder has started to publish. Raises
+        grpc.aio.AioRpcError as Wait would; a caller that is cancelled or
+        times out ends the wait on the server too."""
+        timeout = (request.timeout_ms / 1000.0 + self.timeout_s
+                   if request.timeout_ms > 0 else None)
+        if not (self._unary or self._no_waits):
+            entry = _Entry(asyncio.get_running_loop().create_future(), wait=request,
+                           until_publishing=until_publishing)
+            try:
+                return await self._ask(entry, timeout)
+            except _NoWaits:
+                log.info("the server answers no waits on the Decide stream; using Wait")
+                self._no_waits = True
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNIMPLEMENTED,
+                                      grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    raise
+        call = self._stub.Wait(request, timeout=timeout, metadata=self._metadata)
+        try:
+            async for event in call:
+                if event.decision != pb.WAIT or (until_publishing and event.HasField("artifact")):
+                    return event
+        finally:
+            call.cancel()
+        raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the Wait stream ended without a decision")
+
     async def close(self) -> None:
         if self._runner is not None:
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
 
     def _next_message(self) -> pb.DecideRequest:
-        """Everything queued, up to MAX_BATCH requests, as one message."""
-        msg = pb.DecideRequest(id=next(self._ids))
-        entries = []
-        while self._queue and (not entries or
-                               len(msg.requests) + len(self._queue[0][0]) <= MAX_BATCH):
-            entry = self._queue.popleft()
-            if entry[1].done():  # its caller gave up before it was sent
+        """A wait alone, or the decisions queued up to the next wait (at most
+        MAX_BATCH requests), as one message, with the cancels pending."""
+        msg = pb.DecideRequest(id=next(self._ids), cancel=self._cancels)
+        self._cancels.clear()
+        entries: list[_Entry] = []
+        while self._queue:
+            entry = self._queue[0]
+            if entries and (entry.wait is not None
+                            or len(msg.requests) + len(entry.requests) > MAX_BATCH):
+                break
+            self._queue.popleft()
+            if entry.done.done():  # its caller gave up before it was sent
                 continue
-            entry[2] += 1
-            msg.requests.extend(entry[0])
+            entry.sent += 1
+            entry.msg_id = msg.id
             entries.append(entry)
-        self._sent[msg.id] = entries
+            if entry.wait is not None:
+                msg.wait.CopyFrom(entry.wait)
+                msg.until_publishing = entry.until_publishing
+                break
+            msg.requests.extend(entry.requests)
+        if entries:
+            self._sent[msg.id] = entries
         return msg
 
     async def _run(self) -> None:
@@ -213,7 +346,7 @@ class Decider:
         clean = False  # the server ended the stream with OK
         try:
             while not reader.done():
-                if not self._queue:
+                if not self._queue and not self._cancels:
                     self._wake.clear()
                     woken = asyncio.create_task(self._wake.wait())
                     try:
@@ -222,7 +355,7 @@ class Decider:
                         woken.cancel()
                     continue
                 msg = self._next_message()
-                if msg.requests:
+                if msg.requests or msg.HasField("wait") or msg.cancel:
                     await call.write(msg)
                     self.messages += 1
             if reader.exception() is not None:
@@ -246,11 +379,12 @@ class Decider:
             reader.cancel()
             call.cancel()
             self._runner = None
+            self._cancels.clear()  # their stream is gone, and their waits with it
             if clean:  # unanswered means unread: send it again (once) on a new stream
                 unread = [e for entries in self._sent.values() for e in entries]
                 self._sent.clear()
-                self._queue.extendleft(reversed([e for e in unread if e[2] < 2]))
-                self._fail([e for e in unread if e[2] >= 2], error)
+                self._queue.extendleft(reversed([e for e in unread if e.sent < 2]))
+                self._fail([e for e in unread if e.sent >= 2], error)
                 if self._queue:
                     self._runner = asyncio.create_task(self._run())
             else:
@@ -265,15 +399,22 @@ class Decider:
                 code = _CODES.get(answer.error_code, grpc.StatusCode.UNKNOWN)
                 self._fail(entries, rpc_error(code, answer.error_message))
                 continue
+            if entries[0].wait is not None:
+                if not entries[0].done.done():
+                    if answer.HasField("event"):
+                        entries[0].done.set_result(answer.event)
+                    else:
+                        entries[0].done.set_exception(_NoWaits())
+                continue
             responses = list(answer.responses)
-            if len(responses) != sum(len(e[0]) for e in entries):
+            if len(responses) != sum(len(e.requests) for e in entries):
                 raise rpc_error(grpc.StatusCode.INTERNAL,
                                 f"Decide answer {answer.id} has {len(responses)} responses")
             start = 0
-            for requests, done, _ in entries:
-                if not done.done():
-                    done.set_result(responses[start:start + len(requests)])
-                start += len(requests)
+            for entry in entries:
+                if not entry.done.done():
+                    entry.done.set_result(responses[start:start + len(entry.requests)])
+                start += len(entry.requests)
 
     def _fail_all(self, error: BaseException) -> None:
         entries = [e for sent in self._sent.values() for e in sent] + list(self._queue)
@@ -282,7 +423,7 @@ class Decider:
         self._fail(entries, error)
 
     @staticmethod
-    def _fail(entries: list[list], error: BaseException) -> None:
-        for _, done, _ in entries:
-            if not done.done():
-                done.set_exception(error)
+    def _fail(entries: list[_Entry], error: BaseException) -> None:
+        for entry in entries:
+            if not entry.done.done():
+                entry.done.set_exception(error)

@@ -56,6 +56,12 @@ class TooLarge(CompilecastError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class TooMany(CompilecastError):
+    """A per-stream limit reached (e.g. waits on one Decide stream)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class CorruptBlob(CompilecastError):
     code = grpc.StatusCode.DATA_LOSS
 

@@ -81,18 +81,22 @@ class CoordinatorService(rpc.CompileCacheServicer):
         who = self.auth.identify(context)
         self.state.metrics.decide_streams.inc()
         try:
-            async for answer in decide.serve(request_iterator,
-                                             lambda rs: self._acquire_many(rs, who),
-                                             streams=self.streams):
+            async for answer in decide.serve(
+                    request_iterator, lambda rs: self._acquire_many(rs, who),
+                    wait=lambda r, until: decide.ending_event(self._wait(r, who), until),
+                    streams=self.streams):
                 yield answer
         finally:
             self.state.metrics.decide_streams.dec()
 
+    def _wait(self, request: pb.WaitRequest, who) -> AsyncIterator[pb.WaitEvent]:
+        return self.state.wait(request.key, request.requester, request.timeout_ms,
+                               tenant=who.tenant, may_publish=who.can_publish)
+
     @rpc_errors
     async def Wait(self, request, context):
         who = self.auth.identify(context)
-        async for event in self.state.wait(request.key, request.requester, request.timeout_ms,
-                                           tenant=who.tenant, may_publish=who.can_publish):
+        async for event in self._wait(request, who):
             yield event
 
     @rpc_errors

@@ -267,28 +267,47 @@ class WorkerService(rpc.CompileCacheServicer):
         ns, md = self._credential(context)
         async for answer in decide.serve(request_iterator,
                                          lambda rs: self._acquire_many(rs, ns, md),
+                                         wait=lambda r, until: self._wait_once(r, md, until),
                                          streams=self.streams):
             yield answer
 
-    @rpc_errors
-    async def Wait(self, request, context):
+    def _bounded(self, request: pb.WaitRequest) -> pb.WaitRequest:
+        """The wait within the operator's share-binary timeout for this host."""
         validate.key(request.key)
-        _, md = self._credential(context)
-        if self.share_binary_timeout_ms > 0:  # the operator's bound for this host
+        if self.share_binary_timeout_ms > 0:
             request.timeout_ms = min(request.timeout_ms or self.share_binary_timeout_ms,
                                      self.share_binary_timeout_ms)
-        timeout_s = request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
+        return request
+
+    async def _wait_once(self, request: pb.WaitRequest, md: tuple,
+                         until_publishing: bool) -> pb.WaitEvent:
+        """A wait, over the Decide stream (a message, not a call of its own);
+        an unreachable coordinator means COMPILE_LOCALLY."""
         try:
-            call = self.up.Wait(request, timeout=(timeout_s + self.rpc_timeout_s)
-                                if timeout_s else None, metadata=md)
-            async for event in call:
-                yield event
-                if event.decision != pb.WAIT:
-                    return
+            return await self._decider(md).wait(self._bounded(request),
+                                                until_publishing=until_publishing)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in DEGRADED:
                 raise _relay(exc) from None
-            yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._local("wait", exc))
+            return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._local("wait", exc))
+
+    @rpc_errors
+    async def Wait(self, request, context):
+        _, md = self._credential(context)
+        request = self._bounded(request)
+        deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms else None
+        event = await self._wait_once(request, md, until_publishing=True)
+        yield event
+        if event.decision != pb.WAIT:
+            return
+        # The holder has started to publish: the caller may fetch now, or wait on.
+        if deadline is not None:
+            request.timeout_ms = int((deadline - time.monotonic()) * 1000)
+            if request.timeout_ms <= 0:
+                yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
+                                   reason="share-binary timeout passed; compile locally")
+                return
+        yield await self._wait_once(request, md, until_publishing=False)
 
     @rpc_errors
     async def Publish(self, request_iterator, context):

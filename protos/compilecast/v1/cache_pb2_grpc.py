@@ -134,10 +134,10 @@ class CompileCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decide(self, request_iterator, context):
-        """Decisions over one long-lived stream: what a worker daemon uses. Messages
-        are answered as they are decided, possibly out of order (match by id);
-        a slow miss never holds up the hits behind it. Authenticated once, when
-        the stream opens.
+        """Decisions and waits over one long-lived stream: what a worker daemon
+        uses. Messages are answered as they are decided, possibly out of order
+        (match by id); a slow miss never holds up the hits behind it.
+        Authenticated once, when the stream opens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,249 @@
+"""Waits over the Decide stream: a wait is one message, answered by the event
+that ends it. Against a real coordinator (etcd, gRPC on loopback), and
+`serve` alone with wait functions of our own where a test must hold a wait."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+
+from compilecast import decide
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.worker.client import CacheClient, Identity
+from tests.conftest import eventually
+from tests.test_decide import DATA, ask, with_decider
+
+MIB = 1 << 20
+
+
+def wait_for(key: str, timeout_ms: int = 10_000, **requester) -> pb.WaitRequest:
+    return pb.WaitRequest(key=key, timeout_ms=timeout_ms,
+                          requester=pb.Requester(**(requester or {"client": "waiter"})))
+
+
+def claimed(target: str, key: str) -> tuple[CacheClient, pb.Lease]:
+    holder = CacheClient(target, identity=Identity(client="holder"))
+    resp = holder.acquire(key)
+    assert resp.decision == pb.COMPILE
+    return holder, resp.lease
+
+
+def test_a_wait_on_the_stream_ends_with_the_publish(coordinator, loop_thread):
+    target = coordinator.cfg.listen
+    holder, lease = claimed(target, "k")
+
+    async def body(d: decide.Decider):
+        waiting = asyncio.ensure_future(d.wait(wait_for("k")))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await asyncio.to_thread(holder.publish, "k", lease, DATA, 2.0)
+        woken = await waiting
+        late = await d.wait(wait_for("k", client="late"))  # published already: HIT at once
+        return woken, late, d.messages
+
+    try:
+        woken, late, messages = loop_thread.run(with_decider(target, body))
+    finally:
+        holder.close()
+    assert woken.decision == pb.HIT and woken.artifact.size == len(DATA)
+    assert late.decision == pb.HIT and late.artifact.digest == woken.artifact.digest
+    assert messages == 2  # each wait went over the stream, as one message
+    reg = coordinator.registry
+    assert reg.get_sample_value("compilecast_coordinator_waits_total", {"outcome": "hit"}) == 2
+    assert reg.get_sample_value("compilecast_coordinator_waiters") == 0
+
+
+def test_a_wait_on_the_stream_times_out_and_is_promoted(coordinator, loop_thread):
+    target = coordinator.cfg.listen
+    holder, lease = claimed(target, "k")
+
+    async def body(d: decide.Decider):
+        timed_out = await d.wait(wait_for("k", timeout_ms=300))
+        waiting = asyncio.ensure_future(d.wait(wait_for("k")))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(holder.release, "k", lease, pb.ABANDONED)
+        return timed_out, await waiting
+
+    try:
+        timed_out, promoted = loop_thread.run(with_decider(target, body))
+    finally:
+        holder.close()
+    assert timed_out.decision == pb.COMPILE_LOCALLY and "timeout" in timed_out.reason
+    assert promoted.decision == pb.COMPILE and promoted.lease.id > 0
+
+
+def test_a_wait_can_end_when_publishing_starts(start_coordinator, loop_thread):
+    from tests.test_streaming_publish import HeldUpload, clients
+
+    coordinator = start_coordinator(publish_stream_readers=4)
+    holder, waiter = clients(coordinator.cfg.listen)
+    data = b"x" * (5 * MIB)
+    up = HeldUpload(holder, "k", holder.acquire("k").lease, data)
+
+    async def body(d: decide.Decider):
+        announced = await d.wait(wait_for("k", job="j", process_id=1), until_publishing=True)
+        up.go.set()
+        return announced, await d.wait(wait_for("k", job="j", process_id=1))
+
+    try:
+        announced, hit = loop_thread.run(with_decider(coordinator.cfg.listen, body))
+        up.thread.join(10)
+    finally:
+        holder.close()
+        waiter.close()
+    assert announced.decision == pb.WAIT and announced.artifact.size == len(data)
+    assert hit.decision == pb.HIT and hit.artifact.digest == announced.artifact.digest
+
+
+def test_a_caller_that_gives_up_ends_its_wait_on_the_coordinator(coordinator, loop_thread):
+    target = coordinator.cfg.listen
+    holder, _ = claimed(target, "k")
+    reg = coordinator.registry
+
+    async def body(d: decide.Decider):
+        try:
+            await asyncio.wait_for(d.wait(wait_for("k", timeout_ms=60_000)), 0.5)
+        except TimeoutError:
+            pass
+        # The stream lives on: its waiter is gone, its decisions still come.
+        await asyncio.to_thread(eventually,
+                                lambda: reg.get_sample_value("compilecast_coordinator_waiters")
+                                == 0, "the abandoned wait ended", 5)
+        answer = (await d.decide([ask("k", client="other")]))[0]
+        return answer, d.messages, reg.get_sample_value("compilecast_coordinator_decide_streams")
+
+    try:
+        answer, messages, streams = loop_thread.run(with_decider(target, body))
+    finally:
+        holder.close()
+    assert answer.decision == pb.WAIT
+    assert messages == 3 and streams == 1  # the wait, its cancel, the decision: one stream
+
+
+def test_a_process_waiting_behind_a_worker_waits_on_its_stream(coordinator, start_worker):
+    target = coordinator.cfg.listen
+    w = start_worker(target)
+    holder, lease = claimed(target, "k")
+    proc = CacheClient(w.cfg.listen, identity=Identity(job="j", process_id=1), timeout_s=10)
+    try:
+        assert proc.acquire("k").decision == pb.WAIT
+        threading.Timer(0.3, holder.publish, ("k", lease, DATA, 1.0)).start()
+        event = proc.wait("k", 10)
+        assert event.decision == pb.HIT and event.artifact.size == len(DATA)
+        # The acquire and the wait went over the worker's one stream.
+        assert sum(d.messages for d in w.service._deciders.values()) == 2
+        assert coordinator.registry.get_sample_value(
+            "compilecast_coordinator_decide_streams") == 1
+    finally:
+        proc.close()
+        holder.close()
+
+
+class _NoWaitsOnTheStream(rpc.CompileCacheServicer):
+    """A server from before waits on the stream: Decide answers a wait message
+    with no event (it sees an empty batch); Wait works."""
+
+    async def Decide(self, request_iterator, context):
+        async def decided(requests):
+            return [pb.AcquireResponse(decision=pb.WAIT) for _ in requests]
+
+        async for answer in decide.serve(request_iterator, decided):
+            yield answer
+
+    async def Wait(self, request, context):
+        yield pb.WaitEvent(decision=pb.WAIT, reason="heartbeat")
+        yield pb.WaitEvent(decision=pb.HIT, reason=f"unary: {request.key}")
+
+
+def test_falls_back_to_wait_against_a_server_without_waits_on_the_stream(loop_thread):
+    async def body():
+        server = grpc.aio.server()
+        rpc.add_CompileCacheServicer_to_server(_NoWaitsOnTheStream(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async def twice(d: decide.Decider):
+                first = await d.wait(wait_for("a"))
+                second = await d.wait(wait_for("b"))
+                return first, second, d.messages
+
+            return await with_decider(f"127.0.0.1:{port}", twice)
+        finally:
+            await server.stop(0)
+
+    first, second, messages = loop_thread.run(body())
+    assert (first.reason, second.reason) == ("unary: a", "unary: b")
+    assert messages == 1  # tried once on the stream; then Wait only
+
+
+async def _inbox_stream():
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def messages():
+        while (msg := await inbox.get()) is not None:
+            yield msg
+
+    return inbox, messages()
+
+
+def test_serve_refuses_waits_past_its_limit_and_cancels_on_request(loop_thread):
+    release = asyncio.Event()
+    ended: list[str] = []
+
+    async def held_wait(request, until_publishing):
+        try:
+            await release.wait()
+        finally:
+            ended.append(request.key)
+        return pb.WaitEvent(decision=pb.HIT, reason=request.key)
+
+    async def no_decisions(requests):
+        raise AssertionError("no decisions were sent")
+
+    async def body():
+        inbox, messages = await _inbox_stream()
+        answers = decide.serve(messages, no_decisions, wait=held_wait, max_waits=2)
+        for i, key in enumerate(["a", "b", "c"], 1):
+            inbox.put_nowait(pb.DecideRequest(id=i, wait=wait_for(key)))
+        refused = await anext(answers)
+        inbox.put_nowait(pb.DecideRequest(id=4, cancel=[1]))
+        await asyncio.sleep(0.1)
+        cancelled = list(ended)
+        release.set()
+        rest = await anext(answers)
+        inbox.put_nowait(None)
+        return refused, cancelled, rest, [a async for a in answers]
+
+    refused, cancelled, rest, tail = loop_thread.run(body())
+    assert refused.id == 3 and refused.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert cancelled == ["a"]  # message 1's wait ended; nothing answers it
+    assert (rest.id, rest.event.reason) == (2, "b") and tail == []
+
+
+def test_a_drain_cuts_waits_short_unanswered_and_answers_decisions(loop_thread):
+    streams = decide.Streams()
+    release = asyncio.Event()
+
+    async def held_wait(request, until_publishing):
+        await asyncio.Event().wait()  # never ends by itself
+
+    async def held_decide(requests):
+        await release.wait()
+        return [pb.AcquireResponse(decision=pb.HIT, reason=r.key) for r in requests]
+
+    async def body():
+        inbox, messages = await _inbox_stream()
+        answers = decide.serve(messages, held_decide, wait=held_wait, streams=streams)
+        inbox.put_nowait(pb.DecideRequest(id=1, wait=wait_for("w")))
+        inbox.put_nowait(pb.DecideRequest(id=2, requests=[ask("d")]))
+        first = asyncio.ensure_future(anext(answers))
+        await asyncio.sleep(0.05)
+        streams.drain()
+        release.set()
+        return [await first] + [a async for a in answers]
+
+    got = loop_thread.run(body())
+    assert [(a.id, a.responses[0].reason) for a in got] == [(2, "d")]
