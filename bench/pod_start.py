@@ -5,10 +5,13 @@ others get WAIT, Wait, and are woken with HIT. Time until every process has
 a HIT for every program, against M x compile-s, and where the CPU went.
 
     python bench/pod_start.py [--processes 1000] [--programs 5] [--compile-s 1.0]
+                              [--wait-calls]
 
 The processes are tasks of one grpc.aio load generator, over 8 Decide
-streams for Acquire (as workers send them) and one Wait stream each; all of
-it on the machine's 2 cores with the coordinator and etcd.
+streams (as 8 workers send them) for their decisions and their waits; with
+--wait-calls, each wait is a Wait call of its own instead (as before waits
+went over the stream). All of it on the machine's 2 cores with the
+coordinator and etcd.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ ARTIFACT = b"executable" * 1000
 
 
 async def run(target: str, processes: int, programs: int, compile_s: float,
-              tag: str) -> dict[str, float]:
+              tag: str, wait_calls: bool) -> dict[str, float]:
     channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
     deciders = [Decider(s, timeout_s=120) for s in stubs]
@@ -47,7 +50,7 @@ async def run(target: str, processes: int, programs: int, compile_s: float,
         for m in range(programs):
             key = f"{tag}-program-{m}"
             resp = (await deciders[i % len(deciders)].decide(
-                [pb.AcquireRequest(key=key, requester=who)]))[0]
+                [pb.AcquireRequest(key=key, requester=who, program_name=f"program-{m}")]))[0]
             if resp.decision == pb.COMPILE:
                 counts["compile"] += 1
                 await asyncio.sleep(compile_s)
@@ -62,11 +65,14 @@ async def run(target: str, processes: int, programs: int, compile_s: float,
             elif resp.decision == pb.HIT:
                 counts["acquire_hit"] += 1
             elif resp.decision == pb.WAIT:
-                async for event in stub.Wait(pb.WaitRequest(key=key, requester=who,
-                                                            timeout_ms=120_000), timeout=130):
-                    if event.decision != pb.WAIT:
-                        counts["wait_hit" if event.decision == pb.HIT else "other"] += 1
-                        break
+                wait = pb.WaitRequest(key=key, requester=who, timeout_ms=120_000)
+                if wait_calls:
+                    async for event in stub.Wait(wait, timeout=130):
+                        if event.decision != pb.WAIT:
+                            break
+                else:
+                    event = await deciders[i % len(deciders)].wait(wait)
+                counts["wait_hit" if event.decision == pb.HIT else "other"] += 1
             else:
                 counts["other"] += 1
 
@@ -85,6 +91,8 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=1000)
     ap.add_argument("--programs", type=int, default=5)
     ap.add_argument("--compile-s", type=float, default=1.0)
+    ap.add_argument("--wait-calls", action="store_true",
+                    help="one Wait call per wait instead of a message on the Decide stream")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cc-podstart-"))
     stack = Stack(root)
@@ -93,11 +101,14 @@ def main() -> None:
         pids = {"etcd": stack.procs[0].pid, "coordinator": coord.pid}
         before = {n: cpu_seconds(p) for n, p in pids.items()}
         c0 = own_cpu_seconds()
-        row = asyncio.run(run(target, args.processes, args.programs, args.compile_s, "a"))
+        row = asyncio.run(run(target, args.processes, args.programs, args.compile_s, "a",
+                              args.wait_calls))
         used = {n: cpu_seconds(p) - before[n] for n, p in pids.items()}
         used["load generator"] = own_cpu_seconds() - c0
         ideal = args.programs * args.compile_s
-        print(f"{args.processes} processes x {args.programs} programs, compile {args.compile_s} s: "
+        how = "Wait calls" if args.wait_calls else "waits on the Decide streams"
+        print(f"{args.processes} processes x {args.programs} programs, compile {args.compile_s} s, "
+              f"{how}: "
               f"all done in {row['wall']:.2f} s ({row['wall'] / ideal:.2f}x the {ideal:.1f} s of "
               f"compiles); compiles {row['compile']}, woken with HIT {row['wait_hit']}, HIT at "
               f"once {row['acquire_hit']}, other {row['other']}; CPU seconds: " +

@@ -50,6 +50,8 @@ def info_from(key: str, raw: bytes) -> pb.ArtifactInfo:
 
 
 DEFAULT_TENANT = "default"
+EXPECTED_TTL_S = 10.0  # how long a program's expected compile time is reused
+EXPECTED_MAX = 4096  # programs remembered at once (expired ones go first)
 
 
 def scope(tenant: str, key: str) -> str:
@@ -72,15 +74,40 @@ class KeyRecords:
         # Keys of one program name are recorded one at a time on a replica, so a
         # key is compared with the one recorded just before it, not raced by it.
         self._names: dict[tuple[str, str], list] = {}  # -> [lock, users]
+        # Expected compile times by (tenant, program name): looked up when
+        # read, shared by every waiter of a pod for EXPECTED_TTL_S.
+        self._expected: dict[tuple[str, str], tuple[float, asyncio.Future]] = {}
 
     def _k(self, kind: str, sk: str) -> bytes:
         return self.prefix + f"/{kind}/{sk}".encode()
 
     async def expected_compile_s(self, tenant: str, program: str) -> float | None:
         """The longest compile time published for earlier keys of the same
-        program name (None when unknown)."""
+        program name (None when unknown), as read at most EXPECTED_TTL_S ago:
+        the thousand waiters of a pod's job start make one read, not two
+        thousand. A hedge is a heuristic; seconds of staleness do not matter."""
         if not program:
             return None
+        now = time.monotonic()
+        entry = self._expected.get((tenant, program))
+        if entry is None or now - entry[0] > EXPECTED_TTL_S:
+            if len(self._expected) >= EXPECTED_MAX:
+                self._expected = {k: v for k, v in self._expected.items()
+                                  if now - v[0] <= EXPECTED_TTL_S}
+                if len(self._expected) >= EXPECTED_MAX:
+                    self._expected.clear()
+            read = asyncio.ensure_future(self._expected_compile_s(tenant, program))
+            entry = self._expected[(tenant, program)] = (now, read)
+
+            def failed(read: asyncio.Future, name=(tenant, program)) -> None:
+                if (read.cancelled() or read.exception() is not None) and \
+                        self._expected.get(name, (0, None))[1] is read:
+                    del self._expected[name]  # the next waiter reads again
+
+            read.add_done_callback(failed)
+        return await asyncio.shield(entry[1])
+
+    async def _expected_compile_s(self, tenant: str, program: str) -> float | None:
         names = await self.etcd.get_prefix(self.name_prefix(tenant, program), limit=32)
         keys = [f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}" for kv in names]
         if not keys:

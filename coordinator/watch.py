@@ -44,8 +44,10 @@ class WatchHub:
         self.prefix = prefix
         self._subs: dict[str, set[Subscription]] = defaultdict(set)
         self.ready = asyncio.Event()
-        # Events delivered (and gaps), ever: a read that started when this was
-        # n has seen every event a subscription cleared since then could miss.
+        # Events on keys' state (a, l, x, h: what wakes a subscription) and
+        # gaps, ever: a read that started when this was n has seen every event
+        # a subscription cleared since then could miss. Waiter records and
+        # the rest do not count: they never wake anyone.
         self.events = 0
         # Called with (scoped key, value, revision) when an artifact index
         # entry is put; with (scoped key, revision) when one is deleted; with
@@ -79,13 +81,13 @@ class WatchHub:
                 s.set()
 
     def _dispatch(self, events: list) -> None:
-        self.events += len(events)
         skip = len(self.prefix) + 1  # "P/"
         for ev in events:
             rest = ev.kv.key[skip:]
             kind, _, tail = rest.partition(b"/")
             if kind not in (b"a", b"l", b"x", b"h"):
                 continue
+            self.events += 1
             sk = tail.decode(errors="replace")
             if kind == b"a":
                 if ev.type == ev.DELETE:

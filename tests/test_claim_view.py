@@ -136,3 +136,40 @@ def test_the_in_memory_index_is_bounded_and_a_forgotten_entry_still_hits(coordin
         assert len(coordinator.state._index) == 3
     finally:
         c.close()
+
+
+def test_the_waiters_of_a_program_look_up_its_compile_time_once(start_coordinator, loop_thread):
+    """Hedging compares a holder with the program's expected compile time:
+    read once for all the waiters of a pod (within EXPECTED_TTL_S)."""
+    coordinator = start_coordinator(hedge_factor=2.0, hedge_min_s=30.0)
+    state = coordinator.state
+    holder = member(coordinator.cfg.listen, 0)
+    try:
+        assert holder.acquire("v1", program_name="jit_step").decision == pb.COMPILE
+    finally:
+        holder.close()
+    lookups: list[bytes] = []
+    real = state.etcd.get_prefix
+
+    async def get_prefix(prefix, **kw):
+        lookups.append(prefix)
+        return await real(prefix, **kw)
+
+    async def wait_all():
+        state.etcd.get_prefix = get_prefix
+        try:
+            return await asyncio.gather(*(
+                _last(state.wait("v1", pb.Requester(job="j", process_id=i, designated_process=0),
+                                 300)) for i in range(1, 21)))
+        finally:
+            del state.etcd.get_prefix
+
+    events = loop_thread.run(wait_all())
+    assert [e.decision for e in events] == [pb.COMPILE_LOCALLY] * 20  # timed out, not hedged
+    name = state.records.name_prefix("default", "jit_step")
+    assert lookups.count(name) == 1, lookups
+
+
+async def _last(events):
+    seen = [event async for event in events]
+    return seen[-1]

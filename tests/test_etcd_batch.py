@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-from compilecast.coordinator.etcd import Etcd, WriteBatcher
+from compilecast.coordinator.etcd import Etcd, WriteBatcher, op_put
 from compilecast.coordinator.records import scope
 from compilecast.errors import Unavailable
 from compilecast.launch import free_port
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker.client import CacheClient
 
-from .conftest import slow_counted_reads
+from .conftest import eventually, slow_counted_reads
 
 
 def test_concurrent_writes_share_txns(etcd, loop_thread, prefix):
@@ -104,3 +106,20 @@ def test_acquire_reads_join_any_read_in_flight(coordinator, loop_thread):
             return len(reads)
 
     assert loop_thread.run(body()) == 1
+
+
+def test_waiter_records_do_not_move_the_watch_count(coordinator, loop_thread):
+    """Waiters share a read while no event that could wake them arrived: the
+    waiter records a pod's job start writes by the thousand are not such
+    events; a claim is."""
+    state = coordinator.state
+    sk = scope("default", "counted")
+    before = state.hub.events
+    loop_thread.run(state.etcd.txn([], [op_put(state._k("w", sk) + b"/0000000001/x", b"{}")]))
+    client = CacheClient(coordinator.cfg.listen)
+    try:
+        assert client.acquire("counted").decision == pb.COMPILE  # writes the claim record
+    finally:
+        client.close()
+    eventually(lambda: state._claimed.get(sk), "the watch delivered the claim")
+    assert state.hub.events == before + 1
