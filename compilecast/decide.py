@@ -308,7 +308,14 @@ class Decider:
             call.cancel()
         raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the Wait stream ended without a decision")
 
-    async def close(self) -> None:
+    async def close(self, *, when_idle: bool = False) -> None:
+        """Close the stream; with when_idle, once every decision and wait
+        asked so far is answered (a worker retiring a stream it no longer
+        uses must not cut the long waits on it short)."""
+        asked = {e.done for e in self._queue} | {
+            e.done for sent in self._sent.values() for e in sent}
+        if when_idle and asked:
+            await asyncio.wait(asked)
         if self._runner is not None:
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)

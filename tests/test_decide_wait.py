@@ -247,3 +247,36 @@ def test_a_drain_cuts_waits_short_unanswered_and_answers_decisions(loop_thread):
 
     got = loop_thread.run(body())
     assert [(a.id, a.responses[0].reason) for a in got] == [(2, "d")]
+
+
+def test_a_worker_retiring_a_stream_lets_its_waits_end(start_coordinator, tokens_file,
+                                                       start_worker, monkeypatch):
+    """A worker keeps a bounded number of upstream streams (one per caller
+    credential); the one it evicts is closed only once its waits have ended."""
+    from compilecast.worker import service
+
+    monkeypatch.setattr(service, "MAX_DECIDERS", 1)
+    coordinator = start_coordinator(auth_tokens_file=str(tokens_file),
+                                    allow_unauthenticated=False)
+    w = start_worker(coordinator.cfg.listen)
+    holder = CacheClient(coordinator.cfg.listen, token="a-pub", identity=Identity(client="h"))
+    waiter = CacheClient(w.cfg.listen, token="a-pub", identity=Identity(client="w"),
+                         timeout_s=10)
+    other = CacheClient(w.cfg.listen, token="b-pub", identity=Identity(client="o"))
+    try:
+        lease = holder.acquire("k").lease
+        assert waiter.acquire("k").decision == pb.WAIT
+        got: list[pb.WaitEvent] = []
+        waiting = threading.Thread(target=lambda: got.append(waiter.wait("k", 10)))
+        waiting.start()
+        eventually(lambda: coordinator.registry.get_sample_value(
+            "compilecast_coordinator_waiters") == 1, "the wait reached the coordinator")
+        assert other.acquire("elsewhere").decision == pb.COMPILE  # evicts team-a's stream
+        assert len(w.service._retiring) == 1
+        holder.publish("k", lease, DATA, 1.0)
+        waiting.join(10)
+        assert got and got[0].decision == pb.HIT
+        eventually(lambda: not w.service._retiring, "the retired stream closed", 5)
+    finally:
+        for c in (holder, waiter, other):
+            c.close()

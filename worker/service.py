@@ -172,11 +172,12 @@ class WorkerService(rpc.CompileCacheServicer):
         self._fills: dict[tuple[str, str], _Fill] = {}
         self._tasks: set[asyncio.Task] = set()
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
+        self._retiring: set[Decider] = set()  # evicted, closed once their waits end
         self.streams = decide.Streams()  # local processes' Decide streams
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
 
     async def close(self) -> None:
-        for decider in self._deciders.values():
+        for decider in [*self._deciders.values(), *self._retiring]:
             await decider.close()
         await self.channel.close()
         for channel, _ in self._peers.values():
@@ -217,9 +218,18 @@ class WorkerService(rpc.CompileCacheServicer):
             decider = Decider(self.up, md, timeout_s=self.rpc_timeout_s)
             if len(self._deciders) >= MAX_DECIDERS:  # the least recently used goes
                 _, old = self._deciders.popitem(last=False)
-                self._spawn(old.close())
+                self._spawn(self._retire(old))
         self._deciders[md] = decider
         return decider
+
+    async def _retire(self, decider: Decider) -> None:
+        """Close a stream no longer used once its waits have ended (they may
+        last the share-binary timeout: cutting them would fail them)."""
+        self._retiring.add(decider)
+        try:
+            await decider.close(when_idle=True)
+        finally:
+            self._retiring.discard(decider)
 
     async def _acquire_many(self, requests, ns: str, md: tuple) -> list[pb.AcquireResponse]:
         """Host-cache hits answered here; the rest in one message of the
