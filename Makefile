@@ -55,6 +55,7 @@ bench: install
 	$(PY) bench/decisions.py --streams 8 --hit-ratio 1.0 --rate 2000
 	$(PY) bench/decisions.py --streams 8 --pod
 	$(PY) bench/pod_start.py
+	$(PY) bench/pod_start.py --wait-calls
 	$(PY) bench/fanout.py
 	$(PY) bench/aot_farm.py --layers 64
 
