@@ -319,3 +319,114 @@ class WriteBatcher:
                             done.set_exception(error)
         finally:
             self._task = None
+
+
+def _holds(cmp, kv: KV | None) -> bool:
+    """Whether a compare of the kinds the coordinator uses (absent, mod
+    revision) holds for `kv` as read."""
+    if cmp.target == pb.Compare.CREATE and cmp.result == pb.Compare.EQUAL:
+        return (kv.create_revision if kv else 0) == cmp.create_revision
+    if cmp.target == pb.Compare.MOD and cmp.result == pb.Compare.EQUAL:
+        return (kv.mod_revision if kv else 0) == cmp.mod_revision
+    raise ValueError(f"GuardedBatcher cannot evaluate compare {cmp}")
+
+
+class GuardedBatcher:
+    """Guarded writes of distinct keys (compare, put; else read), many in one
+    txn: the compare-and-claim of every miss. While `in_flight` txns are
+    out, the writes that arrive queue and leave together in the next (at
+    most `max_items`, each named at most once per txn), so a burst of misses
+    costs one round trip and one raft proposal for many.
+
+    Each caller gets what a txn of its own would have given: its compares
+    are ANDed with the others', and when the batch fails, the failure
+    branch has read every item's keys at the txn's revision. A caller whose
+    compares failed there gets (False, revision, its reads); the others were
+    blocked only by someone else's, and go again in the next batch (after
+    two such rounds, alone). The compares must be of the kinds `_holds`
+    evaluates."""
+
+    def __init__(self, etcd: Etcd, *, max_items: int = 32, in_flight: int = 4) -> None:
+        self.etcd = etcd
+        self.max_items = max_items  # 4 compares and reads each: etcd's 128-op limit
+        self.in_flight = in_flight
+        self._queue: list[list] = []  # [compare, success, read, future, rounds]
+        self._running = 0
+        self._tasks: set[asyncio.Task] = set()
+        self.txns = 0  # for tests: txns sent
+
+    async def txn(self, compare: list, success: list,
+                  read: list[bytes]) -> tuple[bool, int, list[KV | None]]:
+        done = asyncio.get_running_loop().create_future()
+        self._queue.append([compare, success, read, done, 0])
+        self._kick()
+        return await done
+
+    def _kick(self) -> None:
+        while self._queue and self._running < self.in_flight:
+            batch, rest, named = [], [], set()
+            for item in self._queue:
+                if item[3].done():  # its caller is gone: nothing to claim for
+                    continue
+                keys = {op.request_put.key for op in item[1]}
+                if item[4] >= 2 and not batch:  # blocked twice by others: alone
+                    batch, named = [item], None
+                elif (item[4] < 2 and named is not None and len(batch) < self.max_items
+                      and not keys & named):
+                    batch.append(item)
+                    named |= keys
+                else:
+                    rest.append(item)
+            self._queue = rest
+            self._running += 1
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, batch: list[list]) -> None:
+        try:
+            if len(batch) == 1:  # alone: the result is the caller's own
+                await self._alone(batch[0])
+                return
+            # Every item's reads and compared keys, once each.
+            reads = list(dict.fromkeys(k for item in batch for k in
+                                       (*item[2], *(c.key for c in item[0]))))
+            try:
+                ok, rev, responses = await self.etcd.txn(
+                    [c for item in batch for c in item[0]],
+                    [op for item in batch for op in item[1]],
+                    [op_get(k) for k in reads])
+                self.txns += 1
+            except Exception as exc:  # Unavailable, or a bug: fail the writers
+                for item in batch:
+                    if not item[3].done():
+                        item[3].set_exception(exc)
+                return
+            if ok:
+                for item in batch:
+                    if not item[3].done():
+                        item[3].set_result((True, rev, []))
+                return
+            kvs = dict(zip(reads, ranged(responses), strict=True))
+            for item in batch:
+                mine = [kvs[k] for k in item[2]]
+                if all(_holds(c, kvs[c.key]) for c in item[0]):
+                    item[4] += 1  # blocked by another's compare: again, next batch
+                    self._queue.append(item)
+                elif not item[3].done():
+                    item[3].set_result((False, rev, mine))
+        finally:
+            self._running -= 1
+            self._kick()
+
+    async def _alone(self, item: list) -> None:
+        compare, success, read, done, _ = item
+        try:
+            ok, rev, responses = await self.etcd.txn(compare, success, [op_get(k) for k in read])
+            self.txns += 1
+        except Exception as exc:
+            if not done.done():
+                done.set_exception(exc)
+            return
+        if not done.done():
+            done.set_result((ok, rev, [] if ok else ranged(responses)))

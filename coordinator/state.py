@@ -55,13 +55,12 @@ from compilecast.wire import DataChunk
 from .etcd import (
     KV,
     Etcd,
+    GuardedBatcher,
     WriteBatcher,
     cmp_absent,
     cmp_mod_revision,
     op_delete,
-    op_get,
     op_put,
-    ranged,
 )
 from .farm import Farm
 from .leases import LeasePool
@@ -143,6 +142,7 @@ class CoordinatorState:
         # etcd reads in flight, by key, with the watch's event count at their start.
         self._reads: dict[str, tuple[asyncio.Future, int]] = {}
         self._waiter_writes = WriteBatcher(etcd)  # waiter records, put and deleted together
+        self._claims = GuardedBatcher(etcd)  # the claims of concurrent misses, together
         self.hub.on_claim.append(self._note_claim)
         self.hub.on_gap.append(self._claimed.clear)
         self._session_lease = 0
@@ -334,12 +334,10 @@ class CoordinatorState:
         member) fails its compares on our own record: that is a success."""
         lease_id, granted_at = await self.leases.take()
         record = self._k(kind, sk)
-        ok, rev, responses = await self.etcd.txn(
-            compare, [op_put(record, self._claim(lease_id, req, program), lease=lease_id)],
-            [op_get(k) for k in read])
+        ok, rev, kvs = await self._claims.txn(
+            compare, [op_put(record, self._claim(lease_id, req, program), lease=lease_id)], read)
         if ok:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s, revision=rev), []
-        kvs = ranged(responses)
         mine = kvs[read.index(record)]
         if mine is not None and json.loads(mine.value).get("lease") == lease_id:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from compilecast.coordinator.etcd import Etcd, WriteBatcher, op_put
+from compilecast.coordinator.etcd import Etcd, GuardedBatcher, WriteBatcher, cmp_absent, op_put
 from compilecast.coordinator.records import scope
 from compilecast.errors import Unavailable
 from compilecast.launch import free_port
@@ -123,3 +123,71 @@ def test_waiter_records_do_not_move_the_watch_count(coordinator, loop_thread):
         client.close()
     eventually(lambda: state._claimed.get(sk), "the watch delivered the claim")
     assert state.hub.events == before + 1
+
+
+async def _claims(endpoint: str, prefix: str, names: list[str], *, taken: tuple[str, ...] = (),
+                  batcher_kw: dict | None = None):
+    """Claim P/l/NAME for each name (absent-guarded, reading it back on
+    failure), all at once through one GuardedBatcher; `taken` exist first."""
+    client = Etcd([endpoint])
+    batcher = GuardedBatcher(client, **(batcher_kw or {}))
+    try:
+        for name in taken:
+            await client.put(f"{prefix}/l/{name}".encode(), b"earlier")
+
+        async def claim(i: int, name: str):
+            key = f"{prefix}/l/{name}".encode()
+            return await batcher.txn([cmp_absent(key)], [op_put(key, b"claim-%d" % i)], [key])
+
+        results = await asyncio.gather(*(claim(i, n) for i, n in enumerate(names)),
+                                       return_exceptions=True)
+        stored = {kv.key.decode().rsplit("/", 1)[1]: kv.value
+                  for kv in await client.get_prefix(f"{prefix}/l/".encode())}
+        return results, stored, batcher.txns
+    finally:
+        await client.close()
+
+
+def test_guarded_claims_of_distinct_keys_share_txns(etcd, loop_thread, prefix):
+    names = [f"k{i:03d}" for i in range(200)]
+    results, stored, txns = loop_thread.run(_claims(etcd.endpoint, prefix, names))
+    assert all(r[0] and r[2] == [] for r in results)
+    assert stored == {n: b"claim-%d" % i for i, n in enumerate(names)}
+    assert txns <= 40, txns  # 200 claims, at most 32 a txn, 4 txns out at once
+
+
+def test_a_failed_compare_fails_only_its_claim(etcd, loop_thread, prefix):
+    """k0 goes alone; k1-k9 wait for it and go together, which fails on k3;
+    the other eight go again, together, and succeed."""
+    names = [f"k{i}" for i in range(10)]
+    results, stored, txns = loop_thread.run(_claims(etcd.endpoint, prefix, names, taken=("k3",),
+                                                    batcher_kw={"in_flight": 1}))
+    assert txns == 3
+    lost = results[3]
+    assert lost[0] is False and lost[2][0].value == b"earlier"  # what a txn alone would read
+    assert all(r[0] for i, r in enumerate(results) if i != 3)
+    assert stored == {**{n: b"claim-%d" % i for i, n in enumerate(names)}, "k3": b"earlier"}
+
+
+def test_claims_of_one_key_never_share_a_txn_and_one_wins(etcd, loop_thread, prefix):
+    results, stored, _ = loop_thread.run(
+        _claims(etcd.endpoint, prefix, ["same"] * 12 + ["other"], batcher_kw={"in_flight": 1}))
+    winners = [i for i, r in enumerate(results[:12]) if r[0]]
+    assert len(winners) == 1 and stored["same"] == b"claim-%d" % winners[0]
+    assert all(r[2][0].value == stored["same"] for r in results[:12] if not r[0])
+    assert results[12][0] and stored["other"] == b"claim-12"
+
+
+def test_a_failed_guarded_txn_fails_its_claims(loop_thread):
+    async def body():
+        client = Etcd([f"127.0.0.1:{free_port()}"], timeout=1.0)  # nothing listens
+        batcher = GuardedBatcher(client)
+        try:
+            return await asyncio.gather(*(batcher.txn([cmp_absent(b"/k%d" % i)],
+                                                      [op_put(b"/k%d" % i, b"v")], [b"/k%d" % i])
+                                          for i in range(5)), return_exceptions=True)
+        finally:
+            await client.close()
+
+    results = loop_thread.run(body())
+    assert all(isinstance(r, Unavailable) for r in results), results
