@@ -346,7 +346,7 @@ class GuardedBatcher:
     two such rounds, alone). The compares must be of the kinds `_holds`
     evaluates."""
 
-    def __init__(self, etcd: Etcd, *, max_items: int = 32, in_flight: int = 4) -> None:
+    def __init__(self, etcd: Etcd, *, max_items: int = 32, in_flight: int = 1) -> None:
         self.etcd = etcd
         self.max_items = max_items  # 4 compares and reads each: etcd's 128-op limit
         self.in_flight = in_flight
