@@ -43,6 +43,18 @@ async def with_decider(target: str, body, metadata: tuple = ()):
         await channel.close()
 
 
+async def against(servicer, body):
+    """with_decider against a server of our own (an older or odd coordinator)."""
+    server = grpc.aio.server()
+    rpc.add_CompileCacheServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        return await with_decider(f"127.0.0.1:{port}", body)
+    finally:
+        await server.stop(0)
+
+
 def test_decisions_over_the_stream_are_those_of_acquire(coordinator, loop_thread):
     target = coordinator.cfg.listen
     info = published(target, "hit")
@@ -201,22 +213,12 @@ class _AcquireManyOnly(rpc.CompileCacheServicer):
 
 
 def test_falls_back_to_acquire_many_without_decide(loop_thread):
-    async def body():
-        server = grpc.aio.server()
-        rpc.add_CompileCacheServicer_to_server(_AcquireManyOnly(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async def ask_twice(d: decide.Decider):
-                one = await d.decide([ask("a"), ask("b")])
-                two = await d.decide([ask("c")])
-                return one + two, d.messages
+    async def ask_twice(d: decide.Decider):
+        one = await d.decide([ask("a"), ask("b")])
+        two = await d.decide([ask("c")])
+        return one + two, d.messages
 
-            return await with_decider(f"127.0.0.1:{port}", ask_twice)
-        finally:
-            await server.stop(0)
-
-    answers, messages = loop_thread.run(body())
+    answers, messages = loop_thread.run(against(_AcquireManyOnly(), ask_twice))
     assert [a.reason for a in answers] == ["old server: a", "old server: b", "old server: c"]
     assert messages == 1  # the first try; after UNIMPLEMENTED, no stream again
 
@@ -349,23 +351,13 @@ class _ReadsOneMessagePerStream(rpc.CompileCacheServicer):
 def test_what_a_drained_stream_did_not_read_goes_again_on_a_new_one(loop_thread):
     servicer = _ReadsOneMessagePerStream()
 
-    async def body():
-        server = grpc.aio.server()
-        rpc.add_CompileCacheServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async def two(d: decide.Decider):
-                first = asyncio.ensure_future(d.decide([ask("a")]))
-                await asyncio.sleep(0.05)  # "a" is on the wire: "b" goes in a second message
-                second = await d.decide([ask("b")])
-                return (await first) + second, d.messages
+    async def two(d: decide.Decider):
+        first = asyncio.ensure_future(d.decide([ask("a")]))
+        await asyncio.sleep(0.05)  # "a" is on the wire: "b" goes in a second message
+        second = await d.decide([ask("b")])
+        return (await first) + second, d.messages
 
-            return await with_decider(f"127.0.0.1:{port}", two)
-        finally:
-            await server.stop(0)
-
-    answers, messages = loop_thread.run(body())
+    answers, messages = loop_thread.run(against(servicer, two))
     # "b" went out on stream 1, was not read there, and was answered on stream 2.
     assert [a.reason for a in answers] == ["stream 1: a", "stream 2: b"]
     assert servicer.streams == 2 and messages >= 2

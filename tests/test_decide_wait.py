@@ -14,7 +14,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
 from tests.conftest import eventually
-from tests.test_decide import DATA, ask, with_decider
+from tests.test_decide import DATA, against, ask, with_decider
 
 MIB = 1 << 20
 
@@ -159,22 +159,12 @@ class _NoWaitsOnTheStream(rpc.CompileCacheServicer):
 
 
 def test_falls_back_to_wait_against_a_server_without_waits_on_the_stream(loop_thread):
-    async def body():
-        server = grpc.aio.server()
-        rpc.add_CompileCacheServicer_to_server(_NoWaitsOnTheStream(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async def twice(d: decide.Decider):
-                first = await d.wait(wait_for("a"))
-                second = await d.wait(wait_for("b"))
-                return first, second, d.messages
+    async def twice(d: decide.Decider):
+        first = await d.wait(wait_for("a"))
+        second = await d.wait(wait_for("b"))
+        return first, second, d.messages
 
-            return await with_decider(f"127.0.0.1:{port}", twice)
-        finally:
-            await server.stop(0)
-
-    first, second, messages = loop_thread.run(body())
+    first, second, messages = loop_thread.run(against(_NoWaitsOnTheStream(), twice))
     assert (first.reason, second.reason) == ("unary: a", "unary: b")
     assert messages == 1  # tried once on the stream; then Wait only
 
