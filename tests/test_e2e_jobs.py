@@ -40,8 +40,10 @@ def test_holder_killed_mid_compile_a_waiter_is_promoted(start_up):
     per_process = [dict(job, COMPILECAST_PROCESS_ID=str(i)) for i in range(3)]
     procs = start_procs(3, up.target, per_process=per_process, layers=400, width=384)
     # Process 0 (designated) holds the lease while 1 and 2 wait: kill it then.
-    eventually(lambda: (s := status.status()).compiles_in_flight == 1 and s.waiters == 2,
-               "one compile in flight and two waiters", 60.0)
+    # The worker sends their waits upstream as one (one host, one key).
+    eventually(lambda: (s := status.status()).compiles_in_flight == 1 and s.waiters == 1
+               and _sample(up, "compilecast_worker_waiting") == 2,
+               "one compile in flight and two processes waiting on one upstream wait", 60.0)
     procs[0].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     procs[0].communicate(timeout=10)
@@ -70,6 +72,18 @@ def test_holder_killed_mid_compile_a_waiter_is_promoted(start_up):
         recorded.key_components["program"]
     assert recipes[0].compile_options and list(recipes[0].device_ids) == [0]
     coordinator.close()
+
+
+def _sample(up, name: str) -> float | None:
+    """One unlabelled sample from the worker's metrics endpoint."""
+    import urllib.request
+
+    text = urllib.request.urlopen(
+        f"http://127.0.0.1:{up.ports['worker-metrics-port']}/metrics").read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
 
 
 def _fdo_job(target: str, profiles: list[str]) -> list[dict]:

@@ -48,6 +48,16 @@ class WorkerMetrics:
         self.cache_bytes = Gauge(
             "compilecast_worker_cache_bytes", "Bytes stored in the host cache", registry=registry,
         )
+        self.waiting = Gauge(
+            "compilecast_worker_waiting",
+            "Processes on this host waiting for a compile on another host", registry=registry,
+        )
+        self.waits = Counter(
+            "compilecast_worker_waits",
+            "Waits of this host's processes: upstream (sent to the coordinator) or joined "
+            "(shared another local process's upstream wait for the same key)",
+            ["how"], registry=registry,
+        )
         self.relays = Counter(
             "compilecast_worker_relays",
             "Downloads the coordinator pointed at a peer worker (redirected), and those that "

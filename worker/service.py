@@ -36,6 +36,7 @@ from compilecast.wire import DataChunk
 
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
+from .waits import HostWaits
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,8 @@ class WorkerService(rpc.CompileCacheServicer):
         self._tasks: set[asyncio.Task] = set()
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self._retiring: set[Decider] = set()  # evicted, closed once their waits end
+        self.waits = HostWaits(metrics.waits)  # this host's waits for one key go upstream as one
+        self.metrics.waiting.set_function(lambda: self.waits.waiting)
         self.streams = decide.Streams()  # local processes' Decide streams
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
 
@@ -291,11 +294,16 @@ class WorkerService(rpc.CompileCacheServicer):
 
     async def _wait_once(self, request: pb.WaitRequest, md: tuple,
                          until_publishing: bool) -> pb.WaitEvent:
-        """A wait, over the Decide stream (a message, not a call of its own);
-        an unreachable coordinator means COMPILE_LOCALLY."""
+        """A wait, shared with this host's other waits for the key (one
+        upstream wait for all: worker/waits.py) and sent over the Decide
+        stream (a message, not a call of its own); an unreachable
+        coordinator means COMPILE_LOCALLY."""
+
+        async def upstream(req: pb.WaitRequest, until: bool) -> pb.WaitEvent:
+            return await self._decider(md).wait(req, until_publishing=until)
+
         try:
-            return await self._decider(md).wait(self._bounded(request),
-                                                until_publishing=until_publishing)
+            return await self.waits.wait(md, self._bounded(request), until_publishing, upstream)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in DEGRADED:
                 raise _relay(exc) from None

@@ -1,0 +1,141 @@
+"""A host's waits for one key, sent to the coordinator as one.
+
+On a GPU host every process (one per GPU) waits for the same programs at
+the same moment. The worker sends one wait upstream per key and credential,
+in the name of the lowest process id among its waiters, and answers all of
+them from it:
+
+- HIT, or the notice that the holder has started to publish: everyone.
+- COMPILE (a promotion or a hedge): the process it was asked for (another
+  waiter of the same key if that one has gone); the others wait on, under a
+  new upstream wait.
+- COMPILE_LOCALLY when the upstream wait timed out: those whose own timeout
+  has come; the others (who started waiting later) wait on. Any other
+  COMPILE_LOCALLY (the holder's compile failed, etcd is unreachable):
+  everyone.
+- An error (the stream failed): everyone, as an exception; each caller
+  handles it as it would its own.
+
+Each waiter keeps its own timeout here too: the upstream wait runs until the
+latest of them, and a waiter whose time has come gets COMPILE_LOCALLY at
+once. A waiter that leaves (its process went away) leaves the group; the
+last one to leave cancels the upstream wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Hashable
+
+from compilecast.v1 import cache_pb2 as pb
+
+Upstream = Callable[[pb.WaitRequest, bool], Awaitable[pb.WaitEvent]]
+
+GRACE_S = 1.0  # a waiter's own timeout backs up the coordinator's, this much later
+EARLY_S = 0.5  # a COMPILE_LOCALLY this close to the upstream deadline is its timeout
+
+
+class _Waiter:
+    __slots__ = ("deadline", "done", "request")
+
+    def __init__(self, request: pb.WaitRequest, done: asyncio.Future) -> None:
+        self.request = request
+        self.done = done
+        self.deadline = (time.monotonic() + request.timeout_ms / 1000.0
+                         if request.timeout_ms > 0 else None)
+
+
+class _Group:
+    __slots__ = ("task", "waiters")
+
+    def __init__(self) -> None:
+        self.waiters: list[_Waiter] = []
+        self.task: asyncio.Task | None = None
+
+
+class HostWaits:
+    """`counted` (optional): a Counter labelled by "upstream" (a wait sent to
+    the coordinator) and "joined" (a wait that shared one)."""
+
+    def __init__(self, counted=None) -> None:
+        self._groups: dict[tuple, _Group] = {}
+        self._counted = counted
+
+    @property
+    def waiting(self) -> int:
+        """Waits in progress (processes waiting, on a worker)."""
+        return sum(len(g.waiters) for g in self._groups.values())
+
+    def _count(self, how: str) -> None:
+        if self._counted is not None:
+            self._counted.labels(how).inc()
+
+    async def wait(self, scope: Hashable, request: pb.WaitRequest, until_publishing: bool,
+                   upstream: Upstream) -> pb.WaitEvent:
+        """The event that ends this wait (see the module docstring); `scope`
+        (the upstream credential) separates waits that must not be shared."""
+        gk = (scope, request.key, until_publishing)
+        group = self._groups.get(gk)
+        if group is None or (group.task is not None and group.task.cancelling()):
+            group = self._groups[gk] = _Group()  # (a group whose last waiter left is ending)
+        else:
+            self._count("joined")
+        me = _Waiter(request, asyncio.get_running_loop().create_future())
+        group.waiters.append(me)
+        if group.task is None:
+            group.task = asyncio.create_task(self._run(gk, group, upstream, until_publishing))
+        limit = None if me.deadline is None else me.deadline - time.monotonic() + GRACE_S
+        try:
+            return await asyncio.wait_for(me.done, limit)
+        except TimeoutError:
+            return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
+                                reason=f"share-binary timeout of {request.timeout_ms / 1000:.1f}s "
+                                       "passed; compile locally")
+        finally:
+            if me in group.waiters:
+                group.waiters.remove(me)
+            if not group.waiters and group.task is not None:
+                group.task.cancel()  # nobody left to answer: end the upstream wait
+
+    async def _run(self, gk: tuple, group: _Group, upstream: Upstream,
+                   until_publishing: bool) -> None:
+        try:
+            while group.waiters:
+                leader = min(group.waiters, key=lambda w: w.request.requester.process_id)
+                request = pb.WaitRequest()
+                request.CopyFrom(leader.request)
+                deadlines = [w.deadline for w in group.waiters]
+                last = None if None in deadlines else max(deadlines)
+                request.timeout_ms = 0 if last is None else max(
+                    1, int((last - time.monotonic()) * 1000))
+                self._count("upstream")
+                try:
+                    event = await upstream(request, until_publishing)
+                except Exception as exc:  # each caller handles it as its own
+                    for w in group.waiters:
+                        if not w.done.done():
+                            w.done.set_exception(exc)
+                    return
+                if event.decision == pb.COMPILE:  # one lease: for the one it was asked for
+                    taker = leader if leader in group.waiters else min(
+                        group.waiters, key=lambda w: w.request.requester.process_id, default=None)
+                    if taker is not None:
+                        group.waiters.remove(taker)
+                        if not taker.done.done():
+                            taker.done.set_result(event)
+                    continue
+                now = time.monotonic()
+                timed_out = (event.decision == pb.COMPILE_LOCALLY and last is not None
+                             and now >= last - EARLY_S)
+                for w in list(group.waiters):
+                    if timed_out and (w.deadline is None or w.deadline > now + EARLY_S):
+                        continue  # started waiting later: waits on
+                    group.waiters.remove(w)
+                    if not w.done.done():
+                        w.done.set_result(event)
+                if not timed_out:
+                    return
+        finally:
+            if self._groups.get(gk) is group:
+                del self._groups[gk]
