@@ -56,6 +56,7 @@ bench: install
 	$(PY) bench/decisions.py --streams 8 --pod
 	$(PY) bench/pod_start.py
 	$(PY) bench/pod_start.py --wait-calls
+	$(PY) bench/pod_start.py --per-host 8
 	$(PY) bench/fanout.py
 	$(PY) bench/aot_farm.py --layers 64
 

@@ -5,13 +5,14 @@ others get WAIT, Wait, and are woken with HIT. Time until every process has
 a HIT for every program, against M x compile-s, and where the CPU went.
 
     python bench/pod_start.py [--processes 1000] [--programs 5] [--compile-s 1.0]
-                              [--wait-calls]
+                              [--wait-calls] [--per-host K]
 
 The processes are tasks of one grpc.aio load generator, over 8 Decide
 streams (as 8 workers send them) for their decisions and their waits; with
 --wait-calls, each wait is a Wait call of its own instead (as before waits
-went over the stream). All of it on the machine's 2 cores with the
-coordinator and etcd.
+went over the stream). With --per-host K, K processes share a host: its
+waits for one key go upstream as one, as a worker sends them. All of it on
+the machine's 2 cores with the coordinator and etcd.
 """
 
 from __future__ import annotations
@@ -32,24 +33,33 @@ from _servers import Stack, cpu_seconds, own_cpu_seconds
 from compilecast.decide import Decider
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.worker.waits import HostWaits
 
 ARTIFACT = b"executable" * 1000
 
 
 async def run(target: str, processes: int, programs: int, compile_s: float,
-              tag: str, wait_calls: bool) -> dict[str, float]:
+              tag: str, wait_calls: bool, per_host: int) -> dict[str, float]:
     channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
     deciders = [Decider(s, timeout_s=120) for s in stubs]
+    # Each host's worker shares its processes' waits for one key (worker/waits.py).
+    hosts = [HostWaits() for _ in range((processes + per_host - 1) // per_host)]
     counts = {"compile": 0, "wait_hit": 0, "acquire_hit": 0, "other": 0}
 
     async def process(i: int) -> None:
+        host = i // per_host
         who = pb.Requester(job=f"pod-{tag}", process_id=i, designated_process=0,
-                           client=f"host{i}")
-        stub = stubs[i % len(stubs)]
+                           client=f"host{host}")
+        stub = stubs[host % len(stubs)]
+        decider = deciders[host % len(deciders)]
+
+        async def upstream(req: pb.WaitRequest, until: bool) -> pb.WaitEvent:
+            return await decider.wait(req, until_publishing=until)
+
         for m in range(programs):
             key = f"{tag}-program-{m}"
-            resp = (await deciders[i % len(deciders)].decide(
+            resp = (await decider.decide(
                 [pb.AcquireRequest(key=key, requester=who, program_name=f"program-{m}")]))[0]
             if resp.decision == pb.COMPILE:
                 counts["compile"] += 1
@@ -71,7 +81,7 @@ async def run(target: str, processes: int, programs: int, compile_s: float,
                         if event.decision != pb.WAIT:
                             break
                 else:
-                    event = await deciders[i % len(deciders)].wait(wait)
+                    event = await hosts[host].wait(None, wait, False, upstream)
                 counts["wait_hit" if event.decision == pb.HIT else "other"] += 1
             else:
                 counts["other"] += 1
@@ -93,6 +103,9 @@ def main() -> None:
     ap.add_argument("--compile-s", type=float, default=1.0)
     ap.add_argument("--wait-calls", action="store_true",
                     help="one Wait call per wait instead of a message on the Decide stream")
+    ap.add_argument("--per-host", type=int, default=1,
+                    help="processes per host (one per GPU): a host's waits for one key go "
+                         "upstream as one")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cc-podstart-"))
     stack = Stack(root)
@@ -102,11 +115,12 @@ def main() -> None:
         before = {n: cpu_seconds(p) for n, p in pids.items()}
         c0 = own_cpu_seconds()
         row = asyncio.run(run(target, args.processes, args.programs, args.compile_s, "a",
-                              args.wait_calls))
+                              args.wait_calls, args.per_host))
         used = {n: cpu_seconds(p) - before[n] for n, p in pids.items()}
         used["load generator"] = own_cpu_seconds() - c0
         ideal = args.programs * args.compile_s
         how = "Wait calls" if args.wait_calls else "waits on the Decide streams"
+        how += f", {args.per_host} per host" if args.per_host > 1 else ""
         print(f"{args.processes} processes x {args.programs} programs, compile {args.compile_s} s, "
               f"{how}: "
               f"all done in {row['wall']:.2f} s ({row['wall'] / ideal:.2f}x the {ideal:.1f} s of "
