@@ -102,6 +102,28 @@ def test_a_promotion_goes_to_the_lowest_process_and_the_others_wait_on(loop_thre
     assert [r.requester.process_id for r in up.asked] == [2, 5]
 
 
+def test_a_promotion_goes_to_the_lowest_process_even_one_that_joined_late(loop_thread):
+    up = Upstream(pb.WaitEvent(decision=pb.COMPILE, lease=pb.Lease(id=7)),
+                  pb.WaitEvent(decision=pb.HIT))
+    waits = HostWaits()
+
+    async def body():
+        first = asyncio.ensure_future(waits.wait("cred", request(5), False, up))
+        await asyncio.sleep(0.05)  # the upstream wait is out, in process 5's name
+        lower = asyncio.ensure_future(waits.wait("cred", request(2), False, up))
+        other_job = pb.WaitRequest(key="k", timeout_ms=5_000,
+                                   requester=pb.Requester(job="other", process_id=0))
+        stranger = asyncio.ensure_future(waits.wait("cred", other_job, False, up))
+        await asyncio.sleep(0.05)
+        up.go.set()
+        return await first, await lower, await stranger
+
+    first, lower, stranger = loop_thread.run(body())
+    assert lower.decision == pb.COMPILE  # not process 0 of another job: publish would refuse
+    assert first.decision == pb.HIT and stranger.decision == pb.HIT
+    assert up.asked[0].requester.process_id == 5
+
+
 def test_a_later_waiter_outlives_the_upstream_timeout_of_an_earlier_one(loop_thread):
     up = Upstream("timeout", pb.WaitEvent(decision=pb.HIT))
     waits = HostWaits()

@@ -6,9 +6,10 @@ in the name of the lowest process id among its waiters, and answers all of
 them from it:
 
 - HIT, or the notice that the holder has started to publish: everyone.
-- COMPILE (a promotion or a hedge): the process it was asked for (another
-  waiter of the same key if that one has gone); the others wait on, under a
-  new upstream wait.
+- COMPILE (a promotion or a hedge): the lowest process id of the job it was
+  asked for, among the waiters then (one may have joined after the upstream
+  wait was sent; publish checks the job, not the process); the others wait
+  on, under a new upstream wait.
 - COMPILE_LOCALLY when the upstream wait timed out: those whose own timeout
   has come; the others (who started waiting later) wait on. Any other
   COMPILE_LOCALLY (the holder's compile failed, etcd is unreachable):
@@ -117,9 +118,13 @@ class HostWaits:
                         if not w.done.done():
                             w.done.set_exception(exc)
                     return
-                if event.decision == pb.COMPILE:  # one lease: for the one it was asked for
-                    taker = leader if leader in group.waiters else min(
-                        group.waiters, key=lambda w: w.request.requester.process_id, default=None)
+                if event.decision == pb.COMPILE:
+                    # One lease, for the lowest waiter of the job it was asked
+                    # for (publish checks the job): who is lowest may have
+                    # joined after the upstream wait was sent.
+                    job = leader.request.requester.job
+                    taker = min((w for w in group.waiters if w.request.requester.job == job),
+                                key=lambda w: w.request.requester.process_id, default=None)
                     if taker is not None:
                         group.waiters.remove(taker)
                         if not taker.done.done():
