@@ -232,3 +232,10 @@ def test_rendered_objects_match_the_kubernetes_api_schema(values):
         assert unknown == [], (obj["kind"], obj["metadata"]["name"], unknown)
         checked += 1
     assert checked >= 8
+
+
+def test_the_charts_dashboard_is_the_documented_one():
+    """docs/grafana-dashboard.json is what operators import by hand; the chart
+    ships the same file as a ConfigMap."""
+    docs_copy = ROOT / "docs" / "grafana-dashboard.json"
+    assert (CHART / "dashboards" / "compilecast.json").read_text() == docs_copy.read_text()
