@@ -15,6 +15,7 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
 from tests.conftest import eventually
 from tests.test_decide import DATA, against, ask, with_decider
+from tests.test_streaming_publish import HeldUpload
 
 MIB = 1 << 20
 
@@ -76,10 +77,8 @@ def test_a_wait_on_the_stream_times_out_and_is_promoted(coordinator, loop_thread
 
 
 def test_a_wait_can_end_when_publishing_starts(start_coordinator, loop_thread):
-    from tests.test_streaming_publish import HeldUpload, clients
-
     coordinator = start_coordinator(publish_stream_readers=4)
-    holder, waiter = clients(coordinator.cfg.listen)
+    holder = CacheClient(coordinator.cfg.listen, identity=Identity(job="j", process_id=0))
     data = b"x" * (5 * MIB)
     up = HeldUpload(holder, "k", holder.acquire("k").lease, data)
 
@@ -93,7 +92,6 @@ def test_a_wait_can_end_when_publishing_starts(start_coordinator, loop_thread):
         up.thread.join(10)
     finally:
         holder.close()
-        waiter.close()
     assert announced.decision == pb.WAIT and announced.artifact.size == len(data)
     assert hit.decision == pb.HIT and hit.artifact.digest == announced.artifact.digest
 
