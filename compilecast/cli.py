@@ -116,7 +116,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"worker       {args.worker}: healthy")
         print(f"upstream     {st.upstream}: {'healthy' if st.upstream_healthy else 'UNREACHABLE'}")
         print(f"artifacts    {st.artifacts}")
-        print(f"in flight    {st.compiles_in_flight} compiles, {st.waiters} waiters")
+        print(f"in flight    {st.compiles_in_flight} compiles, {st.waiters} waiters "
+              f"(upstream: one per host and key); {st.waiting_here} processes waiting here")
         print(f"lookups      {st.hits} hits, {st.misses} misses (hit ratio {ratio})")
         print(f"saved        {st.compile_seconds_saved:.1f} s of compile time")
         for f in st.in_flight:

@@ -215,6 +215,8 @@ def test_a_hosts_processes_wait_upstream_as_one(coordinator, host):
     eventually(lambda: w.registry.get_sample_value("compilecast_worker_waiting") == 4,
                "four processes waiting")
     assert coordinator.registry.get_sample_value("compilecast_coordinator_waiters") == 1
+    status = procs[0].status()  # what `compilecast status` prints
+    assert (status.waiters, status.waiting_here) == (1, 4)
     holder.publish("k", lease, DATA, 1.0)
     for t in threads:
         t.join(20)

@@ -530,7 +530,9 @@ class WorkerService(rpc.CompileCacheServicer):
             resp.role = "worker"
             resp.upstream = f"coordinator {self.coordinator}"
             resp.upstream_healthy = up.upstream_healthy
+            resp.waiting_here = self.waits.waiting
             return resp
         resp.upstream_healthy = False
         resp.artifacts = await asyncio.to_thread(self.cache.count)
+        resp.waiting_here = self.waits.waiting
         return resp
