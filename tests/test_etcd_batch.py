@@ -191,3 +191,79 @@ def test_a_failed_guarded_txn_fails_its_claims(loop_thread):
 
     results = loop_thread.run(body())
     assert all(isinstance(r, Unavailable) for r in results), results
+
+
+class _ScriptedEtcd:
+    """Our Etcd interface over a dict, for the batcher's rounds: each txn waits
+    for `step` (so that the test decides what queues behind it) and applies
+    like etcd (all compares hold: every put; else the failure reads)."""
+
+    def __init__(self, existing: set[bytes]) -> None:
+        from etcd3.etcdrpc import rpc_pb2
+
+        self.pb = rpc_pb2
+        self.kv = {k: b"earlier" for k in existing}
+        self.step = asyncio.Event()
+        self.batches: list[list[bytes]] = []  # the keys each txn tried to put
+        self.arrived = asyncio.Event()  # set by every txn as it starts
+
+    async def txn(self, compare, success, failure=()):
+        from etcd3.etcdrpc import kv_pb2
+
+        self.batches.append([op.request_put.key for op in success])
+        self.arrived.set()
+        await self.step.wait()
+        self.step.clear()
+        if all((c.key in self.kv) == (c.create_revision != 0) for c in compare):
+            for op in success:
+                self.kv[op.request_put.key] = op.request_put.value
+            return True, 2, []
+        responses = []
+        for op in failure:
+            key = op.request_range.key
+            kvs = ([kv_pb2.KeyValue(key=key, value=self.kv[key], create_revision=1,
+                                     mod_revision=1)] if key in self.kv else [])
+            responses.append(self.pb.ResponseOp(
+                response_range=self.pb.RangeResponse(kvs=kvs)))
+        return False, 2, responses
+
+
+def test_a_claim_blocked_by_others_twice_goes_alone(loop_thread):
+    """b holds its compares but shares a failing txn twice (with x, then y,
+    both taken): the third time it goes alone, not with z (taken too), and wins."""
+    etcd = _ScriptedEtcd({b"x", b"y", b"z"})
+    batcher = GuardedBatcher(etcd)
+
+    def claim(key: bytes):
+        return asyncio.ensure_future(batcher.txn([cmp_absent(key)], [op_put(key, b"mine")], [key]))
+
+    async def sent(n: int) -> None:  # until the n-th txn waits for its step
+        while len(etcd.batches) < n:
+            etcd.arrived.clear()
+            await etcd.arrived.wait()
+
+    async def body():
+        first = claim(b"a")  # goes alone at once
+        await sent(1)
+        b, x = claim(b"b"), claim(b"x")  # queue behind it: then one txn together
+        await asyncio.sleep(0.01)
+        etcd.step.set()
+        await sent(2)
+        y = claim(b"y")  # queues behind [b, x]
+        await asyncio.sleep(0.01)
+        etcd.step.set()  # [b, x] fails on x; b goes again, with y
+        await sent(3)
+        z = claim(b"z")  # taken as well, queues behind [y, b]
+        await asyncio.sleep(0.01)
+        etcd.step.set()  # [y, b] fails on y: b was blocked twice, so z does not take it along
+        await sent(4)
+        etcd.step.set()  # [z] alone, fails
+        await sent(5)
+        etcd.step.set()  # [b] alone
+        return await asyncio.gather(first, b, x, y, z)
+
+    first, b, x, y, z = loop_thread.run(body())
+    assert first[0] and b[0] and not (x[0] or y[0] or z[0])
+    assert [r[2][0].value for r in (x, y, z)] == [b"earlier"] * 3
+    assert etcd.batches == [[b"a"], [b"b", b"x"], [b"y", b"b"], [b"z"], [b"b"]]
+    assert etcd.kv[b"b"] == b"mine"
