@@ -221,6 +221,7 @@ class WorkerService(rpc.CompileCacheServicer):
             decider = Decider(self.up, md, timeout_s=self.rpc_timeout_s)
             if len(self._deciders) >= MAX_DECIDERS:  # the least recently used goes
                 _, old = self._deciders.popitem(last=False)
+                self._retiring.add(old)  # closed at shutdown too, if its waits last that long
                 self._spawn(self._retire(old))
         self._deciders[md] = decider
         return decider
@@ -228,7 +229,6 @@ class WorkerService(rpc.CompileCacheServicer):
     async def _retire(self, decider: Decider) -> None:
         """Close a stream no longer used once its waits have ended (they may
         last the share-binary timeout: cutting them would fail them)."""
-        self._retiring.add(decider)
         try:
             await decider.close(when_idle=True)
         finally:
