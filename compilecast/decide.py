@@ -59,14 +59,20 @@ Decide = Callable[[Sequence[pb.AcquireRequest]], Awaitable[list[pb.AcquireRespon
 WaitOnce = Callable[[pb.WaitRequest, bool], Awaitable[pb.WaitEvent]]
 
 
+def ends_wait(event: pb.WaitEvent, until_publishing: bool) -> bool:
+    """Whether `event` ends a wait for its caller: any decision but WAIT (a
+    heartbeat), and with until_publishing also the WAIT that says the holder
+    has started to publish (it carries the artifact)."""
+    return event.decision != pb.WAIT or (until_publishing and event.HasField("artifact"))
+
+
 async def ending_event(events: AsyncIterator[pb.WaitEvent],
                        until_publishing: bool) -> pb.WaitEvent:
-    """The event of a Wait stream that ends it for a caller who does not want
-    heartbeats (and, with until_publishing, wants the publishing notice). The
-    stream is closed at once, so that its waiter record goes with it."""
+    """The event of a Wait stream that ends it (`ends_wait`). The stream is
+    closed at once, so that its waiter record goes with it."""
     async with contextlib.aclosing(events):
         async for event in events:
-            if event.decision != pb.WAIT or (until_publishing and event.HasField("artifact")):
+            if ends_wait(event, until_publishing):
                 return event
     return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended without a decision")
 
@@ -302,7 +308,7 @@ class Decider:
         call = self._stub.Wait(request, timeout=timeout, metadata=self._metadata)
         try:
             async for event in call:
-                if event.decision != pb.WAIT or (until_publishing and event.HasField("artifact")):
+                if ends_wait(event, until_publishing):
                     return event
         finally:
             call.cancel()

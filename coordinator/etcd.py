@@ -385,9 +385,6 @@ class GuardedBatcher:
 
     async def _send(self, batch: list[list]) -> None:
         try:
-            if len(batch) == 1:  # alone: the result is the caller's own
-                await self._alone(batch[0])
-                return
             # Every item's reads and compared keys, once each.
             reads = list(dict.fromkeys(k for item in batch for k in
                                        (*item[2], *(c.key for c in item[0]))))
@@ -402,31 +399,15 @@ class GuardedBatcher:
                     if not item[3].done():
                         item[3].set_exception(exc)
                 return
-            if ok:
-                for item in batch:
-                    if not item[3].done():
-                        item[3].set_result((True, rev, []))
-                return
-            kvs = dict(zip(reads, ranged(responses), strict=True))
+            kvs = dict(zip(reads, ranged(responses), strict=True)) if not ok else {}
             for item in batch:
-                mine = [kvs[k] for k in item[2]]
-                if all(_holds(c, kvs[c.key]) for c in item[0]):
+                # A batch of one that failed failed on its own compares.
+                if not ok and len(batch) > 1 and all(_holds(c, kvs[c.key]) for c in item[0]):
                     item[4] += 1  # blocked by another's compare: again, next batch
                     self._queue.append(item)
                 elif not item[3].done():
-                    item[3].set_result((False, rev, mine))
+                    item[3].set_result((True, rev, []) if ok
+                                       else (False, rev, [kvs[k] for k in item[2]]))
         finally:
             self._running -= 1
             self._kick()
-
-    async def _alone(self, item: list) -> None:
-        compare, success, read, done, _ = item
-        try:
-            ok, rev, responses = await self.etcd.txn(compare, success, [op_get(k) for k in read])
-            self.txns += 1
-        except Exception as exc:
-            if not done.done():
-                done.set_exception(exc)
-            return
-        if not done.done():
-            done.set_result((ok, rev, [] if ok else ranged(responses)))

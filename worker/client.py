@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from compilecast import wire
+from compilecast.decide import ends_wait
 from compilecast.errors import CorruptBlob
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
 from compilecast.v1 import cache_pb2 as pb
@@ -103,7 +104,7 @@ class CacheClient:
             timeout=timeout_s + self.timeout_s,
         )
         for event in call:
-            if event.decision != pb.WAIT or (publishing and event.HasField("artifact")):
+            if ends_wait(event, publishing):
                 call.cancel()
                 return event
         return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="wait stream ended early")

@@ -278,10 +278,10 @@ class WorkerService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Decide(self, request_iterator, context):
         ns, md = self._credential(context)
-        async for answer in decide.serve(request_iterator,
-                                         lambda rs: self._acquire_many(rs, ns, md),
-                                         wait=lambda r, until: self._wait_once(r, md, until),
-                                         streams=self.streams):
+        async for answer in decide.serve(
+                request_iterator, lambda rs: self._acquire_many(rs, ns, md),
+                wait=lambda r, until: self._wait_once(self._bounded(r), md, until),
+                streams=self.streams):
             yield answer
 
     def _bounded(self, request: pb.WaitRequest) -> pb.WaitRequest:
@@ -294,16 +294,16 @@ class WorkerService(rpc.CompileCacheServicer):
 
     async def _wait_once(self, request: pb.WaitRequest, md: tuple,
                          until_publishing: bool) -> pb.WaitEvent:
-        """A wait, shared with this host's other waits for the key (one
-        upstream wait for all: worker/waits.py) and sent over the Decide
-        stream (a message, not a call of its own); an unreachable
+        """A wait (`_bounded` already), shared with this host's other waits
+        for the key (one upstream wait for all: worker/waits.py) and sent over
+        the Decide stream (a message, not a call of its own); an unreachable
         coordinator means COMPILE_LOCALLY."""
 
         async def upstream(req: pb.WaitRequest, until: bool) -> pb.WaitEvent:
             return await self._decider(md).wait(req, until_publishing=until)
 
         try:
-            return await self.waits.wait(md, self._bounded(request), until_publishing, upstream)
+            return await self.waits.wait(md, request, until_publishing, upstream)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in DEGRADED:
                 raise _relay(exc) from None

@@ -47,6 +47,10 @@ class _Waiter:
                          if request.timeout_ms > 0 else None)
 
 
+def _rank(w: _Waiter) -> int:
+    return w.request.requester.process_id
+
+
 class _Group:
     __slots__ = ("task", "waiters")
 
@@ -103,7 +107,7 @@ class HostWaits:
                    until_publishing: bool) -> None:
         try:
             while group.waiters:
-                leader = min(group.waiters, key=lambda w: w.request.requester.process_id)
+                leader = min(group.waiters, key=_rank)
                 request = pb.WaitRequest()
                 request.CopyFrom(leader.request)
                 deadlines = [w.deadline for w in group.waiters]
@@ -124,7 +128,7 @@ class HostWaits:
                     # joined after the upstream wait was sent.
                     job = leader.request.requester.job
                     taker = min((w for w in group.waiters if w.request.requester.job == job),
-                                key=lambda w: w.request.requester.process_id, default=None)
+                                key=_rank, default=None)
                     if taker is not None:
                         group.waiters.remove(taker)
                         if not taker.done.done():
