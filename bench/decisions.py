@@ -93,7 +93,10 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
 
     async def one(i: int, keys: list[str]) -> None:
         nonlocal errors
-        who = pb.Requester(job="pod", process_id=i, designated_process=0) if pod else None
+        # Each client is one process and names itself, as every worker's
+        # requests do (host:pid).
+        who = (pb.Requester(job="pod", process_id=i, designated_process=0, client=f"bench:{i}")
+               if pod else pb.Requester(client=f"bench:{i}"))
         requests = [pb.AcquireRequest(key=k, requester=who) for k in keys]
         t0 = time.perf_counter()
         try:

@@ -11,6 +11,17 @@ it is told, so it always renews before a pooled lease could run out; the old
 ones are left to expire in etcd. The pool holds no more leases than were
 taken in the last such interval (at most `size`): an idle coordinator grants
 nothing ahead, a busy one keeps a full pool.
+
+A requester's claims share one lease. A claim must vanish when its holder
+stops renewing it, and a holder is one process: its claims can all live on
+its one lease, renewed by any of them, and all vanish when the process stops.
+So a take for an owner (tenant, job, process and the process's own name)
+hands out the owner's current lease while it is as fresh as a pooled one
+would be (granted, or renewed through this replica, within a fifth of the
+TTL); otherwise a pooled lease becomes the owner's. One grant then serves a
+process's burst of misses instead of one grant each. Since another claim may
+live on it, a claim's lease is never revoked when the claim ends (the
+record is deleted; the lease lapses once nobody renews it).
 """
 
 from __future__ import annotations
@@ -19,25 +30,33 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 
 from .etcd import Etcd
 
 log = logging.getLogger(__name__)
 
 
+Lease = tuple[int, float]  # (lease id, granted or last renewed at, monotonic)
+
+
 class LeasePool:
+    OWNERS_MAX = 8192  # owners remembered (least recently used forgotten)
+
     def __init__(self, etcd: Etcd, ttl_s: int, *, size: int = 32) -> None:
         self.etcd = etcd
         self.ttl_s = ttl_s
         self.size = size
         self.max_age_s = ttl_s / 5
-        self._free: list[tuple[int, float]] = []  # (lease id, granted at), oldest first
+        self._free: list[Lease] = []  # (lease id, granted at), oldest first
         self._refill: asyncio.Task | None = None
         self._taken: deque[float] = deque()  # when leases were taken, within max_age_s
         self.granted = 0  # for tests and status: leases granted, pooled or not
+        self._owned: OrderedDict[Hashable, Lease] = OrderedDict()  # owner -> its lease
+        self._owner_of: dict[int, Hashable] = {}  # lease id -> owner
 
-    async def _grant(self) -> tuple[int, float]:
+    async def _grant(self) -> Lease:
         at = time.monotonic()
         lease_id = await self.etcd.grant(self.ttl_s)
         self.granted += 1
@@ -71,8 +90,43 @@ class LeasePool:
         if self._refill is None and len(self._free) < max(1, self._target() // 2):
             self._refill = asyncio.create_task(self._fill())
 
-    async def take(self) -> tuple[int, float]:
-        """(lease id, granted at): a lease with at least 4/5 of its TTL left."""
+    async def take(self, owner: Hashable | None = None) -> Lease:
+        """(lease id, granted at): a lease with at least 4/5 of its TTL left;
+        with an owner, the owner's lease when it is that fresh."""
+        if owner is not None:
+            mine = self._owned.get(owner)
+            if mine is not None and self._fresh(mine[1]):
+                self._owned.move_to_end(owner)
+                return mine
+        lease = await self._take_pooled()
+        if owner is not None:
+            self._own(owner, lease)
+        return lease
+
+    def _own(self, owner: Hashable, lease: Lease) -> None:
+        old = self._owned.pop(owner, None)
+        if old is not None:
+            self._owner_of.pop(old[0], None)
+        self._owned[owner] = lease
+        self._owner_of[lease[0]] = owner
+        while len(self._owned) > self.OWNERS_MAX:
+            _, dropped = self._owned.popitem(last=False)
+            self._owner_of.pop(dropped[0], None)
+
+    def renewed(self, lease_id: int, ttl_left_s: int) -> None:
+        """A holder renewed `lease_id` through this replica; it had
+        `ttl_left_s` left (0: it is gone)."""
+        owner = self._owner_of.get(lease_id)
+        if owner is None:
+            return
+        if ttl_left_s <= 0:
+            del self._owner_of[lease_id]
+            self._owned.pop(owner, None)
+            return
+        # As fresh as a lease granted when this one had its whole TTL left.
+        self._owned[owner] = (lease_id, time.monotonic() - max(0, self.ttl_s - ttl_left_s))
+
+    async def _take_pooled(self) -> Lease:
         while self._free:
             lease = self._free.pop()  # the newest
             if self._fresh(lease[1]):
@@ -82,8 +136,11 @@ class LeasePool:
         self._top_up()
         return await self._grant()
 
-    def give_back(self, lease: tuple[int, float]) -> None:
-        """A lease from take() that no claim used."""
+    def give_back(self, lease: Lease) -> None:
+        """A lease from take() that no claim used. An owner's lease stays
+        the owner's: another of its claims may live on it."""
+        if lease[0] in self._owner_of:
+            return
         if self._fresh(lease[1]) and len(self._free) < self.size:
             self._free.append(lease)
             self._free.sort(key=lambda e: e[1])

@@ -6,6 +6,7 @@ see each other's records:
 
     P/a/KEY              artifact index entry (JSON ArtifactInfo); write-once
     P/l/KEY              compile lease record (JSON), attached to the holder's etcd lease
+                         (one per holder process, shared by its claims: leases.py)
     P/h/KEY              hedge lease record: a second compiler for a holder far past
                          the program's expected compile time, attached to its etcd lease
     P/x/KEY              "compile locally" verdict, attached to a short etcd lease
@@ -93,6 +94,16 @@ def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
     """What fetchers of an upload in progress are told about it."""
     return pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
                            compile_time_seconds=header.compile_time_seconds)
+
+
+def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
+    """Whose claims may share an etcd lease (coordinator/leases.py): one
+    process, as the tenant, its job and process id and its own name
+    (host:pid, which every worker sends) tell it. A requester that does not
+    name itself gets a lease of its own per claim."""
+    if not req.client:
+        return None
+    return sk.split("/", 1)[0], req.job, req.process_id, req.client
 
 
 def _holder_name(rec: dict) -> str:
@@ -332,7 +343,7 @@ class CoordinatorState:
         else read `read` (which includes P/kind) in the same txn. A retried
         txn whose first attempt landed (the reply was lost with an etcd
         member) fails its compares on our own record: that is a success."""
-        lease_id, granted_at = await self.leases.take()
+        lease_id, granted_at = await self.leases.take(_lease_owner(sk, req))
         record = self._k(kind, sk)
         ok, rev, kvs = await self._claims.txn(
             compare, [op_put(record, self._claim(lease_id, req, program), lease=lease_id)], read)
@@ -636,7 +647,6 @@ class CoordinatorState:
             info = info_from(key, entry.value)
             revision = entry.mod_revision
         self._remember_artifact(sk, info, revision)
-        self._spawn(self.etcd.revoke(header.lease.id))
         if recipe is not None and info.recipe_digest:
             await self.farm.record(sk.split("/", 1)[0], recipe, info.recipe_digest)
         self.metrics.publishes.labels("ok").inc()
@@ -666,7 +676,6 @@ class CoordinatorState:
         ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k(kind, sk), lease.revision)], ops)
         if not ok:
             raise LeaseError(f"the compile lease for key {key} is no longer held")
-        self._spawn(self.etcd.revoke(lease.id))
         self.metrics.releases.labels(name.lower()).inc()
         log.info("released %s (%s) %s", key, name, detail[:200], extra={"key": sk})
 
@@ -679,7 +688,9 @@ class CoordinatorState:
             await self._check_holder(scope(tenant, key), lease)
         except LeaseError:
             return 0
-        return await self.etcd.keepalive_once(lease.id)
+        left = await self.etcd.keepalive_once(lease.id)
+        self.leases.renewed(lease.id, left)
+        return left
 
     # -- Fetch -----------------------------------------------------------
     async def fetch(self, key: str, digest: str, *, tenant: str = DEFAULT_TENANT,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from etcd3.etcdrpc import rpc_pb2 as epb
 
@@ -65,3 +66,63 @@ def test_stale_leases_are_not_handed_out(etcd, loop_thread):
         await client.close()
 
     loop_thread.run(scenario())
+
+
+def test_an_owner_reuses_its_fresh_lease_and_renewals_keep_it_fresh(etcd, loop_thread):
+    async def scenario():
+        client = Etcd([etcd.endpoint])
+        pool = LeasePool(client, 5, size=2)  # fresh for 1 s
+        a, b = ("t", "job", 0, "host:1"), ("t", "job", 1, "host:2")
+        first = await pool.take(a)
+        granted = pool.granted
+        assert (await pool.take(a))[0] == first[0]  # the same process: its lease again
+        assert pool.granted == granted
+        other = await pool.take(b)
+        anonymous = [await pool.take() for _ in range(2)]
+        ids = {first[0], other[0], *(lease_id for lease_id, _ in anonymous)}
+        assert len(ids) == 4  # other owners and anonymous claims never share it
+        pool.give_back(first)  # an owner's lease stays the owner's, never pooled
+        assert first not in pool._free and (await pool.take(a))[0] == first[0]
+        await asyncio.sleep(1.2)
+        stale = await pool.take(a)  # 4/5 of the TTL no longer left: a new one
+        assert stale[0] != first[0] and await _ttl(client, stale[0]) >= 4
+        await asyncio.sleep(1.2)
+        pool.renewed(stale[0], await client.keepalive_once(stale[0]))
+        assert (await pool.take(a))[0] == stale[0]  # renewed: fresh again
+        pool.renewed(stale[0], 0)  # gone in etcd: forgotten
+        assert (await pool.take(a))[0] != stale[0]
+        await pool.close()
+        await client.close()
+
+    loop_thread.run(scenario())
+
+
+def _client(target: str, name: str):
+    from compilecast.worker.client import CacheClient, Identity
+    return CacheClient(target, identity=Identity(job="j", process_id=0, client=name))
+
+
+def test_one_process_claims_on_one_lease_and_they_live_and_end_together(start_coordinator):
+    from compilecast.v1 import cache_pb2 as pb
+
+    coordinator = start_coordinator(lease_ttl_s=3)
+    target = coordinator.cfg.listen
+    a, b = _client(target, "host:1"), _client(target, "host:2")
+    leases = [a.acquire(k).lease for k in ("k1", "k2", "k3")]
+    assert len({lease.id for lease in leases}) == 1  # one grant for the process's burst
+    assert b.acquire("k4").lease.id != leases[0].id  # another process: its own lease
+    # One claim ending (published) ends neither the lease nor the others...
+    a.publish("k1", leases[0], b"one", 1.0)
+    assert a.keepalive("k2", leases[1]) > 0
+    a.release("k2", leases[1], pb.ABANDONED, "gone")
+    for _ in range(3):  # ...and renewing one claim keeps the rest alive past the TTL
+        time.sleep(1.5)
+        assert a.keepalive("k3", leases[2]) > 0
+    a.publish("k3", leases[2], b"three", 1.0)
+    # A process that stops renewing loses all its claims together.
+    dead = [a.acquire(k).lease for k in ("k5", "k6")]
+    assert dead[0].id == dead[1].id
+    time.sleep(4.5)
+    for key in ("k5", "k6"):
+        assert b.acquire(key).decision == pb.COMPILE
+    assert a.keepalive("k5", dead[0]) == 0
