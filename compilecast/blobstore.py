@@ -208,6 +208,7 @@ class DiskBlobStore:
         level: int = 3,
         reverify_s: float = 600.0,
         durable: bool = True,
+        on_evict: Callable[[int], None] | None = None,
     ) -> None:
         self.root = Path(root)
         self.blob_dir = self.root / "blobs"
@@ -227,7 +228,8 @@ class DiskBlobStore:
         self.durable = durable
         self._verified: dict[str, tuple[tuple[int, ...], float]] = {}
         self._lock = threading.Lock()
-        self._total = sum(p.stat().st_size for p in self.blob_dir.glob("*/*.zst"))
+        self.on_evict = on_evict  # called with each evicted blob's stored size
+        self._total = sum(size for _, size, _ in self._scan())
 
     # -- queries ---------------------------------------------------------
     def path_of(self, digest: str) -> Path:
@@ -264,16 +266,34 @@ class DiskBlobStore:
         if over:
             self._evict()
 
-    def _evict(self) -> None:
-        assert self.max_bytes is not None
-        target = int(self.max_bytes * 0.9)
+    def _scan(self) -> list[tuple[float, int, Path]]:
+        """(last read or written, stored size, path) of every blob, oldest first."""
         entries = []
         for p in self.blob_dir.glob("*/*.zst"):
             with contextlib.suppress(FileNotFoundError):
                 st = p.stat()
                 entries.append((st.st_mtime, st.st_size, p))
         entries.sort()
-        for _, size, p in entries:
+        return entries
+
+    def rescan(self) -> int:
+        """Count the directory again and evict when it is over the bound;
+        returns the stored bytes. For a store that other processes write too
+        (coordinator replicas on one shared volume): each counts only its own
+        writes between scans."""
+        entries = self._scan()
+        with self._lock:
+            self._total = sum(size for _, size, _ in entries)
+            over = self.max_bytes is not None and self._total > self.max_bytes
+        if over:
+            self._evict(entries)
+        return self._total
+
+    def _evict(self, entries: list[tuple[float, int, Path]] | None = None) -> None:
+        """Least recently read first, down to 90 % of the bound."""
+        assert self.max_bytes is not None
+        target = int(self.max_bytes * 0.9)
+        for _, size, p in self._scan() if entries is None else entries:
             with self._lock:
                 if self._total <= target:
                     return
@@ -283,6 +303,8 @@ class DiskBlobStore:
                     self._total -= size
                     self._verified.pop(p.stem, None)
                 log.info("evicted blob %s (%d bytes) from the bounded store", p.stem, size)
+                if self.on_evict is not None:
+                    self.on_evict(size)
 
     def delete(self, digest: str) -> None:
         self._distrust(digest)

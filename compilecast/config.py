@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,11 @@ class CoordinatorConfig:
         default=30, metadata=_help("how long a 'compile locally' verdict for a key lasts")
     )
     max_artifact_bytes: int = field(default=4 << 30, metadata=_help("largest accepted artifact"))
+    store_max_bytes: int = field(
+        default=0,
+        metadata=_help("bound on the artifact store (e.g. 180Gi; keep it below the volume): "
+                       "least recently read artifacts are evicted and recompile when next "
+                       "asked for (0: unbounded)"))
     store_reverify_s: float = field(
         default=600.0,
         metadata=_help("serve a blob this process wrote or verified, in an unchanged file, "
@@ -106,6 +112,10 @@ class CoordinatorConfig:
     def validate(self) -> None:
         _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
                   "local_marker_ttl_s", "max_artifact_bytes")
+        _not_negative(self, "store_max_bytes")
+        if 0 < self.store_max_bytes < self.max_artifact_bytes:
+            raise ConfigError(f"store_max_bytes ({self.store_max_bytes}) must be 0 (unbounded) "
+                              f"or at least max_artifact_bytes ({self.max_artifact_bytes})")
         if self.relay_fanout < 0:
             raise ConfigError("relay_fanout must be >= 0")
         if self.publish_stream_readers < 0:
@@ -225,9 +235,31 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+
+
+def parse_size(raw: Any) -> int:
+    """Bytes from an int or a size as Kubernetes writes one: 180Gi, 500M,
+    1.5Ti (binary with i, decimal without)."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    m = _SIZE.fullmatch(str(raw))
+    if m is None:
+        raise ValueError(raw)
+    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+
+
 def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
     typ = f.type if isinstance(f.type, type) else \
         {"int": int, "float": float, "str": str, "bool": bool}[f.type]
+    if typ is int and f.name.endswith("_bytes"):
+        try:
+            return parse_size(raw)
+        except ValueError:
+            raise ConfigError(f"{f.name}={raw!r} from {source} is not a size in bytes "
+                              "(e.g. 500000000, 500M, 180Gi)") from None
     if typ is bool:
         if isinstance(raw, bool):
             return raw

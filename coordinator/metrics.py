@@ -77,6 +77,18 @@ class CoordinatorMetrics:
             "arrives, to publish_stream_readers at a time; the rest once committed)",
             registry=registry,
         )
+        self.store_bytes = Gauge(
+            "compilecast_coordinator_store_bytes",
+            "Bytes in the artifact store as this replica counts them (its writes, and the "
+            "whole directory every store scan)",
+            registry=registry,
+        )
+        self.store_evictions = Counter(
+            "compilecast_coordinator_store_evictions",
+            "Artifacts evicted from the bounded store (least recently read first); each "
+            "recompiles when next asked for",
+            registry=registry,
+        )
         self.relays = Counter(
             "compilecast_coordinator_relay_redirects",
             "Fetches sent to a peer worker that is downloading or holds the artifact",

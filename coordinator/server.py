@@ -20,6 +20,8 @@ from .state import CoordinatorState
 
 log = logging.getLogger(__name__)
 
+STORE_SCAN_S = 60.0  # how often a replica counts the whole store
+
 
 class Coordinator(Role):
     """A running coordinator replica (start/stop for tests and `up`)."""
@@ -30,9 +32,13 @@ class Coordinator(Role):
         self.registry = registry or CollectorRegistry()
         self.metrics = CoordinatorMetrics(self.registry)
         self.store = DiskBlobStore(cfg.store_dir, max_blob_size=cfg.max_artifact_bytes,
-                                   reverify_s=cfg.store_reverify_s)
+                                   reverify_s=cfg.store_reverify_s,
+                                   max_bytes=cfg.store_max_bytes or None,
+                                   on_evict=lambda _size: self.metrics.store_evictions.inc())
+        self.metrics.store_bytes.set_function(lambda: self.store.stored_bytes)
         self.port = 0
         self._metrics_server = None
+        self._store_scans: asyncio.Task | None = None
 
     async def start(self) -> None:
         # grpc.aio objects bind to the running loop: build them here.
@@ -52,10 +58,25 @@ class Coordinator(Role):
         await set_serving(self.health, True)
         self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
                                              self.cfg.metrics_port)
+        self._store_scans = asyncio.create_task(self._scan_store())
         log.info("coordinator listening on %s (%s; etcd %s; store %s)", cfg.listen,
                  "TLS" if creds else "plaintext", cfg.etcd_endpoints, cfg.store_dir)
 
+    async def _scan_store(self) -> None:
+        """Count the store's directory every STORE_SCAN_S and hold it to its
+        bound. Replicas on one shared volume each count only their own writes
+        between scans, so each scan also evicts what the others pushed over."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(STORE_SCAN_S)
+            try:
+                await loop.run_in_executor(None, self.store.rescan)
+            except OSError as exc:
+                log.warning("artifact store scan failed: %s", exc)
+
     async def _release(self) -> None:
+        if self._store_scans is not None:
+            self._store_scans.cancel()
         await self.state.stop()
         await self.etcd.close()
 

@@ -299,8 +299,9 @@ class CoordinatorState:
             return None
         if self.store.has(st.artifact.digest):  # one stat: cheaper than a thread hop
             return st.artifact
-        log.error("index entry %s points at missing blob %s; dropping it",
-                  st.artifact.key, st.artifact.digest)
+        log.warning("index entry %s points at missing blob %s (evicted from a bounded store, "
+                    "or deleted); dropping it: the key compiles again",
+                    st.artifact.key, st.artifact.digest)
         self._forget_artifact(sk, st.artifact_rev + 1)
         await self.etcd.txn([cmp_mod_revision(self._k("a", sk), st.artifact_rev)],
                             [op_delete(self._k("a", sk))])

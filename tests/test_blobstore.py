@@ -117,6 +117,25 @@ def test_bounded_store_evicts_least_recently_used(tmp_path):
     assert not store.has(digests[1])
 
 
+def test_stores_sharing_a_directory_hold_it_to_the_bound_when_they_rescan(tmp_path):
+    """Coordinator replicas on one volume: each counts its own writes, so
+    neither is over its bound until a scan counts the other's too."""
+    evicted: list[int] = []
+    a = DiskBlobStore(tmp_path, max_bytes=500_000, level=1, on_evict=evicted.append)
+    b = DiskBlobStore(tmp_path, max_bytes=500_000, level=1)
+    digests = []
+    for i in range(6):
+        digests.append((a if i % 2 else b).put_bytes(os.urandom(100_000)))
+        os.utime((a if i % 2 else b).path_of(digests[-1]), (10 + i, 10 + i))
+    assert a.stored_bytes < 500_000 and not evicted  # 3 of 6 blobs, as a counts
+    a.read_bytes(digests[0])  # the oldest write, read lately
+    assert a.rescan() <= 450_000  # 90 % of the bound
+    assert len(evicted) == 2 and all(size > 100_000 for size in evicted)
+    kept = [d for d in digests if a.has(d)]
+    assert kept == [digests[0], *digests[3:]]  # the least recently read went first
+    assert b.rescan() == a.stored_bytes
+
+
 @pytest.mark.parametrize("payload", [os.urandom(5 << 20), b"xyz" * 2_000_000],
                          ids=["raw", "zstd"])
 def test_reads_from_an_offset_return_the_rest(tmp_path, payload):

@@ -28,6 +28,8 @@ def test_flag_beats_env_beats_file_beats_default(tmp_path):
     ({"COMPILECAST_LISTEN": "nowhere"}, "listen 'nowhere' is not host:port"),
     ({"COMPILECAST_ETCD_PREFIX": "relative"}, "must start with '/'"),
     ({"COMPILECAST_STORE_REVERIFY_S": "-1"}, "store_reverify_s must be >= 0"),
+    ({"COMPILECAST_STORE_MAX_BYTES": "lots"}, "store_max_bytes='lots' from env"),
+    ({"COMPILECAST_STORE_MAX_BYTES": "1Gi"}, "store_max_bytes (1073741824) must be 0"),
 ])
 def test_bad_values_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -60,3 +62,12 @@ def test_jax_share_binary_timeout_is_honoured(monkeypatch):
     monkeypatch.setenv("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "1234")
     cfg, _ = load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1"})
     assert cfg.share_binary_between_hosts_timeout_ms == 1234
+
+
+@pytest.mark.parametrize("raw,size", [("180Gi", 180 << 30), ("500M", 500_000_000),
+                                      ("1.5Ti", int(1.5 * 2**40)), ("64 MiB", 64 << 20),
+                                      ("123", 123), (4096, 4096)])
+def test_sizes_in_bytes_take_kubernetes_suffixes(raw, size):
+    cfg, _ = load(CoordinatorConfig, flags={"store_max_bytes": raw, "max_artifact_bytes": "1"},
+                  env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1"})
+    assert cfg.store_max_bytes == size

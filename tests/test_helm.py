@@ -95,6 +95,20 @@ def test_share_binary_timeout_and_lease_ttl_reach_the_processes():
     assert env_from[0]["configMapRef"]["name"] == cm["metadata"]["name"]
 
 
+def test_the_store_bound_reaches_the_coordinator_as_a_size_it_parses():
+    from compilecast.cli import build_parser
+    from compilecast.config import parse_size
+
+    def store_bound(*sets: str) -> int:
+        (dep,) = by_kind(render(None, *sets), "Deployment")
+        args = build_parser().parse_args(dep["spec"]["template"]["spec"]["containers"][0]["args"])
+        return parse_size(args.store_max_bytes or 0)
+
+    assert store_bound() == 180 << 30  # the default: below the 200Gi volume
+    assert store_bound("coordinator.storage.maxBytes=500M") == 500_000_000
+    assert store_bound("coordinator.storage.maxBytes=0") == 0  # unbounded
+
+
 def test_worker_args_are_accepted_by_the_cli():
     """Every flag the chart passes exists in `compilecast worker`/`coordinator`."""
     from compilecast.cli import build_parser

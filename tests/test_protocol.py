@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 
@@ -187,6 +188,29 @@ def test_wait_times_out_into_compile_locally(coordinator):
     event = b.wait("k", 1.0)
     assert event.decision == pb.COMPILE_LOCALLY and "timeout" in event.reason
     assert time.monotonic() - start < 5
+
+
+def test_a_bounded_store_evicts_the_least_recently_read_and_it_compiles_again(
+        start_coordinator):
+    coordinator = start_coordinator(store_max_bytes=3_100_000, max_artifact_bytes=1_000_000)
+    a = client(coordinator.cfg.listen)
+    blobs = {k: os.urandom(900_000) for k in ("k1", "k2", "k3", "k4")}
+    for k in ("k1", "k2", "k3"):
+        a.publish(k, a.acquire(k).lease, blobs[k], 1.0)
+        time.sleep(0.05)  # distinct read times
+    assert a.fetch("k1")[1] == blobs["k1"]  # read lately: k2 is now the least recent
+    time.sleep(0.05)
+    a.publish("k4", a.acquire("k4").lease, blobs["k4"], 1.0)  # 3.6 MB: over the bound
+    reg = coordinator.registry
+    assert reg.get_sample_value("compilecast_coordinator_store_evictions_total") == 1
+    assert reg.get_sample_value("compilecast_coordinator_store_bytes") <= 2_700_100
+    again = a.acquire("k2")  # its index entry is dropped: compiled and published again
+    assert again.decision == pb.COMPILE
+    a.publish("k2", again.lease, blobs["k2"], 1.0)
+    for k in ("k1", "k2", "k3", "k4"):
+        if k != "k3":
+            assert a.fetch(k)[1] == blobs[k]
+    assert a.acquire("k3").decision == pb.COMPILE  # evicted in turn, as the least recent
 
 
 # -- jobs ----------------------------------------------------------------------
