@@ -172,6 +172,7 @@ def test_external_etcd_renders_no_etcd():
     (["worker.socketDir=relative/dir"], "socketDir"),
     (["auth.tokensSecret="], "allowUnauthenticated=true explicitly"),
     (["tls.requireClientCerts=true"], "needs tls.secretName"),
+    (["coordinator.storage.maxBytes=lots"], "maxBytes"),
 ])
 def test_bad_value_combinations_fail_with_a_clear_message(sets, message):
     args = ["template", "rel", str(CHART)]
