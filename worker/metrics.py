@@ -38,7 +38,9 @@ class WorkerMetrics:
         )
         self.compile_seconds_saved = Counter(
             "compilecast_worker_saved_compile_seconds",
-            "Compile time avoided by host-cache hits", registry=registry,
+            "Compile time avoided by hits the coordinator did not count: from the host "
+            "cache, or a coordinator's HIT shared with another local process's request",
+            registry=registry,
         )
         self.corrupt_blobs = Counter(
             "compilecast_worker_corrupt_blobs",
@@ -56,6 +58,13 @@ class WorkerMetrics:
             "compilecast_worker_waits",
             "Waits of this host's processes: upstream (sent to the coordinator) or joined "
             "(shared another local process's upstream wait for the same key)",
+            ["how"], registry=registry,
+        )
+        self.decisions = Counter(
+            "compilecast_worker_decisions",
+            "Requests of this host's processes that the host cache did not answer: upstream "
+            "(sent to the coordinator) or joined (answered by another local process's request "
+            "for the same key)",
             ["how"], registry=registry,
         )
         self.relays = Counter(

@@ -34,6 +34,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
+from .decisions import HostDecisions
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
 from .waits import HostWaits
@@ -175,6 +176,7 @@ class WorkerService(rpc.CompileCacheServicer):
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self._retiring: set[Decider] = set()  # evicted, closed once their waits end
         self.waits = HostWaits(metrics.waits)  # this host's waits for one key go upstream as one
+        self.decisions = HostDecisions(metrics.decisions)  # and its requests for one key
         self.metrics.waiting.set_function(lambda: self.waits.waiting)
         self.streams = decide.Streams()  # local processes' Decide streams
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
@@ -245,24 +247,29 @@ class WorkerService(rpc.CompileCacheServicer):
             info = await asyncio.to_thread(self.cache.lookup, ns, r.key)
             answers.append(pb.AcquireResponse(decision=pb.HIT, artifact=info) if info else None)
         ask = [r for r, a in zip(requests, answers, strict=True) if a is None]
-        upstream: list[pb.AcquireResponse] = []
+        upstream: list[tuple[pb.AcquireResponse, bool]] = []
         if ask:
-            try:
-                upstream = await self._decider(md).decide(ask)
+            try:  # shared with this host's other requests for the key (worker/decisions.py)
+                upstream = await self.decisions.decide(md, ask, self._decider(md).decide)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in DEGRADED:
                     raise _relay(exc) from None
                 why = self._local("acquire", exc)
-                upstream = [pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, reason=why)
+                upstream = [(pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, reason=why), False)
                             for _ in ask]
         it = iter(upstream)
-        out = [a if a is not None else next(it) for a in answers]
-        for local, a in zip(answers, out, strict=True):
-            if local is not None:
+        out = []
+        for local in answers:
+            if local is not None:  # the host cache's hit: the coordinator never saw it
                 self.metrics.lookups.labels("host_hit").inc()
                 self.metrics.compile_seconds_saved.inc(local.artifact.compile_time_seconds)
-            else:
-                self.metrics.lookups.labels(pb.Decision.Name(a.decision).lower()).inc()
+                out.append(local)
+                continue
+            a, joined = next(it)
+            self.metrics.lookups.labels(pb.Decision.Name(a.decision).lower()).inc()
+            if joined and a.decision == pb.HIT:  # nor this one: another's request was
+                self.metrics.compile_seconds_saved.inc(a.artifact.compile_time_seconds)
+            out.append(a)
         return out
 
     @rpc_errors
