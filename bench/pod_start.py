@@ -11,8 +11,9 @@ The processes are tasks of one grpc.aio load generator, over 8 Decide
 streams (as 8 workers send them) for their decisions and their waits; with
 --wait-calls, each wait is a Wait call of its own instead (as before waits
 went over the stream). With --per-host K, K processes share a host: its
-waits for one key go upstream as one, as a worker sends them. All of it on
-the machine's 2 cores with the coordinator and etcd.
+requests and waits for one key go upstream as one, as a worker sends them
+(--solo-decisions: only its waits, as before requests were shared). All of
+it on the machine's 2 cores with the coordinator and etcd.
 """
 
 from __future__ import annotations
@@ -33,18 +34,22 @@ from _servers import Stack, cpu_seconds, own_cpu_seconds
 from compilecast.decide import Decider
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.worker.decisions import HostDecisions
 from compilecast.worker.waits import HostWaits
 
 ARTIFACT = b"executable" * 1000
 
 
 async def run(target: str, processes: int, programs: int, compile_s: float,
-              tag: str, wait_calls: bool, per_host: int) -> dict[str, float]:
+              tag: str, wait_calls: bool, per_host: int,
+              solo_decisions: bool = False) -> dict[str, float]:
     channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
     deciders = [Decider(s, timeout_s=120) for s in stubs]
     # Each host's worker shares its processes' waits for one key (worker/waits.py).
     hosts = [HostWaits() for _ in range((processes + per_host - 1) // per_host)]
+    # And its processes' requests (worker/decisions.py).
+    shared = [HostDecisions() for _ in hosts]
     counts = {"compile": 0, "wait_hit": 0, "acquire_hit": 0, "other": 0}
 
     async def process(i: int) -> None:
@@ -59,8 +64,11 @@ async def run(target: str, processes: int, programs: int, compile_s: float,
 
         for m in range(programs):
             key = f"{tag}-program-{m}"
-            resp = (await decider.decide(
-                [pb.AcquireRequest(key=key, requester=who, program_name=f"program-{m}")]))[0]
+            ask = [pb.AcquireRequest(key=key, requester=who, program_name=f"program-{m}")]
+            if per_host > 1 and not solo_decisions:
+                resp = (await shared[host].decide(None, ask, decider.decide))[0][0]
+            else:
+                resp = (await decider.decide(ask))[0]
             if resp.decision == pb.COMPILE:
                 counts["compile"] += 1
                 await asyncio.sleep(compile_s)
@@ -104,8 +112,11 @@ def main() -> None:
     ap.add_argument("--wait-calls", action="store_true",
                     help="one Wait call per wait instead of a message on the Decide stream")
     ap.add_argument("--per-host", type=int, default=1,
-                    help="processes per host (one per GPU): a host's waits for one key go "
-                         "upstream as one")
+                    help="processes per host (one per GPU): a host's requests and waits for "
+                         "one key go upstream as one")
+    ap.add_argument("--solo-decisions", action="store_true",
+                    help="with --per-host, each process sends its own requests (only waits "
+                         "are shared)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cc-podstart-"))
     stack = Stack(root)
@@ -115,12 +126,13 @@ def main() -> None:
         before = {n: cpu_seconds(p) for n, p in pids.items()}
         c0 = own_cpu_seconds()
         row = asyncio.run(run(target, args.processes, args.programs, args.compile_s, "a",
-                              args.wait_calls, args.per_host))
+                              args.wait_calls, args.per_host, args.solo_decisions))
         used = {n: cpu_seconds(p) - before[n] for n, p in pids.items()}
         used["load generator"] = own_cpu_seconds() - c0
         ideal = args.programs * args.compile_s
         how = "Wait calls" if args.wait_calls else "waits on the Decide streams"
         how += f", {args.per_host} per host" if args.per_host > 1 else ""
+        how += " (only waits shared)" if args.per_host > 1 and args.solo_decisions else ""
         print(f"{args.processes} processes x {args.programs} programs, compile {args.compile_s} s, "
               f"{how}: "
               f"all done in {row['wall']:.2f} s ({row['wall'] / ideal:.2f}x the {ideal:.1f} s of "
