@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from compilecast.v1 import cache_pb2 as pb
+
 
 class CoordinatorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -94,3 +96,15 @@ class CoordinatorMetrics:
             "Fetches sent to a peer worker that is downloading or holds the artifact",
             registry=registry,
         )
+        # Every Acquire counts twice; the labelled children are looked up once.
+        self._by_decision = {
+            d: (self.lookups.labels("hit" if d == pb.HIT else "miss"),
+                self.decisions.labels(pb.Decision.Name(d).lower()))
+            for d in pb.Decision.values() if d != pb.DECISION_UNSPECIFIED
+        }
+
+    def count_decision(self, decision: int) -> None:
+        """One Acquire answered with `decision`."""
+        lookup, decided = self._by_decision[decision]
+        lookup.inc()
+        decided.inc()

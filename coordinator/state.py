@@ -387,8 +387,7 @@ class CoordinatorState:
         except Unavailable as exc:
             resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
                                       reason=f"coordinator cannot reach etcd: {exc}")
-        self.metrics.lookups.labels("hit" if resp.decision == pb.HIT else "miss").inc()
-        self.metrics.decisions.labels(pb.Decision.Name(resp.decision).lower()).inc()
+        self.metrics.count_decision(resp.decision)
         if resp.decision == pb.COMPILE and components:
             self._spawn(self.records.record(scope(tenant, key), program_name,
                                          dict(components)))

@@ -193,5 +193,8 @@ def test_a_hosts_processes_get_their_answers_and_every_one_is_counted_once(
     saved = (cr.get_sample_value("compilecast_coordinator_saved_compile_seconds_total")
              + wr.get_sample_value("compilecast_worker_saved_compile_seconds_total"))
     assert saved == 2.0 * asked / 2  # every process's hit saved its compile, counted once
+    status = procs[0].status()  # what `compilecast status` prints, through the worker
+    assert (status.hits, status.misses) == (asked / 2, asked / 2 + len(keys))
+    assert status.compile_seconds_saved == saved
     for c in (designated, *procs):
         c.close()

@@ -177,6 +177,7 @@ class WorkerService(rpc.CompileCacheServicer):
         self._retiring: set[Decider] = set()  # evicted, closed once their waits end
         self.waits = HostWaits(metrics.waits)  # this host's waits for one key go upstream as one
         self.decisions = HostDecisions(metrics.decisions)  # and its requests for one key
+        self._joined = [0, 0]  # answers shared from another's request: misses, hits
         self.metrics.waiting.set_function(lambda: self.waits.waiting)
         self.streams = decide.Streams()  # local processes' Decide streams
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
@@ -267,7 +268,9 @@ class WorkerService(rpc.CompileCacheServicer):
                 continue
             a, joined = next(it)
             self.metrics.lookups.labels(pb.Decision.Name(a.decision).lower()).inc()
-            if joined and a.decision == pb.HIT:  # nor this one: another's request was
+            if joined:  # nor this one: another's request was (for Status)
+                self._joined[a.decision == pb.HIT] += 1
+            if joined and a.decision == pb.HIT:
                 self.metrics.compile_seconds_saved.inc(a.artifact.compile_time_seconds)
             out.append(a)
         return out
@@ -528,10 +531,13 @@ class WorkerService(rpc.CompileCacheServicer):
             up = await self.up.Status(request, timeout=self.rpc_timeout_s,
                                       metadata=self._credential(context)[1])
             resp.CopyFrom(up)
-            # Hits this worker answered from its host cache never reach the coordinator.
+            # Hits this worker answered from its host cache, and answers it shared
+            # among its processes, never reach the coordinator.
             reg = self.metrics.registry
             resp.hits += int(reg.get_sample_value("compilecast_worker_lookups_total",
                                                   {"result": "host_hit"}) or 0)
+            resp.hits += self._joined[True]
+            resp.misses += self._joined[False]
             resp.compile_seconds_saved += float(reg.get_sample_value(
                 "compilecast_worker_saved_compile_seconds_total") or 0.0)
             resp.role = "worker"
