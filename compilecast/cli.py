@@ -303,6 +303,27 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         client.close()
 
 
+def cmd_purge(args: argparse.Namespace) -> int:
+    import grpc
+
+    if not args.keys and not args.digest:
+        raise CliError("name the keys (or --digest) to purge")
+    client = _client(args)
+    try:
+        resp = client.purge(args.keys, args.digest, args.reason)
+    except grpc.RpcError as exc:
+        raise CliError(f"{args.coordinator}: {exc.code().name}: {exc.details()}") from exc
+    finally:
+        client.close()
+    for key in resp.purged:
+        print(f"purged   {key}")
+    for key in resp.missing:
+        print(f"missing  {key}  (no artifact under it)")
+    for digest in resp.revoked:
+        print(f"revoked  {digest}  (workers drop it from their host caches)")
+    return 1 if resp.missing else 0
+
+
 def cmd_farm(args: argparse.Namespace) -> int:
     import signal
     import socket
@@ -402,6 +423,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --check: ask for presence only, do not fetch and verify")
     _add_client_flags(p)
     p.set_defaults(fn=cmd_precompile)
+
+    p = sub.add_parser("purge", help="take artifacts out of service: remove their keys and "
+                                     "revoke their bytes (admin permission)")
+    p.add_argument("keys", nargs="*", help="keys whose artifacts go")
+    p.add_argument("--digest", action="append", default=[],
+                   help="also every key whose artifact has this sha256 (repeatable)")
+    p.add_argument("--reason", default="", help="why (kept with the revocation)")
+    _add_client_flags(p)
+    p.set_defaults(fn=cmd_purge)
 
     p = sub.add_parser("farm", help="run a compile-farm worker (takes queued compiles)")
     p.add_argument("--concurrency", type=int, default=0,

@@ -170,6 +170,9 @@ class WorkerConfig:
         metadata=_help("operator bound on how long waiters on this host wait before "
                        "compiling themselves (0: the process's own setting)"),
     )
+    revocation_poll_s: float = field(
+        default=30.0, metadata=_help("how often to ask the coordinator for purged artifacts "
+                                     "and drop them from the host cache"))
     relay_listen: str = field(
         default="", metadata=_help("host:port where this worker relays artifacts it downloads "
                                    "to other workers (empty: no relaying)"))
@@ -178,7 +181,7 @@ class WorkerConfig:
                                    "(default: this host's name and relay_listen's port)"))
 
     def validate(self) -> None:
-        _positive(self, "cache_max_bytes", "rpc_timeout_s")
+        _positive(self, "cache_max_bytes", "rpc_timeout_s", "revocation_poll_s")
         if self.relay_listen:
             _hostport(self.relay_listen, "relay_listen")
         if self.relay_advertise:

@@ -11,6 +11,8 @@ statuses, for both servers.
     ├── LeaseError            not (or no longer) the lease holder
     │                                                  -> FAILED_PRECONDITION
     ├── AlreadyPublished      write-once key taken     -> ALREADY_EXISTS
+    ├── Revoked               the bytes were purged and may not come back
+    │                                                  -> FAILED_PRECONDITION
     ├── TooLarge              over a size limit        -> RESOURCE_EXHAUSTED
     ├── CorruptBlob           stored bytes fail their digest; quarantined
     │                                                  -> DATA_LOSS
@@ -50,6 +52,12 @@ class LeaseError(CompilecastError):
 
 class AlreadyPublished(CompilecastError):
     code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Revoked(CompilecastError):
+    """A publish of bytes an operator purged (their digest is revoked)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class TooLarge(CompilecastError):

@@ -10,10 +10,11 @@ token (never the token itself) to a tenant and permissions:
         tenant: team-a                # [a-z0-9-]{1,63}
         permissions: [read, publish]  # read: Acquire/Wait/Fetch/DescribeKey/Status
                                       # publish: also take compile leases, Publish, Release
+                                      # admin: also Purge (take artifacts out of service)
 
 Tenants are namespaces: one tenant's keys, leases, artifacts and records are
 invisible to another. With allow_unauthenticated, a call without a token is
-the tenant "default" with both permissions; `compilecast up` uses that on
+the tenant "default" with every permission; `compilecast up` uses that on
 loopback only.
 """
 
@@ -31,7 +32,7 @@ from compilecast.config import ConfigError
 from compilecast.errors import PermissionDenied, Unauthenticated
 
 TENANT_RE = re.compile(r"^[a-z0-9-]{1,63}$")
-PERMISSIONS = {"read", "publish"}
+PERMISSIONS = {"read", "publish", "admin"}
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,19 @@ class Principal:
     name: str
     tenant: str
     can_publish: bool  # every identity may read
+    can_admin: bool = False
 
     def require_publish(self) -> None:
         if not self.can_publish:
             raise PermissionDenied(f"identity {self.name} may not publish or hold compile leases")
 
+    def require_admin(self) -> None:
+        if not self.can_admin:
+            raise PermissionDenied(f"identity {self.name} may not purge artifacts "
+                                   "(needs the admin permission)")
 
-ANONYMOUS = Principal("anonymous", "default", can_publish=True)
+
+ANONYMOUS = Principal("anonymous", "default", can_publish=True, can_admin=True)
 
 
 def token_from(context: grpc.aio.ServicerContext) -> str | None:
@@ -88,7 +95,8 @@ class Authenticator:
             if not perms or perms - PERMISSIONS:
                 raise ConfigError(f"{where}: permissions must be a subset of {sorted(PERMISSIONS)}")
             by_digest[digest] = Principal(str(entry.get("name", f"token-{i}")), tenant,
-                                          can_publish="publish" in perms)
+                                          can_publish="publish" in perms,
+                                          can_admin="admin" in perms)
         return cls(by_digest, allow_unauthenticated)
 
     def identify(self, context: grpc.aio.ServicerContext) -> Principal:

@@ -150,6 +150,13 @@ class Etcd:
         )
         return [_kv(k) for k in resp.kvs]
 
+    async def changed_since(self, prefix: bytes, revision: int) -> tuple[list[KV], int]:
+        """The keys under `prefix` written after `revision` (filtered by etcd),
+        and the revision they were read at: pass it next time."""
+        resp = await self._call("kv", "Range", pb.RangeRequest(
+            key=prefix, range_end=prefix_end(prefix), min_mod_revision=revision + 1))
+        return [_kv(k) for k in resp.kvs], int(resp.header.revision)
+
     async def count_prefix(self, prefix: bytes) -> int:
         resp = await self._call("kv", "Range",
             pb.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True),

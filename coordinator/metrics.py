@@ -91,6 +91,11 @@ class CoordinatorMetrics:
             "recompiles when next asked for",
             registry=registry,
         )
+        self.purges = Counter(
+            "compilecast_coordinator_purges",
+            "Artifacts an operator took out of service (digests revoked by Purge)",
+            registry=registry,
+        )
         self.relays = Counter(
             "compilecast_coordinator_relay_redirects",
             "Fetches sent to a peer worker that is downloading or holds the artifact",

@@ -148,6 +148,18 @@ class CoordinatorService(rpc.CompileCacheServicer):
         who = self.auth.identify(context)
         return await self.state.status(tenant=who.tenant)
 
+    @rpc_errors
+    async def Purge(self, request, context):
+        who = self.auth.identify(context)
+        who.require_admin()
+        return await self.state.purge(list(request.keys), list(request.digests), request.reason,
+                                      tenant=who.tenant)
+
+    @rpc_errors
+    async def Revoked(self, request, context):
+        who = self.auth.identify(context)
+        return await self.state.revoked(request.since_revision, tenant=who.tenant)
+
     # -- ahead-of-time compiles -----------------------------------------
     @rpc_errors
     async def ListRecipes(self, request, context):

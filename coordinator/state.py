@@ -48,6 +48,7 @@ from compilecast.errors import (
     InvalidRequest,
     LeaseError,
     NotFound,
+    Revoked,
     Unavailable,
 )
 from compilecast.v1 import cache_pb2 as pb
@@ -104,6 +105,13 @@ def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
     if not req.client:
         return None
     return sk.split("/", 1)[0], req.job, req.process_id, req.client
+
+
+def _reason(kv: KV) -> str:
+    try:
+        return json.loads(kv.value)["reason"]
+    except (ValueError, KeyError, TypeError):
+        return "revoked"
 
 
 def _holder_name(rec: dict) -> str:
@@ -599,8 +607,12 @@ class CoordinatorState:
                        chunks: AsyncIterator[DataChunk]) -> pb.ArtifactInfo:
         key = plain(sk)
         kind = await self._check_holder(sk, header.lease, header.requester)
-        if await self.etcd.get(self._k("a", sk)) is not None:
+        entry, revoked = await self.etcd.get_many([self._k("a", sk), self._revocation(sk, header.digest)])
+        if entry is not None:
             raise AlreadyPublished(f"key {key} is already published")
+        if revoked is not None:
+            raise Revoked(f"artifact {header.digest} was purged ({_reason(revoked)}); "
+                          "it may not be published again")
         writer = self.store.writer()
         loop = asyncio.get_running_loop()
         with writer, self.uploads.track(sk, _in_flight(key, header), writer) as upload:
@@ -632,7 +644,7 @@ class CoordinatorState:
                                recipe_digest=await self.farm.store_recipe(recipe) if recipe else "")
         ok, revision, _ = await self.etcd.txn(
             [cmp_mod_revision(self._k(kind, sk), header.lease.revision),
-             cmp_absent(self._k("a", sk))],
+             cmp_absent(self._k("a", sk)), cmp_absent(self._revocation(sk, header.digest))],
             # The first valid publish wins; it ends the lease and any hedge.
             [op_put(self._k("a", sk), info_json(info)), op_delete(self._k("l", sk)),
              op_delete(self._k("h", sk))],
@@ -640,7 +652,11 @@ class CoordinatorState:
         if not ok:
             # A retried txn (the first attempt's reply lost with an etcd member)
             # fails its compares after succeeding: the entry is then ours.
-            entry = await self.etcd.get(self._k("a", sk))
+            entry, revoked = await self.etcd.get_many([self._k("a", sk),
+                                                       self._revocation(sk, header.digest)])
+            if revoked is not None and entry is None:
+                raise Revoked(f"artifact {header.digest} was purged while it was being "
+                              f"published ({_reason(revoked)})")
             if entry is None or json.loads(entry.value).get("digest") != header.digest:
                 raise LeaseError(f"the compile lease for key {key} was lost before the "
                                  "publish completed (expired or taken over)")
@@ -655,6 +671,76 @@ class CoordinatorState:
                  extra={"key": sk, "job": header.requester.job,
                         "process_id": header.requester.process_id})
         return info
+
+    # -- Purge -----------------------------------------------------------
+    def _revocation(self, sk: str, digest: str) -> bytes:
+        """P/v/TENANT/DIGEST: the tenant revoked these bytes."""
+        return self._k("v", scope(sk.split("/", 1)[0], digest))
+
+    async def purge(self, keys: list[str], digests: list[str], reason: str, *,
+                    tenant: str = DEFAULT_TENANT, attempts: int = 3) -> pb.PurgeResponse:
+        """Revoke the bytes of `keys`' artifacts and `digests` for the tenant,
+        and remove every index entry of the tenant that names them: no key
+        serves them, no publish brings them back, and workers drop them from
+        their host caches. The blobs stay in the store (another tenant's
+        entries may name the same bytes) until evicted."""
+        for k in keys:
+            validate.key(k)
+        for d in digests:
+            validate.digest(d)
+        if not keys and not digests:
+            raise InvalidRequest("name the keys or digests to purge")
+        reason = reason[:validate.MAX_DETAIL_LEN] or "purged by an operator"
+        missing = []
+        wanted = set(digests)  # a key's bytes are revoked, so every key naming them goes
+        for k, kv in zip(keys, await self.etcd.get_many([self._k("a", scope(tenant, k))
+                                                         for k in keys]), strict=True):
+            if kv is None:
+                missing.append(k)
+            else:
+                wanted.add(json.loads(kv.value)["digest"])
+        entries: dict[str, KV] = {}
+        head = self._k("a", scope(tenant, ""))
+        for kv in await self.etcd.get_prefix(head) if wanted else ():
+            if json.loads(kv.value).get("digest") in wanted:
+                entries[kv.key[len(head):].decode()] = kv
+        by_digest: dict[str, list[str]] = {d: [] for d in sorted(wanted)}
+        for k, kv in entries.items():
+            by_digest.setdefault(json.loads(kv.value)["digest"], []).append(k)
+        resp = pb.PurgeResponse(missing=missing)
+        for digest, named in by_digest.items():
+            record = json.dumps({"reason": reason, "at": time.time(), "keys": sorted(named)})
+            compares = [cmp_mod_revision(self._k("a", scope(tenant, k)), entries[k].mod_revision)
+                        for k in named]
+            ops = [op_put(self._k("v", scope(tenant, digest)), record.encode()),
+                   *(op_delete(self._k("a", scope(tenant, k))) for k in named)]
+            ok, revision, _ = await self.etcd.txn(compares, ops)
+            if not ok:  # an entry changed meanwhile (dropped as dangling): purge what is left
+                if attempts <= 1:
+                    raise Unavailable("the entries to purge kept changing; try again")
+                return await self.purge(keys, digests, reason, tenant=tenant,
+                                        attempts=attempts - 1)
+            for k in named:
+                self._forget_artifact(scope(tenant, k), revision)
+            resp.purged.extend(sorted(named))
+            resp.revoked.append(digest)
+            log.warning("purged %s: revoked artifact %s (%s)", ", ".join(named) or "no key",
+                        digest, reason, extra={"key": scope(tenant, digest)})
+        self.metrics.purges.inc(len(resp.revoked))
+        return resp
+
+    async def revoked(self, since_revision: int, *,
+                      tenant: str = DEFAULT_TENANT) -> pb.RevokedResponse:
+        if since_revision < 0:
+            raise InvalidRequest("since_revision must be >= 0")
+        head = self._k("v", scope(tenant, ""))
+        kvs, revision = await self.etcd.changed_since(head, since_revision)
+        resp = pb.RevokedResponse(revision=revision)
+        for kv in kvs:
+            rec = json.loads(kv.value)
+            resp.revocations.add(digest=kv.key[len(head):].decode(), reason=rec["reason"],
+                                 revoked_unix=rec["at"], keys=rec["keys"])
+        return resp
 
     # -- Release ---------------------------------------------------------
     async def release(self, key: str, lease: pb.Lease, reason: int, detail: str, *,

@@ -157,6 +157,14 @@ class CacheClient:
                               f"expected {info.digest}; discarded")
         return info, b"".join(parts)
 
+    def purge(self, keys: list[str], digests: list[str] = (), reason: str = "") -> pb.PurgeResponse:
+        return self.stub.Purge(pb.PurgeRequest(keys=keys, digests=digests, reason=reason),
+                               timeout=max(60.0, self.timeout_s))
+
+    def revoked(self, since_revision: int = 0) -> pb.RevokedResponse:
+        return self.stub.Revoked(pb.RevokedRequest(since_revision=since_revision),
+                                 timeout=self.timeout_s)
+
     def publish(self, key: str, lease: pb.Lease, data: bytes,
                 compile_time_s: float, recipe: pb.Recipe | None = None) -> pb.ArtifactInfo:
         header = pb.PublishHeader(key=key, lease=lease, digest=hashlib.sha256(data).hexdigest(),

@@ -67,6 +67,11 @@ class WorkerMetrics:
             "for the same key)",
             ["how"], registry=registry,
         )
+        self.revoked = Counter(
+            "compilecast_worker_revoked",
+            "Artifacts dropped from the host cache because an operator purged them",
+            registry=registry,
+        )
         self.relays = Counter(
             "compilecast_worker_relays",
             "Downloads the coordinator pointed at a peer worker (redirected), and those that "

@@ -32,6 +32,7 @@ class Worker(Role):
                                reverify_s=cfg.store_reverify_s)
         self._metrics_server = None
         self.relay_server = None
+        self._revocations: asyncio.Task | None = None
 
     @property
     def target(self) -> str:
@@ -84,8 +85,12 @@ class Worker(Role):
                                              self.cfg.metrics_port)
         log.info("worker listening on %s (coordinator %s, host cache %s)", listen,
                  self.cfg.coordinator, self.cfg.cache_dir)
+        self._revocations = asyncio.create_task(
+            self.service.sync_revocations(self.cfg.revocation_poll_s))
 
     async def _release(self) -> None:
+        if self._revocations is not None:
+            self._revocations.cancel()
         if self.relay_server is not None:
             await self.relay_server.stop(2.0)
         await self.service.close()

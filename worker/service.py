@@ -383,6 +383,44 @@ class WorkerService(rpc.CompileCacheServicer):
     async def KeepAlive(self, request, context):
         return await self._forward("KeepAlive", request, context)
 
+    @rpc_errors
+    async def Purge(self, request, context):
+        resp = await self._forward("Purge", request, context)
+        await self._drop_revoked(resp.revoked, "purged through this worker")
+        return resp
+
+    @rpc_errors
+    async def Revoked(self, request, context):
+        return await self._forward("Revoked", request, context)
+
+    async def _drop_revoked(self, digests, why: str) -> None:
+        for digest in digests:
+            if await asyncio.to_thread(self.cache.store.has, digest):
+                await asyncio.to_thread(self.cache.store.delete, digest)
+                self.metrics.revoked.inc()
+                log.warning("dropped revoked artifact %s from the host cache (%s)", digest, why)
+
+    async def sync_revocations(self, every_s: float) -> None:
+        """Drop the digests the coordinator has revoked (purged artifacts) from
+        the host cache, polling every `every_s`: a purge reaches every host
+        within that. Revocations are per tenant: this polls with the worker's
+        own credential."""
+        since = 0
+        while True:
+            try:
+                resp = await self.up.Revoked(pb.RevokedRequest(since_revision=since),
+                                             timeout=self.rpc_timeout_s,
+                                             metadata=bearer(self.token))
+                for r in resp.revocations:
+                    await self._drop_revoked([r.digest], r.reason)
+                since = resp.revision
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("the coordinator predates revocations; not polling them")
+                    return
+                log.debug("polling revocations failed: %s", exc.code().name)
+            await asyncio.sleep(every_s)
+
     # The farm's calls, for clients that only know their host's worker.
     @rpc_errors
     async def SubmitCompiles(self, request, context):

@@ -505,3 +505,49 @@ class TasksResponse(_message.Message):
     TASKS_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
     def __init__(self, tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ...) -> None: ...
+
+class PurgeRequest(_message.Message):
+    __slots__ = ("keys", "digests", "reason")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., digests: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PurgeResponse(_message.Message):
+    __slots__ = ("purged", "missing", "revoked")
+    PURGED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    purged: _containers.RepeatedScalarFieldContainer[str]
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    revoked: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, purged: _Optional[_Iterable[str]] = ..., missing: _Optional[_Iterable[str]] = ..., revoked: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Revocation(_message.Message):
+    __slots__ = ("digest", "reason", "revoked_unix", "keys")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    reason: str
+    revoked_unix: float
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digest: _Optional[str] = ..., reason: _Optional[str] = ..., revoked_unix: _Optional[float] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RevokedRequest(_message.Message):
+    __slots__ = ("since_revision",)
+    SINCE_REVISION_FIELD_NUMBER: _ClassVar[int]
+    since_revision: int
+    def __init__(self, since_revision: _Optional[int] = ...) -> None: ...
+
+class RevokedResponse(_message.Message):
+    __slots__ = ("revocations", "revision")
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    revocations: _containers.RepeatedCompositeFieldContainer[Revocation]
+    revision: int
+    def __init__(self, revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...

@@ -84,6 +84,16 @@ class CompileCacheStub:
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.StatusRequest.SerializeToString,
                 response_deserializer=compilecast_dot_v1_dot_cache__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Purge = channel.unary_unary(
+                '/compilecast.v1.CompileCache/Purge',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.PurgeRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.PurgeResponse.FromString,
+                _registered_method=True)
+        self.Revoked = channel.unary_unary(
+                '/compilecast.v1.CompileCache/Revoked',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.RevokedRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.RevokedResponse.FromString,
+                _registered_method=True)
         self.ListRecipes = channel.unary_stream(
                 '/compilecast.v1.CompileCache/ListRecipes',
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.ListRecipesRequest.SerializeToString,
@@ -194,6 +204,21 @@ class CompileCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Purge(self, request, context):
+        """Remove artifacts and revoke their digests (admin permission).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoked(self, request, context):
+        """The tenant's revoked digests: workers poll it to drop them from their
+        host caches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListRecipes(self, request, context):
         """Ahead-of-time compiles (coordinator only).
         The recipes recorded with the artifacts of a job.
@@ -289,6 +314,16 @@ def add_CompileCacheServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=compilecast_dot_v1_dot_cache__pb2.StatusRequest.FromString,
                     response_serializer=compilecast_dot_v1_dot_cache__pb2.StatusResponse.SerializeToString,
+            ),
+            'Purge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Purge,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.PurgeRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.PurgeResponse.SerializeToString,
+            ),
+            'Revoked': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoked,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.RevokedRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.RevokedResponse.SerializeToString,
             ),
             'ListRecipes': grpc.unary_stream_rpc_method_handler(
                     servicer.ListRecipes,
@@ -591,6 +626,60 @@ class CompileCache:
             '/compilecast.v1.CompileCache/Status',
             compilecast_dot_v1_dot_cache__pb2.StatusRequest.SerializeToString,
             compilecast_dot_v1_dot_cache__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Purge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/Purge',
+            compilecast_dot_v1_dot_cache__pb2.PurgeRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.PurgeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoked(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/Revoked',
+            compilecast_dot_v1_dot_cache__pb2.RevokedRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.RevokedResponse.FromString,
             options,
             channel_credentials,
             insecure,

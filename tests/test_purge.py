@@ -1,0 +1,134 @@
+"""Taking artifacts out of service (Purge) and the revocations workers
+apply to their host caches, against real etcd, gRPC, coordinators and
+workers."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker.client import CacheClient
+
+from .conftest import eventually
+
+BAD = b"miscompiled" * 20_000
+GOOD = b"fine-executable" * 20_000
+
+
+def code_of(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+def publish(client: CacheClient, key: str, data: bytes) -> pb.ArtifactInfo:
+    resp = client.acquire(key)
+    assert resp.decision == pb.COMPILE, resp
+    return client.publish(key, resp.lease, data, 3.0)
+
+
+def test_purged_bytes_are_served_under_no_key_and_never_published_again(coordinator):
+    c = CacheClient(coordinator.cfg.listen)
+    bad = publish(c, "k1", BAD).digest
+    publish(c, "k2", BAD)  # the same bytes under another key
+    publish(c, "k3", GOOD)
+    resp = c.purge(["k1", "nothing-here"], reason="XLA miscompile, bug 123")
+    assert list(resp.purged) == ["k1", "k2"] and list(resp.missing) == ["nothing-here"]
+    assert list(resp.revoked) == [bad]
+    for k in ("k1", "k2"):
+        assert code_of(lambda k=k: c.fetch(k))[0] == grpc.StatusCode.NOT_FOUND
+    assert c.acquire("k3").decision == pb.HIT  # other bytes are untouched
+    again = c.acquire("k1")
+    assert again.decision == pb.COMPILE  # a miss now: it compiles again...
+    code, details = code_of(lambda: c.publish("k1", again.lease, BAD, 3.0))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "bug 123" in details
+    c.publish("k1", again.lease, GOOD, 3.0)  # ...and other bytes may take its place
+    assert c.fetch("k1")[1] == GOOD
+    (rev,) = c.revoked().revocations
+    assert (rev.digest, rev.reason, list(rev.keys)) == (bad, "XLA miscompile, bug 123",
+                                                        ["k1", "k2"])
+    assert coordinator.registry.get_sample_value("compilecast_coordinator_purges_total") == 1
+    now = c.revoked().revision
+    assert list(c.revoked(now).revocations) == []  # nothing new since
+
+
+def test_purge_by_digest_and_bad_requests(coordinator):
+    c = CacheClient(coordinator.cfg.listen)
+    publish(c, "k1", BAD)
+    digest = hashlib.sha256(BAD).hexdigest()
+    resp = c.purge([], [digest])
+    assert list(resp.purged) == ["k1"] and list(resp.revoked) == [digest]
+    assert code_of(lambda: c.purge([]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: c.purge(["bad/key"]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: c.purge([], ["not-a-digest"]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: c.revoked(-1))[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_only_an_admin_purges_and_only_its_own_tenants_keys(start_coordinator, tokens_file):
+    secured = start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+    target = secured.cfg.listen
+    a, b = CacheClient(target, token="a-pub"), CacheClient(target, token="b-pub")
+    publish(a, "k", BAD)
+    publish(b, "k", BAD)
+    for who in (a, CacheClient(target, token="a-read")):
+        code, details = code_of(lambda who=who: who.purge(["k"]))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "admin" in details
+    resp = CacheClient(target, token="a-admin").purge(["k"], reason="bad")
+    assert list(resp.purged) == ["k"]
+    assert b.fetch("k")[1] == BAD  # tenant b's entry and blob are untouched
+    assert list(b.revoked().revocations) == []
+    assert code_of(lambda: a.fetch("k"))[0] == grpc.StatusCode.NOT_FOUND
+
+
+def test_another_replica_stops_serving_a_purged_key_at_once(start_coordinator):
+    one, two = start_coordinator(), start_coordinator()
+    c1, c2 = CacheClient(one.cfg.listen), CacheClient(two.cfg.listen)
+    publish(c1, "k", BAD)
+    assert c2.acquire("k").decision == pb.HIT  # replica two holds it in memory
+    c1.purge(["k"])
+    eventually(lambda: c2.acquire("k").decision == pb.COMPILE, "replica two misses")
+
+
+def test_workers_drop_revoked_bytes_from_their_host_caches(coordinator, start_worker):
+    polling = start_worker(coordinator.cfg.listen, revocation_poll_s=0.2)
+    other = start_worker(coordinator.cfg.listen, revocation_poll_s=3600)
+    upstream = CacheClient(coordinator.cfg.listen)
+    publish(upstream, "k", BAD)
+    procs = [CacheClient(w.cfg.listen) for w in (polling, other)]
+    for p in procs:
+        assert p.fetch("k")[1] == BAD  # now in each host cache
+        assert p.acquire("k").decision == pb.HIT
+    assert polling.cache.store.has(hashlib.sha256(BAD).hexdigest())
+    upstream.purge(["k"], reason="bad bytes")
+    eventually(lambda: polling.registry.get_sample_value(
+        "compilecast_worker_revoked_total") == 1, "the polling worker drops it")
+    assert not polling.cache.store.has(hashlib.sha256(BAD).hexdigest())
+    assert procs[0].acquire("k").decision == pb.COMPILE  # no host hit: the coordinator's miss
+    # A purge through a worker drops the bytes there at once, not at its next poll.
+    publish(upstream, "k2", GOOD)
+    assert procs[1].fetch("k2")[1] == GOOD
+    procs[1].purge(["k2"])
+    assert other.registry.get_sample_value("compilecast_worker_revoked_total") == 1
+    assert not other.cache.store.has(hashlib.sha256(GOOD).hexdigest())
+    assert procs[1].acquire("k2").decision == pb.COMPILE
+
+
+def test_the_purge_command(coordinator):
+    c = CacheClient(coordinator.cfg.listen)
+    digest = publish(c, "k", BAD).digest
+
+    def cc(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "compilecast.cli", "purge",
+                               "--coordinator", coordinator.cfg.listen, *args],
+                              capture_output=True, text=True, timeout=60)
+
+    r = cc("k", "gone", "--reason", "miscompile")
+    assert r.returncode == 1, r.stderr  # one key had nothing to purge
+    assert "purged   k" in r.stdout and "missing  gone" in r.stdout and digest in r.stdout
+    r = cc()
+    assert r.returncode != 0 and "name the keys" in r.stderr and "Traceback" not in r.stderr
