@@ -611,8 +611,7 @@ class CoordinatorState:
         if entry is not None:
             raise AlreadyPublished(f"key {key} is already published")
         if revoked is not None:
-            raise Revoked(f"artifact {header.digest} was purged ({_reason(revoked)}); "
-                          "it may not be published again")
+            raise await self._refuse_revoked(sk, kind, header, revoked, "was purged")
         writer = self.store.writer()
         loop = asyncio.get_running_loop()
         with writer, self.uploads.track(sk, _in_flight(key, header), writer) as upload:
@@ -655,8 +654,8 @@ class CoordinatorState:
             entry, revoked = await self.etcd.get_many([self._k("a", sk),
                                                        self._revocation(sk, header.digest)])
             if revoked is not None and entry is None:
-                raise Revoked(f"artifact {header.digest} was purged while it was being "
-                              f"published ({_reason(revoked)})")
+                raise await self._refuse_revoked(sk, kind, header, revoked,
+                                                 "was purged while it was being published")
             if entry is None or json.loads(entry.value).get("digest") != header.digest:
                 raise LeaseError(f"the compile lease for key {key} was lost before the "
                                  "publish completed (expired or taken over)")
@@ -752,18 +751,38 @@ class CoordinatorState:
         sk = scope(tenant, key)
         kind = await self._check_holder(sk, lease)
         name = pb.ReleaseReason.Name(reason)
-        ops = [op_delete(self._k(kind, sk))]
-        if reason in (pb.COMPILE_FAILED, pb.BELOW_THRESHOLD):
-            marker_lease = await self.etcd.grant(self.cfg.local_marker_ttl_s)
-            why = ("the compile failed on the holder" if reason == pb.COMPILE_FAILED
-                   else "the entry is below the caching thresholds")
-            body = json.dumps({"reason": f"{why}; compile locally", "detail": detail[:validate.MAX_DETAIL_LEN]})
-            ops.append(op_put(self._k("x", sk), body.encode(), lease=marker_lease))
-        ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k(kind, sk), lease.revision)], ops)
-        if not ok:
+        why = {pb.COMPILE_FAILED: "the compile failed on the holder",
+               pb.BELOW_THRESHOLD: "the entry is below the caching thresholds"}.get(reason)
+        if not await self._give_up(sk, kind, lease, why, detail):
             raise LeaseError(f"the compile lease for key {key} is no longer held")
         self.metrics.releases.labels(name.lower()).inc()
         log.info("released %s (%s) %s", key, name, detail[:200], extra={"key": sk})
+
+    async def _give_up(self, sk: str, kind: str, lease: pb.Lease, why: str | None,
+                       detail: str) -> bool:
+        """End the claim P/kind that `lease` holds; with `why`, every waiter
+        compiles locally at once (a "compile locally" verdict for
+        local_marker_ttl_s) instead of one being promoted. False when the
+        claim was no longer held."""
+        ops = [op_delete(self._k(kind, sk))]
+        if why is not None:
+            marker_lease = await self.etcd.grant(self.cfg.local_marker_ttl_s)
+            body = json.dumps({"reason": f"{why}; compile locally",
+                               "detail": detail[:validate.MAX_DETAIL_LEN]})
+            ops.append(op_put(self._k("x", sk), body.encode(), lease=marker_lease))
+        ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k(kind, sk), lease.revision)], ops)
+        return ok
+
+    async def _refuse_revoked(self, sk: str, kind: str, header: pb.PublishHeader,
+                              revoked: KV, what: str) -> Revoked:
+        """A publish of revoked bytes: its claim ends with a "compile locally"
+        verdict (a deterministic compile would give every promoted waiter the
+        same bytes again, one after another), and the error to raise."""
+        with contextlib.suppress(Unavailable):
+            await self._give_up(sk, kind, header.lease,
+                                "the compiled bytes were purged by an operator", _reason(revoked))
+        return Revoked(f"artifact {header.digest} {what} ({_reason(revoked)}); "
+                       "it may not be published again")
 
     # -- KeepAlive -------------------------------------------------------
     async def keepalive(self, key: str, lease: pb.Lease, *,

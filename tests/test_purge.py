@@ -32,7 +32,8 @@ def publish(client: CacheClient, key: str, data: bytes) -> pb.ArtifactInfo:
     return client.publish(key, resp.lease, data, 3.0)
 
 
-def test_purged_bytes_are_served_under_no_key_and_never_published_again(coordinator):
+def test_purged_bytes_are_served_under_no_key_and_never_published_again(start_coordinator):
+    coordinator = start_coordinator(local_marker_ttl_s=1)
     c = CacheClient(coordinator.cfg.listen)
     bad = publish(c, "k1", BAD).digest
     publish(c, "k2", BAD)  # the same bytes under another key
@@ -44,10 +45,18 @@ def test_purged_bytes_are_served_under_no_key_and_never_published_again(coordina
         assert code_of(lambda k=k: c.fetch(k))[0] == grpc.StatusCode.NOT_FOUND
     assert c.acquire("k3").decision == pb.HIT  # other bytes are untouched
     again = c.acquire("k1")
-    assert again.decision == pb.COMPILE  # a miss now: it compiles again...
+    assert again.decision == pb.COMPILE  # a miss now: it compiles again
+    waiter = CacheClient(coordinator.cfg.listen)
+    assert waiter.acquire("k1").decision == pb.WAIT
     code, details = code_of(lambda: c.publish("k1", again.lease, BAD, 3.0))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "bug 123" in details
-    c.publish("k1", again.lease, GOOD, 3.0)  # ...and other bytes may take its place
+    # Its waiters compile locally at once: promoted one by one, each would
+    # compile the same bytes and be refused in turn.
+    event = waiter.wait("k1", 10)
+    assert event.decision == pb.COMPILE_LOCALLY and "purged" in event.reason
+    once_more = eventually(lambda: (r := c.acquire("k1")).decision == pb.COMPILE and r,
+                           "the verdict lapses")
+    c.publish("k1", once_more.lease, GOOD, 3.0)  # other bytes may take its place
     assert c.fetch("k1")[1] == GOOD
     (rev,) = c.revoked().revocations
     assert (rev.digest, rev.reason, list(rev.keys)) == (bad, "XLA miscompile, bug 123",
