@@ -37,6 +37,24 @@ def eventually(predicate, what: str = "condition", seconds: float = 10.0):
     pytest.fail(f"not within {seconds} s: {what}")
 
 
+def all_at_once(calls, timeout_s: float = 60.0) -> list:
+    """Run each of `calls` on a thread of its own, started together; their
+    results, in order (None for one that did not finish in time)."""
+    out: list = [None] * len(calls)
+    start = threading.Barrier(len(calls))
+
+    def one(i: int) -> None:
+        start.wait()
+        out[i] = calls[i]()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return out
+
+
 @contextlib.contextmanager
 def slow_counted_reads(state):
     """Within the block, the coordinator state's etcd reads (get_many) answer

@@ -5,13 +5,14 @@ coordinator."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 from prometheus_client import CollectorRegistry, Counter
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 from compilecast.worker.decisions import HostDecisions
+
+from .conftest import all_at_once
 
 WAIT = pb.AcquireResponse(decision=pb.WAIT, reason="compiled by gpu0")
 COMPILE = pb.AcquireResponse(decision=pb.COMPILE, lease=pb.Lease(id=7, revision=9))
@@ -157,19 +158,7 @@ def test_a_hosts_processes_get_their_answers_and_every_one_is_counted_once(
                              identity=Identity(job="j", process_id=0, client="host0"))
 
     def everyone_asks() -> list[list[pb.AcquireResponse]]:
-        got: list = [None] * len(procs)
-        start = threading.Barrier(len(procs))
-
-        def one(i: int) -> None:
-            start.wait()
-            got[i] = [procs[i].acquire(k) for k in keys]
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(procs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        return got
+        return all_at_once([lambda p=p: [p.acquire(k) for k in keys] for p in procs])
 
     before = everyone_asks()
     assert {a.decision for answers in before for a in answers} == {pb.WAIT}

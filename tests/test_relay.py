@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 
 import grpc
 import pytest
@@ -15,6 +14,7 @@ from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 
+from .conftest import all_at_once
 from .test_security import DATA
 
 SIZE = 24 << 20
@@ -37,17 +37,8 @@ def relaying_worker(start_worker, coordinator, name: str):
 
 
 def fetch_all(targets: list[str], key: str) -> list[bytes]:
-    out: list = [None] * len(targets)
-
-    def one(i: int) -> None:
-        out[i] = CacheClient(targets[i], timeout_s=60).fetch(key)[1]
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(targets))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
+    return all_at_once([lambda t=t: CacheClient(t, timeout_s=60).fetch(key)[1]
+                        for t in targets], timeout_s=120)
 
 
 def test_six_workers_fetching_at_once_cost_the_coordinator_about_one_copy(
