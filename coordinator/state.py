@@ -97,6 +97,9 @@ def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
                            compile_time_seconds=header.compile_time_seconds)
 
 
+PURGE_TXN_KEYS = 60  # index entries one purge txn deletes (2 ops each; etcd allows 128)
+
+
 def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
     """Whose claims may share an etcd lease (coordinator/leases.py): one
     process, as the tenant, its job and process id and its own name
@@ -677,12 +680,13 @@ class CoordinatorState:
         return self._k("v", scope(sk.split("/", 1)[0], digest))
 
     async def purge(self, keys: list[str], digests: list[str], reason: str, *,
-                    tenant: str = DEFAULT_TENANT, attempts: int = 3) -> pb.PurgeResponse:
+                    tenant: str = DEFAULT_TENANT) -> pb.PurgeResponse:
         """Revoke the bytes of `keys`' artifacts and `digests` for the tenant,
-        and remove every index entry of the tenant that names them: no key
-        serves them, no publish brings them back, and workers drop them from
-        their host caches. The blobs stay in the store (another tenant's
-        entries may name the same bytes) until evicted."""
+        then remove every index entry of the tenant that names them: no key
+        serves them, no publish brings them back (the revocation is written
+        first), and workers drop them from their host caches. The blobs stay
+        in the store (another tenant's entries may name the same bytes) until
+        evicted."""
         for k in keys:
             validate.key(k)
         for d in digests:
@@ -690,43 +694,51 @@ class CoordinatorState:
         if not keys and not digests:
             raise InvalidRequest("name the keys or digests to purge")
         reason = reason[:validate.MAX_DETAIL_LEN] or "purged by an operator"
-        missing = []
+        resp = pb.PurgeResponse()
         wanted = set(digests)  # a key's bytes are revoked, so every key naming them goes
         for k, kv in zip(keys, await self.etcd.get_many([self._k("a", scope(tenant, k))
                                                          for k in keys]), strict=True):
             if kv is None:
-                missing.append(k)
+                resp.missing.append(k)
             else:
                 wanted.add(json.loads(kv.value)["digest"])
-        entries: dict[str, KV] = {}
         head = self._k("a", scope(tenant, ""))
+        naming: dict[str, list[str]] = {d: [] for d in sorted(wanted)}
         for kv in await self.etcd.get_prefix(head) if wanted else ():
-            if json.loads(kv.value).get("digest") in wanted:
-                entries[kv.key[len(head):].decode()] = kv
-        by_digest: dict[str, list[str]] = {d: [] for d in sorted(wanted)}
-        for k, kv in entries.items():
-            by_digest.setdefault(json.loads(kv.value)["digest"], []).append(k)
-        resp = pb.PurgeResponse(missing=missing)
-        for digest, named in by_digest.items():
-            record = json.dumps({"reason": reason, "at": time.time(), "keys": sorted(named)})
-            compares = [cmp_mod_revision(self._k("a", scope(tenant, k)), entries[k].mod_revision)
-                        for k in named]
-            ops = [op_put(self._k("v", scope(tenant, digest)), record.encode()),
-                   *(op_delete(self._k("a", scope(tenant, k))) for k in named)]
-            ok, revision, _ = await self.etcd.txn(compares, ops)
-            if not ok:  # an entry changed meanwhile (dropped as dangling): purge what is left
-                if attempts <= 1:
-                    raise Unavailable("the entries to purge kept changing; try again")
-                return await self.purge(keys, digests, reason, tenant=tenant,
-                                        attempts=attempts - 1)
-            for k in named:
-                self._forget_artifact(scope(tenant, k), revision)
-            resp.purged.extend(sorted(named))
+            digest = json.loads(kv.value).get("digest")
+            if digest in naming:
+                naming[digest].append(kv.key[len(head):].decode())
+        for digest, named in naming.items():
+            await self.etcd.put(self._revocation(scope(tenant, ""), digest), json.dumps(
+                {"reason": reason, "at": time.time(), "keys": sorted(named)}).encode())
+            for i in range(0, len(named), PURGE_TXN_KEYS):
+                resp.purged.extend(await self._unindex(tenant, digest,
+                                                       named[i:i + PURGE_TXN_KEYS]))
             resp.revoked.append(digest)
             log.warning("purged %s: revoked artifact %s (%s)", ", ".join(named) or "no key",
                         digest, reason, extra={"key": scope(tenant, digest)})
         self.metrics.purges.inc(len(resp.revoked))
         return resp
+
+    async def _unindex(self, tenant: str, digest: str, keys: list[str]) -> list[str]:
+        """Delete the index entries of `keys` that still name `digest`, in
+        one txn (again, should one change meanwhile); the keys deleted."""
+        for _ in range(3):
+            records = [self._k("a", scope(tenant, k)) for k in keys]
+            current = [(k, rec, kv) for k, rec, kv in zip(keys, records,
+                                                         await self.etcd.get_many(records),
+                                                         strict=True)
+                       if kv is not None and json.loads(kv.value).get("digest") == digest]
+            if not current:
+                return []
+            ok, revision, _ = await self.etcd.txn(
+                [cmp_mod_revision(rec, kv.mod_revision) for _, rec, kv in current],
+                [op_delete(rec) for _, rec, _ in current])
+            if ok:
+                for k, _, _ in current:
+                    self._forget_artifact(scope(tenant, k), revision)
+                return sorted(k for k, _, _ in current)
+        raise Unavailable("the index entries to purge kept changing; try again")
 
     async def revoked(self, since_revision: int, *,
                       tenant: str = DEFAULT_TENANT) -> pb.RevokedResponse:

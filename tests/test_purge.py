@@ -68,10 +68,13 @@ def test_purged_bytes_are_served_under_no_key_and_never_published_again(start_co
 
 def test_purge_by_digest_and_bad_requests(coordinator):
     c = CacheClient(coordinator.cfg.listen)
-    publish(c, "k1", BAD)
-    digest = hashlib.sha256(BAD).hexdigest()
+    same = [f"k{i:03d}" for i in range(75)]  # more keys than one txn deletes
+    for k in same:
+        publish(c, k, b"tiny")
+    digest = hashlib.sha256(b"tiny").hexdigest()
     resp = c.purge([], [digest])
-    assert list(resp.purged) == ["k1"] and list(resp.revoked) == [digest]
+    assert list(resp.purged) == same and list(resp.revoked) == [digest]
+    assert all(c.acquire(k).decision == pb.COMPILE for k in same[::10])
     assert code_of(lambda: c.purge([]))[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(lambda: c.purge(["bad/key"]))[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(lambda: c.purge([], ["not-a-digest"]))[0] == grpc.StatusCode.INVALID_ARGUMENT
