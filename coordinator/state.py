@@ -97,7 +97,7 @@ def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
                            compile_time_seconds=header.compile_time_seconds)
 
 
-PURGE_TXN_KEYS = 60  # index entries one purge txn deletes (2 ops each; etcd allows 128)
+PURGE_TXN_KEYS = 60  # index entries one purge txn deletes (etcd allows 128 compares, 128 ops)
 
 
 def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
