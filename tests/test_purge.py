@@ -130,6 +130,24 @@ def test_workers_drop_revoked_bytes_from_their_host_caches(coordinator, start_wo
     assert procs[1].acquire("k2").decision == pb.COMPILE
 
 
+def test_a_worker_applies_the_revocations_of_its_processes_tenants(start_coordinator,
+                                                                    tokens_file, start_worker):
+    """The worker acts as tenant a; a process on its host presents tenant b's
+    token. Tenant b's purge reaches that host's cache too."""
+    secured = start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+    own = tokens_file.parent / "worker.token"
+    own.write_text("a-pub")
+    worker = start_worker(secured.cfg.listen, token_file=str(own), revocation_poll_s=0.2)
+    b = CacheClient(worker.target, token="b-pub")
+    publish(b, "k", BAD)
+    assert b.fetch("k")[1] == BAD and b.acquire("k").decision == pb.HIT  # in the host cache
+    CacheClient(secured.cfg.listen, token="b-admin").purge(["k"], reason="bad")
+    eventually(lambda: worker.registry.get_sample_value(
+        "compilecast_worker_revoked_total") == 1, "tenant b's revocation applied")
+    assert not worker.cache.store.has(hashlib.sha256(BAD).hexdigest())
+    assert b.acquire("k").decision == pb.COMPILE
+
+
 def test_the_purge_command(coordinator):
     c = CacheClient(coordinator.cfg.listen)
     digest = publish(c, "k", BAD).digest

@@ -403,22 +403,25 @@ class WorkerService(rpc.CompileCacheServicer):
     async def sync_revocations(self, every_s: float) -> None:
         """Drop the digests the coordinator has revoked (purged artifacts) from
         the host cache, polling every `every_s`: a purge reaches every host
-        within that. Revocations are per tenant: this polls with the worker's
-        own credential."""
-        since = 0
+        within that. Revocations are per tenant, so this polls with the
+        worker's own credential and with each per-job credential its
+        processes use (those with a Decide stream open)."""
+        since: dict[tuple, int] = {}
         while True:
-            try:
-                resp = await self.up.Revoked(pb.RevokedRequest(since_revision=since),
-                                             timeout=self.rpc_timeout_s,
-                                             metadata=bearer(self.token))
-                for r in resp.revocations:
-                    await self._drop_revoked([r.digest], r.reason)
-                since = resp.revision
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.warning("the coordinator predates revocations; not polling them")
-                    return
-                log.debug("polling revocations failed: %s", exc.code().name)
+            since = {md: since.get(md, 0) for md in [bearer(self.token), *self._deciders]}
+            for md in list(since):
+                try:
+                    resp = await self.up.Revoked(
+                        pb.RevokedRequest(since_revision=since[md]),
+                        timeout=self.rpc_timeout_s, metadata=md)
+                    for r in resp.revocations:
+                        await self._drop_revoked([r.digest], r.reason)
+                    since[md] = resp.revision
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        log.warning("the coordinator predates revocations; not polling them")
+                        return
+                    log.debug("polling revocations failed: %s", exc.code().name)
             await asyncio.sleep(every_s)
 
     # The farm's calls, for clients that only know their host's worker.
