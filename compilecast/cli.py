@@ -92,6 +92,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run(cfg)
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
@@ -115,7 +123,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         ratio = f"{100.0 * st.hits / total:.1f}%" if total else "n/a"
         print(f"worker       {args.worker}: healthy")
         print(f"upstream     {st.upstream}: {'healthy' if st.upstream_healthy else 'UNREACHABLE'}")
-        print(f"artifacts    {st.artifacts}")
+        bound = f" of {_size(st.store_max_bytes)}" if st.store_max_bytes else ", unbounded"
+        print(f"artifacts    {st.artifacts} ({_size(st.store_bytes)} stored{bound}; "
+              f"{st.revoked} revoked)")
         print(f"in flight    {st.compiles_in_flight} compiles, {st.waiters} waiters "
               f"(upstream: one per host and key); {st.waiting_here} processes waiting here")
         print(f"lookups      {st.hits} hits, {st.misses} misses (hit ratio {ratio})")

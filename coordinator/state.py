@@ -877,6 +877,7 @@ class CoordinatorState:
                                                {"result": "miss"}) or 0)
         resp.compile_seconds_saved = float(
             reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") or 0.0)
+        resp.store_bytes, resp.store_max_bytes = self.store.stored_bytes, self.cfg.store_max_bytes
         if not healthy:
             return resp
         counts = await self.farm.counts(tenant)
@@ -884,6 +885,7 @@ class CoordinatorState:
         resp.tasks_done, resp.tasks_failed = counts["done"], counts["failed"]
         tenant_path = f"/{tenant}/".encode()
         resp.artifacts = await self.etcd.count_prefix(self.prefix + b"/a" + tenant_path)
+        resp.revoked = await self.etcd.count_prefix(self.prefix + b"/v" + tenant_path)
         leases = await self.etcd.get_prefix(self.prefix + b"/l" + tenant_path, limit=100)
         resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l" + tenant_path)
         resp.waiters = await self.etcd.count_prefix(self.prefix + b"/w" + tenant_path)

@@ -22,6 +22,7 @@ def test_status_is_zero_against_a_healthy_worker(coordinator, start_worker):
     r = cc("status", "--worker", worker.target)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "healthy" in r.stdout and "artifacts" in r.stdout
+    assert "stored, unbounded; 0 revoked" in r.stdout
 
 
 def test_status_is_nonzero_when_the_coordinator_is_down(coordinator, start_worker):

@@ -204,6 +204,9 @@ def test_a_bounded_store_evicts_the_least_recently_read_and_it_compiles_again(
     reg = coordinator.registry
     assert reg.get_sample_value("compilecast_coordinator_store_evictions_total") == 1
     assert reg.get_sample_value("compilecast_coordinator_store_bytes") <= 2_700_100
+    status = a.status()  # what `compilecast status` prints
+    assert status.store_bytes == reg.get_sample_value("compilecast_coordinator_store_bytes")
+    assert status.store_max_bytes == 3_100_000
     again = a.acquire("k2")  # its index entry is dropped: compiled and published again
     assert again.decision == pb.COMPILE
     a.publish("k2", again.lease, blobs["k2"], 1.0)

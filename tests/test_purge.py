@@ -62,6 +62,7 @@ def test_purged_bytes_are_served_under_no_key_and_never_published_again(start_co
     assert (rev.digest, rev.reason, list(rev.keys)) == (bad, "XLA miscompile, bug 123",
                                                         ["k1", "k2"])
     assert coordinator.registry.get_sample_value("compilecast_coordinator_purges_total") == 1
+    assert c.status().revoked == 1  # what `compilecast status` prints
     now = c.revoked().revision
     assert list(c.revoked(now).revocations) == []  # nothing new since
 
