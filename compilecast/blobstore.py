@@ -297,14 +297,17 @@ class DiskBlobStore:
             with self._lock:
                 if self._total <= target:
                     return
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 p.unlink()
-                with self._lock:
-                    self._total -= size
-                    self._verified.pop(p.stem, None)
+            except FileNotFoundError:
+                pass  # another process sharing the store evicted it: gone all the same
+            else:
                 log.info("evicted blob %s (%d bytes) from the bounded store", p.stem, size)
                 if self.on_evict is not None:
                     self.on_evict(size)
+            with self._lock:
+                self._total -= size
+                self._verified.pop(p.stem, None)
 
     def delete(self, digest: str) -> None:
         self._distrust(digest)

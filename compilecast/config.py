@@ -77,6 +77,9 @@ class CoordinatorConfig:
         metadata=_help("bound on the artifact store (e.g. 180Gi; keep it below the volume): "
                        "least recently read artifacts are evicted and recompile when next "
                        "asked for (0: unbounded)"))
+    store_scan_s: float = field(
+        default=60.0, metadata=_help("how often a replica counts the whole artifact store "
+                                     "(the other replicas' writes to a shared volume)"))
     store_reverify_s: float = field(
         default=600.0,
         metadata=_help("serve a blob this process wrote or verified, in an unchanged file, "
@@ -113,6 +116,7 @@ class CoordinatorConfig:
         _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
                   "local_marker_ttl_s", "max_artifact_bytes")
         _not_negative(self, "store_max_bytes")
+        _positive(self, "store_scan_s")
         if 0 < self.store_max_bytes < self.max_artifact_bytes:
             raise ConfigError(f"store_max_bytes ({self.store_max_bytes}) must be 0 (unbounded) "
                               f"or at least max_artifact_bytes ({self.max_artifact_bytes})")

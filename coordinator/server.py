@@ -20,8 +20,6 @@ from .state import CoordinatorState
 
 log = logging.getLogger(__name__)
 
-STORE_SCAN_S = 60.0  # how often a replica counts the whole store
-
 
 class Coordinator(Role):
     """A running coordinator replica (start/stop for tests and `up`)."""
@@ -63,12 +61,12 @@ class Coordinator(Role):
                  "TLS" if creds else "plaintext", cfg.etcd_endpoints, cfg.store_dir)
 
     async def _scan_store(self) -> None:
-        """Count the store's directory every STORE_SCAN_S and hold it to its
+        """Count the store's directory every store_scan_s and hold it to its
         bound. Replicas on one shared volume each count only their own writes
         between scans, so each scan also evicts what the others pushed over."""
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(STORE_SCAN_S)
+            await asyncio.sleep(self.cfg.store_scan_s)
             try:
                 await loop.run_in_executor(None, self.store.rescan)
             except OSError as exc:

@@ -13,6 +13,8 @@ import pytest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity, publish_messages
 
+from .conftest import eventually
+
 DATA = b"executable-bytes" * 50_000
 
 
@@ -214,6 +216,32 @@ def test_a_bounded_store_evicts_the_least_recently_read_and_it_compiles_again(
         if k != "k3":
             assert a.fetch(k)[1] == blobs[k]
     assert a.acquire("k3").decision == pb.COMPILE  # evicted in turn, as the least recent
+
+
+def test_replicas_sharing_a_store_hold_it_to_the_bound_together(start_coordinator, tmp_path):
+    """Each replica counts only its own writes between scans: neither is
+    over the bound, the directory is, and a scan evicts once, not once per
+    replica."""
+    shared = tmp_path / "shared-store"
+    bound = dict(store_max_bytes=3_100_000, max_artifact_bytes=1_000_000, store_scan_s=0.2)
+    one, two = (start_coordinator(store_dir=shared, **bound) for _ in range(2))
+    for coordinator, keys in ((one, ("k1", "k2")), (two, ("k3", "k4"))):
+        c = client(coordinator.cfg.listen)
+        for k in keys:
+            c.publish(k, c.acquire(k).lease, os.urandom(900_000), 1.0)
+            time.sleep(0.05)
+
+    def evictions() -> float:
+        return sum(r.registry.get_sample_value("compilecast_coordinator_store_evictions_total")
+                   for r in (one, two))
+
+    eventually(lambda: evictions() >= 1, "a scan evicts")
+    time.sleep(0.6)  # both replicas scan again meanwhile
+    assert evictions() == 1
+    assert sum(p.stat().st_size for p in (shared / "blobs").glob("*/*.zst")) <= 2_790_000
+    c = client(one.cfg.listen)
+    assert c.acquire("k1").decision == pb.COMPILE  # the least recently read went
+    assert [c.acquire(k).decision for k in ("k2", "k3", "k4")] == [pb.HIT] * 3
 
 
 # -- jobs ----------------------------------------------------------------------
