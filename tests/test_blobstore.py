@@ -136,6 +136,22 @@ def test_stores_sharing_a_directory_hold_it_to_the_bound_when_they_rescan(tmp_pa
     assert b.rescan() == a.stored_bytes
 
 
+def test_a_blob_another_store_evicted_first_counts_as_evicted(tmp_path):
+    """Two replicas scanning at once: one looks at the directory while the
+    other evicts; the first must not evict further blobs for those gone."""
+    a = DiskBlobStore(tmp_path, max_bytes=300_000, level=1)
+    b = DiskBlobStore(tmp_path, max_bytes=300_000, level=1)
+    digests = [(a if i % 2 else b).put_bytes(os.urandom(100_000)) for i in range(4)]
+    for i, d in enumerate(digests):
+        os.utime(a.path_of(d), (10 + i, 10 + i))
+    stale = b._scan()  # b has read the directory...
+    b._total = sum(size for _, size, _ in stale)
+    a.rescan()  # ...when a evicts the two oldest
+    b._evict(stale)
+    assert [a.has(d) for d in digests] == [False, False, True, True]
+    assert b.stored_bytes == a.stored_bytes
+
+
 @pytest.mark.parametrize("payload", [os.urandom(5 << 20), b"xyz" * 2_000_000],
                          ids=["raw", "zstd"])
 def test_reads_from_an_offset_return_the_rest(tmp_path, payload):
