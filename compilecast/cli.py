@@ -320,17 +320,21 @@ def cmd_purge(args: argparse.Namespace) -> int:
         raise CliError("name the keys (or --digest) to purge")
     client = _client(args)
     try:
-        resp = client.purge(args.keys, args.digest, args.reason)
+        resp = client.purge(args.keys, args.digest, args.reason, dry_run=args.dry_run)
     except grpc.RpcError as exc:
         raise CliError(f"{args.coordinator}: {exc.code().name}: {exc.details()}") from exc
     finally:
         client.close()
+    would = "would " if args.dry_run else ""
     for key in resp.purged:
-        print(f"purged   {key}")
+        print(f"{would}purge   {key}" if would else f"purged   {key}")
     for key in resp.missing:
         print(f"missing  {key}  (no artifact under it)")
     for digest in resp.revoked:
-        print(f"revoked  {digest}  (workers drop it from their host caches)")
+        print(f"{would}revoke  {digest}" if would else
+              f"revoked  {digest}  (workers drop it from their host caches)")
+    if args.dry_run:
+        print("dry run: nothing changed")
     return 1 if resp.missing else 0
 
 
@@ -440,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--digest", action="append", default=[],
                    help="also every key whose artifact has this sha256 (repeatable)")
     p.add_argument("--reason", default="", help="why (kept with the revocation)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="say which keys and digests would go; change nothing")
     _add_client_flags(p)
     p.set_defaults(fn=cmd_purge)
 

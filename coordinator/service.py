@@ -153,7 +153,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
         who = self.auth.identify(context)
         who.require_admin()
         return await self.state.purge(list(request.keys), list(request.digests), request.reason,
-                                      tenant=who.tenant)
+                                      tenant=who.tenant, dry_run=request.dry_run)
 
     @rpc_errors
     async def Revoked(self, request, context):

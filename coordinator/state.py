@@ -680,7 +680,7 @@ class CoordinatorState:
         return self._k("v", scope(sk.split("/", 1)[0], digest))
 
     async def purge(self, keys: list[str], digests: list[str], reason: str, *,
-                    tenant: str = DEFAULT_TENANT) -> pb.PurgeResponse:
+                    tenant: str = DEFAULT_TENANT, dry_run: bool = False) -> pb.PurgeResponse:
         """Revoke the bytes of `keys`' artifacts and `digests` for the tenant,
         then remove every index entry of the tenant that names them: no key
         serves them, no publish brings them back (the revocation is written
@@ -708,6 +708,11 @@ class CoordinatorState:
             digest = json.loads(kv.value).get("digest")
             if digest in naming:
                 naming[digest].append(kv.key[len(head):].decode())
+        if dry_run:
+            for digest, named in naming.items():
+                resp.purged.extend(sorted(named))
+                resp.revoked.append(digest)
+            return resp
         for digest, named in naming.items():
             await self.etcd.put(self._revocation(scope(tenant, ""), digest), json.dumps(
                 {"reason": reason, "at": time.time(), "keys": sorted(named)}).encode())

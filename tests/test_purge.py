@@ -158,6 +158,12 @@ def test_the_purge_command(coordinator):
                                "--coordinator", coordinator.cfg.listen, *args],
                               capture_output=True, text=True, timeout=60)
 
+    publish(c, "k-twin", BAD)  # the same bytes under another key
+    r = cc("k", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "would purge   k\n" in r.stdout and "would purge   k-twin" in r.stdout
+    assert f"would revoke  {digest}" in r.stdout and "nothing changed" in r.stdout
+    assert c.acquire("k").decision == pb.HIT and list(c.revoked().revocations) == []
     r = cc("k", "gone", "--reason", "miscompile")
     assert r.returncode == 1, r.stderr  # one key had nothing to purge
     assert "purged   k" in r.stdout and "missing  gone" in r.stdout and digest in r.stdout

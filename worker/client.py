@@ -157,8 +157,10 @@ class CacheClient:
                               f"expected {info.digest}; discarded")
         return info, b"".join(parts)
 
-    def purge(self, keys: list[str], digests: list[str] = (), reason: str = "") -> pb.PurgeResponse:
-        return self.stub.Purge(pb.PurgeRequest(keys=keys, digests=digests, reason=reason),
+    def purge(self, keys: list[str], digests: list[str] = (), reason: str = "", *,
+              dry_run: bool = False) -> pb.PurgeResponse:
+        return self.stub.Purge(pb.PurgeRequest(keys=keys, digests=digests, reason=reason,
+                                               dry_run=dry_run),
                                timeout=max(60.0, self.timeout_s))
 
     def revoked(self, since_revision: int = 0) -> pb.RevokedResponse:

@@ -386,7 +386,8 @@ class WorkerService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Purge(self, request, context):
         resp = await self._forward("Purge", request, context)
-        await self._drop_revoked(resp.revoked, "purged through this worker")
+        if not request.dry_run:
+            await self._drop_revoked(resp.revoked, "purged through this worker")
         return resp
 
     @rpc_errors

@@ -513,14 +513,16 @@ class TasksResponse(_message.Message):
     def __init__(self, tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ...) -> None: ...
 
 class PurgeRequest(_message.Message):
-    __slots__ = ("keys", "digests", "reason")
+    __slots__ = ("keys", "digests", "reason", "dry_run")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     digests: _containers.RepeatedScalarFieldContainer[str]
     reason: str
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., digests: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    dry_run: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., digests: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class PurgeResponse(_message.Message):
     __slots__ = ("purged", "missing", "revoked")
