@@ -150,6 +150,21 @@ class Etcd:
         )
         return [_kv(k) for k in resp.kvs]
 
+    async def scan_prefix(self, prefix: bytes, *, page: int = 1000) -> AsyncIterator[KV]:
+        """Every key under `prefix`, in key order, `page` at a time (one range
+        of a large prefix can exceed the channel's message limit), all read at
+        the revision of the first page."""
+        start, end, revision = prefix, prefix_end(prefix), 0
+        while True:
+            resp = await self._call("kv", "Range", pb.RangeRequest(
+                key=start, range_end=end, limit=page, revision=revision))
+            revision = revision or int(resp.header.revision)
+            for k in resp.kvs:
+                yield _kv(k)
+            if not resp.more or not resp.kvs:
+                return
+            start = resp.kvs[-1].key + b"\x00"
+
     async def changed_since(self, prefix: bytes, revision: int) -> tuple[list[KV], int]:
         """The keys under `prefix` written after `revision` (filtered by etcd),
         and the revision they were read at: pass it next time."""

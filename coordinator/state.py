@@ -704,10 +704,11 @@ class CoordinatorState:
                 wanted.add(json.loads(kv.value)["digest"])
         head = self._k("a", scope(tenant, ""))
         naming: dict[str, list[str]] = {d: [] for d in sorted(wanted)}
-        for kv in await self.etcd.get_prefix(head) if wanted else ():
-            digest = json.loads(kv.value).get("digest")
-            if digest in naming:
-                naming[digest].append(kv.key[len(head):].decode())
+        if wanted:  # a tenant's whole index, a page at a time
+            async for kv in self.etcd.scan_prefix(head):
+                digest = json.loads(kv.value).get("digest")
+                if digest in naming:
+                    naming[digest].append(kv.key[len(head):].decode())
         if dry_run:
             for digest, named in naming.items():
                 resp.purged.extend(sorted(named))

@@ -267,3 +267,33 @@ def test_a_claim_blocked_by_others_twice_goes_alone(loop_thread):
     assert [r[2][0].value for r in (x, y, z)] == [b"earlier"] * 3
     assert etcd.batches == [[b"a"], [b"b", b"x"], [b"y", b"b"], [b"z"], [b"b"]]
     assert etcd.kv[b"b"] == b"mine"
+
+
+def test_a_large_prefix_is_read_a_page_at_a_time_at_one_revision(etcd, loop_thread, prefix):
+    """A tenant's whole index can exceed the client's 8 MiB message limit in
+    one range; scan_prefix reads it in pages, all at the first page's
+    revision."""
+
+    async def body():
+        client = Etcd([etcd.endpoint])
+        head = f"{prefix}/a/t/".encode()
+        value = b"x" * 4000  # 2,500 of these: 10 MB, over one message's limit
+        for start in range(0, 2500, 100):
+            await client.txn([], [op_put(head + b"k%05d" % i, value)
+                                  for i in range(start, start + 100)])
+        await client.put(f"{prefix}/a/u/k".encode(), b"another tenant")
+        try:
+            await client.get_prefix(head)
+            raise AssertionError("one range of 10 MB was expected to be refused")
+        except Unavailable as exc:
+            assert "RESOURCE_EXHAUSTED" in str(exc)
+        seen = []
+        async for kv in client.scan_prefix(head, page=1000):
+            if not seen:  # written after the scan began: not in it
+                await client.put(head + b"k99999", value)
+            seen.append(kv.key)
+        await client.close()
+        return seen
+
+    seen = loop_thread.run(body())
+    assert seen == [f"{prefix}/a/t/k{i:05d}".encode() for i in range(2500)]
