@@ -309,14 +309,18 @@ class DiskBlobStore:
                 self._total -= size
                 self._verified.pop(p.stem, None)
 
-    def delete(self, digest: str) -> None:
+    def delete(self, digest: str) -> bool:
+        """Remove a blob; whether it was there."""
         self._distrust(digest)
         p = self.path_of(digest)
-        with contextlib.suppress(FileNotFoundError):
+        try:
             size = p.stat().st_size
             p.unlink()
-            with self._lock:
-                self._total -= size
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            self._total -= size
+        return True
 
     def quarantine(self, digest: str, why: str) -> None:
         self._distrust(digest)

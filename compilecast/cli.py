@@ -308,9 +308,13 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     except aot.AotError as exc:
         raise CliError(str(exc)) from exc
     except grpc.RpcError as exc:
-        raise CliError(f"{args.coordinator}: {exc.code().name}: {exc.details()}") from exc
+        raise _rpc_failed(args, exc) from exc
     finally:
         client.close()
+
+
+def _rpc_failed(args: argparse.Namespace, exc) -> CliError:
+    return CliError(f"{args.coordinator}: {exc.code().name}: {exc.details()}")
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
@@ -322,17 +326,17 @@ def cmd_purge(args: argparse.Namespace) -> int:
     try:
         resp = client.purge(args.keys, args.digest, args.reason, dry_run=args.dry_run)
     except grpc.RpcError as exc:
-        raise CliError(f"{args.coordinator}: {exc.code().name}: {exc.details()}") from exc
+        raise _rpc_failed(args, exc) from exc
     finally:
         client.close()
-    would = "would " if args.dry_run else ""
+    purged, revoked, after = (("would purge   ", "would revoke  ", "") if args.dry_run else
+                              ("purged   ", "revoked  ", "  (workers drop it from their host caches)"))
     for key in resp.purged:
-        print(f"{would}purge   {key}" if would else f"purged   {key}")
+        print(f"{purged}{key}")
     for key in resp.missing:
         print(f"missing  {key}  (no artifact under it)")
     for digest in resp.revoked:
-        print(f"{would}revoke  {digest}" if would else
-              f"revoked  {digest}  (workers drop it from their host caches)")
+        print(f"{revoked}{digest}{after}")
     if args.dry_run:
         print("dry run: nothing changed")
     return 1 if resp.missing else 0

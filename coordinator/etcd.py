@@ -145,19 +145,21 @@ class Etcd:
         resp = await self._call("kv", "Range", pb.RangeRequest(key=key))
         return _kv(resp.kvs[0]) if resp.kvs else None
 
+    async def _range(self, prefix: bytes, start: bytes | None = None, **kw):
+        """One Range over the keys under `prefix` (from `start` on)."""
+        return await self._call("kv", "Range", pb.RangeRequest(
+            key=prefix if start is None else start, range_end=prefix_end(prefix), **kw))
+
     async def get_prefix(self, prefix: bytes, *, limit: int = 0) -> list[KV]:
-        resp = await self._call("kv", "Range", pb.RangeRequest(key=prefix, range_end=prefix_end(prefix), limit=limit)
-        )
-        return [_kv(k) for k in resp.kvs]
+        return [_kv(k) for k in (await self._range(prefix, limit=limit)).kvs]
 
     async def scan_prefix(self, prefix: bytes, *, page: int = 1000) -> AsyncIterator[KV]:
         """Every key under `prefix`, in key order, `page` at a time (one range
         of a large prefix can exceed the channel's message limit), all read at
         the revision of the first page."""
-        start, end, revision = prefix, prefix_end(prefix), 0
+        start, revision = None, 0
         while True:
-            resp = await self._call("kv", "Range", pb.RangeRequest(
-                key=start, range_end=end, limit=page, revision=revision))
+            resp = await self._range(prefix, start, limit=page, revision=revision)
             revision = revision or int(resp.header.revision)
             for k in resp.kvs:
                 yield _kv(k)
@@ -168,15 +170,11 @@ class Etcd:
     async def changed_since(self, prefix: bytes, revision: int) -> tuple[list[KV], int]:
         """The keys under `prefix` written after `revision` (filtered by etcd),
         and the revision they were read at: pass it next time."""
-        resp = await self._call("kv", "Range", pb.RangeRequest(
-            key=prefix, range_end=prefix_end(prefix), min_mod_revision=revision + 1))
+        resp = await self._range(prefix, min_mod_revision=revision + 1)
         return [_kv(k) for k in resp.kvs], int(resp.header.revision)
 
     async def count_prefix(self, prefix: bytes) -> int:
-        resp = await self._call("kv", "Range",
-            pb.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True),
-        )
-        return int(resp.count)
+        return int((await self._range(prefix, count_only=True)).count)
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         resp = await self._call("kv", "Put", pb.PutRequest(key=key, value=value, lease=lease))

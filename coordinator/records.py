@@ -63,6 +63,10 @@ def plain(sk: str) -> str:
     return sk.split("/", 1)[1]
 
 
+def tenant_of(sk: str) -> str:
+    return sk.split("/", 1)[0]
+
+
 
 class KeyRecords:
     def __init__(self, etcd: Etcd, prefix: bytes, metrics: CoordinatorMetrics) -> None:
@@ -123,7 +127,7 @@ class KeyRecords:
     async def record(self, sk: str, program_name: str, comps: dict[str, str]) -> None:
         """Remember a key's components; count the miss by what differed from
         the nearest earlier key of the same program name."""
-        name = (sk.split("/", 1)[0], program_name)
+        name = (tenant_of(sk), program_name)
         slot = self._names.setdefault(name, [asyncio.Lock(), 0])
         slot[1] += 1
         try:

@@ -67,7 +67,7 @@ from .etcd import (
 from .farm import Farm
 from .leases import LeasePool
 from .metrics import CoordinatorMetrics
-from .records import DEFAULT_TENANT, KeyRecords, info_from, info_json, plain, scope
+from .records import DEFAULT_TENANT, KeyRecords, info_from, info_json, plain, scope, tenant_of
 from .relay import RelayTrees
 from .uploads import Uploads
 from .uploads import stream as stream_upload
@@ -107,7 +107,7 @@ def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
     name itself gets a lease of its own per claim."""
     if not req.client:
         return None
-    return sk.split("/", 1)[0], req.job, req.process_id, req.client
+    return tenant_of(sk), req.job, req.process_id, req.client
 
 
 def _reason(kv: KV) -> str:
@@ -566,7 +566,7 @@ class CoordinatorState:
         if factor <= 0 or not may_publish or st.lease is None or st.hedge is not None:
             return None
         if not expected:
-            expected.append(await self.records.expected_compile_s(sk.split("/", 1)[0],
+            expected.append(await self.records.expected_compile_s(tenant_of(sk),
                                                            st.lease.get("program", "")))
         if expected[0] is None:
             return None  # never seen this program compile: nothing to compare with
@@ -610,7 +610,7 @@ class CoordinatorState:
                        chunks: AsyncIterator[DataChunk]) -> pb.ArtifactInfo:
         key = plain(sk)
         kind = await self._check_holder(sk, header.lease, header.requester)
-        entry, revoked = await self.etcd.get_many([self._k("a", sk), self._revocation(sk, header.digest)])
+        entry, revoked = await self.etcd.get_many([self._k("a", sk), self._revocation(tenant_of(sk), header.digest)])
         if entry is not None:
             raise AlreadyPublished(f"key {key} is already published")
         if revoked is not None:
@@ -646,7 +646,7 @@ class CoordinatorState:
                                recipe_digest=await self.farm.store_recipe(recipe) if recipe else "")
         ok, revision, _ = await self.etcd.txn(
             [cmp_mod_revision(self._k(kind, sk), header.lease.revision),
-             cmp_absent(self._k("a", sk)), cmp_absent(self._revocation(sk, header.digest))],
+             cmp_absent(self._k("a", sk)), cmp_absent(self._revocation(tenant_of(sk), header.digest))],
             # The first valid publish wins; it ends the lease and any hedge.
             [op_put(self._k("a", sk), info_json(info)), op_delete(self._k("l", sk)),
              op_delete(self._k("h", sk))],
@@ -655,7 +655,7 @@ class CoordinatorState:
             # A retried txn (the first attempt's reply lost with an etcd member)
             # fails its compares after succeeding: the entry is then ours.
             entry, revoked = await self.etcd.get_many([self._k("a", sk),
-                                                       self._revocation(sk, header.digest)])
+                                                       self._revocation(tenant_of(sk), header.digest)])
             if revoked is not None and entry is None:
                 raise await self._refuse_revoked(sk, kind, header, revoked,
                                                  "was purged while it was being published")
@@ -666,7 +666,7 @@ class CoordinatorState:
             revision = entry.mod_revision
         self._remember_artifact(sk, info, revision)
         if recipe is not None and info.recipe_digest:
-            await self.farm.record(sk.split("/", 1)[0], recipe, info.recipe_digest)
+            await self.farm.record(tenant_of(sk), recipe, info.recipe_digest)
         self.metrics.publishes.labels("ok").inc()
         log.info("published %s digest=%s size=%d compile_time=%.2fs", key, header.digest,
                  header.size, header.compile_time_seconds,
@@ -675,9 +675,9 @@ class CoordinatorState:
         return info
 
     # -- Purge -----------------------------------------------------------
-    def _revocation(self, sk: str, digest: str) -> bytes:
+    def _revocation(self, tenant: str, digest: str) -> bytes:
         """P/v/TENANT/DIGEST: the tenant revoked these bytes."""
-        return self._k("v", scope(sk.split("/", 1)[0], digest))
+        return self._k("v", scope(tenant, digest))
 
     async def purge(self, keys: list[str], digests: list[str], reason: str, *,
                     tenant: str = DEFAULT_TENANT, dry_run: bool = False) -> pb.PurgeResponse:
@@ -715,7 +715,7 @@ class CoordinatorState:
                 resp.revoked.append(digest)
             return resp
         for digest, named in naming.items():
-            await self.etcd.put(self._revocation(scope(tenant, ""), digest), json.dumps(
+            await self.etcd.put(self._revocation(tenant, digest), json.dumps(
                 {"reason": reason, "at": time.time(), "keys": sorted(named)}).encode())
             for i in range(0, len(named), PURGE_TXN_KEYS):
                 resp.purged.extend(await self._unindex(tenant, digest,
@@ -906,7 +906,7 @@ class CoordinatorState:
         for job, (compiling, waiting) in sorted(jobs.items()):
             resp.jobs.append(pb.JobStatus(job=job, compiles_in_flight=compiling, waiters=waiting))
         for sk, name, differing, when in self.records.recent:
-            if sk.split("/", 1)[0] == tenant:
+            if tenant_of(sk) == tenant:
                 resp.recent_misses.append(pb.RecentMiss(key=plain(sk), program_name=name,
                                                         differing=differing,
                                                         age_seconds=now - when))

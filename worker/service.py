@@ -270,8 +270,8 @@ class WorkerService(rpc.CompileCacheServicer):
             self.metrics.lookups.labels(pb.Decision.Name(a.decision).lower()).inc()
             if joined:  # nor this one: another's request was (for Status)
                 self._joined[a.decision == pb.HIT] += 1
-            if joined and a.decision == pb.HIT:
-                self.metrics.compile_seconds_saved.inc(a.artifact.compile_time_seconds)
+                if a.decision == pb.HIT:
+                    self.metrics.compile_seconds_saved.inc(a.artifact.compile_time_seconds)
             out.append(a)
         return out
 
@@ -396,8 +396,7 @@ class WorkerService(rpc.CompileCacheServicer):
 
     async def _drop_revoked(self, digests, why: str) -> None:
         for digest in digests:
-            if await asyncio.to_thread(self.cache.store.has, digest):
-                await asyncio.to_thread(self.cache.store.delete, digest)
+            if await asyncio.to_thread(self.cache.store.delete, digest):
                 self.metrics.revoked.inc()
                 log.warning("dropped revoked artifact %s from the host cache (%s)", digest, why)
 
