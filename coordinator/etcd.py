@@ -356,7 +356,10 @@ class GuardedBatcher:
     txn: the compare-and-claim of every miss. While `in_flight` txns are
     out, the writes that arrive queue and leave together in the next (at
     most `max_items`, each named at most once per txn), so a burst of misses
-    costs one round trip and one raft proposal for many.
+    costs one round trip and one raft proposal for many. A full batch does
+    not wait: while a full batch's worth queues, up to `full_in_flight` txns
+    are out (etcd commits concurrent txns in one raft round), so the claims
+    of a busy coordinator are not capped at `max_items` per round trip.
 
     Each caller gets what a txn of its own would have given: its compares
     are ANDed with the others', and when the batch fails, the failure
@@ -366,10 +369,12 @@ class GuardedBatcher:
     two such rounds, alone). The compares must be of the kinds `_holds`
     evaluates."""
 
-    def __init__(self, etcd: Etcd, *, max_items: int = 32, in_flight: int = 1) -> None:
+    def __init__(self, etcd: Etcd, *, max_items: int = 32, in_flight: int = 1,
+                 full_in_flight: int = 4) -> None:
         self.etcd = etcd
         self.max_items = max_items  # 4 compares and reads each: etcd's 128-op limit
         self.in_flight = in_flight
+        self.full_in_flight = max(full_in_flight, in_flight)
         self._queue: list[list] = []  # [compare, success, read, future, rounds]
         self._running = 0
         self._tasks: set[asyncio.Task] = set()
@@ -383,7 +388,8 @@ class GuardedBatcher:
         return await done
 
     def _kick(self) -> None:
-        while self._queue and self._running < self.in_flight:
+        while self._queue and (self._running < self.in_flight or (
+                self._running < self.full_in_flight and len(self._queue) >= self.max_items)):
             batch, rest, named = [], [], set()
             for item in self._queue:
                 if item[3].done():  # its caller is gone: nothing to claim for
