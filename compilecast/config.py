@@ -80,6 +80,14 @@ class CoordinatorConfig:
     store_scan_s: float = field(
         default=60.0, metadata=_help("how often a replica counts the whole artifact store "
                                      "(the other replicas' writes to a shared volume)"))
+    index_sweep_s: float = field(
+        default=3600.0,
+        metadata=_help("how often a replica drops, from etcd, the index entries of artifacts "
+                       "the store evicted and old key records (0: never)"))
+    key_record_days: float = field(
+        default=30.0,
+        metadata=_help("a key's record (its components, for explain) first seen longer ago "
+                       "than this is dropped once the key has no artifact (0: kept forever)"))
     store_reverify_s: float = field(
         default=600.0,
         metadata=_help("serve a blob this process wrote or verified, in an unchanged file, "
@@ -117,6 +125,7 @@ class CoordinatorConfig:
                   "local_marker_ttl_s", "max_artifact_bytes")
         _not_negative(self, "store_max_bytes")
         _positive(self, "store_scan_s")
+        _not_negative(self, "index_sweep_s", "key_record_days")
         if 0 < self.store_max_bytes < self.max_artifact_bytes:
             raise ConfigError(f"store_max_bytes ({self.store_max_bytes}) must be 0 (unbounded) "
                               f"or at least max_artifact_bytes ({self.max_artifact_bytes})")
@@ -153,6 +162,14 @@ class WorkerConfig:
         metadata=_help("host cache directory"),
     )
     cache_max_bytes: int = field(default=20 << 30, metadata=_help("host cache size bound"))
+    index_sweep_s: float = field(
+        default=3600.0,
+        metadata=_help("how often a replica drops, from etcd, the index entries of artifacts "
+                       "the store evicted and old key records (0: never)"))
+    key_record_days: float = field(
+        default=30.0,
+        metadata=_help("a key's record (its components, for explain) first seen longer ago "
+                       "than this is dropped once the key has no artifact (0: kept forever)"))
     store_reverify_s: float = field(
         default=600.0,
         metadata=_help("serve a blob this process wrote or verified, in an unchanged file, "

@@ -150,8 +150,13 @@ class Etcd:
         return await self._call("kv", "Range", pb.RangeRequest(
             key=prefix if start is None else start, range_end=prefix_end(prefix), **kw))
 
-    async def get_prefix(self, prefix: bytes, *, limit: int = 0) -> list[KV]:
-        return [_kv(k) for k in (await self._range(prefix, limit=limit)).kvs]
+    async def get_prefix(self, prefix: bytes, *, limit: int = 0,
+                         newest_first: bool = False) -> list[KV]:
+        """The keys under `prefix` in key order; with newest_first, the most
+        recently created first (etcd sorts the range before the limit)."""
+        order = (dict(sort_order=pb.RangeRequest.DESCEND, sort_target=pb.RangeRequest.CREATE)
+                 if newest_first else {})
+        return [_kv(k) for k in (await self._range(prefix, limit=limit, **order)).kvs]
 
     async def scan_prefix(self, prefix: bytes, *, page: int = 1000) -> AsyncIterator[KV]:
         """Every key under `prefix`, in key order, `page` at a time (one range

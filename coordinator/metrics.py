@@ -91,6 +91,13 @@ class CoordinatorMetrics:
             "recompiles when next asked for",
             registry=registry,
         )
+        self.swept = Counter(
+            "compilecast_coordinator_swept",
+            "Records the index sweep dropped from etcd: index entries whose artifacts the "
+            "store evicted, and old key records of keys without an artifact",
+            ["record"],
+            registry=registry,
+        )
         self.purges = Counter(
             "compilecast_coordinator_purges",
             "Artifacts an operator took out of service (digests revoked by Purge)",

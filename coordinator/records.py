@@ -112,7 +112,8 @@ class KeyRecords:
         return await asyncio.shield(entry[1])
 
     async def _expected_compile_s(self, tenant: str, program: str) -> float | None:
-        names = await self.etcd.get_prefix(self.name_prefix(tenant, program), limit=32)
+        names = await self.etcd.get_prefix(self.name_prefix(tenant, program), limit=32,
+                                           newest_first=True)
         keys = [f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}" for kv in names]
         if not keys:
             return None
@@ -143,11 +144,14 @@ class KeyRecords:
         try:
             if not comps or await self.etcd.get(self._k("k", sk)) is not None:
                 return
-            earlier = await self.etcd.get_prefix(self.name_prefix(tenant, program_name), limit=64)
+            # The 64 keys of this program name recorded last, their records in one read.
+            earlier = await self.etcd.get_prefix(self.name_prefix(tenant, program_name),
+                                                 limit=64, newest_first=True)
+            others = await self.etcd.get_many(
+                [self._k("k", f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}")
+                 for kv in earlier]) if earlier else []
             best: list[str] | None = None
-            for kv in earlier:
-                other_key = kv.key.rsplit(b"/", 1)[1].decode()
-                other = await self.etcd.get(self._k("k", f"{tenant}/{other_key}"))
+            for other in others:
                 if other is None:
                     continue
                 theirs = json.loads(other.value).get("components", {})

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 from prometheus_client import CollectorRegistry
 
 from compilecast.blobstore import DiskBlobStore
 from compilecast.config import CoordinatorConfig
+from compilecast.errors import Unavailable
 from compilecast.grpcutil import channel_credentials, server_credentials
 from compilecast.serving import Role, make_server, set_serving, start_metrics
 
@@ -37,6 +39,7 @@ class Coordinator(Role):
         self.port = 0
         self._metrics_server = None
         self._store_scans: asyncio.Task | None = None
+        self._sweeps: asyncio.Task | None = None
 
     async def start(self) -> None:
         # grpc.aio objects bind to the running loop: build them here.
@@ -57,6 +60,8 @@ class Coordinator(Role):
         self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
                                              self.cfg.metrics_port)
         self._store_scans = asyncio.create_task(self._scan_store())
+        self._sweeps = (asyncio.create_task(self._sweep_index()) if cfg.index_sweep_s > 0
+                        else None)
         log.info("coordinator listening on %s (%s; etcd %s; store %s)", cfg.listen,
                  "TLS" if creds else "plaintext", cfg.etcd_endpoints, cfg.store_dir)
 
@@ -72,9 +77,20 @@ class Coordinator(Role):
             except OSError as exc:
                 log.warning("artifact store scan failed: %s", exc)
 
+    async def _sweep_index(self) -> None:
+        """Sweep etcd's index every index_sweep_s (coordinator/sweep.py),
+        replicas at staggered times."""
+        while True:
+            await asyncio.sleep(self.cfg.index_sweep_s * random.uniform(0.8, 1.2))
+            try:
+                await self.state.sweeper.sweep()
+            except Unavailable as exc:
+                log.warning("index sweep failed (the next one tries again): %s", exc)
+
     async def _release(self) -> None:
-        if self._store_scans is not None:
-            self._store_scans.cancel()
+        for task in (self._store_scans, self._sweeps):
+            if task is not None:
+                task.cancel()
         await self.state.stop()
         await self.etcd.close()
 

@@ -69,6 +69,7 @@ from .leases import LeasePool
 from .metrics import CoordinatorMetrics
 from .records import DEFAULT_TENANT, KeyRecords, info_from, info_json, plain, scope, tenant_of
 from .relay import RelayTrees
+from .sweep import IndexSweeper
 from .uploads import Uploads
 from .uploads import stream as stream_upload
 from .watch import WatchHub
@@ -146,6 +147,9 @@ class CoordinatorState:
         self.index_max = INDEX_MAX
         self._index_deleted: dict[str, int] = {}
         self.records = KeyRecords(etcd, self.prefix, metrics)
+        self.sweeper = IndexSweeper(etcd, self.prefix, store, self.records, metrics,
+                                    record_max_age_s=cfg.key_record_days * 86400,
+                                    forget=self._forget_artifact)
         self.farm = Farm(etcd, store, self.prefix, metrics, cfg.lease_ttl_s)
         self.relays = RelayTrees(cfg.relay_fanout)
         self.uploads = Uploads(self.hub.wake)

@@ -30,6 +30,8 @@ def test_flag_beats_env_beats_file_beats_default(tmp_path):
     ({"COMPILECAST_STORE_REVERIFY_S": "-1"}, "store_reverify_s must be >= 0"),
     ({"COMPILECAST_STORE_MAX_BYTES": "lots"}, "store_max_bytes='lots' from env"),
     ({"COMPILECAST_STORE_MAX_BYTES": "1Gi"}, "store_max_bytes (1073741824) must be 0"),
+    ({"COMPILECAST_INDEX_SWEEP_S": "-5"}, "index_sweep_s must be >= 0"),
+    ({"COMPILECAST_KEY_RECORD_DAYS": "-1"}, "key_record_days must be >= 0"),
 ])
 def test_bad_values_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
