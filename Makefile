@@ -59,6 +59,7 @@ bench: install
 	$(PY) bench/pod_start.py --per-host 8
 	$(PY) bench/fanout.py
 	$(PY) bench/aot_farm.py --layers 64
+	$(PY) bench/sweep.py --records
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache

@@ -172,6 +172,12 @@ class Etcd:
                 return
             start = resp.kvs[-1].key + b"\x00"
 
+    async def keys_between(self, start: bytes, end: bytes) -> set[bytes]:
+        """The keys in [start, end), without their values."""
+        resp = await self._call("kv", "Range", pb.RangeRequest(key=start, range_end=end,
+                                                                 keys_only=True))
+        return {k.key for k in resp.kvs}
+
     async def changed_since(self, prefix: bytes, revision: int) -> tuple[list[KV], int]:
         """The keys under `prefix` written after `revision` (filtered by etcd),
         and the revision they were read at: pass it next time."""

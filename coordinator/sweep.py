@@ -100,8 +100,17 @@ class IndexSweeper:
         """Drop the key records of `kvs` first seen before the cutoff whose
         key has no artifact and no claim, with their program-name entries."""
         cutoff = time.time() - self.record_max_age_s
+        # The keys of this page's span that have an artifact or a claim: two
+        # key-only ranges (both kinds sort by scoped key, as the records do).
+        lo, hi = kvs[0].key[len(head):], kvs[-1].key[len(head):] + b"\0"
+        busy: set[bytes] = set()
+        for kind in (b"/a/", b"/l/"):
+            base = self.prefix + kind
+            busy |= {k[len(base):] for k in await self.etcd.keys_between(base + lo, base + hi)}
         items = []
         for kv in kvs:
+            if kv.key[len(head):] in busy:
+                continue
             record = _json(kv)
             first_seen = record.get("first_seen")
             if not isinstance(first_seen, (int, float)) or first_seen >= cutoff:
