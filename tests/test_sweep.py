@@ -119,3 +119,66 @@ def test_a_miss_is_explained_by_the_newest_keys_of_its_program(coordinator, loop
         {"component": "platform"}) == 70, "the miss is explained")
     assert coordinator.registry.get_sample_value(
         "compilecast_coordinator_misses_by_component_total", {"component": "program"}) == 69
+
+
+def test_a_sweep_over_many_pages_drops_exactly_the_right_records(etcd, prefix, tmp_path,
+                                                                  loop_thread, monkeypatch):
+    """Pages of 50 over 300 keys: the entries without blobs go, and the old
+    records of keys with no artifact and no claim, whatever page they are on."""
+    from prometheus_client import CollectorRegistry
+
+    from compilecast.blobstore import DiskBlobStore
+    from compilecast.coordinator import sweep
+    from compilecast.coordinator.etcd import op_put
+    from compilecast.coordinator.metrics import CoordinatorMetrics
+    from compilecast.coordinator.records import KeyRecords
+
+    monkeypatch.setattr(sweep, "PAGE", 50)
+    store = DiskBlobStore(tmp_path / "store")
+    old = time.time() - 90 * 86400
+    p = prefix.encode()
+
+    def sk(i: int) -> str:
+        return f"t{i % 2}/key{i:04d}"  # two tenants, interleaved in key order
+
+    async def body():
+        client = Etcd([etcd.endpoint])
+        metrics = CoordinatorMetrics(CollectorRegistry())
+        forgotten = []
+        sweeper = sweep.IndexSweeper(client, p, store, KeyRecords(client, p, metrics), metrics,
+                                     record_max_age_s=30 * 86400,
+                                     forget=lambda key, rev: forgotten.append(key))
+        try:
+            for start in range(0, 300, 20):
+                ops = []
+                for i in range(start, start + 20):
+                    digest = f"{i:064x}"
+                    if i % 3 == 0:  # an index entry, its blob present unless i % 9 == 0
+                        ops.append(op_put(p + f"/a/{sk(i)}".encode(),
+                                          json.dumps({"digest": digest}).encode()))
+                        if i % 9:
+                            store.path_of(digest).parent.mkdir(parents=True, exist_ok=True)
+                            store.path_of(digest).touch()
+                    if i % 5 == 0:  # a claim in progress
+                        ops.append(op_put(p + f"/l/{sk(i)}".encode(), b"{}"))
+                    ops.append(op_put(p + f"/k/{sk(i)}".encode(), json.dumps(
+                        {"program_name": "step", "first_seen": old if i % 2 else time.time()}
+                    ).encode()))
+                await client.txn([], ops)
+            result = await sweeper.sweep()
+            left = {kv.key[len(p):].decode() for kv in await client.get_prefix(p + b"/")}
+            return result, left, forgotten
+        finally:
+            await client.close()
+
+    (entries, records), left, forgotten = loop_thread.run(body())
+    gone_entries = {sk(i) for i in range(0, 300, 9)}
+    assert sorted(forgotten) == sorted(gone_entries) and entries == len(gone_entries)
+    assert {k[3:] for k in left if k.startswith("/a/")} == \
+        {sk(i) for i in range(0, 300, 3)} - gone_entries
+    # Old records (odd i) go unless the key has an entry left or a claim.
+    kept_old = {sk(i) for i in range(1, 300, 2)
+                if (i % 3 == 0 and i % 9) or i % 5 == 0}
+    young = {sk(i) for i in range(0, 300, 2)}
+    assert {k[3:] for k in left if k.startswith("/k/")} == young | kept_old
+    assert records == 150 - len(kept_old)
