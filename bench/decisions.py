@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -152,6 +153,12 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     return latencies, decisions, errors, wall
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` (and the threads they start later) on `cpus`."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=1000)
@@ -166,6 +173,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=0.0,
                     help="open loop: requests per second from all clients together "
                          "(0: closed loop, each client asks again when answered)")
+    ap.add_argument("--pin", action="store_true",
+                    help="the coordinator replicas on CPU 0, etcd and the load generator on "
+                         "CPU 1 (as with the load generator on another machine)")
     ap.add_argument("--ceiling", action="store_true",
                     help="load a trivial grpc.aio server that answers HIT (gRPC's own ceiling)")
     args = ap.parse_args()
@@ -194,6 +204,10 @@ def main() -> None:
         targets = [t for t, _ in started]
         pids = {"etcd": stack.procs[0].pid}
         pids.update({f"coordinator {i}": p.pid for i, (_, p) in enumerate(started)})
+        if args.pin:
+            for name, pid in pids.items():
+                pin(pid, {0} if name.startswith("coordinator") else {1})
+            pin(os.getpid(), {1})
         c = CacheClient(targets[0])
         hit_keys = []
         for i in range(200):

@@ -12,8 +12,10 @@ compilecast.errors.Unavailable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -100,6 +102,7 @@ class Etcd:
         self._current = 0
         self.timeout = timeout
         self._use(0)
+        self._keepalives: _KeepAlives | None = None
 
     def _use(self, index: int) -> None:
         self._current = index % len(self._channels)
@@ -116,6 +119,8 @@ class Etcd:
             self._use(failed + 1)
 
     async def close(self) -> None:
+        if self._keepalives is not None:
+            await self._keepalives.close()
         for ch in self._channels:
             await ch.close()
 
@@ -226,20 +231,13 @@ class Etcd:
                 raise
 
     async def keepalive_once(self, lease_id: int) -> int:
-        """Refresh a lease; returns the TTL left (0: the lease is gone)."""
-
-        async def one():
-            yield pb.LeaseKeepAliveRequest(ID=lease_id)
-
-        member = self._current
-        try:
-            call = self.lease.LeaseKeepAlive(one(), timeout=self.timeout)
-            async for resp in call:
-                return int(resp.TTL)
-        except grpc.aio.AioRpcError as exc:
-            self.failover(member)
-            raise Unavailable(f"etcd unavailable: {exc.code().name}: {exc.details()}") from None
-        return 0
+        """Refresh a lease; returns the TTL left (0: the lease is gone).
+        Every renewal of this client goes over one LeaseKeepAlive stream: a
+        message on an open stream, not a call each (renewals are not raft
+        writes; etcd's leader answers them)."""
+        if self._keepalives is None:
+            self._keepalives = _KeepAlives(self)
+        return await self._keepalives.renew(lease_id)
 
     async def healthy(self) -> bool:
         member = self._current
@@ -350,6 +348,71 @@ class WriteBatcher:
                             done.set_exception(error)
         finally:
             self._task = None
+
+
+class _KeepAlives:
+    """One LeaseKeepAlive stream for all of a client's renewals, opened on
+    first use and again after it fails. etcd answers every request with the
+    lease's id and TTL left, in order, so each answer settles the oldest
+    renewal of that lease waiting for one."""
+
+    def __init__(self, etcd: Etcd) -> None:
+        self.etcd = etcd
+        self._requests: asyncio.Queue | None = None
+        self._waiting: dict[int, deque[asyncio.Future]] = {}
+        self._stream: asyncio.Task | None = None
+
+    async def renew(self, lease_id: int) -> int:
+        if self._stream is None or self._stream.done():
+            self._requests = asyncio.Queue()
+            self._stream = asyncio.get_running_loop().create_task(self._run(self._requests))
+        answer = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(lease_id, deque()).append(answer)
+        self._requests.put_nowait(pb.LeaseKeepAliveRequest(ID=lease_id))
+        try:
+            return await asyncio.wait_for(answer, self.etcd.timeout)
+        except TimeoutError:
+            # A stream that stops answering is broken: the next renewal opens another.
+            self._stream.cancel()
+            raise Unavailable(f"etcd did not answer a lease renewal within "
+                              f"{self.etcd.timeout:.0f}s") from None
+
+    async def _run(self, requests: asyncio.Queue) -> None:
+        async def sent():
+            while True:
+                yield await requests.get()
+
+        member = self.etcd._current
+        call = self.etcd.lease.LeaseKeepAlive(sent())
+        error: Exception = Unavailable("etcd closed the lease renewal stream")
+        try:
+            async for resp in call:
+                waiting = self._waiting.get(resp.ID)
+                while waiting:
+                    answer = waiting.popleft()
+                    if not answer.done():  # else its caller timed out
+                        answer.set_result(int(resp.TTL))
+                        break
+                if waiting is not None and not waiting:
+                    del self._waiting[resp.ID]
+        except grpc.aio.AioRpcError as exc:
+            self.etcd.failover(member)
+            error = Unavailable(f"etcd unavailable: {exc.code().name}: {exc.details()}")
+        except asyncio.CancelledError:
+            error = Unavailable("the lease renewal stream was closed")
+        finally:
+            call.cancel()
+            waiting, self._waiting = self._waiting, {}
+            for answers in waiting.values():
+                for answer in answers:
+                    if not answer.done():
+                        answer.set_exception(error)
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._stream
 
 
 def _holds(cmp, kv: KV | None) -> bool:

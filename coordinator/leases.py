@@ -18,8 +18,11 @@ its one lease, renewed by any of them, and all vanish when the process stops.
 So a take for an owner (tenant, job, process and the process's own name)
 hands out the owner's current lease while it is as fresh as a pooled one
 would be (granted, or renewed through this replica, within a fifth of the
-TTL); otherwise a pooled lease becomes the owner's. One grant then serves a
-process's burst of misses instead of one grant each. Since another claim may
+TTL); a staler one still alive is renewed first, over the one renewal
+stream (leader-local in etcd, no raft write), and handed out when that
+worked; otherwise a pooled lease becomes the owner's. One grant then serves
+a process's misses for as long as it keeps making them, instead of one
+grant each. Since another claim may
 live on it, a claim's lease is never revoked when the claim ends (the
 record is deleted; the lease lapses once nobody renews it).
 """
@@ -32,6 +35,8 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable
+
+from compilecast.errors import Unavailable
 
 from .etcd import Etcd
 
@@ -55,6 +60,8 @@ class LeasePool:
         self.granted = 0  # for tests and status: leases granted, pooled or not
         self._owned: OrderedDict[Hashable, Lease] = OrderedDict()  # owner -> its lease
         self._owner_of: dict[int, Hashable] = {}  # lease id -> owner
+        self._renewing: dict[int, asyncio.Future] = {}  # lease id -> its renewal in flight
+        self.renewals = 0  # for tests: owners' leases renewed instead of a grant
 
     async def _grant(self) -> Lease:
         at = time.monotonic()
@@ -92,16 +99,39 @@ class LeasePool:
 
     async def take(self, owner: Hashable | None = None) -> Lease:
         """(lease id, granted at): a lease with at least 4/5 of its TTL left;
-        with an owner, the owner's lease when it is that fresh."""
+        with an owner, the owner's lease when it is that fresh, or once
+        renewed (a renewal is no raft write; a grant is)."""
         if owner is not None:
             mine = self._owned.get(owner)
             if mine is not None and self._fresh(mine[1]):
                 self._owned.move_to_end(owner)
                 return mine
+            if mine is not None and time.monotonic() - mine[1] < self.ttl_s:
+                renewed = await self._renew(owner, mine[0])
+                if renewed is not None:
+                    return renewed
         lease = await self._take_pooled()
         if owner is not None:
             self._own(owner, lease)
         return lease
+
+    async def _renew(self, owner: Hashable, lease_id: int) -> Lease | None:
+        """Renew an owner's lease that is no longer fresh, once for all of
+        its concurrent takes; the lease, fresh again, or None (gone, or etcd
+        failed: a pooled one then)."""
+        renewal = self._renewing.get(lease_id)
+        if renewal is None:
+            renewal = self._renewing[lease_id] = asyncio.ensure_future(
+                self.etcd.keepalive_once(lease_id))
+            renewal.add_done_callback(lambda _: self._renewing.pop(lease_id, None))
+            self.renewals += 1
+        try:
+            left = await asyncio.shield(renewal)
+        except Unavailable:
+            return None
+        self.renewed(lease_id, left)
+        now = self._owned.get(owner)
+        return now if now is not None and now[0] == lease_id and self._fresh(now[1]) else None
 
     def _own(self, owner: Hashable, lease: Lease) -> None:
         old = self._owned.pop(owner, None)

@@ -351,3 +351,41 @@ def test_a_full_batch_does_not_wait_for_the_txn_out():
     assert etcd.batches == [[b"k00"], [b"k%02d" % i for i in range(1, 5)],
                             [b"k%02d" % i for i in range(5, 9)],
                             [b"k%02d" % i for i in range(9, 13)]]
+
+
+def test_renewals_share_one_stream_and_settle_in_order(etcd, loop_thread):
+    async def body():
+        client = Etcd([etcd.endpoint])
+        try:
+            leases = [await client.grant(30) for _ in range(3)]
+            first = await client.keepalive_once(leases[0])
+            stream = client._keepalives._stream
+            answers = await asyncio.gather(*(client.keepalive_once(leases[i % 3])
+                                             for i in range(12)))
+            same_stream = client._keepalives._stream is stream and not stream.done()
+            await client.revoke(leases[1])
+            gone = await client.keepalive_once(leases[1])
+            return first, answers, same_stream, gone
+        finally:
+            await client.close()
+
+    first, answers, same_stream, gone = loop_thread.run(body())
+    assert first >= 29 and all(a >= 29 for a in answers) and len(answers) == 12
+    assert same_stream
+    assert gone == 0  # revoked: etcd says so, the stream carries on
+
+
+def test_a_renewal_against_an_unreachable_etcd_fails_and_does_not_hang(loop_thread):
+    async def body():
+        client = Etcd([f"127.0.0.1:{free_port()}"], timeout=1.0)  # nothing listens
+        try:
+            try:
+                await client.keepalive_once(42)
+            except Unavailable as exc:
+                return str(exc)
+            return None
+        finally:
+            await client.close()
+
+    error = loop_thread.run(body(), timeout=10.0)  # the client's timeout, not a hang
+    assert error is not None and "etcd" in error

@@ -84,7 +84,15 @@ def test_an_owner_reuses_its_fresh_lease_and_renewals_keep_it_fresh(etcd, loop_t
         pool.give_back(first)  # an owner's lease stays the owner's, never pooled
         assert first not in pool._free and (await pool.take(a))[0] == first[0]
         await asyncio.sleep(1.2)
-        stale = await pool.take(a)  # 4/5 of the TTL no longer left: a new one
+        renewals, granted = pool.renewals, pool.granted
+        # 4/5 of the TTL no longer left but alive: renewed (once for all five), not replaced.
+        again = await asyncio.gather(*(pool.take(a) for _ in range(5)))
+        assert {lease_id for lease_id, _ in again} == {first[0]}
+        assert await _ttl(client, first[0]) >= 4
+        assert (pool.renewals, pool.granted) == (renewals + 1, granted)
+        await client.revoke(first[0])
+        await asyncio.sleep(1.2)
+        stale = await pool.take(a)  # stale, and gone in etcd: a new one
         assert stale[0] != first[0] and await _ttl(client, stale[0]) >= 4
         await asyncio.sleep(1.2)
         pool.renewed(stale[0], await client.keepalive_once(stale[0]))
