@@ -91,6 +91,11 @@ class CoordinatorMetrics:
             "recompiles when next asked for",
             registry=registry,
         )
+        self.etcd_unavailable = Counter(
+            "compilecast_coordinator_etcd_unavailable",
+            "Decisions (Acquire, Wait) answered compile-locally because etcd could not be reached",
+            registry=registry,
+        )
         self.swept = Counter(
             "compilecast_coordinator_swept",
             "Records the index sweep dropped from etcd: index entries whose artifacts the "

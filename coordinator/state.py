@@ -322,6 +322,12 @@ class CoordinatorState:
                             [op_delete(self._k("a", sk))])
         return None
 
+    def _etcd_down(self, exc: Unavailable) -> str:
+        """A decision that etcd's absence turns into compile-locally: counted
+        (the alert's metric) and explained."""
+        self.metrics.etcd_unavailable.inc()
+        return f"coordinator cannot reach etcd: {exc}"
+
     def _hit(self, info: pb.ArtifactInfo) -> None:
         self.metrics.compile_seconds_saved.inc(max(info.compile_time_seconds, 0.0))
 
@@ -400,8 +406,7 @@ class CoordinatorState:
         try:
             resp = await self._decide(scope(tenant, key), req, may_publish, program_name)
         except Unavailable as exc:
-            resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
-                                      reason=f"coordinator cannot reach etcd: {exc}")
+            resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, reason=self._etcd_down(exc))
         self.metrics.count_decision(resp.decision)
         if resp.decision == pb.COMPILE and components:
             self._spawn(self.records.record(scope(tenant, key), program_name,
@@ -481,8 +486,7 @@ class CoordinatorState:
                     wkey, json.dumps({"job": req.job, "process_id": req.process_id}).encode(),
                     lease=await self._session())
             except Unavailable as exc:
-                yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
-                                   reason=f"coordinator cannot reach etcd: {exc}")
+                yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._etcd_down(exc))
                 return
             seen_holder = False
             announced = None
@@ -538,8 +542,7 @@ class CoordinatorState:
                                 return
                             continue
                 except Unavailable as exc:
-                    yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
-                                       reason=f"coordinator cannot reach etcd: {exc}")
+                    yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._etcd_down(exc))
                     return
                 now = time.monotonic()
                 if now >= deadline:

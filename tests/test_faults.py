@@ -142,6 +142,8 @@ def test_quorum_lost_falls_back_locally_then_recovers(cluster, cluster_coordinat
     resp = c.acquire("during-outage")
     assert resp.decision == pb.COMPILE_LOCALLY and "etcd" in resp.reason
     assert time.monotonic() - start < 30
+    assert cluster_coordinator.registry.get_sample_value(  # what the alert watches
+        "compilecast_coordinator_etcd_unavailable_total") == 1
     for name in ("m1", "m2"):
         cluster.start(name)
     cluster.wait_healthy()

@@ -240,13 +240,54 @@ def test_rendered_objects_match_the_kubernetes_api_schema(values):
     for obj in docs:
         model = MODELS.get(obj["kind"])
         if model is None:
-            assert obj["kind"] == "ServiceMonitor", obj["kind"]  # a CRD: no built-in schema
+            assert obj["kind"] in ("ServiceMonitor", "PrometheusRule"), obj["kind"]  # CRDs
             continue
         typed = api.deserialize(_json.dumps(obj), model, "application/json")
         unknown = _dropped(obj, api.sanitize_for_serialization(typed))
         assert unknown == [], (obj["kind"], obj["metadata"]["name"], unknown)
         checked += 1
     assert checked >= 8
+
+
+def _metric_names() -> set[str]:
+    """Every series name compilecast's coordinator and worker export."""
+    from prometheus_client import CollectorRegistry
+
+    from compilecast.coordinator.metrics import CoordinatorMetrics
+    from compilecast.worker.metrics import WorkerMetrics
+
+    names = set()
+    for cls in (CoordinatorMetrics, WorkerMetrics):
+        registry = CollectorRegistry()
+        cls(registry)
+        for family in registry.collect():
+            names.add(family.name)
+            names |= {family.name + s for s in ("_total", "_bucket", "_count", "_sum")}
+    return names
+
+
+def test_the_alerts_are_valid_promql_over_metrics_that_exist():
+    """Each alert parses as PromQL, names only series compilecast exports,
+    and is scoped to the release's namespace."""
+    import re
+
+    import promql_parser
+
+    (rule,) = by_kind(render(None, "metrics.alerts.enabled=true"), "PrometheusRule")
+    alerts = rule["spec"]["groups"][0]["rules"]
+    assert {a["alert"] for a in alerts} == {
+        "CompilecastCoordinatorDown", "CompilecastEtcdUnavailable",
+        "CompilecastWorkersFallingBack", "CompilecastCorruptArtifacts",
+        "CompilecastStoreThrashing"}
+    exported = _metric_names()
+    for a in alerts:
+        promql_parser.parse(a["expr"])  # raises on a syntax error
+        used = set(re.findall(r"\b(compilecast_[a-z_]+)\b", a["expr"]))
+        assert used and used <= exported, (a["alert"], used - exported)
+        selectors = re.findall(r"compilecast_[a-z_]+\{([^}]*)\}", a["expr"])
+        assert selectors and all('namespace="default"' in s for s in selectors), a["alert"]
+        assert a["labels"]["severity"] in ("critical", "warning") and a["annotations"]["summary"]
+    assert by_kind(render(None), "PrometheusRule") == []  # off by default
 
 
 def test_the_charts_dashboard_is_the_documented_one():
