@@ -162,14 +162,6 @@ class WorkerConfig:
         metadata=_help("host cache directory"),
     )
     cache_max_bytes: int = field(default=20 << 30, metadata=_help("host cache size bound"))
-    index_sweep_s: float = field(
-        default=3600.0,
-        metadata=_help("how often a replica drops, from etcd, the index entries of artifacts "
-                       "the store evicted and old key records (0: never)"))
-    key_record_days: float = field(
-        default=30.0,
-        metadata=_help("a key's record (its components, for explain) first seen longer ago "
-                       "than this is dropped once the key has no artifact (0: kept forever)"))
     store_reverify_s: float = field(
         default=600.0,
         metadata=_help("serve a blob this process wrote or verified, in an unchanged file, "
