@@ -86,6 +86,8 @@ class Coordinator(Role):
                 await self.state.sweeper.sweep()
             except Unavailable as exc:
                 log.warning("index sweep failed (the next one tries again): %s", exc)
+            except Exception:  # a bug must not end the sweeps, nor the replica
+                log.exception("index sweep failed (the next one tries again)")
 
     async def _release(self) -> None:
         for task in (self._store_scans, self._sweeps):
