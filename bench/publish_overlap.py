@@ -85,7 +85,7 @@ def one(mode: str, n: int, data: bytes, mbps: float) -> tuple[float, float]:
             t0 = time.time()
             publish(holder, key, lease, data, mbps)
             upload = time.time() - t0
-            holder.stop_lease(lease)
+            holder.stop_lease(key, lease)
             rows = [json.loads(w.stdout.readline()) for w in waiters]
             for w in waiters:
                 w.wait(60)

@@ -134,3 +134,25 @@ def test_one_process_claims_on_one_lease_and_they_live_and_end_together(start_co
     for key in ("k5", "k6"):
         assert b.acquire(key).decision == pb.COMPILE
     assert a.keepalive("k5", dead[0]) == 0
+
+
+def test_a_process_keeps_each_claim_alive_until_that_claim_ends(start_coordinator):
+    """Two claims of one process share a lease; publishing one and stopping its
+    keeper leaves the other's keeper renewing, past the TTL, so it can publish."""
+    from compilecast.v1 import cache_pb2 as pb
+
+    coordinator = start_coordinator(lease_ttl_s=2)
+    target = coordinator.cfg.listen
+    a, waiter = _client(target, "host:1"), _client(target, "host:2")
+    first, second = a.acquire("first").lease, a.acquire("second").lease
+    assert first.id == second.id
+    a.keep_lease("first", first)
+    a.keep_lease("second", second)
+    a.publish("first", first, b"one", 1.0)
+    a.stop_lease("first", first)
+    time.sleep(5.0)  # 2.5 TTLs: only the second claim's keeper keeps the lease alive
+    assert waiter.acquire("second").decision == pb.WAIT
+    a.publish("second", second, b"two", 1.0)
+    a.stop_lease("second", second)
+    assert waiter.acquire("second").decision == pb.HIT
+    a.close()

@@ -358,11 +358,11 @@ def compile_and_share(client: CacheClient, program: Program, *,
             raise AotError(f"{program.name}: the compile computed key {got}, the probe {key}")
         client.publish(key, lease, data, seconds, recipe=recipe)
     except BaseException as exc:
-        client.stop_lease(lease)
+        client.stop_lease(key, lease)
         with contextlib.suppress(grpc.RpcError):
             client.release(key, lease, pb.COMPILE_FAILED, f"{type(exc).__name__}: {exc}")
         raise
-    client.stop_lease(lease)
+    client.stop_lease(key, lease)
     log.info("published %s (%s) in %.1fs, %d bytes", program.name, key, seconds, len(data))
     return Outcome(program.name, key, "published", seconds, len(data))
 

@@ -63,7 +63,10 @@ class CacheClient:
         self._channel = grpc.intercept_channel(self._channel, _Metadata(bearer(token))) \
             if token else self._channel
         self.stub = wire.stub(self._channel)
-        self._keepers: dict[int, threading.Event] = {}
+        # (key, lease id) -> its keeper's stop: a process's claims share one
+        # lease, and each claim is renewed (and stopped) on its own.
+        self._keepers: dict[tuple[str, int], threading.Event] = {}
+        self._publishing: set[tuple[str, int]] = set()  # publishes in flight
 
     def close(self) -> None:
         for stop in self._keepers.values():
@@ -172,8 +175,12 @@ class CacheClient:
         header = pb.PublishHeader(key=key, lease=lease, digest=hashlib.sha256(data).hexdigest(),
                                   size=len(data), compile_time_seconds=compile_time_s,
                                   requester=self.identity.requester(), recipe=recipe)
-        resp = self.stub.Publish(publish_messages(header, data),
-                                 timeout=max(60.0, self.timeout_s))
+        self._publishing.add((key, lease.id))
+        try:
+            resp = self.stub.Publish(publish_messages(header, data),
+                                     timeout=max(60.0, self.timeout_s))
+        finally:
+            self._publishing.discard((key, lease.id))
         return resp.artifact
 
     def release(self, key: str, lease: pb.Lease, reason: int, detail: str = "") -> None:
@@ -216,16 +223,23 @@ class CacheClient:
 
     # -- lease keepalive thread ------------------------------------------
     def keep_lease(self, key: str, lease: pb.Lease) -> None:
-        """Keep `lease` alive in the background until stop_lease()."""
+        """Keep the claim on `key` alive in the background until
+        stop_lease(key, lease)."""
         stop = threading.Event()
-        self._keepers[lease.id] = stop
+        previous = self._keepers.pop((key, lease.id), None)
+        if previous is not None:
+            previous.set()
+        self._keepers[(key, lease.id)] = stop
         interval = max(lease.ttl_seconds / 3.0, 0.5)
 
         def run() -> None:
             while not stop.wait(interval):
                 try:
                     if self.keepalive(key, lease) <= 0:
-                        log.warning("compile lease for %s lapsed", key)
+                        # A publish that landed ends the claim too: only say
+                        # "lapsed" when nothing of ours ended it.
+                        if not stop.is_set() and (key, lease.id) not in self._publishing:
+                            log.warning("compile lease for %s lapsed", key)
                         return
                 except grpc.RpcError as exc:
                     log.debug("keepalive for %s failed: %s", key, exc.code())
@@ -233,8 +247,8 @@ class CacheClient:
         threading.Thread(target=run, name=f"compilecast-keepalive-{lease.id}",
                          daemon=True).start()
 
-    def stop_lease(self, lease: pb.Lease) -> None:
-        stop = self._keepers.pop(lease.id, None)
+    def stop_lease(self, key: str, lease: pb.Lease) -> None:
+        stop = self._keepers.pop((key, lease.id), None)
         if stop is not None:
             stop.set()
 

@@ -194,7 +194,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         with self._lock:
             held = self._held.pop(key, None)
         if held is not None:
-            self.client.stop_lease(held.lease)
+            self.client.stop_lease(key, held.lease)
         return held
 
     # -- settling a lease ---------------------------------------------------
