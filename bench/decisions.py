@@ -71,6 +71,7 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     await asyncio.gather(*(d.decide([pb.AcquireRequest(key=hit_keys[0])]) for d in deciders))
     latencies: list[float] = []
     decisions: dict[str, int] = {}
+    by_decision: dict[str, list[float]] = {}
     errors = 0
     t_start = time.monotonic()
     deadline = t_start + seconds
@@ -116,6 +117,8 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
         for r in got:
             name = pb.Decision.Name(r.decision)
             decisions[name] = decisions.get(name, 0) + 1
+        if len(got) == 1:  # a single-key request: its latency by its decision
+            by_decision.setdefault(name, []).append(latencies[-1])
 
     sent: set[asyncio.Task] = set()
 
@@ -150,7 +153,16 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
         await d.close()
     for c in channels:
         await c.close()
+    LATENCY_BY_DECISION.update(by_decision)
     return latencies, decisions, errors, wall
+
+
+LATENCY_BY_DECISION: dict[str, list[float]] = {}  # the last load's, for the report
+
+
+def quantiles_ms(values: list[float]) -> tuple[float, float]:
+    values = sorted(values)
+    return values[len(values) // 2] * 1e3, values[int(len(values) * 0.99)] * 1e3
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -228,7 +240,9 @@ def main() -> None:
                "requests": n, "decisions": total,
                "per_second": total / wall, "p50_ms": lat[n // 2] * 1e3,
                "p99_ms": lat[int(n * 0.99)] * 1e3, "errors": errors, "by_decision": decisions,
-               "cores": used}
+               "cores": used,
+               "p50_p99_ms_by_decision": {k: quantiles_ms(v)
+                                          for k, v in LATENCY_BY_DECISION.items()}}
         how = ("one job, same programs, " if args.pod else "") + (
             f"{args.streams} Decide stream(s)" if args.streams else "unary calls") + (
             f", offered {args.rate:.0f}/s" if args.rate else ", closed loop")
@@ -236,6 +250,10 @@ def main() -> None:
               f"{row['per_second']:.0f} decisions/s, request latency p50 {row['p50_ms']:.1f} ms, "
               f"p99 {row['p99_ms']:.1f} ms, "
               f"errors {errors}, {decisions}; {fmt_cores(used)}")
+        if args.batch == 1 and LATENCY_BY_DECISION:
+            print("  p50 / p99 by decision: " + ", ".join(
+                f"{k} {a:.1f} / {b:.1f} ms" for k, (a, b) in
+                row["p50_p99_ms_by_decision"].items()))
         print(json.dumps(row))
     finally:
         stack.close()
