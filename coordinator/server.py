@@ -79,9 +79,14 @@ class Coordinator(Role):
 
     async def _sweep_index(self) -> None:
         """Sweep etcd's index every index_sweep_s (coordinator/sweep.py),
-        replicas at staggered times."""
+        replicas at staggered times. The first sweep comes at a random point
+        of the first interval, so that replicas restarted more often than
+        that (rolling updates) still sweep."""
+        first = True
         while True:
-            await asyncio.sleep(self.cfg.index_sweep_s * random.uniform(0.8, 1.2))
+            await asyncio.sleep(self.cfg.index_sweep_s * (
+                random.uniform(0.05, 1.0) if first else random.uniform(0.8, 1.2)))
+            first = False
             try:
                 await self.state.sweeper.sweep()
             except Unavailable as exc:

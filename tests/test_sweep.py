@@ -182,3 +182,15 @@ def test_a_sweep_over_many_pages_drops_exactly_the_right_records(etcd, prefix, t
     young = {sk(i) for i in range(0, 300, 2)}
     assert {k[3:] for k in left if k.startswith("/k/")} == young | kept_old
     assert records == 150 - len(kept_old)
+
+
+def test_a_replica_sweeps_on_its_own(start_coordinator, loop_thread, etcd, prefix):
+    coordinator = start_coordinator(index_sweep_s=0.5)
+    c = CacheClient(coordinator.cfg.listen)
+    gone = publish(c, "gone", b"g" * 1000)
+    publish(c, "kept", b"k" * 1000)
+    coordinator.store.delete(gone.digest)
+    eventually(lambda: "/a/default/gone" not in etcd_keys(loop_thread, etcd.endpoint, prefix),
+               "a periodic sweep drops the entry", seconds=15)
+    assert "/a/default/kept" in etcd_keys(loop_thread, etcd.endpoint, prefix)
+    assert swept(coordinator, "index_entry") == 1
