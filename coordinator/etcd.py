@@ -379,8 +379,10 @@ class _KeepAlives:
 
     async def _run(self, requests: asyncio.Queue) -> None:
         async def sent():
-            while True:
-                yield await requests.get()
+            # Ends at the None the stream's end puts: a request iterator left
+            # waiting in Queue.get would be collected after its loop closed.
+            while (request := await requests.get()) is not None:
+                yield request
 
         member = self.etcd._current
         call = self.etcd.lease.LeaseKeepAlive(sent())
@@ -401,6 +403,7 @@ class _KeepAlives:
         except asyncio.CancelledError:
             error = Unavailable("the lease renewal stream was closed")
         finally:
+            requests.put_nowait(None)
             call.cancel()
             waiting, self._waiting = self._waiting, {}
             for answers in waiting.values():
@@ -413,6 +416,7 @@ class _KeepAlives:
             self._stream.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._stream
+            await asyncio.sleep(0)  # gRPC's request reader takes the None and ends
 
 
 def _holds(cmp, kv: KV | None) -> bool:
