@@ -53,7 +53,8 @@ def fmt_cores(used: dict[str, float]) -> str:
 
 async def load(target: str, clients: int, seconds: float, hit_ratio: float,
                hit_keys: list[str], batch: int, streams: int = 0, rate: float = 0.0,
-               pod: bool = False) -> tuple[list[float], dict[str, int], int, float]:
+               pod: bool = False
+               ) -> tuple[list[float], dict[str, int], int, float, dict[str, list[float]]]:
     """Closed loop (rate 0): every client asks again as soon as it is answered.
     Open loop (rate > 0): the clients together ask `rate` times a second
     (Poisson arrivals), whether or not earlier requests were answered.
@@ -62,7 +63,8 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     pod: the clients are the processes of one job (process 0 designated), and
     each asks the programs pod-0, pod-1, ... in turn, as the hosts of a pod do
     at job start: one COMPILE per program, WAIT for everyone else.
-    Returns latencies, decisions by kind, errors and the wall time."""
+    Returns latencies, decisions by kind, errors, the wall time, and the
+    latencies of single-key requests by their decision."""
     opts = [("grpc.lb_policy_name", "round_robin"), ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(target, options=opts) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
@@ -153,11 +155,7 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
         await d.close()
     for c in channels:
         await c.close()
-    LATENCY_BY_DECISION.update(by_decision)
-    return latencies, decisions, errors, wall
-
-
-LATENCY_BY_DECISION: dict[str, list[float]] = {}  # the last load's, for the report
+    return latencies, decisions, errors, wall, by_decision
 
 
 def quantiles_ms(values: list[float]) -> tuple[float, float]:
@@ -197,7 +195,7 @@ def main() -> None:
                                                        "_trivial_server.py"), str(port)])
         try:
             wait_port(port)
-            (lat, decisions, errors, wall), used = cores(
+            (lat, decisions, errors, wall, _), used = cores(
                 {"server": server.pid}, lambda: asyncio.run(load(
                     f"127.0.0.1:{port}", args.clients, args.seconds, 1.0, ["k"], 1,
                     args.streams, args.rate)))
@@ -229,20 +227,18 @@ def main() -> None:
         c.close()
         # Several replicas: clients spread over them (one ipv4: target per replica).
         target = "ipv4:" + ",".join(targets) if len(targets) > 1 else targets[0]
-        (lat, decisions, errors, wall), used = cores(pids, lambda: asyncio.run(
+        (lat, decisions, errors, wall, by_decision), used = cores(pids, lambda: asyncio.run(
             load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch,
                  args.streams, args.rate, args.pod)))
-        lat.sort()
         n = len(lat)
+        p50, p99 = quantiles_ms(lat)
         total = sum(decisions.values())
         row = {"clients": args.clients, "replicas": args.replicas, "batch": args.batch,
                "streams": args.streams, "offered_rate": args.rate,
                "requests": n, "decisions": total,
-               "per_second": total / wall, "p50_ms": lat[n // 2] * 1e3,
-               "p99_ms": lat[int(n * 0.99)] * 1e3, "errors": errors, "by_decision": decisions,
-               "cores": used,
-               "p50_p99_ms_by_decision": {k: quantiles_ms(v)
-                                          for k, v in LATENCY_BY_DECISION.items()}}
+               "per_second": total / wall, "p50_ms": p50, "p99_ms": p99, "errors": errors,
+               "by_decision": decisions, "cores": used,
+               "p50_p99_ms_by_decision": {k: quantiles_ms(v) for k, v in by_decision.items()}}
         how = ("one job, same programs, " if args.pod else "") + (
             f"{args.streams} Decide stream(s)" if args.streams else "unary calls") + (
             f", offered {args.rate:.0f}/s" if args.rate else ", closed loop")
@@ -250,7 +246,7 @@ def main() -> None:
               f"{row['per_second']:.0f} decisions/s, request latency p50 {row['p50_ms']:.1f} ms, "
               f"p99 {row['p99_ms']:.1f} ms, "
               f"errors {errors}, {decisions}; {fmt_cores(used)}")
-        if args.batch == 1 and LATENCY_BY_DECISION:
+        if by_decision:
             print("  p50 / p99 by decision: " + ", ".join(
                 f"{k} {a:.1f} / {b:.1f} ms" for k, (a, b) in
                 row["p50_p99_ms_by_decision"].items()))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import resource
 import shutil
 import sys
 import tempfile
@@ -22,14 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _servers import Stack, cpu_seconds
+from _servers import Stack, cpu_seconds, own_cpu_seconds
 
 from compilecast.coordinator.etcd import Etcd
-
-
-def own_cpu() -> float:
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
 
 
 async def run(endpoint: str, etcd_pid: int, count: int) -> None:
@@ -37,13 +31,13 @@ async def run(endpoint: str, etcd_pid: int, count: int) -> None:
     leases = [await client.grant(60) for _ in range(50)]
     for _ in range(2):
         for together in (1, 50):
-            cpu, etcd_cpu, t0 = own_cpu(), cpu_seconds(etcd_pid), time.perf_counter()
+            cpu, etcd_cpu, t0 = own_cpu_seconds(), cpu_seconds(etcd_pid), time.perf_counter()
             for i in range(0, count, together):
                 await asyncio.gather(*(client.keepalive_once(leases[(i + j) % 50])
                                        for j in range(together)))
             elapsed = time.perf_counter() - t0
             print(f"{together:3d} at once: {count / elapsed:6.0f} renewals/s, this client "
-                  f"{1e6 * (own_cpu() - cpu) / count:5.0f} us CPU each, etcd "
+                  f"{1e6 * (own_cpu_seconds() - cpu) / count:5.0f} us CPU each, etcd "
                   f"{1e6 * (cpu_seconds(etcd_pid) - etcd_cpu) / count:5.0f} us", flush=True)
     await client.close()
 

@@ -82,17 +82,15 @@ class Coordinator(Role):
         replicas at staggered times. The first sweep comes at a random point
         of the first interval, so that replicas restarted more often than
         that (rolling updates) still sweep."""
-        first = True
+        await asyncio.sleep(self.cfg.index_sweep_s * random.uniform(0.05, 1.0))
         while True:
-            await asyncio.sleep(self.cfg.index_sweep_s * (
-                random.uniform(0.05, 1.0) if first else random.uniform(0.8, 1.2)))
-            first = False
             try:
                 await self.state.sweeper.sweep()
             except Unavailable as exc:
                 log.warning("index sweep failed (the next one tries again): %s", exc)
             except Exception:  # a bug must not end the sweeps, nor the replica
                 log.exception("index sweep failed (the next one tries again)")
+            await asyncio.sleep(self.cfg.index_sweep_s * random.uniform(0.8, 1.2))
 
     async def _release(self) -> None:
         for task in (self._store_scans, self._sweeps):

@@ -617,7 +617,8 @@ class CoordinatorState:
                        chunks: AsyncIterator[DataChunk]) -> pb.ArtifactInfo:
         key = plain(sk)
         kind = await self._check_holder(sk, header.lease, header.requester)
-        entry, revoked = await self.etcd.get_many([self._k("a", sk), self._revocation(tenant_of(sk), header.digest)])
+        revocation = self._revocation(tenant_of(sk), header.digest)
+        entry, revoked = await self.etcd.get_many([self._k("a", sk), revocation])
         if entry is not None:
             raise AlreadyPublished(f"key {key} is already published")
         if revoked is not None:
@@ -639,6 +640,7 @@ class CoordinatorState:
     async def _announce(self, sk: str, kind: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
         """Index a committed blob in etcd under the key, if the lease still holds."""
         key = plain(sk)
+        revocation = self._revocation(tenant_of(sk), header.digest)
         self.metrics.bytes.labels("in").inc(header.size)
         recipe = None
         if header.HasField("recipe"):  # stored before the index entry that names it
@@ -653,7 +655,7 @@ class CoordinatorState:
                                recipe_digest=await self.farm.store_recipe(recipe) if recipe else "")
         ok, revision, _ = await self.etcd.txn(
             [cmp_mod_revision(self._k(kind, sk), header.lease.revision),
-             cmp_absent(self._k("a", sk)), cmp_absent(self._revocation(tenant_of(sk), header.digest))],
+             cmp_absent(self._k("a", sk)), cmp_absent(revocation)],
             # The first valid publish wins; it ends the lease and any hedge.
             [op_put(self._k("a", sk), info_json(info)), op_delete(self._k("l", sk)),
              op_delete(self._k("h", sk))],
@@ -661,8 +663,7 @@ class CoordinatorState:
         if not ok:
             # A retried txn (the first attempt's reply lost with an etcd member)
             # fails its compares after succeeding: the entry is then ours.
-            entry, revoked = await self.etcd.get_many([self._k("a", sk),
-                                                       self._revocation(tenant_of(sk), header.digest)])
+            entry, revoked = await self.etcd.get_many([self._k("a", sk), revocation])
             if revoked is not None and entry is None:
                 raise await self._refuse_revoked(sk, kind, header, revoked,
                                                  "was purged while it was being published")

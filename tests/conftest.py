@@ -37,6 +37,15 @@ def eventually(predicate, what: str = "condition", seconds: float = 10.0):
     pytest.fail(f"not within {seconds} s: {what}")
 
 
+def publish(client, key: str, data: bytes, **acquire_kw):
+    """Claim `key` (it must be a miss: COMPILE) and publish `data` under it."""
+    from compilecast.v1 import cache_pb2 as pb
+
+    resp = client.acquire(key, **acquire_kw)
+    assert resp.decision == pb.COMPILE, resp
+    return client.publish(key, resp.lease, data, 3.0)
+
+
 def all_at_once(calls, timeout_s: float = 60.0) -> list:
     """Run each of `calls` on a thread of its own, started together; their
     results, in order (None for one that did not finish in time)."""

@@ -14,7 +14,7 @@ import pytest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 
-from .conftest import eventually
+from .conftest import eventually, publish
 
 BAD = b"miscompiled" * 20_000
 GOOD = b"fine-executable" * 20_000
@@ -24,12 +24,6 @@ def code_of(fn) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as info:
         fn()
     return info.value.code(), info.value.details()
-
-
-def publish(client: CacheClient, key: str, data: bytes) -> pb.ArtifactInfo:
-    resp = client.acquire(key)
-    assert resp.decision == pb.COMPILE, resp
-    return client.publish(key, resp.lease, data, 3.0)
 
 
 def test_purged_bytes_are_served_under_no_key_and_never_published_again(start_coordinator):

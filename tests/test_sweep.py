@@ -10,15 +10,9 @@ from compilecast.coordinator.etcd import Etcd
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 
-from .conftest import eventually
+from .conftest import eventually, publish
 
 COMPONENTS = {"program": "p0", "compile_options": "o0", "platform": "cpu"}
-
-
-def publish(client: CacheClient, key: str, data: bytes, **kw) -> pb.ArtifactInfo:
-    resp = client.acquire(key, **kw)
-    assert resp.decision == pb.COMPILE, resp
-    return client.publish(key, resp.lease, data, 2.0)
 
 
 def etcd_keys(loop_thread, endpoint: str, prefix: str) -> set[str]:
