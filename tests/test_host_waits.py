@@ -139,7 +139,7 @@ def test_a_later_waiter_outlives_the_upstream_timeout_of_an_earlier_one(loop_thr
     early, later = loop_thread.run(body())
     assert early.decision == pb.COMPILE_LOCALLY and later.decision == pb.HIT
     assert up.asked[0].timeout_ms <= 300
-    assert 4_000 < up.asked[1].timeout_ms <= 4_800  # the rest of the later waiter's time
+    assert 4_000 < up.asked[1].timeout_ms < 5_000  # the rest of the later waiter's time
 
 
 def test_an_upstream_failure_fails_every_waiter(loop_thread):

@@ -568,8 +568,13 @@ class WorkerService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Status(self, request, context):
         resp = pb.StatusResponse(role="worker", upstream=f"coordinator {self.coordinator}")
+        # Within the caller's deadline, so that a slow or unreachable
+        # coordinator is reported as such rather than timing the caller out.
+        left = context.time_remaining()
+        timeout = self.rpc_timeout_s if left is None else max(0.1, min(self.rpc_timeout_s,
+                                                                      left * 0.7))
         with contextlib.suppress(grpc.aio.AioRpcError):
-            up = await self.up.Status(request, timeout=self.rpc_timeout_s,
+            up = await self.up.Status(request, timeout=timeout,
                                       metadata=self._credential(context)[1])
             resp.CopyFrom(up)
             # Hits this worker answered from its host cache, and answers it shared
