@@ -28,15 +28,26 @@ Concurrency: any number of readers and writers, threads or processes. Two
 writers of the same digest race harmlessly (the rename is idempotent). The
 optional size bound evicts least-recently-read blobs; the running total is kept
 in memory and the directory is scanned only when the bound is exceeded.
+
+Out of space: the volume may fill before the bound is reached (an unbounded
+store, or a host disk shared with a training job's checkpoints). `make_room`
+evicts least-recently-read blobs until a blob of a given size fits above
+`min_free` bytes kept free; other files on the volume are never touched. A
+write that still finds no space raises StoreFull, or, for a writer opened with
+`discard_when_full` (a cache that can serve its readers without a copy of its
+own), stops keeping the bytes but goes on hashing them: its commit verifies
+and returns None.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -47,7 +58,7 @@ from typing import Any, TypeVar
 import zstandard
 
 from compilecast import validate
-from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, TooLarge
+from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, StoreFull, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +66,8 @@ CHUNK = 2 << 20
 RAW_MAGIC = b"CCRAW01\n"  # a stored blob that is not zstd (zstd frames begin 28 b5 2f fd)
 PROBE = 1 << 20  # bytes whose compressibility decides how a blob is stored
 MIN_SAVING = 0.05  # store raw unless zstd saves at least this fraction of the probe
+OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT}
+ROOM_SLACK = 64 << 10  # what a blob may take beyond its bytes: marker, zstd frames, blocks
 
 
 T = TypeVar("T")
@@ -81,12 +94,21 @@ class BlobWriter:
     """One blob being written. Use as a context manager: leaving the block
     without `commit()` removes the temp file."""
 
-    def __init__(self, store: DiskBlobStore, max_size: int) -> None:
+    def __init__(self, store: DiskBlobStore, max_size: int, *,
+                 discard_when_full: bool = False) -> None:
         self._store = store
         self._max_size = max_size
-        fd, name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".part")
-        self._path = Path(name)
-        self._file = os.fdopen(fd, "wb")
+        self._discard = discard_when_full
+        self.discarded = ""  # why the bytes are hashed but not kept
+        self._path: Path | None = None
+        self._file: Any = None
+        try:
+            fd, name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".part")
+        except OSError as exc:
+            self._out_of_space(exc)
+        else:
+            self._path = Path(name)
+            self._file = os.fdopen(fd, "wb")
         self._level = store.level
         self._zw = None  # a zstd stream writer, once the probe says compress
         self._raw = False
@@ -101,16 +123,39 @@ class BlobWriter:
         if self.size > self._max_size:
             raise TooLarge(f"artifact exceeds the limit of {self._max_size} bytes")
         self._hash.update(data)
-        if self._zw is not None:
-            self._zw.write(data)
-        elif self._raw:
-            self._file.write(data)
-            self._file.flush()  # visible to readers of the file as it grows
-        else:
-            self._probe.append(bytes(data))
-            self._probed += len(data)
-            if self._probed >= PROBE:
-                self._decide()
+        if self.discarded:
+            return
+        try:
+            if self._zw is not None:
+                self._zw.write(data)
+            elif self._raw:
+                self._file.write(data)
+                self._file.flush()  # visible to readers of the file as it grows
+            else:
+                self._probe.append(bytes(data))
+                self._probed += len(data)
+                if self._probed >= PROBE:
+                    self._decide()
+        except OSError as exc:
+            self._out_of_space(exc)
+
+    def _out_of_space(self, exc: OSError) -> None:
+        """A write failed: for want of space, raise StoreFull, or (opened with
+        discard_when_full) go on hashing without keeping the bytes."""
+        if exc.errno not in OUT_OF_SPACE:
+            raise exc
+        why = f"no space left on the volume under {self._store.root}"
+        if not self._discard:
+            raise StoreFull(f"the blob store is full: {why}") from None
+        self.stop_keeping(why)
+
+    def stop_keeping(self, why: str) -> None:
+        """Hash the rest of the blob without keeping it: commit then verifies
+        the bytes and returns None."""
+        if not self.discarded:
+            self.discarded = why
+            self._zw, self._probe, self._raw = None, [], False
+            self._remove()
 
     def _decide(self) -> None:
         """Compress or not, from the first PROBE bytes; then write them."""
@@ -141,23 +186,33 @@ class BlobWriter:
         after RAW_MAGIC, between writes; None unless stored raw (undecided
         or compressed: wait for the committed blob). Raw writes are flushed
         as they are made, so that is every byte written."""
-        return self.size if self._raw else None
+        return self.size if self._raw and not self.discarded else None
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
 
-    def commit(self, digest: str, size: int) -> Path:
-        """Verify and move the blob into place; returns its path."""
+    def _finish_file(self, parent: Path) -> None:
+        if self._zw is None and not self._raw:
+            self._decide()
+        if self._zw is not None:
+            self._zw.flush(zstandard.FLUSH_FRAME)
+        self._file.flush()
+        if self._store.durable:
+            os.fsync(self._file.fileno())
+        self._file.close()
+        parent.mkdir(parents=True, exist_ok=True)
+
+    def commit(self, digest: str, size: int) -> Path | None:
+        """Verify and move the blob into place; returns its path, or None when
+        the bytes were verified but not kept (`discarded`)."""
         validate.digest(digest)
         try:
-            if self._zw is None and not self._raw:
-                self._decide()
-            if self._zw is not None:
-                self._zw.flush(zstandard.FLUSH_FRAME)
-            self._file.flush()
-            if self._store.durable:
-                os.fsync(self._file.fileno())
-            self._file.close()
+            final = self._store.path_of(digest)
+            if not self.discarded:
+                try:
+                    self._finish_file(final.parent)
+                except OSError as exc:
+                    self._out_of_space(exc)
             actual = self._hash.hexdigest()
             if actual != digest:
                 raise DigestMismatch(
@@ -165,8 +220,9 @@ class BlobWriter:
                 )
             if self.size != size:
                 raise DigestMismatch(f"size mismatch: header says {size}, received {self.size}")
-            final = self._store.path_of(digest)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            if self.discarded:
+                self._done = True
+                return None
             stored = self._path.stat().st_size
             existed = final.exists()
             os.replace(self._path, final)
@@ -181,12 +237,17 @@ class BlobWriter:
             if not self._done:
                 self.abort()
 
+    def _remove(self) -> None:
+        with contextlib.suppress(Exception):  # a full volume fails the close's flush too
+            if self._file is not None:
+                self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            if self._path is not None:
+                self._path.unlink()
+
     def abort(self) -> None:
         self._done = True
-        with contextlib.suppress(Exception):
-            self._file.close()
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()
+        self._remove()
 
     def __enter__(self) -> BlobWriter:
         return self
@@ -209,6 +270,7 @@ class DiskBlobStore:
         reverify_s: float = 600.0,
         durable: bool = True,
         on_evict: Callable[[int], None] | None = None,
+        min_free: int = 0,
     ) -> None:
         self.root = Path(root)
         self.blob_dir = self.root / "blobs"
@@ -226,6 +288,7 @@ class DiskBlobStore:
         self.quarantined = 0
         self.reverify_s = reverify_s  # 0: hash every byte of every read
         self.durable = durable
+        self.min_free = min_free  # bytes of the volume make_room keeps free
         self._verified: dict[str, tuple[tuple[int, ...], float]] = {}
         self._lock = threading.Lock()
         self.on_evict = on_evict  # called with each evicted blob's stored size
@@ -248,8 +311,35 @@ class DiskBlobStore:
         return sum(1 for _ in self.blob_dir.glob("*/*.zst"))
 
     # -- writes ----------------------------------------------------------
-    def writer(self) -> BlobWriter:
-        return BlobWriter(self, self.max_blob_size)
+    def writer(self, *, discard_when_full: bool = False) -> BlobWriter:
+        return BlobWriter(self, self.max_blob_size, discard_when_full=discard_when_full)
+
+    def _room(self, nbytes: int) -> int:
+        """Bytes the volume lacks for a blob of `nbytes` above min_free (<= 0: it fits)."""
+        free = shutil.disk_usage(self.root).free
+        return nbytes + nbytes // 128 + ROOM_SLACK + self.min_free - free
+
+    def make_room(self, nbytes: int) -> bool:
+        """Whether a blob of `nbytes` fits on the volume above min_free, after
+        evicting least recently read blobs until it does. Nothing but this
+        store's blobs is ever removed: when the volume fills, the store gives
+        way. A blob that could not fit even in an empty store evicts nothing."""
+        short = self._room(nbytes)
+        if short <= 0:
+            return True
+        if short > self._total:
+            return False
+        evicted = freed = 0
+        for _, size, p in self._scan():
+            if self._evict_one(p, size):
+                evicted, freed = evicted + 1, freed + size
+            short = self._room(nbytes)
+            if short <= 0:
+                break
+        log.warning("the volume under %s is short of space: evicted %d blobs (%d bytes) to "
+                    "make room for %d bytes, keeping %d free%s", self.root, evicted, freed,
+                    nbytes, self.min_free, "" if short <= 0 else f"; still {short} bytes short")
+        return short <= 0
 
     def put_bytes(self, data: bytes) -> str:
         """Store a small in-memory blob; returns its digest."""
@@ -297,17 +387,23 @@ class DiskBlobStore:
             with self._lock:
                 if self._total <= target:
                     return
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass  # another process sharing the store evicted it: gone all the same
-            else:
+            if self._evict_one(p, size):
                 log.info("evicted blob %s (%d bytes) from the bounded store", p.stem, size)
-                if self.on_evict is not None:
-                    self.on_evict(size)
-            with self._lock:
-                self._total -= size
-                self._verified.pop(p.stem, None)
+
+    def _evict_one(self, p: Path, size: int) -> bool:
+        """Remove one blob; whether this call removed it."""
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            gone = False  # another process sharing the store evicted it: gone all the same
+        else:
+            gone = True
+            if self.on_evict is not None:
+                self.on_evict(size)
+        with self._lock:
+            self._total -= size
+            self._verified.pop(p.stem, None)
+        return gone
 
     def delete(self, digest: str) -> bool:
         """Remove a blob; whether it was there."""

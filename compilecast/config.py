@@ -77,6 +77,11 @@ class CoordinatorConfig:
         metadata=_help("bound on the artifact store (e.g. 180Gi; keep it below the volume): "
                        "least recently read artifacts are evicted and recompile when next "
                        "asked for (0: unbounded)"))
+    store_min_free_bytes: int = field(
+        default=0,
+        metadata=_help("space the artifact store leaves free on its volume: a publish that "
+                       "would take it evicts least recently read artifacts first, and is "
+                       "refused (RESOURCE_EXHAUSTED) when that is not enough"))
     store_scan_s: float = field(
         default=60.0, metadata=_help("how often a replica counts the whole artifact store "
                                      "(the other replicas' writes to a shared volume)"))
@@ -123,7 +128,7 @@ class CoordinatorConfig:
     def validate(self) -> None:
         _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
                   "local_marker_ttl_s", "max_artifact_bytes")
-        _not_negative(self, "store_max_bytes")
+        _not_negative(self, "store_max_bytes", "store_min_free_bytes")
         _positive(self, "store_scan_s")
         _not_negative(self, "index_sweep_s", "key_record_days")
         if 0 < self.store_max_bytes < self.max_artifact_bytes:
@@ -162,6 +167,11 @@ class WorkerConfig:
         metadata=_help("host cache directory"),
     )
     cache_max_bytes: int = field(default=20 << 30, metadata=_help("host cache size bound"))
+    cache_min_free_bytes: int = field(
+        default=2 << 30,
+        metadata=_help("space the host cache leaves free on its disk for the jobs on the host: "
+                       "it evicts its least recently read artifacts to keep it, and serves "
+                       "a download it has no room for without keeping a copy"))
     store_reverify_s: float = field(
         default=600.0,
         metadata=_help("serve a blob this process wrote or verified, in an unchanged file, "
@@ -199,7 +209,8 @@ class WorkerConfig:
             _hostport(self.relay_listen, "relay_listen")
         if self.relay_advertise:
             _hostport(self.relay_advertise, "relay_advertise")
-        _not_negative(self, "share_binary_between_hosts_timeout_ms", "store_reverify_s")
+        _not_negative(self, "share_binary_between_hosts_timeout_ms", "store_reverify_s",
+                      "cache_min_free_bytes")
         _pair(self, "coordinator_cert_file", "coordinator_key_file")
         _pair(self, "tls_cert_file", "tls_key_file")
         _readable(self, "token_file", "coordinator_ca_file", "coordinator_cert_file",

@@ -14,6 +14,8 @@ statuses, for both servers.
     ├── Revoked               the bytes were purged and may not come back
     │                                                  -> FAILED_PRECONDITION
     ├── TooLarge              over a size limit        -> RESOURCE_EXHAUSTED
+    ├── StoreFull             the store's volume is out of space, nothing
+    │                         left to evict             -> RESOURCE_EXHAUSTED
     ├── CorruptBlob           stored bytes fail their digest; quarantined
     │                                                  -> DATA_LOSS
     ├── Unauthenticated       present a valid credential -> UNAUTHENTICATED
@@ -61,6 +63,13 @@ class Revoked(CompilecastError):
 
 
 class TooLarge(CompilecastError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class StoreFull(CompilecastError):
+    """The volume under a blob store has no room left, even after evicting
+    every blob the store could."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 

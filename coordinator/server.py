@@ -34,6 +34,7 @@ class Coordinator(Role):
         self.store = DiskBlobStore(cfg.store_dir, max_blob_size=cfg.max_artifact_bytes,
                                    reverify_s=cfg.store_reverify_s,
                                    max_bytes=cfg.store_max_bytes or None,
+                                   min_free=cfg.store_min_free_bytes,
                                    on_evict=lambda _size: self.metrics.store_evictions.inc())
         self.metrics.store_bytes.set_function(lambda: self.store.stored_bytes)
         self.port = 0

@@ -49,6 +49,7 @@ from compilecast.errors import (
     LeaseError,
     NotFound,
     Revoked,
+    StoreFull,
     Unavailable,
 )
 from compilecast.v1 import cache_pb2 as pb
@@ -611,6 +612,8 @@ class CoordinatorState:
             return await self._publish(scope(tenant, key), header, chunks)
         except Exception as exc:
             self.metrics.publishes.labels(type(exc).__name__).inc()
+            if isinstance(exc, StoreFull):
+                log.error("refused the publish of %s: %s", key, exc, extra={"key": key})
             raise
 
     async def _publish(self, sk: str, header: pb.PublishHeader,
@@ -623,6 +626,9 @@ class CoordinatorState:
             raise AlreadyPublished(f"key {key} is already published")
         if revoked is not None:
             raise await self._refuse_revoked(sk, kind, header, revoked, "was purged")
+        if not await asyncio.to_thread(self.store.make_room, header.size):
+            raise StoreFull(f"the artifact store has no room for {header.size} bytes, even "
+                            "after evicting what it could (its volume is full)")
         writer = self.store.writer()
         loop = asyncio.get_running_loop()
         with writer, self.uploads.track(sk, _in_flight(key, header), writer) as upload:

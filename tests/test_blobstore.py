@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
 import pytest
 
 from compilecast.blobstore import DiskBlobStore
-from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, TooLarge
+from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, StoreFull, TooLarge
 
 
 def test_roundtrip_is_verified_and_compressed(tmp_path):
@@ -212,3 +213,70 @@ def test_a_cache_store_cut_short_by_a_crash_is_caught_on_the_next_read(tmp_path)
         with pytest.raises(CorruptBlob):
             restarted.read_bytes(digest)
         assert not restarted.has(digest)
+
+
+def _onto_a_full_volume(w) -> None:
+    """Send a writer's bytes to /dev/full from here on: the kernel fails every
+    write with ENOSPC, as a full volume does."""
+    w._file.close()
+    w._file = open("/dev/full", "wb", buffering=0)  # the writer closes it
+
+
+def test_a_full_volume_fails_a_write_with_store_full_and_leaves_nothing(tmp_path):
+    store = DiskBlobStore(tmp_path)
+    data = os.urandom(3 << 20)
+    with pytest.raises(StoreFull, match="no space left"), store.writer() as w:
+        _onto_a_full_volume(w)
+        w.write(data)
+    assert list(store.tmp_dir.iterdir()) == []
+    assert store.stored_bytes == 0
+
+
+def test_a_writer_that_may_discard_still_verifies_what_it_could_not_keep(tmp_path):
+    store = DiskBlobStore(tmp_path)
+    data = os.urandom(3 << 20)
+    digest = hashlib.sha256(data).hexdigest()
+    with store.writer(discard_when_full=True) as w:
+        w.write(data[:1 << 20])  # the probe's worth: decided (raw) and on disk
+        assert not w.discarded
+        _onto_a_full_volume(w)
+        for off in range(1 << 20, len(data), 512 << 10):
+            w.write(data[off:off + (512 << 10)])
+        assert "no space left" in w.discarded
+        assert w.commit(digest, len(data)) is None
+    assert not store.has(digest)
+    assert list(store.tmp_dir.iterdir()) == []
+    with store.writer(discard_when_full=True) as w:
+        _onto_a_full_volume(w)
+        w.write(data)
+        with pytest.raises(DigestMismatch):
+            w.commit(hashlib.sha256(b"other bytes").hexdigest(), len(data))
+
+
+def _room(store: DiskBlobStore, nbytes: int) -> None:
+    """Keep all but `nbytes` of the volume's free space free."""
+    store.min_free = shutil.disk_usage(store.root).free - nbytes
+
+
+def test_make_room_evicts_least_recently_read_blobs_and_nothing_else(tmp_path):
+    evicted = []
+    store = DiskBlobStore(tmp_path / "store", on_evict=evicted.append)
+    theirs = tmp_path / "checkpoint.bin"  # a job's file on the same volume
+    theirs.write_bytes(os.urandom(4 << 20))
+    blobs = [store.put_bytes(os.urandom(1 << 20)) for _ in range(3)]
+    for age, digest in enumerate(blobs):  # blobs[0] read longest ago
+        os.utime(store.path_of(digest), (1_000_000 + age, 1_000_000 + age))
+
+    _room(store, 2 << 20)
+    assert store.make_room(1 << 20)  # fits as it is
+    assert all(store.has(d) for d in blobs) and evicted == []
+
+    _room(store, 2 << 20)
+    assert store.make_room(2 << 20)  # a little short: the oldest blob goes
+    assert [store.has(d) for d in blobs] == [False, True, True]
+    assert len(evicted) == 1
+
+    _room(store, 2 << 20)
+    assert not store.make_room(64 << 20)  # could not fit even in an empty store
+    assert [store.has(d) for d in blobs] == [False, True, True]
+    assert theirs.stat().st_size == 4 << 20

@@ -25,12 +25,12 @@ from compilecast.v1 import cache_pb2 as pb
 
 
 class HostCache:
-    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int,
+    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int, min_free: int = 0,
                  reverify_s: float = 600.0) -> None:
         self.root = Path(root)
         # Not fsynced: what a crash cuts short fails verification and is fetched again.
         self.store = DiskBlobStore(self.root, max_bytes=max_bytes, durable=False,
-                                   reverify_s=reverify_s)
+                                   reverify_s=reverify_s, min_free=min_free)
         self.keys = self.root / "keys"
         self.keys.mkdir(parents=True, exist_ok=True)
 

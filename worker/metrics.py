@@ -78,3 +78,9 @@ class WorkerMetrics:
             "went back to the coordinator because the peer failed (fallback)",
             ["event"], registry=registry,
         )
+        self.uncached = Counter(
+            "compilecast_worker_uncached",
+            "Artifacts this worker passed on without keeping a copy: its disk had no room "
+            "above cache_min_free_bytes even after evicting its least recently read ones",
+            registry=registry,
+        )

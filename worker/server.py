@@ -29,6 +29,7 @@ class Worker(Role):
         self.registry = registry or CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry)
         self.cache = HostCache(cfg.cache_dir, max_bytes=cfg.cache_max_bytes,
+                               min_free=cfg.cache_min_free_bytes,
                                reverify_s=cfg.store_reverify_s)
         self._metrics_server = None
         self.relay_server = None

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from compilecast import decide, validate, wire
-from compilecast.blobstore import aread
+from compilecast.blobstore import OUT_OF_SPACE, aread
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.decide import Decider
@@ -64,6 +64,7 @@ class _Fill:
         self.finished = False
         self.backlog: list[pb.FetchChunk] | None = []
         self.backlog_bytes = 0
+        self.kept = True  # False: served without a copy in the host cache (its disk is full)
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def join(self) -> asyncio.Queue | None:
@@ -344,8 +345,9 @@ class WorkerService(rpc.CompileCacheServicer):
         # Refuse bad headers here: a coordinator that aborts a stream the worker
         # is still sending can surface as a reset (INTERNAL) instead of its status.
         validate.publish_header(header, self.cache.store.max_blob_size)
-        writer = self.cache.store.writer()
+        writer = self.cache.store.writer(discard_when_full=True)
         with writer:
+            await self._make_room(writer, header.size)
 
             async def forward() -> AsyncIterator[pb.PublishChunk]:
                 yield pb.PublishChunk(header=header)
@@ -359,7 +361,7 @@ class WorkerService(rpc.CompileCacheServicer):
             except grpc.aio.AioRpcError as exc:
                 raise _relay(exc) from None
             await asyncio.to_thread(writer.commit, header.digest, header.size)
-        await asyncio.to_thread(self.cache.record, ns, resp.artifact)
+        await self._record(ns, resp.artifact, writer)
         self.metrics.bytes.labels("published").inc(header.size)
         return resp
 
@@ -452,7 +454,7 @@ class WorkerService(rpc.CompileCacheServicer):
         info = None
         peer = ""
         relay = self.relay_address
-        writer = self.cache.store.writer()
+        writer = self.cache.store.writer(discard_when_full=True)
         try:
             with writer:
                 while True:
@@ -465,6 +467,8 @@ class WorkerService(rpc.CompileCacheServicer):
                         async for chunk in _idle_timeout(
                                 stub.Fetch(request, timeout=max(3600.0, self.rpc_timeout_s),
                                            metadata=md), PEER_IDLE_S if peer else None):
+                            if chunk.HasField("artifact") and info is None:
+                                await self._make_room(writer, chunk.artifact.size)
                             if chunk.relay_from:
                                 redirect = chunk.relay_from
                                 info = chunk.artifact
@@ -499,11 +503,12 @@ class WorkerService(rpc.CompileCacheServicer):
                 if info is None:
                     raise CorruptBlob(f"coordinator sent no artifact header for {key}")
                 try:
-                    await asyncio.to_thread(writer.commit, info.digest, info.size)
+                    fill.kept = await asyncio.to_thread(writer.commit, info.digest,
+                                                        info.size) is not None
                 except InvalidRequest as exc:
                     raise CorruptBlob(f"artifact {key} from {peer or 'the coordinator'} failed "
                                       f"verification: {exc}") from None
-            await asyncio.to_thread(self.cache.record, ns, info)
+            await self._record(ns, info, writer)
             self.metrics.fetch_seconds.observe(time.monotonic() - start)
             self.metrics.bytes.labels("relayed_in" if peer else "fetched").inc(info.size)
             await fill.finish(info, None)
@@ -513,6 +518,27 @@ class WorkerService(rpc.CompileCacheServicer):
                 raise
         finally:
             self._fills.pop((ns, key), None)
+
+    async def _make_room(self, writer, size: int) -> None:
+        """Evict from the host cache until an artifact of `size` fits on its
+        disk above cache_min_free_bytes; else pass it on without a copy."""
+        if not await asyncio.to_thread(self.cache.store.make_room, size):
+            writer.stop_keeping(f"no room for {size} bytes above the free space kept on the "
+                                "host cache's disk")
+
+    async def _record(self, ns: str, info: pb.ArtifactInfo, writer) -> None:
+        """Index a committed download or publish in the host cache; one the
+        disk had no room for was passed on without a copy (a warning says so)."""
+        if not writer.discarded:
+            try:
+                await asyncio.to_thread(self.cache.record, ns, info)
+                return
+            except OSError as exc:  # the blob is in place; without its entry it reads as a miss
+                if exc.errno not in OUT_OF_SPACE:
+                    raise
+        self.metrics.uncached.inc()
+        log.warning("kept no copy of %s in the host cache: %s", info.key,
+                    writer.discarded or "no space left for its entry", extra={"key": info.key})
 
     async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str):
         yield pb.FetchChunk(artifact=info)
@@ -541,18 +567,23 @@ class WorkerService(rpc.CompileCacheServicer):
                 yield chunk
             return
         self.metrics.fetches.labels("coordinator").inc()
-        fill = self._fills.get((ns, request.key))
-        if fill is None:
-            # Peers join a running download late: keep its head for them.
-            fill = self._fills[(ns, request.key)] = _Fill(
-                _Fill.MAX_BACKLOG if self.relay_address else 0)
-            self._spawn(self._run_fill(fill, ns, md, request.key, request.digest))
-        reader = fill.join()
-        if reader is None:  # joined late: wait for the blob, then read it from disk
+        while True:
+            fill = self._fills.get((ns, request.key))
+            if fill is None:
+                # Peers join a running download late: keep its head for them.
+                fill = self._fills[(ns, request.key)] = _Fill(
+                    _Fill.MAX_BACKLOG if self.relay_address else 0)
+                self._spawn(self._run_fill(fill, ns, md, request.key, request.digest))
+            reader = fill.join()
+            if reader is not None:
+                break
+            # Joined late: wait for the blob, then read it from disk; one the
+            # host cache had no room for is downloaded again.
             info = await asyncio.shield(fill.done)
-            async for chunk in self._serve_blob(info, ns, request.key):
-                yield chunk
-            return
+            if fill.kept:
+                async for chunk in self._serve_blob(info, ns, request.key):
+                    yield chunk
+                return
         try:
             while True:
                 item = await reader.get()
