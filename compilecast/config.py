@@ -172,6 +172,9 @@ class WorkerConfig:
         metadata=_help("space the host cache leaves free on its disk for the jobs on the host: "
                        "it evicts its least recently read artifacts to keep it, and serves "
                        "a download it has no room for without keeping a copy"))
+    cache_free_check_s: float = field(
+        default=10.0, metadata=_help("how often the host cache checks its disk's free space "
+                                     "and evicts to keep cache_min_free_bytes free"))
     store_reverify_s: float = field(
         default=600.0,
         metadata=_help("serve a blob this process wrote or verified, in an unchanged file, "
@@ -204,7 +207,8 @@ class WorkerConfig:
                                    "(default: this host's name and relay_listen's port)"))
 
     def validate(self) -> None:
-        _positive(self, "cache_max_bytes", "rpc_timeout_s", "revocation_poll_s")
+        _positive(self, "cache_max_bytes", "rpc_timeout_s", "revocation_poll_s",
+                  "cache_free_check_s")
         if self.relay_listen:
             _hostport(self.relay_listen, "relay_listen")
         if self.relay_advertise:

@@ -205,3 +205,24 @@ def test_a_late_reader_of_a_download_kept_nowhere_gets_it_downloaded_again(
     t.join(60)
     assert result == [data]
     assert worker.registry.get_sample_value("compilecast_worker_uncached_total") == 2
+
+
+def test_a_worker_gives_its_disk_back_to_the_hosts_jobs(
+        coordinator, start_worker, tmp_path, volume):
+    volume(tmp_path / "hostcache-w")
+    worker = start_worker(coordinator.cfg.listen, cache_min_free_bytes=0, cache_free_check_s=0.1)
+    w = CacheClient(worker.target)
+    c = CacheClient(coordinator.cfg.listen)
+    blobs = {k: os.urandom(MiB) for k in ("a", "b", "c")}
+    for age, k in enumerate(blobs):
+        publish(c, k, blobs[k])
+        assert w.fetch(k)[1] == blobs[k]
+        os.utime(worker.cache.store.path_of(hashlib.sha256(blobs[k]).hexdigest()),
+                 (1_000_000 + age, 1_000_000 + age))
+    store = worker.cache.store
+    room(store, -3 * MiB // 2)  # a job's files took the disk: 1.5 MiB short of what is kept free
+    held = eventually(lambda: [store.has(hashlib.sha256(blobs[k]).hexdigest()) for k in "abc"]
+                      if not store.has(hashlib.sha256(blobs["b"]).hexdigest()) else None,
+                      "the cache giving way")
+    assert held == [False, False, True]  # the two read longest ago, and no more
+    assert w.fetch("c")[1] == blobs["c"]

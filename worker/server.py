@@ -34,6 +34,7 @@ class Worker(Role):
         self._metrics_server = None
         self.relay_server = None
         self._revocations: asyncio.Task | None = None
+        self._keep_free: asyncio.Task | None = None
 
     @property
     def target(self) -> str:
@@ -88,10 +89,22 @@ class Worker(Role):
                  self.cfg.coordinator, self.cfg.cache_dir)
         self._revocations = asyncio.create_task(
             self.service.sync_revocations(self.cfg.revocation_poll_s))
+        self._keep_free = asyncio.create_task(self._give_way())
+
+    async def _give_way(self) -> None:
+        """The host's jobs come first: while their files leave the disk with
+        less than cache_min_free_bytes free, evict from the host cache."""
+        while True:
+            await asyncio.sleep(self.cfg.cache_free_check_s)
+            try:
+                await asyncio.to_thread(self.cache.store.make_room, 0)
+            except OSError as exc:
+                log.warning("could not check the host cache's free space: %s", exc)
 
     async def _release(self) -> None:
-        if self._revocations is not None:
-            self._revocations.cancel()
+        for task in (self._revocations, self._keep_free):
+            if task is not None:
+                task.cancel()
         if self.relay_server is not None:
             await self.relay_server.stop(2.0)
         await self.service.close()
