@@ -122,7 +122,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         total = st.hits + st.misses
         ratio = f"{100.0 * st.hits / total:.1f}%" if total else "n/a"
         print(f"worker       {args.worker}: healthy")
-        print(f"upstream     {st.upstream}: {'healthy' if st.upstream_healthy else 'UNREACHABLE'}")
+        health = "healthy" if st.upstream_healthy else "UNHEALTHY"
+        print(f"upstream     {st.upstream}: {health}"
+              + (f" ({st.upstream_problem})" if st.upstream_problem else ""))
         bound = f" of {_size(st.store_max_bytes)}" if st.store_max_bytes else ", unbounded"
         print(f"artifacts    {st.artifacts} ({_size(st.store_bytes)} stored{bound}; "
               f"{st.revoked} revoked)")

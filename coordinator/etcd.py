@@ -32,6 +32,13 @@ Compare = pb.Compare
 # Transport failures and etcd's own "no leader" / "request timed out" errors.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.UNKNOWN}
+OUT_OF_SPACE_HELP = ("its database passed its space quota and it refuses writes until an "
+                     "operator compacts, defragments and disarms it (docs/operations.md, "
+                     "\"etcd out of space\")")
+
+
+class EtcdOutOfSpace(Unavailable):
+    """etcd raised its NOSPACE alarm: reads and deletes work, writes do not."""
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -109,6 +116,7 @@ class Etcd:
         ch = self._channels[self._current]
         self.kv = rpc.KVStub(ch)
         self.lease = rpc.LeaseStub(ch)
+        self.maintenance = rpc.MaintenanceStub(ch)
         self.watch_stub = rpc.WatchStub(ch)
 
     def failover(self, failed: int) -> None:
@@ -141,6 +149,9 @@ class Etcd:
                     continue
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     raise  # e.g. revoking a lease that already expired
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED \
+                        and "space exceeded" in (exc.details() or ""):
+                    raise EtcdOutOfSpace(f"etcd is out of space: {OUT_OF_SPACE_HELP}") from None
                 # Whatever else etcd says, for the caller etcd cannot serve now.
                 raise Unavailable(f"etcd unavailable: {exc.code().name}: {exc.details()}") \
                     from None
@@ -239,14 +250,25 @@ class Etcd:
             self._keepalives = _KeepAlives(self)
         return await self._keepalives.renew(lease_id)
 
-    async def healthy(self) -> bool:
+    async def health(self) -> tuple[bool, str]:
+        """Whether etcd answers reads, and why it cannot serve us ("" when it
+        can): unreachable, or an alarm raised (NOSPACE: reads work, writes
+        are refused)."""
         member = self._current
         try:
             await self.kv.Range(pb.RangeRequest(key=b"health", limit=1), timeout=2.0)
-            return True
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
             self.failover(member)
-            return False
+            return False, f"etcd unreachable: {exc.code().name}: {exc.details()}"
+        try:
+            resp = await self.maintenance.Alarm(pb.AlarmRequest(action=pb.AlarmRequest.GET),
+                                                timeout=2.0)
+        except grpc.aio.AioRpcError:  # e.g. a role that may not read alarms: unknown, not unhealthy
+            return True, ""
+        alarms = sorted({pb.AlarmType.Name(a.alarm) for a in resp.alarms})
+        if "NOSPACE" in alarms:
+            return True, f"etcd raised its NOSPACE alarm: {OUT_OF_SPACE_HELP}"
+        return True, f"etcd raised alarm {', '.join(alarms)}" if alarms else ""
 
     # -- watch ---------------------------------------------------------------
     async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[list]:

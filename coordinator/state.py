@@ -58,6 +58,7 @@ from compilecast.wire import DataChunk
 from .etcd import (
     KV,
     Etcd,
+    EtcdOutOfSpace,
     GuardedBatcher,
     WriteBatcher,
     cmp_absent,
@@ -327,6 +328,8 @@ class CoordinatorState:
         """A decision that etcd's absence turns into compile-locally: counted
         (the alert's metric) and explained."""
         self.metrics.etcd_unavailable.inc()
+        if isinstance(exc, EtcdOutOfSpace):
+            return f"coordinator: {exc}"
         return f"coordinator cannot reach etcd: {exc}"
 
     def _hit(self, info: pb.ArtifactInfo) -> None:
@@ -887,8 +890,9 @@ class CoordinatorState:
 
     # -- Status ----------------------------------------------------------
     async def status(self, tenant: str = DEFAULT_TENANT) -> pb.StatusResponse:
-        healthy = await self.etcd.healthy()
-        resp = pb.StatusResponse(role="coordinator", upstream_healthy=healthy,
+        readable, problem = await self.etcd.health()
+        resp = pb.StatusResponse(role="coordinator", upstream_healthy=not problem,
+                                 upstream_problem=problem,
                                  upstream="etcd " + ",".join(self.etcd.endpoints))
         reg = self.metrics.registry
         resp.hits = int(reg.get_sample_value("compilecast_coordinator_lookups_total",
@@ -898,7 +902,7 @@ class CoordinatorState:
         resp.compile_seconds_saved = float(
             reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") or 0.0)
         resp.store_bytes, resp.store_max_bytes = self.store.stored_bytes, self.cfg.store_max_bytes
-        if not healthy:
+        if not readable:
             return resp
         counts = await self.farm.counts(tenant)
         resp.tasks_queued, resp.tasks_running = counts["queued"], counts["running"]

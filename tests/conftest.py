@@ -85,7 +85,7 @@ def slow_counted_reads(state):
 
 
 class EtcdProcess:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *extra_args: str) -> None:
         binary = shutil.which("etcd") or "/usr/bin/etcd"
         if not os.path.exists(binary):
             pytest.fail("etcd is not installed: run `make install` (installs etcd-server)")
@@ -99,7 +99,7 @@ class EtcdProcess:
              "--advertise-client-urls", f"http://{self.endpoint}",
              "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}"],
+             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 20

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import hashlib
 import logging
 import time
@@ -604,9 +603,12 @@ class WorkerService(rpc.CompileCacheServicer):
         left = context.time_remaining()
         timeout = self.rpc_timeout_s if left is None else max(0.1, min(self.rpc_timeout_s,
                                                                       left * 0.7))
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        try:
             up = await self.up.Status(request, timeout=timeout,
                                       metadata=self._credential(context)[1])
+        except grpc.aio.AioRpcError as exc:
+            resp.upstream_problem = f"coordinator unreachable: {exc.code().name}: {exc.details()}"
+        else:
             resp.CopyFrom(up)
             # Hits this worker answered from its host cache, and answers it shared
             # among its processes, never reach the coordinator.
@@ -619,7 +621,6 @@ class WorkerService(rpc.CompileCacheServicer):
                 "compilecast_worker_saved_compile_seconds_total") or 0.0)
             resp.role = "worker"
             resp.upstream = f"coordinator {self.coordinator}"
-            resp.upstream_healthy = up.upstream_healthy
             resp.waiting_here = self.waits.waiting
             return resp
         resp.upstream_healthy = False

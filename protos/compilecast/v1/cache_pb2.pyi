@@ -327,7 +327,7 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("role", "artifacts", "compiles_in_flight", "waiters", "hits", "misses", "compile_seconds_saved", "in_flight", "upstream_healthy", "upstream", "recent_misses", "jobs", "tasks_queued", "tasks_running", "tasks_done", "tasks_failed", "waiting_here", "store_bytes", "store_max_bytes", "revoked")
+    __slots__ = ("role", "artifacts", "compiles_in_flight", "waiters", "hits", "misses", "compile_seconds_saved", "in_flight", "upstream_healthy", "upstream", "recent_misses", "jobs", "tasks_queued", "tasks_running", "tasks_done", "tasks_failed", "waiting_here", "store_bytes", "store_max_bytes", "revoked", "upstream_problem")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     COMPILES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +348,7 @@ class StatusResponse(_message.Message):
     STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     REVOKED_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     role: str
     artifacts: int
     compiles_in_flight: int
@@ -368,7 +369,8 @@ class StatusResponse(_message.Message):
     store_bytes: int
     store_max_bytes: int
     revoked: int
-    def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ..., recent_misses: _Optional[_Iterable[_Union[RecentMiss, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_failed: _Optional[int] = ..., waiting_here: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_max_bytes: _Optional[int] = ..., revoked: _Optional[int] = ...) -> None: ...
+    upstream_problem: str
+    def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ..., recent_misses: _Optional[_Iterable[_Union[RecentMiss, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_failed: _Optional[int] = ..., waiting_here: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_max_bytes: _Optional[int] = ..., revoked: _Optional[int] = ..., upstream_problem: _Optional[str] = ...) -> None: ...
 
 class Target(_message.Message):
     __slots__ = ("platform", "topology", "platform_version", "jaxlib_version", "libtpu_version")
