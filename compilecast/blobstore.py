@@ -319,6 +319,10 @@ class DiskBlobStore:
         free = shutil.disk_usage(self.root).free
         return nbytes + nbytes // 128 + ROOM_SLACK + self.min_free - free
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a blob of `nbytes` fits above min_free as the volume is (one statvfs)."""
+        return self._room(nbytes) <= 0
+
     def make_room(self, nbytes: int) -> bool:
         """Whether a blob of `nbytes` fits on the volume above min_free, after
         evicting least recently read blobs until it does. Nothing but this

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from compilecast import __version__
@@ -319,6 +320,42 @@ def _rpc_failed(args: argparse.Namespace, exc) -> CliError:
     return CliError(f"{args.coordinator}: {exc.code().name}: {exc.details()}")
 
 
+LS_ORDER = {"key": lambda a: a.artifact.key, "size": lambda a: -a.artifact.size,
+            "age": lambda a: a.artifact.created_unix,
+            "compile": lambda a: -a.artifact.compile_time_seconds}
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    import grpc
+
+    client = _client(args)
+    try:
+        listed = list(client.list_artifacts())
+    except grpc.RpcError as exc:
+        raise _rpc_failed(args, exc) from exc
+    finally:
+        client.close()
+    if args.program:
+        listed = [a for a in listed if a.program_name.startswith(args.program)]
+    listed.sort(key=LS_ORDER[args.sort])
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps([MessageToDict(a) for a in listed], indent=2))
+        return 0
+    now = time.time()
+    for a in listed:
+        art = a.artifact
+        age = max(0.0, now - art.created_unix) / 3600
+        print(f"{art.key}  {_size(art.size):>10}  {art.compile_time_seconds:8.1f}s  "
+              f"{age:7.1f}h  {a.program_name or '-'}")
+    total = sum(a.artifact.size for a in listed)
+    compile_s = sum(a.artifact.compile_time_seconds for a in listed)
+    print(f"{len(listed)} artifacts, {_size(total)}, {compile_s:.1f} s of compiles "
+          "(columns: key, size, compile time, age, program)")
+    return 0
+
+
 def cmd_purge(args: argparse.Namespace) -> int:
     import grpc
 
@@ -443,6 +480,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --check: ask for presence only, do not fetch and verify")
     _add_client_flags(p)
     p.set_defaults(fn=cmd_precompile)
+
+    p = sub.add_parser("ls", help="list the published artifacts of your tenant")
+    p.add_argument("--sort", choices=sorted(LS_ORDER), default="key",
+                   help="key, size (largest first), age (oldest first) or compile "
+                        "(longest compile first)")
+    p.add_argument("--program", default="", help="only programs whose name starts with this")
+    p.add_argument("--json", action="store_true")
+    _add_client_flags(p)
+    p.set_defaults(fn=cmd_ls)
 
     p = sub.add_parser("purge", help="take artifacts out of service: remove their keys and "
                                      "revoke their bytes (admin permission)")

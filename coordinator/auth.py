@@ -8,7 +8,7 @@ token (never the token itself) to a tenant and permissions:
       - name: training-job-a          # shown in logs only
         sha256: 9f86d0...             # sha256 hex of the token
         tenant: team-a                # [a-z0-9-]{1,63}
-        permissions: [read, publish]  # read: Acquire/Wait/Fetch/DescribeKey/Status
+        permissions: [read, publish]  # read: Acquire/Wait/Fetch/DescribeKey/ListArtifacts/Status
                                       # publish: also take compile leases, Publish, Release
                                       # admin: also Purge (take artifacts out of service)
 

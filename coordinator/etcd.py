@@ -166,6 +166,11 @@ class Etcd:
         return await self._call("kv", "Range", pb.RangeRequest(
             key=prefix if start is None else start, range_end=prefix_end(prefix), **kw))
 
+    async def page(self, prefix: bytes, start: bytes | None, limit: int):
+        """Up to `limit` keys under `prefix` from `start` on (the Range
+        response: its kvs, and whether more follow)."""
+        return await self._range(prefix, start, limit=limit)
+
     async def get_prefix(self, prefix: bytes, *, limit: int = 0,
                          newest_first: bool = False) -> list[KV]:
         """The keys under `prefix` in key order; with newest_first, the most

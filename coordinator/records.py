@@ -11,6 +11,7 @@ explain misses:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from compilecast import validate
-from compilecast.errors import NotFound
+from compilecast.errors import InvalidRequest, NotFound
 from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import cmp_absent, op_put
@@ -52,6 +53,7 @@ def info_from(key: str, raw: bytes) -> pb.ArtifactInfo:
 DEFAULT_TENANT = "default"
 EXPECTED_TTL_S = 10.0  # how long a program's expected compile time is reused
 EXPECTED_MAX = 4096  # programs remembered at once (expired ones go first)
+DEFAULT_LIST, MAX_LIST = 500, 5000  # artifacts per ListArtifacts page
 
 
 def scope(tenant: str, key: str) -> str:
@@ -170,6 +172,29 @@ class KeyRecords:
                                  op_put(self.name_prefix(tenant, program_name) + key.encode(), b"")])
         except Exception as exc:  # bookkeeping only; never fails a decision
             log.debug("could not record key %s: %s", key, exc)
+
+    async def list_artifacts(self, after: str, limit: int,
+                             tenant: str = DEFAULT_TENANT) -> pb.ListArtifactsResponse:
+        """A page of the tenant's index (key order, after `after`) with each
+        key's program name, read in one round trip per page."""
+        if after:
+            validate.key(after)
+        if not 0 <= limit <= MAX_LIST:
+            raise InvalidRequest(f"limit must be between 0 and {MAX_LIST}, got {limit}")
+        head = self._k("a", scope(tenant, ""))
+        start = head + after.encode() + b"\x00" if after else None
+        resp = pb.ListArtifactsResponse()
+        page = await self.etcd.page(head, start, limit or DEFAULT_LIST)
+        keys = [kv.key[len(head):].decode() for kv in page.kvs]
+        records = await self.etcd.get_many([self._k("k", scope(tenant, k)) for k in keys])
+        for key, kv, rec in zip(keys, page.kvs, records, strict=True):
+            item = resp.artifacts.add(artifact=info_from(key, kv.value))
+            if rec is not None:
+                with contextlib.suppress(ValueError):
+                    item.program_name = json.loads(rec.value).get("program_name", "")
+        if page.more and keys:
+            resp.next_after = keys[-1]
+        return resp
 
     async def describe(self, key: str, tenant: str = DEFAULT_TENANT) -> pb.DescribeKeyResponse:
         validate.key(key)

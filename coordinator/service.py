@@ -144,6 +144,12 @@ class CoordinatorService(rpc.CompileCacheServicer):
         return await self.state.records.describe(request.key, tenant=who.tenant)
 
     @rpc_errors
+    async def ListArtifacts(self, request, context):
+        who = self.auth.identify(context)
+        return await self.state.records.list_artifacts(request.after, request.limit,
+                                                       tenant=who.tenant)
+
+    @rpc_errors
     async def Status(self, request, context):
         who = self.auth.identify(context)
         return await self.state.status(tenant=who.tenant)

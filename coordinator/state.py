@@ -629,7 +629,8 @@ class CoordinatorState:
             raise AlreadyPublished(f"key {key} is already published")
         if revoked is not None:
             raise await self._refuse_revoked(sk, kind, header, revoked, "was purged")
-        if not await asyncio.to_thread(self.store.make_room, header.size):
+        if not self.store.fits(header.size) and \
+                not await asyncio.to_thread(self.store.make_room, header.size):
             raise StoreFull(f"the artifact store has no room for {header.size} bytes, even "
                             "after evicting what it could (its volume is full)")
         writer = self.store.writer()

@@ -87,3 +87,36 @@ def test_json_logs_carry_key_and_job(tmp_path):
     out = json.loads(JsonFormatter().format(rec))
     assert out["msg"] == "published k"
     assert (out["key"], out["job"], out["process_id"]) == ("default/k", "train-7", 3)
+
+
+def test_ls_lists_the_tenants_artifacts_a_page_at_a_time(coordinator):
+    import os
+
+    from compilecast.worker.client import CacheClient
+
+    c = CacheClient(coordinator.cfg.listen)
+    for i, name in enumerate(["jit_step", "jit_eval", "jit_step"]):
+        resp = c.acquire(f"k{i}", components={"program": f"p{i}"}, program_name=name)
+        c.publish(f"k{i}", resp.lease, os.urandom(1000 * (i + 1)), float(i))
+    c.acquire("claimed")  # being compiled, not published: not listed
+    listed = list(c.list_artifacts(page=2))  # two pages
+    assert [a.artifact.key for a in listed] == ["k0", "k1", "k2"]
+    assert [a.program_name for a in listed] == ["jit_step", "jit_eval", "jit_step"]
+    assert [a.artifact.size for a in listed] == [1000, 2000, 3000]
+    r = cc("ls", "--coordinator", coordinator.cfg.listen, "--sort", "size",
+           "--program", "jit_st")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == ["k2", "k0"]
+    assert lines[-1].startswith("2 artifacts, 3.9 KiB, 2.0 s of compiles")
+    import grpc
+
+    from compilecast.v1 import cache_pb2 as pb
+
+    try:
+        c.stub.ListArtifacts(pb.ListArtifactsRequest(limit=99_999), timeout=10)
+        raise AssertionError("a limit past 5,000 was accepted")
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+        bad = cc("ls", "--coordinator", "127.0.0.1:1")
+    assert bad.returncode != 0 and "UNAVAILABLE" in bad.stderr and "Traceback" not in bad.stderr

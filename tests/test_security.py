@@ -59,6 +59,9 @@ def test_tenants_never_see_each_other(secured):
     assert code_of(lambda: b.fetch("k")) == grpc.StatusCode.NOT_FOUND
     assert CacheClient(secured.cfg.listen, token="a-read").fetch("k")[1] == DATA
     assert b.status().artifacts == 0 and a.status().artifacts == 1
+    assert [x.artifact.key for x in CacheClient(secured.cfg.listen, token="a-read")
+            .list_artifacts()] == ["k"]
+    assert list(b.list_artifacts()) == []
 
 
 def test_a_publish_with_another_jobs_lease_is_refused(secured):

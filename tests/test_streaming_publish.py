@@ -152,8 +152,11 @@ def test_a_compressible_upload_is_sent_once_committed(coordinator):
     holder, waiter = clients(coordinator.cfg.listen)
     data = b"compressible executable " * (300 * 1024)  # stored zstd: not readable in flight
     lease = holder.acquire("k").lease
+    waiter.acquire("k")
     up = HeldUpload(holder, "k", lease, data)
-    stream = waiter.stub.Fetch(pb.FetchRequest(key="k"), timeout=30)
+    event = waiter.wait("k", 10, publishing=True)  # the upload is announced
+    stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=event.artifact.digest),
+                               timeout=30)
     threading.Timer(0.5, up.go.set).start()
     assert b"".join(chunk.data for chunk in stream) == data
 

@@ -93,6 +93,18 @@ class CacheClient:
     def describe(self, key: str) -> pb.DescribeKeyResponse:
         return self.stub.DescribeKey(pb.DescribeKeyRequest(key=key), timeout=self.timeout_s)
 
+    def list_artifacts(self, *, page: int = 0) -> Iterator[pb.ListedArtifact]:
+        """Every published artifact of the caller's tenant, in key order,
+        asked for `page` at a time (0: the coordinator's default)."""
+        after = ""
+        while True:
+            resp = self.stub.ListArtifacts(pb.ListArtifactsRequest(after=after, limit=page),
+                                           timeout=self.timeout_s)
+            yield from resp.artifacts
+            if not resp.next_after:
+                return
+            after = resp.next_after
+
     def wait(self, key: str, timeout_s: float, *, publishing: bool = False) -> pb.WaitEvent:
         """Wait until HIT, promotion (COMPILE) or COMPILE_LOCALLY; with
         `publishing`, also return the WAIT event that says the holder has

@@ -381,6 +381,10 @@ class WorkerService(rpc.CompileCacheServicer):
         return await self._forward("DescribeKey", request, context)
 
     @rpc_errors
+    async def ListArtifacts(self, request, context):
+        return await self._forward("ListArtifacts", request, context)
+
+    @rpc_errors
     async def KeepAlive(self, request, context):
         return await self._forward("KeepAlive", request, context)
 
@@ -521,7 +525,8 @@ class WorkerService(rpc.CompileCacheServicer):
     async def _make_room(self, writer, size: int) -> None:
         """Evict from the host cache until an artifact of `size` fits on its
         disk above cache_min_free_bytes; else pass it on without a copy."""
-        if not await asyncio.to_thread(self.cache.store.make_room, size):
+        store = self.cache.store
+        if not store.fits(size) and not await asyncio.to_thread(store.make_room, size):
             writer.stop_keeping(f"no room for {size} bytes above the free space kept on the "
                                 "host cache's disk")
 

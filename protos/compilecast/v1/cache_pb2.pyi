@@ -288,6 +288,30 @@ class DescribeKeyResponse(_message.Message):
     artifact: ArtifactInfo
     def __init__(self, key: _Optional[str] = ..., program_name: _Optional[str] = ..., key_components: _Optional[_Mapping[str, str]] = ..., first_seen_unix: _Optional[float] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ...) -> None: ...
 
+class ListArtifactsRequest(_message.Message):
+    __slots__ = ("after", "limit")
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    after: str
+    limit: int
+    def __init__(self, after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListedArtifact(_message.Message):
+    __slots__ = ("artifact", "program_name")
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_NAME_FIELD_NUMBER: _ClassVar[int]
+    artifact: ArtifactInfo
+    program_name: str
+    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., program_name: _Optional[str] = ...) -> None: ...
+
+class ListArtifactsResponse(_message.Message):
+    __slots__ = ("artifacts", "next_after")
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    artifacts: _containers.RepeatedCompositeFieldContainer[ListedArtifact]
+    next_after: str
+    def __init__(self, artifacts: _Optional[_Iterable[_Union[ListedArtifact, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

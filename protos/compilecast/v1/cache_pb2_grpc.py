@@ -79,6 +79,11 @@ class CompileCacheStub:
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.DescribeKeyRequest.SerializeToString,
                 response_deserializer=compilecast_dot_v1_dot_cache__pb2.DescribeKeyResponse.FromString,
                 _registered_method=True)
+        self.ListArtifacts = channel.unary_unary(
+                '/compilecast.v1.CompileCache/ListArtifacts',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.ListArtifactsRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.ListArtifactsResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/compilecast.v1.CompileCache/Status',
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.StatusRequest.SerializeToString,
@@ -197,6 +202,13 @@ class CompileCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListArtifacts(self, request, context):
+        """The tenant's published artifacts, a page at a time (`compilecast ls`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Counters for operators and `compilecast status`.
         """
@@ -309,6 +321,11 @@ def add_CompileCacheServicer_to_server(servicer, server):
                     servicer.DescribeKey,
                     request_deserializer=compilecast_dot_v1_dot_cache__pb2.DescribeKeyRequest.FromString,
                     response_serializer=compilecast_dot_v1_dot_cache__pb2.DescribeKeyResponse.SerializeToString,
+            ),
+            'ListArtifacts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListArtifacts,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.ListArtifactsRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.ListArtifactsResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -599,6 +616,33 @@ class CompileCache:
             '/compilecast.v1.CompileCache/DescribeKey',
             compilecast_dot_v1_dot_cache__pb2.DescribeKeyRequest.SerializeToString,
             compilecast_dot_v1_dot_cache__pb2.DescribeKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListArtifacts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/ListArtifacts',
+            compilecast_dot_v1_dot_cache__pb2.ListArtifactsRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.ListArtifactsResponse.FromString,
             options,
             channel_credentials,
             insecure,
