@@ -14,9 +14,12 @@ import threading
 import grpc
 import pytest
 
+from compilecast.coordinator.records import scope
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 from compilecast.worker.client import CacheClient, Identity
+
+from .conftest import eventually
 
 MIB = 1 << 20
 
@@ -33,7 +36,7 @@ class HeldUpload:
     (then sends the rest) or `cut` (then ends with an error, the upload short)."""
 
     def __init__(self, client: CacheClient, key: str, lease: pb.Lease, data: bytes,
-                 digest: str = "") -> None:
+                 digest: str = "", *, coordinator=None) -> None:
         self.go, self.cut, self.sent_head = threading.Event(), threading.Event(), threading.Event()
         self.error: grpc.RpcError | None = None
         header = pb.PublishHeader(key=key, lease=lease, size=len(data), compile_time_seconds=7.0,
@@ -61,6 +64,9 @@ class HeldUpload:
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
         assert self.sent_head.wait(10), self.error
+        if coordinator is not None:  # for fetchers that do not wait to be told of it
+            eventually(lambda: coordinator.state.uploads.get(scope("default", key)) is not None
+                       or self.error, "the coordinator tracking the upload")
 
 
 def clients(target: str) -> tuple[CacheClient, CacheClient]:
@@ -139,7 +145,7 @@ def test_a_fetch_can_resume_inside_an_upload(coordinator):
     holder, waiter = clients(coordinator.cfg.listen)
     data = os.urandom(5 * MIB)
     lease = holder.acquire("k").lease
-    up = HeldUpload(holder, "k", lease, data)
+    up = HeldUpload(holder, "k", lease, data, coordinator=coordinator)
     digest = hashlib.sha256(data).hexdigest()
     stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=digest, offset=HEAD - 100),
                                timeout=30)
@@ -206,7 +212,7 @@ def test_an_upload_whose_bytes_lie_never_verifies_for_its_fetchers(coordinator):
 def test_a_fetch_for_another_digest_is_not_served_from_the_upload(coordinator):
     holder, waiter = clients(coordinator.cfg.listen)
     data = os.urandom(4 * MIB)
-    up = HeldUpload(holder, "k", holder.acquire("k").lease, data)
+    up = HeldUpload(holder, "k", holder.acquire("k").lease, data, coordinator=coordinator)
     with pytest.raises(grpc.RpcError) as err:
         waiter.fetch("k", hashlib.sha256(b"other").hexdigest())
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -233,7 +239,7 @@ def test_fetchers_past_the_stream_limit_get_the_committed_blob(start_coordinator
     coordinator = start_coordinator(publish_stream_readers=1)
     holder, waiter = clients(coordinator.cfg.listen)
     data = os.urandom(5 * MIB)
-    up = HeldUpload(holder, "k", holder.acquire("k").lease, data)
+    up = HeldUpload(holder, "k", holder.acquire("k").lease, data, coordinator=coordinator)
     digest = hashlib.sha256(data).hexdigest()
     first = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=digest), timeout=30)
     _, got = read_until(first, HEAD)  # the one fetcher streamed in flight
