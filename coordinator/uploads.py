@@ -39,6 +39,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
 PARTIAL_WAIT_S = 0.05  # how long a fetcher waits for a whole chunk before taking less
+HEARTBEAT_S = 10.0  # a fetcher waiting on an upload gets an empty chunk this often
 
 
 class Upload:
@@ -130,7 +131,10 @@ async def stream(upload: Upload, offset: int,
                 async for chunk in committed(pos):
                     yield chunk
                 return
-            await upload.changed()
+            try:
+                await asyncio.wait_for(upload.changed(), HEARTBEAT_S)
+            except TimeoutError:  # nothing to send yet: show the fetcher we are alive
+                yield DataChunk(b"")
     finally:
         if fd is not None:
             os.close(fd)

@@ -19,7 +19,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 from compilecast.worker.client import CacheClient, Identity
 
-from .conftest import eventually
+from .conftest import all_at_once, eventually
 
 MIB = 1 << 20
 
@@ -275,3 +275,37 @@ def test_by_default_waiters_are_not_told_and_fetch_once_published(start_coordina
     # No publishing event: the first event that ends the wait is the published HIT.
     assert event.decision == pb.HIT
     assert waiter.fetch("k", event.artifact.digest)[1] == data
+
+
+def test_heartbeats_keep_a_fetcher_of_a_held_upload_from_giving_up(
+        coordinator, start_worker, monkeypatch):
+    """A compressible upload is sent once committed: until then the coordinator
+    sends empty chunks, and the worker passes them on, so a fetcher that gives
+    up on a transfer silent for 1 s waits through a 2.5 s upload."""
+    from compilecast.coordinator import uploads
+    from compilecast.worker import service
+
+    monkeypatch.setattr(uploads, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(service, "HEARTBEAT_S", 0.2)
+    worker = start_worker(coordinator.cfg.listen)
+    holder = CacheClient(coordinator.cfg.listen, identity=Identity(job="j", process_id=0))
+    data = b"compressible executable " * (300 * 1024)
+    lease = holder.acquire("k").lease
+    up = HeldUpload(holder, "k", lease, data, coordinator=coordinator)
+    digest = hashlib.sha256(data).hexdigest()
+    threading.Timer(2.5, up.go.set).start()
+    fetchers = [CacheClient(worker.cfg.listen, stall_s=1.0) for _ in range(2)]
+    results = all_at_once([lambda f=f: f.fetch("k", digest)[1] for f in fetchers])
+    assert results == [data, data]  # one follows the download, one joined it late or waits
+    up.thread.join(10)
+    assert up.error is None
+    silent = CacheClient(coordinator.cfg.listen, stall_s=1.0)
+    monkeypatch.setattr(uploads, "HEARTBEAT_S", 30.0)  # no heartbeats: the same wait stalls
+    lease = holder.acquire("k2").lease
+    up = HeldUpload(holder, "k2", lease, data, coordinator=coordinator)
+    threading.Timer(2.5, up.go.set).start()
+    with pytest.raises(grpc.RpcError) as err:
+        silent.fetch("k2", digest)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "moved nothing for 1s" in err.value.details()
+    up.thread.join(10)

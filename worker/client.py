@@ -29,6 +29,56 @@ from compilecast.wire import DataChunk
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+STALL_S = 60.0  # a transfer that moves nothing for this long is given up
+TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
+
+
+class Stalled(grpc.RpcError):
+    """A transfer that moved no bytes (nor a heartbeat) for `stall_s`."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self._what = what
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._what
+
+
+class _Watchdog:
+    """Cancels a transfer (`cancel`) once `tick` has not been called for
+    `stall_s`: a big artifact on a slow link takes as long as it moves, a
+    stuck peer is given up in `stall_s` (a deadline on the whole call would
+    fail the former or wait on the latter)."""
+
+    def __init__(self, stall_s: float, cancel) -> None:
+        self.stall_s, self._cancel = stall_s, cancel
+        self.last = time.monotonic()
+        self.fired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="cc-watchdog", daemon=True)
+        self._thread.start()
+
+    def tick(self) -> None:
+        self.last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.stall_s / 4)):
+            if time.monotonic() - self.last > self.stall_s:
+                self.fired = True
+                self._cancel()
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def __enter__(self) -> _Watchdog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def default_client_name() -> str:
@@ -53,9 +103,11 @@ class Identity:
 class CacheClient:
     def __init__(self, target: str, *, timeout_s: float = 5.0,
                  identity: Identity | None = None, token: str = "",
-                 ca_file: str = "", cert_file: str = "", key_file: str = "") -> None:
+                 ca_file: str = "", cert_file: str = "", key_file: str = "",
+                 stall_s: float = STALL_S) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self.stall_s = stall_s  # fetches and publishes: given up when nothing moves this long
         self.identity = identity or Identity()
         creds = channel_credentials(ca_file, cert_file, key_file)
         self._channel = (grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS) if creds
@@ -155,16 +207,26 @@ class CacheClient:
 
     # -- artifacts -------------------------------------------------------
     def fetch(self, key: str, digest: str = "") -> tuple[pb.ArtifactInfo, bytes]:
-        """Fetch and verify an artifact; returns its info and bytes."""
+        """Fetch and verify an artifact; returns its info and bytes. It takes
+        as long as the bytes keep coming (the coordinator's heartbeats count),
+        and raises Stalled when nothing came for `stall_s`."""
         info = None
         parts: list[bytes] = []
         h = hashlib.sha256()
-        for chunk in self.stub.Fetch(pb.FetchRequest(key=key, digest=digest),
-                                     timeout=max(60.0, self.timeout_s)):
-            if chunk.HasField("artifact"):
-                info = chunk.artifact
-            h.update(chunk.data)
-            parts.append(chunk.data)
+        call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest), timeout=TRANSFER_S)
+        with _Watchdog(self.stall_s, call.cancel) as dog:
+            try:
+                for chunk in call:
+                    dog.tick()
+                    if chunk.HasField("artifact"):
+                        info = chunk.artifact
+                    h.update(chunk.data)
+                    parts.append(chunk.data)
+            except grpc.RpcError:
+                if dog.fired:
+                    raise Stalled(f"fetch of {key} from {self.target} moved nothing for "
+                                  f"{self.stall_s:g}s") from None
+                raise
         if info is None:
             raise CorruptBlob(f"fetch of {key} returned no artifact header")
         if h.hexdigest() != info.digest:
@@ -188,9 +250,24 @@ class CacheClient:
                                   size=len(data), compile_time_seconds=compile_time_s,
                                   requester=self.identity.requester(), recipe=recipe)
         self._publishing.add((key, lease.id))
+        dog: _Watchdog | None = None
+
+        def ticking():
+            for message in publish_messages(header, data):
+                if dog is not None:
+                    dog.tick()
+                yield message
+
         try:
-            resp = self.stub.Publish(publish_messages(header, data),
-                                     timeout=max(60.0, self.timeout_s))
+            call = self.stub.Publish.future(ticking(), timeout=TRANSFER_S)
+            with _Watchdog(self.stall_s, call.cancel) as dog:
+                try:
+                    resp = call.result()
+                except (grpc.RpcError, grpc.FutureCancelledError):
+                    if dog.fired:
+                        raise Stalled(f"publish of {key} to {self.target} moved nothing for "
+                                      f"{self.stall_s:g}s") from None
+                    raise
         finally:
             self._publishing.discard((key, lease.id))
         return resp.artifact

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import logging
 import time
@@ -108,7 +109,10 @@ class _Fill:
                 self.done.exception()  # retrieved: late joiners get it via await
 
 
-PEER_IDLE_S = 30.0
+PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for the coordinator
+UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats every 10 s) failed
+HEARTBEAT_S = 10.0  # readers waiting on a download get an empty chunk this often
+TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 
 
 async def _idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
@@ -143,6 +147,24 @@ class RelayService(rpc.CompileCacheServicer):
                                 "relay fetches need a token")
         async for chunk in self.worker.Fetch(request, context):
             yield chunk
+
+
+async def _unless_stalled(call, moved: list[float], stall_s: float, what: str):
+    """The result of a streaming `call`; cancelled, as DEADLINE_EXCEEDED, once
+    `moved[0]` (when it last moved bytes) is `stall_s` old: a big artifact
+    takes as long as it moves, a stuck one is given up."""
+    task = asyncio.ensure_future(call)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=stall_s / 4)
+        if done:
+            return task.result()
+        if time.monotonic() - moved[0] > stall_s:
+            call.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # retrieved: the stall is what the caller hears
+            raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"{what} moved nothing for {stall_s:g}s")
 
 
 def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
@@ -348,15 +370,19 @@ class WorkerService(rpc.CompileCacheServicer):
         with writer:
             await self._make_room(writer, header.size)
 
+            moved = [time.monotonic()]
+
             async def forward() -> AsyncIterator[pb.PublishChunk]:
                 yield pb.PublishChunk(header=header)
                 async for chunk in chunks:
+                    moved[0] = time.monotonic()
                     await asyncio.to_thread(writer.write, chunk.data)
                     yield chunk  # as received: its frame goes on without re-encoding
 
             try:
-                resp = await self.up.Publish(forward(), timeout=max(300.0, self.rpc_timeout_s),
-                                             metadata=md)
+                resp = await _unless_stalled(
+                    self.up.Publish(forward(), timeout=TRANSFER_S, metadata=md), moved,
+                    UPSTREAM_IDLE_S, f"the publish of {header.key}")
             except grpc.aio.AioRpcError as exc:
                 raise _relay(exc) from None
             await asyncio.to_thread(writer.commit, header.digest, header.size)
@@ -468,8 +494,8 @@ class WorkerService(rpc.CompileCacheServicer):
                     try:
                         redirect = ""
                         async for chunk in _idle_timeout(
-                                stub.Fetch(request, timeout=max(3600.0, self.rpc_timeout_s),
-                                           metadata=md), PEER_IDLE_S if peer else None):
+                                stub.Fetch(request, timeout=TRANSFER_S, metadata=md),
+                                PEER_IDLE_S if peer else UPSTREAM_IDLE_S):
                             if chunk.HasField("artifact") and info is None:
                                 await self._make_room(writer, chunk.artifact.size)
                             if chunk.relay_from:
@@ -486,10 +512,15 @@ class WorkerService(rpc.CompileCacheServicer):
                                 # Readers first: they hash it while this worker does.
                                 await fill.send(chunk)
                                 await asyncio.to_thread(writer.write, chunk.data)
+                            elif not chunk.HasField("artifact"):
+                                await fill.send(chunk)  # a heartbeat: pass it on
                     except (grpc.aio.AioRpcError, TimeoutError) as exc:
                         if not peer:
                             if isinstance(exc, TimeoutError):
-                                raise
+                                raise UpstreamError(
+                                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"coordinator: the fetch of {key} moved nothing for "
+                                    f"{UPSTREAM_IDLE_S:g}s") from None
                             raise _relay(exc) from None
                         why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) \
                             else "stalled"
@@ -581,9 +612,14 @@ class WorkerService(rpc.CompileCacheServicer):
             reader = fill.join()
             if reader is not None:
                 break
-            # Joined late: wait for the blob, then read it from disk; one the
-            # host cache had no room for is downloaded again.
-            info = await asyncio.shield(fill.done)
+            # Joined late: wait for the blob (heartbeats meanwhile), then read
+            # it from disk; one the host cache had no room for is downloaded again.
+            while not fill.done.done():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(fill.done), HEARTBEAT_S)
+                if not fill.done.done():
+                    yield pb.FetchChunk()
+            info = fill.done.result()
             if fill.kept:
                 async for chunk in self._serve_blob(info, ns, request.key):
                     yield chunk

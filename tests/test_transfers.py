@@ -1,0 +1,118 @@
+"""Transfers take as long as they move: a fetch or publish that moves nothing
+for the client's stall_s is given up (DEADLINE_EXCEEDED), one that keeps
+moving is not cut off by a deadline on the whole call. Unit tests of the
+client against small servers of our own protocol that stall or trickle."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from compilecast.launch import free_port
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.worker.client import CacheClient
+
+DATA = bytes(range(256)) * 4096  # 1 MiB
+
+
+class Trickle(rpc.CompileCacheServicer):
+    """Fetch: the header, then a chunk every `every_s` (`chunks` of them), or
+    after `stall_after` chunks nothing until released. Publish: reads the
+    header and one chunk, then stops reading until released."""
+
+    def __init__(self, chunks: int, every_s: float, stall_after: int | None = None) -> None:
+        self.chunks, self.every_s, self.stall_after = chunks, every_s, stall_after
+        self.release = threading.Event()
+        self.data = DATA * chunks
+
+    def Fetch(self, request, context):
+        info = pb.ArtifactInfo(key=request.key, size=len(self.data),
+                               digest=hashlib.sha256(self.data).hexdigest())
+        yield pb.FetchChunk(artifact=info)
+        for i in range(self.chunks):
+            if i == self.stall_after:
+                self.release.wait(30)
+            time.sleep(self.every_s)
+            yield pb.FetchChunk(data=DATA)
+
+    def Publish(self, request_iterator, context):
+        next(request_iterator)
+        next(request_iterator)
+        self.release.wait(30)
+        return pb.PublishResponse()
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(servicer) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        rpc.add_CompileCacheServicer_to_server(servicer, server)
+        target = f"127.0.0.1:{free_port()}"
+        server.add_insecure_port(target)
+        server.start()
+        servers.append((server, servicer))
+        return target
+
+    yield start
+    for server, servicer in servers:
+        servicer.release.set()
+        server.stop(0)
+
+
+def test_a_fetch_that_keeps_moving_outlasts_the_stall_limit(serve):
+    trickle = Trickle(chunks=8, every_s=0.25)
+    client = CacheClient(serve(trickle), stall_s=1.0)
+    started = time.monotonic()
+    info, data = client.fetch("k")
+    assert data == trickle.data and info.size == len(data)
+    assert time.monotonic() - started > 1.5  # longer than stall_s, never silent that long
+
+
+def test_a_fetch_that_stalls_is_given_up(serve):
+    trickle = Trickle(chunks=4, every_s=0.0, stall_after=2)
+    client = CacheClient(serve(trickle), stall_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        client.fetch("k")
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "moved nothing" in err.value.details()
+    assert time.monotonic() - started < 10  # not the 30 s the server holds it
+
+
+def test_a_publish_the_server_stops_reading_is_given_up(serve):
+    trickle = Trickle(chunks=0, every_s=0.0)
+    client = CacheClient(serve(trickle), stall_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        client.publish("k", pb.Lease(id=1, revision=1), DATA * 64, 1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "publish of k" in err.value.details()
+    assert time.monotonic() - started < 10
+    assert client._publishing == set()
+
+
+def test_a_worker_gives_up_an_upstream_transfer_that_stalls(serve, start_worker, monkeypatch):
+    """The worker's own transfers to and from the coordinator: what stalls
+    reaches its processes as DEADLINE_EXCEEDED, not as an internal error."""
+    from compilecast.worker import service
+
+    monkeypatch.setattr(service, "UPSTREAM_IDLE_S", 0.5)
+    upstream = serve(Trickle(chunks=4, every_s=0.0, stall_after=2))
+    worker = start_worker(upstream)
+    client = CacheClient(worker.target, stall_s=20.0)
+    with pytest.raises(grpc.RpcError) as err:
+        client.fetch("k")
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "the fetch of k moved nothing for 0.5s" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        client.publish("k", pb.Lease(id=1, revision=1), DATA * 64, 1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "the publish of k moved nothing for 0.5s" in err.value.details()
