@@ -290,6 +290,22 @@ def test_the_alerts_are_valid_promql_over_metrics_that_exist():
     assert by_kind(render(None), "PrometheusRule") == []  # off by default
 
 
+def test_the_dashboard_queries_are_valid_promql_over_metrics_that_exist():
+    import json
+    import re
+
+    import promql_parser
+
+    exported = _metric_names()
+    dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 12
+    for expr in exprs:
+        promql_parser.parse(expr)  # raises on a syntax error
+        used = set(re.findall(r"\b(compilecast_[a-z_]+)\b", expr))
+        assert used and used <= exported, (expr, used - exported)
+
+
 def test_the_charts_dashboard_is_the_documented_one():
     """docs/grafana-dashboard.json is what operators import by hand; the chart
     ships the same file as a ConfigMap."""
