@@ -129,6 +129,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         bound = f" of {_size(st.store_max_bytes)}" if st.store_max_bytes else ", unbounded"
         print(f"artifacts    {st.artifacts} ({_size(st.store_bytes)} stored{bound}; "
               f"{st.revoked} revoked)")
+        if st.host_cache_max_bytes:
+            full = (f"; {st.host_uncached} passed on without a copy, the disk being full"
+                    if st.host_uncached else "")
+            print(f"host cache   {_size(st.host_cache_bytes)} of {_size(st.host_cache_max_bytes)}"
+                  f" (disk: {_size(st.host_disk_free_bytes)} free, "
+                  f"{_size(st.host_cache_min_free_bytes)} kept free for jobs{full})")
         print(f"in flight    {st.compiles_in_flight} compiles, {st.waiters} waiters "
               f"(upstream: one per host and key); {st.waiting_here} processes waiting here")
         print(f"lookups      {st.hits} hits, {st.misses} misses (hit ratio {ratio})")

@@ -23,6 +23,8 @@ def test_status_is_zero_against_a_healthy_worker(coordinator, start_worker):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "healthy" in r.stdout and "artifacts" in r.stdout
     assert "stored, unbounded; 0 revoked" in r.stdout
+    assert "host cache   0 B of 20.0 GiB (disk: " in r.stdout
+    assert "2.0 GiB kept free for jobs)" in r.stdout
 
 
 def test_status_is_nonzero_when_the_coordinator_is_down(coordinator, start_worker):

@@ -158,6 +158,9 @@ def test_a_worker_whose_disk_is_full_serves_without_keeping_a_copy(coordinator, 
     assert reg.get_sample_value("compilecast_worker_uncached_total") == 2
     assert worker.cache.store.count() == 0
     assert list(worker.cache.store.tmp_dir.iterdir()) == []
+    st = w.status()  # what `compilecast status` shows
+    assert st.host_uncached == 2 and st.host_cache_bytes == 0
+    assert st.host_cache_min_free_bytes == 1 << 60 and st.host_disk_free_bytes > 0
     mine = os.urandom(2 * MiB)  # a publish through it still reaches the coordinator
     publish(w, "mine", mine)
     assert CacheClient(coordinator.cfg.listen).fetch("mine")[1] == mine

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import hashlib
 import logging
+import shutil
 import time
 from collections.abc import AsyncIterator
 
@@ -663,8 +664,18 @@ class WorkerService(rpc.CompileCacheServicer):
             resp.role = "worker"
             resp.upstream = f"coordinator {self.coordinator}"
             resp.waiting_here = self.waits.waiting
+            await self._host_status(resp)
             return resp
         resp.upstream_healthy = False
         resp.artifacts = await asyncio.to_thread(self.cache.count)
         resp.waiting_here = self.waits.waiting
+        await self._host_status(resp)
         return resp
+
+    async def _host_status(self, resp: pb.StatusResponse) -> None:
+        store = self.cache.store
+        resp.host_cache_bytes, resp.host_cache_max_bytes = store.stored_bytes, store.max_bytes or 0
+        resp.host_disk_free_bytes = (await asyncio.to_thread(shutil.disk_usage, store.root)).free
+        resp.host_cache_min_free_bytes = store.min_free
+        resp.host_uncached = int(self.metrics.registry.get_sample_value(
+            "compilecast_worker_uncached_total") or 0)
