@@ -6,6 +6,7 @@ client against small servers of our own protocol that stall or trickle."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from concurrent import futures
@@ -116,3 +117,31 @@ def test_a_worker_gives_up_an_upstream_transfer_that_stalls(serve, start_worker,
         client.publish("k", pb.Lease(id=1, revision=1), DATA * 64, 1.0)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "the publish of k moved nothing for 0.5s" in err.value.details()
+
+
+def test_a_publish_cut_off_by_a_coordinator_restart_is_tried_again(
+        start_coordinator, start_worker, started, tmp_path, caplog):
+    """A rolling update stops the replica a publish streams to: the process
+    still holds its lease and its bytes, so it publishes again (through its
+    worker, to the replica that took the address) instead of giving up."""
+    import dataclasses
+
+    from compilecast.coordinator.server import Coordinator
+
+    first = start_coordinator(store_dir=tmp_path / "store")
+    worker = start_worker(first.cfg.listen)
+    holder = CacheClient(worker.target)
+    data = os.urandom(300 << 20)  # long enough to be cut off midway
+    claim = holder.acquire("k")
+    holder.keep_lease("k", claim.lease)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(holder.publish("k", claim.lease, data, 1.0)))
+    t.start()
+    time.sleep(0.5)
+    first.stopped = True  # mid-publish, and with no grace for it to finish
+    first.lt.run(first.server.stop(0.1))
+    started(Coordinator(dataclasses.replace(first.cfg)))  # the same address, etcd and store
+    t.join(60)
+    assert out and out[0].digest == hashlib.sha256(data).hexdigest()
+    assert "was cut off" in caplog.text
+    assert CacheClient(first.cfg.listen, timeout_s=30).fetch("k")[1] == data

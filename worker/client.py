@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
 STALL_S = 60.0  # a transfer that moves nothing for this long is given up
+PUBLISH_RETRY_S = (1.0, 4.0)  # a publish cut off (UNAVAILABLE) is tried again after these
 TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 
 
@@ -53,13 +54,19 @@ class _Watchdog:
     stuck peer is given up in `stall_s` (a deadline on the whole call would
     fail the former or wait on the latter)."""
 
-    def __init__(self, stall_s: float, cancel) -> None:
-        self.stall_s, self._cancel = stall_s, cancel
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
         self.last = time.monotonic()
         self.fired = False
+        self._cancel = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="cc-watchdog", daemon=True)
-        self._thread.start()
+
+    def watching(self, cancel) -> _Watchdog:
+        """Start watching; `cancel` ends the transfer when it stalls."""
+        self._cancel = cancel
+        self.tick()
+        threading.Thread(target=self._watch, name="cc-watchdog", daemon=True).start()
+        return self
 
     def tick(self) -> None:
         self.last = time.monotonic()
@@ -214,7 +221,7 @@ class CacheClient:
         parts: list[bytes] = []
         h = hashlib.sha256()
         call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest), timeout=TRANSFER_S)
-        with _Watchdog(self.stall_s, call.cancel) as dog:
+        with _Watchdog(self.stall_s).watching(call.cancel) as dog:
             try:
                 for chunk in call:
                     dog.tick()
@@ -250,27 +257,51 @@ class CacheClient:
                                   size=len(data), compile_time_seconds=compile_time_s,
                                   requester=self.identity.requester(), recipe=recipe)
         self._publishing.add((key, lease.id))
-        dog: _Watchdog | None = None
+        try:
+            for attempt, pause in enumerate((*PUBLISH_RETRY_S, None)):
+                try:
+                    return self._publish_once(header, data)
+                except grpc.RpcError as exc:
+                    if attempt and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                        mine = self._published_as(key, header.digest)
+                        if mine is not None:  # an earlier attempt's answer was lost
+                            return mine
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or pause is None:
+                        raise
+                    # A replica restarting or gone (a rolling update): the lease
+                    # still holds and the bytes are here, so try again.
+                    log.warning("publish of %s was cut off (%s); trying again in %.0fs",
+                                key, exc.details(), pause, extra={"key": key})
+                    time.sleep(pause)
+            raise AssertionError("unreachable")
+        finally:
+            self._publishing.discard((key, lease.id))
+
+    def _published_as(self, key: str, digest: str) -> pb.ArtifactInfo | None:
+        try:
+            info = self.describe(key).artifact
+        except grpc.RpcError:
+            return None
+        return info if info.digest == digest else None
+
+    def _publish_once(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo:
+        key = header.key
+        dog = _Watchdog(self.stall_s)
 
         def ticking():
             for message in publish_messages(header, data):
-                if dog is not None:
-                    dog.tick()
+                dog.tick()
                 yield message
 
-        try:
-            call = self.stub.Publish.future(ticking(), timeout=TRANSFER_S)
-            with _Watchdog(self.stall_s, call.cancel) as dog:
-                try:
-                    resp = call.result()
-                except (grpc.RpcError, grpc.FutureCancelledError):
-                    if dog.fired:
-                        raise Stalled(f"publish of {key} to {self.target} moved nothing for "
-                                      f"{self.stall_s:g}s") from None
-                    raise
-        finally:
-            self._publishing.discard((key, lease.id))
-        return resp.artifact
+        call = self.stub.Publish.future(ticking(), timeout=TRANSFER_S)
+        with dog.watching(call.cancel):
+            try:
+                return call.result().artifact
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                if dog.fired:
+                    raise Stalled(f"publish of {key} to {self.target} moved nothing for "
+                                  f"{self.stall_s:g}s") from None
+                raise
 
     def release(self, key: str, lease: pb.Lease, reason: int, detail: str = "") -> None:
         self.stub.Release(pb.ReleaseRequest(key=key, lease=lease, reason=reason,
