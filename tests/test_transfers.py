@@ -145,3 +145,30 @@ def test_a_publish_cut_off_by_a_coordinator_restart_is_tried_again(
     assert out and out[0].digest == hashlib.sha256(data).hexdigest()
     assert "was cut off" in caplog.text
     assert CacheClient(first.cfg.listen, timeout_s=30).fetch("k")[1] == data
+
+
+def test_a_download_cut_off_by_a_coordinator_restart_resumes(
+        start_coordinator, start_worker, started, tmp_path, caplog):
+    """The worker's download from a replica stopped midway goes on, from the
+    byte it had, at the replica that took the address; its processes never
+    see the break."""
+    import dataclasses
+
+    from compilecast.coordinator.server import Coordinator
+
+    first = start_coordinator(store_dir=tmp_path / "store")
+    data = os.urandom(300 << 20)
+    holder = CacheClient(first.cfg.listen, timeout_s=30)
+    claim = holder.acquire("k")
+    holder.publish("k", claim.lease, data, 1.0)
+    worker = start_worker(first.cfg.listen)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(CacheClient(worker.target).fetch("k")[1]))
+    t.start()
+    time.sleep(0.4)
+    first.stopped = True  # mid-download, with no grace for it to finish
+    first.lt.run(first.server.stop(0.1))
+    started(Coordinator(dataclasses.replace(first.cfg)))
+    t.join(60)
+    assert out == [data]
+    assert "was cut off at byte" in caplog.text

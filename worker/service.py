@@ -114,6 +114,7 @@ PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for t
 UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats every 10 s) failed
 HEARTBEAT_S = 10.0  # readers waiting on a download get an empty chunk this often
 TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
+RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
 
 
 async def _idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
@@ -485,6 +486,7 @@ class WorkerService(rpc.CompileCacheServicer):
         peer = ""
         relay = self.relay_address
         writer = self.cache.store.writer(discard_when_full=True)
+        resumes = list(RESUME_S)
         try:
             with writer:
                 while True:
@@ -522,7 +524,16 @@ class WorkerService(rpc.CompileCacheServicer):
                                     grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"coordinator: the fetch of {key} moved nothing for "
                                     f"{UPSTREAM_IDLE_S:g}s") from None
-                            raise _relay(exc) from None
+                            if exc.code() != grpc.StatusCode.UNAVAILABLE or not resumes:
+                                raise _relay(exc) from None
+                            # A replica restarting (a rolling update) or a reset
+                            # connection: go on from the bytes already here.
+                            pause = resumes.pop(0)
+                            log.warning("download of %s was cut off at byte %d (%s); resuming "
+                                        "in %.0fs", key, writer.size, exc.details(), pause,
+                                        extra={"key": key})
+                            await asyncio.sleep(pause)
+                            continue
                         why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) \
                             else "stalled"
                         log.warning("relay of %s from %s failed (%s) at byte %d; fetching the "
