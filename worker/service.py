@@ -527,8 +527,9 @@ class WorkerService(rpc.CompileCacheServicer):
                             if exc.code() != grpc.StatusCode.UNAVAILABLE or not resumes:
                                 raise _relay(exc) from None
                             # A replica restarting (a rolling update) or a reset
-                            # connection: go on from the bytes already here.
-                            pause = resumes.pop(0)
+                            # connection: go on from the bytes already here (served,
+                            # never redirected: a peer would start from the first byte).
+                            pause, relay = resumes.pop(0), ""
                             log.warning("download of %s was cut off at byte %d (%s); resuming "
                                         "in %.0fs", key, writer.size, exc.details(), pause,
                                         extra={"key": key})
