@@ -156,17 +156,21 @@ async def _unless_stalled(call, moved: list[float], stall_s: float, what: str):
     `moved[0]` (when it last moved bytes) is `stall_s` old: a big artifact
     takes as long as it moves, a stuck one is given up."""
     task = asyncio.ensure_future(call)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=stall_s / 4)
-        if done:
-            return task.result()
-        if time.monotonic() - moved[0] > stall_s:
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=stall_s / 4)
+            if done:
+                return task.result()
+            if time.monotonic() - moved[0] > stall_s:
+                call.cancel()
+                await asyncio.wait({task})
+                if not task.cancelled():
+                    task.exception()  # retrieved: the stall is what the caller hears
+                raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"{what} moved nothing for {stall_s:g}s")
+    finally:
+        if not task.done():  # our caller went away: so does the call
             call.cancel()
-            await asyncio.wait({task})
-            if not task.cancelled():
-                task.exception()  # retrieved: the stall is what the caller hears
-            raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"{what} moved nothing for {stall_s:g}s")
 
 
 def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
