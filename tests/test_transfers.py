@@ -1,7 +1,10 @@
 """Transfers take as long as they move: a fetch or publish that moves nothing
 for the client's stall_s is given up (DEADLINE_EXCEEDED), one that keeps
-moving is not cut off by a deadline on the whole call. Unit tests of the
-client against small servers of our own protocol that stall or trickle."""
+moving is not cut off by a deadline on the whole call (unit tests of the
+client against small servers of our own protocol that stall or trickle).
+And what a coordinator restart cuts off (a publish, a download, a wait) is
+taken up again with the replica that takes its place (real coordinators,
+workers and etcd)."""
 
 from __future__ import annotations
 
@@ -172,3 +175,35 @@ def test_a_download_cut_off_by_a_coordinator_restart_resumes(
     t.join(60)
     assert out == [data]
     assert "was cut off at byte" in caplog.text
+
+
+def test_a_wait_cut_off_by_a_coordinator_restart_is_sent_again(
+        start_coordinator, start_worker, started, tmp_path):
+    """A rolling update stops the replica a host's wait is on: the worker asks
+    again (the replica that took the address) instead of telling the waiting
+    process to compile, and the process gets the holder's executable."""
+    import dataclasses
+
+    from compilecast.coordinator.server import Coordinator
+    from compilecast.worker.client import Identity
+
+    first = start_coordinator(store_dir=tmp_path / "store")
+    holder = CacheClient(start_worker(first.cfg.listen, name="h1").target,
+                         identity=Identity(job="j", process_id=0))
+    waiter = CacheClient(start_worker(first.cfg.listen, name="h2").target,
+                         identity=Identity(job="j", process_id=1), timeout_s=10)
+    claim = holder.acquire("k")
+    holder.keep_lease("k", claim.lease)
+    assert waiter.acquire("k").decision == pb.WAIT
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 30)))
+    t.start()
+    time.sleep(0.5)
+    first.stop()
+    started(Coordinator(dataclasses.replace(first.cfg)))
+    data = os.urandom(1 << 20)
+    holder.publish("k", claim.lease, data, 1.0)
+    t.join(40)
+    event, got = out[0]
+    assert event.decision == pb.HIT, event
+    assert got == data

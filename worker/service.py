@@ -115,6 +115,7 @@ UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats 
 HEARTBEAT_S = 10.0  # readers waiting on a download get an empty chunk this often
 TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
+WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait the coordinator cut off is sent again after these
 
 
 async def _idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
@@ -340,12 +341,25 @@ class WorkerService(rpc.CompileCacheServicer):
         async def upstream(req: pb.WaitRequest, until: bool) -> pb.WaitEvent:
             return await self._decider(md).wait(req, until_publishing=until)
 
-        try:
-            return await self.waits.wait(md, request, until_publishing, upstream)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in DEGRADED:
-                raise _relay(exc) from None
-            return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._local("wait", exc))
+        deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms else None
+        for pause in (*WAIT_RETRY_S, None):
+            try:
+                return await self.waits.wait(md, request, until_publishing, upstream)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in DEGRADED:
+                    raise _relay(exc) from None
+                left = None if deadline is None else deadline - time.monotonic()
+                if pause is None or (left is not None and left <= pause):
+                    return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
+                                        reason=self._local("wait", exc))
+                # A replica stopping (a rolling update) ends its waits: ask
+                # again, on a new stream, rather than have every waiter compile.
+                log.info("wait for %s was cut off (%s); asking again in %.1fs", request.key,
+                         exc.details(), pause, extra={"key": request.key})
+                await asyncio.sleep(pause)
+                if deadline is not None:
+                    request.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        raise AssertionError("unreachable")
 
     @rpc_errors
     async def Wait(self, request, context):
