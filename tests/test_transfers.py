@@ -52,6 +52,18 @@ class Trickle(rpc.CompileCacheServicer):
         return pb.PublishResponse()
 
 
+def restart(first, started, *, grace_s: float = 2.0):
+    """Stop coordinator `first` (with `grace_s` for what it serves) and start
+    another on its address, etcd and store, as a rolling update does."""
+    import dataclasses
+
+    from compilecast.coordinator.server import Coordinator
+
+    first.stopped = True
+    first.lt.run(first.server.stop(grace_s))
+    return started(Coordinator(dataclasses.replace(first.cfg)))
+
+
 @pytest.fixture
 def serve():
     servers = []
@@ -127,10 +139,6 @@ def test_a_publish_cut_off_by_a_coordinator_restart_is_tried_again(
     """A rolling update stops the replica a publish streams to: the process
     still holds its lease and its bytes, so it publishes again (through its
     worker, to the replica that took the address) instead of giving up."""
-    import dataclasses
-
-    from compilecast.coordinator.server import Coordinator
-
     first = start_coordinator(store_dir=tmp_path / "store")
     worker = start_worker(first.cfg.listen)
     holder = CacheClient(worker.target)
@@ -141,9 +149,7 @@ def test_a_publish_cut_off_by_a_coordinator_restart_is_tried_again(
     t = threading.Thread(target=lambda: out.append(holder.publish("k", claim.lease, data, 1.0)))
     t.start()
     time.sleep(0.5)
-    first.stopped = True  # mid-publish, and with no grace for it to finish
-    first.lt.run(first.server.stop(0.1))
-    started(Coordinator(dataclasses.replace(first.cfg)))  # the same address, etcd and store
+    restart(first, started, grace_s=0.1)  # mid-publish, with no grace for it to finish
     t.join(60)
     assert out and out[0].digest == hashlib.sha256(data).hexdigest()
     assert "was cut off" in caplog.text
@@ -155,10 +161,6 @@ def test_a_download_cut_off_by_a_coordinator_restart_resumes(
     """The worker's download from a replica stopped midway goes on, from the
     byte it had, at the replica that took the address; its processes never
     see the break."""
-    import dataclasses
-
-    from compilecast.coordinator.server import Coordinator
-
     first = start_coordinator(store_dir=tmp_path / "store")
     data = os.urandom(300 << 20)
     holder = CacheClient(first.cfg.listen, timeout_s=30)
@@ -169,9 +171,7 @@ def test_a_download_cut_off_by_a_coordinator_restart_resumes(
     t = threading.Thread(target=lambda: out.append(CacheClient(worker.target).fetch("k")[1]))
     t.start()
     time.sleep(0.4)
-    first.stopped = True  # mid-download, with no grace for it to finish
-    first.lt.run(first.server.stop(0.1))
-    started(Coordinator(dataclasses.replace(first.cfg)))
+    restart(first, started, grace_s=0.1)  # mid-download, with no grace for it to finish
     t.join(60)
     assert out == [data]
     assert "was cut off at byte" in caplog.text
@@ -182,9 +182,6 @@ def test_a_wait_cut_off_by_a_coordinator_restart_is_sent_again(
     """A rolling update stops the replica a host's wait is on: the worker asks
     again (the replica that took the address) instead of telling the waiting
     process to compile, and the process gets the holder's executable."""
-    import dataclasses
-
-    from compilecast.coordinator.server import Coordinator
     from compilecast.worker.client import Identity
 
     first = start_coordinator(store_dir=tmp_path / "store")
@@ -199,8 +196,7 @@ def test_a_wait_cut_off_by_a_coordinator_restart_is_sent_again(
     t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 30)))
     t.start()
     time.sleep(0.5)
-    first.stop()
-    started(Coordinator(dataclasses.replace(first.cfg)))
+    restart(first, started)
     data = os.urandom(1 << 20)
     holder.publish("k", claim.lease, data, 1.0)
     t.join(40)
