@@ -17,10 +17,13 @@ from concurrent import futures
 import grpc
 import pytest
 
+from compilecast.coordinator.records import scope
 from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient
+
+from .conftest import eventually
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
 
@@ -148,7 +151,8 @@ def test_a_publish_cut_off_by_a_coordinator_restart_is_tried_again(
     out: list = []
     t = threading.Thread(target=lambda: out.append(holder.publish("k", claim.lease, data, 1.0)))
     t.start()
-    time.sleep(0.5)
+    eventually(lambda: first.state.uploads.get(scope("default", "k")) is not None,
+               "the upload under way")
     restart(first, started, grace_s=0.1)  # mid-publish, with no grace for it to finish
     t.join(60)
     assert out and out[0].digest == hashlib.sha256(data).hexdigest()
@@ -170,7 +174,8 @@ def test_a_download_cut_off_by_a_coordinator_restart_resumes(
     out: list = []
     t = threading.Thread(target=lambda: out.append(CacheClient(worker.target).fetch("k")[1]))
     t.start()
-    time.sleep(0.4)
+    eventually(lambda: any(f.started for f in worker.service._fills.values()),
+               "the download under way")
     restart(first, started, grace_s=0.1)  # mid-download, with no grace for it to finish
     t.join(60)
     assert out == [data]
