@@ -208,3 +208,63 @@ def test_a_wait_cut_off_by_a_coordinator_restart_is_sent_again(
     event, got = out[0]
     assert event.decision == pb.HIT, event
     assert got == data
+
+
+def test_a_fetch_cut_off_by_a_worker_restart_is_tried_again(
+        coordinator, start_worker, started, caplog):
+    """A worker restarts (a DaemonSet rollout) while a process reads an
+    artifact through it: the process asks the new worker, and gets it."""
+    import dataclasses
+
+    from compilecast.worker.server import Worker
+
+    data = os.urandom(300 << 20)
+    holder = CacheClient(coordinator.cfg.listen, timeout_s=30)
+    holder.publish("k", holder.acquire("k").lease, data, 1.0)
+    worker = start_worker(coordinator.cfg.listen)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(CacheClient(worker.target).fetch("k")[1]))
+    t.start()
+    eventually(lambda: any(f.started for f in worker.service._fills.values()),
+               "the download under way")
+    worker.stopped = True  # mid-fetch, with no grace for it to finish
+    worker.lt.run(worker.server.stop(0.1))
+    started(Worker(dataclasses.replace(worker.cfg)))  # the same socket and host cache
+    t.join(60)
+    assert out == [data]
+    assert "was cut off" in caplog.text
+    started_at = time.monotonic()  # refused from the start: no retry, no waiting
+    with pytest.raises(grpc.RpcError) as err:
+        CacheClient(f"unix://{worker.cfg.listen.removeprefix('unix://')}.none").fetch("k")
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - started_at < 1.0
+
+
+def test_a_wait_cut_off_by_a_worker_restart_is_sent_again(coordinator, start_worker, started):
+    """A worker restarts while a process waits through it on another host's
+    compile: the process waits again at the new worker and gets the result."""
+    import dataclasses
+
+    from compilecast.worker.client import Identity
+    from compilecast.worker.server import Worker
+
+    holder = CacheClient(coordinator.cfg.listen, identity=Identity(job="j", process_id=0))
+    claim = holder.acquire("k")
+    holder.keep_lease("k", claim.lease)
+    worker = start_worker(coordinator.cfg.listen)
+    waiter = CacheClient(worker.target, identity=Identity(job="j", process_id=1), timeout_s=10)
+    assert waiter.acquire("k").decision == pb.WAIT
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 30)))
+    t.start()
+    eventually(lambda: worker.service.waits.waiting, "the process waiting at its worker")
+    time.sleep(0.6)  # running for a while: a cut, not a refusal
+    worker.stopped = True
+    worker.lt.run(worker.server.stop(0.1))
+    started(Worker(dataclasses.replace(worker.cfg)))  # the same socket and host cache
+    data = os.urandom(1 << 20)
+    holder.publish("k", claim.lease, data, 1.0)
+    t.join(40)
+    event, got = out[0]
+    assert event.decision == pb.HIT, event
+    assert got == data

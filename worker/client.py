@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 20
 STALL_S = 60.0  # a transfer that moves nothing for this long is given up
 PUBLISH_RETRY_S = (1.0, 4.0)  # a publish cut off (UNAVAILABLE) is tried again after these
+FETCH_RETRY_S = (1.0, 4.0)  # and a fetch cut off midway (its server restarting)
+WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # and a wait that ran, then broke (within its timeout)
+CUT_AFTER_S = 0.5  # a call that failed later than this had been running: cut off, not refused
 TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 
 
@@ -46,6 +49,14 @@ class Stalled(grpc.RpcError):
 
     def details(self) -> str:
         return self._what
+
+
+class _CutOff(Exception):
+    """A transfer that started and then broke (UNAVAILABLE): worth trying again."""
+
+    def __init__(self, error: grpc.RpcError) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class _Watchdog:
@@ -170,8 +181,26 @@ class CacheClient:
         started to publish (it carries the artifact: a fetch streams it).
 
         Never blocks past `timeout_s` plus the call deadline slack: the server
-        ends the stream at timeout_s, and the client deadline backs it up.
+        ends the stream at timeout_s, and the client deadline backs it up. A
+        wait that ran and then broke (UNAVAILABLE: the worker restarting) is
+        sent again within `timeout_s`; one refused at once is not.
         """
+        deadline = time.monotonic() + timeout_s
+        for pause in (*WAIT_RETRY_S, None):
+            began = time.monotonic()
+            try:
+                return self._wait_once(key, max(0.001, deadline - began), publishing)
+            except grpc.RpcError as exc:
+                now = time.monotonic()
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or pause is None \
+                        or now - began < CUT_AFTER_S or deadline - now <= pause:
+                    raise
+                log.warning("wait for %s was cut off (%s); asking again in %.1fs", key,
+                            exc.details(), pause, extra={"key": key})
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    def _wait_once(self, key: str, timeout_s: float, publishing: bool) -> pb.WaitEvent:
         call = self.stub.Wait(
             pb.WaitRequest(key=key, requester=self.identity.requester(),
                            timeout_ms=max(1, int(timeout_s * 1000))),
@@ -216,7 +245,21 @@ class CacheClient:
     def fetch(self, key: str, digest: str = "") -> tuple[pb.ArtifactInfo, bytes]:
         """Fetch and verify an artifact; returns its info and bytes. It takes
         as long as the bytes keep coming (the coordinator's heartbeats count),
-        and raises Stalled when nothing came for `stall_s`."""
+        and raises Stalled when nothing came for `stall_s`. A fetch cut off
+        midway (UNAVAILABLE after its header: the worker restarting) is tried
+        again; one refused from the start is not (nobody there: fail fast)."""
+        for pause in (*FETCH_RETRY_S, None):
+            try:
+                return self._fetch_once(key, digest)
+            except _CutOff as cut:
+                if pause is None:
+                    raise cut.error from None
+                log.warning("fetch of %s was cut off (%s); trying again in %.0fs", key,
+                            cut.error.details(), pause, extra={"key": key})
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    def _fetch_once(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, bytes]:
         info = None
         parts: list[bytes] = []
         h = hashlib.sha256()
@@ -229,10 +272,12 @@ class CacheClient:
                         info = chunk.artifact
                     h.update(chunk.data)
                     parts.append(chunk.data)
-            except grpc.RpcError:
+            except grpc.RpcError as exc:
                 if dog.fired:
                     raise Stalled(f"fetch of {key} from {self.target} moved nothing for "
                                   f"{self.stall_s:g}s") from None
+                if info is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise _CutOff(exc) from None
                 raise
         if info is None:
             raise CorruptBlob(f"fetch of {key} returned no artifact header")
