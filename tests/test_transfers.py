@@ -67,6 +67,48 @@ def restart(first, started, *, grace_s: float = 2.0):
     return started(Coordinator(dataclasses.replace(first.cfg)))
 
 
+def restart_worker(worker, started):
+    """Stop `worker` with no grace for what it serves and start another on its
+    socket and host cache, as a DaemonSet rollout does."""
+    import dataclasses
+
+    from compilecast.worker.server import Worker
+
+    worker.stopped = True
+    worker.lt.run(worker.server.stop(0.1))
+    return started(Worker(dataclasses.replace(worker.cfg)))
+
+
+def fetching_through_a_worker(coordinator, start_worker) -> tuple:
+    """300 MB published; a process fetching them through a new worker, its
+    download from the coordinator under way: (data, worker, thread, result)."""
+    data = os.urandom(300 << 20)
+    holder = CacheClient(coordinator.cfg.listen, timeout_s=30)
+    holder.publish("k", holder.acquire("k").lease, data, 1.0)
+    worker = start_worker(coordinator.cfg.listen)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(CacheClient(worker.target).fetch("k")[1]))
+    t.start()
+    eventually(lambda: any(f.started for f in worker.service._fills.values()),
+               "the download under way")
+    return data, worker, t, out
+
+
+def waits_through(holder: CacheClient, claim, waiter: CacheClient, interrupt) -> None:
+    """`waiter` waits for "k" while `interrupt()` runs, then the holder
+    publishes: the waiter must get HIT and the holder's bytes."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 30)))
+    t.start()
+    interrupt()
+    data = os.urandom(1 << 20)
+    holder.publish("k", claim.lease, data, 1.0)
+    t.join(40)
+    event, got = out[0]
+    assert event.decision == pb.HIT, event
+    assert got == data
+
+
 @pytest.fixture
 def serve():
     servers = []
@@ -166,16 +208,7 @@ def test_a_download_cut_off_by_a_coordinator_restart_resumes(
     byte it had, at the replica that took the address; its processes never
     see the break."""
     first = start_coordinator(store_dir=tmp_path / "store")
-    data = os.urandom(300 << 20)
-    holder = CacheClient(first.cfg.listen, timeout_s=30)
-    claim = holder.acquire("k")
-    holder.publish("k", claim.lease, data, 1.0)
-    worker = start_worker(first.cfg.listen)
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(CacheClient(worker.target).fetch("k")[1]))
-    t.start()
-    eventually(lambda: any(f.started for f in worker.service._fills.values()),
-               "the download under way")
+    data, _, t, out = fetching_through_a_worker(first, start_worker)
     restart(first, started, grace_s=0.1)  # mid-download, with no grace for it to finish
     t.join(60)
     assert out == [data]
@@ -197,39 +230,20 @@ def test_a_wait_cut_off_by_a_coordinator_restart_is_sent_again(
     claim = holder.acquire("k")
     holder.keep_lease("k", claim.lease)
     assert waiter.acquire("k").decision == pb.WAIT
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 30)))
-    t.start()
-    time.sleep(0.5)
-    restart(first, started)
-    data = os.urandom(1 << 20)
-    holder.publish("k", claim.lease, data, 1.0)
-    t.join(40)
-    event, got = out[0]
-    assert event.decision == pb.HIT, event
-    assert got == data
+
+    def interrupt() -> None:
+        time.sleep(0.5)  # the host's wait on its way to the coordinator
+        restart(first, started)
+
+    waits_through(holder, claim, waiter, interrupt)
 
 
 def test_a_fetch_cut_off_by_a_worker_restart_is_tried_again(
         coordinator, start_worker, started, caplog):
     """A worker restarts (a DaemonSet rollout) while a process reads an
     artifact through it: the process asks the new worker, and gets it."""
-    import dataclasses
-
-    from compilecast.worker.server import Worker
-
-    data = os.urandom(300 << 20)
-    holder = CacheClient(coordinator.cfg.listen, timeout_s=30)
-    holder.publish("k", holder.acquire("k").lease, data, 1.0)
-    worker = start_worker(coordinator.cfg.listen)
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(CacheClient(worker.target).fetch("k")[1]))
-    t.start()
-    eventually(lambda: any(f.started for f in worker.service._fills.values()),
-               "the download under way")
-    worker.stopped = True  # mid-fetch, with no grace for it to finish
-    worker.lt.run(worker.server.stop(0.1))
-    started(Worker(dataclasses.replace(worker.cfg)))  # the same socket and host cache
+    data, worker, t, out = fetching_through_a_worker(coordinator, start_worker)
+    restart_worker(worker, started)  # mid-fetch
     t.join(60)
     assert out == [data]
     assert "was cut off" in caplog.text
@@ -243,10 +257,7 @@ def test_a_fetch_cut_off_by_a_worker_restart_is_tried_again(
 def test_a_wait_cut_off_by_a_worker_restart_is_sent_again(coordinator, start_worker, started):
     """A worker restarts while a process waits through it on another host's
     compile: the process waits again at the new worker and gets the result."""
-    import dataclasses
-
     from compilecast.worker.client import Identity
-    from compilecast.worker.server import Worker
 
     holder = CacheClient(coordinator.cfg.listen, identity=Identity(job="j", process_id=0))
     claim = holder.acquire("k")
@@ -254,17 +265,10 @@ def test_a_wait_cut_off_by_a_worker_restart_is_sent_again(coordinator, start_wor
     worker = start_worker(coordinator.cfg.listen)
     waiter = CacheClient(worker.target, identity=Identity(job="j", process_id=1), timeout_s=10)
     assert waiter.acquire("k").decision == pb.WAIT
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 30)))
-    t.start()
-    eventually(lambda: worker.service.waits.waiting, "the process waiting at its worker")
-    time.sleep(0.6)  # running for a while: a cut, not a refusal
-    worker.stopped = True
-    worker.lt.run(worker.server.stop(0.1))
-    started(Worker(dataclasses.replace(worker.cfg)))  # the same socket and host cache
-    data = os.urandom(1 << 20)
-    holder.publish("k", claim.lease, data, 1.0)
-    t.join(40)
-    event, got = out[0]
-    assert event.decision == pb.HIT, event
-    assert got == data
+
+    def interrupt() -> None:
+        eventually(lambda: worker.service.waits.waiting, "the process waiting at its worker")
+        time.sleep(0.6)  # running for a while: a cut, not a refusal
+        restart_worker(worker, started)
+
+    waits_through(holder, claim, waiter, interrupt)
