@@ -272,3 +272,27 @@ def test_a_wait_cut_off_by_a_worker_restart_is_sent_again(coordinator, start_wor
         restart_worker(worker, started)
 
     waits_through(holder, claim, waiter, interrupt)
+
+
+def test_a_process_asks_a_worker_that_is_restarting_again(coordinator, started, tmp_path):
+    """A JAX process's decision while its worker restarts (nothing listens
+    for a second) waits for the worker instead of giving up on it for 30 s,
+    which would compile everything the job asks for meanwhile locally."""
+    import uuid
+
+    from compilecast.config import WorkerConfig
+    from compilecast.worker.jax_integration import CompilecastCache
+    from compilecast.worker.server import Worker
+
+    sock = f"unix:///tmp/cc-{uuid.uuid4().hex[:8]}.sock"
+    cache = CompilecastCache(sock, job="j")
+    late = threading.Timer(1.0, lambda: started(Worker(WorkerConfig(
+        listen=sock, coordinator=coordinator.cfg.listen, cache_dir=str(tmp_path / "hc"),
+        metrics_port=0))))
+    late.start()
+    with cache.acquiring("k"):
+        assert cache.get("k") is None  # a miss: this process holds the compile lease
+    late.join(10)
+    assert cache.stats.compiles == 1 and cache.stats.fallbacks == 0, cache.stats
+    held = CacheClient(coordinator.cfg.listen).acquire("k")
+    assert held.decision == pb.WAIT  # the lease is this process's

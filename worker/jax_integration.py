@@ -36,6 +36,11 @@ from .client import CacheClient, Identity
 log = logging.getLogger("compilecast.jax")
 
 UNREACHABLE_BACKOFF_S = 30.0
+# A worker not answering is asked again after these before the process gives
+# up on it for UNREACHABLE_BACKOFF_S: a worker restarting (a DaemonSet
+# rollout) takes a second or two, and giving up then would compile everything
+# the job asks for in the next 30 s locally.
+REFUSED_RETRY_S = (1.0, 2.0)
 
 
 @dataclass
@@ -118,17 +123,25 @@ class CompilecastCache(jax_adapter.CacheInterface):
     def get(self, key: str) -> bytes | None:
         if time.monotonic() < self._down_until:
             return None
-        try:
-            if getattr(self._local, "acquiring", None) == key:
-                return self._decide(key)
-            return self._lookup(key)
-        except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._unreachable(key, exc)
-            else:
-                self._fallback(key, f"{exc.code().name}: {exc.details()}")
-        except Exception as exc:  # never raise into JAX
-            self._fallback(key, f"{type(exc).__name__}: {exc}")
+        for pause in (*REFUSED_RETRY_S, None):
+            try:
+                if getattr(self._local, "acquiring", None) == key:
+                    return self._decide(key)
+                return self._lookup(key)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and pause is not None:
+                    log.info("compilecast: worker %s unavailable (%s); asking again in %.0fs",
+                             self.target, exc.details(), pause)
+                    time.sleep(pause)
+                    continue
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self._unreachable(key, exc)
+                else:
+                    self._fallback(key, f"{exc.code().name}: {exc.details()}")
+            except Exception as exc:  # never raise into JAX
+                self._fallback(key, f"{type(exc).__name__}: {exc}")
+            return None
         return None
 
     def put(self, key: str, value: bytes) -> None:
