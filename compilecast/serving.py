@@ -52,6 +52,22 @@ def start_metrics(registry: CollectorRegistry, host: str, port: int) -> object |
     return server
 
 
+async def cancel_all(tasks, *, every_s: float = 1.0) -> None:
+    """Cancel `tasks` and wait until every one has ended, cancelling again
+    every `every_s` those that have not: Python 3.11's wait_for can swallow a
+    cancel that lands as its inner future completes, and a loop that catches
+    the error it got instead carries on (a stop then waited forever). Their
+    errors are retrieved, not raised."""
+    pending = set(tasks)
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=every_s)
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()
+
+
 async def serve_until_signal(
     server: grpc.aio.Server,
     *,

@@ -12,7 +12,6 @@ compilecast.errors.Unavailable.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections import deque
@@ -388,6 +387,7 @@ class _KeepAlives:
         self._requests: asyncio.Queue | None = None
         self._waiting: dict[int, deque[asyncio.Future]] = {}
         self._stream: asyncio.Task | None = None
+        self._call = None  # the stream's gRPC call
 
     async def renew(self, lease_id: int) -> int:
         if self._stream is None or self._stream.done():
@@ -412,7 +412,7 @@ class _KeepAlives:
                 yield request
 
         member = self.etcd._current
-        call = self.etcd.lease.LeaseKeepAlive(sent())
+        call = self._call = self.etcd.lease.LeaseKeepAlive(sent())
         error: Exception = Unavailable("etcd closed the lease renewal stream")
         try:
             async for resp in call:
@@ -439,11 +439,21 @@ class _KeepAlives:
                         answer.set_exception(error)
 
     async def close(self) -> None:
-        if self._stream is not None:
-            self._stream.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._stream
-            await asyncio.sleep(0)  # gRPC's request reader takes the None and ends
+        if self._stream is None:
+            return
+        # End the call itself, not only the task reading it: a cancel that
+        # lands inside gRPC's read can be taken for the call's own and the
+        # task then waits on for a status that never comes (a hang at
+        # shutdown, one close in a few).
+        if self._requests is not None:
+            self._requests.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+        self._stream.cancel()
+        done, _ = await asyncio.wait({self._stream}, timeout=5.0)
+        if done and not self._stream.cancelled():
+            self._stream.exception()  # retrieved: nobody waits on a closed stream
+        await asyncio.sleep(0)  # gRPC's request reader takes the None and ends
 
 
 def _holds(cmp, kv: KV | None) -> bool:

@@ -30,13 +30,13 @@ record is deleted; the lease lapses once nobody renews it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 
 from compilecast.errors import Unavailable
+from compilecast.serving import cancel_all
 
 from .etcd import Etcd
 
@@ -177,8 +177,6 @@ class LeasePool:
 
     async def close(self) -> None:
         if self._refill is not None:
-            self._refill.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._refill
+            await cancel_all([self._refill])
         free, self._free = self._free, []
         await asyncio.gather(*(self.etcd.revoke(i) for i, _ in free), return_exceptions=True)

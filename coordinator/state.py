@@ -52,6 +52,7 @@ from compilecast.errors import (
     StoreFull,
     Unavailable,
 )
+from compilecast.serving import cancel_all
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
@@ -189,11 +190,7 @@ class CoordinatorState:
         await self.hub.ready.wait()
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_all(self._tasks)  # the session keeper could swallow one cancel
         await self.leases.close()
         self._publish_threads.shutdown(wait=False)
         if self._session_lease:
