@@ -517,6 +517,12 @@ class DiskBlobStore:
         return b"".join(self.read(digest))
 
 
+async def amake_room(store: DiskBlobStore, nbytes: int) -> bool:
+    """`store.make_room` for an event loop: one statvfs on the loop when the
+    volume has the room, a thread only when blobs must go."""
+    return store.fits(nbytes) or await asyncio.to_thread(store.make_room, nbytes)
+
+
 async def aread(store: DiskBlobStore, digest: str, *, depth: int = 4, chunk_size: int = CHUNK,
                 offset: int = 0, transform: Callable[[bytes], T] = _same) -> AsyncIterator[T]:
     """`store.read` for an event loop: a thread reads, decompresses and
@@ -558,4 +564,4 @@ async def aread(store: DiskBlobStore, digest: str, *, depth: int = 4, chunk_size
         await asyncio.shield(producer)
 
 
-__all__ = ["CHUNK", "BlobWriter", "DigestMismatch", "DiskBlobStore", "aread"]
+__all__ = ["CHUNK", "BlobWriter", "DigestMismatch", "DiskBlobStore", "amake_room", "aread"]

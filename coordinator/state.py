@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from compilecast import validate
-from compilecast.blobstore import DiskBlobStore, aread
+from compilecast.blobstore import DiskBlobStore, amake_room, aread
 from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
     AlreadyPublished,
@@ -626,8 +626,7 @@ class CoordinatorState:
             raise AlreadyPublished(f"key {key} is already published")
         if revoked is not None:
             raise await self._refuse_revoked(sk, kind, header, revoked, "was purged")
-        if not self.store.fits(header.size) and \
-                not await asyncio.to_thread(self.store.make_room, header.size):
+        if not await amake_room(self.store, header.size):
             raise StoreFull(f"the artifact store has no room for {header.size} bytes, even "
                             "after evicting what it could (its volume is full)")
         writer = self.store.writer()

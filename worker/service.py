@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from compilecast import decide, validate, wire
-from compilecast.blobstore import OUT_OF_SPACE, aread
+from compilecast.blobstore import OUT_OF_SPACE, amake_room, aread
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.decide import Decider
@@ -587,8 +587,7 @@ class WorkerService(rpc.CompileCacheServicer):
     async def _make_room(self, writer, size: int) -> None:
         """Evict from the host cache until an artifact of `size` fits on its
         disk above cache_min_free_bytes; else pass it on without a copy."""
-        store = self.cache.store
-        if not store.fits(size) and not await asyncio.to_thread(store.make_room, size):
+        if not await amake_room(self.cache.store, size):
             writer.stop_keeping(f"no room for {size} bytes above the free space kept on the "
                                 "host cache's disk")
 
