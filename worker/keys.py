@@ -19,11 +19,13 @@ is kept so `explain` can say which one caused a miss:
 
 HloModuleProto input (PyTorch/XLA and XLA dumps) is canonicalized at the
 protobuf wire level by `hlocanon` (names, ids, OpMetadata; see there), without
-MLIR. StableHLO text and MLIR bytecode are parsed with jaxlib's MLIR, and
-canonicalization drops only what cannot change the executable:
+MLIR. StableHLO text and MLIR bytecode are parsed with jaxlib's MLIR, and the
+program component is the digest of `mlircanon`'s canonical stream of the
+module (one walk, see there), which leaves out only what cannot change the
+executable:
 - debug locations, which is where every OpMetadata field (op_type, op_name,
   source_file, source_line, stack frames) and every HLO instruction and
-  parameter name ends up (`strip-debuginfo`);
+  parameter name ends up (never visited);
 - the module name (JAX puts the Python function name there; PyTorch/XLA a
   global graph counter);
 - names of private functions: renamed to f0, f1, ... in order of
@@ -31,12 +33,12 @@ canonicalization drops only what cannot change the executable:
 - the attributes in `ignore_attributes` on the module, its functions and
   their arguments and results (default: JAX's jax.arg_info and
   jax.result_info, Python pytree paths that XLA never reads).
-Everything else stays, byte for byte, in MLIR bytecode: every element of every
-constant (bytecode never elides), shapes, dtypes, layouts, shardings, aliasing
+Everything else is in the stream: every element of every constant (raw
+bytes, or MLIR's complete printed form), shapes, dtypes, layouts, shardings, aliasing
 and donation, frontend attributes, backend configs, custom-call targets,
 precision configs, comparison directions, reductions and operand order. SSA
-value names are not part of MLIR bytecode, so instruction renumbering cannot
-change a key. A program that cannot be parsed is keyed by its raw bytes
+values are numbered by position, so instruction renumbering cannot change a
+key. A program that cannot be parsed is keyed by its raw bytes
 (sound, never metadata-agnostic) and the key says so (`program_format: raw`).
 
 `include_metadata=True` switches all of this off (as JAX's
@@ -54,7 +56,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import hlocanon, xlaflags
+from . import hlocanon, mlircanon, xlaflags
 
 
 class _JaxAdapter:
@@ -69,9 +71,10 @@ class _JaxAdapter:
 
 jax_adapter: Any = _JaxAdapter()
 
-KEY_VERSION = "4"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon;
+KEY_VERSION = "5"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon;
 # 4: xla_flags as XLA reads them (last of a repeated flag, quoted values, flag files), and the
-# host CPU (CPU platform) and JAX's custom_hook (when set) as components
+# host CPU (CPU platform) and JAX's custom_hook (when set) as components; 5: MLIR programs
+# by mlircanon's canonical stream (one walk) instead of a canonicalized module's bytecode
 KEY_PREFIX = "cc1-"
 DEFAULT_IGNORED_ATTRIBUTES = ("jax.arg_info", "jax.result_info")
 MLIR_BYTECODE_MAGIC = b"ML\xefR"
@@ -358,9 +361,21 @@ def _bytecode(module: Any) -> bytes:
 
 def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
                    copy: bool = True) -> tuple[str, str | None]:
-    canon = canonicalize(module, cfg, copy=copy)
-    text = canon.operation.get_asm(enable_debug_info=False) if keep_text else None
-    return _digest(_bytecode(canon)), text
+    """The program component of an MLIR module's key, and (keep_text) its
+    canonical text for `explain`. The digest is of mlircanon's canonical
+    stream, one walk that leaves the module untouched; with include_metadata,
+    of the module's bytecode, locations and names included."""
+    if cfg.include_metadata:
+        return _digest(_bytecode(module)), (
+            module.operation.get_asm(enable_debug_info=True) if keep_text else None)
+    with module.context:
+        renames = mlircanon.private_renames(module) if cfg.rename_private_functions else {}
+        h = hashlib.sha256()
+        mlircanon.stream(module, h, frozenset(cfg.ignore_attributes), renames)
+    text = None
+    if keep_text:  # only for explain: the canonical module as MLIR prints it
+        text = canonicalize(module, cfg, copy=copy).operation.get_asm(enable_debug_info=False)
+    return h.hexdigest(), text
 
 
 # -- keys ----------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""The MLIR canonical stream: the C path over MLIR's C API against the Python
+reference, and the gate that keeps the C path out of a JAX process until a
+self-test in another process passed for this exact build."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from compilecast.worker import keys, mlircanon
+
+native = pytest.mark.skipif(mlircanon._native is None, reason="_mlircanon extension not built")
+
+DEFAULT_IGNORE = frozenset(keys.DEFAULT_IGNORED_ATTRIBUTES)
+
+
+def digest_native(module, ignore=DEFAULT_IGNORE, renames=None) -> str:
+    assert mlircanon._bind() is not None
+    h = hashlib.sha256()
+    renames = mlircanon.private_renames(module) if renames is None else renames
+    mlircanon._native.canonical_stream(module._CAPIPtr, h, ignore, renames)
+    return h.hexdigest()
+
+
+def digest_py(module, ignore=DEFAULT_IGNORE, renames=None) -> str:
+    h = hashlib.sha256()
+    renames = mlircanon.private_renames(module) if renames is None else renames
+    with module.context:
+        mlircanon.stream_py(module, h, ignore, renames)
+    return h.hexdigest()
+
+
+def modules():
+    """Programs beyond the self-test's corpus: a training step, nested calls,
+    scans, shardings on arguments, big and splat constants."""
+    from compilecast.demo_step import make_inputs, make_step
+
+    params, x, y = make_inputs(6, 16, batch=4)
+    layer = jax.jit(lambda h, w: jnp.tanh(h @ w))
+
+    def nested(ws, h):
+        for w in ws:
+            h = layer(h, w)
+        return h.sum()
+
+    ws = [jnp.ones((8, 8))] * 3
+    scan = jax.jit(lambda c, xs: jax.lax.scan(lambda c, v: (c * v, c + v), c, xs))
+    big = np.random.default_rng(1).standard_normal(100_000).astype(np.float32)
+    return {
+        "step": make_step().lower(params, x, y).compiler_ir("stablehlo"),
+        "nested": jax.jit(nested).lower(ws, jnp.ones((2, 8))).compiler_ir("stablehlo"),
+        "grad-nested": jax.jit(jax.grad(nested)).lower(ws, jnp.ones((2, 8))).compiler_ir(
+            "stablehlo"),
+        "scan": scan.lower(jnp.ones(3), jnp.ones((5, 3))).compiler_ir("stablehlo"),
+        "big-constant": jax.jit(lambda v: v + jnp.asarray(big).sum()).lower(
+            jnp.ones(2)).compiler_ir("stablehlo"),
+        "where": jax.jit(lambda v: jnp.where(v > 0, v, jnp.zeros_like(v))).lower(
+            jnp.ones(4)).compiler_ir("stablehlo"),
+    }
+
+
+@native
+def test_the_c_path_passes_its_self_test_on_this_jaxlib():
+    """Fails loudly when a jaxlib release strips MLIR's C API from its
+    library or changes it under us (keys then fall back to the slower walk)."""
+    ok, why = mlircanon.selftest()
+    assert ok, why
+
+
+@native
+@pytest.mark.parametrize("ignore", [frozenset(), DEFAULT_IGNORE, frozenset({"mhlo.sharding"})])
+def test_c_and_python_streams_are_the_same_bytes(ignore):
+    for name, module in modules().items():
+        assert digest_native(module, ignore) == digest_py(module, ignore), name
+        assert digest_native(module, ignore, {}) == digest_py(module, ignore, {}), name
+
+
+@native
+def test_the_stream_covers_what_it_walks():
+    """Sanity of the comparison above: different programs, different streams
+    on both paths; the same program twice, one stream."""
+    ms = modules()
+    natives = {digest_native(m) for m in ms.values()}
+    assert len(natives) == len(ms)
+    again = modules()
+    assert all(digest_native(ms[n]) == digest_native(again[n]) for n in ms)
+
+
+def test_private_renames_are_in_order_and_refuse_a_clash():
+    m = modules()["nested"]
+    renames = mlircanon.private_renames(m)
+    assert list(renames.values()) == [f"f{i}" for i in range(len(renames))]
+    assert "main" not in renames
+    with m.context:
+        from compilecast.worker.jax_adapter import ir
+        body = m.operation.regions[0].blocks[0]
+        for op in body.operations:  # name the public function f0: a clash
+            attrs = op.operation.attributes
+            if ir.StringAttr(attrs["sym_name"]).value == "main":
+                attrs["sym_name"] = ir.StringAttr.get("f0")
+    assert mlircanon.private_renames(m) == {}
+
+
+@native
+def test_bind_refuses_a_library_that_is_not_loaded_or_lacks_the_api(tmp_path):
+    with pytest.raises(LookupError, match="not loaded"):
+        mlircanon._native.bind(str(tmp_path))  # a directory: never a loaded library
+    hlocanon_so = __import__("compilecast.worker._hlocanon", fromlist=["x"]).__file__
+    with pytest.raises(LookupError, match="has no mlir"):
+        mlircanon._native.bind(hlocanon_so)
+    assert mlircanon._bind() is not None  # bound again for the other tests
+
+
+@native
+def test_canonical_stream_refuses_what_is_not_a_module():
+    assert mlircanon._bind() is not None
+    with pytest.raises(TypeError):
+        mlircanon._native.canonical_stream(object(), hashlib.sha256(), frozenset(), {})
+    op = modules()["where"].operation
+    with pytest.raises(TypeError, match="Module capsule"):
+        mlircanon._native.canonical_stream(op._CAPIPtr, hashlib.sha256(), frozenset(), {})
+
+
+@pytest.fixture
+def fresh_gate(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("COMPILECAST_KEY_NATIVE", raising=False)
+    monkeypatch.setattr(mlircanon, "_state", {"native": None, "testing": False})
+    return tmp_path
+
+
+@native
+def test_no_verdict_means_the_reference_until_the_self_test_in_a_child_passed(fresh_gate):
+    assert not mlircanon._verdict_path().exists()
+    assert mlircanon.native_ready(wait=True)
+    verdict = json.loads(mlircanon._verdict_path().read_text())
+    assert verdict["ok"], verdict
+    assert str(fresh_gate) in str(mlircanon._verdict_path())
+
+
+@native
+def test_a_failed_verdict_keeps_the_reference_and_keys_do_not_change(fresh_gate, caplog):
+    caplog.set_level(logging.INFO, logger="compilecast.mlircanon")
+    m = modules()["step"]
+    fast = digest_native(m)
+    mlircanon._write_verdict(False, "the C path disagreed (written by the test)")
+    assert not mlircanon.native_ready()
+    assert "disagreed" in caplog.text
+    assert keys.program_digest(m, keys.KeyConfig())[0] == fast
+
+
+def test_key_native_0_keeps_a_process_on_the_reference(fresh_gate, monkeypatch):
+    monkeypatch.setenv("COMPILECAST_KEY_NATIVE", "0")
+    assert not mlircanon.native_ready(wait=True)
+    assert not mlircanon._verdict_path().exists()  # nothing was even tested

@@ -1,0 +1,630 @@
+/* The canonical program stream of an in-memory MLIR module, written by one
+ * walk over MLIR's C API (the same bytes as worker/mlircanon.py, the
+ * reference; tests/test_mlircanon.py holds them equal).
+ *
+ * jaxlib does not export MLIR's C API: its functions are in libjax_common.so
+ * as local symbols. `bind(path)` finds them in that file's ELF symbol table
+ * (.dynsym first, then .symtab) and adds the library's load address. Nothing
+ * here is called before every symbol is found, and worker/mlircanon.py uses
+ * this module only after a self-test in a separate process matched the
+ * reference for this exact library file: a jaxlib whose functions changed
+ * shape costs a slower key, never a crashed JAX process.
+ *
+ * The stream (see mlircanon.py for the grammar) interns identifiers, types
+ * and attributes: their first occurrence writes their content, later ones an
+ * index. Types and attributes are uniqued by the MLIR context, so pointer
+ * identity is content identity and each distinct one is printed once. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <elf.h>
+#include <fcntl.h>
+#include <link.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+typedef struct { const void *ptr; } Ptr;
+typedef Ptr MlirOperation, MlirModule, MlirIdentifier, MlirValue, MlirType, MlirAttribute,
+    MlirBlock, MlirRegion;
+typedef struct { const char *data; size_t length; } MlirStringRef;
+typedef struct { MlirIdentifier name; MlirAttribute attribute; } MlirNamedAttribute;
+typedef void (*MlirStringCallback)(MlirStringRef, void *);
+
+#define API(X) \
+  X(MlirOperation, mlirModuleGetOperation, (MlirModule)) \
+  X(MlirIdentifier, mlirOperationGetName, (MlirOperation)) \
+  X(MlirStringRef, mlirIdentifierStr, (MlirIdentifier)) \
+  X(intptr_t, mlirOperationGetNumOperands, (MlirOperation)) \
+  X(MlirValue, mlirOperationGetOperand, (MlirOperation, intptr_t)) \
+  X(intptr_t, mlirOperationGetNumResults, (MlirOperation)) \
+  X(MlirValue, mlirOperationGetResult, (MlirOperation, intptr_t)) \
+  X(MlirType, mlirValueGetType, (MlirValue)) \
+  X(intptr_t, mlirOperationGetNumAttributes, (MlirOperation)) \
+  X(MlirNamedAttribute, mlirOperationGetAttribute, (MlirOperation, intptr_t)) \
+  X(intptr_t, mlirOperationGetNumSuccessors, (MlirOperation)) \
+  X(MlirBlock, mlirOperationGetSuccessor, (MlirOperation, intptr_t)) \
+  X(intptr_t, mlirOperationGetNumRegions, (MlirOperation)) \
+  X(MlirRegion, mlirOperationGetRegion, (MlirOperation, intptr_t)) \
+  X(MlirBlock, mlirRegionGetFirstBlock, (MlirRegion)) \
+  X(MlirBlock, mlirBlockGetNextInRegion, (MlirBlock)) \
+  X(intptr_t, mlirBlockGetNumArguments, (MlirBlock)) \
+  X(MlirValue, mlirBlockGetArgument, (MlirBlock, intptr_t)) \
+  X(MlirOperation, mlirBlockGetFirstOperation, (MlirBlock)) \
+  X(MlirOperation, mlirOperationGetNextInBlock, (MlirOperation)) \
+  X(void, mlirAttributePrint, (MlirAttribute, MlirStringCallback, void *)) \
+  X(void, mlirTypePrint, (MlirType, MlirStringCallback, void *)) \
+  X(bool, mlirAttributeIsAFlatSymbolRef, (MlirAttribute)) \
+  X(MlirStringRef, mlirFlatSymbolRefAttrGetValue, (MlirAttribute)) \
+  X(bool, mlirAttributeIsAArray, (MlirAttribute)) \
+  X(intptr_t, mlirArrayAttrGetNumElements, (MlirAttribute)) \
+  X(MlirAttribute, mlirArrayAttrGetElement, (MlirAttribute, intptr_t)) \
+  X(bool, mlirAttributeIsADictionary, (MlirAttribute)) \
+  X(intptr_t, mlirDictionaryAttrGetNumElements, (MlirAttribute)) \
+  X(MlirNamedAttribute, mlirDictionaryAttrGetElement, (MlirAttribute, intptr_t)) \
+  X(bool, mlirAttributeIsAString, (MlirAttribute)) \
+  X(MlirStringRef, mlirStringAttrGetValue, (MlirAttribute)) \
+  X(bool, mlirAttributeIsADenseIntElements, (MlirAttribute)) \
+  X(bool, mlirAttributeIsADenseFPElements, (MlirAttribute)) \
+  X(bool, mlirDenseElementsAttrIsSplat, (MlirAttribute)) \
+  X(const void *, mlirDenseElementsAttrGetRawData, (MlirAttribute)) \
+  X(int64_t, mlirElementsAttrGetNumElements, (MlirAttribute)) \
+  X(MlirType, mlirAttributeGetType, (MlirAttribute)) \
+  X(MlirType, mlirShapedTypeGetElementType, (MlirType)) \
+  X(bool, mlirTypeIsAInteger, (MlirType)) \
+  X(unsigned, mlirIntegerTypeGetWidth, (MlirType)) \
+  X(bool, mlirTypeIsAF16, (MlirType)) \
+  X(bool, mlirTypeIsAF32, (MlirType)) \
+  X(bool, mlirTypeIsAF64, (MlirType))
+
+#define DECLARE(ret, name, args) static ret(*p_##name) args;
+API(DECLARE)
+#define NAME(ret, name, args) #name,
+static const char *const api_names[] = {API(NAME)};
+#define NAPI (sizeof api_names / sizeof api_names[0])
+static void *api_addr[NAPI];
+static int bound;
+
+/* ---- finding the functions ------------------------------------------------ */
+
+typedef struct { const char *path; uintptr_t base; int found; } BaseQuery;
+
+static int find_base(struct dl_phdr_info *info, size_t size, void *data) {
+  (void)size;
+  BaseQuery *q = data;
+  const char *n = info->dlpi_name;
+  if (n && n[0]) {
+    char real[4096];
+    if (realpath(n, real) && strcmp(real, q->path) == 0) {
+      q->base = (uintptr_t)info->dlpi_addr;
+      q->found = 1;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+static int api_index(const char *name) {
+  if (strncmp(name, "mlir", 4) != 0) return -1;
+  for (size_t i = 0; i < NAPI; i++)
+    if (strcmp(name, api_names[i]) == 0) return (int)i;
+  return -1;
+}
+
+/* Symbol values of `type` (SHT_DYNSYM or SHT_SYMTAB) in a mapped ELF file. */
+static void scan_symbols(const uint8_t *img, size_t size, uint32_t type, uint64_t *values) {
+  const Elf64_Ehdr *eh = (const Elf64_Ehdr *)img;
+  if (eh->e_shoff == 0 || eh->e_shoff + (uint64_t)eh->e_shnum * sizeof(Elf64_Shdr) > size) return;
+  const Elf64_Shdr *sh = (const Elf64_Shdr *)(img + eh->e_shoff);
+  for (unsigned i = 0; i < eh->e_shnum; i++) {
+    if (sh[i].sh_type != type || sh[i].sh_link >= eh->e_shnum) continue;
+    const Elf64_Shdr *str = &sh[sh[i].sh_link];
+    if (sh[i].sh_offset + sh[i].sh_size > size || str->sh_offset + str->sh_size > size) continue;
+    const Elf64_Sym *sym = (const Elf64_Sym *)(img + sh[i].sh_offset);
+    size_t n = sh[i].sh_size / sizeof(Elf64_Sym);
+    const char *names = (const char *)(img + str->sh_offset);
+    for (size_t k = 0; k < n; k++) {
+      if (ELF64_ST_TYPE(sym[k].st_info) != STT_FUNC || sym[k].st_value == 0 ||
+          sym[k].st_shndx == SHN_UNDEF || sym[k].st_name >= str->sh_size)
+        continue;
+      int idx = api_index(names + sym[k].st_name);
+      if (idx >= 0 && values[idx] == 0) values[idx] = sym[k].st_value;
+    }
+  }
+}
+
+static PyObject *bind(PyObject *self, PyObject *args) {
+  (void)self;
+  const char *path;
+  if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+  char real[4096];
+  if (!realpath(path, real)) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+  BaseQuery q = {real, 0, 0};
+  dl_iterate_phdr(find_base, &q);
+  if (!q.found) {
+    PyErr_Format(PyExc_LookupError, "%s is not loaded in this process", real);
+    return NULL;
+  }
+  int fd = open(real, O_RDONLY);
+  if (fd < 0) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, real);
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(Elf64_Ehdr)) {
+    close(fd);
+    PyErr_Format(PyExc_ValueError, "%s: not an ELF file", real);
+    return NULL;
+  }
+  size_t size = (size_t)st.st_size;
+  const uint8_t *img = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  close(fd);
+  if (img == MAP_FAILED) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, real);
+  uint64_t values[NAPI] = {0};
+  if (memcmp(img, ELFMAG, SELFMAG) == 0 && img[EI_CLASS] == ELFCLASS64) {
+    Py_BEGIN_ALLOW_THREADS
+    scan_symbols(img, size, SHT_DYNSYM, values);
+    scan_symbols(img, size, SHT_SYMTAB, values);
+    Py_END_ALLOW_THREADS
+  }
+  munmap((void *)img, size);
+  for (size_t i = 0; i < NAPI; i++) {
+    if (values[i] == 0) {
+      PyErr_Format(PyExc_LookupError, "%s has no %s", real, api_names[i]);
+      return NULL;
+    }
+  }
+  for (size_t i = 0; i < NAPI; i++) api_addr[i] = (void *)(q.base + values[i]);
+  size_t i = 0;
+#define ASSIGN(ret, name, args) memcpy(&p_##name, &api_addr[i++], sizeof(void *));
+  API(ASSIGN)
+  bound = 1;
+  Py_RETURN_NONE;
+}
+
+/* ---- output: hashed in chunks, never held whole ------------------------------ */
+
+#define CHUNK (256 * 1024)
+typedef struct {
+  uint8_t *d;
+  size_t n, cap;
+  PyObject *hasher;
+  int failed;
+} Out;
+
+static int out_update(Out *o, const void *p, size_t n) {
+  if (n == 0) return 0;
+  PyObject *view = PyMemoryView_FromMemory((char *)p, (Py_ssize_t)n, PyBUF_READ);
+  PyObject *r = view ? PyObject_CallMethod(o->hasher, "update", "O", view) : NULL;
+  Py_XDECREF(view);
+  if (!r) { o->failed = 1; return -1; }
+  Py_DECREF(r);
+  return 0;
+}
+
+static int out_flush(Out *o) {
+  int rc = out_update(o, o->d, o->n);
+  o->n = 0;
+  return rc;
+}
+
+static void put(Out *o, const void *p, size_t n) {
+  if (o->failed) return;
+  if (o->n + n > o->cap && out_flush(o)) return;
+  if (n >= o->cap) { out_update(o, p, n); return; }
+  memcpy(o->d + o->n, p, n);
+  o->n += n;
+}
+
+static void put_byte(Out *o, uint8_t b) {
+  if (o->n == o->cap && out_flush(o)) return;
+  if (!o->failed) o->d[o->n++] = b;
+}
+
+static void put_varint(Out *o, uint64_t v) {
+  uint8_t b[10];
+  int n = 0;
+  do {
+    b[n] = v & 0x7f;
+    v >>= 7;
+    if (v) b[n] |= 0x80;
+    n++;
+  } while (v);
+  put(o, b, (size_t)n);
+}
+
+static void put_str(Out *o, const char *p, size_t n) {
+  put_varint(o, n);
+  put(o, p, n);
+}
+
+/* ---- pointer -> index tables (open addressing) --------------------------------- */
+
+typedef struct {
+  const void **keys;
+  uint64_t *vals;
+  size_t cap, n;
+} Table;
+
+static size_t slot_of(const void *k, size_t cap) {
+  uint64_t h = (uint64_t)(uintptr_t)k * 0x9E3779B97F4A7C15ull;
+  return (size_t)(h >> 20) & (cap - 1);
+}
+
+static int table_init(Table *t, size_t cap) {
+  t->cap = cap;
+  t->n = 0;
+  t->keys = calloc(cap, sizeof(void *));
+  t->vals = calloc(cap, sizeof(uint64_t));
+  return t->keys && t->vals ? 0 : -1;
+}
+
+static void table_free(Table *t) {
+  free(t->keys);
+  free(t->vals);
+}
+
+/* The index of k, or -1. */
+static int64_t table_get(const Table *t, const void *k) {
+  for (size_t i = slot_of(k, t->cap);; i = (i + 1) & (t->cap - 1)) {
+    if (t->keys[i] == k) return (int64_t)t->vals[i];
+    if (!t->keys[i]) return -1;
+  }
+}
+
+static int table_put(Table *t, const void *k, uint64_t v) {
+  if (2 * (t->n + 1) > t->cap) {
+    Table bigger;
+    if (table_init(&bigger, t->cap * 2)) { table_free(&bigger); return -1; }
+    for (size_t i = 0; i < t->cap; i++)
+      if (t->keys[i]) table_put(&bigger, t->keys[i], t->vals[i]);
+    table_free(t);
+    *t = bigger;
+  }
+  size_t i = slot_of(k, t->cap);
+  while (t->keys[i]) i = (i + 1) & (t->cap - 1);
+  t->keys[i] = k;
+  t->vals[i] = v;
+  t->n++;
+  return 0;
+}
+
+/* ---- the walk ------------------------------------------------------------------ */
+
+typedef struct {
+  Out out;
+  Table idents, types, attrs, values, blocks;
+  uint64_t next_value;
+  PyObject *ignore;   /* frozenset of str: attributes dropped at depth <= 1 */
+  PyObject *renames;  /* dict str -> str: private function renames */
+  int oom;
+  char *text;         /* printer scratch */
+  size_t text_n, text_cap;
+} Walk;
+
+static void collect(MlirStringRef s, void *data) {
+  Walk *w = data;
+  if (w->text_n + s.length > w->text_cap) {
+    size_t cap = w->text_cap ? w->text_cap : 256;
+    while (cap < w->text_n + s.length) cap *= 2;
+    char *p = realloc(w->text, cap);
+    if (!p) { w->oom = 1; return; }
+    w->text = p;
+    w->text_cap = cap;
+  }
+  memcpy(w->text + w->text_n, s.data, s.length);
+  w->text_n += s.length;
+}
+
+/* Interning: 0 and the content on first sight, index + 1 after. Returns 1
+ * when the caller must write the content. */
+static int intern(Walk *w, Table *t, const void *k) {
+  int64_t idx = table_get(t, k);
+  if (idx >= 0) { put_varint(&w->out, (uint64_t)idx + 1); return 0; }
+  if (table_put(t, k, t->n)) { w->oom = 1; return 0; }
+  put_varint(&w->out, 0);
+  return 1;
+}
+
+static void ref_ident(Walk *w, MlirIdentifier id) {
+  if (intern(w, &w->idents, id.ptr)) {
+    MlirStringRef s = p_mlirIdentifierStr(id);
+    put_str(&w->out, s.data, s.length);
+  }
+}
+
+static void ref_type(Walk *w, MlirType t) {
+  if (intern(w, &w->types, t.ptr)) {
+    w->text_n = 0;
+    p_mlirTypePrint(t, collect, w);
+    put_str(&w->out, w->text, w->text_n);
+  }
+}
+
+/* A renamed symbol, when `name` is a private function's old name. */
+static int renamed(Walk *w, MlirStringRef name, const char **out, Py_ssize_t *n) {
+  if (!w->renames) return 0;
+  PyObject *key = PyUnicode_FromStringAndSize(name.data, (Py_ssize_t)name.length);
+  if (!key) { PyErr_Clear(); return 0; }  /* not UTF-8: never a renamed name */
+  PyObject *v = PyDict_GetItemWithError(w->renames, key);
+  Py_DECREF(key);
+  if (!v) return 0;
+  *out = PyUnicode_AsUTF8AndSize(v, n);
+  return *out != NULL;
+}
+
+static int eligible_dense(MlirAttribute a, size_t *nbytes) {
+  if (!p_mlirAttributeIsADenseIntElements(a) && !p_mlirAttributeIsADenseFPElements(a)) return 0;
+  MlirType et = p_mlirShapedTypeGetElementType(p_mlirAttributeGetType(a));
+  unsigned bits;
+  if (p_mlirTypeIsAInteger(et)) {
+    bits = p_mlirIntegerTypeGetWidth(et);
+    if (bits != 8 && bits != 16 && bits != 32 && bits != 64) return 0;
+  } else if (p_mlirTypeIsAF16(et)) {
+    bits = 16;
+  } else if (p_mlirTypeIsAF32(et)) {
+    bits = 32;
+  } else if (p_mlirTypeIsAF64(et)) {
+    bits = 64;
+  } else {
+    return 0;
+  }
+  int64_t count = p_mlirDenseElementsAttrIsSplat(a) ? 1 : p_mlirElementsAttrGetNumElements(a);
+  if (count < 0) return 0;
+  *nbytes = (size_t)count * (bits / 8);
+  return 1;
+}
+
+static void ref_attr(Walk *w, MlirAttribute a);
+
+static void attr_content(Walk *w, MlirAttribute a) {
+  Out *o = &w->out;
+  size_t nbytes;
+  if (p_mlirAttributeIsAFlatSymbolRef(a)) {
+    MlirStringRef s = p_mlirFlatSymbolRefAttrGetValue(a);
+    const char *r;
+    Py_ssize_t rn;
+    put_byte(o, 'R');
+    if (renamed(w, s, &r, &rn)) put_str(o, r, (size_t)rn);
+    else put_str(o, s.data, s.length);
+  } else if (p_mlirAttributeIsAArray(a)) {
+    intptr_t n = p_mlirArrayAttrGetNumElements(a);
+    put_byte(o, 'A');
+    put_varint(o, (uint64_t)n);
+    for (intptr_t i = 0; i < n && !o->failed && !w->oom; i++) ref_attr(w, p_mlirArrayAttrGetElement(a, i));
+  } else if (p_mlirAttributeIsADictionary(a)) {
+    intptr_t n = p_mlirDictionaryAttrGetNumElements(a);
+    put_byte(o, 'D');
+    put_varint(o, (uint64_t)n);
+    for (intptr_t i = 0; i < n && !o->failed && !w->oom; i++) {
+      MlirNamedAttribute na = p_mlirDictionaryAttrGetElement(a, i);
+      ref_ident(w, na.name);
+      ref_attr(w, na.attribute);
+    }
+  } else if (eligible_dense(a, &nbytes)) {
+    put_byte(o, 'E');
+    ref_type(w, p_mlirAttributeGetType(a));
+    put_byte(o, p_mlirDenseElementsAttrIsSplat(a) ? 1 : 0);
+    put_varint(o, nbytes);
+    put(o, p_mlirDenseElementsAttrGetRawData(a), nbytes);
+  } else {
+    w->text_n = 0;
+    p_mlirAttributePrint(a, collect, w);
+    put_byte(o, 'T');
+    put_str(o, w->text, w->text_n);
+  }
+}
+
+static void ref_attr(Walk *w, MlirAttribute a) {
+  if (intern(w, &w->attrs, a.ptr)) attr_content(w, a);
+}
+
+static int ignored(Walk *w, MlirIdentifier name) {
+  if (!w->ignore || PySet_GET_SIZE(w->ignore) == 0) return 0;
+  MlirStringRef s = p_mlirIdentifierStr(name);
+  PyObject *key = PyUnicode_FromStringAndSize(s.data, (Py_ssize_t)s.length);
+  if (!key) { PyErr_Clear(); return 0; }
+  int r = PySet_Contains(w->ignore, key);
+  Py_DECREF(key);
+  return r == 1;
+}
+
+static int is_name(MlirIdentifier id, const char *want) {
+  MlirStringRef s = p_mlirIdentifierStr(id);
+  size_t n = strlen(want);
+  return s.length == n && memcmp(s.data, want, n) == 0;
+}
+
+/* arg_attrs / res_attrs of the module and its functions, less the ignore list. */
+static void filtered_arg_attrs(Walk *w, MlirAttribute a) {
+  Out *o = &w->out;
+  intptr_t n = p_mlirArrayAttrGetNumElements(a);
+  put_byte(o, 'F');
+  put_varint(o, (uint64_t)n);
+  for (intptr_t i = 0; i < n; i++) {
+    MlirAttribute d = p_mlirArrayAttrGetElement(a, i);
+    if (!p_mlirAttributeIsADictionary(d)) {
+      put_byte(o, 'r');
+      ref_attr(w, d);
+      continue;
+    }
+    intptr_t m = p_mlirDictionaryAttrGetNumElements(d), kept = 0;
+    for (intptr_t k = 0; k < m; k++)
+      kept += !ignored(w, p_mlirDictionaryAttrGetElement(d, k).name);
+    put_byte(o, 'D');
+    put_varint(o, (uint64_t)kept);
+    for (intptr_t k = 0; k < m; k++) {
+      MlirNamedAttribute na = p_mlirDictionaryAttrGetElement(d, k);
+      if (ignored(w, na.name)) continue;
+      ref_ident(w, na.name);
+      ref_attr(w, na.attribute);
+    }
+  }
+}
+
+/* What happens to attribute `na` of an op at `depth`: 0 dropped, 1 kept as is,
+ * 2 a renamed sym_name, 3 filtered argument attributes. */
+static int attr_rule(Walk *w, MlirNamedAttribute na, int depth) {
+  if (depth > 1) return 1;
+  if (depth == 0 && is_name(na.name, "sym_name")) return 0;
+  if (ignored(w, na.name)) return 0;
+  if (depth == 1 && is_name(na.name, "sym_name") && p_mlirAttributeIsAString(na.attribute)) {
+    const char *r;
+    Py_ssize_t rn;
+    if (renamed(w, p_mlirStringAttrGetValue(na.attribute), &r, &rn)) return 2;
+  }
+  if (w->ignore && PySet_GET_SIZE(w->ignore) && p_mlirAttributeIsAArray(na.attribute) &&
+      (is_name(na.name, "arg_attrs") || is_name(na.name, "res_attrs")))
+    return 3;
+  return 1;
+}
+
+static void define_value(Walk *w, MlirValue v) {
+  int64_t idx = table_get(&w->values, v.ptr);
+  if (idx >= 0) { put_varint(&w->out, (uint64_t)idx + 1); return; }  /* used before */
+  if (table_put(&w->values, v.ptr, w->next_value++)) w->oom = 1;
+  put_varint(&w->out, 0);
+}
+
+static void use_value(Walk *w, MlirValue v) {
+  int64_t idx = table_get(&w->values, v.ptr);
+  if (idx >= 0) { put_varint(&w->out, (uint64_t)idx + 1); return; }
+  if (table_put(&w->values, v.ptr, w->next_value++)) w->oom = 1;  /* a forward use */
+  put_varint(&w->out, 0);
+}
+
+#define MAX_DEPTH 512
+
+static void walk_op(Walk *w, MlirOperation op, int depth) {
+  Out *o = &w->out;
+  if (o->failed || w->oom) return;
+  if (depth > MAX_DEPTH) { w->oom = 2; return; }
+  put_byte(o, 'O');
+  ref_ident(w, p_mlirOperationGetName(op));
+  intptr_t n = p_mlirOperationGetNumOperands(op);
+  put_varint(o, (uint64_t)n);
+  for (intptr_t i = 0; i < n; i++) use_value(w, p_mlirOperationGetOperand(op, i));
+  n = p_mlirOperationGetNumResults(op);
+  put_varint(o, (uint64_t)n);
+  for (intptr_t i = 0; i < n; i++) {
+    MlirValue v = p_mlirOperationGetResult(op, i);
+    define_value(w, v);
+    ref_type(w, p_mlirValueGetType(v));
+  }
+  n = p_mlirOperationGetNumAttributes(op);
+  intptr_t kept = 0;
+  for (intptr_t i = 0; i < n; i++) kept += attr_rule(w, p_mlirOperationGetAttribute(op, i), depth) != 0;
+  put_varint(o, (uint64_t)kept);
+  for (intptr_t i = 0; i < n; i++) {
+    MlirNamedAttribute na = p_mlirOperationGetAttribute(op, i);
+    int rule = attr_rule(w, na, depth);
+    if (rule == 0) continue;
+    ref_ident(w, na.name);
+    if (rule == 1) {
+      put_byte(o, 'r');
+      ref_attr(w, na.attribute);
+    } else if (rule == 2) {
+      const char *r;
+      Py_ssize_t rn;
+      renamed(w, p_mlirStringAttrGetValue(na.attribute), &r, &rn);
+      put_byte(o, 'S');
+      put_str(o, r, (size_t)rn);
+    } else {
+      filtered_arg_attrs(w, na.attribute);
+    }
+  }
+  n = p_mlirOperationGetNumSuccessors(op);
+  put_varint(o, (uint64_t)n);
+  for (intptr_t i = 0; i < n; i++) {
+    int64_t b = table_get(&w->blocks, p_mlirOperationGetSuccessor(op, i).ptr);
+    put_varint(o, b < 0 ? 0 : (uint64_t)b + 1);
+  }
+  n = p_mlirOperationGetNumRegions(op);
+  put_varint(o, (uint64_t)n);
+  for (intptr_t r = 0; r < n; r++) {
+    MlirRegion region = p_mlirOperationGetRegion(op, r);
+    uint64_t nblocks = 0;
+    for (MlirBlock b = p_mlirRegionGetFirstBlock(region); b.ptr; b = p_mlirBlockGetNextInRegion(b)) {
+      if (table_put(&w->blocks, b.ptr, w->blocks.n)) { w->oom = 1; return; }
+      nblocks++;
+    }
+    put_varint(o, nblocks);
+    for (MlirBlock b = p_mlirRegionGetFirstBlock(region); b.ptr; b = p_mlirBlockGetNextInRegion(b)) {
+      intptr_t na = p_mlirBlockGetNumArguments(b);
+      put_varint(o, (uint64_t)na);
+      for (intptr_t i = 0; i < na; i++) {
+        MlirValue v = p_mlirBlockGetArgument(b, i);
+        define_value(w, v);
+        ref_type(w, p_mlirValueGetType(v));
+      }
+      uint64_t nops = 0;
+      for (MlirOperation c = p_mlirBlockGetFirstOperation(b); c.ptr; c = p_mlirOperationGetNextInBlock(c)) nops++;
+      put_varint(o, nops);
+      for (MlirOperation c = p_mlirBlockGetFirstOperation(b); c.ptr; c = p_mlirOperationGetNextInBlock(c))
+        walk_op(w, c, depth + 1);
+    }
+  }
+}
+
+/* digest_module(capsule, hasher, ignore: frozenset[str], renames: dict[str, str]) */
+static PyObject *canonical_stream(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *capsule, *hasher, *ignore, *renames;
+  if (!PyArg_ParseTuple(args, "OOO!O!", &capsule, &hasher, &PyFrozenSet_Type, &ignore,
+                        &PyDict_Type, &renames))
+    return NULL;
+  if (!bound) {
+    PyErr_SetString(PyExc_RuntimeError, "MLIR C API not bound: call bind() first");
+    return NULL;
+  }
+  if (!PyCapsule_CheckExact(capsule)) {
+    PyErr_SetString(PyExc_TypeError, "expected an MLIR Module capsule (module._CAPIPtr)");
+    return NULL;
+  }
+  const char *cname = PyCapsule_GetName(capsule);
+  if (!cname || !strstr(cname, "ir.Module._CAPIPtr")) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "expected an MLIR Module capsule");
+    return NULL;
+  }
+  MlirModule m = {PyCapsule_GetPointer(capsule, cname)};
+  if (!m.ptr) return NULL;
+  Walk w;
+  memset(&w, 0, sizeof w);
+  w.out.cap = CHUNK;
+  w.out.d = malloc(CHUNK);
+  w.out.hasher = hasher;
+  w.ignore = ignore;
+  w.renames = PyDict_GET_SIZE(renames) ? renames : NULL;
+  if (!w.out.d || table_init(&w.idents, 256) || table_init(&w.types, 1024) ||
+      table_init(&w.attrs, 4096) || table_init(&w.values, 1 << 14) || table_init(&w.blocks, 256)) {
+    w.oom = 1;
+  } else {
+    walk_op(&w, p_mlirModuleGetOperation(m), 0);
+    if (!w.out.failed && !w.oom) out_flush(&w.out);
+  }
+  free(w.out.d);
+  free(w.text);
+  table_free(&w.idents);
+  table_free(&w.types);
+  table_free(&w.attrs);
+  table_free(&w.values);
+  table_free(&w.blocks);
+  if (w.out.failed) return NULL;
+  if (w.oom == 2) {
+    PyErr_SetString(PyExc_ValueError, "operations nested too deeply");
+    return NULL;
+  }
+  if (w.oom) return PyErr_NoMemory();
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"bind", bind, METH_VARARGS, "Find MLIR's C API in a loaded library file."},
+    {"canonical_stream", canonical_stream, METH_VARARGS,
+     "canonical_stream(module_capsule, hasher, ignore, renames): feed the canonical stream to hasher.update."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_mlircanon", NULL, -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__mlircanon(void) { return PyModule_Create(&module); }

@@ -1,0 +1,518 @@
+"""The canonical stream of an MLIR module: what a program key hashes.
+
+One walk over the module, in operation order, writes what can change the
+executable and nothing else. The grammar (varint: LEB128; str: varint length
+and UTF-8 bytes; ref: varint 0 followed by the content on first sight, the
+first sighting's index + 1 after; identifiers, types and attributes have one
+index space each):
+
+    op      := 'O' ref(name) varint(#operands) use* varint(#results) (def ref(type))*
+               varint(#attrs) (ref(attr name) value)* varint(#successors) block*
+               varint(#regions) region*
+    region  := varint(#blocks) (varint(#args) (def ref(type))* varint(#ops) op*)*
+    use/def := varint(0) for a value not seen before (it takes the next value
+               number), else varint(number + 1)
+    block   := varint(position of the block in its region + 1), 0 when elsewhere
+    value   := 'r' ref(attr) | 'S' str (a renamed sym_name) | 'F' filtered
+    filtered:= varint(#dicts) ('D' varint(#kept) (ref(name) ref(attr))* | 'r' ref(attr))*
+    attr    := 'R' str (a flat symbol reference, renamed when private)
+             | 'A' varint(n) ref(attr)*            (arrays)
+             | 'D' varint(n) (ref(name) ref(attr))*  (dictionaries)
+             | 'E' ref(type) byte(splat) str(raw)  (dense int/float elements of
+                                                    8/16/32/64-bit integers or f16/f32/f64)
+             | 'T' str(printed)                    (any other attribute, as MLIR prints it)
+    type    := str(printed)
+
+Every field of the grammar is length-prefixed or counted, so two different
+streams never parse the same: the stream is injective over what it covers.
+What it leaves out, and nothing else, is what canonicalization drops
+(docs/keys.md): locations (never visited), SSA names (values are numbers),
+the module's sym_name, the ignore list on the module and its functions (and
+in their arg_attrs/res_attrs), and private function names (renamed f0, f1, ...
+in order of appearance, everywhere they are referenced). MLIR prints types and
+attributes completely (floats so that they parse back to the same bits, and
+no element is elided unless asked, which nothing here does); dense constants
+of the common element types are hashed from their raw bytes instead.
+
+Two implementations write the same bytes: `_mlircanon` (C, over MLIR's C API
+inside jaxlib, which jaxlib does not export: bound by symbol from its ELF
+file) and `stream_py` (this module, through jaxlib's Python bindings; about
+100x slower). The C path runs in a JAX process only after a self-test in a
+child process (`python -m compilecast.worker.mlircanon --selftest`) matched
+the two on a corpus for this exact jaxlib library and extension build (the
+verdict is kept in ~/.cache/compilecast/mlircanon). Until a verdict exists the first key
+starts that test in the background and uses the reference; keys never depend
+on which path ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("compilecast.mlircanon")
+
+STREAM_VERSION = "1"
+_ELEMENT_BITS = (8, 16, 32, 64)
+
+
+# -- private function renames (shared by both paths) ---------------------------
+
+def private_renames(module: Any) -> dict[str, str]:
+    """Private functions of the module's body, renamed f0, f1, ... in order of
+    appearance; {} when a new name would be a public function's name (the
+    module keeps its names: a miss at worst, never a collision)."""
+    ir = _ir()
+    mapping: dict[str, str] = {}
+    public: set[str] = set()
+    for op in module.operation.regions[0].blocks[0].operations:
+        attrs = op.operation.attributes
+        if "sym_name" not in attrs:
+            continue
+        name = ir.StringAttr(attrs["sym_name"]).value
+        if "sym_visibility" in attrs and ir.StringAttr(attrs["sym_visibility"]).value == "private":
+            mapping[name] = f"f{len(mapping)}"
+        else:
+            public.add(name)
+    public -= set(mapping)
+    if public & set(mapping.values()):
+        return {}
+    return mapping
+
+
+# -- the reference -----------------------------------------------------------------
+
+class _Stream:
+    def __init__(self, hasher: Any, ignore: frozenset[str], renames: dict[str, str]) -> None:
+        self.ir = _ir()
+        self.h = hasher
+        self.buf = bytearray()
+        self.ignore = ignore
+        self.renames = renames
+        self.idents: dict[str, int] = {}
+        self.types: dict[Any, int] = {}
+        self.attrs: dict[Any, int] = {}
+        self.values: dict[Any, int] = {}
+        self.blocks: dict[Any, int] = {}
+
+    def flush(self) -> None:
+        self.h.update(bytes(self.buf))
+        self.buf.clear()
+
+    def varint(self, v: int) -> None:
+        while True:
+            b = v & 0x7F
+            v >>= 7
+            self.buf.append(b | 0x80 if v else b)
+            if not v:
+                return
+
+    def str(self, s: str | bytes) -> None:
+        b = s.encode() if isinstance(s, str) else s
+        self.varint(len(b))
+        self.buf += b
+        if len(self.buf) > 1 << 18:
+            self.flush()
+
+    def intern(self, table: dict[Any, int], k: Any) -> bool:
+        idx = table.get(k)
+        if idx is not None:
+            self.varint(idx + 1)
+            return False
+        table[k] = len(table)
+        self.varint(0)
+        return True
+
+    def ident(self, name: str) -> None:
+        if self.intern(self.idents, name):
+            self.str(name)
+
+    def type(self, t: Any) -> None:
+        if self.intern(self.types, t):
+            self.str(str(t))
+
+    def attr(self, a: Any) -> None:
+        if self.intern(self.attrs, a):
+            self.attr_content(a)
+
+    def dense_raw(self, a: Any) -> bytes | None:
+        ir = self.ir
+        if not (isinstance(a, ir.DenseIntElementsAttr) or isinstance(a, ir.DenseFPElementsAttr)):
+            return None
+        et = ir.ShapedType(a.type).element_type
+        if isinstance(et, ir.IntegerType):
+            if ir.IntegerType(et).width not in _ELEMENT_BITS:
+                return None
+        elif not (isinstance(et, ir.F16Type) or isinstance(et, ir.F32Type)
+                  or isinstance(et, ir.F64Type)):
+            return None
+        import numpy as np
+        arr = np.asarray(a)
+        if a.is_splat:
+            arr = arr.reshape(-1)[:1]
+        return np.ascontiguousarray(arr).tobytes()
+
+    def attr_content(self, a: Any) -> None:
+        ir = self.ir
+        if isinstance(a, ir.FlatSymbolRefAttr):
+            name = ir.FlatSymbolRefAttr(a).value
+            self.buf += b"R"
+            self.str(self.renames.get(name, name))
+        elif isinstance(a, ir.ArrayAttr):
+            items = list(ir.ArrayAttr(a))
+            self.buf += b"A"
+            self.varint(len(items))
+            for item in items:
+                self.attr(item)
+        elif isinstance(a, ir.DictAttr):
+            d = ir.DictAttr(a)
+            self.buf += b"D"
+            self.varint(len(d))
+            for i in range(len(d)):
+                na = d[i]
+                self.ident(na.name)
+                self.attr(na.attr)
+        elif (raw := self.dense_raw(a)) is not None:
+            self.buf += b"E"
+            self.type(a.type)
+            self.buf.append(1 if a.is_splat else 0)
+            self.flush()
+            self.varint(len(raw))
+            self.flush()
+            self.h.update(raw)
+        else:
+            self.buf += b"T"
+            self.str(str(a))
+
+    def rule(self, name: str, a: Any, depth: int) -> int:
+        """0 dropped, 1 kept, 2 a renamed sym_name, 3 filtered arg/res attrs
+        (as attr_rule in _mlircanon.c)."""
+        ir = self.ir
+        if depth > 1:
+            return 1
+        if depth == 0 and name == "sym_name":
+            return 0
+        if name in self.ignore:
+            return 0
+        if depth == 1 and name == "sym_name" and isinstance(a, ir.StringAttr) and \
+                ir.StringAttr(a).value in self.renames:
+            return 2
+        if self.ignore and name in ("arg_attrs", "res_attrs") and isinstance(a, ir.ArrayAttr):
+            return 3
+        return 1
+
+    def filtered(self, a: Any) -> None:
+        ir = self.ir
+        items = list(ir.ArrayAttr(a))
+        self.buf += b"F"
+        self.varint(len(items))
+        for d in items:
+            if not isinstance(d, ir.DictAttr):
+                self.buf += b"r"
+                self.attr(d)
+                continue
+            dd = ir.DictAttr(d)
+            kept = [dd[i] for i in range(len(dd)) if dd[i].name not in self.ignore]
+            self.buf += b"D"
+            self.varint(len(kept))
+            for na in kept:
+                self.ident(na.name)
+                self.attr(na.attr)
+
+    def value(self, v: Any) -> None:  # a use or a definition: the same rule
+        idx = self.values.get(v)
+        if idx is None:
+            self.values[v] = len(self.values)
+            self.varint(0)
+        else:
+            self.varint(idx + 1)
+
+    def op(self, op: Any, depth: int) -> None:
+        if depth > 512:
+            raise ValueError("operations nested too deeply")
+        self.buf += b"O"
+        self.ident(op.name)
+        operands = op.operands
+        self.varint(len(operands))
+        for v in operands:
+            self.value(v)
+        results = op.results
+        self.varint(len(results))
+        for v in results:
+            self.value(v)
+            self.type(v.type)
+        attrs = op.attributes
+        named = [attrs[i] for i in range(len(attrs))]
+        rules = [self.rule(na.name, na.attr, depth) for na in named]
+        self.varint(sum(1 for r in rules if r))
+        for na, r in zip(named, rules, strict=True):
+            if not r:
+                continue
+            self.ident(na.name)
+            if r == 1:
+                self.buf += b"r"
+                self.attr(na.attr)
+            elif r == 2:
+                self.buf += b"S"
+                self.str(self.renames[self.ir.StringAttr(na.attr).value])
+            else:
+                self.filtered(na.attr)
+        successors = op.successors
+        self.varint(len(successors))
+        for b in successors:
+            idx = self.blocks.get(b)
+            self.varint(0 if idx is None else idx + 1)
+        regions = op.regions
+        self.varint(len(regions))
+        for region in regions:
+            blocks = list(region.blocks)
+            for b in blocks:
+                self.blocks[b] = len(self.blocks)
+            self.varint(len(blocks))
+            for b in blocks:
+                args = b.arguments
+                self.varint(len(args))
+                for v in args:
+                    self.value(v)
+                    self.type(v.type)
+                ops = list(b.operations)
+                self.varint(len(ops))
+                for child in ops:
+                    self.op(child.operation, depth + 1)
+
+
+def stream_py(module: Any, hasher: Any, ignore: frozenset[str], renames: dict[str, str]) -> None:
+    """The canonical stream of `module`, fed to hasher.update (the reference)."""
+    s = _Stream(hasher, ignore, renames)
+    s.op(module.operation, 0)
+    s.flush()
+
+
+# -- the C path and its gate -------------------------------------------------------
+
+try:
+    from . import _mlircanon as _native
+except ImportError:  # not built (no compiler at install): the reference only
+    _native = None
+
+_state_lock = threading.Lock()
+_state: dict[str, Any] = {"native": None, "testing": False}
+
+
+def _ir() -> Any:
+    from .jax_adapter import ir
+    return ir
+
+
+def library_candidates() -> list[Path]:
+    """The jaxlib files that may hold MLIR's C API, most likely first."""
+    import jaxlib
+    root = Path(jaxlib.__file__).parent
+    return [root / "libjax_common.so", root / "mlir" / "_mlir_libs" / "libjaxlib_mlir_capi.so"]
+
+
+def _build_id() -> str:
+    """What a verdict is about: this extension and jaxlib's library files."""
+    parts = [STREAM_VERSION]
+    files = ([Path(_native.__file__)] if _native is not None else []) + library_candidates()
+    for p in files:
+        try:
+            st = p.stat()
+            parts.append(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            parts.append(f"{p}:-")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _verdict_path() -> Path:
+    """Verdicts are about the machine's installed files, not a data home: one
+    place per user (XDG cache), whatever COMPILECAST_HOME a process has."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "compilecast" / "mlircanon" / f"{_build_id()}.json"
+
+
+def _bind() -> str | None:
+    """Bind the C path in this process; the library it used, or None."""
+    _ir()  # loads jaxlib's libraries: bind() looks for them among the loaded ones
+    for lib in library_candidates():
+        if lib.exists():
+            try:
+                _native.bind(str(lib))
+                return str(lib)
+            except (LookupError, OSError, ValueError) as e:
+                log.debug("MLIR C API not in %s: %s", lib, e)
+    return None
+
+
+SELFTEST_TIMEOUT_S = 300
+
+
+def _run_selftest() -> None:
+    """The self-test in a child process on the CPU platform (it must never
+    take the accelerator this process holds); the child writes the verdict,
+    or this process does when the child died. One machine-wide at a time: a
+    job's processes starting together run it once."""
+    path = _verdict_path()
+    running = path.with_suffix(".running")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(running, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.close(fd)
+        except FileExistsError:
+            if time.time() - running.stat().st_mtime < SELFTEST_TIMEOUT_S:
+                return  # another process tests this build now
+            running.touch()
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.run([sys.executable, "-m", "compilecast.worker.mlircanon", "--selftest"],
+                              capture_output=True, text=True, timeout=SELFTEST_TIMEOUT_S, env=env)
+        if proc.returncode != 0 and not path.exists():
+            _write_verdict(False, f"self-test exited {proc.returncode}: {proc.stderr[-500:]}")
+    except (OSError, subprocess.SubprocessError) as e:
+        log.info("MLIR key self-test did not run: %s", e)
+    finally:
+        with contextlib.suppress(OSError):
+            running.unlink()
+        with _state_lock:
+            _state["testing"] = False
+            _state["native"] = None  # read the verdict again
+
+
+def _write_verdict(ok: bool, why: str) -> None:
+    path = _verdict_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"ok": ok, "why": why}))
+    os.replace(tmp, path)
+
+
+def native_ready(*, wait: bool = False) -> bool:
+    """Whether keys in this process use the C path. Without a verdict for this
+    build, starts the self-test (in the background unless `wait`).
+    COMPILECAST_KEY_NATIVE=0 keeps a process on the reference."""
+    if _native is None or os.environ.get("COMPILECAST_KEY_NATIVE", "1") == "0":
+        return False
+    with _state_lock:
+        if _state["native"] is not None:
+            return bool(_state["native"])
+    try:
+        verdict = json.loads(_verdict_path().read_text())
+    except (OSError, ValueError):
+        verdict = None
+    if verdict is None:
+        with _state_lock:
+            if _state["testing"] and not wait:
+                return False
+            _state["testing"] = True
+        if wait:
+            _run_selftest()
+            return _verdict_path().exists() and native_ready()
+        threading.Thread(target=_run_selftest, name="compilecast-mlircanon-selftest",
+                         daemon=True).start()
+        return False
+    ok = bool(verdict.get("ok")) and _bind() is not None
+    if not verdict.get("ok"):
+        log.info("MLIR keys use the Python walk: %s", verdict.get("why"))
+    with _state_lock:
+        _state["native"] = ok
+    return ok
+
+
+def stream(module: Any, hasher: Any, ignore: frozenset[str], renames: dict[str, str]) -> None:
+    """The canonical stream of `module` into `hasher`, by the fastest path
+    this process may use."""
+    if native_ready():
+        _native.canonical_stream(module._CAPIPtr, hasher, ignore, renames)
+    else:
+        stream_py(module, hasher, ignore, renames)
+
+
+# -- the self-test ---------------------------------------------------------------
+
+def selftest_corpus() -> list[Any]:
+    """Modules that exercise every rule of the stream: control flow with
+    regions and blocks, private functions and calls, dense constants of each
+    raw element type and printed ones, arg/res attributes, shardings."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    @jax.jit
+    def helper(x):
+        return jnp.tanh(x) * 3
+
+    def loop(x):
+        return jax.lax.fori_loop(0, 3, lambda i, c: c + helper(c), x)
+
+    def branches(x, p):
+        return jax.lax.cond(p, lambda y: y * 2, lambda y: helper(y) - 1, x)
+
+    def consts(x):
+        out = x
+        for dt in (np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64):
+            out = out + jnp.asarray(np.arange(7, dtype=dt)).astype(x.dtype).sum()
+        out = out + jnp.asarray(np.full((5,), 2.5, np.float32)).sum()  # a splat
+        out = out + jnp.asarray(np.array([True, False, True])).astype(x.dtype).sum()  # i1
+        out = out + jnp.asarray(np.arange(4).astype(jnp.bfloat16)).astype(x.dtype).sum()
+        return out
+
+    def donate(x, y):
+        return x + y, jnp.dot(x, y)
+
+    x = jax.ShapeDtypeStruct((4, 4), jnp.float32)  # abstract: nothing is placed on a device
+    with jax.enable_x64(True):  # 64-bit constants stay 64-bit
+        wide = jax.jit(consts).lower(x).compiler_ir("stablehlo")
+    return [
+        jax.jit(loop).lower(x).compiler_ir("stablehlo"),
+        jax.jit(branches).lower(x, jax.ShapeDtypeStruct((), jnp.bool_)).compiler_ir("stablehlo"),
+        jax.jit(consts).lower(x).compiler_ir("stablehlo"),
+        wide,
+        jax.jit(donate, donate_argnums=(0,)).lower(x, x).compiler_ir("stablehlo"),
+        jax.jit(lambda t: {"a": t["a"].sum(), "b": t["b"] * 2}).lower(
+            {"a": x, "b": x}).compiler_ir("stablehlo"),
+    ]
+
+
+def selftest() -> tuple[bool, str]:
+    """The C path against the reference on the corpus, in this process."""
+    if _native is None:
+        return False, "the _mlircanon extension is not built"
+    lib = _bind()
+    if lib is None:
+        return False, "no jaxlib library file holds MLIR's C API"
+    ignore_lists = (frozenset(), frozenset({"jax.arg_info", "jax.result_info"}))
+    for i, module in enumerate(selftest_corpus()):
+        renames = private_renames(module)
+        for ignore in ignore_lists:
+            a, b = hashlib.sha256(), hashlib.sha256()
+            _native.canonical_stream(module._CAPIPtr, a, ignore, renames)
+            stream_py(module, b, ignore, renames)
+            if a.digest() != b.digest():
+                return False, f"corpus module {i} streams differ (ignore={sorted(ignore)})"
+    return True, f"C path matches the reference ({lib})"
+
+
+def main(argv: list[str]) -> int:
+    if argv != ["--selftest"]:
+        print("usage: python -m compilecast.worker.mlircanon --selftest", file=sys.stderr)
+        return 2
+    try:
+        ok, why = selftest()
+    except Exception as e:  # the reference failing is a failed self-test too
+        ok, why = False, f"self-test raised {type(e).__name__}: {e}"
+    _write_verdict(ok, why)
+    print(("ok: " if ok else "failed: ") + why)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
