@@ -102,8 +102,10 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str) -> None:
     from compilecast.coordinator.server import Coordinator
     from compilecast.serving import serve_until_signal
+    from compilecast.worker import mlircanon
     from compilecast.worker.server import Worker
 
+    mlircanon.warm_up()  # JAX processes on this machine then key MLIR programs by the C path
     coordinator = Coordinator(ccfg)
     worker = Worker(wcfg)
     await coordinator.start()

@@ -120,6 +120,14 @@ class EtcdProcess:
         self.log.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def mlir_key_verdict() -> None:
+    """The MLIR key self-test runs once, before any test: JAX processes the
+    tests start find its verdict instead of each starting it in the background."""
+    from compilecast.worker import mlircanon
+    mlircanon.native_ready(wait=True)
+
+
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory) -> Iterator[EtcdProcess]:
     proc = EtcdProcess(tmp_path_factory.mktemp("etcd"))

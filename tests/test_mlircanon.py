@@ -159,3 +159,20 @@ def test_key_native_0_keeps_a_process_on_the_reference(fresh_gate, monkeypatch):
     monkeypatch.setenv("COMPILECAST_KEY_NATIVE", "0")
     assert not mlircanon.native_ready(wait=True)
     assert not mlircanon._verdict_path().exists()  # nothing was even tested
+
+
+@native
+def test_the_worker_daemon_warms_up_the_verdict_without_importing_jax(tmp_path):
+    import subprocess
+    import sys
+    probe = ("import sys\n"
+             "from compilecast.worker import mlircanon\n"
+             "t = mlircanon.warm_up()\n"
+             "t.join()\n"
+             "assert 'jax' not in sys.modules, 'the daemon imported jax'\n"
+             "print(mlircanon._verdict_path().read_text())\n")
+    out = subprocess.run([sys.executable, "-c", probe], env={**__import__("os").environ,
+                         "XDG_CACHE_HOME": str(tmp_path)}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ok"]

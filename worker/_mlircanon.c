@@ -44,6 +44,7 @@ typedef void (*MlirStringCallback)(MlirStringRef, void *);
   X(MlirType, mlirValueGetType, (MlirValue)) \
   X(intptr_t, mlirOperationGetNumAttributes, (MlirOperation)) \
   X(MlirNamedAttribute, mlirOperationGetAttribute, (MlirOperation, intptr_t)) \
+  X(MlirAttribute, mlirOperationGetAttributeByName, (MlirOperation, MlirStringRef)) \
   X(intptr_t, mlirOperationGetNumSuccessors, (MlirOperation)) \
   X(MlirBlock, mlirOperationGetSuccessor, (MlirOperation, intptr_t)) \
   X(intptr_t, mlirOperationGetNumRegions, (MlirOperation)) \
@@ -290,9 +291,21 @@ static int table_put(Table *t, const void *k, uint64_t v) {
 
 /* ---- the walk ------------------------------------------------------------------ */
 
+/* The attribute names seen on the ops of one name, sorted as MLIR sorts an
+ * op's attributes (by bytes). An op whose properties hold its inherent
+ * attributes rebuilds its whole attribute dictionary on every
+ * mlirOperationGetAttribute (two thirds of a walk's time); looking the known
+ * names up one by one does not. The lookup is trusted only when it finds as
+ * many attributes as the op has: otherwise every attribute is read by position
+ * and the names learned. */
+typedef struct { MlirIdentifier id; MlirStringRef s; } Name;
+typedef struct { Name *v; size_t n, cap; } NameList;
+
 typedef struct {
   Out out;
-  Table idents, types, attrs, values, blocks;
+  Table idents, types, attrs, values, blocks, opnames;
+  NameList *lists;
+  size_t nlists, caplists;
   uint64_t next_value;
   PyObject *ignore;   /* frozenset of str: attributes dropped at depth <= 1 */
   PyObject *renames;  /* dict str -> str: private function renames */
@@ -492,6 +505,70 @@ static void use_value(Walk *w, MlirValue v) {
   put_varint(&w->out, 0);
 }
 
+static int name_cmp(MlirStringRef a, MlirStringRef b) {
+  int c = memcmp(a.data, b.data, a.length < b.length ? a.length : b.length);
+  return c ? c : (a.length < b.length ? -1 : a.length > b.length);
+}
+
+static NameList *names_of(Walk *w, MlirIdentifier opname) {
+  int64_t idx = table_get(&w->opnames, opname.ptr);
+  if (idx >= 0) return &w->lists[idx];
+  if (w->nlists == w->caplists) {
+    size_t cap = w->caplists ? 2 * w->caplists : 64;
+    NameList *p = realloc(w->lists, cap * sizeof *p);
+    if (!p) return NULL;
+    w->lists = p;
+    w->caplists = cap;
+  }
+  if (table_put(&w->opnames, opname.ptr, w->nlists)) return NULL;
+  NameList *l = &w->lists[w->nlists++];
+  memset(l, 0, sizeof *l);
+  return l;
+}
+
+static int learn(NameList *l, MlirIdentifier id) {
+  MlirStringRef s = p_mlirIdentifierStr(id);
+  size_t at = 0;
+  while (at < l->n && name_cmp(l->v[at].s, s) < 0) at++;
+  if (at < l->n && name_cmp(l->v[at].s, s) == 0) return 0;
+  if (l->n == l->cap) {
+    size_t cap = l->cap ? 2 * l->cap : 8;
+    Name *p = realloc(l->v, cap * sizeof *p);
+    if (!p) return -1;
+    l->v = p;
+    l->cap = cap;
+  }
+  memmove(l->v + at + 1, l->v + at, (l->n - at) * sizeof *l->v);
+  l->v[at].id = id;
+  l->v[at].s = s;
+  l->n++;
+  return 0;
+}
+
+/* The n attributes of `op` into out[], in MLIR's order. */
+static int read_attrs(Walk *w, MlirOperation op, MlirIdentifier opname, intptr_t n,
+                      MlirNamedAttribute *out) {
+  NameList *l = names_of(w, opname);
+  if (!l) return -1;
+  intptr_t found = 0;
+  if ((intptr_t)l->n >= n) {
+    for (size_t k = 0; k < l->n && found < n; k++) {
+      MlirAttribute a = p_mlirOperationGetAttributeByName(op, l->v[k].s);
+      if (a.ptr) {
+        out[found].name = l->v[k].id;
+        out[found].attribute = a;
+        found++;
+      }
+    }
+  }
+  if (found == n) return 0;
+  for (intptr_t i = 0; i < n; i++) {
+    out[i] = p_mlirOperationGetAttribute(op, i);
+    if (learn(l, out[i].name)) return -1;
+  }
+  return 0;
+}
+
 #define MAX_DEPTH 512
 
 static void walk_op(Walk *w, MlirOperation op, int depth) {
@@ -499,7 +576,8 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
   if (o->failed || w->oom) return;
   if (depth > MAX_DEPTH) { w->oom = 2; return; }
   put_byte(o, 'O');
-  ref_ident(w, p_mlirOperationGetName(op));
+  MlirIdentifier opname = p_mlirOperationGetName(op);
+  ref_ident(w, opname);
   intptr_t n = p_mlirOperationGetNumOperands(op);
   put_varint(o, (uint64_t)n);
   for (intptr_t i = 0; i < n; i++) use_value(w, p_mlirOperationGetOperand(op, i));
@@ -511,11 +589,17 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
     ref_type(w, p_mlirValueGetType(v));
   }
   n = p_mlirOperationGetNumAttributes(op);
+  MlirNamedAttribute few[16], *named = n <= 16 ? few : malloc((size_t)n * sizeof *named);
+  if (!named || read_attrs(w, op, opname, n, named)) {
+    if (named != few) free(named);
+    w->oom = 1;
+    return;
+  }
   intptr_t kept = 0;
-  for (intptr_t i = 0; i < n; i++) kept += attr_rule(w, p_mlirOperationGetAttribute(op, i), depth) != 0;
+  for (intptr_t i = 0; i < n; i++) kept += attr_rule(w, named[i], depth) != 0;
   put_varint(o, (uint64_t)kept);
   for (intptr_t i = 0; i < n; i++) {
-    MlirNamedAttribute na = p_mlirOperationGetAttribute(op, i);
+    MlirNamedAttribute na = named[i];
     int rule = attr_rule(w, na, depth);
     if (rule == 0) continue;
     ref_ident(w, na.name);
@@ -532,6 +616,7 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
       filtered_arg_attrs(w, na.attribute);
     }
   }
+  if (named != few) free(named);
   n = p_mlirOperationGetNumSuccessors(op);
   put_varint(o, (uint64_t)n);
   for (intptr_t i = 0; i < n; i++) {
@@ -556,11 +641,9 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
         define_value(w, v);
         ref_type(w, p_mlirValueGetType(v));
       }
-      uint64_t nops = 0;
-      for (MlirOperation c = p_mlirBlockGetFirstOperation(b); c.ptr; c = p_mlirOperationGetNextInBlock(c)) nops++;
-      put_varint(o, nops);
       for (MlirOperation c = p_mlirBlockGetFirstOperation(b); c.ptr; c = p_mlirOperationGetNextInBlock(c))
         walk_op(w, c, depth + 1);
+      put_byte(o, 'Z');  /* the block's end: every op starts with 'O' */
     }
   }
 }
@@ -595,7 +678,8 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   w.ignore = ignore;
   w.renames = PyDict_GET_SIZE(renames) ? renames : NULL;
   if (!w.out.d || table_init(&w.idents, 256) || table_init(&w.types, 1024) ||
-      table_init(&w.attrs, 4096) || table_init(&w.values, 1 << 14) || table_init(&w.blocks, 256)) {
+      table_init(&w.attrs, 4096) || table_init(&w.values, 1 << 14) || table_init(&w.blocks, 256) ||
+      table_init(&w.opnames, 256)) {
     w.oom = 1;
   } else {
     walk_op(&w, p_mlirModuleGetOperation(m), 0);
@@ -608,6 +692,9 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   table_free(&w.attrs);
   table_free(&w.values);
   table_free(&w.blocks);
+  table_free(&w.opnames);
+  for (size_t i = 0; i < w.nlists; i++) free(w.lists[i].v);
+  free(w.lists);
   if (w.out.failed) return NULL;
   if (w.oom == 2) {
     PyErr_SetString(PyExc_ValueError, "operations nested too deeply");

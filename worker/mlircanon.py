@@ -9,7 +9,7 @@ index space each):
     op      := 'O' ref(name) varint(#operands) use* varint(#results) (def ref(type))*
                varint(#attrs) (ref(attr name) value)* varint(#successors) block*
                varint(#regions) region*
-    region  := varint(#blocks) (varint(#args) (def ref(type))* varint(#ops) op*)*
+    region  := varint(#blocks) (varint(#args) (def ref(type))* op* 'Z')*
     use/def := varint(0) for a value not seen before (it takes the next value
                number), else varint(number + 1)
     block   := varint(position of the block in its region + 1), 0 when elsewhere
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -61,7 +62,7 @@ from typing import Any
 
 log = logging.getLogger("compilecast.mlircanon")
 
-STREAM_VERSION = "1"
+STREAM_VERSION = "2"
 _ELEMENT_BITS = (8, 16, 32, 64)
 
 
@@ -284,10 +285,9 @@ class _Stream:
                 for v in args:
                     self.value(v)
                     self.type(v.type)
-                ops = list(b.operations)
-                self.varint(len(ops))
-                for child in ops:
+                for child in b.operations:
                     self.op(child.operation, depth + 1)
+                self.buf += b"Z"
 
 
 def stream_py(module: Any, hasher: Any, ignore: frozenset[str], renames: dict[str, str]) -> None:
@@ -314,9 +314,12 @@ def _ir() -> Any:
 
 
 def library_candidates() -> list[Path]:
-    """The jaxlib files that may hold MLIR's C API, most likely first."""
-    import jaxlib
-    root = Path(jaxlib.__file__).parent
+    """The jaxlib files that may hold MLIR's C API, most likely first (found
+    without importing jaxlib)."""
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.origin:
+        return []
+    root = Path(spec.origin).parent
     return [root / "libjax_common.so", root / "mlir" / "_mlir_libs" / "libjaxlib_mlir_capi.so"]
 
 
@@ -425,6 +428,16 @@ def native_ready(*, wait: bool = False) -> bool:
     with _state_lock:
         _state["native"] = ok
     return ok
+
+
+def warm_up() -> threading.Thread | None:
+    """Give this machine a verdict for its jaxlib before JAX processes need
+    one, without importing JAX here (the worker daemon calls this at start)."""
+    if _native is None or not library_candidates() or _verdict_path().exists():
+        return None
+    t = threading.Thread(target=_run_selftest, name="compilecast-mlircanon-selftest", daemon=True)
+    t.start()
+    return t
 
 
 def stream(module: Any, hasher: Any, ignore: frozenset[str], renames: dict[str, str]) -> None:

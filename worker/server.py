@@ -117,4 +117,6 @@ def _prepare_socket(path: Path) -> None:
 
 
 def run(cfg: WorkerConfig) -> None:
+    from . import mlircanon
+    mlircanon.warm_up()  # the host's JAX processes then key MLIR programs by the C path at once
     asyncio.run(Worker(cfg).serve())
