@@ -134,8 +134,12 @@ def main() -> None:
                     help="op-heavy programs whose layers call a nested jit (private functions)")
     args = ap.parse_args()
 
+    from compilecast.worker import mlircanon
     from compilecast.worker.keys import KeyConfig, program_digest, program_key
 
+    native = mlircanon.native_ready(wait=True)  # the self-test, once, before timing
+    print("MLIR programs keyed by the C path (worker/_mlircanon.c)" if native else
+          "MLIR programs keyed by the Python reference walk (no C path here)", flush=True)
     rows = []
     for size in args.sizes_mb:
         bc, hlo, kind, module = build(size, args.nested)
@@ -165,7 +169,7 @@ def main() -> None:
                   f"cc-key {ours * 1e3:9.2f} ms ({ours / sha:7.1f}x)  "
                   f"jax-key {theirs * 1e3:9.2f} ms ({theirs / sha:7.1f}x)  "
                   f"peak +{rss:.0f} MB", flush=True)
-    print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    print(json.dumps({"native_mlir_walk": native, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "rows": rows}))
 
 

@@ -21,7 +21,7 @@ DEFAULT_IGNORE = frozenset(keys.DEFAULT_IGNORED_ATTRIBUTES)
 
 
 def digest_native(module, ignore=DEFAULT_IGNORE, renames=None) -> str:
-    assert mlircanon._bind() is not None
+    assert mlircanon.bind_here() is not None
     h = hashlib.sha256()
     renames = mlircanon.private_renames(module) if renames is None else renames
     mlircanon._native.canonical_stream(module._CAPIPtr, h, ignore, renames)
@@ -69,8 +69,9 @@ def modules():
 def test_the_c_path_passes_its_self_test_on_this_jaxlib():
     """Fails loudly when a jaxlib release strips MLIR's C API from its
     library or changes it under us (keys then fall back to the slower walk)."""
-    ok, why = mlircanon.selftest()
+    ok, why, api = mlircanon.selftest()
     assert ok, why
+    assert api is not None and len(api[1]) == len(set(api[1]))  # one function per name
 
 
 @native
@@ -109,17 +110,20 @@ def test_private_renames_are_in_order_and_refuse_a_clash():
 
 @native
 def test_bind_refuses_a_library_that_is_not_loaded_or_lacks_the_api(tmp_path):
+    lib, values = mlircanon.find_api()
     with pytest.raises(LookupError, match="not loaded"):
-        mlircanon._native.bind(str(tmp_path))  # a directory: never a loaded library
+        mlircanon._native.bind(str(tmp_path), values)  # a directory: never a loaded library
+    with pytest.raises(ValueError, match="symbol values"):
+        mlircanon._native.bind(lib, values[:-1])
     hlocanon_so = __import__("compilecast.worker._hlocanon", fromlist=["x"]).__file__
     with pytest.raises(LookupError, match="has no mlir"):
-        mlircanon._native.bind(hlocanon_so)
-    assert mlircanon._bind() is not None  # bound again for the other tests
+        mlircanon._native.symbols(hlocanon_so)
+    assert mlircanon.bind_here() == lib  # bound again for the other tests
 
 
 @native
 def test_canonical_stream_refuses_what_is_not_a_module():
-    assert mlircanon._bind() is not None
+    assert mlircanon.bind_here() is not None
     with pytest.raises(TypeError):
         mlircanon._native.canonical_stream(object(), hashlib.sha256(), frozenset(), {})
     op = modules()["where"].operation

@@ -3,8 +3,9 @@
  * reference; tests/test_mlircanon.py holds them equal).
  *
  * jaxlib does not export MLIR's C API: its functions are in libjax_common.so
- * as local symbols. `bind(path)` finds them in that file's ELF symbol table
- * (.dynsym first, then .symtab) and adds the library's load address. Nothing
+ * as local symbols. `symbols(path)` finds them in that file's ELF symbol
+ * table (.dynsym first, then .symtab); `bind(path, values)` adds the
+ * library's load address. Nothing
  * here is called before every symbol is found, and worker/mlircanon.py uses
  * this module only after a self-test in a separate process matched the
  * reference for this exact library file: a jaxlib whose functions changed
@@ -136,30 +137,26 @@ static void scan_symbols(const uint8_t *img, size_t size, uint32_t type, uint64_
   }
 }
 
-static PyObject *bind(PyObject *self, PyObject *args) {
+/* symbols(path) -> list of the API's symbol values in that ELF file, in
+ * api_names order. Reads the file's symbol tables (for libjax_common.so,
+ * ~120 MB of names): the self-test does this once per build, and JAX
+ * processes bind the values its verdict records. */
+static PyObject *symbols(PyObject *self, PyObject *args) {
   (void)self;
   const char *path;
   if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
-  char real[4096];
-  if (!realpath(path, real)) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
-  BaseQuery q = {real, 0, 0};
-  dl_iterate_phdr(find_base, &q);
-  if (!q.found) {
-    PyErr_Format(PyExc_LookupError, "%s is not loaded in this process", real);
-    return NULL;
-  }
-  int fd = open(real, O_RDONLY);
-  if (fd < 0) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, real);
+  int fd = open(path, O_RDONLY);
+  if (fd < 0) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
   struct stat st;
   if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(Elf64_Ehdr)) {
     close(fd);
-    PyErr_Format(PyExc_ValueError, "%s: not an ELF file", real);
+    PyErr_Format(PyExc_ValueError, "%s: not an ELF file", path);
     return NULL;
   }
   size_t size = (size_t)st.st_size;
   const uint8_t *img = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
   close(fd);
-  if (img == MAP_FAILED) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, real);
+  if (img == MAP_FAILED) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
   uint64_t values[NAPI] = {0};
   if (memcmp(img, ELFMAG, SELFMAG) == 0 && img[EI_CLASS] == ELFCLASS64) {
     Py_BEGIN_ALLOW_THREADS
@@ -168,11 +165,45 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
   }
   munmap((void *)img, size);
+  PyObject *out = PyList_New(NAPI);
+  if (!out) return NULL;
   for (size_t i = 0; i < NAPI; i++) {
     if (values[i] == 0) {
-      PyErr_Format(PyExc_LookupError, "%s has no %s", real, api_names[i]);
+      Py_DECREF(out);
+      PyErr_Format(PyExc_LookupError, "%s has no %s", path, api_names[i]);
       return NULL;
     }
+    PyList_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(values[i]));
+  }
+  return out;
+}
+
+/* bind(path, values): the API at the library's load address + values. */
+static PyObject *bind(PyObject *self, PyObject *args) {
+  (void)self;
+  const char *path;
+  PyObject *list;
+  if (!PyArg_ParseTuple(args, "sO!", &path, &PyList_Type, &list)) return NULL;
+  if ((size_t)PyList_GET_SIZE(list) != NAPI) {
+    PyErr_Format(PyExc_ValueError, "expected %d symbol values", (int)NAPI);
+    return NULL;
+  }
+  uint64_t values[NAPI];
+  for (size_t i = 0; i < NAPI; i++) {
+    values[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(list, i));
+    if (PyErr_Occurred()) return NULL;
+    if (values[i] == 0) {
+      PyErr_Format(PyExc_ValueError, "no value for %s", api_names[i]);
+      return NULL;
+    }
+  }
+  char real[4096];
+  if (!realpath(path, real)) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+  BaseQuery q = {real, 0, 0};
+  dl_iterate_phdr(find_base, &q);
+  if (!q.found) {
+    PyErr_Format(PyExc_LookupError, "%s is not loaded in this process", real);
+    return NULL;
   }
   for (size_t i = 0; i < NAPI; i++) api_addr[i] = (void *)(q.base + values[i]);
   size_t i = 0;
@@ -705,7 +736,8 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"bind", bind, METH_VARARGS, "Find MLIR's C API in a loaded library file."},
+    {"symbols", symbols, METH_VARARGS, "The C API's symbol values in an ELF file."},
+    {"bind", bind, METH_VARARGS, "bind(path, values): use the C API of a loaded library file."},
     {"canonical_stream", canonical_stream, METH_VARARGS,
      "canonical_stream(module_capsule, hasher, ignore, renames): feed the canonical stream to hasher.update."},
     {NULL, NULL, 0, NULL},

@@ -343,17 +343,36 @@ def _verdict_path() -> Path:
     return cache / "compilecast" / "mlircanon" / f"{_build_id()}.json"
 
 
-def _bind() -> str | None:
-    """Bind the C path in this process; the library it used, or None."""
-    _ir()  # loads jaxlib's libraries: bind() looks for them among the loaded ones
+def find_api() -> tuple[str, list[int]] | None:
+    """(library, symbol values) of MLIR's C API in jaxlib's files, or None.
+    Reads the library's symbol tables: done by the self-test, whose verdict
+    records the values for the processes that bind them."""
+    if _native is None:
+        return None
     for lib in library_candidates():
         if lib.exists():
             try:
-                _native.bind(str(lib))
-                return str(lib)
+                return str(lib), _native.symbols(str(lib))
             except (LookupError, OSError, ValueError) as e:
                 log.debug("MLIR C API not in %s: %s", lib, e)
     return None
+
+
+def _bind(lib: str, values: list[int]) -> bool:
+    """Bind the C path in this process to `lib` (which jaxlib loads)."""
+    _ir()  # loads jaxlib's libraries: bind() looks for them among the loaded ones
+    try:
+        _native.bind(lib, values)
+        return True
+    except (LookupError, OSError, ValueError, TypeError) as e:
+        log.info("MLIR keys use the Python walk: cannot bind %s: %s", lib, e)
+        return False
+
+
+def bind_here() -> str | None:
+    """Find and bind the C API in this process; the library, or None."""
+    api = find_api()
+    return api[0] if api is not None and _bind(*api) else None
 
 
 SELFTEST_TIMEOUT_S = 300
@@ -390,11 +409,14 @@ def _run_selftest() -> None:
             _state["native"] = None  # read the verdict again
 
 
-def _write_verdict(ok: bool, why: str) -> None:
+def _write_verdict(ok: bool, why: str, api: tuple[str, list[int]] | None = None) -> None:
     path = _verdict_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"ok": ok, "why": why}))
+    record: dict[str, Any] = {"ok": ok, "why": why}
+    if api is not None:
+        record.update(library=api[0], symbols=api[1])
+    tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
 
@@ -422,7 +444,8 @@ def native_ready(*, wait: bool = False) -> bool:
         threading.Thread(target=_run_selftest, name="compilecast-mlircanon-selftest",
                          daemon=True).start()
         return False
-    ok = bool(verdict.get("ok")) and _bind() is not None
+    ok = bool(verdict.get("ok")) and _bind(str(verdict.get("library")),
+                                           list(verdict.get("symbols") or []))
     if not verdict.get("ok"):
         log.info("MLIR keys use the Python walk: %s", verdict.get("why"))
     with _state_lock:
@@ -495,13 +518,17 @@ def selftest_corpus() -> list[Any]:
     ]
 
 
-def selftest() -> tuple[bool, str]:
-    """The C path against the reference on the corpus, in this process."""
+def selftest() -> tuple[bool, str, tuple[str, list[int]] | None]:
+    """The C path against the reference on the corpus, in this process:
+    (passed, why, the API it bound)."""
     if _native is None:
-        return False, "the _mlircanon extension is not built"
-    lib = _bind()
-    if lib is None:
-        return False, "no jaxlib library file holds MLIR's C API"
+        return False, "the _mlircanon extension is not built", None
+    api = find_api()
+    if api is None:
+        return False, "no jaxlib library file holds MLIR's C API", None
+    if not _bind(*api):
+        return False, f"{api[0]} is not loaded by jaxlib's MLIR", None
+    lib = api[0]
     ignore_lists = (frozenset(), frozenset({"jax.arg_info", "jax.result_info"}))
     for i, module in enumerate(selftest_corpus()):
         renames = private_renames(module)
@@ -510,8 +537,8 @@ def selftest() -> tuple[bool, str]:
             _native.canonical_stream(module._CAPIPtr, a, ignore, renames)
             stream_py(module, b, ignore, renames)
             if a.digest() != b.digest():
-                return False, f"corpus module {i} streams differ (ignore={sorted(ignore)})"
-    return True, f"C path matches the reference ({lib})"
+                return False, f"corpus module {i} streams differ (ignore={sorted(ignore)})", None
+    return True, f"C path matches the reference ({lib})", api
 
 
 def main(argv: list[str]) -> int:
@@ -519,10 +546,10 @@ def main(argv: list[str]) -> int:
         print("usage: python -m compilecast.worker.mlircanon --selftest", file=sys.stderr)
         return 2
     try:
-        ok, why = selftest()
+        ok, why, api = selftest()
     except Exception as e:  # the reference failing is a failed self-test too
-        ok, why = False, f"self-test raised {type(e).__name__}: {e}"
-    _write_verdict(ok, why)
+        ok, why, api = False, f"self-test raised {type(e).__name__}: {e}", None
+    _write_verdict(ok, why, api)
     print(("ok: " if ok else "failed: ") + why)
     return 0 if ok else 1
 
