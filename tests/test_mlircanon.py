@@ -180,3 +180,38 @@ def test_the_worker_daemon_warms_up_the_verdict_without_importing_jax(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["ok"]
+
+
+RESOURCE_PROGRAM = """
+module @m {
+  func.func public @main() -> tensor<2xi32> {
+    %0 = stablehlo.constant dense_resource<blob1> : tensor<2xi32>
+    return %0 : tensor<2xi32>
+  }
+}
+{-#
+  dialect_resources: {
+    builtin: {
+      blob1: "0x04000000BLOB"
+    }
+  }
+#-}
+"""
+
+
+def test_dense_resource_constants_are_keyed_by_their_bytes_not_their_name():
+    """The printed form of a dense_resource names its blob without the bytes:
+    both walks refuse it, and the key covers the blob through the bytecode."""
+    a = RESOURCE_PROGRAM.replace("BLOB", "0100000002000000").encode()
+    b = RESOURCE_PROGRAM.replace("BLOB", "0100000003000000").encode()
+    assert keys.program_key(a).components["program_format"] == "mlir-text"
+    assert keys.program_key(a).value != keys.program_key(b).value
+    assert keys.program_key(a).value == keys.program_key(a).value
+    module, _ = keys.parse_program(a)
+    with module.context, pytest.raises(mlircanon.ResourceRefused):
+        mlircanon.stream_py(module, hashlib.sha256(), DEFAULT_IGNORE, {})
+    if mlircanon._native is not None:
+        assert mlircanon.bind_here() is not None
+        with pytest.raises(ValueError, match="dense_resource"):
+            mlircanon._native.canonical_stream(module._CAPIPtr, hashlib.sha256(),
+                                               DEFAULT_IGNORE, {})

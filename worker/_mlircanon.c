@@ -453,6 +453,10 @@ static void attr_content(Walk *w, MlirAttribute a) {
   } else {
     w->text_n = 0;
     p_mlirAttributePrint(a, collect, w);
+    /* A resource's bytes live outside the attribute: its printed form names
+     * the blob without its content. Such a module is refused (the caller keys
+     * it another way), never keyed by the name alone. */
+    if (w->text_n >= 15 && memcmp(w->text, "dense_resource<", 15) == 0) { w->oom = 3; return; }
     put_byte(o, 'T');
     put_str(o, w->text, w->text_n);
   }
@@ -601,8 +605,10 @@ static int read_attrs(Walk *w, MlirOperation op, MlirIdentifier opname, intptr_t
 }
 
 #define MAX_DEPTH 512
+#define RESOURCE_REFUSED "the module holds dense_resource constants (bytes outside the walk)"
 
 static void walk_op(Walk *w, MlirOperation op, int depth) {
+  /* w->oom: 1 out of memory, 2 nested too deeply, 3 a dense_resource */
   Out *o = &w->out;
   if (o->failed || w->oom) return;
   if (depth > MAX_DEPTH) { w->oom = 2; return; }
@@ -729,6 +735,10 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   if (w.out.failed) return NULL;
   if (w.oom == 2) {
     PyErr_SetString(PyExc_ValueError, "operations nested too deeply");
+    return NULL;
+  }
+  if (w.oom == 3) {
+    PyErr_SetString(PyExc_ValueError, RESOURCE_REFUSED);
     return NULL;
   }
   if (w.oom) return PyErr_NoMemory();

@@ -371,7 +371,10 @@ def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
     with module.context:
         renames = mlircanon.private_renames(module) if cfg.rename_private_functions else {}
         h = hashlib.sha256()
-        mlircanon.stream(module, h, frozenset(cfg.ignore_attributes), renames)
+        try:
+            mlircanon.stream(module, h, frozenset(cfg.ignore_attributes), renames)
+        except mlircanon.ResourceRefused:  # blobs outside attributes: the bytecode has them
+            h = hashlib.sha256(b"resources\n" + _bytecode(canonicalize(module, cfg, copy=True)))
     text = None
     if keep_text:  # only for explain: the canonical module as MLIR prints it
         text = canonicalize(module, cfg, copy=copy).operation.get_asm(enable_debug_info=False)

@@ -63,6 +63,13 @@ from typing import Any
 log = logging.getLogger("compilecast.mlircanon")
 
 STREAM_VERSION = "2"
+RESOURCE_REFUSED = "the module holds dense_resource constants (bytes outside the walk)"
+
+
+class ResourceRefused(ValueError):
+    """A module whose constants live in resources: their printed form names a
+    blob without its bytes, so the walk refuses it (keys.program_digest keys
+    such a module by its stripped bytecode, which carries the blobs)."""
 _ELEMENT_BITS = (8, 16, 32, 64)
 
 
@@ -191,8 +198,11 @@ class _Stream:
             self.flush()
             self.h.update(raw)
         else:
+            text = str(a)
+            if text.startswith("dense_resource<"):  # as in _mlircanon.c
+                raise ResourceRefused(RESOURCE_REFUSED)
             self.buf += b"T"
-            self.str(str(a))
+            self.str(text)
 
     def rule(self, name: str, a: Any, depth: int) -> int:
         """0 dropped, 1 kept, 2 a renamed sym_name, 3 filtered arg/res attrs
@@ -465,9 +475,15 @@ def warm_up() -> threading.Thread | None:
 
 def stream(module: Any, hasher: Any, ignore: frozenset[str], renames: dict[str, str]) -> None:
     """The canonical stream of `module` into `hasher`, by the fastest path
-    this process may use."""
+    this process may use; ResourceRefused for a module with dense_resource
+    constants."""
     if native_ready():
-        _native.canonical_stream(module._CAPIPtr, hasher, ignore, renames)
+        try:
+            _native.canonical_stream(module._CAPIPtr, hasher, ignore, renames)
+        except ValueError as e:
+            if str(e) == RESOURCE_REFUSED:
+                raise ResourceRefused(str(e)) from None
+            raise
     else:
         stream_py(module, hasher, ignore, renames)
 
