@@ -215,3 +215,43 @@ def test_dense_resource_constants_are_keyed_by_their_bytes_not_their_name():
         with pytest.raises(ValueError, match="dense_resource"):
             mlircanon._native.canonical_stream(module._CAPIPtr, hashlib.sha256(),
                                                DEFAULT_IGNORE, {})
+
+
+def test_attributes_nested_too_deeply_are_refused_by_both_walks():
+    deep = "[" * 300 + "1" + "]" * 300
+    text = f'module {{ func.func public @main() -> () attributes {{x = {deep}}} {{ return }} }}'
+    module, _ = keys.parse_program(text.encode())
+    with module.context, pytest.raises(ValueError, match="nested too deeply"):
+        mlircanon.stream_py(module, hashlib.sha256(), DEFAULT_IGNORE, {})
+    if mlircanon._native is not None:
+        assert mlircanon.bind_here() is not None
+        with pytest.raises(ValueError, match="nested too deeply"):
+            mlircanon._native.canonical_stream(module._CAPIPtr, hashlib.sha256(),
+                                               DEFAULT_IGNORE, {})
+    assert keys.program_key(text.encode()).components["program_format"] == "raw"
+
+
+BRANCHES = """module {
+  func.func public @main(%a: tensor<i1>, %x: tensor<f32>) -> tensor<f32> {
+    %p = tensor.extract %a[] : tensor<i1>
+    cf.cond_br %p, ^bb1(%x : tensor<f32>), ^bb2
+  ^bb2:
+    %y = stablehlo.negate %x : tensor<f32>
+    cf.br ^bb1(%y : tensor<f32>)
+  ^bb1(%r: tensor<f32>):
+    return %r : tensor<f32>
+  }
+}"""
+
+
+def test_successors_and_block_arguments_are_in_the_stream():
+    """Blocks, branches and block arguments (which JAX's own output rarely
+    has): both walks agree, and a branch to the other block is another key."""
+    swapped = BRANCHES.replace("^bb1(%x : tensor<f32>), ^bb2", "^bb2, ^bb1(%x : tensor<f32>)")
+    renamed = BRANCHES.replace("%y", "%other").replace("^bb2", "^next")
+    a, b, c = (keys.parse_program(t.encode())[0] for t in (BRANCHES, swapped, renamed))
+    if mlircanon._native is not None:
+        for m in (a, b, c):
+            assert digest_native(m) == digest_py(m)
+    assert digest_py(a) != digest_py(b)
+    assert digest_py(a) == digest_py(c)  # value and block names are not the program

@@ -322,6 +322,9 @@ static int table_put(Table *t, const void *k, uint64_t v) {
 
 /* ---- the walk ------------------------------------------------------------------ */
 
+#define MAX_DEPTH 200  /* operations in regions, or attributes in attributes (as mlircanon.py) */
+#define RESOURCE_REFUSED "the module holds dense_resource constants (bytes outside the walk)"
+
 /* The attribute names seen on the ops of one name, sorted as MLIR sorts an
  * op's attributes (by bytes). An op whose properties hold its inherent
  * attributes rebuilds its whole attribute dictionary on every
@@ -340,7 +343,8 @@ typedef struct {
   uint64_t next_value;
   PyObject *ignore;   /* frozenset of str: attributes dropped at depth <= 1 */
   PyObject *renames;  /* dict str -> str: private function renames */
-  int oom;
+  int error;       /* 1 out of memory, 2 nested too deeply, 3 a dense_resource */
+  int attr_depth;
   char *text;         /* printer scratch */
   size_t text_n, text_cap;
 } Walk;
@@ -351,7 +355,7 @@ static void collect(MlirStringRef s, void *data) {
     size_t cap = w->text_cap ? w->text_cap : 256;
     while (cap < w->text_n + s.length) cap *= 2;
     char *p = realloc(w->text, cap);
-    if (!p) { w->oom = 1; return; }
+    if (!p) { w->error = 1; return; }
     w->text = p;
     w->text_cap = cap;
   }
@@ -364,7 +368,7 @@ static void collect(MlirStringRef s, void *data) {
 static int intern(Walk *w, Table *t, const void *k) {
   int64_t idx = table_get(t, k);
   if (idx >= 0) { put_varint(&w->out, (uint64_t)idx + 1); return 0; }
-  if (table_put(t, k, t->n)) { w->oom = 1; return 0; }
+  if (table_put(t, k, t->n)) { w->error = 1; return 0; }
   put_varint(&w->out, 0);
   return 1;
 }
@@ -434,12 +438,12 @@ static void attr_content(Walk *w, MlirAttribute a) {
     intptr_t n = p_mlirArrayAttrGetNumElements(a);
     put_byte(o, 'A');
     put_varint(o, (uint64_t)n);
-    for (intptr_t i = 0; i < n && !o->failed && !w->oom; i++) ref_attr(w, p_mlirArrayAttrGetElement(a, i));
+    for (intptr_t i = 0; i < n && !o->failed && !w->error; i++) ref_attr(w, p_mlirArrayAttrGetElement(a, i));
   } else if (p_mlirAttributeIsADictionary(a)) {
     intptr_t n = p_mlirDictionaryAttrGetNumElements(a);
     put_byte(o, 'D');
     put_varint(o, (uint64_t)n);
-    for (intptr_t i = 0; i < n && !o->failed && !w->oom; i++) {
+    for (intptr_t i = 0; i < n && !o->failed && !w->error; i++) {
       MlirNamedAttribute na = p_mlirDictionaryAttrGetElement(a, i);
       ref_ident(w, na.name);
       ref_attr(w, na.attribute);
@@ -456,14 +460,17 @@ static void attr_content(Walk *w, MlirAttribute a) {
     /* A resource's bytes live outside the attribute: its printed form names
      * the blob without its content. Such a module is refused (the caller keys
      * it another way), never keyed by the name alone. */
-    if (w->text_n >= 15 && memcmp(w->text, "dense_resource<", 15) == 0) { w->oom = 3; return; }
+    if (w->text_n >= 15 && memcmp(w->text, "dense_resource<", 15) == 0) { w->error = 3; return; }
     put_byte(o, 'T');
     put_str(o, w->text, w->text_n);
   }
 }
 
 static void ref_attr(Walk *w, MlirAttribute a) {
-  if (intern(w, &w->attrs, a.ptr)) attr_content(w, a);
+  if (!intern(w, &w->attrs, a.ptr)) return;
+  if (++w->attr_depth > MAX_DEPTH) w->error = 2;
+  else attr_content(w, a);
+  w->attr_depth--;
 }
 
 static int ignored(Walk *w, MlirIdentifier name) {
@@ -526,17 +533,13 @@ static int attr_rule(Walk *w, MlirNamedAttribute na, int depth) {
   return 1;
 }
 
-static void define_value(Walk *w, MlirValue v) {
-  int64_t idx = table_get(&w->values, v.ptr);
-  if (idx >= 0) { put_varint(&w->out, (uint64_t)idx + 1); return; }  /* used before */
-  if (table_put(&w->values, v.ptr, w->next_value++)) w->oom = 1;
-  put_varint(&w->out, 0);
-}
-
-static void use_value(Walk *w, MlirValue v) {
+/* A value, where it is used or defined: its number + 1, or 0 when first seen
+ * (it takes the next number). A use before the definition (graph regions,
+ * blocks out of dominance order) and its definition then both say which. */
+static void number_value(Walk *w, MlirValue v) {
   int64_t idx = table_get(&w->values, v.ptr);
   if (idx >= 0) { put_varint(&w->out, (uint64_t)idx + 1); return; }
-  if (table_put(&w->values, v.ptr, w->next_value++)) w->oom = 1;  /* a forward use */
+  if (table_put(&w->values, v.ptr, w->next_value++)) w->error = 1;
   put_varint(&w->out, 0);
 }
 
@@ -604,32 +607,29 @@ static int read_attrs(Walk *w, MlirOperation op, MlirIdentifier opname, intptr_t
   return 0;
 }
 
-#define MAX_DEPTH 512
-#define RESOURCE_REFUSED "the module holds dense_resource constants (bytes outside the walk)"
 
 static void walk_op(Walk *w, MlirOperation op, int depth) {
-  /* w->oom: 1 out of memory, 2 nested too deeply, 3 a dense_resource */
   Out *o = &w->out;
-  if (o->failed || w->oom) return;
-  if (depth > MAX_DEPTH) { w->oom = 2; return; }
+  if (o->failed || w->error) return;
+  if (depth > MAX_DEPTH) { w->error = 2; return; }
   put_byte(o, 'O');
   MlirIdentifier opname = p_mlirOperationGetName(op);
   ref_ident(w, opname);
   intptr_t n = p_mlirOperationGetNumOperands(op);
   put_varint(o, (uint64_t)n);
-  for (intptr_t i = 0; i < n; i++) use_value(w, p_mlirOperationGetOperand(op, i));
+  for (intptr_t i = 0; i < n; i++) number_value(w, p_mlirOperationGetOperand(op, i));
   n = p_mlirOperationGetNumResults(op);
   put_varint(o, (uint64_t)n);
   for (intptr_t i = 0; i < n; i++) {
     MlirValue v = p_mlirOperationGetResult(op, i);
-    define_value(w, v);
+    number_value(w, v);
     ref_type(w, p_mlirValueGetType(v));
   }
   n = p_mlirOperationGetNumAttributes(op);
   MlirNamedAttribute few[16], *named = n <= 16 ? few : malloc((size_t)n * sizeof *named);
   if (!named || read_attrs(w, op, opname, n, named)) {
     if (named != few) free(named);
-    w->oom = 1;
+    w->error = 1;
     return;
   }
   intptr_t kept = 0;
@@ -666,7 +666,7 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
     MlirRegion region = p_mlirOperationGetRegion(op, r);
     uint64_t nblocks = 0;
     for (MlirBlock b = p_mlirRegionGetFirstBlock(region); b.ptr; b = p_mlirBlockGetNextInRegion(b)) {
-      if (table_put(&w->blocks, b.ptr, w->blocks.n)) { w->oom = 1; return; }
+      if (table_put(&w->blocks, b.ptr, w->blocks.n)) { w->error = 1; return; }
       nblocks++;
     }
     put_varint(o, nblocks);
@@ -675,7 +675,7 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
       put_varint(o, (uint64_t)na);
       for (intptr_t i = 0; i < na; i++) {
         MlirValue v = p_mlirBlockGetArgument(b, i);
-        define_value(w, v);
+        number_value(w, v);
         ref_type(w, p_mlirValueGetType(v));
       }
       for (MlirOperation c = p_mlirBlockGetFirstOperation(b); c.ptr; c = p_mlirOperationGetNextInBlock(c))
@@ -717,10 +717,10 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   if (!w.out.d || table_init(&w.idents, 256) || table_init(&w.types, 1024) ||
       table_init(&w.attrs, 4096) || table_init(&w.values, 1 << 14) || table_init(&w.blocks, 256) ||
       table_init(&w.opnames, 256)) {
-    w.oom = 1;
+    w.error = 1;
   } else {
     walk_op(&w, p_mlirModuleGetOperation(m), 0);
-    if (!w.out.failed && !w.oom) out_flush(&w.out);
+    if (!w.out.failed && !w.error) out_flush(&w.out);
   }
   free(w.out.d);
   free(w.text);
@@ -733,15 +733,15 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   for (size_t i = 0; i < w.nlists; i++) free(w.lists[i].v);
   free(w.lists);
   if (w.out.failed) return NULL;
-  if (w.oom == 2) {
-    PyErr_SetString(PyExc_ValueError, "operations nested too deeply");
+  if (w.error == 2) {
+    PyErr_SetString(PyExc_ValueError, "operations or attributes nested too deeply");
     return NULL;
   }
-  if (w.oom == 3) {
+  if (w.error == 3) {
     PyErr_SetString(PyExc_ValueError, RESOURCE_REFUSED);
     return NULL;
   }
-  if (w.oom) return PyErr_NoMemory();
+  if (w.error) return PyErr_NoMemory();
   Py_RETURN_NONE;
 }
 

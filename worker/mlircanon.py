@@ -71,6 +71,8 @@ class ResourceRefused(ValueError):
     blob without its bytes, so the walk refuses it (keys.program_digest keys
     such a module by its stripped bytecode, which carries the blobs)."""
 _ELEMENT_BITS = (8, 16, 32, 64)
+MAX_DEPTH = 200  # operations in regions, or attributes in attributes (as _mlircanon.c); 200
+# levels of both stay within Python's recursion limit in the reference
 
 
 # -- private function renames (shared by both paths) ---------------------------
@@ -111,6 +113,7 @@ class _Stream:
         self.attrs: dict[Any, int] = {}
         self.values: dict[Any, int] = {}
         self.blocks: dict[Any, int] = {}
+        self.attr_depth = 0
 
     def flush(self) -> None:
         self.h.update(bytes(self.buf))
@@ -150,7 +153,11 @@ class _Stream:
 
     def attr(self, a: Any) -> None:
         if self.intern(self.attrs, a):
+            self.attr_depth += 1
+            if self.attr_depth > MAX_DEPTH:
+                raise ValueError("operations or attributes nested too deeply")
             self.attr_content(a)
+            self.attr_depth -= 1
 
     def dense_raw(self, a: Any) -> bytes | None:
         ir = self.ir
@@ -248,8 +255,8 @@ class _Stream:
             self.varint(idx + 1)
 
     def op(self, op: Any, depth: int) -> None:
-        if depth > 512:
-            raise ValueError("operations nested too deeply")
+        if depth > MAX_DEPTH:
+            raise ValueError("operations or attributes nested too deeply")
         self.buf += b"O"
         self.ident(op.name)
         operands = op.operands
