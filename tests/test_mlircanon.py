@@ -110,15 +110,37 @@ def test_private_renames_are_in_order_and_refuse_a_clash():
 
 @native
 def test_bind_refuses_a_library_that_is_not_loaded_or_lacks_the_api(tmp_path):
-    lib, values = mlircanon.find_api()
+    lib, locs = mlircanon.find_api()
     with pytest.raises(LookupError, match="not loaded"):
-        mlircanon._native.bind(str(tmp_path), values)  # a directory: never a loaded library
-    with pytest.raises(ValueError, match="symbol values"):
-        mlircanon._native.bind(lib, values[:-1])
+        mlircanon._native.bind(str(tmp_path), locs)  # a directory: never a loaded library
+    with pytest.raises(ValueError, match="symbol locations"):
+        mlircanon._native.bind(lib, locs[:-1])
     hlocanon_so = __import__("compilecast.worker._hlocanon", fromlist=["x"]).__file__
     with pytest.raises(LookupError, match="has no mlir"):
         mlircanon._native.symbols(hlocanon_so)
     assert mlircanon.bind_here() == lib  # bound again for the other tests
+
+
+@native
+@pytest.mark.parametrize("tamper", ["swap", "shift", "far"])
+def test_a_tampered_verdict_cannot_point_the_c_path_anywhere_else(fresh_gate, tamper, caplog):
+    """The verdict file says where the functions' symbols are; whoever can
+    write it must not be able to make a JAX process call something else."""
+    caplog.set_level(logging.INFO, logger="compilecast.mlircanon")
+    lib, locs = mlircanon.find_api()
+    bad = list(locs)
+    if tamper == "swap":
+        bad[0], bad[1] = bad[1], bad[0]
+    elif tamper == "shift":
+        bad[3] += 1
+    else:
+        bad[5] = (999 << 40) | 7
+    with pytest.raises(ValueError, match="do not hold"):
+        mlircanon._native.bind(lib, bad)
+    mlircanon._write_verdict(True, "tampered by the test", (lib, bad))
+    assert not mlircanon.native_ready()  # refused: keys take the reference walk
+    assert "cannot bind" in caplog.text
+    assert mlircanon.bind_here() == lib
 
 
 @native

@@ -4,8 +4,9 @@
  *
  * jaxlib does not export MLIR's C API: its functions are in libjax_common.so
  * as local symbols. `symbols(path)` finds them in that file's ELF symbol
- * table (.dynsym first, then .symtab); `bind(path, values)` adds the
- * library's load address. Nothing
+ * table (.dynsym first, then .symtab); `bind(path, locations)` reads just
+ * those entries again, checks each is the function of that name, and adds
+ * the library's load address. Nothing
  * here is called before every symbol is found, and worker/mlircanon.py uses
  * this module only after a self-test in a separate process matched the
  * reference for this exact library file: a jaxlib whose functions changed
@@ -115,8 +116,10 @@ static int api_index(const char *name) {
   return -1;
 }
 
-/* Symbol values of `type` (SHT_DYNSYM or SHT_SYMTAB) in a mapped ELF file. */
-static void scan_symbols(const uint8_t *img, size_t size, uint32_t type, uint64_t *values) {
+/* Where each API function's symbol is (section << LOC_SHIFT | index), from
+ * the tables of `type` (SHT_DYNSYM or SHT_SYMTAB) in a mapped ELF file. */
+#define LOC_SHIFT 40
+static void scan_symbols(const uint8_t *img, size_t size, uint32_t type, uint64_t *locs) {
   const Elf64_Ehdr *eh = (const Elf64_Ehdr *)img;
   if (eh->e_shoff == 0 || eh->e_shoff + (uint64_t)eh->e_shnum * sizeof(Elf64_Shdr) > size) return;
   const Elf64_Shdr *sh = (const Elf64_Shdr *)(img + eh->e_shoff);
@@ -132,15 +135,15 @@ static void scan_symbols(const uint8_t *img, size_t size, uint32_t type, uint64_
           sym[k].st_shndx == SHN_UNDEF || sym[k].st_name >= str->sh_size)
         continue;
       int idx = api_index(names + sym[k].st_name);
-      if (idx >= 0 && values[idx] == 0) values[idx] = sym[k].st_value;
+      if (idx >= 0 && locs[idx] == 0) locs[idx] = ((uint64_t)i << LOC_SHIFT) | k;
     }
   }
 }
 
-/* symbols(path) -> list of the API's symbol values in that ELF file, in
+/* symbols(path) -> where the API's symbols are in that ELF file, in
  * api_names order. Reads the file's symbol tables (for libjax_common.so,
  * ~120 MB of names): the self-test does this once per build, and JAX
- * processes bind the values its verdict records. */
+ * processes bind the locations its verdict records. */
 static PyObject *symbols(PyObject *self, PyObject *args) {
   (void)self;
   const char *path;
@@ -157,45 +160,69 @@ static PyObject *symbols(PyObject *self, PyObject *args) {
   const uint8_t *img = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
   close(fd);
   if (img == MAP_FAILED) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
-  uint64_t values[NAPI] = {0};
+  uint64_t locs[NAPI] = {0};
   if (memcmp(img, ELFMAG, SELFMAG) == 0 && img[EI_CLASS] == ELFCLASS64) {
     Py_BEGIN_ALLOW_THREADS
-    scan_symbols(img, size, SHT_DYNSYM, values);
-    scan_symbols(img, size, SHT_SYMTAB, values);
+    scan_symbols(img, size, SHT_DYNSYM, locs);
+    scan_symbols(img, size, SHT_SYMTAB, locs);
     Py_END_ALLOW_THREADS
   }
   munmap((void *)img, size);
   PyObject *out = PyList_New(NAPI);
   if (!out) return NULL;
   for (size_t i = 0; i < NAPI; i++) {
-    if (values[i] == 0) {
+    if (locs[i] == 0) {
       Py_DECREF(out);
       PyErr_Format(PyExc_LookupError, "%s has no %s", path, api_names[i]);
       return NULL;
     }
-    PyList_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(values[i]));
+    PyList_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(locs[i]));
   }
   return out;
 }
 
-/* bind(path, values): the API at the library's load address + values. */
+static int read_at(int fd, void *buf, size_t n, uint64_t off) {
+  return pread(fd, buf, n, (off_t)off) == (ssize_t)n ? 0 : -1;
+}
+
+/* The value of the symbol at `loc`, after checking that it is a defined
+ * function named `want`: a location from a verdict file can only ever name
+ * the library's own function of that name. 0 when it is not. */
+static uint64_t checked_value(int fd, const Elf64_Ehdr *eh, const Elf64_Shdr *sh, uint64_t loc,
+                              const char *want) {
+  uint64_t sec = loc >> LOC_SHIFT, k = loc & ((1ull << LOC_SHIFT) - 1);
+  if (sec >= eh->e_shnum) return 0;
+  const Elf64_Shdr *t = &sh[sec];
+  if ((t->sh_type != SHT_SYMTAB && t->sh_type != SHT_DYNSYM) || t->sh_link >= eh->e_shnum ||
+      k >= t->sh_size / sizeof(Elf64_Sym))
+    return 0;
+  Elf64_Sym sym;
+  if (read_at(fd, &sym, sizeof sym, t->sh_offset + k * sizeof sym)) return 0;
+  if (ELF64_ST_TYPE(sym.st_info) != STT_FUNC || sym.st_value == 0 || sym.st_shndx == SHN_UNDEF)
+    return 0;
+  const Elf64_Shdr *str = &sh[t->sh_link];
+  size_t n = strlen(want) + 1;  /* the name and its terminator */
+  char name[128];
+  if (n > sizeof name || sym.st_name + n > str->sh_size ||
+      read_at(fd, name, n, str->sh_offset + sym.st_name) || memcmp(name, want, n) != 0)
+    return 0;
+  return sym.st_value;
+}
+
+/* bind(path, locations): the API at the library's load address. */
 static PyObject *bind(PyObject *self, PyObject *args) {
   (void)self;
   const char *path;
   PyObject *list;
   if (!PyArg_ParseTuple(args, "sO!", &path, &PyList_Type, &list)) return NULL;
   if ((size_t)PyList_GET_SIZE(list) != NAPI) {
-    PyErr_Format(PyExc_ValueError, "expected %d symbol values", (int)NAPI);
+    PyErr_Format(PyExc_ValueError, "expected %d symbol locations", (int)NAPI);
     return NULL;
   }
-  uint64_t values[NAPI];
+  uint64_t locs[NAPI], values[NAPI];
   for (size_t i = 0; i < NAPI; i++) {
-    values[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(list, i));
+    locs[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(list, i));
     if (PyErr_Occurred()) return NULL;
-    if (values[i] == 0) {
-      PyErr_Format(PyExc_ValueError, "no value for %s", api_names[i]);
-      return NULL;
-    }
   }
   char real[4096];
   if (!realpath(path, real)) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
@@ -203,6 +230,27 @@ static PyObject *bind(PyObject *self, PyObject *args) {
   dl_iterate_phdr(find_base, &q);
   if (!q.found) {
     PyErr_Format(PyExc_LookupError, "%s is not loaded in this process", real);
+    return NULL;
+  }
+  int fd = open(real, O_RDONLY);
+  if (fd < 0) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, real);
+  Elf64_Ehdr eh;
+  Elf64_Shdr *sh = NULL;
+  const char *bad = NULL;
+  if (read_at(fd, &eh, sizeof eh, 0) || memcmp(eh.e_ident, ELFMAG, SELFMAG) != 0 ||
+      eh.e_ident[EI_CLASS] != ELFCLASS64 || eh.e_shentsize != sizeof(Elf64_Shdr) ||
+      !(sh = malloc((size_t)eh.e_shnum * sizeof *sh)) ||
+      read_at(fd, sh, (size_t)eh.e_shnum * sizeof *sh, eh.e_shoff)) {
+    bad = "its section headers cannot be read";
+  }
+  for (size_t i = 0; i < NAPI && !bad; i++) {
+    values[i] = checked_value(fd, &eh, sh, locs[i], api_names[i]);
+    if (values[i] == 0) bad = api_names[i];
+  }
+  free(sh);
+  close(fd);
+  if (bad) {
+    PyErr_Format(PyExc_ValueError, "%s: the recorded symbol locations do not hold %s", real, bad);
     return NULL;
   }
   for (size_t i = 0; i < NAPI; i++) api_addr[i] = (void *)(q.base + values[i]);
@@ -746,8 +794,8 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"symbols", symbols, METH_VARARGS, "The C API's symbol values in an ELF file."},
-    {"bind", bind, METH_VARARGS, "bind(path, values): use the C API of a loaded library file."},
+    {"symbols", symbols, METH_VARARGS, "Where the C API's symbols are in an ELF file."},
+    {"bind", bind, METH_VARARGS, "bind(path, locations): use the C API of a loaded library file."},
     {"canonical_stream", canonical_stream, METH_VARARGS,
      "canonical_stream(module_capsule, hasher, ignore, renames): feed the canonical stream to hasher.update."},
     {NULL, NULL, 0, NULL},

@@ -361,9 +361,11 @@ def _verdict_path() -> Path:
 
 
 def find_api() -> tuple[str, list[int]] | None:
-    """(library, symbol values) of MLIR's C API in jaxlib's files, or None.
-    Reads the library's symbol tables: done by the self-test, whose verdict
-    records the values for the processes that bind them."""
+    """(library, symbol locations) of MLIR's C API in jaxlib's files, or
+    None. Reads the library's symbol tables: done by the self-test, whose
+    verdict records the locations. A process that binds them reads those
+    entries alone and checks each names the function it stands for, so a
+    verdict file can only ever point at the library's own functions."""
     if _native is None:
         return None
     for lib in library_candidates():
@@ -375,11 +377,11 @@ def find_api() -> tuple[str, list[int]] | None:
     return None
 
 
-def _bind(lib: str, values: list[int]) -> bool:
+def _bind(lib: str, locations: list[int]) -> bool:
     """Bind the C path in this process to `lib` (which jaxlib loads)."""
     _ir()  # loads jaxlib's libraries: bind() looks for them among the loaded ones
     try:
-        _native.bind(lib, values)
+        _native.bind(lib, locations)
         return True
     except (LookupError, OSError, ValueError, TypeError) as e:
         log.info("MLIR keys use the Python walk: cannot bind %s: %s", lib, e)
@@ -432,7 +434,7 @@ def _write_verdict(ok: bool, why: str, api: tuple[str, list[int]] | None = None)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     record: dict[str, Any] = {"ok": ok, "why": why}
     if api is not None:
-        record.update(library=api[0], symbols=api[1])
+        record.update(library=api[0], symbol_locations=api[1])
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
@@ -462,7 +464,7 @@ def native_ready(*, wait: bool = False) -> bool:
                          daemon=True).start()
         return False
     ok = bool(verdict.get("ok")) and _bind(str(verdict.get("library")),
-                                           list(verdict.get("symbols") or []))
+                                           list(verdict.get("symbol_locations") or []))
     if not verdict.get("ok"):
         log.info("MLIR keys use the Python walk: %s", verdict.get("why"))
     with _state_lock:
