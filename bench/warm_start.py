@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from compilecast.launch import Up, collect, start_wave
+from compilecast.launch import SHARE_ANY_COMPILE, Up, collect, start_wave
 
 
 def first_call(target: str, layers: int, width: int, *, env: dict | None = None,
@@ -36,10 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cc-warm-"))
     jax_cache = root / "jax-cache"
-    # Both caches keep the step whatever its compile time (on a quiet moment of
-    # this machine it compiles in under JAX's default 1 s threshold, and then
-    # neither would keep it).
-    cc_env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    cc_env = SHARE_ANY_COMPILE  # both caches keep the step whatever its compile time
     jax_env = {"JAX_COMPILATION_CACHE_DIR": str(jax_cache), **cc_env}
     home = root / "up"
     home.mkdir()

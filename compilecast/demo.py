@@ -14,7 +14,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from compilecast.launch import Up, collect, start_wave
+from compilecast.launch import SHARE_ANY_COMPILE, Up, collect, start_wave
 
 
 def describe(r: dict) -> str:
@@ -59,11 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
         for wave in (1, 2):
             print(f"\n[wave {wave}] {args.processes} JAX processes start the {step} at once")
-            # The demo's step compiles in about a second on a quiet CPU, which is
-            # JAX's default min compile time: below it JAX (and compilecast, which
-            # honours it) shares nothing. Shared whatever the machine's speed:
             reports = collect(start_wave(args.processes, target, args.layers, args.width,
-                                         env={"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}))
+                                         env=SHARE_ANY_COMPILE))
             for i, r in enumerate(reports):
                 same = "identical" if r["digest"] == ref["digest"] else "DIFFERENT"
                 print(f"  process {i}: {describe(r)}  result {same}")

@@ -62,6 +62,12 @@ class Up:
         return [line for line in out.splitlines() if "pgrep" not in line]
 
 
+# The demo's and the benches' steps compile in about a second on a quiet CPU,
+# which is JAX's default min compile time: below it JAX (and compilecast, which
+# honours it) keeps nothing. Their processes share whatever the machine's speed.
+SHARE_ANY_COMPILE = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
 def start_wave(n: int, target: str, layers: int, width: int, *, baseline: bool = False,
                distributed: bool = False, env: dict | None = None,
                per_process: list[dict] | None = None, delay_s: float = 6.0
