@@ -155,6 +155,8 @@ def test_canonical_stream_refuses_what_is_not_a_module():
 
 @pytest.fixture
 def fresh_gate(tmp_path, monkeypatch):
+    """No verdict anywhere: neither in the cache nor shipped for this build."""
+    monkeypatch.setattr(mlircanon, "KNOWN_BUILDS", tmp_path / "no-known-builds.json")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("COMPILECAST_KEY_NATIVE", raising=False)
     monkeypatch.setattr(mlircanon, "_state", {"native": None, "testing": False})
@@ -192,7 +194,9 @@ def test_the_worker_daemon_warms_up_the_verdict_without_importing_jax(tmp_path):
     import subprocess
     import sys
     probe = ("import sys\n"
+             "from pathlib import Path\n"
              "from compilecast.worker import mlircanon\n"
+             "mlircanon.KNOWN_BUILDS = Path('/nonexistent')  # as for a build not shipped\n"
              "t = mlircanon.warm_up()\n"
              "t.join()\n"
              "assert 'jax' not in sys.modules, 'the daemon imported jax'\n"
@@ -277,3 +281,47 @@ def test_successors_and_block_arguments_are_in_the_stream():
             assert digest_native(m) == digest_py(m)
     assert digest_py(a) != digest_py(b)
     assert digest_py(a) == digest_py(c)  # value and block names are not the program
+
+
+def installed_build() -> str:
+    lib = mlircanon.library_candidates()[0]
+    digest = mlircanon.installed_hash(lib)
+    known = json.loads(mlircanon.KNOWN_BUILDS.read_text())
+    if digest not in known:
+        pytest.skip(f"no verdict shipped for this jaxlib build ({digest}): the self-test runs")
+    return digest
+
+
+@native
+def test_the_verdict_shipped_for_this_jaxlib_build_is_still_right():
+    """A shipped verdict lets every process bind at once; it must say what
+    the self-test finds today (rerun `python -m compilecast.worker.mlircanon
+    --record` when this fails)."""
+    installed_build()
+    shipped = mlircanon.known_build()
+    assert shipped is not None, "shipped for this build, but for another API or stream version"
+    ok, why, api = mlircanon.selftest()
+    assert ok, why
+    assert shipped["symbol_locations"] == api[1]
+
+
+@native
+def test_a_shipped_build_binds_without_a_self_test(tmp_path, monkeypatch):
+    installed_build()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(mlircanon, "_state", {"native": None, "testing": False})
+    monkeypatch.setattr(mlircanon, "_run_selftest", lambda: pytest.fail("self-test started"))
+    assert mlircanon.native_ready()
+    assert mlircanon.warm_up() is None
+    assert not mlircanon._verdict_path().exists()
+
+
+@native
+def test_a_shipped_verdict_for_another_api_or_stream_is_not_used(tmp_path, monkeypatch):
+    digest = installed_build()
+    entry = json.loads(mlircanon.KNOWN_BUILDS.read_text())[digest]
+    for change in ({"api": "another"}, {"stream_version": "0"}):
+        path = tmp_path / "known.json"
+        path.write_text(json.dumps({digest: {**entry, **change}}))
+        monkeypatch.setattr(mlircanon, "KNOWN_BUILDS", path)
+        assert mlircanon.known_build() is None

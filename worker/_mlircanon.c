@@ -793,7 +793,21 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+static PyObject *names(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+  PyObject *out = PyTuple_New(NAPI);
+  if (!out) return NULL;
+  for (size_t i = 0; i < NAPI; i++) {
+    PyObject *n = PyUnicode_FromString(api_names[i]);
+    if (!n) { Py_DECREF(out); return NULL; }
+    PyTuple_SET_ITEM(out, i, n);
+  }
+  return out;
+}
+
 static PyMethodDef methods[] = {
+    {"api_names", names, METH_NOARGS, "The C API functions this module binds, in order."},
     {"symbols", symbols, METH_VARARGS, "Where the C API's symbols are in an ELF file."},
     {"bind", bind, METH_VARARGS, "bind(path, locations): use the C API of a loaded library file."},
     {"canonical_stream", canonical_stream, METH_VARARGS,

@@ -439,6 +439,64 @@ def _write_verdict(ok: bool, why: str, api: tuple[str, list[int]] | None = None)
     os.replace(tmp, path)
 
 
+# Verdicts compilecast's own CI recorded (`python -m compilecast.worker.mlircanon
+# --record` after the self-test passed), by the sha256 that jaxlib's wheel RECORD
+# gives its library file: a process with that exact build binds at once, with
+# no self-test of its own (containers start with an empty ~/.cache).
+KNOWN_BUILDS = Path(__file__).with_name("mlircanon_known.json")
+
+
+def _api_signature() -> str:
+    """Which functions, in which order, this extension binds."""
+    return hashlib.sha256("\n".join(_native.api_names()).encode()).hexdigest()[:16]
+
+
+def installed_hash(lib: Path) -> str | None:
+    """The sha256 jaxlib's RECORD gives `lib`, when the file still has the
+    size pip installed it with."""
+    from importlib import metadata
+    try:
+        files = metadata.files("jaxlib") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == lib.name and f.hash is not None and f.hash.mode == "sha256":
+            try:
+                if Path(str(f.locate())).resolve() == lib.resolve() and \
+                        lib.stat().st_size == f.size:
+                    return f.hash.value
+            except OSError:
+                return None
+    return None
+
+
+def known_build() -> dict[str, Any] | None:
+    """The verdict shipped for this exact jaxlib build, or None."""
+    try:
+        known = json.loads(KNOWN_BUILDS.read_text())
+    except (OSError, ValueError):
+        return None
+    for lib in library_candidates():
+        if not lib.exists():
+            continue
+        entry = known.get(installed_hash(lib) or "")
+        if entry and entry.get("api") == _api_signature() and \
+                entry.get("stream_version") == STREAM_VERSION:
+            return {"ok": True, "why": f"recorded for jaxlib {entry.get('jaxlib')}",
+                    "library": str(lib), "symbol_locations": entry["symbol_locations"]}
+    return None
+
+
+def _load_verdict() -> dict[str, Any] | None:
+    known = known_build()
+    if known is not None:
+        return known
+    try:
+        return json.loads(_verdict_path().read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def native_ready(*, wait: bool = False) -> bool:
     """Whether keys in this process use the C path. Without a verdict for this
     build, starts the self-test (in the background unless `wait`).
@@ -448,10 +506,7 @@ def native_ready(*, wait: bool = False) -> bool:
     with _state_lock:
         if _state["native"] is not None:
             return bool(_state["native"])
-    try:
-        verdict = json.loads(_verdict_path().read_text())
-    except (OSError, ValueError):
-        verdict = None
+    verdict = _load_verdict()
     if verdict is None:
         with _state_lock:
             if _state["testing"] and not wait:
@@ -459,7 +514,7 @@ def native_ready(*, wait: bool = False) -> bool:
             _state["testing"] = True
         if wait:
             _run_selftest()
-            return _verdict_path().exists() and native_ready()
+            return _load_verdict() is not None and native_ready()
         threading.Thread(target=_run_selftest, name="compilecast-mlircanon-selftest",
                          daemon=True).start()
         return False
@@ -475,7 +530,7 @@ def native_ready(*, wait: bool = False) -> bool:
 def warm_up() -> threading.Thread | None:
     """Give this machine a verdict for its jaxlib before JAX processes need
     one, without importing JAX here (the worker daemon calls this at start)."""
-    if _native is None or not library_candidates() or _verdict_path().exists():
+    if _native is None or not library_candidates() or _load_verdict() is not None:
         return None
     t = threading.Thread(target=_run_selftest, name="compilecast-mlircanon-selftest", daemon=True)
     t.start()
@@ -566,14 +621,39 @@ def selftest() -> tuple[bool, str, tuple[str, list[int]] | None]:
     return True, f"C path matches the reference ({lib})", api
 
 
+def record(api: tuple[str, list[int]]) -> str:
+    """Add this jaxlib build's passing verdict to KNOWN_BUILDS."""
+    import jaxlib.version
+    lib = Path(api[0])
+    digest = installed_hash(lib)
+    if digest is None:
+        raise ValueError(f"{lib} is not as jaxlib's RECORD describes it: nothing recorded")
+    try:
+        known = json.loads(KNOWN_BUILDS.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known[digest] = {"jaxlib": jaxlib.version.__version__, "library": lib.name,
+                     "machine": os.uname().machine, "api": _api_signature(),
+                     "stream_version": STREAM_VERSION, "symbol_locations": api[1]}
+    KNOWN_BUILDS.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+    return digest
+
+
 def main(argv: list[str]) -> int:
-    if argv != ["--selftest"]:
-        print("usage: python -m compilecast.worker.mlircanon --selftest", file=sys.stderr)
+    if argv not in (["--selftest"], ["--record"]):
+        print("usage: python -m compilecast.worker.mlircanon --selftest | --record",
+              file=sys.stderr)
         return 2
     try:
         ok, why, api = selftest()
     except Exception as e:  # the reference failing is a failed self-test too
         ok, why, api = False, f"self-test raised {type(e).__name__}: {e}", None
+    if argv == ["--record"]:
+        if not ok or api is None:
+            print(f"failed: {why}: nothing recorded", file=sys.stderr)
+            return 1
+        print(f"recorded {record(api)} in {KNOWN_BUILDS}")
+        return 0
     _write_verdict(ok, why, api)
     print(("ok: " if ok else "failed: ") + why)
     return 0 if ok else 1
