@@ -325,3 +325,17 @@ def test_a_shipped_verdict_for_another_api_or_stream_is_not_used(tmp_path, monke
         path.write_text(json.dumps({digest: {**entry, **change}}))
         monkeypatch.setattr(mlircanon, "KNOWN_BUILDS", path)
         assert mlircanon.known_build() is None
+
+
+@native
+def test_a_name_that_is_not_utf8_is_refused_by_the_c_walk():
+    """The C walk refuses it with a clear error and the file is keyed by its
+    bytes. (jaxlib's Python bindings abort the process on such a name, so
+    the reference walk is not run on it here: docs/keys.md.)"""
+    text = 'module { func.func public @main() -> () attributes {"a\\FFb" = 1 : i32} { return } }'
+    module, _ = keys.parse_program(text.encode())
+    assert mlircanon.bind_here() is not None
+    with pytest.raises(ValueError, match="not UTF-8"):
+        mlircanon._native.canonical_stream(module._CAPIPtr, hashlib.sha256(), DEFAULT_IGNORE, {})
+    assert mlircanon.native_ready()
+    assert keys.program_key(text.encode()).components["program_format"] == "raw"

@@ -391,7 +391,7 @@ typedef struct {
   uint64_t next_value;
   PyObject *ignore;   /* frozenset of str: attributes dropped at depth <= 1 */
   PyObject *renames;  /* dict str -> str: private function renames */
-  int error;       /* 1 out of memory, 2 nested too deeply, 3 a dense_resource */
+  int error;  /* 1 out of memory, 2 nested too deeply, 3 a dense_resource, 4 a name not UTF-8 */
   int attr_depth;
   char *text;         /* printer scratch */
   size_t text_n, text_cap;
@@ -421,10 +421,20 @@ static int intern(Walk *w, Table *t, const void *k) {
   return 1;
 }
 
+/* Names must be UTF-8, as the reference (which reads them as str) needs:
+ * a module with one that is not is refused by both walks alike. */
+static int utf8_or_fail(Walk *w, MlirStringRef s) {
+  PyObject *u = PyUnicode_DecodeUTF8(s.data, (Py_ssize_t)s.length, "strict");
+  if (u) { Py_DECREF(u); return 1; }
+  PyErr_Clear();
+  w->error = 4;
+  return 0;
+}
+
 static void ref_ident(Walk *w, MlirIdentifier id) {
   if (intern(w, &w->idents, id.ptr)) {
     MlirStringRef s = p_mlirIdentifierStr(id);
-    put_str(&w->out, s.data, s.length);
+    if (utf8_or_fail(w, s)) put_str(&w->out, s.data, s.length);
   }
 }
 
@@ -440,7 +450,7 @@ static void ref_type(Walk *w, MlirType t) {
 static int renamed(Walk *w, MlirStringRef name, const char **out, Py_ssize_t *n) {
   if (!w->renames) return 0;
   PyObject *key = PyUnicode_FromStringAndSize(name.data, (Py_ssize_t)name.length);
-  if (!key) { PyErr_Clear(); return 0; }  /* not UTF-8: never a renamed name */
+  if (!key) { PyErr_Clear(); w->error = 4; return 0; }  /* not UTF-8: refused */
   PyObject *v = PyDict_GetItemWithError(w->renames, key);
   Py_DECREF(key);
   if (!v) return 0;
@@ -479,6 +489,7 @@ static void attr_content(Walk *w, MlirAttribute a) {
     MlirStringRef s = p_mlirFlatSymbolRefAttrGetValue(a);
     const char *r;
     Py_ssize_t rn;
+    if (!utf8_or_fail(w, s)) return;
     put_byte(o, 'R');
     if (renamed(w, s, &r, &rn)) put_str(o, r, (size_t)rn);
     else put_str(o, s.data, s.length);
@@ -787,6 +798,10 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   }
   if (w.error == 3) {
     PyErr_SetString(PyExc_ValueError, RESOURCE_REFUSED);
+    return NULL;
+  }
+  if (w.error == 4) {
+    PyErr_SetString(PyExc_ValueError, "a name in the module is not UTF-8");
     return NULL;
   }
   if (w.error) return PyErr_NoMemory();

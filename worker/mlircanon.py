@@ -12,7 +12,8 @@ index space each):
     region  := varint(#blocks) (varint(#args) (def ref(type))* op* 'Z')*
     use/def := varint(0) for a value not seen before (it takes the next value
                number), else varint(number + 1)
-    block   := varint(position of the block in its region + 1), 0 when elsewhere
+    block   := varint(block number + 1), 0 for a block not numbered yet (blocks are
+               numbered in walk order, all of a region's as the walk enters it)
     value   := 'r' ref(attr) | 'S' str (a renamed sym_name) | 'F' filtered
     filtered:= varint(#dicts) ('D' varint(#kept) (ref(name) ref(attr))* | 'r' ref(attr))*
     attr    := 'R' str (a flat symbol reference, renamed when private)
