@@ -121,6 +121,9 @@ class _Stream:
         self.buf.clear()
 
     def varint(self, v: int) -> None:
+        if v < 0x80:  # most are: counts, small indexes
+            self.buf.append(v)
+            return
         while True:
             b = v & 0x7F
             v >>= 7
