@@ -254,23 +254,15 @@ CXX_RENAME_MAX = 32
 
 
 def _rename_private_functions(module: Any) -> None:
-    """Rename private functions to f0, f1, ... in order of appearance."""
+    """Rename private functions to f0, f1, ... in order of appearance (the
+    renames the canonical stream applies, mlircanon.private_renames)."""
     ir = jax_adapter.ir
-    mapping: dict[str, str] = {}
-    for op in _body(module).operations:
-        attrs = op.operation.attributes
-        if "sym_name" in attrs and "sym_visibility" in attrs and \
-                ir.StringAttr(attrs["sym_visibility"]).value == "private":
-            mapping[ir.StringAttr(attrs["sym_name"]).value] = f"f{len(mapping)}"
+    mapping = mlircanon.private_renames(module)
     if not mapping:
         return
-    # Public names are kept; a private one renamed onto a public name would
-    # collide, so such a module keeps its names (a miss at worst).
     public = {ir.StringAttr(op.operation.attributes["sym_name"]).value
               for op in _body(module).operations
               if "sym_name" in op.operation.attributes} - set(mapping)
-    if public & set(mapping.values()):
-        return
     if len(mapping) <= CXX_RENAME_MAX:
         _rename_uses_cxx(module, mapping, public)
     else:
