@@ -339,3 +339,39 @@ def test_a_name_that_is_not_utf8_is_refused_by_the_c_walk():
         mlircanon._native.canonical_stream(module._CAPIPtr, hashlib.sha256(), DEFAULT_IGNORE, {})
     assert mlircanon.native_ready()
     assert keys.program_key(text.encode()).components["program_format"] == "raw"
+
+
+# Random programs: both walks must write the same stream for anything JAX
+# lowers, or hosts with and without the C walk would never share a key.
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_UNARY = [jnp.tanh, jnp.exp, jnp.abs, jnp.sin, lambda v: v * 2, lambda v: -v, jnp.cumsum,
+          lambda v: jnp.sort(v, axis=-1), lambda v: v.T @ v if v.ndim == 2 else v,
+          lambda v: jnp.where(v > 0, v, 0.5), lambda v: v.astype(jnp.int32).astype(v.dtype),
+          lambda v: jax.lax.cond(v.sum() > 0, jnp.sin, jnp.cos, v),
+          lambda v: jax.lax.fori_loop(0, 2, lambda i, c: c * 1.5, v),
+          lambda v: jax.jit(lambda u: u + 1)(v)]
+
+
+@native
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.integers(0, len(_UNARY) - 1), min_size=1, max_size=8),
+       shape=st.sampled_from([(3,), (4, 4), (2, 3, 4)]),
+       dtype=st.sampled_from([jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32]),
+       consts=st.lists(st.floats(-100, 100, allow_nan=False, width=32), min_size=1, max_size=5))
+def test_both_walks_write_the_same_stream_for_random_programs(ops, shape, dtype, consts):
+    table = np.asarray(consts, np.float32)
+
+    def f(v):
+        for i in ops:
+            v = _UNARY[i](v)
+        return v + jnp.asarray(table).sum().astype(v.dtype)
+
+    x = jax.ShapeDtypeStruct(shape, jnp.float32 if dtype == jnp.int32 else dtype)
+    try:
+        module = jax.jit(f).lower(x).compiler_ir("stablehlo")
+    except (TypeError, ValueError):  # an op that does not take this dtype or shape
+        return
+    for ignore in (frozenset(), DEFAULT_IGNORE):
+        assert digest_native(module, ignore) == digest_py(module, ignore)
