@@ -20,17 +20,21 @@ native = pytest.mark.skipif(mlircanon._native is None, reason="_mlircanon extens
 DEFAULT_IGNORE = frozenset(keys.DEFAULT_IGNORED_ATTRIBUTES)
 
 
-def digest_native(module, ignore=DEFAULT_IGNORE, renames=None) -> str:
+FIND = object()  # the walk finds the renames itself
+
+
+def digest_native(module, ignore=DEFAULT_IGNORE, renames=FIND) -> str:
+    """The C stream's digest; renames default: the Python private_renames."""
     assert mlircanon.bind_here() is not None
     h = hashlib.sha256()
-    renames = mlircanon.private_renames(module) if renames is None else renames
+    renames = mlircanon.private_renames(module) if renames is FIND else renames
     mlircanon._native.canonical_stream(module._CAPIPtr, h, ignore, renames)
     return h.hexdigest()
 
 
-def digest_py(module, ignore=DEFAULT_IGNORE, renames=None) -> str:
+def digest_py(module, ignore=DEFAULT_IGNORE, renames=FIND) -> str:
     h = hashlib.sha256()
-    renames = mlircanon.private_renames(module) if renames is None else renames
+    renames = mlircanon.private_renames(module) if renames is FIND else renames
     with module.context:
         mlircanon.stream_py(module, h, ignore, renames)
     return h.hexdigest()
@@ -93,6 +97,14 @@ def test_the_stream_covers_what_it_walks():
     assert all(digest_native(ms[n]) == digest_native(again[n]) for n in ms)
 
 
+@native
+def test_the_c_walk_finds_the_same_renames():
+    for name, m in modules().items():
+        assert digest_native(m, renames=None) == digest_native(m), name
+        assert digest_py(m, renames=None) == digest_py(m), name
+    assert len(mlircanon.private_renames(modules()["nested"])) >= 1
+
+
 def test_private_renames_are_in_order_and_refuse_a_clash():
     m = modules()["nested"]
     renames = mlircanon.private_renames(m)
@@ -106,6 +118,8 @@ def test_private_renames_are_in_order_and_refuse_a_clash():
             if ir.StringAttr(attrs["sym_name"]).value == "main":
                 attrs["sym_name"] = ir.StringAttr.get("f0")
     assert mlircanon.private_renames(m) == {}
+    if mlircanon._native is not None:  # the C walk finds no renames either
+        assert digest_native(m, renames=None) == digest_native(m, renames={})
 
 
 @native

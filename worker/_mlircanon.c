@@ -744,13 +744,90 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
   }
 }
 
-/* digest_module(capsule, hasher, ignore: frozenset[str], renames: dict[str, str]) */
+static MlirStringRef cstr(const char *s) {
+  MlirStringRef r = {s, strlen(s)};
+  return r;
+}
+
+/* A string attribute's value as str, or NULL with ValueError (not a string,
+ * or not UTF-8), as the reference's ir.StringAttr(...).value would fail. */
+static PyObject *string_value(MlirAttribute a, const char *what) {
+  if (!p_mlirAttributeIsAString(a)) {
+    PyErr_Format(PyExc_ValueError, "%s is not a string attribute", what);
+    return NULL;
+  }
+  MlirStringRef s = p_mlirStringAttrGetValue(a);
+  return PyUnicode_DecodeUTF8(s.data, (Py_ssize_t)s.length, "strict");
+}
+
+/* mlircanon.private_renames, in C: the module body's private functions
+ * renamed f0, f1, ... in order of appearance; {} when a new name is a
+ * public function's name. */
+static PyObject *private_renames(MlirOperation module) {
+  MlirBlock body = p_mlirRegionGetFirstBlock(p_mlirOperationGetRegion(module, 0));
+  if (!body.ptr) {
+    PyErr_SetString(PyExc_ValueError, "the module has no body");
+    return NULL;
+  }
+  PyObject *mapping = PyDict_New(), *public = PySet_New(NULL);
+  if (!mapping || !public) goto fail;
+  for (MlirOperation op = p_mlirBlockGetFirstOperation(body); op.ptr;
+       op = p_mlirOperationGetNextInBlock(op)) {
+    MlirAttribute a = p_mlirOperationGetAttributeByName(op, cstr("sym_name"));
+    if (!a.ptr) continue;
+    PyObject *name = string_value(a, "sym_name");
+    if (!name) goto fail;
+    MlirAttribute vis = p_mlirOperationGetAttributeByName(op, cstr("sym_visibility"));
+    int private = 0;
+    if (vis.ptr) {
+      PyObject *v = string_value(vis, "sym_visibility");
+      if (!v) { Py_DECREF(name); goto fail; }
+      private = PyUnicode_CompareWithASCIIString(v, "private") == 0;
+      Py_DECREF(v);
+    }
+    int rc;
+    if (private) {
+      PyObject *fresh = PyUnicode_FromFormat("f%zd", PyDict_GET_SIZE(mapping));
+      rc = fresh ? PyDict_SetItem(mapping, name, fresh) : -1;
+      Py_XDECREF(fresh);
+    } else {
+      rc = PySet_Add(public, name);
+    }
+    Py_DECREF(name);
+    if (rc) goto fail;
+  }
+  PyObject *k, *v;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(mapping, &pos, &k, &v))  /* public -= mapping */
+    if (PySet_Discard(public, k) < 0) goto fail;
+  pos = 0;
+  while (PyDict_Next(mapping, &pos, &k, &v)) {
+    int clash = PySet_Contains(public, v);
+    if (clash < 0) goto fail;
+    if (clash) {
+      PyDict_Clear(mapping);
+      break;
+    }
+  }
+  Py_DECREF(public);
+  return mapping;
+fail:
+  Py_XDECREF(mapping);
+  Py_XDECREF(public);
+  return NULL;
+}
+
+/* canonical_stream(capsule, hasher, ignore: frozenset[str], renames: dict[str, str] | None);
+ * None: the private function renames of the module, found here. */
 static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *capsule, *hasher, *ignore, *renames;
-  if (!PyArg_ParseTuple(args, "OOO!O!", &capsule, &hasher, &PyFrozenSet_Type, &ignore,
-                        &PyDict_Type, &renames))
+  if (!PyArg_ParseTuple(args, "OOO!O", &capsule, &hasher, &PyFrozenSet_Type, &ignore, &renames))
     return NULL;
+  if (renames != Py_None && !PyDict_Check(renames)) {
+    PyErr_SetString(PyExc_TypeError, "renames must be a dict or None");
+    return NULL;
+  }
   if (!bound) {
     PyErr_SetString(PyExc_RuntimeError, "MLIR C API not bound: call bind() first");
     return NULL;
@@ -766,6 +843,12 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   }
   MlirModule m = {PyCapsule_GetPointer(capsule, cname)};
   if (!m.ptr) return NULL;
+  MlirOperation top = p_mlirModuleGetOperation(m);
+  PyObject *found = NULL;
+  if (renames == Py_None) {
+    if (!(found = private_renames(top))) return NULL;
+    renames = found;
+  }
   Walk w;
   memset(&w, 0, sizeof w);
   w.out.cap = CHUNK;
@@ -778,7 +861,7 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
       table_init(&w.opnames, 256)) {
     w.error = 1;
   } else {
-    walk_op(&w, p_mlirModuleGetOperation(m), 0);
+    walk_op(&w, top, 0);
     if (!w.out.failed && !w.error) out_flush(&w.out);
   }
   free(w.out.d);
@@ -791,6 +874,7 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   table_free(&w.opnames);
   for (size_t i = 0; i < w.nlists; i++) free(w.lists[i].v);
   free(w.lists);
+  Py_XDECREF(found);
   if (w.out.failed) return NULL;
   if (w.error == 2) {
     PyErr_SetString(PyExc_ValueError, "operations or attributes nested too deeply");

@@ -361,7 +361,7 @@ def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
         return _digest(_bytecode(module)), (
             module.operation.get_asm(enable_debug_info=True) if keep_text else None)
     with module.context:
-        renames = mlircanon.private_renames(module) if cfg.rename_private_functions else {}
+        renames = None if cfg.rename_private_functions else {}  # None: the walk finds them
         h = hashlib.sha256()
         try:
             mlircanon.stream(module, h, frozenset(cfg.ignore_attributes), renames)

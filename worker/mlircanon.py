@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -311,9 +312,11 @@ class _Stream:
                 self.buf += b"Z"
 
 
-def stream_py(module: Any, hasher: Any, ignore: frozenset[str], renames: dict[str, str]) -> None:
-    """The canonical stream of `module`, fed to hasher.update (the reference)."""
-    s = _Stream(hasher, ignore, renames)
+def stream_py(module: Any, hasher: Any, ignore: frozenset[str],
+              renames: dict[str, str] | None) -> None:
+    """The canonical stream of `module`, fed to hasher.update (the reference).
+    renames None: the module's private_renames."""
+    s = _Stream(hasher, ignore, private_renames(module) if renames is None else renames)
     s.op(module.operation, 0)
     s.flush()
 
@@ -541,10 +544,12 @@ def warm_up() -> threading.Thread | None:
     return t
 
 
-def stream(module: Any, hasher: Any, ignore: frozenset[str], renames: dict[str, str]) -> None:
+def stream(module: Any, hasher: Any, ignore: frozenset[str],
+           renames: dict[str, str] | None) -> None:
     """The canonical stream of `module` into `hasher`, by the fastest path
     this process may use; ResourceRefused for a module with dense_resource
-    constants."""
+    constants. renames None: the module's private_renames (found in C on
+    the C path)."""
     if native_ready():
         try:
             _native.canonical_stream(module._CAPIPtr, hasher, ignore, renames)
@@ -615,13 +620,13 @@ def selftest() -> tuple[bool, str, tuple[str, list[int]] | None]:
     lib = api[0]
     ignore_lists = (frozenset(), frozenset({"jax.arg_info", "jax.result_info"}))
     for i, module in enumerate(selftest_corpus()):
-        renames = private_renames(module)
-        for ignore in ignore_lists:
+        for ignore, renames in itertools.product(ignore_lists, (None, {})):
             a, b = hashlib.sha256(), hashlib.sha256()
-            _native.canonical_stream(module._CAPIPtr, a, ignore, renames)
-            stream_py(module, b, ignore, renames)
+            _native.canonical_stream(module._CAPIPtr, a, ignore, renames)  # None: found in C
+            stream_py(module, b, ignore, renames)  # None: found by private_renames
             if a.digest() != b.digest():
-                return False, f"corpus module {i} streams differ (ignore={sorted(ignore)})", None
+                return False, (f"corpus module {i} streams differ (ignore={sorted(ignore)}, "
+                               f"renames={'found' if renames is None else 'none'})"), None
     return True, f"C path matches the reference ({lib})", api
 
 
