@@ -173,7 +173,7 @@ def fresh_gate(tmp_path, monkeypatch):
     monkeypatch.setattr(mlircanon, "KNOWN_BUILDS", tmp_path / "no-known-builds.json")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("COMPILECAST_KEY_NATIVE", raising=False)
-    monkeypatch.setattr(mlircanon, "_state", {"native": None, "testing": False})
+    monkeypatch.setattr(mlircanon, "_state", {"native": None, "testing": False, "next_try": 0.0})
     return tmp_path
 
 
@@ -323,7 +323,7 @@ def test_the_verdict_shipped_for_this_jaxlib_build_is_still_right():
 def test_a_shipped_build_binds_without_a_self_test(tmp_path, monkeypatch):
     installed_build()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(mlircanon, "_state", {"native": None, "testing": False})
+    monkeypatch.setattr(mlircanon, "_state", {"native": None, "testing": False, "next_try": 0.0})
     monkeypatch.setattr(mlircanon, "_run_selftest", lambda: pytest.fail("self-test started"))
     assert mlircanon.native_ready()
     assert mlircanon.warm_up() is None
@@ -389,3 +389,18 @@ def test_both_walks_write_the_same_stream_for_random_programs(ops, shape, dtype,
         return
     for ignore in (frozenset(), DEFAULT_IGNORE):
         assert digest_native(module, ignore) == digest_py(module, ignore)
+
+
+@native
+def test_a_self_test_another_process_runs_is_left_to_it(fresh_gate, monkeypatch):
+    """Processes of a job that start together run one self-test between them;
+    the others do not remove its marker and look for its verdict later."""
+    running = mlircanon._verdict_path().with_suffix(".running")
+    running.parent.mkdir(parents=True)
+    running.touch()
+    spawned = []
+    monkeypatch.setattr(mlircanon.subprocess, "run", lambda *a, **k: spawned.append(a))
+    mlircanon._run_selftest()
+    assert running.exists() and not spawned
+    assert not mlircanon.native_ready()  # no verdict yet, and not tried again at once
+    assert not mlircanon._state["testing"]

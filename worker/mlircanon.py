@@ -329,7 +329,7 @@ except ImportError:  # not built (no compiler at install): the reference only
     _native = None
 
 _state_lock = threading.Lock()
-_state: dict[str, Any] = {"native": None, "testing": False}
+_state: dict[str, Any] = {"native": None, "testing": False, "next_try": 0.0}
 
 
 def _ir() -> Any:
@@ -402,24 +402,29 @@ def bind_here() -> str | None:
 
 
 SELFTEST_TIMEOUT_S = 300
+RECHECK_S = 5.0  # how soon a process without a verdict looks again
 
 
 def _run_selftest() -> None:
     """The self-test in a child process on the CPU platform (it must never
     take the accelerator this process holds); the child writes the verdict,
     or this process does when the child died. One machine-wide at a time: a
-    job's processes starting together run it once."""
+    job's processes starting together run it once, and the others look for
+    its verdict again a few seconds later."""
     path = _verdict_path()
     running = path.with_suffix(".running")
+    ours = False
+    retry_s = RECHECK_S
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(running, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            os.close(fd)
+            os.close(os.open(running, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            ours = True
         except FileExistsError:
             if time.time() - running.stat().st_mtime < SELFTEST_TIMEOUT_S:
                 return  # another process tests this build now
-            running.touch()
+            running.touch()  # a stale marker: its process died
+            ours = True
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         proc = subprocess.run([sys.executable, "-m", "compilecast.worker.mlircanon", "--selftest"],
                               capture_output=True, text=True, timeout=SELFTEST_TIMEOUT_S, env=env)
@@ -427,12 +432,15 @@ def _run_selftest() -> None:
             _write_verdict(False, f"self-test exited {proc.returncode}: {proc.stderr[-500:]}")
     except (OSError, subprocess.SubprocessError) as e:
         log.info("MLIR key self-test did not run: %s", e)
+        retry_s = SELFTEST_TIMEOUT_S  # not every key of this process tries again
     finally:
-        with contextlib.suppress(OSError):
-            running.unlink()
+        if ours:
+            with contextlib.suppress(OSError):
+                running.unlink()
         with _state_lock:
             _state["testing"] = False
             _state["native"] = None  # read the verdict again
+            _state["next_try"] = time.monotonic() + retry_s
 
 
 def _write_verdict(ok: bool, why: str, api: tuple[str, list[int]] | None = None) -> None:
@@ -516,7 +524,7 @@ def native_ready(*, wait: bool = False) -> bool:
     verdict = _load_verdict()
     if verdict is None:
         with _state_lock:
-            if _state["testing"] and not wait:
+            if not wait and (_state["testing"] or time.monotonic() < _state["next_try"]):
                 return False
             _state["testing"] = True
         if wait:
