@@ -34,6 +34,11 @@ in order of appearance, everywhere they are referenced). MLIR prints types and
 attributes completely (floats so that they parse back to the same bits, and
 no element is elided unless asked, which nothing here does); dense constants
 of the common element types are hashed from their raw bytes instead.
+Refused, by both walks alike (ValueError): a dense_resource constant (its
+printed form names a blob without its bytes: ResourceRefused, and
+keys.program_digest keys such a module by its stripped bytecode) and nesting
+deeper than MAX_DEPTH; the C walk also refuses a name that is not UTF-8, on
+which jaxlib's Python bindings abort the process.
 
 Two implementations write the same bytes: `_mlircanon` (C, over MLIR's C API
 inside jaxlib, which jaxlib does not export: bound by symbol from its ELF
@@ -41,9 +46,10 @@ file) and `stream_py` (this module, through jaxlib's Python bindings; about
 100x slower). The C path runs in a JAX process only after a self-test in a
 child process (`python -m compilecast.worker.mlircanon --selftest`) matched
 the two on a corpus for this exact jaxlib library and extension build (the
-verdict is kept in ~/.cache/compilecast/mlircanon). Until a verdict exists the first key
-starts that test in the background and uses the reference; keys never depend
-on which path ran.
+verdict is kept in ~/.cache/compilecast/mlircanon), or when the package ships
+a verdict for that build (KNOWN_BUILDS). Until a verdict exists the first
+key starts that test in the background and uses the reference; keys never
+depend on which path ran.
 """
 
 from __future__ import annotations
