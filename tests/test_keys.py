@@ -381,10 +381,20 @@ def test_random_constant_edits_always_change_the_key(c1, c2):
     assert program_key(text.encode()).value != program_key(other.encode()).value
 
 
-def test_jax_custom_hook_extends_the_key_as_in_jax(monkeypatch):
-    from jax._src import cache_key  # what users set to extend JAX's own key
+@pytest.fixture
+def aot():
+    """worker/aot, whose probe hooks JAX for the rest of a process (as the
+    farm wants); unhooked afterwards, so later tests find JAX as it was."""
+    from compilecast.worker import aot, jax_adapter
+    yield aot
+    with aot._install_lock:
+        if aot._hooks is not None:
+            jax_adapter.uninstall()
+            aot._hooks = None
 
-    from compilecast.worker import aot
+
+def test_jax_custom_hook_extends_the_key_as_in_jax(monkeypatch, aot):
+    from jax._src import cache_key  # what users set to extend JAX's own key
 
     p = aot.probe(lambda: jax.jit(lambda x: x * 2 + 1)(jnp.ones(4)))
     plain = keys_mod.jax_key(p.module, p.devices, p.compile_options, p.backend)
@@ -413,9 +423,7 @@ def test_host_cpu_tells_apart_what_xla_cpu_compiles_for():
                                      .replace("model\t\t: 85", "model\t\t: 106"))
 
 
-def test_cpu_keys_carry_the_host_cpu():
-    from compilecast.worker import aot
-
+def test_cpu_keys_carry_the_host_cpu(aot):
     p = aot.probe(lambda: jax.jit(lambda x: x - 3)(jnp.ones(4)))
     key = keys_mod.jax_key(p.module, p.devices, p.compile_options, p.backend)
     assert p.backend.platform == "cpu"
