@@ -536,11 +536,15 @@ def native_ready(*, wait: bool = False) -> bool:
         if wait:
             _run_selftest()
             return _load_verdict() is not None and native_ready()
+        log.info("MLIR keys use the Python walk until the C walk's self-test for this jaxlib "
+                 "build has a verdict (started in the background)")
         threading.Thread(target=_run_selftest, name="compilecast-mlircanon-selftest",
                          daemon=True).start()
         return False
     ok = bool(verdict.get("ok")) and _bind(str(verdict.get("library")),
                                            list(verdict.get("symbol_locations") or []))
+    if ok:
+        log.debug("MLIR keys use the C walk (%s)", verdict.get("why"))
     if not verdict.get("ok"):
         log.info("MLIR keys use the Python walk: %s", verdict.get("why"))
     with _state_lock:
