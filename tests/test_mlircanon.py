@@ -400,3 +400,40 @@ def test_a_self_test_another_process_runs_is_left_to_it(fresh_gate, monkeypatch)
     assert running.exists() and not spawned
     assert not mlircanon.native_ready()  # no verdict yet, and not tried again at once
     assert not mlircanon._state["testing"]
+
+
+CONSTANTS = ["dense<> : tensor<0xf32>", "dense<7> : tensor<2x0xi8>", "dense<7> : tensor<3xi8>",
+             "dense<[1, 2]> : tensor<2xui8>", "dense<[-1, 2]> : tensor<2xsi16>",
+             "dense<[true, false]> : tensor<2xi1>", "dense<1.5> : tensor<2x2xbf16>",
+             "dense<[1.5, -0.0]> : tensor<2xf64>", "dense<[1, 2, 3]> : tensor<3xi4>", "dense<0x7FC00000> : tensor<f32>",
+             "dense<-0.0> : tensor<f32>", "dense<0.0> : tensor<f32>"]
+
+
+@native
+def test_edge_constants_stream_alike_in_both_walks_and_stay_apart():
+    """Empty shapes, splats over empty shapes, sub-byte, unsigned, complex,
+    NaN and signed zeros: the same stream in both walks, a stream each."""
+    digests = []
+    for c in CONSTANTS:  # as attributes: no op's type constraints apply
+        text = f"module {{ func.func public @main() -> () attributes {{c = {c}}} {{ return }} }}"
+        m = keys.parse_program(text.encode())[0]
+        assert digest_native(m) == digest_py(m), c
+        digests.append(digest_py(m))
+    assert len(set(digests)) == len(CONSTANTS)
+
+
+def test_a_complex_constant_is_keyed_by_the_c_walk_and_refused_by_the_python_one():
+    """jaxlib's bindings cannot cast complex dense constants (reading one as
+    NamedAttribute.attr aborts the process): the reference reads attributes
+    by name, which raises instead, and refuses the module; a JAX process
+    without the C walk then compiles it locally."""
+    a, b = (jax.jit(lambda x, c=c: x * jnp.asarray(np.array(c, np.complex64))).lower(
+        jax.ShapeDtypeStruct((2,), jnp.complex64)).compiler_ir("stablehlo")
+        for c in ([1 + 2j, 3 - 1j], [1 + 2j, 3 - 2j]))
+    with a.context, pytest.raises(mlircanon.BindingsRefused):
+        mlircanon.stream_py(a, hashlib.sha256(), DEFAULT_IGNORE, None)
+    if mlircanon._native is not None:
+        assert digest_native(a, renames=None) != digest_native(b, renames=None)
+        assert mlircanon.native_ready()
+        cfg = keys.KeyConfig()
+        assert keys.program_digest(a, cfg)[0] != keys.program_digest(b, cfg)[0]

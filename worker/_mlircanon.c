@@ -474,8 +474,11 @@ static int eligible_dense(MlirAttribute a, size_t *nbytes) {
   } else {
     return 0;
   }
-  int64_t count = p_mlirDenseElementsAttrIsSplat(a) ? 1 : p_mlirElementsAttrGetNumElements(a);
+  int64_t count = p_mlirElementsAttrGetNumElements(a);
   if (count < 0) return 0;
+  /* A splat stores one element; over an empty shape it holds none (the
+   * reference sees an empty array there too). */
+  if (p_mlirDenseElementsAttrIsSplat(a) && count > 1) count = 1;
   *nbytes = (size_t)count * (bits / 8);
   return 1;
 }

@@ -74,6 +74,12 @@ STREAM_VERSION = "2"
 RESOURCE_REFUSED = "the module holds dense_resource constants (bytes outside the walk)"
 
 
+class BindingsRefused(ValueError):
+    """The Python walk cannot read an attribute that jaxlib's bindings fail to
+    cast (complex dense constants, in jaxlib 0.10): a process without the C
+    walk compiles such a program locally; the C walk keys it."""
+
+
 class ResourceRefused(ValueError):
     """A module whose constants live in resources: their printed form names a
     blob without its bytes, so the walk refuses it (keys.program_digest keys
@@ -154,6 +160,15 @@ class _Stream:
         self.varint(0)
         return True
 
+    @staticmethod
+    def named(container: Any) -> list[tuple[str, Any]]:
+        """(name, attribute) of an op's attributes or a DictAttr, in order.
+        Read by name: jaxlib's bindings abort the process on
+        NamedAttribute.attr of an attribute they cannot cast (a complex dense
+        constant), while a read by name raises TypeError (BindingsRefused)."""
+        names = [container[i].name for i in range(len(container))]
+        return [(n, container[n]) for n in names]
+
     def ident(self, name: str) -> None:
         if self.intern(self.idents, name):
             self.str(name)
@@ -200,13 +215,12 @@ class _Stream:
             for item in items:
                 self.attr(item)
         elif isinstance(a, ir.DictAttr):
-            d = ir.DictAttr(a)
+            entries = self.named(ir.DictAttr(a))
             self.buf += b"D"
-            self.varint(len(d))
-            for i in range(len(d)):
-                na = d[i]
-                self.ident(na.name)
-                self.attr(na.attr)
+            self.varint(len(entries))
+            for name, value in entries:
+                self.ident(name)
+                self.attr(value)
         elif (raw := self.dense_raw(a)) is not None:
             self.buf += b"E"
             self.type(a.type)
@@ -249,13 +263,12 @@ class _Stream:
                 self.buf += b"r"
                 self.attr(d)
                 continue
-            dd = ir.DictAttr(d)
-            kept = [dd[i] for i in range(len(dd)) if dd[i].name not in self.ignore]
+            kept = [(n, v) for n, v in self.named(ir.DictAttr(d)) if n not in self.ignore]
             self.buf += b"D"
             self.varint(len(kept))
-            for na in kept:
-                self.ident(na.name)
-                self.attr(na.attr)
+            for name, value in kept:
+                self.ident(name)
+                self.attr(value)
 
     def value(self, v: Any) -> None:  # a use or a definition: the same rule
         idx = self.values.get(v)
@@ -279,22 +292,21 @@ class _Stream:
         for v in results:
             self.value(v)
             self.type(v.type)
-        attrs = op.attributes
-        named = [attrs[i] for i in range(len(attrs))]
-        rules = [self.rule(na.name, na.attr, depth) for na in named]
+        named = self.named(op.attributes)
+        rules = [self.rule(name, value, depth) for name, value in named]
         self.varint(sum(1 for r in rules if r))
-        for na, r in zip(named, rules, strict=True):
+        for (name, value), r in zip(named, rules, strict=True):
             if not r:
                 continue
-            self.ident(na.name)
+            self.ident(name)
             if r == 1:
                 self.buf += b"r"
-                self.attr(na.attr)
+                self.attr(value)
             elif r == 2:
                 self.buf += b"S"
-                self.str(self.renames[self.ir.StringAttr(na.attr).value])
+                self.str(self.renames[self.ir.StringAttr(value).value])
             else:
-                self.filtered(na.attr)
+                self.filtered(value)
         successors = op.successors
         self.varint(len(successors))
         for b in successors:
@@ -323,7 +335,10 @@ def stream_py(module: Any, hasher: Any, ignore: frozenset[str],
     """The canonical stream of `module`, fed to hasher.update (the reference).
     renames None: the module's private_renames."""
     s = _Stream(hasher, ignore, private_renames(module) if renames is None else renames)
-    s.op(module.operation, 0)
+    try:
+        s.op(module.operation, 0)
+    except TypeError as e:  # what jaxlib's bindings cannot cast (the C walk reads it)
+        raise BindingsRefused(f"jaxlib's Python bindings cannot read this module: {e}") from e
     s.flush()
 
 
