@@ -437,3 +437,59 @@ def test_a_complex_constant_is_keyed_by_the_c_walk_and_refused_by_the_python_one
         assert mlircanon.native_ready()
         cfg = keys.KeyConfig()
         assert keys.program_digest(a, cfg)[0] != keys.program_digest(b, cfg)[0]
+
+
+def _features():
+    """Programs across JAX's feature set, lowered (never run)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    S = jax.ShapeDtypeStruct
+    x = S((4, 8), jnp.float32)
+
+    @jax.custom_jvp
+    def g(v):
+        return jnp.sin(v)
+
+    g.defjvp(lambda p, t: (g(p[0]), jnp.cos(p[0]) * t[0]))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    cases = {
+        "zero-size": (lambda v: v + jnp.zeros((4, 0)).sum(), x),
+        "argsort": (lambda v: jnp.argsort(v, axis=1), x),
+        "top_k": (lambda v: jax.lax.top_k(v, 3), x),
+        "conv": (lambda v, w: jax.lax.conv(v, w, (1, 1), "SAME"), S((1, 3, 8, 8), jnp.float32),
+                 S((4, 3, 3, 3), jnp.float32)),
+        "dot precision": (lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST), x,
+                          S((8, 2), jnp.float32)),
+        "reduce_window": (lambda v: jax.lax.reduce_window(v, 0., jax.lax.add, (2, 2), (1, 1),
+                                                          "VALID"), x),
+        "gather": (lambda v, i: v[i], x, S((3,), jnp.int32)),
+        "scatter": (lambda v, i: v.at[i].add(1.0), x, S((3,), jnp.int32)),
+        "rng": (lambda k: jax.random.normal(k, (4,)), S((2,), jnp.uint32)),
+        "custom_jvp grad": (jax.grad(lambda v: g(v).sum()), x),
+        "checkpoint": (jax.grad(lambda v: jax.checkpoint(lambda u: jnp.sin(u) ** 2)(v).sum()), x),
+        "while": (lambda v: jax.lax.while_loop(lambda c: c[0] < 5,
+                                               lambda c: (c[0] + 1, c[1] * 2), (0, v)), x),
+        "switch": (lambda i, v: jax.lax.switch(i, [jnp.sin, jnp.cos, jnp.tanh], v),
+                   S((), jnp.int32), x),
+        "sharding": (lambda v: jax.lax.with_sharding_constraint(v * 2, NamedSharding(mesh, P("d"))),
+                     x),
+        "host callback": (lambda v: jax.pure_callback(lambda u: np.asarray(u) * 2, x, v), x),
+        "fft": (lambda v: jnp.fft.fft(v).real, x),
+        "cholesky": (lambda v: jnp.linalg.cholesky(v @ v.T + jnp.eye(4)), x),
+        "nan, inf, -0": (lambda v: v + jnp.array([jnp.nan, jnp.inf, -jnp.inf, -0.0]).sum(), x),
+        "bf16 constant": (lambda v: v + jnp.asarray(np.arange(4096.0).reshape(64, 64)).astype(
+            jnp.bfloat16).astype(jnp.float32).sum(), x),
+        "remat scan": (lambda v: jax.lax.scan(jax.checkpoint(lambda c, u: (c + u, c * u)), v[0],
+                                              v)[0], x),
+    }
+    return cases
+
+
+@native
+@pytest.mark.parametrize("name", sorted(_features()))
+def test_both_walks_agree_across_jax_features(name):
+    f, *args = _features()[name]
+    module = jax.jit(f).lower(*args).compiler_ir("stablehlo")
+    for ignore in (frozenset(), DEFAULT_IGNORE):
+        assert digest_native(module, ignore, None) == digest_py(module, ignore, None)
