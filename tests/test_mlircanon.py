@@ -493,3 +493,35 @@ def test_both_walks_agree_across_jax_features(name):
     module = jax.jit(f).lower(*args).compiler_ir("stablehlo")
     for ignore in (frozenset(), DEFAULT_IGNORE):
         assert digest_native(module, ignore, None) == digest_py(module, ignore, None)
+
+
+_LEAVES = ['1 : i32', '-7 : i64', '3.5 : f32', '1.0e-30 : f64', '0x7FC00000 : f32', 'true', 'unit',
+           '"s"', '"with \\"quote\\" \\n"', '"\\E2\\82\\AC"', 'i32', 'tensor<2x?xf32>', '@f', '@g',
+           '@outer::@inner', 'dense<[1, 2]> : tensor<2xi32>', 'dense<1.5> : tensor<3xf16>',
+           'dense<[true, false]> : tensor<2xi1>', 'array<i64: 1, 2, 3>', 'array<f32: 1.5>',
+           'affine_map<(d0) -> (d0 + 1)>', '#stablehlo<comparison_direction LT>',
+           'dense<"0x01020304"> : tensor<4xi8>', 'dense<[1.0, 2.0]> : tensor<2xbf16>', '{}', '[]']
+_attr_trees = st.recursive(
+    st.sampled_from(_LEAVES),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4).map(lambda xs: "[" + ", ".join(xs) + "]"),
+        st.dictionaries(st.sampled_from(["a", "b", "z", "jax.arg_info", "k1"]), inner,
+                        max_size=3).map(
+            lambda d: "{" + ", ".join(f"{k} = {v}" for k, v in d.items()) + "}")),
+    max_leaves=12)
+
+
+@native
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(attrs=st.lists(_attr_trees, min_size=1, max_size=4))
+def test_both_walks_write_the_same_stream_for_random_attributes(attrs):
+    """Attribute trees: symbol references (renamed, nested, unknown), arrays,
+    dictionaries with ignored names, strings with escapes, floats, dense and
+    array constants, dialect attributes."""
+    body = ", ".join(f"x{i} = {a}" for i, a in enumerate(attrs))
+    text = ("module { func.func private @f() -> () { return }\n"
+            "func.func private @g() -> () { return }\n"
+            f"func.func public @main() -> () attributes {{{body}}} {{ return }} }}")
+    module = keys.parse_program(text.encode())[0]
+    for ignore in (frozenset(), frozenset({"jax.arg_info", "a"})):
+        assert digest_native(module, ignore, None) == digest_py(module, ignore, None)
