@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml
 $(HELM):
 	GOBIN=$(GOBIN) go install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
 
-install: $(STAMP) $(HELM)
+# The stamp stands for "installed from this checkout": an editable install that
+# points elsewhere (a moved or copied checkout) installs again.
+install: $(HELM)
+	@$(PY) -c "import os, sys, compilecast.worker as w; \
+	  sys.exit(not os.path.realpath(w.__file__).startswith(os.path.realpath('worker') + os.sep))" \
+	  2>/dev/null || rm -f $(STAMP)
+	@$(MAKE) --no-print-directory $(STAMP)
 
 demo: install
 	$(PY) -m compilecast.demo
