@@ -170,8 +170,15 @@ class _Stream:
         return [(n, container[n]) for n in names]
 
     def ident(self, name: str) -> None:
-        if self.intern(self.idents, name):
+        idx = self.idents.get(name)  # intern(), inlined: the walk's commonest call
+        if idx is None:
+            self.idents[name] = len(self.idents)
+            self.buf.append(0)
             self.str(name)
+        elif idx < 0x7F:
+            self.buf.append(idx + 1)
+        else:
+            self.varint(idx + 1)
 
     def type(self, t: Any) -> None:
         if self.intern(self.types, t):
@@ -274,45 +281,88 @@ class _Stream:
         idx = self.values.get(v)
         if idx is None:
             self.values[v] = len(self.values)
-            self.varint(0)
+            self.buf.append(0)
         else:
             self.varint(idx + 1)
+
+    def values_of(self, vs: Any, typed: bool) -> None:
+        """varint(#vs), then each value as a use/def, with its type when typed
+        (the hot loop of the walk, inlined)."""
+        buf, values, varint = self.buf, self.values, self.varint
+        n = len(vs)
+        if n < 0x80:
+            buf.append(n)
+        else:
+            varint(n)
+        for v in vs:
+            idx = values.get(v)
+            if idx is None:
+                values[v] = len(values)
+                buf.append(0)
+            elif idx < 0x7F:
+                buf.append(idx + 1)
+            else:
+                varint(idx + 1)
+            if typed:
+                t = v.type
+                idx = self.types.get(t)
+                if idx is None:
+                    self.types[t] = len(self.types)
+                    buf.append(0)
+                    self.str(str(t))
+                elif idx < 0x7F:
+                    buf.append(idx + 1)
+                else:
+                    varint(idx + 1)
 
     def op(self, op: Any, depth: int) -> None:
         if depth > MAX_DEPTH:
             raise ValueError("operations or attributes nested too deeply")
-        self.buf += b"O"
+        buf = self.buf
+        buf += b"O"
         self.ident(op.name)
-        operands = op.operands
-        self.varint(len(operands))
-        for v in operands:
-            self.value(v)
-        results = op.results
-        self.varint(len(results))
-        for v in results:
-            self.value(v)
-            self.type(v.type)
-        named = self.named(op.attributes)
-        rules = [self.rule(name, value, depth) for name, value in named]
-        self.varint(sum(1 for r in rules if r))
-        for (name, value), r in zip(named, rules, strict=True):
-            if not r:
-                continue
-            self.ident(name)
-            if r == 1:
-                self.buf += b"r"
-                self.attr(value)
-            elif r == 2:
-                self.buf += b"S"
-                self.str(self.renames[self.ir.StringAttr(value).value])
+        self.values_of(op.operands, False)
+        self.values_of(op.results, True)
+        attrs = op.attributes
+        names = attrs.keys()  # names only: see named() on reading attributes
+        if depth > 1:  # below the module's functions every attribute is kept
+            n = len(names)
+            if n < 0x80:
+                buf.append(n)
             else:
-                self.filtered(value)
+                self.varint(n)
+            for name in names:
+                self.ident(name)
+                buf += b"r"
+                self.attr(attrs[name])
+        else:
+            named = [(n, attrs[n]) for n in names]
+            rules = [self.rule(name, value, depth) for name, value in named]
+            self.varint(sum(1 for r in rules if r))
+            for (name, value), r in zip(named, rules, strict=True):
+                if not r:
+                    continue
+                self.ident(name)
+                if r == 1:
+                    buf += b"r"
+                    self.attr(value)
+                elif r == 2:
+                    buf += b"S"
+                    self.str(self.renames[self.ir.StringAttr(value).value])
+                else:
+                    self.filtered(value)
         successors = op.successors
-        self.varint(len(successors))
-        for b in successors:
-            idx = self.blocks.get(b)
-            self.varint(0 if idx is None else idx + 1)
+        if successors:
+            self.varint(len(successors))
+            for b in successors:
+                idx = self.blocks.get(b)
+                self.varint(0 if idx is None else idx + 1)
+        else:
+            buf.append(0)
         regions = op.regions
+        if not regions:
+            buf.append(0)
+            return
         self.varint(len(regions))
         for region in regions:
             blocks = list(region.blocks)
@@ -320,11 +370,7 @@ class _Stream:
                 self.blocks[b] = len(self.blocks)
             self.varint(len(blocks))
             for b in blocks:
-                args = b.arguments
-                self.varint(len(args))
-                for v in args:
-                    self.value(v)
-                    self.type(v.type)
+                self.values_of(b.arguments, True)
                 for child in b.operations:
                     self.op(child.operation, depth + 1)
                 self.buf += b"Z"
