@@ -173,7 +173,7 @@ def _file_key(path: str, include_metadata: bool, *, keep_text: bool = False):
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
-        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+        raise _Unreadable(f"cannot read {path}: {exc.strerror}") from None
     return program_key(data, cfg, keep_text=keep_text)
 
 
@@ -181,13 +181,25 @@ class CliError(Exception):
     """A readable command-line error (exit status 2)."""
 
 
+class _Unreadable(CliError):
+    """A program file that cannot be read."""
+
+
 def cmd_key(args: argparse.Namespace) -> int:
+    """One line per file, like sha256sum: a file that cannot be read is said on
+    stderr and the others are still keyed; exit status 1 if any could not be."""
+    failed = 0
     for path in args.files:
-        key = _file_key(path, args.include_metadata)
+        try:
+            key = _file_key(path, args.include_metadata)
+        except _Unreadable as exc:
+            print(f"compilecast: {exc}", file=sys.stderr)
+            failed += 1
+            continue
         fmt = key.components["program_format"]
         note = "  (unparsed: keyed by raw bytes)" if fmt == "raw" else ""
-        print(f"{key.value}  {path}{note}")
-    return 0
+        print(f"{key.value}  {path}{note}", flush=True)
+    return 1 if failed else 0
 
 
 def _seen_key(key: str, worker: str):

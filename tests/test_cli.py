@@ -122,3 +122,65 @@ def test_ls_lists_the_tenants_artifacts_a_page_at_a_time(coordinator):
         assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
         bad = cc("ls", "--coordinator", "127.0.0.1:1")
     assert bad.returncode != 0 and "UNAVAILABLE" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# -- `compilecast key` and `compilecast explain` on files ------------------------
+
+def _fixture(name: str) -> str:
+    from pathlib import Path
+
+    return str(Path(__file__).parent / "fixtures" / "torch_xla" / name)
+
+
+def test_key_prints_one_line_per_file_like_sha256sum(tmp_path):
+    from compilecast.worker.keys import program_key
+
+    files = [_fixture(n) for n in ("mlp.hlo.pb", "mlp_moved_lines.hlo.pb", "mlp_wider.hlo.pb")]
+    r = cc("key", *files)
+    assert r.returncode == 0, r.stderr
+    lines = [line.split("  ") for line in r.stdout.splitlines()]
+    assert [path for _, path in lines] == files
+    with open(files[0], "rb") as f:
+        assert lines[0][0] == program_key(f.read()).value
+    assert lines[0][0] == lines[1][0]  # moved source lines: the same key
+    assert lines[0][0] != lines[2][0]  # a wider layer: another
+
+
+def test_key_goes_on_past_a_file_it_cannot_read(tmp_path):
+    good = _fixture("mlp.hlo.pb")
+    missing = tmp_path / "gone.pb"
+    r = cc("key", str(missing), str(tmp_path), good)
+    assert r.returncode == 1
+    assert r.stdout.count("\n") == 1 and r.stdout.rstrip().endswith(f"  {good}")
+    assert f"compilecast: cannot read {missing}: No such file or directory" in r.stderr
+    assert f"compilecast: cannot read {tmp_path}: Is a directory" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_key_says_when_a_file_is_not_a_program(tmp_path):
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not a program\n")
+    r = cc("key", str(junk))
+    assert r.returncode == 0
+    assert r.stdout.rstrip().endswith(f"  {junk}  (unparsed: keyed by raw bytes)")
+
+
+def test_explain_two_files(tmp_path):
+    same = cc("explain", _fixture("mlp.hlo.pb"), _fixture("mlp_other_file.hlo.pb"))
+    assert same.returncode == 0 and same.stdout.startswith("same key cc1-"), same.stderr
+    differ = cc("explain", _fixture("mlp.hlo.pb"), _fixture("mlp_gelu.hlo.pb"))
+    assert differ.returncode == 1, differ.stderr
+    out = differ.stdout
+    assert "component program differs" in out
+    assert "first differing operation" in out
+    # the constant that makes it a GELU, on the two sides
+    minus = [line for line in out.splitlines() if line.startswith("  - ")]
+    plus = [line for line in out.splitlines() if line.startswith("  + ")]
+    assert any("constant dense<0.000000e+00>" in line for line in minus), out
+    assert any("constant dense<5.000000e-01>" in line for line in plus), out
+
+
+def test_explain_an_unreadable_file_is_a_readable_error(tmp_path):
+    r = cc("explain", _fixture("mlp.hlo.pb"), str(tmp_path / "gone.pb"))
+    assert r.returncode == 2
+    assert "cannot read" in r.stderr and "Traceback" not in r.stderr
