@@ -43,9 +43,9 @@ which jaxlib's Python bindings abort the process.
 Two implementations write the same bytes: `_mlircanon` (C, over MLIR's C API
 inside jaxlib, which jaxlib does not export: bound by symbol from its ELF
 file) and `stream_py` (this module, through jaxlib's Python bindings; about
-100x slower). The C path runs in a JAX process only after a self-test in a
-child process (`python -m compilecast.worker.mlircanon --selftest`) matched
-the two on a corpus for this exact jaxlib library and extension build (the
+25x slower on op-heavy modules). The C path runs in a JAX process only after
+a self-test in a child process (`python -m compilecast.worker.mlircanon
+--selftest`) matched the two on a corpus for this exact jaxlib library and extension build (the
 verdict is kept in ~/.cache/compilecast/mlircanon), or when the package ships
 a verdict for that build (KNOWN_BUILDS). Until a verdict exists the first
 key starts that test in the background and uses the reference; keys never
