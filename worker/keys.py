@@ -218,44 +218,15 @@ def _strip_attributes(module: Any, names: tuple[str, ...]) -> None:
         visit(op.operation)
 
 
-def _remap_symbols(attr: Any, mapping: dict[str, str]) -> Any | None:
-    """`attr` with symbol references renamed, or None when nothing changed."""
-    ir = jax_adapter.ir
-    if isinstance(attr, ir.FlatSymbolRefAttr):
-        name = attr.value
-        return ir.FlatSymbolRefAttr.get(mapping[name]) if name in mapping else None
-    if isinstance(attr, ir.ArrayAttr):
-        items = list(attr)
-        new = [_remap_symbols(a, mapping) for a in items]
-        if any(n is not None for n in new):
-            return ir.ArrayAttr.get([n if n is not None else a for a, n in zip(items, new,
-                                                                                strict=True)])
-        return None
-    if isinstance(attr, ir.DictAttr):
-        entries = {a.name: a.attr for a in attr}
-        new = {k: _remap_symbols(v, mapping) for k, v in entries.items()}
-        if any(v is not None for v in new.values()):
-            return ir.DictAttr.get({k: new[k] if new[k] is not None else v
-                                    for k, v in entries.items()})
-        return None
-    # Nested references (@outer::@inner) do not occur in XLA programs; leaving
-    # one unrenamed can only cause a miss, never a collision.
-    return None
-
-
 def _body(module: Any) -> Any:
     return module.operation.regions[0].blocks[0]
 
 
-# Up to this many private functions, each is renamed by MLIR's own
-# replace_all_symbol_uses (one C++ walk of the module per function); more than
-# that, by one Python walk over every operation (about 3 us an operation).
-CXX_RENAME_MAX = 32
-
-
 def _rename_private_functions(module: Any) -> None:
     """Rename private functions to f0, f1, ... in order of appearance (the
-    renames the canonical stream applies, mlircanon.private_renames)."""
+    renames the canonical stream applies, mlircanon.private_renames), in the
+    module itself: for canonicalize(), which only explain's text and modules
+    the walk refuses (resources) need. One MLIR walk per function."""
     ir = jax_adapter.ir
     mapping = mlircanon.private_renames(module)
     if not mapping:
@@ -263,10 +234,7 @@ def _rename_private_functions(module: Any) -> None:
     public = {ir.StringAttr(op.operation.attributes["sym_name"]).value
               for op in _body(module).operations
               if "sym_name" in op.operation.attributes} - set(mapping)
-    if len(mapping) <= CXX_RENAME_MAX:
-        _rename_uses_cxx(module, mapping, public)
-    else:
-        _rename_uses_py(module, mapping)
+    _rename_uses(module, mapping, public)
     for op in _body(module).operations:
         attrs = op.operation.attributes
         if "sym_name" in attrs:
@@ -275,7 +243,7 @@ def _rename_private_functions(module: Any) -> None:
                 attrs["sym_name"] = ir.StringAttr.get(mapping[old])
 
 
-def _rename_uses_cxx(module: Any, mapping: dict[str, str], taken: set[str]) -> None:
+def _rename_uses(module: Any, mapping: dict[str, str], taken: set[str]) -> None:
     """Every use of each private function, renamed by MLIR. Renaming one at a
     time must never rename onto a name still in use, so when a new name is an
     old one (a function already called f1), everything goes through unused
@@ -295,24 +263,6 @@ def _rename_uses_cxx(module: Any, mapping: dict[str, str], taken: set[str]) -> N
     for step in steps:
         for old, new in step.items():
             replace(old, new, op)
-
-
-def _rename_uses_py(module: Any, mapping: dict[str, str]) -> None:
-    """Every use of the private functions, renamed in one Python walk (not one
-    walk per function)."""
-    ir = jax_adapter.ir
-
-    def visit(op: Any) -> Any:
-        attrs = op.attributes
-        for name in [a if isinstance(a, str) else a.name for a in attrs]:
-            if name == "sym_name":
-                continue
-            new = _remap_symbols(attrs[name], mapping)
-            if new is not None:
-                attrs[name] = new
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
 
 
 def parse_program(data: bytes, fmt: str | None = None) -> tuple[Any, str]:
