@@ -141,8 +141,12 @@ static int put(Buf *b, const uint8_t *p, size_t n) {
     return b->sink && b->n >= CHUNK ? flush(b) : 0;
 }
 
-static int put_varint(Buf *b, uint64_t v) {
-    if (reserve(b, 10)) return -1;
+static inline int put_varint(Buf *b, uint64_t v) {
+    if (b->n + 10 > b->cap && reserve(b, 10)) return -1;
+    if (v < 0x80) {  /* most are: group tags of low fields, positions in small computations */
+        b->d[b->n++] = (uint8_t)v;
+        return b->sink && b->n >= CHUNK ? flush(b) : 0;
+    }
     while (v >= 0x80) {
         b->d[b->n++] = (uint8_t)((v & 0x7F) | 0x80);
         v >>= 7;
@@ -160,8 +164,15 @@ typedef struct {
 } Field;
 
 static inline int rd_varint(const uint8_t **p, const uint8_t *end, uint64_t *out) {
-    if (*p < end && **p < 0x80) {  /* most tags and lengths are one byte */
-        *out = *(*p)++;
+    const uint8_t *q = *p;
+    if (q < end && q[0] < 0x80) {  /* most tags and lengths are one byte */
+        *out = q[0];
+        *p = q + 1;
+        return 0;
+    }
+    if (end - q >= 2 && q[1] < 0x80) {  /* tags of fields 16-2047, ids below 16384 */
+        *out = (uint64_t)(q[0] & 0x7F) | (uint64_t)q[1] << 7;
+        *p = q + 2;
         return 0;
     }
     uint64_t r = 0;
