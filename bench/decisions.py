@@ -166,7 +166,10 @@ def quantiles_ms(values: list[float]) -> tuple[float, float]:
 def pin(pid: int, cpus: set[int]) -> None:
     """Every thread of `pid` (and the threads they start later) on `cpus`."""
     for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), cpus)
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended since the listing
+            pass
 
 
 def main() -> None:
