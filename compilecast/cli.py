@@ -170,8 +170,11 @@ def _file_key(path: str, include_metadata: bool, *, keep_text: bool = False):
     if include_metadata:
         cfg = dataclasses.replace(cfg, include_metadata=True)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        if path == "-":  # standard input, as sha256sum reads it
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
     except OSError as exc:
         raise _Unreadable(f"cannot read {path}: {exc.strerror}") from None
     return program_key(data, cfg, keep_text=keep_text)
@@ -465,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("key", help="print the canonical key of program files (like sha256sum)")
-    p.add_argument("files", nargs="+", help="HloProto/HloModuleProto, StableHLO text or MLIR bytecode")
+    p.add_argument("files", nargs="+",
+                   help="HloProto/HloModuleProto, StableHLO text or MLIR bytecode (- for stdin)")
     p.add_argument("--include-metadata", action="store_true",
                    help="keep debug metadata and names in the key")
     p.set_defaults(fn=cmd_key)

@@ -146,6 +146,18 @@ def test_key_prints_one_line_per_file_like_sha256sum(tmp_path):
     assert lines[0][0] != lines[2][0]  # a wider layer: another
 
 
+def test_key_reads_standard_input_as_dash():
+    path = _fixture("mlp.hlo.pb")
+    with open(path, "rb") as f:
+        data = f.read()
+    r = subprocess.run([sys.executable, "-m", "compilecast.cli", "key", "-", path],
+                       input=data, capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (from_stdin, dash), (from_file, named) = (line.split(b"  ") for line in r.stdout.splitlines())
+    assert (dash, named) == (b"-", path.encode())
+    assert from_stdin == from_file and from_stdin.startswith(b"cc1-")
+
+
 def test_key_goes_on_past_a_file_it_cannot_read(tmp_path):
     good = _fixture("mlp.hlo.pb")
     missing = tmp_path / "gone.pb"
