@@ -391,6 +391,7 @@ typedef struct {
   uint64_t next_value;
   PyObject *ignore;   /* frozenset of str: attributes dropped at depth <= 1 */
   PyObject *renames;  /* dict str -> str: private function renames */
+  PyObject *kernel;   /* callable or NULL: a tpu_custom_call's backend_config -> 3 bytes or None */
   int error;  /* 1 out of memory, 2 nested too deeply, 3 a dense_resource, 4 a name not UTF-8 */
   int attr_depth;
   char *text;         /* printer scratch */
@@ -670,6 +671,46 @@ static int read_attrs(Walk *w, MlirOperation op, MlirIdentifier opname, intptr_t
 }
 
 
+static MlirStringRef cstr(const char *s) {
+  MlirStringRef r = {s, strlen(s)};
+  return r;
+}
+
+/* A Pallas/Mosaic TPU kernel call: its backend_config carries the kernel's
+ * MLIR bytecode, locations included (worker/mosaic.py). */
+static int is_tpu_kernel_call(Walk *w, MlirOperation op, MlirIdentifier opname) {
+  if (!w->kernel || !is_name(opname, "stablehlo.custom_call")) return 0;
+  MlirAttribute t = p_mlirOperationGetAttributeByName(op, cstr("call_target_name"));
+  if (!t.ptr || !p_mlirAttributeIsAString(t)) return 0;
+  MlirStringRef v = p_mlirStringAttrGetValue(t);
+  return v.length == 15 && memcmp(v.data, "tpu_custom_call", 15) == 0;
+}
+
+/* 'K' str(before) str(kernel digest) str(after), as the hook splits the
+ * config; 0 when the hook keeps it whole (None), -1 with an exception set. */
+static int kernel_value(Walk *w, MlirAttribute a) {
+  MlirStringRef s = p_mlirStringAttrGetValue(a);
+  PyObject *arg = PyBytes_FromStringAndSize(s.data, (Py_ssize_t)s.length);
+  PyObject *r = arg ? PyObject_CallOneArg(w->kernel, arg) : NULL;
+  Py_XDECREF(arg);
+  if (!r) { w->out.failed = 1; return -1; }
+  if (r == Py_None) { Py_DECREF(r); return 0; }
+  if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 3 || !PyBytes_Check(PyTuple_GET_ITEM(r, 0)) ||
+      !PyBytes_Check(PyTuple_GET_ITEM(r, 1)) || !PyBytes_Check(PyTuple_GET_ITEM(r, 2))) {
+    Py_DECREF(r);
+    PyErr_SetString(PyExc_ValueError, "the kernel hook must return None or 3 bytes");
+    w->out.failed = 1;
+    return -1;
+  }
+  put_byte(&w->out, 'K');
+  for (int i = 0; i < 3; i++) {
+    PyObject *b = PyTuple_GET_ITEM(r, i);
+    put_str(&w->out, PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(b));
+  }
+  Py_DECREF(r);
+  return 1;
+}
+
 static void walk_op(Walk *w, MlirOperation op, int depth) {
   Out *o = &w->out;
   if (o->failed || w->error) return;
@@ -694,6 +735,7 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
     w->error = 1;
     return;
   }
+  int kernel_call = is_tpu_kernel_call(w, op, opname);
   intptr_t kept = 0;
   for (intptr_t i = 0; i < n; i++) kept += attr_rule(w, named[i], depth) != 0;
   put_varint(o, (uint64_t)kept);
@@ -703,8 +745,14 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
     if (rule == 0) continue;
     ref_ident(w, na.name);
     if (rule == 1) {
-      put_byte(o, 'r');
-      ref_attr(w, na.attribute);
+      int k = 0;
+      if (kernel_call && is_name(na.name, "backend_config") && p_mlirAttributeIsAString(na.attribute))
+        k = kernel_value(w, na.attribute);
+      if (k < 0) break;
+      if (k == 0) {
+        put_byte(o, 'r');
+        ref_attr(w, na.attribute);
+      }
     } else if (rule == 2) {
       const char *r;
       Py_ssize_t rn;
@@ -747,10 +795,6 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
   }
 }
 
-static MlirStringRef cstr(const char *s) {
-  MlirStringRef r = {s, strlen(s)};
-  return r;
-}
 
 /* A string attribute's value as str, or NULL with ValueError (not a string,
  * or not UTF-8), as the reference's ir.StringAttr(...).value would fail. */
@@ -820,13 +864,19 @@ fail:
   return NULL;
 }
 
-/* canonical_stream(capsule, hasher, ignore: frozenset[str], renames: dict[str, str] | None);
- * None: the private function renames of the module, found here. */
+/* canonical_stream(capsule, hasher, ignore: frozenset[str], renames: dict[str, str] | None
+ *                  [, kernel: callable | None]);
+ * renames None: the private function renames of the module, found here. */
 static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *capsule, *hasher, *ignore, *renames;
-  if (!PyArg_ParseTuple(args, "OOO!O", &capsule, &hasher, &PyFrozenSet_Type, &ignore, &renames))
+  PyObject *capsule, *hasher, *ignore, *renames, *kernel = Py_None;
+  if (!PyArg_ParseTuple(args, "OOO!O|O", &capsule, &hasher, &PyFrozenSet_Type, &ignore, &renames,
+                        &kernel))
     return NULL;
+  if (kernel != Py_None && !PyCallable_Check(kernel)) {
+    PyErr_SetString(PyExc_TypeError, "kernel must be callable or None");
+    return NULL;
+  }
   if (renames != Py_None && !PyDict_Check(renames)) {
     PyErr_SetString(PyExc_TypeError, "renames must be a dict or None");
     return NULL;
@@ -859,6 +909,7 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   w.out.hasher = hasher;
   w.ignore = ignore;
   w.renames = PyDict_GET_SIZE(renames) ? renames : NULL;
+  w.kernel = kernel == Py_None ? NULL : kernel;
   if (!w.out.d || table_init(&w.idents, 256) || table_init(&w.types, 1024) ||
       table_init(&w.attrs, 4096) || table_init(&w.values, 1 << 14) || table_init(&w.blocks, 256) ||
       table_init(&w.opnames, 256)) {

@@ -21,7 +21,8 @@ JAX's persistent compilation cache has no public plugin hook. We use:
   canonical key (worker/keys.py), which is identical on every process of a
   job and ignores names and debug metadata;
 - jaxlib's MLIR bindings (`jax._src.lib.mlir`) that the key library parses
-  MLIR programs with, and the HLO -> StableHLO converter
+  MLIR programs with (and `jax._src.lib.tpu`, Mosaic's dialect, for the
+  Pallas kernels inside them), and the HLO -> StableHLO converter
   (`_jax.mlir.hlo_to_stablehlo`) that `explain` prints HLO protos with;
 - for recipes and replays (worker/aot.py): `mlir.module_to_bytecode`,
   `xla_client.CompileOptions` (de)serialization, `xla_client.DeviceList` and
@@ -113,6 +114,12 @@ def check() -> None:
                  "persistent_cache_min_entry_size_bytes", "share_binary_between_hosts"):
         if not hasattr(_config, name):
             problems.append(f"jax._src.config.{name} is gone")
+    try:
+        from jax._src.lib import tpu
+        if not hasattr(tpu, "register_dialect"):
+            problems.append("jax._src.lib.tpu.register_dialect is gone")
+    except ImportError:
+        problems.append("jax._src.lib.tpu (Mosaic's dialect, for Pallas kernels) is gone")
     if problems:
         raise AdapterError(
             f"compilecast cannot hook JAX {jax.__version__} (tested with "
@@ -248,6 +255,21 @@ def _set_cache(cache: CacheInterface | None) -> None:
 def mlir_context() -> Any:
     """An MLIR context with every dialect JAX lowers to registered."""
     return _mlir.make_ir_context()
+
+
+def mosaic_kernel_module(body: bytes) -> Any:
+    """A Pallas/Mosaic TPU kernel, the MLIR bytecode a tpu_custom_call's
+    backend_config carries, parsed in a fresh context that knows Mosaic's
+    dialect as `jax._src.tpu_custom_call` does (jaxlib's `tpu` dialect
+    registered, the versioning dialect `stable_mosaic` allowed unregistered).
+    Raises when it does not parse."""
+    from jax._src.lib import tpu
+
+    ctx = _mlir.make_ir_context()
+    tpu.register_dialect(ctx)
+    ctx.allow_unregistered_dialects = True
+    with ctx, ir.Location.unknown():
+        return ir.Module.parse(body)
 
 
 def strip_debuginfo(module: Any) -> None:

@@ -56,7 +56,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import hlocanon, mlircanon, xlaflags
+from . import hlocanon, mlircanon, mosaic, xlaflags
 
 
 class _JaxAdapter:
@@ -314,7 +314,8 @@ def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
         renames = None if cfg.rename_private_functions else {}  # None: the walk finds them
         h = hashlib.sha256()
         try:
-            mlircanon.stream(module, h, frozenset(cfg.ignore_attributes), renames)
+            mlircanon.stream(module, h, frozenset(cfg.ignore_attributes), renames,
+                             mosaic.kernel_part)
         except mlircanon.ResourceRefused:  # blobs outside attributes: the bytecode has them
             h = hashlib.sha256(b"resources\n" + _bytecode(canonicalize(module, cfg, copy=True)))
     text = None

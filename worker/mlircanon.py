@@ -15,6 +15,8 @@ index space each):
     block   := varint(block number + 1), 0 for a block not numbered yet (blocks are
                numbered in walk order, all of a region's as the walk enters it)
     value   := 'r' ref(attr) | 'S' str (a renamed sym_name) | 'F' filtered
+             | 'K' str(before) str(kernel) str(after)  (the backend_config of a
+               tpu_custom_call, split by the kernel hook: worker/mosaic.py)
     filtered:= varint(#dicts) ('D' varint(#kept) (ref(name) ref(attr))* | 'r' ref(attr))*
     attr    := 'R' str (a flat symbol reference, renamed when private)
              | 'A' varint(n) ref(attr)*            (arrays)
@@ -70,7 +72,7 @@ from typing import Any
 
 log = logging.getLogger("compilecast.mlircanon")
 
-STREAM_VERSION = "2"
+STREAM_VERSION = "3"
 RESOURCE_REFUSED = "the module holds dense_resource constants (bytes outside the walk)"
 
 
@@ -116,8 +118,10 @@ def private_renames(module: Any) -> dict[str, str]:
 # -- the reference -----------------------------------------------------------------
 
 class _Stream:
-    def __init__(self, hasher: Any, ignore: frozenset[str], renames: dict[str, str]) -> None:
+    def __init__(self, hasher: Any, ignore: frozenset[str], renames: dict[str, str],
+                 kernel: Any = None) -> None:
         self.ir = _ir()
+        self.kernel = kernel
         self.h = hasher
         self.buf = bytearray()
         self.ignore = ignore
@@ -285,6 +289,31 @@ class _Stream:
         else:
             self.varint(idx + 1)
 
+    def tpu_kernel_call(self, name: str, attrs: Any) -> bool:
+        """A Pallas/Mosaic TPU kernel call (as is_tpu_kernel_call in _mlircanon.c)."""
+        if self.kernel is None or name != "stablehlo.custom_call" or \
+                "call_target_name" not in attrs:
+            return False
+        target = attrs["call_target_name"]
+        return isinstance(target, self.ir.StringAttr) and \
+            self.ir.StringAttr(target).value_bytes == b"tpu_custom_call"
+
+    def kernel_value(self, a: Any) -> bool:
+        """'K' and the config as the kernel hook splits it; False when the hook
+        keeps it whole (the caller writes the attribute as usual)."""
+        if not isinstance(a, self.ir.StringAttr):
+            return False
+        parts = self.kernel(self.ir.StringAttr(a).value_bytes)
+        if parts is None:
+            return False
+        if not (isinstance(parts, tuple) and len(parts) == 3 and
+                all(isinstance(p, bytes) for p in parts)):
+            raise ValueError("the kernel hook must return None or 3 bytes")
+        self.buf += b"K"
+        for p in parts:
+            self.str(p)
+        return True
+
     def values_of(self, vs: Any, typed: bool) -> None:
         """varint(#vs), then each value as a use/def, with its type when typed
         (the hot loop of the walk, inlined)."""
@@ -320,11 +349,13 @@ class _Stream:
             raise ValueError("operations or attributes nested too deeply")
         buf = self.buf
         buf += b"O"
-        self.ident(op.name)
+        opname = op.name
+        self.ident(opname)
         self.values_of(op.operands, False)
         self.values_of(op.results, True)
         attrs = op.attributes
         names = attrs.keys()  # names only: see named() on reading attributes
+        kernel_call = self.kernel is not None and self.tpu_kernel_call(opname, attrs)
         if depth > 1:  # below the module's functions every attribute is kept
             n = len(names)
             if n < 0x80:
@@ -333,8 +364,11 @@ class _Stream:
                 self.varint(n)
             for name in names:
                 self.ident(name)
+                a = attrs[name]
+                if kernel_call and name == "backend_config" and self.kernel_value(a):
+                    continue
                 buf += b"r"
-                self.attr(attrs[name])
+                self.attr(a)
         else:
             named = [(n, attrs[n]) for n in names]
             rules = [self.rule(name, value, depth) for name, value in named]
@@ -344,6 +378,8 @@ class _Stream:
                     continue
                 self.ident(name)
                 if r == 1:
+                    if kernel_call and name == "backend_config" and self.kernel_value(value):
+                        continue
                     buf += b"r"
                     self.attr(value)
                 elif r == 2:
@@ -377,10 +413,11 @@ class _Stream:
 
 
 def stream_py(module: Any, hasher: Any, ignore: frozenset[str],
-              renames: dict[str, str] | None) -> None:
+              renames: dict[str, str] | None, kernel: Any = None) -> None:
     """The canonical stream of `module`, fed to hasher.update (the reference).
-    renames None: the module's private_renames."""
-    s = _Stream(hasher, ignore, private_renames(module) if renames is None else renames)
+    renames None: the module's private_renames. kernel: the hook that splits
+    a tpu_custom_call's backend_config (worker/mosaic.py), or None."""
+    s = _Stream(hasher, ignore, private_renames(module) if renames is None else renames, kernel)
     try:
         s.op(module.operation, 0)
     except TypeError as e:  # what jaxlib's bindings cannot cast (the C walk reads it)
@@ -624,20 +661,20 @@ def warm_up() -> threading.Thread | None:
 
 
 def stream(module: Any, hasher: Any, ignore: frozenset[str],
-           renames: dict[str, str] | None) -> None:
+           renames: dict[str, str] | None, kernel: Any = None) -> None:
     """The canonical stream of `module` into `hasher`, by the fastest path
     this process may use; ResourceRefused for a module with dense_resource
     constants. renames None: the module's private_renames (found in C on
-    the C path)."""
+    the C path). kernel: as stream_py."""
     if native_ready():
         try:
-            _native.canonical_stream(module._CAPIPtr, hasher, ignore, renames)
+            _native.canonical_stream(module._CAPIPtr, hasher, ignore, renames, kernel)
         except ValueError as e:
             if str(e) == RESOURCE_REFUSED:
                 raise ResourceRefused(str(e)) from None
             raise
     else:
-        stream_py(module, hasher, ignore, renames)
+        stream_py(module, hasher, ignore, renames, kernel)
 
 
 # -- the self-test ---------------------------------------------------------------

@@ -1,0 +1,153 @@
+"""Pallas/Mosaic TPU kernels inside a program (worker/mosaic.py): their
+locations never change a key, anything else in them always does, and both
+canonical walks write the same stream for them. The kernels are real Pallas
+kernels, lowered for TPU by JAX on this CPU machine."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from compilecast.worker import mlircanon, mosaic
+from compilecast.worker.keys import KeyConfig, program_digest
+
+pl = pytest.importorskip("jax.experimental.pallas")
+pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+
+SPEC = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+KERNEL = """
+def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] * SCALE + y_ref[...]
+"""
+
+
+def lowered(scale: str = "2.0", line: int = 0, path: str = "/src/model.py",
+            vmem: int | None = None, calls: int = 1):
+    """The StableHLO module of a jitted function calling a Pallas kernel
+    defined at `line` of `path` (as if from that file)."""
+    ns: dict = {}
+    exec(compile("\n" * line + KERNEL.replace("SCALE", scale), path, "exec"), ns)
+    params = {} if vmem is None else {"compiler_params": pltpu.CompilerParams(
+        vmem_limit_bytes=vmem)}
+    call = pl.pallas_call(ns["kernel"], out_shape=SPEC, **params)
+
+    def f(x, y):
+        for _ in range(calls):
+            x = call(x, y)
+        return x
+
+    return jax.jit(f).trace(SPEC, SPEC).lower(lowering_platforms=("tpu",)).compiler_ir(
+        "stablehlo")
+
+
+def key(module) -> str:
+    return program_digest(module, KeyConfig())[0]
+
+
+def config_of(module) -> bytes:
+    """The backend_config of the module's (first) tpu_custom_call."""
+    found = []
+
+    def visit(op):
+        if op.name == "stablehlo.custom_call" and \
+                op.attributes["call_target_name"].value == "tpu_custom_call":
+            found.append(op.attributes["backend_config"].value_bytes)
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    visit(child.operation)
+
+    visit(module.operation)
+    assert found, "no tpu_custom_call in the module"
+    return found[0]
+
+
+def test_a_kernel_holds_its_source_locations():
+    # What the canonicalization is for: the kernel's bytecode names its file.
+    body = re.search(rb'"body"\s*:\s*"([^"]*)"', config_of(lowered(path="/src/model.py")))
+    assert b"/src/model.py" in base64.b64decode(body.group(1))
+
+
+def test_kernel_locations_never_change_a_key():
+    first = key(lowered())
+    assert key(lowered(line=40)) == first
+    assert key(lowered(path="/elsewhere/other_checkout/model.py")) == first
+
+
+def test_the_metadata_switch_puts_kernel_locations_back():
+    cfg = KeyConfig(include_metadata=True)
+    assert program_digest(lowered(), cfg)[0] != program_digest(lowered(line=40), cfg)[0]
+
+
+@pytest.mark.parametrize("change", ["constant", "vmem limit", "calls"])
+def test_what_changes_a_kernel_changes_the_key(change):
+    base = key(lowered())
+    other = {"constant": lambda: lowered(scale="3.0"),
+             "vmem limit": lambda: lowered(vmem=1 << 20),  # outside the body, in the config
+             "calls": lambda: lowered(calls=2)}[change]()
+    assert key(other) != base
+
+
+def test_both_walks_agree_on_kernels():
+    assert mlircanon.bind_here() is not None
+    ignore = frozenset(KeyConfig().ignore_attributes)
+    for module in (lowered(), lowered(line=7, vmem=1 << 21), lowered(calls=3)):
+        c, py = hashlib.sha256(), hashlib.sha256()
+        mlircanon._native.canonical_stream(module._CAPIPtr, c, ignore, None, mosaic.kernel_part)
+        with module.context:
+            mlircanon.stream_py(module, py, ignore, None, mosaic.kernel_part)
+        assert c.hexdigest() == py.hexdigest()
+
+
+def test_the_config_is_split_around_the_body_and_kept_byte_for_byte():
+    config = config_of(lowered(vmem=1 << 20))
+    before, digest, after = mosaic.kernel_part(config)
+    body = re.search(rb'"body"\s*:\s*"([^"]*)"', config).group(1)
+    assert before + body + after == config
+    assert len(digest) == 32 and digest not in config
+
+
+@pytest.mark.parametrize("config", [
+    b'{"custom_call_config": {"serialization_format": 1}}',  # no body
+    b'{"custom_call_config": {"body": "not base64!"}}',  # not the body's alphabet
+    b'{"custom_call_config": {"body": "AAAA"}}',  # base64, not MLIR bytecode
+    b'{"custom_call_config": {"body": "' + base64.b64encode(b"module {}") + b'"}}',  # MLIR text
+    b'{"a": {"body": "AAAA"}, "b": {"body": "AAAA"}}',  # two bodies
+])
+def test_a_config_it_cannot_read_is_kept_whole(config):
+    assert mosaic.kernel_part(config) is None
+
+
+def test_a_body_that_does_not_parse_keeps_the_whole_config_in_the_key():
+    # The stream then holds the attribute as it is, so two such configs that
+    # differ anywhere get two keys.
+    module = lowered()
+    broken = base64.b64encode(b"ML\xefR not really bytecode")
+    with module.context:
+        h_kept = hashlib.sha256()
+        mlircanon.stream_py(module, h_kept, frozenset(), None, lambda config: None)
+        h_hook = hashlib.sha256()
+        mlircanon.stream_py(module, h_hook, frozenset(), None,
+                            lambda config: mosaic.kernel_part(
+                                re.sub(rb'"body"\s*:\s*"[^"]*"', b'"body": "' + broken + b'"',
+                                       config)))
+    assert h_hook.hexdigest() == h_kept.hexdigest()
+
+
+@pytest.mark.parametrize("walk", ["c", "python"])
+def test_a_hook_that_returns_nonsense_is_an_error(walk):
+    module = lowered()
+    with pytest.raises(ValueError, match="kernel hook must return"):
+        if walk == "c":
+            assert mlircanon.bind_here() is not None
+            mlircanon._native.canonical_stream(module._CAPIPtr, hashlib.sha256(), frozenset(),
+                                               None, lambda config: ("a", "b"))
+        else:
+            with module.context:
+                mlircanon.stream_py(module, hashlib.sha256(), frozenset(), None,
+                                    lambda config: ("a", "b"))
