@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from compilecast.worker import mlircanon, mosaic
-from compilecast.worker.keys import KeyConfig, program_digest
+from compilecast.worker import hlocanon, mlircanon, mosaic
+from compilecast.worker.keys import KeyConfig, program_digest, program_key
 
 pl = pytest.importorskip("jax.experimental.pallas")
 pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
@@ -27,9 +27,10 @@ def kernel(x_ref, y_ref, o_ref):
 
 
 def lowered(scale: str = "2.0", line: int = 0, path: str = "/src/model.py",
-            vmem: int | None = None, calls: int = 1):
-    """The StableHLO module of a jitted function calling a Pallas kernel
-    defined at `line` of `path` (as if from that file)."""
+            vmem: int | None = None, calls: int = 1, ir: str = "stablehlo"):
+    """The StableHLO module (or with ir="hlo" the serialized HloModuleProto)
+    of a jitted function calling a Pallas kernel defined at `line` of `path`
+    (as if from that file)."""
     ns: dict = {}
     exec(compile("\n" * line + KERNEL.replace("SCALE", scale), path, "exec"), ns)
     params = {} if vmem is None else {"compiler_params": pltpu.CompilerParams(
@@ -41,8 +42,10 @@ def lowered(scale: str = "2.0", line: int = 0, path: str = "/src/model.py",
             x = call(x, y)
         return x
 
-    return jax.jit(f).trace(SPEC, SPEC).lower(lowering_platforms=("tpu",)).compiler_ir(
-        "stablehlo")
+    low = jax.jit(f).trace(SPEC, SPEC).lower(lowering_platforms=("tpu",))
+    if ir == "hlo":
+        return low.compiler_ir("hlo").as_serialized_hlo_module_proto()
+    return low.compiler_ir("stablehlo")
 
 
 def key(module) -> str:
@@ -151,3 +154,52 @@ def test_a_hook_that_returns_nonsense_is_an_error(walk):
             with module.context:
                 mlircanon.stream_py(module, hashlib.sha256(), frozenset(), None,
                                     lambda config: ("a", "b"))
+
+
+# -- the same kernels in HLO protos (PyTorch/XLA's Pallas kernels come this way) ----
+
+def hlo_key(**kw) -> str:
+    key = program_key(lowered(ir="hlo", **kw))
+    assert key.components["program_format"] == "hlo-proto"
+    return key.value
+
+
+def test_kernel_locations_never_change_an_hlo_key():
+    first = hlo_key()
+    assert hlo_key(line=40) == first
+    assert hlo_key(path="/elsewhere/model.py") == first
+    # and without the hook they would
+    drops, attrs = KeyConfig().hlo_config
+    a, b = lowered(ir="hlo"), lowered(ir="hlo", line=40)
+    assert hlocanon.canonical_sha256(a, drops, attrs) != hlocanon.canonical_sha256(b, drops, attrs)
+
+
+@pytest.mark.parametrize("change", [{"scale": "3.0"}, {"vmem": 1 << 20}, {"calls": 2}])
+def test_what_changes_a_kernel_changes_the_hlo_key(change):
+    assert hlo_key(**change) != hlo_key()
+
+
+def test_both_hlo_canonicalizers_agree_on_kernels():
+    assert hlocanon._native is not None
+    drops, attrs = KeyConfig().hlo_config
+    for data in (lowered(ir="hlo"), lowered(ir="hlo", line=3, vmem=1 << 21),
+                 lowered(ir="hlo", calls=3)):
+        c = hlocanon.canonical_hlo(data, drops, attrs, mosaic.kernel_part)
+        assert c == hlocanon.canonical_hlo_py(data, drops, attrs, mosaic.kernel_part)
+        assert hlocanon.canonical_sha256(data, drops, attrs, mosaic.kernel_part) == \
+            hashlib.sha256(c).hexdigest()
+        assert c != hlocanon.canonical_hlo(data, drops, attrs)  # the hook took part
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_an_hlo_kernel_hook_that_fails_is_an_error(impl):
+    data = lowered(ir="hlo")
+    canonical = hlocanon._native if impl == "c" else hlocanon.canonical_hlo_py
+
+    def raising(config):
+        raise KeyError("hook broke")
+
+    with pytest.raises(KeyError, match="hook broke"):
+        canonical(data, (), (), raising)
+    with pytest.raises(ValueError, match="kernel hook must return"):
+        canonical(data, (), (), lambda config: ("a", "b"))

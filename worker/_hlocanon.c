@@ -96,7 +96,7 @@ static Rule rule(int kind, uint64_t f) {
  * hashed straight from the input. */
 typedef struct {
     PyObject *hasher;
-    PyThreadState *ts;  /* saved while the GIL is released */
+    PyThreadState **ts;  /* the call's thread state, saved while the GIL is released */
 } Sink;
 
 typedef struct { uint8_t *d; size_t n, cap; Sink *sink; } Buf;
@@ -104,14 +104,14 @@ typedef struct { uint8_t *d; size_t n, cap; Sink *sink; } Buf;
 #define CHUNK (256 << 10)
 
 static int sink_update(Sink *s, const uint8_t *p, size_t n) {
-    PyEval_RestoreThread(s->ts);
+    PyEval_RestoreThread(*s->ts);
     PyObject *view = PyMemoryView_FromMemory((char *)p, (Py_ssize_t)n, PyBUF_READ);
     PyObject *r = view ? PyObject_CallMethod(s->hasher, "update", "O", view) : NULL;
     int ok = r != NULL;
     Py_XDECREF(r);
     Py_XDECREF(view);
     if (!ok) PyErr_Clear();
-    s->ts = PyEval_SaveThread();
+    *s->ts = PyEval_SaveThread();
     return ok ? 0 : -1;
 }
 
@@ -297,6 +297,9 @@ typedef struct {
     size_t ncs;
     const char *err;
     int single, retry;
+    PyObject *kernel;     /* NULL, or the hook splitting a tpu_custom_call's backend_config */
+    PyThreadState **ts;   /* to take the GIL back for the hook */
+    PyObject *hook_error; /* the exception the hook raised (re-raised at the end) */
     /* configuration: fields dropped as kind * 1000 + field, frontend attribute keys */
     long drops[MAX_CONFIG];
     int ndrops;
@@ -588,6 +591,73 @@ static int ignored_attribute(const Ctx *c, const Field *f) {
     return 0;
 }
 
+/* A tpu_custom_call's backend_config through the kernel hook (worker/mosaic.py):
+ * 1 written as a group under field 43 + KERNEL ({1: before, 2: kernel digest,
+ * 3: after}), 0 kept as it is (the hook said None), -1 failed. */
+#define KERNEL ((uint64_t)1 << 27)
+static __attribute__((noinline)) int kernel_config(Ctx *c, const Field *f, Buf *o) {
+    PyEval_RestoreThread(*c->ts);
+    PyObject *arg = PyBytes_FromStringAndSize((const char *)f->vs, (Py_ssize_t)(f->ve - f->vs));
+    PyObject *r = arg ? PyObject_CallOneArg(c->kernel, arg) : NULL;
+    Py_XDECREF(arg);
+    int rc = -1;
+    if (!r) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        c->hook_error = value;
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        c->err = "the kernel hook failed";
+    } else if (r == Py_None) {
+        rc = 0;
+    } else if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 3 ||
+               !PyBytes_Check(PyTuple_GET_ITEM(r, 0)) || !PyBytes_Check(PyTuple_GET_ITEM(r, 1)) ||
+               !PyBytes_Check(PyTuple_GET_ITEM(r, 2))) {
+        c->err = "the kernel hook must return None or 3 bytes";
+    } else {
+        rc = 1;
+    }
+    *c->ts = PyEval_SaveThread();
+    /* Written without the GIL (a flush takes it itself); `r` keeps the bytes alive. */
+    if (rc == 1) {
+        if (put_varint(o, ((f->num + KERNEL) << 3) | SGROUP)) rc = -1;
+        for (int i = 0; rc == 1 && i < 3; i++) {
+            PyObject *b = PyTuple_GET_ITEM(r, i);
+            size_t n = (size_t)PyBytes_GET_SIZE(b);
+            if (put_varint(o, ((uint64_t)(i + 1) << 3) | LEN) || put_varint(o, n) ||
+                put(o, (const uint8_t *)PyBytes_AS_STRING(b), n))
+                rc = -1;
+        }
+        if (rc == 1 && put_varint(o, ((f->num + KERNEL) << 3) | EGROUP)) rc = -1;
+        if (rc < 0) c->err = "out of memory";
+    }
+    if (r) {
+        PyEval_RestoreThread(*c->ts);
+        Py_DECREF(r);
+        *c->ts = PyEval_SaveThread();
+    }
+    return rc;
+}
+
+/* An instruction's custom_call_target (28) or backend_config (43), when a
+ * kernel hook is set: 1 the config was written split, 0 keep the field as it
+ * is, -1 failed. *kept is the caller's run of kept fields not yet copied. */
+static __attribute__((noinline)) int kernel_field(Ctx *c, const Field *f, Buf *o,
+                                                  const uint8_t **kept, int *tpu_call) {
+    if (f->num == 28) {
+        *tpu_call = f->ve - f->vs == 15 && memcmp(f->vs, "tpu_custom_call", 15) == 0;
+        return 0;
+    }
+    if (!*tpu_call) return 0;
+    if (*kept && put(o, *kept, (size_t)(f->start - *kept))) {
+        c->err = "out of memory";
+        return -1;
+    }
+    *kept = NULL;
+    return kernel_config(c, f, o);
+}
+
 static int emit_sorted_entries(Ctx *c, Entry *es, size_t n, Buf *o) {
     qsort(es, n, sizeof(Entry), entry_cmp);
     for (size_t i = 0; i < n; i++)
@@ -604,11 +674,18 @@ static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, 
     Entry *es = NULL;
     size_t nes = 0, capes = 0;
     const uint8_t *kept = NULL;  /* start of the run of kept fields not yet copied */
+    int tpu_call = 0;            /* custom_call_target "tpu_custom_call" seen */
+    const int watch = kind == INSTRUCTION && c->kernel != NULL;  /* for kernel calls */
     if (depth > MAX_DEPTH) FAIL(c, "messages nested too deeply");
     while ((r = next_field(&p, end, &f)) > 0) {
         Rule ru = rule(kind, f.num);
         if (c->ndrops && dropped(c, kind, f.num)) ru.act = DROP;
         if (ru.act == KEEP) {
+            if (__builtin_expect(watch, 0) && (f.num == 28 || f.num == 43) && f.wire == LEN) {
+                int k = kernel_field(c, &f, o, &kept, &tpu_call);
+                if (k < 0) goto out;
+                if (k == 1) continue;
+            }
             if (!kept) kept = f.start;
             continue;
         }
@@ -725,10 +802,7 @@ static int run(Ctx *c, const uint8_t *p, const uint8_t *end, Buf *o, Sink *fresh
     if (!c->retry) return -1;
     ctx_free(c);
     o->n = 0;
-    if (o->sink) {
-        fresh->ts = o->sink->ts;
-        o->sink = fresh;
-    }
+    if (o->sink) o->sink = fresh;
     if (index_module(c, p, end)) return -1;
     if (emit(c, MODULE, p, end, o, -1, -1, 0)) return -1;
     return flush(o);
@@ -775,11 +849,16 @@ static int configure(Ctx *c, PyObject *drops, PyObject *attributes) {
 
 /* Canonical bytes (hasher NULL), or the sha256 hex digest of them. */
 static PyObject *canonical(PyObject *args, int digest) {
-    PyObject *arg, *drops = NULL, *attributes = NULL;
-    if (!PyArg_ParseTuple(args, "O|OO", &arg, &drops, &attributes)) return NULL;
+    PyObject *arg, *drops = NULL, *attributes = NULL, *kernel = Py_None;
+    if (!PyArg_ParseTuple(args, "O|OOO", &arg, &drops, &attributes, &kernel)) return NULL;
+    if (kernel != Py_None && !PyCallable_Check(kernel)) {
+        PyErr_SetString(PyExc_TypeError, "kernel must be callable or None");
+        return NULL;
+    }
     Ctx c;
     memset(&c, 0, sizeof(c));
     if (configure(&c, drops, attributes) < 0) return NULL;
+    c.kernel = kernel == Py_None ? NULL : kernel;
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     Buf o = {0};
@@ -795,10 +874,12 @@ static PyObject *canonical(PyObject *args, int digest) {
     }
     const uint8_t *p = view.buf, *end = p + view.len;
     PyThreadState *ts = PyEval_SaveThread();
-    sinks[0].ts = ts;
+    sinks[0].ts = sinks[1].ts = c.ts = &ts;
     int rc = run(&c, p, end, &o, &sinks[1]);
-    PyEval_RestoreThread(o.sink ? o.sink->ts : ts);
-    if (rc != 0)
+    PyEval_RestoreThread(ts);
+    if (rc != 0 && c.hook_error)
+        PyErr_SetObject((PyObject *)Py_TYPE(c.hook_error), c.hook_error);
+    else if (rc != 0)
         PyErr_SetString(PyExc_ValueError, c.err ? c.err : "malformed HloModuleProto");
     else if (digest)
         result = PyObject_CallMethod(o.sink->hasher, "hexdigest", NULL);
@@ -810,6 +891,7 @@ done:
     free(o.d);
     Py_XDECREF(sinks[0].hasher);
     Py_XDECREF(sinks[1].hasher);
+    Py_XDECREF(c.hook_error);
     return result;
 }
 
@@ -825,8 +907,8 @@ static PyObject *canonical_hlo_sha256(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"canonical_hlo", canonical_hlo, METH_VARARGS,
-     "canonical_hlo(data, drops=(), attributes=()): canonical bytes of a serialized "
-     "HloModuleProto (see hlocanon.py)."},
+     "canonical_hlo(data, drops=(), attributes=(), kernel=None): canonical bytes of a "
+     "serialized HloModuleProto (see hlocanon.py)."},
     {"canonical_hlo_sha256", canonical_hlo_sha256, METH_VARARGS,
      "sha256 hex digest of canonical_hlo(data), without holding the canonical bytes."},
     {NULL, NULL, 0, NULL},

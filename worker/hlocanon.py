@@ -20,7 +20,12 @@ in the key (a miss at worst, never a collision). What changes:
   (a map) are sorted by the position of their computation, frontend attributes
   (a map too) by their bytes;
 - configurable (KeyConfig): frontend attributes whose key is on the ignore
-  list, and the fields named in HLO_FIELDS that a deployment also drops.
+  list, and the fields named in HLO_FIELDS that a deployment also drops;
+- a Pallas/Mosaic TPU kernel call (custom_call_target "tpu_custom_call"
+  before its backend_config): the config is written as the kernel hook
+  (worker/mosaic.py) splits it, the kernel's bytecode replaced by the digest
+  of its canonical stream, under field 43 + KERNEL, a number no real field
+  uses.
 
 The output is only ever hashed. `canonical_hlo` uses the C implementation
 (`_hlocanon`, built with the package) when it is importable and this module
@@ -31,9 +36,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import Any
 
 VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
 UNRESOLVED = 1 << 28  # added to the field number of a reference that resolves to nothing
+KERNEL = 1 << 27  # added to backend_config's number when the kernel hook splits it
+CUSTOM_CALL_TARGET, BACKEND_CONFIG = 28, 43  # HloInstructionProto
 MAX_DEPTH = 64  # nested messages (shardings inside shardings) deeper than this are refused
 
 # Message kinds and what happens to their fields (anything not listed is kept).
@@ -162,8 +170,9 @@ def _last_varint(buf: bytes, vs: int, ve: int, number: int) -> int:
 
 class _Module:
     def __init__(self, buf: bytes, drops: tuple[int, ...] = (),
-                 attributes: tuple[bytes, ...] = ()) -> None:
+                 attributes: tuple[bytes, ...] = (), kernel: Any = None) -> None:
         self.buf = buf
+        self.kernel = kernel
         self.drops = {(code // 1000, code % 1000) for code in drops}
         self.attributes = set(attributes)  # frontend attribute keys to drop
         self.comps: dict[int, int] = {}  # raw computation id -> position
@@ -213,10 +222,16 @@ def _emit(m: _Module, kind: int, vs: int, ve: int, out: bytearray,
         tail = (6, 0, m.comps)  # entry computation id
     entries: list[tuple[tuple[int, int, bytes], bytes]] = []
     n_comp = 0
+    tpu_call = False  # custom_call_target "tpu_custom_call" seen (as in _hlocanon.c)
     for f, wire, s, fvs, fve, value in fields(buf, vs, ve):
         if (kind, f) in m.drops:
             continue
         action = schema.get(f)
+        if action is None and kind == INSTRUCTION and m.kernel is not None and wire == LEN:
+            if f == CUSTOM_CALL_TARGET:
+                tpu_call = buf[fvs:fve] == b"tpu_custom_call"
+            elif f == BACKEND_CONFIG and tpu_call and _kernel_config(m, f, fvs, fve, out):
+                continue
         if action is None:
             out += buf[s:fve]
         elif isinstance(action, tuple):
@@ -249,6 +264,23 @@ def _emit(m: _Module, kind: int, vs: int, ve: int, out: bytearray,
         out += entry
     if tail is not None:
         _ref(out, tail[0], tail[1], tail[2])
+
+
+def _kernel_config(m: _Module, f: int, vs: int, ve: int, out: bytearray) -> bool:
+    """A tpu_custom_call's backend_config as the kernel hook splits it
+    (worker/mosaic.py): a group under field f + KERNEL holding {1: before,
+    2: the kernel's digest, 3: after}. False when the hook keeps it whole."""
+    parts = m.kernel(m.buf[vs:ve])
+    if parts is None:
+        return False
+    if not (isinstance(parts, tuple) and len(parts) == 3 and
+            all(isinstance(p, bytes) for p in parts)):
+        raise ValueError("the kernel hook must return None or 3 bytes")
+    out += varint(((f + KERNEL) << 3) | SGROUP)
+    for i, p in enumerate(parts, 1):
+        out += varint((i << 3) | LEN) + varint(len(p)) + p
+    out += varint(((f + KERNEL) << 3) | EGROUP)
+    return True
 
 
 def _sequence(m: _Module, f: int, wire: int, vs: int,
@@ -301,10 +333,11 @@ def _attribute(m: _Module, wire: int, s: int, vs: int, ve: int) -> bytes | None:
 
 
 def canonical_hlo_py(module_bytes: bytes, drops: tuple[int, ...] = (),
-                     attributes: tuple[bytes, ...] = ()) -> bytes:
+                     attributes: tuple[bytes, ...] = (), kernel: Any = None) -> bytes:
     """The reference implementation (pure Python). `drops`: field_drops()
-    codes; `attributes`: frontend attribute keys to leave out."""
-    m = _Module(bytes(module_bytes), drops, attributes)
+    codes; `attributes`: frontend attribute keys to leave out; `kernel`: the
+    hook that splits a tpu_custom_call's backend_config, or None."""
+    m = _Module(bytes(module_bytes), drops, attributes, kernel)
     out = bytearray()
     _emit(m, MODULE, 0, len(m.buf), out, None)
     return bytes(out)
@@ -318,17 +351,18 @@ except ImportError:  # not built (a source checkout): same bytes, slower
 
 
 def canonical_hlo(module_bytes: bytes, drops: tuple[int, ...] = (),
-                  attributes: tuple[bytes, ...] = ()) -> bytes:
+                  attributes: tuple[bytes, ...] = (), kernel: Any = None) -> bytes:
     """Canonical bytes of an HloModuleProto; ValueError if it is malformed."""
     if _native is not None:
-        return _native(module_bytes, drops, attributes)
-    return canonical_hlo_py(module_bytes, drops, attributes)
+        return _native(module_bytes, drops, attributes, kernel)
+    return canonical_hlo_py(module_bytes, drops, attributes, kernel)
 
 
 def canonical_sha256(module_bytes: bytes, drops: tuple[int, ...] = (),
-                     attributes: tuple[bytes, ...] = ()) -> str:
+                     attributes: tuple[bytes, ...] = (), kernel: Any = None) -> str:
     """sha256 (hex) of `canonical_hlo(...)`. The C version hashes as it goes
     and never holds the canonical module."""
     if _native_sha256 is not None:
-        return _native_sha256(module_bytes, drops, attributes)
-    return hashlib.sha256(canonical_hlo_py(module_bytes, drops, attributes)).hexdigest()
+        return _native_sha256(module_bytes, drops, attributes, kernel)
+    return hashlib.sha256(canonical_hlo_py(module_bytes, drops, attributes,
+                                           kernel)).hexdigest()

@@ -361,7 +361,8 @@ def _hlo_text(data: bytes, cfg: KeyConfig) -> str | None:
 
 
 def _hlo_digest(module_bytes: bytes, cfg: KeyConfig) -> str:
-    canonical = hlocanon.canonical_sha256(module_bytes, *cfg.hlo_config)  # validates even when unused
+    canonical = hlocanon.canonical_sha256(module_bytes, *cfg.hlo_config,  # validates even when
+                                          mosaic.kernel_part)              # unused
     return _digest(module_bytes) if cfg.include_metadata else canonical
 
 
