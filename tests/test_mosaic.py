@@ -12,6 +12,8 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from compilecast.worker import hlocanon, mlircanon, mosaic
 from compilecast.worker.keys import KeyConfig, program_digest, program_key
@@ -203,3 +205,36 @@ def test_an_hlo_kernel_hook_that_fails_is_an_error(impl):
         canonical(data, (), (), raising)
     with pytest.raises(ValueError, match="kernel hook must return"):
         canonical(data, (), (), lambda config: ("a", "b"))
+
+
+def _fake_split(config: bytes):
+    """A deterministic stand-in for the hook (our own interface): the walks'
+    agreement, not the kernel digest, is under test."""
+    return (config[:5], hashlib.sha256(config).digest(), config[5:]) if len(config) > 8 else None
+
+
+_PALLAS_HLO: list[bytes] = []
+
+
+def _pallas_hlo() -> bytes:
+    if not _PALLAS_HLO:
+        _PALLAS_HLO.append(lowered(ir="hlo", calls=2))
+    return _PALLAS_HLO[0]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
+                min_size=1, max_size=4))
+def test_hlo_canonicalizers_agree_on_corrupted_kernel_calls(edits):
+    data = bytearray(_pallas_hlo())
+    for at, value in edits:
+        data[int(at * len(data))] = value
+    data = bytes(data)
+    try:
+        ref = hlocanon.canonical_hlo_py(data, (), (), _fake_split)
+    except (ValueError, RecursionError):
+        with pytest.raises(ValueError):
+            hlocanon._native(data, (), (), _fake_split)
+        return
+    assert hlocanon._native(data, (), (), _fake_split) == ref
+    assert hlocanon._native_sha256(data, (), (), _fake_split) == hashlib.sha256(ref).hexdigest()
