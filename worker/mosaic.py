@@ -34,6 +34,7 @@ _BYTECODE_MAGIC = b"ML\xefR"
 _CACHE_MAX = 256  # kernels by their base64: one program calls the same kernel many times
 _cache: OrderedDict[bytes, bytes | None] = OrderedDict()
 _lock = threading.Lock()
+_walk_lock = threading.Lock()
 
 
 def kernel_part(config: bytes) -> tuple[bytes, bytes, bytes] | None:
@@ -73,10 +74,12 @@ def _digest_uncached(b64: bytes) -> bytes | None:
     if not body.startswith(_BYTECODE_MAGIC):  # what Mosaic writes; MLIR's text parser would
         return None                           # take b"\0..." for an empty module
     try:
-        kernel = jax_adapter.mosaic_kernel_module(body)
-        h = hashlib.sha256(KERNEL_STREAM)
-        with kernel.context:
-            mlircanon.stream(kernel, h, frozenset(), {})
+        with _walk_lock:  # kernels share one parsing context (jax_adapter)
+            kernel = jax_adapter.mosaic_kernel_module(body)
+            h = hashlib.sha256(KERNEL_STREAM)
+            with kernel.context:
+                mlircanon.stream(kernel, h, frozenset(), {})
+            del kernel
     except Exception as e:  # any failure keeps the config whole
         log.info("a Pallas kernel is keyed with its locations (it did not parse: %s)", e)
         return None
