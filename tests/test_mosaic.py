@@ -238,3 +238,19 @@ def test_hlo_canonicalizers_agree_on_corrupted_kernel_calls(edits):
         return
     assert hlocanon._native(data, (), (), _fake_split) == ref
     assert hlocanon._native_sha256(data, (), (), _fake_split) == hashlib.sha256(ref).hexdigest()
+
+
+def test_kernels_parsed_in_a_renewed_context_key_the_same(monkeypatch):
+    from compilecast.worker import jax_adapter
+
+    modules = [lowered(), lowered(scale="5.0"), lowered(line=9)]
+    mosaic._cache.clear()
+    shared = [key(m) for m in modules]
+    mosaic._cache.clear()
+    monkeypatch.setattr(jax_adapter, "MOSAIC_CONTEXT_USES", 1)  # a new context every kernel
+    contexts = set()
+    for _ in range(2):
+        mosaic._cache.clear()
+        assert [key(m) for m in modules] == shared
+        contexts.add(id(jax_adapter._mosaic_ctx[0]))
+    assert len(contexts) == 2 and shared[0] == shared[2] != shared[1]
