@@ -248,9 +248,9 @@ def test_kernels_parsed_in_a_renewed_context_key_the_same(monkeypatch):
     shared = [key(m) for m in modules]
     mosaic._cache.clear()
     monkeypatch.setattr(jax_adapter, "MOSAIC_CONTEXT_USES", 1)  # a new context every kernel
-    contexts = set()
+    contexts = []  # held, so that no two can share an address
     for _ in range(2):
         mosaic._cache.clear()
         assert [key(m) for m in modules] == shared
-        contexts.add(id(jax_adapter._mosaic_ctx[0]))
-    assert len(contexts) == 2 and shared[0] == shared[2] != shared[1]
+        contexts.append(jax_adapter._mosaic_ctx[0])
+    assert contexts[0] is not contexts[1] and shared[0] == shared[2] != shared[1]
