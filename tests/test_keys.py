@@ -428,3 +428,14 @@ def test_cpu_keys_carry_the_host_cpu(aot):
     key = keys_mod.jax_key(p.module, p.devices, p.compile_options, p.backend)
     assert p.backend.platform == "cpu"
     assert key.components["host_cpu"] == keys_mod._digest(keys_mod.host_cpu())
+
+
+def test_explain_cuts_long_lines_around_their_difference():
+    from compilecast.worker.keys import EXPLAIN_WIDTH, _around_difference
+
+    a = "x" * 5000 + "A" + "y" * 5000
+    b = "x" * 5000 + "B" + "y" * 5000
+    ca, cb = _around_difference(a, b)
+    assert "A" in ca and "B" in cb and ca.replace("A", "B") == cb
+    assert len(ca) <= EXPLAIN_WIDTH + 2 and ca.startswith("…") and ca.endswith("…")
+    assert _around_difference("short a", "short b") == ("short a", "short b")

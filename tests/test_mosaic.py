@@ -254,3 +254,34 @@ def test_kernels_parsed_in_a_renewed_context_key_the_same(monkeypatch):
         assert [key(m) for m in modules] == shared
         contexts.append(jax_adapter._mosaic_ctx[0])
     assert contexts[0] is not contexts[1] and shared[0] == shared[2] != shared[1]
+
+
+# -- explain ---------------------------------------------------------------------
+
+def _explained(a, b) -> list[str]:
+    from compilecast.worker.keys import Key, explain
+
+    ka, kb = Key(), Key()
+    (ka.components["program"], ka.program_text), (kb.components["program"], kb.program_text) = (
+        program_digest(a, KeyConfig(), keep_text=True),
+        program_digest(b, KeyConfig(), keep_text=True))
+    return explain(ka, kb)
+
+
+def test_explain_shows_a_kernel_as_its_digest_and_points_past_moved_kernels():
+    # Kernels at two lines and another scale outside them: the first
+    # differing operation is the changed multiply, not the (moved) kernel call.
+    def program(line: int, factor: float):
+        ns: dict = {}
+        exec(compile("\n" * line + KERNEL.replace("SCALE", "2.0"), "/src/m.py", "exec"), ns)
+        call = pl.pallas_call(ns["kernel"], out_shape=SPEC)
+        return jax.jit(lambda x, y: call(x, y) * factor).trace(SPEC, SPEC).lower(
+            lowering_platforms=("tpu",)).compiler_ir("stablehlo")
+
+    lines = _explained(program(0, 3.0), program(30, 4.0))
+    assert "component program differs" in lines[0]
+    assert "constant" in lines[2] and "3.0" in lines[2] and "4.0" in lines[3], lines
+    # and when the kernels themselves differ, the call shows their digests, briefly
+    lines = _explained(lowered(scale="2.0"), lowered(scale="3.0"))
+    assert "<kernel " in lines[2] and "<kernel " in lines[3], lines
+    assert all(len(line) < 260 for line in lines), lines

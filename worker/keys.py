@@ -320,7 +320,8 @@ def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
             h = hashlib.sha256(b"resources\n" + _bytecode(canonicalize(module, cfg, copy=True)))
     text = None
     if keep_text:  # only for explain: the canonical module as MLIR prints it
-        text = canonicalize(module, cfg, copy=copy).operation.get_asm(enable_debug_info=False)
+        text = mosaic.readable(
+            canonicalize(module, cfg, copy=copy).operation.get_asm(enable_debug_info=False))
     return h.hexdigest(), text
 
 
@@ -452,6 +453,25 @@ def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
     })
 
 
+EXPLAIN_WIDTH = 200  # characters of a differing line that explain shows
+
+
+def _around_difference(x: str, y: str) -> tuple[str, str]:
+    """Two differing lines, each cut to EXPLAIN_WIDTH characters around where
+    they first differ (a big constant or config prints as one long line)."""
+    if max(len(x), len(y)) <= EXPLAIN_WIDTH:
+        return x, y
+    at = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q),
+              min(len(x), len(y)))
+    start = max(0, at - EXPLAIN_WIDTH // 4)
+
+    def cut(s: str) -> str:
+        part = s[start:start + EXPLAIN_WIDTH]
+        return ("…" if start else "") + part + ("…" if start + EXPLAIN_WIDTH < len(s) else "")
+
+    return cut(x), cut(y)
+
+
 def explain(a: Key, b: Key) -> list[str]:
     """Human-readable differences between two keys."""
     lines = []
@@ -465,8 +485,9 @@ def explain(a: Key, b: Key) -> list[str]:
         for i, (x, y) in enumerate(zip(la, lb, strict=False)):
             if x != y:
                 lines.append(f"first differing operation (canonical line {i + 1}):")
-                lines.append(f"  - {x.strip()}")
-                lines.append(f"  + {y.strip()}")
+                x, y = _around_difference(x.strip(), y.strip())
+                lines.append(f"  - {x}")
+                lines.append(f"  + {y}")
                 break
         else:
             if len(la) == len(lb):
