@@ -381,7 +381,11 @@ static int table_put(Table *t, const void *k, uint64_t v) {
  * many attributes as the op has: otherwise every attribute is read by position
  * and the names learned. */
 typedef struct { MlirIdentifier id; MlirStringRef s; } Name;
-typedef struct { Name *v; size_t n, cap; } NameList;
+typedef struct {
+  Name *v;
+  size_t n, cap;
+  int custom_call;  /* 0 not known yet, 1 stablehlo.custom_call, -1 another op */
+} NameList;
 
 typedef struct {
   Out out;
@@ -647,10 +651,7 @@ static int learn(NameList *l, MlirIdentifier id) {
 }
 
 /* The n attributes of `op` into out[], in MLIR's order. */
-static int read_attrs(Walk *w, MlirOperation op, MlirIdentifier opname, intptr_t n,
-                      MlirNamedAttribute *out) {
-  NameList *l = names_of(w, opname);
-  if (!l) return -1;
+static int read_attrs(NameList *l, MlirOperation op, intptr_t n, MlirNamedAttribute *out) {
   intptr_t found = 0;
   if ((intptr_t)l->n >= n) {
     for (size_t k = 0; k < l->n && found < n; k++) {
@@ -678,8 +679,10 @@ static MlirStringRef cstr(const char *s) {
 
 /* A Pallas/Mosaic TPU kernel call: its backend_config carries the kernel's
  * MLIR bytecode, locations included (worker/mosaic.py). */
-static int is_tpu_kernel_call(Walk *w, MlirOperation op, MlirIdentifier opname) {
-  if (!w->kernel || !is_name(opname, "stablehlo.custom_call")) return 0;
+static int is_tpu_kernel_call(Walk *w, MlirOperation op, MlirIdentifier opname, NameList *l) {
+  if (!w->kernel) return 0;
+  if (!l->custom_call) l->custom_call = is_name(opname, "stablehlo.custom_call") ? 1 : -1;
+  if (l->custom_call < 0) return 0;
   MlirAttribute t = p_mlirOperationGetAttributeByName(op, cstr("call_target_name"));
   if (!t.ptr || !p_mlirAttributeIsAString(t)) return 0;
   MlirStringRef v = p_mlirStringAttrGetValue(t);
@@ -729,13 +732,14 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
     ref_type(w, p_mlirValueGetType(v));
   }
   n = p_mlirOperationGetNumAttributes(op);
+  NameList *l = names_of(w, opname);
   MlirNamedAttribute few[16], *named = n <= 16 ? few : malloc((size_t)n * sizeof *named);
-  if (!named || read_attrs(w, op, opname, n, named)) {
+  if (!l || !named || read_attrs(l, op, n, named)) {
     if (named != few) free(named);
     w->error = 1;
     return;
   }
-  int kernel_call = is_tpu_kernel_call(w, op, opname);
+  int kernel_call = is_tpu_kernel_call(w, op, opname, l);
   intptr_t kept = 0;
   for (intptr_t i = 0; i < n; i++) kept += attr_rule(w, named[i], depth) != 0;
   put_varint(o, (uint64_t)kept);
