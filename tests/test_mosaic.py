@@ -285,3 +285,19 @@ def test_explain_shows_a_kernel_as_its_digest_and_points_past_moved_kernels():
     lines = _explained(lowered(scale="2.0"), lowered(scale="3.0"))
     assert "<kernel " in lines[2] and "<kernel " in lines[3], lines
     assert all(len(line) < 260 for line in lines), lines
+
+
+def test_without_mosaics_dialect_kernels_keep_their_locations(monkeypatch):
+    # A jaxlib without Mosaic's dialect: keys are still computed, with the
+    # configs whole (a miss when a kernel moves, never a shared key).
+    import sys
+
+    from jax._src import lib
+
+    monkeypatch.delattr(lib, "tpu")
+    monkeypatch.setitem(sys.modules, "jax._src.lib.tpu", None)
+    monkeypatch.setattr(mosaic, "_cache", type(mosaic._cache)())
+    config = config_of(lowered())
+    assert mosaic.kernel_part(config) is None
+    assert key(lowered()) != key(lowered(line=40))
+    assert key(lowered()) != key(lowered(scale="3.0"))
