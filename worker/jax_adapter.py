@@ -32,7 +32,9 @@ JAX's persistent compilation cache has no public plugin hook. We use:
 `check()` verifies every one of these exists with the expected signature and
 raises AdapterError naming what moved; tests/test_jax_adapter.py calls it so a
 JAX release that changes them fails loudly in CI rather than silently
-disabling the cache.
+disabling the cache. Mosaic's dialect is checked apart (`check_optional()`,
+which the tests require too): without it only Pallas kernels' keys lose
+their location-agnosticism, so install() does not need it.
 """
 
 from __future__ import annotations
