@@ -217,3 +217,27 @@ def test_a_farm_worker_killed_mid_compile_loses_nothing(start_up):
     finally:
         rescuer.terminate()
         rescuer.wait(60)
+
+
+def test_a_moved_pallas_kernel_is_a_hit_and_a_changed_one_compiles(up):
+    # Real Pallas TPU kernels, compiled by libtpu's compile-only client: the
+    # kernel's bytecode names its file and line, which must not change the key.
+    coord = coordinator_of(up)
+    entry = ["precompile", "--entry", "tests.pallas_entry:programs", "--topology", "v5e:2x2",
+             "--coordinator", coord]
+
+    def precompile(**env):
+        r = subprocess.run([sys.executable, "-m", "compilecast.cli", "--log-level", "warning",
+                            *entry], env={**ENV, **env}, capture_output=True, text=True,
+                           timeout=240, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    first = precompile(PALLAS_KERNEL_LINE="0")
+    assert first.count("published") == 1, first
+    moved = precompile(PALLAS_KERNEL_LINE="40")
+    assert moved.count("cached") == 1, moved
+    assert published_keys(first)["scaled"] == published_keys(moved)["scaled"]
+    changed = precompile(PALLAS_KERNEL_LINE="40", PALLAS_KERNEL_SCALE="3.0")
+    assert changed.count("published") == 1, changed
+    assert CacheClient(coord).status().artifacts == 2
