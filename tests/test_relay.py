@@ -121,3 +121,47 @@ def test_relaying_respects_tokens_and_tenants(start_coordinator, start_worker, t
     got = b"".join(c.data for c in relay.Fetch(
         pb.FetchRequest(key="k"), metadata=(("authorization", "Bearer a-pub"),)))
     assert got == DATA
+
+
+# -- the relay tree itself (coordinator/relay.py) ---------------------------------
+
+def test_relay_trees_are_breadth_first_with_fanout_children():
+    from compilecast.coordinator.relay import RelayTrees
+
+    trees = RelayTrees(fanout=2)
+    art = ("default", "d" * 64)
+    parents = [trees.assign(art, f"w{i}:1") for i in range(7)]
+    assert parents == [None, "w0:1", "w0:1", "w1:1", "w1:1", "w2:1", "w2:1"]
+    assert trees.assign(art, "w3:1") is None  # asking again: from the coordinator
+    assert trees.assign(("default", "e" * 64), "w9:1") is None  # another artifact, another tree
+    assert trees.assign(("tenant-b", "d" * 64), "w8:1") is None  # and another tenant's
+
+
+def test_relay_trees_forget_old_nodes_and_stay_bounded(monkeypatch):
+    from compilecast.coordinator import relay
+
+    now = [1000.0]
+    monkeypatch.setattr(relay.time, "monotonic", lambda: now[0])
+    trees = relay.RelayTrees(fanout=1, window_s=10.0)
+    art = ("default", "a" * 64)
+    assert trees.assign(art, "w0:1") is None
+    now[0] += 11  # w0's download is long over: nobody is pointed at it
+    assert trees.assign(art, "w1:1") is None
+    assert trees.assign(art, "w2:1") == "w1:1"
+    monkeypatch.setattr(relay, "MAX_TREES", 3)
+    for i in range(10):
+        now[0] += 1
+        trees.assign(("default", f"{i:064d}"), "x:1")
+    assert len(trees._trees) <= 3
+
+
+@pytest.mark.parametrize("address", ["", "host", "host:", ":80", "host:0", "host:65536",
+                                     "host:http", "a b:80", "a/b:80", "h" * 300 + ":80"])
+def test_a_bad_relay_address_is_refused(address):
+    from compilecast.coordinator.relay import check_address
+    from compilecast.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="relay_address"):
+        check_address(address)
+    assert check_address("10.0.0.7:50052") == "10.0.0.7:50052"
+    assert check_address("[::1]:50052") == "[::1]:50052"
