@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import yaml
 
 from compilecast.config import ConfigError, CoordinatorConfig, WorkerConfig, load
 
@@ -73,3 +74,53 @@ def test_sizes_in_bytes_take_kubernetes_suffixes(raw, size):
     cfg, _ = load(CoordinatorConfig, flags={"store_max_bytes": raw, "max_artifact_bytes": "1"},
                   env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1"})
     assert cfg.store_max_bytes == size
+
+
+# -- the tokens file (coordinator/auth.py) ----------------------------------------
+
+GOOD_DIGEST = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"  # sha256("test")
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"sha256": "abc", "tenant": "team-a", "permissions": ["read"]},
+     "tokens[0]: sha256 must be 64 hex characters"),
+    ({"sha256": GOOD_DIGEST, "tenant": "Team_A", "permissions": ["read"]},
+     "tokens[0]: tenant 'Team_A' must match"),
+    ({"sha256": GOOD_DIGEST, "tenant": "team-a", "permissions": []},
+     "tokens[0]: permissions must be a subset"),
+    ({"sha256": GOOD_DIGEST, "tenant": "team-a", "permissions": ["read", "root"]},
+     "tokens[0]: permissions must be a subset"),
+])
+def test_a_bad_tokens_file_is_a_readable_error(tmp_path, entry, message):
+    from compilecast.coordinator.auth import Authenticator
+
+    path = tmp_path / "tokens.yaml"
+    path.write_text(yaml.safe_dump({"tokens": [entry]}))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: {message}")):
+        Authenticator.from_file(str(path), allow_unauthenticated=False)
+
+
+def test_a_tokens_file_that_is_missing_or_absent(tmp_path):
+    from compilecast.coordinator.auth import Authenticator
+
+    with pytest.raises(ConfigError, match=r"cannot read auth_tokens_file .*No such file"):
+        Authenticator.from_file(str(tmp_path / "gone.yaml"), allow_unauthenticated=False)
+    with pytest.raises(ConfigError, match="no auth_tokens_file"):
+        Authenticator.from_file("", allow_unauthenticated=False)
+    assert Authenticator.from_file("", allow_unauthenticated=True).allow_unauthenticated
+
+
+def test_a_tokens_file_maps_digests_to_tenants_and_permissions(tmp_path):
+    from compilecast.coordinator.auth import Authenticator
+
+    path = tmp_path / "tokens.yaml"
+    path.write_text(yaml.safe_dump({"tokens": [
+        {"name": "reader", "sha256": GOOD_DIGEST.upper(), "tenant": "team-a",
+         "permissions": ["read"]},
+        {"sha256": "0" * 64, "tenant": "team-b", "permissions": ["read", "publish", "admin"]}]}))
+    auth = Authenticator.from_file(str(path), allow_unauthenticated=False)
+    reader, admin = auth._by_digest[GOOD_DIGEST], auth._by_digest["0" * 64]
+    assert (reader.name, reader.tenant, reader.can_publish, reader.can_admin) == \
+        ("reader", "team-a", False, False)
+    assert (admin.name, admin.tenant, admin.can_publish, admin.can_admin) == \
+        ("token-1", "team-b", True, True)
