@@ -13,7 +13,7 @@ import pytest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity, publish_messages
 
-from .conftest import eventually
+from .conftest import eventually, publish
 
 DATA = b"executable-bytes" * 50_000
 
@@ -392,3 +392,33 @@ def test_worker_records_the_key_time_processes_report(coordinator, start_worker)
     reg = worker.registry
     assert reg.get_sample_value("compilecast_worker_key_seconds_count") == 1
     assert reg.get_sample_value("compilecast_worker_key_seconds_sum") == pytest.approx(0.042)
+
+
+# -- bad input and a lost blob ----------------------------------------------------
+
+def test_fetch_naming_another_digest_is_not_found(coordinator):
+    c = client(coordinator.cfg.listen)
+    info = publish(c, "k", DATA)
+    code, details = code_of(lambda: c.fetch("k", digest="0" * 64))
+    assert code == grpc.StatusCode.NOT_FOUND and f"holds digest {info.digest}" in details
+    assert c.fetch("k", digest=info.digest)[1] == DATA
+
+
+def test_a_blob_lost_from_the_store_is_compiled_again(coordinator):
+    c = client(coordinator.cfg.listen)
+    info = publish(c, "k", DATA)
+    coordinator.store.path_of(info.digest).unlink()  # a disk lost, an operator's rm
+    code, details = code_of(lambda: c.fetch("k"))
+    assert code == grpc.StatusCode.NOT_FOUND and "missing; recompile" in details
+    again = c.acquire("k")  # the index entry went with it: a miss, not a HIT with no bytes
+    assert again.decision == pb.COMPILE, again
+    c.publish("k", again.lease, DATA, 3.0)
+    assert c.fetch("k")[1] == DATA
+
+
+def test_a_release_without_a_reason_is_invalid_and_keeps_the_lease(coordinator):
+    c = client(coordinator.cfg.listen)
+    lease = c.acquire("k").lease
+    code, details = code_of(lambda: c.release("k", lease, pb.RELEASE_REASON_UNSPECIFIED))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "reason must be" in details
+    assert c.publish("k", lease, DATA, 3.0).digest == hashlib.sha256(DATA).hexdigest()
