@@ -59,6 +59,7 @@ bench: install
 	$(PY) bench/decisions.py --batch 100 --clients 100
 	$(PY) bench/decisions.py --streams 8
 	$(PY) bench/decisions.py --streams 8 --hit-ratio 1.0 --rate 2000
+	$(PY) bench/decisions.py --streams 8 --hit-ratio 1.0 --rate 5000 --pin
 	$(PY) bench/decisions.py --streams 8 --pod
 	$(PY) bench/pod_start.py
 	$(PY) bench/pod_start.py --wait-calls
