@@ -38,6 +38,8 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
+from .mosaic import checked_split
+
 VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
 UNRESOLVED = 1 << 28  # added to the field number of a reference that resolves to nothing
 KERNEL = 1 << 27  # added to backend_config's number when the kernel hook splits it
@@ -270,12 +272,9 @@ def _kernel_config(m: _Module, f: int, vs: int, ve: int, out: bytearray) -> bool
     """A tpu_custom_call's backend_config as the kernel hook splits it
     (worker/mosaic.py): a group under field f + KERNEL holding {1: before,
     2: the kernel's digest, 3: after}. False when the hook keeps it whole."""
-    parts = m.kernel(m.buf[vs:ve])
+    parts = checked_split(m.kernel, m.buf[vs:ve])
     if parts is None:
         return False
-    if not (isinstance(parts, tuple) and len(parts) == 3 and
-            all(isinstance(p, bytes) for p in parts)):
-        raise ValueError("the kernel hook must return None or 3 bytes")
     out += varint(((f + KERNEL) << 3) | SGROUP)
     for i, p in enumerate(parts, 1):
         out += varint((i << 3) | LEN) + varint(len(p)) + p

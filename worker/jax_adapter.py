@@ -126,8 +126,8 @@ def check() -> None:
 def check_optional() -> list[str]:
     """What moved among the private APIs compilecast can do without: Mosaic's
     dialect, without which Pallas kernels are keyed with their locations (a
-    miss when one moves, never a wrong hit). The tests require none; install()
-    does not."""
+    miss when one moves, never a wrong hit). The tests require it to name
+    nothing; install() does not call it."""
     try:
         from jax._src.lib import tpu
     except ImportError:

@@ -362,8 +362,8 @@ def _hlo_text(data: bytes, cfg: KeyConfig) -> str | None:
 
 
 def _hlo_digest(module_bytes: bytes, cfg: KeyConfig) -> str:
-    canonical = hlocanon.canonical_sha256(module_bytes, *cfg.hlo_config,  # validates even when
-                                          mosaic.kernel_part)              # unused
+    # Computed even with include_metadata: it validates the module.
+    canonical = hlocanon.canonical_sha256(module_bytes, *cfg.hlo_config, mosaic.kernel_part)
     return _digest(module_bytes) if cfg.include_metadata else canonical
 
 

@@ -70,6 +70,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .mosaic import checked_split
+
 log = logging.getLogger("compilecast.mlircanon")
 
 STREAM_VERSION = "3"
@@ -281,18 +283,10 @@ class _Stream:
                 self.ident(name)
                 self.attr(value)
 
-    def value(self, v: Any) -> None:  # a use or a definition: the same rule
-        idx = self.values.get(v)
-        if idx is None:
-            self.values[v] = len(self.values)
-            self.buf.append(0)
-        else:
-            self.varint(idx + 1)
-
     def tpu_kernel_call(self, name: str, attrs: Any) -> bool:
-        """A Pallas/Mosaic TPU kernel call (as is_tpu_kernel_call in _mlircanon.c)."""
-        if self.kernel is None or name != "stablehlo.custom_call" or \
-                "call_target_name" not in attrs:
+        """A Pallas/Mosaic TPU kernel call (as is_tpu_kernel_call in _mlircanon.c);
+        op() asks only when a kernel hook is set."""
+        if name != "stablehlo.custom_call" or "call_target_name" not in attrs:
             return False
         target = attrs["call_target_name"]
         return isinstance(target, self.ir.StringAttr) and \
@@ -303,12 +297,9 @@ class _Stream:
         keeps it whole (the caller writes the attribute as usual)."""
         if not isinstance(a, self.ir.StringAttr):
             return False
-        parts = self.kernel(self.ir.StringAttr(a).value_bytes)
+        parts = checked_split(self.kernel, self.ir.StringAttr(a).value_bytes)
         if parts is None:
             return False
-        if not (isinstance(parts, tuple) and len(parts) == 3 and
-                all(isinstance(p, bytes) for p in parts)):
-            raise ValueError("the kernel hook must return None or 3 bytes")
         self.buf += b"K"
         for p in parts:
             self.str(p)
