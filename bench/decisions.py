@@ -54,7 +54,7 @@ def fmt_cores(used: dict[str, float]) -> str:
 async def load(target: str, clients: int, seconds: float, hit_ratio: float,
                hit_keys: list[str], batch: int, streams: int = 0, rate: float = 0.0,
                pod: bool = False
-               ) -> tuple[list[float], dict[str, int], int, float, dict[str, list[float]]]:
+               ) -> tuple[list[float], dict[str, int], int, float, dict[str, list[float]], int]:
     """Closed loop (rate 0): every client asks again as soon as it is answered.
     Open loop (rate > 0): the clients together ask `rate` times a second
     (Poisson arrivals), whether or not earlier requests were answered.
@@ -64,7 +64,8 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     each asks the programs pod-0, pod-1, ... in turn, as the hosts of a pod do
     at job start: one COMPILE per program, WAIT for everyone else.
     Returns latencies, decisions by kind, errors, the wall time, and the
-    latencies of single-key requests by their decision."""
+    latencies of single-key requests by their decision, and the Decide
+    messages written (requests coalesce into fewer under load)."""
     opts = [("grpc.lb_policy_name", "round_robin"), ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(target, options=opts) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
@@ -151,11 +152,12 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     if sent:
         await asyncio.wait(set(sent), timeout=60)
     wall = time.monotonic() - t_start
+    messages = sum(d.messages for d in deciders)
     for d in deciders:
         await d.close()
     for c in channels:
         await c.close()
-    return latencies, decisions, errors, wall, by_decision
+    return latencies, decisions, errors, wall, by_decision, messages
 
 
 def quantiles_ms(values: list[float]) -> tuple[float, float]:
@@ -198,7 +200,7 @@ def main() -> None:
                                                        "_trivial_server.py"), str(port)])
         try:
             wait_port(port)
-            (lat, decisions, errors, wall, _), used = cores(
+            (lat, decisions, errors, wall, _, _), used = cores(
                 {"server": server.pid}, lambda: asyncio.run(load(
                     f"127.0.0.1:{port}", args.clients, args.seconds, 1.0, ["k"], 1,
                     args.streams, args.rate)))
@@ -230,7 +232,7 @@ def main() -> None:
         c.close()
         # Several replicas: clients spread over them (one ipv4: target per replica).
         target = "ipv4:" + ",".join(targets) if len(targets) > 1 else targets[0]
-        (lat, decisions, errors, wall, by_decision), used = cores(pids, lambda: asyncio.run(
+        (lat, decisions, errors, wall, by_decision, messages), used = cores(pids, lambda: asyncio.run(
             load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch,
                  args.streams, args.rate, args.pod)))
         n = len(lat)
@@ -238,7 +240,7 @@ def main() -> None:
         total = sum(decisions.values())
         row = {"clients": args.clients, "replicas": args.replicas, "batch": args.batch,
                "streams": args.streams, "offered_rate": args.rate,
-               "requests": n, "decisions": total,
+               "requests": n, "decisions": total, "stream_messages": messages,
                "per_second": total / wall, "p50_ms": p50, "p99_ms": p99, "errors": errors,
                "by_decision": decisions, "cores": used,
                "p50_p99_ms_by_decision": {k: quantiles_ms(v) for k, v in by_decision.items()}}
@@ -248,7 +250,8 @@ def main() -> None:
         print(f"{args.clients} clients, {args.replicas} replica(s), batch {args.batch}, {how}: "
               f"{row['per_second']:.0f} decisions/s, request latency p50 {row['p50_ms']:.1f} ms, "
               f"p99 {row['p99_ms']:.1f} ms, "
-              f"errors {errors}, {decisions}; {fmt_cores(used)}")
+              f"errors {errors}, {decisions}; {fmt_cores(used)}" +
+              (f"; {messages / max(n, 1):.2f} stream messages per request" if messages else ""))
         if by_decision:
             print("  p50 / p99 by decision: " + ", ".join(
                 f"{k} {a:.1f} / {b:.1f} ms" for k, (a, b) in

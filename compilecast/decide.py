@@ -55,8 +55,33 @@ def check_batch(requests: Sequence[pb.AcquireRequest]) -> None:
 
 
 Decide = Callable[[Sequence[pb.AcquireRequest]], Awaitable[list[pb.AcquireResponse]]]
+# A checked batch decided without waiting for anything (every key a hit the
+# server already knows), or None: the message then goes the way of Decide.
+DecideNow = Callable[[Sequence[pb.AcquireRequest]], list[pb.AcquireResponse] | None]
 # A wait on the stream: the request and until_publishing in, the event that ends it out.
 WaitOnce = Callable[[pb.WaitRequest, bool], Awaitable[pb.WaitEvent]]
+
+
+def _valid(requests: Sequence[pb.AcquireRequest]) -> bool:
+    """check_batch as a yes or no (the task deciding a bad batch refuses it)."""
+    try:
+        check_batch(requests)
+    except InvalidRequest:
+        return False
+    return True
+
+
+def _decided_now(decide_now: DecideNow, requests: Sequence[pb.AcquireRequest]
+                 ) -> list[pb.AcquireResponse] | None:
+    """`decide_now`'s answer for a checked batch; None for an empty batch and
+    when it has none (or fails: the batch then goes the usual way)."""
+    if not requests:
+        return None
+    try:
+        return decide_now(requests)
+    except Exception:
+        log.exception("deciding a Decide message at once failed; deciding it the usual way")
+        return None
 
 
 def ends_wait(event: pb.WaitEvent, until_publishing: bool) -> bool:
@@ -104,22 +129,25 @@ class Streams:
 
 async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
                 wait: WaitOnce | None = None, in_flight: int = IN_FLIGHT,
-                max_waits: int = MAX_WAITS, streams: Streams | None = None
-                ) -> AsyncIterator[pb.DecideResponse]:
+                max_waits: int = MAX_WAITS, streams: Streams | None = None,
+                decide_now: DecideNow | None = None) -> AsyncIterator[pb.DecideResponse]:
     """Answer the messages of a Decide stream with `decide` (a checked batch
     in, one response per request out), each as soon as it is decided, and
     its wait messages with `wait` (without it, with no event: the client
-    then uses Wait). With `streams`, a drain ends the stream after answering
-    every decision read; the waits it cuts short go unanswered, so that the
-    client sends them again."""
+    then uses Wait). With `decide_now`, a message it can decide at once
+    (hits) is answered as it is read, without a task of its own. With
+    `streams`, a drain ends the stream after answering every decision read;
+    the waits it cuts short go unanswered, so that the client sends them
+    again."""
     answers: asyncio.Queue[pb.DecideResponse | None] = asyncio.Queue()
     slots = asyncio.Semaphore(in_flight)
     running: set[asyncio.Task] = set()
     waiting: dict[int, asyncio.Task] = {}
 
-    async def one(msg: pb.DecideRequest) -> None:
+    async def one(msg: pb.DecideRequest, checked: bool = False) -> None:
         try:
-            check_batch(msg.requests)
+            if not checked:
+                check_batch(msg.requests)
             answer = pb.DecideResponse(id=msg.id, responses=await decide(msg.requests))
         except Exception as exc:
             answer = _refusal(msg.id, exc)
@@ -162,8 +190,12 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
                     elif msg.HasField("wait"):
                         start(wait_one(msg), msg.id)
                     elif msg.requests or not msg.cancel:
+                        checked = decide_now is not None and _valid(msg.requests)
+                        if checked and (got := _decided_now(decide_now, msg.requests)):
+                            answers.put_nowait(pb.DecideResponse(id=msg.id, responses=got))
+                            continue
                         await slots.acquire()
-                        start(one(msg))
+                        start(one(msg, checked))
             except asyncio.CancelledError:
                 if streams is None or not streams.draining:
                     raise

@@ -51,6 +51,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def Acquire(self, request, context):
         who = self.auth.identify(context)
         validate.acquire_request(request)
+        if (hit := self.state.hits_now([request.key], tenant=who.tenant)) is not None:
+            return hit[0]
         return await self.state.acquire(request.key, request.requester,
                                         dict(request.key_components), request.program_name,
                                         tenant=who.tenant, may_publish=who.can_publish)
@@ -74,7 +76,9 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def AcquireMany(self, request, context):
         who = self.auth.identify(context)
         decide.check_batch(request.requests)  # all checked before any is decided
-        return pb.AcquireManyResponse(responses=await self._acquire_many(request.requests, who))
+        responses = (self.state.hits_now([r.key for r in request.requests], tenant=who.tenant)
+                     or await self._acquire_many(request.requests, who))
+        return pb.AcquireManyResponse(responses=responses)
 
     @rpc_errors
     async def Decide(self, request_iterator, context):
@@ -84,6 +88,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
             async for answer in decide.serve(
                     request_iterator, lambda rs: self._acquire_many(rs, who),
                     wait=lambda r, until: decide.ending_event(self._wait(r, who), until),
+                    decide_now=lambda rs: self.state.hits_now([r.key for r in rs],
+                                                              tenant=who.tenant),
                     streams=self.streams):
                 yield answer
         finally:

@@ -35,7 +35,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -413,6 +413,23 @@ class CoordinatorState:
             self._spawn(self.records.record(scope(tenant, key), program_name,
                                          dict(components)))
         return resp
+
+    def hits_now(self, keys: Sequence[str], *, tenant: str = DEFAULT_TENANT
+                 ) -> list[pb.AcquireResponse] | None:
+        """HIT for every key of a checked batch when the index knows all their
+        artifacts: what acquire would answer, without etcd and without
+        awaiting anything. None when any key needs more (acquire decides
+        the whole batch then)."""
+        found = []
+        for key in keys:
+            info = self._cached_artifact(scope(tenant, key))
+            if info is None:
+                return None
+            found.append(info)
+        for info in found:
+            self._hit(info)
+            self.metrics.count_decision(pb.HIT)
+        return [pb.AcquireResponse(decision=pb.HIT, artifact=info) for info in found]
 
     async def _decide(self, sk: str, req: pb.Requester, may_publish: bool, program: str) -> pb.AcquireResponse:
         cached = self._cached_artifact(sk)

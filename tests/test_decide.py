@@ -275,6 +275,86 @@ def test_serve_answers_each_message_when_it_is_decided(loop_thread):
     assert sorted(order[:2]) == [2, 3] and order[2] == 1 and rest == []
 
 
+def test_serve_answers_what_it_can_decide_at_once_as_it_reads(loop_thread):
+    """decide_now's answers go out as their messages are read, past a held
+    message; what it declines, what fails in it and bad batches go the usual
+    way (the last refused there, never shown to decide_now)."""
+    release = asyncio.Event()
+    decided, shown = [], []
+
+    async def fake_decide(requests):
+        decided.append(requests[0].key)
+        if requests[0].key == "held":
+            await release.wait()
+        return [pb.AcquireResponse(decision=pb.COMPILE, reason=r.key) for r in requests]
+
+    def fake_now(requests):
+        shown.append(requests[0].key)
+        if requests[0].key == "broken":
+            raise RuntimeError("a bug in the fast path")
+        if all(r.key.startswith("hit") for r in requests):
+            return [pb.AcquireResponse(decision=pb.HIT, reason=r.key) for r in requests]
+        return None
+
+    async def body():
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def messages():
+            while (msg := await inbox.get()) is not None:
+                yield msg
+
+        answers = decide.serve(messages(), fake_decide, decide_now=fake_now)
+        batches = [["held"], ["hit-a", "hit-b"], ["hit-c", "miss"], ["broken"], ["bad key!"]]
+        for i, keys in enumerate(batches, 1):
+            inbox.put_nowait(pb.DecideRequest(id=i, requests=[ask(k) for k in keys]))
+        got = {}
+        for _ in range(4):  # all but the held message
+            a = await anext(answers)
+            got[a.id] = a
+        release.set()
+        inbox.put_nowait(None)
+        got.update({a.id: a async for a in answers})
+        return got
+
+    got = loop_thread.run(body())
+    assert [(r.decision, r.reason) for r in got[2].responses] == [
+        (pb.HIT, "hit-a"), (pb.HIT, "hit-b")]
+    assert [r.decision for r in got[3].responses] == [pb.COMPILE, pb.COMPILE]
+    assert [r.decision for r in got[4].responses] == [pb.COMPILE]
+    assert got[5].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert got[1].responses[0].reason == "held"
+    assert sorted(decided) == ["broken", "held", "hit-c"]
+    assert sorted(shown) == ["broken", "held", "hit-a", "hit-c"]
+
+
+def test_hits_decided_at_once_count_once(coordinator, loop_thread):
+    """The coordinator's fast path for hits (Decide, AcquireMany, Acquire)
+    counts each decision and its saved compile time exactly once, and a
+    batch with a miss in it is decided whole the usual way."""
+    target = coordinator.cfg.listen
+    info = published(target, "known")  # compile_time_seconds 1.0
+
+    async def body(d: decide.Decider):
+        alone = await d.decide([ask("known")])
+        mixed = await d.decide([ask("known"), ask("unknown", client="a")])
+        return alone, mixed
+
+    alone, mixed = loop_thread.run(with_decider(target, body))
+    c = CacheClient(target)
+    try:
+        unary = c.acquire("known")
+        many = c.acquire_many(["known", "known"])
+    finally:
+        c.close()
+    assert alone[0].decision == pb.HIT and alone[0].artifact.digest == info.digest
+    assert [r.decision for r in mixed] == [pb.HIT, pb.COMPILE]
+    assert unary.decision == pb.HIT and [r.decision for r in many] == [pb.HIT, pb.HIT]
+    reg = coordinator.registry
+    hits = reg.get_sample_value("compilecast_coordinator_lookups_total", {"result": "hit"})
+    assert hits == 5
+    assert reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") == 5.0
+
+
 def test_a_drain_answers_what_was_read_and_reads_no_more(loop_thread):
     release = asyncio.Event()
     streams = decide.Streams()
