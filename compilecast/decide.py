@@ -55,8 +55,9 @@ def check_batch(requests: Sequence[pb.AcquireRequest]) -> None:
 
 
 Decide = Callable[[Sequence[pb.AcquireRequest]], Awaitable[list[pb.AcquireResponse]]]
-# A checked batch decided without waiting for anything (every key a hit the
-# server already knows), or None: the message then goes the way of Decide.
+# A checked batch decided without waiting for anything (every key one the
+# server already knows: a hit, a claim someone holds), or None: the message
+# then goes the way of Decide.
 DecideNow = Callable[[Sequence[pb.AcquireRequest]], list[pb.AcquireResponse] | None]
 # A wait on the stream: the request and until_publishing in, the event that ends it out.
 WaitOnce = Callable[[pb.WaitRequest, bool], Awaitable[pb.WaitEvent]]
@@ -135,7 +136,7 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
     in, one response per request out), each as soon as it is decided, and
     its wait messages with `wait` (without it, with no event: the client
     then uses Wait). With `decide_now`, a message it can decide at once
-    (hits) is answered as it is read, without a task of its own. With
+    (known hits and claims) is answered as it is read, without a task of its own. With
     `streams`, a drain ends the stream after answering every decision read;
     the waits it cuts short go unanswered, so that the client sends them
     again."""

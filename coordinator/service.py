@@ -51,8 +51,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def Acquire(self, request, context):
         who = self.auth.identify(context)
         validate.acquire_request(request)
-        if (hit := self.state.hits_now([request.key], tenant=who.tenant)) is not None:
-            return hit[0]
+        if (now := self.state.decided_now([request.key], tenant=who.tenant)) is not None:
+            return now[0]
         return await self.state.acquire(request.key, request.requester,
                                         dict(request.key_components), request.program_name,
                                         tenant=who.tenant, may_publish=who.can_publish)
@@ -76,7 +76,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def AcquireMany(self, request, context):
         who = self.auth.identify(context)
         decide.check_batch(request.requests)  # all checked before any is decided
-        responses = (self.state.hits_now([r.key for r in request.requests], tenant=who.tenant)
+        responses = (self.state.decided_now([r.key for r in request.requests], tenant=who.tenant)
                      or await self._acquire_many(request.requests, who))
         return pb.AcquireManyResponse(responses=responses)
 
@@ -88,7 +88,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
             async for answer in decide.serve(
                     request_iterator, lambda rs: self._acquire_many(rs, who),
                     wait=lambda r, until: decide.ending_event(self._wait(r, who), until),
-                    decide_now=lambda rs: self.state.hits_now([r.key for r in rs],
+                    decide_now=lambda rs: self.state.decided_now([r.key for r in rs],
                                                               tenant=who.tenant),
                     streams=self.streams):
                 yield answer

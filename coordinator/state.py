@@ -414,31 +414,38 @@ class CoordinatorState:
                                          dict(components)))
         return resp
 
-    def hits_now(self, keys: Sequence[str], *, tenant: str = DEFAULT_TENANT
-                 ) -> list[pb.AcquireResponse] | None:
-        """HIT for every key of a checked batch when the index knows all their
-        artifacts: what acquire would answer, without etcd and without
-        awaiting anything. None when any key needs more (acquire decides
-        the whole batch then)."""
-        found = []
+    def decided_now(self, keys: Sequence[str], *, tenant: str = DEFAULT_TENANT
+                    ) -> list[pb.AcquireResponse] | None:
+        """What acquire would answer for every key of a checked batch, when
+        this replica knows it without etcd and without awaiting anything
+        (a HIT from the index, a WAIT on a claim the watch reported). None
+        when any key needs more (acquire decides the whole batch then)."""
+        answers = []
         for key in keys:
-            info = self._cached_artifact(scope(tenant, key))
-            if info is None:
+            known = self._known(scope(tenant, key))
+            if known is None:
                 return None
-            found.append(info)
-        for info in found:
-            self._hit(info)
-            self.metrics.count_decision(pb.HIT)
-        return [pb.AcquireResponse(decision=pb.HIT, artifact=info) for info in found]
+            answers.append(known)
+        for resp in answers:
+            if resp.decision == pb.HIT:
+                self._hit(resp.artifact)
+            self.metrics.count_decision(resp.decision)
+        return answers
 
-    async def _decide(self, sk: str, req: pb.Requester, may_publish: bool, program: str) -> pb.AcquireResponse:
+    def _known(self, sk: str) -> pb.AcquireResponse | None:
         cached = self._cached_artifact(sk)
         if cached is not None:
-            self._hit(cached)
             return pb.AcquireResponse(decision=pb.HIT, artifact=cached)
         held = self._claimed.get(sk)
         if held is not None:  # someone compiles it: what etcd would say, without asking
             return pb.AcquireResponse(decision=pb.WAIT, reason=held)
+        return None
+
+    async def _decide(self, sk: str, req: pb.Requester, may_publish: bool, program: str) -> pb.AcquireResponse:
+        if (known := self._known(sk)) is not None:
+            if known.decision == pb.HIT:
+                self._hit(known.artifact)
+            return known
         # A process that may claim the key tries to at once; the others read.
         claims = may_publish and (not req.job or req.process_id == req.designated_process)
         for _ in range(3):

@@ -327,19 +327,21 @@ def test_serve_answers_what_it_can_decide_at_once_as_it_reads(loop_thread):
     assert sorted(shown) == ["broken", "held", "hit-a", "hit-c"]
 
 
-def test_hits_decided_at_once_count_once(coordinator, loop_thread):
-    """The coordinator's fast path for hits (Decide, AcquireMany, Acquire)
-    counts each decision and its saved compile time exactly once, and a
-    batch with a miss in it is decided whole the usual way."""
+def test_decisions_made_at_once_count_once(coordinator, loop_thread):
+    """The coordinator's fast path (Decide, AcquireMany, Acquire: hits from
+    its index, waits on claims its watch reported) counts each decision and
+    its saved compile time exactly once, and a batch with a miss in it is
+    decided whole the usual way."""
     target = coordinator.cfg.listen
     info = published(target, "known")  # compile_time_seconds 1.0
 
     async def body(d: decide.Decider):
         alone = await d.decide([ask("known")])
         mixed = await d.decide([ask("known"), ask("unknown", client="a")])
-        return alone, mixed
+        waits = [await d.decide([ask("unknown", client="b")]) for _ in range(3)]
+        return alone, mixed, waits
 
-    alone, mixed = loop_thread.run(with_decider(target, body))
+    alone, mixed, waits = loop_thread.run(with_decider(target, body))
     c = CacheClient(target)
     try:
         unary = c.acquire("known")
@@ -348,10 +350,14 @@ def test_hits_decided_at_once_count_once(coordinator, loop_thread):
         c.close()
     assert alone[0].decision == pb.HIT and alone[0].artifact.digest == info.digest
     assert [r.decision for r in mixed] == [pb.HIT, pb.COMPILE]
+    assert all(w[0].decision == pb.WAIT and "compiled by a" in w[0].reason for w in waits)
     assert unary.decision == pb.HIT and [r.decision for r in many] == [pb.HIT, pb.HIT]
     reg = coordinator.registry
     hits = reg.get_sample_value("compilecast_coordinator_lookups_total", {"result": "hit"})
     assert hits == 5
+    assert reg.get_sample_value("compilecast_coordinator_lookups_total", {"result": "miss"}) == 5  # publishing "known" was one
+    assert reg.get_sample_value("compilecast_coordinator_decisions_total",
+                                {"decision": "wait"}) == 3
     assert reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") == 5.0
 
 
