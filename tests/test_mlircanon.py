@@ -87,6 +87,22 @@ def test_c_and_python_streams_are_the_same_bytes(ignore):
 
 
 @native
+def test_a_module_with_many_values_and_the_small_ones_after_it_stream_alike():
+    """The C walk's value table grows past its first size here, its cache of
+    recent values sees many collisions, and the next walks start at the size
+    this one reached: the streams stay the reference's."""
+    from compilecast.demo_step import make_inputs, make_step
+
+    params, x, y = make_inputs(800, 16, batch=4)
+    big = make_step().lower(params, x, y).compiler_ir("stablehlo")
+    values = sum(1 for line in str(big).splitlines() if " = " in line)
+    assert values > 1 << 14, values  # more than the table's first size
+    assert digest_native(big) == digest_py(big)
+    for name, module in modules().items():
+        assert digest_native(module) == digest_py(module), name
+
+
+@native
 def test_the_stream_covers_what_it_walks():
     """Sanity of the comparison above: different programs, different streams
     on both paths; the same program twice, one stream."""

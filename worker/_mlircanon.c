@@ -301,6 +301,10 @@ static void put_byte(Out *o, uint8_t b) {
 }
 
 static void put_varint(Out *o, uint64_t v) {
+  if (v < 0x80 && o->n < o->cap && !o->failed) {  /* most are one byte */
+    o->d[o->n++] = (uint8_t)v;
+    return;
+  }
   uint8_t b[10];
   int n = 0;
   do {
@@ -319,9 +323,9 @@ static void put_str(Out *o, const char *p, size_t n) {
 
 /* ---- pointer -> index tables (open addressing) --------------------------------- */
 
+typedef struct { const void *key; uint64_t val; } Slot;  /* one cache line holds both */
 typedef struct {
-  const void **keys;
-  uint64_t *vals;
+  Slot *slots;
   size_t cap, n;
 } Table;
 
@@ -333,37 +337,33 @@ static size_t slot_of(const void *k, size_t cap) {
 static int table_init(Table *t, size_t cap) {
   t->cap = cap;
   t->n = 0;
-  t->keys = calloc(cap, sizeof(void *));
-  t->vals = calloc(cap, sizeof(uint64_t));
-  return t->keys && t->vals ? 0 : -1;
+  t->slots = calloc(cap, sizeof(Slot));
+  return t->slots ? 0 : -1;
 }
 
-static void table_free(Table *t) {
-  free(t->keys);
-  free(t->vals);
-}
+static void table_free(Table *t) { free(t->slots); }
 
 /* The index of k, or -1. */
 static int64_t table_get(const Table *t, const void *k) {
   for (size_t i = slot_of(k, t->cap);; i = (i + 1) & (t->cap - 1)) {
-    if (t->keys[i] == k) return (int64_t)t->vals[i];
-    if (!t->keys[i]) return -1;
+    if (t->slots[i].key == k) return (int64_t)t->slots[i].val;
+    if (!t->slots[i].key) return -1;
   }
 }
 
 static int table_put(Table *t, const void *k, uint64_t v) {
   if (2 * (t->n + 1) > t->cap) {
     Table bigger;
-    if (table_init(&bigger, t->cap * 2)) { table_free(&bigger); return -1; }
+    if (table_init(&bigger, t->cap * 2)) return -1;
     for (size_t i = 0; i < t->cap; i++)
-      if (t->keys[i]) table_put(&bigger, t->keys[i], t->vals[i]);
+      if (t->slots[i].key) table_put(&bigger, t->slots[i].key, t->slots[i].val);
     table_free(t);
     *t = bigger;
   }
   size_t i = slot_of(k, t->cap);
-  while (t->keys[i]) i = (i + 1) & (t->cap - 1);
-  t->keys[i] = k;
-  t->vals[i] = v;
+  while (t->slots[i].key) i = (i + 1) & (t->cap - 1);
+  t->slots[i].key = k;
+  t->slots[i].val = v;
   t->n++;
   return 0;
 }
@@ -387,9 +387,16 @@ typedef struct {
   int custom_call;  /* 0 not known yet, 1 stablehlo.custom_call, -1 another op */
 } NameList;
 
+/* The values table of the last walk starts the next one at its size (the
+ * modules a process keys are alike): no rehashing on the way up. */
+static size_t values_hint = 1 << 14;
+
+#define RECENT 4096  /* the values last numbered or looked up, direct-mapped */
+
 typedef struct {
   Out out;
   Table idents, types, attrs, values, blocks, opnames;
+  Slot *recent;  /* RECENT slots before `values`: most uses follow their definition closely */
   NameList *lists;
   size_t nlists, caplists;
   uint64_t next_value;
@@ -604,9 +611,18 @@ static int attr_rule(Walk *w, MlirNamedAttribute na, int depth) {
  * (it takes the next number). A use before the definition (graph regions,
  * blocks out of dominance order) and its definition then both say which. */
 static void number_value(Walk *w, MlirValue v) {
+  Slot *r = &w->recent[((uint64_t)(uintptr_t)v.ptr * 0x9E3779B97F4A7C15ull) >> 52];
+  if (r->key == v.ptr) { put_varint(&w->out, r->val + 1); return; }
   int64_t idx = table_get(&w->values, v.ptr);
-  if (idx >= 0) { put_varint(&w->out, (uint64_t)idx + 1); return; }
-  if (table_put(&w->values, v.ptr, w->next_value++)) w->error = 1;
+  if (idx >= 0) {
+    r->key = v.ptr;
+    r->val = (uint64_t)idx;
+    put_varint(&w->out, (uint64_t)idx + 1);
+    return;
+  }
+  if (table_put(&w->values, v.ptr, w->next_value)) { w->error = 1; return; }
+  r->key = v.ptr;
+  r->val = w->next_value++;
   put_varint(&w->out, 0);
 }
 
@@ -914,8 +930,9 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   w.ignore = ignore;
   w.renames = PyDict_GET_SIZE(renames) ? renames : NULL;
   w.kernel = kernel == Py_None ? NULL : kernel;
-  if (!w.out.d || table_init(&w.idents, 256) || table_init(&w.types, 1024) ||
-      table_init(&w.attrs, 4096) || table_init(&w.values, 1 << 14) || table_init(&w.blocks, 256) ||
+  w.recent = calloc(RECENT, sizeof(Slot));
+  if (!w.out.d || !w.recent || table_init(&w.idents, 256) || table_init(&w.types, 1024) ||
+      table_init(&w.attrs, 4096) || table_init(&w.values, values_hint) || table_init(&w.blocks, 256) ||
       table_init(&w.opnames, 256)) {
     w.error = 1;
   } else {
@@ -923,10 +940,12 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
     if (!w.out.failed && !w.error) out_flush(&w.out);
   }
   free(w.out.d);
+  free(w.recent);
   free(w.text);
   table_free(&w.idents);
   table_free(&w.types);
   table_free(&w.attrs);
+  if (!w.error && w.values.cap <= (1u << 22)) values_hint = w.values.cap;
   table_free(&w.values);
   table_free(&w.blocks);
   table_free(&w.opnames);
