@@ -557,10 +557,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
+        from compilecast.serving import ListenError
         from compilecast.up import UpError
 
         if isinstance(exc, UpError):
             print(f"compilecast up: {exc}", file=sys.stderr)
+            return 1
+        if isinstance(exc, ListenError):
+            print(f"compilecast {args.command}: {exc}", file=sys.stderr)
             return 1
         raise
 

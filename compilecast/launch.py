@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+
 from compilecast.worker.client import wait_until_healthy
 
 UP_PORTS = ("etcd-port", "etcd-peer-port", "coordinator-port", "coordinator-metrics-port",
@@ -35,14 +37,45 @@ class Up:
         self.target = f"unix://{home / 'worker.sock'}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 60) -> None:
-        args = [sys.executable, "-m", "compilecast.cli", "up", "--home", str(self.home)]
-        for name, port in self.ports.items():
-            args += [f"--{name}", str(port)]
-        with open(self.home.parent / f"{self.home.name}-up.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env)
-        wait_until_healthy(self.target, timeout_s=timeout_s)
+    @property
+    def log_path(self) -> Path:
+        return self.home.parent / f"{self.home.name}-up.log"
+
+    def start(self, timeout_s: float = 60, attempts: int = 3) -> None:
+        """Start it and wait until its worker answers. The ports were free
+        when they were picked, but another process can take one before `up`
+        binds it: then `up` exits saying so, and it starts again on fresh
+        ports (at most `attempts` times). Raises RuntimeError with the end of
+        its log when it exits otherwise or is not healthy within timeout_s."""
+        for attempt in range(attempts):
+            args = [sys.executable, "-m", "compilecast.cli", "up", "--home", str(self.home)]
+            for name, port in self.ports.items():
+                args += [f"--{name}", str(port)]
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                             env=self.env)
+            deadline = time.monotonic() + timeout_s
+            while self.proc.poll() is None:
+                try:
+                    wait_until_healthy(self.target, timeout_s=1.0)
+                    return
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(f"compilecast up was not healthy within "
+                                           f"{timeout_s:.0f} s:\n{self._log_tail()}") from None
+            rc, self.proc = self.proc.returncode, None
+            tail = self._log_tail()
+            if attempt + 1 < attempts and ("already in use" in tail or "is taken" in tail):
+                self.ports = {name: free_port() for name in UP_PORTS}
+                continue
+            raise RuntimeError(f"compilecast up exited with status {rc}:\n{tail}")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
 
     def stop(self) -> int:
         assert self.proc is not None

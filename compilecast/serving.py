@@ -45,10 +45,30 @@ async def set_serving(health_servicer, serving: bool) -> None:
         await health_servicer.set(name, status)
 
 
+class ListenError(RuntimeError):
+    """A server cannot listen where it was told to (the address is taken, or
+    not this machine's); the message names the address and the setting."""
+
+
+def listen(server: grpc.aio.Server, address: str, creds=None, *, setting: str) -> int:
+    """`server` listens on `address` (TLS with `creds`); the port. Raises
+    ListenError, naming `setting`, when it cannot."""
+    try:
+        return (server.add_secure_port(address, creds) if creds is not None
+                else server.add_insecure_port(address))
+    except RuntimeError as exc:
+        raise ListenError(f"cannot listen on {address} ({setting}): gRPC could not bind it "
+                          "(another process has it, or it is not this machine's)") from exc
+
+
 def start_metrics(registry: CollectorRegistry, host: str, port: int) -> object | None:
     if port <= 0:
         return None
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ListenError(f"cannot serve metrics on {host}:{port} (metrics_port): "
+                          f"{exc.strerror or exc}; is another process using it?") from None
     return server
 
 

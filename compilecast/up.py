@@ -109,7 +109,11 @@ async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str) ->
     coordinator = Coordinator(ccfg)
     worker = Worker(wcfg)
     await coordinator.start()
-    await worker.start()
+    try:
+        await worker.start()
+    except BaseException:  # nothing of the worker listens yet: stop the coordinator
+        await coordinator.stop(0.0)
+        raise
     print(ready_msg, flush=True)
 
     async def stop_coordinator() -> None:

@@ -12,7 +12,7 @@ from compilecast.blobstore import DiskBlobStore
 from compilecast.config import CoordinatorConfig
 from compilecast.errors import Unavailable
 from compilecast.grpcutil import channel_credentials, server_credentials
-from compilecast.serving import Role, make_server, set_serving, start_metrics
+from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
 from .auth import Authenticator
 from .etcd import Etcd
@@ -53,13 +53,13 @@ class Coordinator(Role):
         self.server_streams = service.streams
         self.server, self.health = make_server(service)
         creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
-        self.port = (self.server.add_secure_port(cfg.listen, creds) if creds
-                     else self.server.add_insecure_port(cfg.listen))
+        # Metrics first: a taken port fails the start before anything listens.
+        self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
+                                             self.cfg.metrics_port)
+        self.port = listen(self.server, cfg.listen, creds, setting="listen")
         await self.state.start()
         await self.server.start()
         await set_serving(self.health, True)
-        self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
-                                             self.cfg.metrics_port)
         self._store_scans = asyncio.create_task(self._scan_store())
         self._sweeps = (asyncio.create_task(self._sweep_index()) if cfg.index_sweep_s > 0
                         else None)

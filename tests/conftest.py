@@ -262,8 +262,8 @@ def start_up(tmp_path):
         home = tmp_path / name
         home.mkdir()
         u = Up(home, env)
+        started.append(u)  # stopped at teardown even when it never became healthy
         u.start()
-        started.append(u)
         return u
 
     yield start

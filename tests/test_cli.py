@@ -196,3 +196,63 @@ def test_explain_an_unreadable_file_is_a_readable_error(tmp_path):
     r = cc("explain", _fixture("mlp.hlo.pb"), str(tmp_path / "gone.pb"))
     assert r.returncode == 2
     assert "cannot read" in r.stderr and "Traceback" not in r.stderr
+
+
+def taken_port() -> tuple:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def test_a_taken_port_is_a_readable_error_naming_the_setting(tmp_path):
+    """Each role, told to listen where another process already does, exits 1
+    with a line that says where and which setting, and no traceback."""
+    held, port = taken_port()
+    try:
+        cases = {
+            "metrics_port": ("worker", "--listen", f"unix://{tmp_path}/a.sock", "--coordinator",
+                             "127.0.0.1:1", "--metrics-port", str(port), "--cache-dir",
+                             str(tmp_path / "a")),
+            "relay_listen": ("worker", "--listen", f"unix://{tmp_path}/b.sock", "--coordinator",
+                             "127.0.0.1:1", "--relay-listen", f"127.0.0.1:{port}",
+                             "--metrics-port", "0", "--cache-dir", str(tmp_path / "b")),
+            "listen": ("coordinator", "--listen", f"127.0.0.1:{port}", "--etcd-endpoints",
+                       "127.0.0.1:1", "--store-dir", str(tmp_path / "s"), "--metrics-port",
+                       "0", "--allow-unauthenticated", "true"),
+        }
+        for setting, args in cases.items():
+            r = cc(*args)
+            assert r.returncode == 1, (setting, r.stderr[-2000:])
+            assert f"compilecast {args[0]}: cannot " in r.stderr, r.stderr[-2000:]
+            assert f"127.0.0.1:{port} ({setting})" in r.stderr, r.stderr[-2000:]
+            assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    finally:
+        held.close()
+
+
+def test_up_says_which_port_is_taken_and_the_launcher_starts_it_again_elsewhere(tmp_path):
+    """`compilecast up` on a taken port exits with a readable line and stops
+    the etcd it started; compilecast.launch.Up (the demo's, the tests' and
+    the benches' launcher) then picks fresh ports and starts it again."""
+    from compilecast.launch import Up
+
+    home = tmp_path / "up"
+    home.mkdir()
+    up = Up(home)
+    held, port = taken_port()
+    up.ports["worker-metrics-port"] = port
+    try:
+        up.start(timeout_s=60)
+        assert up.ports["worker-metrics-port"] != port
+        log = up.log_path.read_text()
+        assert f"compilecast up: cannot serve metrics on 127.0.0.1:{port}" in log, log[-2000:]
+        assert "Traceback" not in log, log[-3000:]
+        assert cc("status", "--worker", up.target).returncode == 0
+    finally:
+        held.close()
+        if up.proc is not None:
+            assert up.stop() == 0
+    assert up.leftover_processes() == []

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from compilecast.config import WorkerConfig
 from compilecast.grpcutil import channel_credentials, server_credentials
 from compilecast.serving import Role, make_server, set_serving, start_metrics
+from compilecast.serving import listen as listen_on
 
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
@@ -65,26 +66,23 @@ class Worker(Role):
         if listen.startswith("unix://"):
             _prepare_socket(Path(listen.removeprefix("unix://")))
         creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
-        if creds is not None and not listen.startswith("unix://"):
-            self.server.add_secure_port(listen, creds)
-        else:
-            self.server.add_insecure_port(listen)
-        await self.server.start()
+        # Metrics first: a taken port fails the start before anything listens.
+        self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
+                                             self.cfg.metrics_port)
+        listen_on(self.server, listen, None if listen.startswith("unix://") else creds,
+                  setting="listen")
         self.relay_server = None
         if cfg.relay_listen:
             self.relay_server, _ = make_server(RelayService(self.service))
-            if creds is not None:
-                self.relay_server.add_secure_port(cfg.relay_listen, creds)
-            else:
-                self.relay_server.add_insecure_port(cfg.relay_listen)
+            listen_on(self.relay_server, cfg.relay_listen, creds, setting="relay_listen")
+        await self.server.start()
+        if self.relay_server is not None:
             await self.relay_server.start()
             log.info("relaying artifacts to peer workers on %s (as %s)", cfg.relay_listen,
                      relay_address)
         if listen.startswith("unix://"):
             os.chmod(listen.removeprefix("unix://"), 0o660)
         await set_serving(self.health, True)
-        self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
-                                             self.cfg.metrics_port)
         log.info("worker listening on %s (coordinator %s, host cache %s)", listen,
                  self.cfg.coordinator, self.cfg.cache_dir)
         self._revocations = asyncio.create_task(
