@@ -136,10 +136,10 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
     in, one response per request out), each as soon as it is decided, and
     its wait messages with `wait` (without it, with no event: the client
     then uses Wait). With `decide_now`, a message it can decide at once
-    (known hits and claims) is answered as it is read, without a task of its own. With
-    `streams`, a drain ends the stream after answering every decision read;
-    the waits it cuts short go unanswered, so that the client sends them
-    again."""
+    (known hits and claims) is answered as it is read, without a task of its
+    own. With `streams`, a drain ends the stream after answering every
+    decision read; the waits it cuts short go unanswered, so that the client
+    sends them again."""
     answers: asyncio.Queue[pb.DecideResponse | None] = asyncio.Queue()
     slots = asyncio.Semaphore(in_flight)
     running: set[asyncio.Task] = set()
