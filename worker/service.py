@@ -270,12 +270,13 @@ class WorkerService(rpc.CompileCacheServicer):
         """Host-cache hits answered here; the rest in one message of the
         Decide stream (with whatever other callers asked meanwhile)."""
         decide.check_batch(requests)
-        answers: list[pb.AcquireResponse | None] = []
         for r in requests:
             if 0 < r.key_seconds < 3600:
                 self.metrics.key_seconds.observe(r.key_seconds)
-            info = await asyncio.to_thread(self.cache.lookup, ns, r.key)
-            answers.append(pb.AcquireResponse(decision=pb.HIT, artifact=info) if info else None)
+        keys = [r.key for r in requests]  # one trip to a thread for the batch's lookups
+        found = await asyncio.to_thread(lambda: [self.cache.lookup(ns, k) for k in keys])
+        answers = [pb.AcquireResponse(decision=pb.HIT, artifact=info) if info else None
+                   for info in found]
         ask = [r for r, a in zip(requests, answers, strict=True) if a is None]
         upstream: list[tuple[pb.AcquireResponse, bool]] = []
         if ask:
