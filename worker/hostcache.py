@@ -23,6 +23,8 @@ from pathlib import Path
 from compilecast.blobstore import DiskBlobStore
 from compilecast.v1 import cache_pb2 as pb
 
+MAX_ENTRY = 1 << 16  # an index entry is ~150 bytes; a bigger file is not one of ours
+
 
 class HostCache:
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int, min_free: int = 0,
@@ -38,10 +40,17 @@ class HostCache:
         return self.keys / ns / f"{key}.json"
 
     def lookup(self, ns: str, key: str) -> pb.ArtifactInfo | None:
+        # A string path and plain os calls: every host hit reads an entry, and
+        # pathlib's objects and io's file cost more than the read (a third of
+        # a lookup).
         try:
-            raw = self._entry(ns, key).read_bytes()
+            fd = os.open(f"{self.keys}/{ns}/{key}.json", os.O_RDONLY)
         except FileNotFoundError:
             return None
+        try:
+            raw = os.read(fd, MAX_ENTRY)
+        finally:
+            os.close(fd)
         try:
             info = pb.ArtifactInfo(key=key, **json.loads(raw))
         except (ValueError, TypeError):
