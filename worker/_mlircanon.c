@@ -388,7 +388,8 @@ typedef struct {
 } NameList;
 
 /* The values table of the last walk starts the next one at its size (the
- * modules a process keys are alike): no rehashing on the way up. */
+ * modules a process keys are alike): no rehashing on the way up. Read and
+ * written with the GIL held, as all of a walk's own code runs. */
 static size_t values_hint = 1 << 14;
 
 #define RECENT 4096  /* the values last numbered or looked up, direct-mapped */
