@@ -45,6 +45,9 @@ async def set_serving(health_servicer, serving: bool) -> None:
         await health_servicer.set(name, status)
 
 
+_TAKEN = " (another process has it, or it is not this machine's)"
+
+
 class ListenError(RuntimeError):
     """A server cannot listen where it was told to (the address is taken, or
     not this machine's); the message names the address and the setting."""
@@ -57,8 +60,8 @@ def listen(server: grpc.aio.Server, address: str, creds=None, *, setting: str) -
         return (server.add_secure_port(address, creds) if creds is not None
                 else server.add_insecure_port(address))
     except RuntimeError as exc:
-        raise ListenError(f"cannot listen on {address} ({setting}): gRPC could not bind it "
-                          "(another process has it, or it is not this machine's)") from exc
+        raise ListenError(f"cannot listen on {address} ({setting}): gRPC could not bind it"
+                          f"{_TAKEN}") from exc
 
 
 def start_metrics(registry: CollectorRegistry, host: str, port: int) -> object | None:
@@ -68,7 +71,7 @@ def start_metrics(registry: CollectorRegistry, host: str, port: int) -> object |
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         raise ListenError(f"cannot serve metrics on {host}:{port} (metrics_port): "
-                          f"{exc.strerror or exc}; is another process using it?") from None
+                          f"{exc.strerror or exc}{_TAKEN}") from None
     return server
 
 

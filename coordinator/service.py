@@ -51,8 +51,6 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def Acquire(self, request, context):
         who = self.auth.identify(context)
         validate.acquire_request(request)
-        if (now := self.state.decided_now([request.key], tenant=who.tenant)) is not None:
-            return now[0]
         return await self.state.acquire(request.key, request.requester,
                                         dict(request.key_components), request.program_name,
                                         tenant=who.tenant, may_publish=who.can_publish)

@@ -328,10 +328,10 @@ def test_serve_answers_what_it_can_decide_at_once_as_it_reads(loop_thread):
 
 
 def test_decisions_made_at_once_count_once(coordinator, loop_thread):
-    """The coordinator's fast path (Decide, AcquireMany, Acquire: hits from
-    its index, waits on claims its watch reported) counts each decision and
-    its saved compile time exactly once, and a batch with a miss in it is
-    decided whole the usual way."""
+    """Decisions from the coordinator's memory (hits from its index, waits on
+    claims its watch reported), through Decide, AcquireMany and Acquire,
+    count each decision and its saved compile time exactly once, and a batch
+    with a miss in it is decided whole the usual way."""
     target = coordinator.cfg.listen
     info = published(target, "known")  # compile_time_seconds 1.0
 

@@ -36,15 +36,18 @@ class HostCache:
         self.keys = self.root / "keys"
         self.keys.mkdir(parents=True, exist_ok=True)
 
+    def _entry_path(self, ns: str, key: str) -> str:
+        return f"{self.keys}/{ns}/{key}.json"
+
     def _entry(self, ns: str, key: str) -> Path:
-        return self.keys / ns / f"{key}.json"
+        return Path(self._entry_path(ns, key))
 
     def lookup(self, ns: str, key: str) -> pb.ArtifactInfo | None:
         # A string path and plain os calls: every host hit reads an entry, and
         # pathlib's objects and io's file cost more than the read (a third of
         # a lookup).
         try:
-            fd = os.open(f"{self.keys}/{ns}/{key}.json", os.O_RDONLY)
+            fd = os.open(self._entry_path(ns, key), os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:

@@ -13,8 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from compilecast.config import WorkerConfig
 from compilecast.grpcutil import channel_credentials, server_credentials
-from compilecast.serving import Role, make_server, set_serving, start_metrics
-from compilecast.serving import listen as listen_on
+from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
@@ -62,28 +61,28 @@ class Worker(Role):
                                          self.cfg.share_binary_between_hosts_timeout_ms))
         self.server_streams = self.service.streams
         self.server, self.health = make_server(self.service)
-        listen = self.cfg.listen
-        if listen.startswith("unix://"):
-            _prepare_socket(Path(listen.removeprefix("unix://")))
+        address = self.cfg.listen
+        if address.startswith("unix://"):
+            _prepare_socket(Path(address.removeprefix("unix://")))
         creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
         # Metrics first: a taken port fails the start before anything listens.
         self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
                                              self.cfg.metrics_port)
-        listen_on(self.server, listen, None if listen.startswith("unix://") else creds,
-                  setting="listen")
+        listen(self.server, address, None if address.startswith("unix://") else creds,
+               setting="listen")
         self.relay_server = None
         if cfg.relay_listen:
             self.relay_server, _ = make_server(RelayService(self.service))
-            listen_on(self.relay_server, cfg.relay_listen, creds, setting="relay_listen")
+            listen(self.relay_server, cfg.relay_listen, creds, setting="relay_listen")
         await self.server.start()
         if self.relay_server is not None:
             await self.relay_server.start()
             log.info("relaying artifacts to peer workers on %s (as %s)", cfg.relay_listen,
                      relay_address)
-        if listen.startswith("unix://"):
-            os.chmod(listen.removeprefix("unix://"), 0o660)
+        if address.startswith("unix://"):
+            os.chmod(address.removeprefix("unix://"), 0o660)
         await set_serving(self.health, True)
-        log.info("worker listening on %s (coordinator %s, host cache %s)", listen,
+        log.info("worker listening on %s (coordinator %s, host cache %s)", address,
                  self.cfg.coordinator, self.cfg.cache_dir)
         self._revocations = asyncio.create_task(
             self.service.sync_revocations(self.cfg.revocation_poll_s))
