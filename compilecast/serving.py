@@ -21,12 +21,18 @@ from compilecast.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
 
+# gRPC sets SO_REUSEPORT on Linux by default: a second server on a port that
+# one of ours already serves would bind it too and silently take half of its
+# connections (a leftover coordinator answering for a new one). Ours bind
+# alone, so a taken port is a ListenError.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CompileCache"].full_name
 
 
 def make_server(servicer) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A grpc.aio server with the CompileCache `servicer`, health and reflection."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     classes = {d.full_name: getattr(cache_pb2, d.name)
                for d in cache_pb2.DESCRIPTOR.message_types_by_name.values()}
     add_service(server, servicer, cache_pb2.DESCRIPTOR.services_by_name["CompileCache"], classes)
