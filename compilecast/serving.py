@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -61,13 +63,41 @@ class ListenError(RuntimeError):
 
 def listen(server: grpc.aio.Server, address: str, creds=None, *, setting: str) -> int:
     """`server` listens on `address` (TLS with `creds`); the port. Raises
-    ListenError, naming `setting`, when it cannot."""
+    ListenError, naming `setting`, when it cannot. A unix socket's file is
+    taken over only when nothing serves it (a stale one of a crashed run)."""
+    if address.startswith("unix://"):
+        _claim_socket(address, setting)
     try:
         return (server.add_secure_port(address, creds) if creds is not None
                 else server.add_insecure_port(address))
     except RuntimeError as exc:
         raise ListenError(f"cannot listen on {address} ({setting}): gRPC could not bind it"
                           f"{_TAKEN}") from exc
+
+
+def _claim_socket(address: str, setting: str) -> None:
+    """Make room for a unix socket at `address`: its directory, and no stale
+    file. A socket some process still accepts on is refused (unlinking it
+    would orphan that process: a second worker on a host taking over the
+    first's socket)."""
+    path = address.removeprefix("unix://")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except FileNotFoundError:
+        return
+    except ConnectionRefusedError:  # nobody accepts on it: a previous run's
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    except OSError:
+        return  # not a socket, or not ours to probe: the bind says why
+    finally:
+        probe.close()
+    raise ListenError(f"cannot listen on {address} ({setting}): another process serves it "
+                      f"(a compilecast worker already running on this host?)")
 
 
 def start_metrics(registry: CollectorRegistry, host: str, port: int) -> object | None:

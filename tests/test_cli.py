@@ -256,3 +256,18 @@ def test_up_says_which_port_is_taken_and_the_launcher_starts_it_again_elsewhere(
         if up.proc is not None:
             assert up.stop() == 0
     assert up.leftover_processes() == []
+
+
+def test_a_second_worker_on_a_hosts_socket_refuses_and_the_first_serves_on(
+        coordinator, start_worker, tmp_path):
+    """A worker started where one already serves exits 1 saying so; it used
+    to unlink the live socket and take over, leaving the first running and
+    unreachable."""
+    worker = start_worker(coordinator.cfg.listen)
+    r = cc("worker", "--listen", worker.target, "--coordinator", coordinator.cfg.listen,
+           "--metrics-port", "0", "--cache-dir", str(tmp_path / "second"))
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"cannot listen on {worker.target} (listen): another process serves it" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    r = cc("status", "--worker", worker.target)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
+import grpc
 import pytest
 
 from compilecast.serving import ListenError, listen, make_server
@@ -32,3 +34,44 @@ def test_a_port_one_of_our_servers_serves_is_taken_for_the_next():
             await first.stop(None)
 
     asyncio.run(run())
+
+
+def test_a_unix_socket_is_taken_over_only_when_nothing_serves_it(tmp_path):
+    """A second worker on a host must not unlink the first's live socket
+    (the first would run on, unreachable); a stale socket file of a crashed
+    run is replaced."""
+    path = tmp_path / "run" / "worker.sock"
+    address = f"unix://{path}"
+
+    async def run():
+        first, _ = make_server(rpc.CompileCacheServicer())
+        listen(first, address, setting="listen")  # makes the directory too
+        await first.start()
+        try:
+            second, _ = make_server(rpc.CompileCacheServicer())
+            with pytest.raises(ListenError) as err:
+                listen(second, address, setting="listen")
+            assert f"{address} (listen)" in str(err.value)
+            assert path.is_socket()
+        finally:
+            await first.stop(None)
+
+    asyncio.run(run())
+    # A socket file nobody accepts on, as a killed worker leaves it.
+    path.unlink(missing_ok=True)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()
+    assert path.is_socket()
+
+    async def again():
+        server, _ = make_server(rpc.CompileCacheServicer())
+        listen(server, address, setting="listen")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                await asyncio.wait_for(channel.channel_ready(), 10)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(again())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -62,8 +61,6 @@ class Worker(Role):
         self.server_streams = self.service.streams
         self.server, self.health = make_server(self.service)
         address = self.cfg.listen
-        if address.startswith("unix://"):
-            _prepare_socket(Path(address.removeprefix("unix://")))
         creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
         # Metrics first: a taken port fails the start before anything listens.
         self._metrics_server = start_metrics(self.registry, self.cfg.metrics_host,
@@ -105,12 +102,6 @@ class Worker(Role):
         if self.relay_server is not None:
             await self.relay_server.stop(2.0)
         await self.service.close()
-
-
-def _prepare_socket(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()  # stale socket of a previous run
 
 
 def run(cfg: WorkerConfig) -> None:
