@@ -90,6 +90,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                  "coordinator_metrics_port", "worker_metrics_port"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
+    if args.etcd_compaction_retention is not None:
+        cfg.etcd_compaction_retention = args.etcd_compaction_retention
     return run(cfg)
 
 
@@ -448,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("etcd_port", "etcd_peer_port", "coordinator_port",
                  "coordinator_metrics_port", "worker_metrics_port"):
         p.add_argument(flag_name(name), dest=name, type=int, default=None)
+    p.add_argument("--etcd-compaction-retention", default=None,
+                   help="history the local etcd keeps before compacting it (default 1h)")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("coordinator", help="run a coordinator replica")

@@ -39,6 +39,9 @@ class UpConfig:
     coordinator_port: int = 7640
     coordinator_metrics_port: int = 7641
     worker_metrics_port: int = 7642
+    # etcd keeps every revision until compacted; claims and waits write many.
+    # Periodic compaction keeps this much history (as the chart's etcd does).
+    etcd_compaction_retention: str = "1h"
 
 
 def find_etcd() -> str:
@@ -74,7 +77,9 @@ def start_etcd(cfg: UpConfig) -> subprocess.Popen:
         [binary, "--name", "compilecast", "--data-dir", str(data),
          "--listen-client-urls", client, "--advertise-client-urls", client,
          "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-         "--initial-cluster", f"compilecast={peer}"],
+         "--initial-cluster", f"compilecast={peer}",
+         "--auto-compaction-mode", "periodic",
+         "--auto-compaction-retention", cfg.etcd_compaction_retention],
         stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_pdeathsig,
     )
     logf.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -271,3 +272,37 @@ def test_a_second_worker_on_a_hosts_socket_refuses_and_the_first_serves_on(
     assert "Traceback" not in r.stderr, r.stderr
     r = cc("status", "--worker", worker.target)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_etcd_of_up_compacts_its_history(tmp_path):
+    """`compilecast up`'s etcd keeps history only as long as told (1 h by
+    default, as the chart's does): claims and waits write revisions all
+    day, and an etcd never compacted fills its quota and stops writing."""
+    import os
+    import time
+
+    from compilecast.launch import free_port
+    from compilecast.up import UpConfig, start_etcd, stop_process
+
+    cfg = UpConfig(home=tmp_path, etcd_port=free_port(), etcd_peer_port=free_port(),
+                   etcd_compaction_retention="1s")
+    proc = start_etcd(cfg)
+
+    def etcdctl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["etcdctl", f"--endpoints=127.0.0.1:{cfg.etcd_port}", *args],
+                              capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "ETCDCTL_API": "3"})
+
+    try:
+        first = etcdctl("put", "k", "1", "-w", "json")
+        assert first.returncode == 0, first.stderr
+        old = json.loads(first.stdout)["header"]["revision"]
+        assert etcdctl("put", "k", "2").returncode == 0
+        assert etcdctl("get", "k", f"--rev={old}", "--print-value-only").stdout.strip() == "1"
+        deadline = time.monotonic() + 30
+        while "compacted" not in (r := etcdctl("get", "k", f"--rev={old}")).stderr:
+            assert time.monotonic() < deadline, f"never compacted: {r.stdout} {r.stderr}"
+            time.sleep(0.5)
+        assert etcdctl("get", "k", "--print-value-only").stdout.strip() == "2"
+    finally:
+        stop_process(proc)
