@@ -59,6 +59,7 @@ import zstandard
 
 from compilecast import validate
 from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, StoreFull, TooLarge
+from compilecast.wire import Zstd
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,41 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class Inflate:
+    """A blob's zstd stream decoded as it arrives: `feed` it the stream's
+    bytes; `sink` gets the decoded bytes in pieces of at most `piece` bytes
+    (however well they compress: memory stays bounded). CorruptBlob for a
+    stream that does not decode, or decodes past `limit` bytes (the
+    artifact's size: a stream that decodes to more is not the artifact)."""
+
+    def __init__(self, sink: Callable[[bytes], object], limit: int, piece: int = CHUNK) -> None:
+        self.size = 0  # decoded so far
+        self._sink = sink
+        self._limit = limit
+        self._writer = zstandard.ZstdDecompressor().stream_writer(self._Out(self),
+                                                                  write_size=piece)
+
+    class _Out:
+        __slots__ = ("inflate",)
+
+        def __init__(self, inflate: Inflate) -> None:
+            self.inflate = inflate
+
+        def write(self, data: bytes) -> int:
+            inflate = self.inflate
+            inflate.size += len(data)
+            if inflate.size > inflate._limit:
+                raise CorruptBlob(f"the zstd stream decodes past {inflate._limit} bytes")
+            inflate._sink(data)
+            return len(data)
+
+    def feed(self, data) -> None:
+        try:
+            self._writer.write(data)
+        except zstandard.ZstdError as exc:
+            raise CorruptBlob(f"the zstd stream does not decode: {exc}") from None
 
 
 class BlobWriter:
@@ -454,8 +490,13 @@ class DiskBlobStore:
         with self._lock:
             self._verified.pop(digest, None)
 
-    def read(self, digest: str, chunk_size: int = CHUNK, *, offset: int = 0) -> Iterator[bytes]:
+    def read(self, digest: str, chunk_size: int = CHUNK, *, offset: int = 0,
+             as_stored: bool = False) -> Iterator[bytes]:
         """Yield the uncompressed bytes of a blob from `offset` on, verifying its digest.
+        With `as_stored` (and offset 0), a blob stored as zstd is yielded as
+        it is stored, in Zstd chunks (which decode to the blob), and verified
+        by decoding it here unless it is trusted (below): the reader then
+        sends a tenth of the bytes and this store decodes none of them.
 
         Raises NotFound if absent, CorruptBlob (after quarantining it) if the
         stored bytes do not hash to `digest`; the error comes after the last
@@ -488,12 +529,22 @@ class DiskBlobStore:
                 offset = 0
             elif not raw:
                 f.seek(0)
-            reader = f if raw else zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
+            stored = as_stored and not raw and not offset
+            check = None
+            if stored and not trusted:
+                check = Inflate(h.update, limit=1 << 62)
+            reader = f if raw or stored else zstandard.ZstdDecompressor().stream_reader(
+                f, closefd=False)
             try:
                 while True:
                     chunk = reader.read(chunk_size)
                     if not chunk:
                         break
+                    if stored:
+                        if check is not None:
+                            check.feed(chunk)
+                        yield Zstd(chunk)
+                        continue
                     if not trusted:
                         h.update(chunk)
                     if offset:
@@ -502,7 +553,7 @@ class DiskBlobStore:
                         if not chunk:
                             continue
                     yield chunk
-            except zstandard.ZstdError as exc:
+            except (zstandard.ZstdError, CorruptBlob) as exc:
                 self.quarantine(digest, f"undecodable: {exc}")
                 raise CorruptBlob(f"blob {digest} is corrupt (undecodable)") from None
             if not trusted and h.hexdigest() == digest:
@@ -524,7 +575,8 @@ async def amake_room(store: DiskBlobStore, nbytes: int) -> bool:
 
 
 async def aread(store: DiskBlobStore, digest: str, *, depth: int = 4, chunk_size: int = CHUNK,
-                offset: int = 0, transform: Callable[[bytes], T] = _same) -> AsyncIterator[T]:
+                offset: int = 0, transform: Callable[[bytes], T] = _same,
+                as_stored: bool = False) -> AsyncIterator[T]:
     """`store.read` for an event loop: a thread reads, decompresses and
     verifies up to `depth` chunks ahead while the caller sends, and applies
     `transform` to each chunk (the wire framing: off the event loop); errors
@@ -538,7 +590,7 @@ async def aread(store: DiskBlobStore, digest: str, *, depth: int = 4, chunk_size
     def produce() -> None:
         item: Any = done
         try:
-            for chunk in store.read(digest, chunk_size, offset=offset):
+            for chunk in store.read(digest, chunk_size, offset=offset, as_stored=as_stored):
                 out = transform(chunk)
                 room.acquire()
                 if stop.is_set():

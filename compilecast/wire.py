@@ -18,29 +18,47 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
 DATA_TAG = 0x12  # field 2, length-delimited: `data` in both FetchChunk and PublishChunk
+ZSTD_TAG = 0x22  # field 4, length-delimited: FetchChunk's `zstd_data`
 assert pb.FetchChunk.DESCRIPTOR.fields_by_name["data"].number == 2
 assert pb.PublishChunk.DESCRIPTOR.fields_by_name["data"].number == 2
+assert pb.FetchChunk.DESCRIPTOR.fields_by_name["zstd_data"].number == 4
+
+
+class Zstd(bytes):
+    """Bytes of a blob's zstd stream as stored (not the artifact's bytes):
+    framed as FetchChunk.zstd_data."""
+
+    __slots__ = ()
 
 
 class DataChunk:
-    """A FetchChunk or PublishChunk whose only field is `data` (bytes or a
-    memoryview): read like the message it stands for."""
+    """A FetchChunk or PublishChunk whose only field is `data`, or a
+    FetchChunk whose only field is `zstd_data` (bytes or a memoryview): read
+    like the message it stands for."""
 
-    __slots__ = ("data", "wire")
+    __slots__ = ("data", "wire", "zstd_data")
     relay_from = ""
 
-    def __init__(self, data) -> None:
+    def __init__(self, data, zstd_data=b"") -> None:
         self.data = data
+        self.zstd_data = zstd_data
         self.wire: bytes | None = None
 
     @classmethod
     def framed(cls, data) -> DataChunk:
-        """Encoded now (on a reader thread, off the event loop); `data` is
-        then a view of the encoded message."""
-        wire = _encode(data)
-        chunk = cls(memoryview(wire)[len(wire) - len(data):])
+        """Encoded now (on a reader thread, off the event loop); `data` (or,
+        for Zstd bytes, `zstd_data`) is then a view of the encoded message."""
+        zstd = type(data) is Zstd
+        wire = _encode(data, ZSTD_TAG if zstd else DATA_TAG)
+        view = memoryview(wire)[len(wire) - len(data):]
+        chunk = cls(b"", view) if zstd else cls(view)
         chunk.wire = wire
         return chunk
+
+    @property
+    def size(self) -> int:
+        """Bytes it carries on the wire (of the artifact, or of its zstd stream)."""
+        return len(self.data) + len(self.zstd_data)
 
     def HasField(self, name: str) -> bool:
         return False
@@ -55,19 +73,21 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _encode(data) -> bytes:
-    return b"".join((bytes((DATA_TAG,)), _varint(len(data)), data))
+def _encode(data, tag: int = DATA_TAG) -> bytes:
+    return b"".join((bytes((tag,)), _varint(len(data)), data))
 
 
 def serialize(msg) -> bytes:
     if type(msg) is DataChunk:
-        return msg.wire if msg.wire is not None else _encode(msg.data)
+        if msg.wire is not None:
+            return msg.wire
+        return _encode(msg.zstd_data, ZSTD_TAG) if msg.zstd_data else _encode(msg.data)
     return msg.SerializeToString()
 
 
-def _data_only(raw: bytes) -> memoryview | None:
-    """The payload when `raw` is exactly one `data` field, else None."""
-    if not raw or raw[0] != DATA_TAG:
+def _data_only(raw: bytes, tags: tuple[int, ...]) -> memoryview | None:
+    """The payload when `raw` is exactly one field whose tag is in `tags`, else None."""
+    if not raw or raw[0] not in tags:
         return None
     n = shift = 0
     i = 1
@@ -84,12 +104,13 @@ def _data_only(raw: bytes) -> memoryview | None:
 
 def parser(cls):
     """FromString for `cls`, with data-only messages as DataChunk views."""
+    tags = (DATA_TAG, ZSTD_TAG) if cls is pb.FetchChunk else (DATA_TAG,)
 
     def parse(raw: bytes):
-        data = _data_only(raw)
+        data = _data_only(raw, tags)
         if data is None:
             return cls.FromString(raw)
-        chunk = DataChunk(data)
+        chunk = DataChunk(data) if raw[0] == DATA_TAG else DataChunk(b"", data)
         chunk.wire = raw  # passed on as received (a worker relaying it copies nothing)
         return chunk
 
@@ -115,4 +136,4 @@ def stub(channel) -> rpc.CompileCacheStub:
     return s
 
 
-__all__ = ["BULK", "DataChunk", "parser", "serialize", "stub"]
+__all__ = ["BULK", "DataChunk", "Zstd", "parser", "serialize", "stub"]

@@ -45,7 +45,8 @@ class CoordinatorMetrics:
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200), registry=registry,
         )
         self.bytes = Counter(
-            "compilecast_coordinator_artifact_bytes", "Artifact bytes moved",
+            "compilecast_coordinator_artifact_bytes",
+            "Artifact bytes moved, as sent (zstd as stored, to clients that decode it)",
             ["direction"], registry=registry,
         )
         self.waiters = Gauge(

@@ -123,7 +123,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def Fetch(self, request, context):
         who = self.auth.identify(context)
         info, chunks = await self.state.fetch(request.key, request.digest, tenant=who.tenant,
-                                              offset=request.offset)
+                                              offset=request.offset,
+                                              as_stored=request.accept_zstd)
         if request.relay_address and self.state.cfg.relay_fanout > 0:
             parent = self.state.relays.assign((who.tenant, info.digest),
                                               check_address(request.relay_address))

@@ -855,7 +855,11 @@ class CoordinatorState:
 
     # -- Fetch -----------------------------------------------------------
     async def fetch(self, key: str, digest: str, *, tenant: str = DEFAULT_TENANT,
-                    offset: int = 0) -> tuple[pb.ArtifactInfo, AsyncIterator[DataChunk]]:
+                    offset: int = 0, as_stored: bool = False
+                    ) -> tuple[pb.ArtifactInfo, AsyncIterator[DataChunk]]:
+        """The artifact of `key` and its bytes from `offset` on; `as_stored`:
+        a blob stored as zstd goes as it is stored (FetchChunk.zstd_data), for
+        a client that decodes it (an upload still in flight goes as data)."""
         validate.key(key)
         if digest:
             validate.digest(digest)
@@ -887,20 +891,20 @@ class CoordinatorState:
             raise NotFound(f"the blob of key {key} is missing; recompile")
         if offset > info.size:
             raise InvalidRequest(f"offset {offset} is past the artifact's {info.size} bytes")
-        return info, self._counted(self._stream(sk, info, offset))
+        return info, self._counted(self._stream(sk, info, offset, as_stored))
 
     async def _counted(self, chunks: AsyncIterator[DataChunk]) -> AsyncIterator[DataChunk]:
         out = self.metrics.bytes.labels("out")
         async for chunk in chunks:
-            out.inc(len(chunk.data))
+            out.inc(chunk.size)
             yield chunk
 
-    async def _stream(self, sk: str, info: pb.ArtifactInfo,
-                      offset: int = 0) -> AsyncIterator[DataChunk]:
+    async def _stream(self, sk: str, info: pb.ArtifactInfo, offset: int = 0,
+                      as_stored: bool = False) -> AsyncIterator[DataChunk]:
         try:
             # Resuming at `offset`: what the caller already has is not sent again.
             async for chunk in aread(self.store, info.digest, offset=offset,
-                                     transform=DataChunk.framed):
+                                     transform=DataChunk.framed, as_stored=as_stored):
                 yield chunk
         except CorruptBlob:
             self.metrics.corrupt_blobs.inc()

@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 
-from compilecast.blobstore import DiskBlobStore
+from compilecast.blobstore import DiskBlobStore, Inflate
 from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, StoreFull, TooLarge
+from compilecast.wire import Zstd
 
 
 def test_roundtrip_is_verified_and_compressed(tmp_path):
@@ -280,3 +281,63 @@ def test_make_room_evicts_least_recently_read_blobs_and_nothing_else(tmp_path):
     assert not store.make_room(64 << 20)  # could not fit even in an empty store
     assert [store.has(d) for d in blobs] == [False, True, True]
     assert theirs.stat().st_size == 4 << 20
+
+
+def compressible(n: int) -> bytes:
+    """Bytes that compress about 2x (half of each KiB random), like code."""
+    return b"".join(os.urandom(512) + bytes(512) for _ in range(n >> 10))
+
+
+def test_a_blob_read_as_stored_is_its_zstd_stream_and_decodes_to_it(tmp_path):
+    data = compressible(3 << 20)
+    store = DiskBlobStore(tmp_path)
+    digest = store.put_bytes(data)
+    for reader in (store, DiskBlobStore(tmp_path)):  # trusted (wrote it), and not yet
+        parts = list(reader.read(digest, 1 << 20, as_stored=True))
+        assert parts and all(type(p) is Zstd for p in parts)
+        assert b"".join(parts) == store.path_of(digest).read_bytes()
+        out: list[bytes] = []
+        inflate = Inflate(out.append, len(data))
+        for p in parts:
+            inflate.feed(p)
+        assert b"".join(out) == data and inflate.size == len(data)
+    # From an offset, or stored raw: the artifact's own bytes.
+    assert b"".join(store.read(digest, offset=10, as_stored=True)) == data[10:]
+    raw = os.urandom(1 << 20)
+    raw_digest = store.put_bytes(raw)
+    parts = list(store.read(raw_digest, as_stored=True))
+    assert b"".join(parts) == raw and not any(type(p) is Zstd for p in parts)
+
+
+def test_a_blob_read_as_stored_is_still_verified_and_quarantined(tmp_path):
+    """Sent as stored, a blob this store has not verified is decoded and
+    hashed on the way out: a changed one is caught and quarantined, as a
+    decoded read would be."""
+    data = compressible(2 << 20)
+    digest = DiskBlobStore(tmp_path).put_bytes(data)
+    path = DiskBlobStore(tmp_path).path_of(digest)
+    stored = bytearray(path.read_bytes())
+    stored[len(stored) // 2] ^= 0x40
+    path.write_bytes(bytes(stored))
+    store = DiskBlobStore(tmp_path)
+    with pytest.raises(CorruptBlob):
+        list(store.read(digest, as_stored=True))
+    assert store.quarantined == 1 and not store.has(digest)
+
+
+def test_inflate_hands_on_bounded_pieces_and_stops_past_the_size():
+    """Zeros compress thousands of times over: what one chunk of the stream
+    decodes to is handed on a piece at a time, never held whole; and a stream
+    that decodes past the artifact's size is refused."""
+    import zstandard
+
+    zeros = zstandard.ZstdCompressor().compress(bytes(64 << 20))
+    assert len(zeros) < 64 << 10
+    pieces: list[int] = []
+    inflate = Inflate(lambda b: pieces.append(len(b)), 64 << 20, piece=1 << 20)
+    inflate.feed(zeros)
+    assert sum(pieces) == 64 << 20 and max(pieces) <= 1 << 20
+    with pytest.raises(CorruptBlob, match="decodes past"):
+        Inflate(lambda b: None, (64 << 20) - 1).feed(zeros)
+    with pytest.raises(CorruptBlob, match="does not decode"):
+        Inflate(lambda b: None, 1 << 20).feed(b"not zstd at all" * 10)

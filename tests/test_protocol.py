@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity, publish_messages
 
 from .conftest import eventually, publish
@@ -302,9 +303,47 @@ def test_worker_fills_its_cache_once_for_many_readers(coordinator, start_worker)
     for t, out in readers:
         t.join(20)
         assert out["v"] == DATA
+    # One copy left the coordinator, as it stores it: the worker takes zstd.
+    stored = coordinator.store.path_of(hashlib.sha256(DATA).hexdigest()).stat().st_size
+    assert stored < len(DATA) / 10
     reg = coordinator.registry
     assert reg.get_sample_value("compilecast_coordinator_artifact_bytes_total",
-                                {"direction": "out"}) == len(DATA)
+                                {"direction": "out"}) == stored
+
+
+def test_artifacts_travel_as_stored_zstd_to_clients_that_decode_it(coordinator, start_worker):
+    """A blob stored as zstd goes out as it is stored (executables compress
+    ~10x, and so do the bytes on the wire): from the coordinator to a
+    process, into a worker's host cache, and from there to its processes.
+    Each arrives whole and verified; a client that does not ask for zstd
+    (the plain generated stubs) gets plain data."""
+    data = b"".join(os.urandom(64) + b"\x00" * 448 for _ in range(4096))  # 2 MiB, ~8x
+    digest = hashlib.sha256(data).hexdigest()
+    direct = client(coordinator.cfg.listen)
+    direct.publish("k", direct.acquire("k").lease, data, 1.0)
+    stored = coordinator.store.path_of(digest).stat().st_size
+    assert stored < len(data) / 4
+
+    def out() -> float:
+        return coordinator.registry.get_sample_value(
+            "compilecast_coordinator_artifact_bytes_total", {"direction": "out"}) or 0.0
+
+    assert direct.fetch("k")[1] == data
+    assert out() == stored
+    worker = start_worker(coordinator.cfg.listen)
+    process = client(worker.target)
+    assert process.fetch("k")[1] == data  # the worker's download, decoded as it came
+    assert out() == 2 * stored
+    assert worker.cache.store.path_of(digest).stat().st_size < len(data) / 4
+    assert process.fetch("k")[1] == data  # a host-cache hit, sent as stored
+    assert out() == 2 * stored
+    assert worker.registry.get_sample_value("compilecast_worker_artifact_bytes_total",
+                                            {"direction": "served"}) == len(data) + stored
+    for target in (coordinator.cfg.listen, worker.target):
+        with grpc.insecure_channel(target) as channel:
+            chunks = list(rpc.CompileCacheStub(channel).Fetch(pb.FetchRequest(key="k")))
+        assert b"".join(c.data for c in chunks) == data
+        assert not any(c.zstd_data for c in chunks)
 
 
 # -- explaining misses -----------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from compilecast import wire
+from compilecast.blobstore import Inflate
 from compilecast.decide import ends_wait
 from compilecast.errors import CorruptBlob
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
@@ -97,6 +98,13 @@ class _Watchdog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _inflater(key: str, info: pb.ArtifactInfo | None, parts: list, take) -> Inflate:
+    """The decoder of a Fetch stream sent as zstd (after its header, before any data)."""
+    if info is None or parts:
+        raise CorruptBlob(f"fetch of {key} sent zstd_data before its header or after data")
+    return Inflate(take, info.size)
 
 
 def default_client_name() -> str:
@@ -263,15 +271,28 @@ class CacheClient:
         info = None
         parts: list[bytes] = []
         h = hashlib.sha256()
-        call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest), timeout=TRANSFER_S)
+
+        def take(data) -> None:
+            h.update(data)
+            parts.append(data)
+
+        inflate = None
+        call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest, accept_zstd=True),
+                               timeout=TRANSFER_S)
         with _Watchdog(self.stall_s).watching(call.cancel) as dog:
             try:
                 for chunk in call:
                     dog.tick()
                     if chunk.HasField("artifact"):
                         info = chunk.artifact
-                    h.update(chunk.data)
-                    parts.append(chunk.data)
+                    if chunk.zstd_data:
+                        if inflate is None:
+                            inflate = _inflater(key, info, parts, take)
+                        inflate.feed(chunk.zstd_data)
+                    elif chunk.data:
+                        if inflate is not None:
+                            raise CorruptBlob(f"fetch of {key} mixed zstd_data and data")
+                        take(chunk.data)
             except grpc.RpcError as exc:
                 if dog.fired:
                     raise Stalled(f"fetch of {key} from {self.target} moved nothing for "

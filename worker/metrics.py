@@ -33,7 +33,8 @@ class WorkerMetrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10), registry=registry,
         )
         self.bytes = Counter(
-            "compilecast_worker_artifact_bytes", "Artifact bytes moved",
+            "compilecast_worker_artifact_bytes",
+            "Artifact bytes moved (served: as sent, zstd as stored to processes that decode it)",
             ["direction"], registry=registry,
         )
         self.compile_seconds_saved = Counter(

@@ -19,13 +19,14 @@ import contextlib
 import hashlib
 import logging
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from compilecast import decide, validate, wire
-from compilecast.blobstore import OUT_OF_SPACE, amake_room, aread
+from compilecast.blobstore import OUT_OF_SPACE, Inflate, amake_room, aread
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.decide import Decider
@@ -108,6 +109,40 @@ class _Fill:
             else:
                 self.done.set_exception(error)
                 self.done.exception()  # retrieved: late joiners get it via await
+
+
+class _Inflating:
+    """A download sent as zstd (FetchChunk.zstd_data), decoded on a thread
+    into the fill's readers and the host cache's writer, a bounded piece at a
+    time (however well it compresses), readers first as for plain data."""
+
+    def __init__(self, key: str, info: pb.ArtifactInfo | None, fill: _Fill, writer) -> None:
+        if info is None or writer.size:
+            raise CorruptBlob(f"{key}: zstd_data before the artifact's header or after data")
+        self._loop = asyncio.get_running_loop()
+        self._fill = fill
+        self._writer = writer
+        self._stop = threading.Event()
+        self._inflate = Inflate(self._piece, info.size)
+
+    def _piece(self, data: bytes) -> None:  # on the decoding thread
+        sent = asyncio.run_coroutine_threadsafe(self._fill.send(DataChunk(data)), self._loop)
+        while True:
+            try:
+                sent.result(timeout=1.0)
+                break
+            except TimeoutError:  # a slow reader; or the download was given up
+                if self._stop.is_set():
+                    sent.cancel()
+                    raise CorruptBlob("download given up while decoding") from None
+        self._writer.write(data)
+
+    async def feed(self, data) -> None:
+        try:
+            await asyncio.to_thread(self._inflate.feed, data)
+        except BaseException:
+            self._stop.set()  # cancelled or failed: the thread stops at its next piece
+            raise
 
 
 PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for the coordinator
@@ -506,12 +541,17 @@ class WorkerService(rpc.CompileCacheServicer):
         relay = self.relay_address
         writer = self.cache.store.writer(discard_when_full=True)
         resumes = list(RESUME_S)
+        inflate: _Inflating | None = None
         try:
             with writer:
                 while True:
+                    # The coordinator's stored zstd, decoded here: a tenth of the bytes on
+                    # the wire. A peer relays decoded bytes; a resumed download is decoded.
+                    inflate = None
                     request = pb.FetchRequest(key=key, digest=info.digest if info else digest,
                                               relay_address="" if peer else relay,
-                                              offset=0 if peer else writer.size)
+                                              offset=0 if peer else writer.size,
+                                              accept_zstd=not peer and not writer.size)
                     stub = self._peer(peer) if peer else self.up
                     try:
                         redirect = ""
@@ -530,7 +570,13 @@ class WorkerService(rpc.CompileCacheServicer):
                                 if not fill.started:  # readers learn what to expect first
                                     await fill.send(pb.FetchChunk(artifact=chunk.artifact))
                                 info = chunk.artifact
-                            if chunk.data:
+                            if chunk.zstd_data:
+                                if inflate is None:
+                                    inflate = _Inflating(key, info, fill, writer)
+                                await inflate.feed(chunk.zstd_data)
+                            elif chunk.data:
+                                if inflate is not None:
+                                    raise CorruptBlob(f"{key}: zstd_data and data in one stream")
                                 # Readers first: they hash it while this worker does.
                                 await fill.send(chunk)
                                 await asyncio.to_thread(writer.write, chunk.data)
@@ -606,12 +652,13 @@ class WorkerService(rpc.CompileCacheServicer):
         log.warning("kept no copy of %s in the host cache: %s", info.key,
                     writer.discarded or "no space left for its entry", extra={"key": info.key})
 
-    async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str):
+    async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str, as_stored: bool):
         yield pb.FetchChunk(artifact=info)
         served = self.metrics.bytes.labels("served")
         try:
-            async for chunk in aread(self.cache.store, info.digest, transform=DataChunk.framed):
-                served.inc(len(chunk.data))
+            async for chunk in aread(self.cache.store, info.digest, transform=DataChunk.framed,
+                                     as_stored=as_stored):
+                served.inc(chunk.size)
                 yield chunk
         except CorruptBlob:
             self.metrics.corrupt_blobs.inc()
@@ -629,7 +676,7 @@ class WorkerService(rpc.CompileCacheServicer):
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is not None and (not request.digest or info.digest == request.digest):
             self.metrics.fetches.labels("host").inc()
-            async for chunk in self._serve_blob(info, ns, request.key):
+            async for chunk in self._serve_blob(info, ns, request.key, request.accept_zstd):
                 yield chunk
             return
         self.metrics.fetches.labels("coordinator").inc()
@@ -652,7 +699,7 @@ class WorkerService(rpc.CompileCacheServicer):
                     yield pb.FetchChunk()
             info = fill.done.result()
             if fill.kept:
-                async for chunk in self._serve_blob(info, ns, request.key):
+                async for chunk in self._serve_blob(info, ns, request.key, request.accept_zstd):
                     yield chunk
                 return
         try:

@@ -226,26 +226,30 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("key", "digest", "relay_address", "offset")
+    __slots__ = ("key", "digest", "relay_address", "offset", "accept_zstd")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_ZSTD_FIELD_NUMBER: _ClassVar[int]
     key: str
     digest: str
     relay_address: str
     offset: int
-    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., relay_address: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    accept_zstd: bool
+    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., relay_address: _Optional[str] = ..., offset: _Optional[int] = ..., accept_zstd: _Optional[bool] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("artifact", "data", "relay_from")
+    __slots__ = ("artifact", "data", "relay_from", "zstd_data")
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     RELAY_FROM_FIELD_NUMBER: _ClassVar[int]
+    ZSTD_DATA_FIELD_NUMBER: _ClassVar[int]
     artifact: ArtifactInfo
     data: bytes
     relay_from: str
-    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., relay_from: _Optional[str] = ...) -> None: ...
+    zstd_data: bytes
+    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., relay_from: _Optional[str] = ..., zstd_data: _Optional[bytes] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("key", "lease")
