@@ -51,6 +51,10 @@ class Stack:
         self.procs.append(p)
         return p
 
+    def stored_bytes(self, digest: str, name: str = "c") -> int:
+        """What coordinator `name`'s store holds for `digest` (zstd or raw)."""
+        return (self.root / f"store-{name}" / "blobs" / digest[:2] / f"{digest}.zst").stat().st_size
+
     def coordinator(self, name: str = "c", store: Path | None = None,
                     extra: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
         port = free_port()
@@ -107,6 +111,20 @@ def cpu_seconds(pid: int) -> float:
 def own_cpu_seconds() -> float:
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime
+
+
+def compressible_file(path: Path, size: int) -> None:
+    """Bytes that zstd (level 3) compresses ~10x: in every KiB, 96 random
+    bytes and then zeros. XLA executables without large constants compress
+    about as well (a CPU executable of a 100-layer step: 12x)."""
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 64 << 20)
+            noise = os.urandom(n // 1024 * 96)
+            f.write(b"".join(noise[i:i + 96] + bytes(928) for i in range(0, len(noise), 96))
+                    + bytes(n % 1024))
+            left -= n
 
 
 def random_file(path: Path, size: int) -> None:

@@ -1,13 +1,17 @@
 """Artifact fetch throughput and server memory.
 
-    python bench/fetch.py [--sizes-mb 100 1024 2048]
+    python bench/fetch.py [--sizes-mb 100 1024 2048] [--compressible]
 
-Per size: publish an incompressible artifact, then fetch it (client verifies
+Per size: publish an incompressible artifact (--compressible: one that
+compresses ~10x, as executables do), then fetch it (client verifies
 the sha256 on the fly, never holding it whole) from the coordinator, through
 a worker cold (fills its host cache) and warm (host hit), and stream the same
 bytes from a plain gRPC server, without verification and with the client
 hashing like ours (the fair ceiling for a verifying client). Afterwards, the peak
-RSS of the coordinator and worker processes.
+RSS of the coordinator and worker processes. With --compressible, the
+coordinator and warm-worker fetches are also run taking the stored zstd
+(FetchRequest.accept_zstd, the client decoding it), as compilecast's own
+clients do.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, free_port, peak_rss_mb, random_file, wait_port
+from _servers import Stack, compressible_file, free_port, peak_rss_mb, random_file, wait_port
 
 from compilecast import wire
+from compilecast.blobstore import Inflate
 from compilecast.grpcutil import CHANNEL_OPTIONS
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
@@ -61,13 +66,21 @@ def publish_file(target: str, key: str, path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch(target: str, key: str, expect: str) -> float:
+def fetch(target: str, key: str, expect: str, zstd: bool = False) -> float:
+    """Seconds to fetch and verify `key`; with zstd, taking the stored zstd
+    and decoding it (in bounded pieces) as it arrives."""
     ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
     stub = wire.stub(ch)
     h = hashlib.sha256()
+    inflate = None
     t0 = time.perf_counter()
-    for chunk in stub.Fetch(pb.FetchRequest(key=key), timeout=600):
-        h.update(chunk.data)
+    for chunk in stub.Fetch(pb.FetchRequest(key=key, accept_zstd=zstd), timeout=600):
+        if chunk.HasField("artifact"):
+            inflate = Inflate(h.update, chunk.artifact.size)
+        if chunk.zstd_data:
+            inflate.feed(chunk.zstd_data)
+        else:
+            h.update(chunk.data)
     elapsed = time.perf_counter() - t0
     ch.close()
     assert h.hexdigest() == expect
@@ -98,6 +111,8 @@ def plain(port: int, verify: bool = False) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1024, 2048])
+    ap.add_argument("--compressible", action="store_true",
+                    help="artifacts that compress ~10x (as executables do), not random bytes")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cc-fetch-"))
     stack = Stack(root)
@@ -107,7 +122,7 @@ def main() -> None:
         worker, wproc = stack.worker(coord, "w")
         for mb in args.sizes_mb:
             path = root / f"art-{mb}.bin"
-            random_file(path, mb << 20)
+            (compressible_file if args.compressible else random_file)(path, mb << 20)
             key = f"art-{mb}"
             t0 = time.perf_counter()
             digest = publish_file(coord, key, path)
@@ -121,13 +136,17 @@ def main() -> None:
             ps.terminate()
             ps.wait()
             direct = fetch(coord, key, digest)
-            cold = fetch(worker, key, digest)
+            cold = fetch(worker, key, digest)  # the worker takes zstd where it is stored so
             warm = fetch(worker, key, digest)
             row = {"mb": mb, "publish_s": pub, "plain_s": base,
                    "plain_verified_s": base_verified, "coordinator_s": direct,
                    "worker_cold_s": cold, "worker_warm_s": warm,
                    "coordinator_peak_rss_mb": peak_rss_mb(cproc.pid),
                    "worker_peak_rss_mb": peak_rss_mb(wproc.pid)}
+            if args.compressible:
+                row["coordinator_zstd_s"] = fetch(coord, key, digest, zstd=True)
+                row["worker_warm_zstd_s"] = fetch(worker, key, digest, zstd=True)
+                row["stored_mb"] = stack.stored_bytes(digest) / (1 << 20)
             rows.append(row)
             print(f"{mb:5d} MB  plain {mb / base:7.0f} MB/s | coordinator {mb / direct:7.0f} MB/s "
                   f"({base / direct * 100:3.0f}% of plain, {base_verified / direct * 100:3.0f}% of "
@@ -135,6 +154,12 @@ def main() -> None:
                   f"worker warm {mb / warm:6.0f} MB/s ({base / warm * 100:3.0f}%) | publish "
                   f"{mb / pub:5.0f} MB/s | peak RSS coordinator {row['coordinator_peak_rss_mb']:.0f}"
                   f" MB, worker {row['worker_peak_rss_mb']:.0f} MB", flush=True)
+            if args.compressible:
+                z, wz = row["coordinator_zstd_s"], row["worker_warm_zstd_s"]
+                print(f"       stored as {row['stored_mb']:.0f} MB of zstd, fetched as stored: "
+                      f"coordinator {mb / z:7.0f} MB/s ({base / z * 100:3.0f}% of plain, "
+                      f"{direct / z:.2f}x the plain-data fetch) | worker warm {mb / wz:6.0f} "
+                      f"MB/s ({warm / wz:.2f}x)", flush=True)
             path.unlink()
     finally:
         stack.close()

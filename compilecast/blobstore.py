@@ -148,6 +148,7 @@ class BlobWriter:
         self._level = store.level
         self._zw = None  # a zstd stream writer, once the probe says compress
         self._raw = False
+        self._as_sent = False  # storing a zstd stream as it came (write_zstd)
         self._probe: list[bytes] = []
         self._probed = 0
         self._hash = hashlib.sha256()
@@ -159,7 +160,7 @@ class BlobWriter:
         if self.size > self._max_size:
             raise TooLarge(f"artifact exceeds the limit of {self._max_size} bytes")
         self._hash.update(data)
-        if self.discarded:
+        if self.discarded or self._as_sent:
             return
         try:
             if self._zw is not None:
@@ -172,6 +173,21 @@ class BlobWriter:
                 self._probed += len(data)
                 if self._probed >= PROBE:
                     self._decide()
+        except OSError as exc:
+            self._out_of_space(exc)
+
+    def write_zstd(self, stream) -> None:
+        """Store the blob as the zstd stream it came in (a blob another store
+        sent as stored), written as it is: nothing compressed again. The
+        decoded bytes still go to `write`, which then hashes and counts them."""
+        if not self._as_sent:
+            if self.size or self._probed or self._zw is not None or self._raw:
+                raise ValueError("a blob is stored as its zstd stream from its first byte")
+            self._as_sent = True
+        if self.discarded:
+            return
+        try:
+            self._file.write(stream)
         except OSError as exc:
             self._out_of_space(exc)
 
@@ -228,7 +244,7 @@ class BlobWriter:
         return self._hash.hexdigest()
 
     def _finish_file(self, parent: Path) -> None:
-        if self._zw is None and not self._raw:
+        if self._zw is None and not self._raw and not self._as_sent:
             self._decide()
         if self._zw is not None:
             self._zw.flush(zstandard.FLUSH_FRAME)

@@ -341,3 +341,29 @@ def test_inflate_hands_on_bounded_pieces_and_stops_past_the_size():
         Inflate(lambda b: None, (64 << 20) - 1).feed(zeros)
     with pytest.raises(CorruptBlob, match="does not decode"):
         Inflate(lambda b: None, 1 << 20).feed(b"not zstd at all" * 10)
+
+
+def test_a_blob_written_as_its_zstd_stream_is_stored_as_it_came(tmp_path):
+    """A host cache keeps what the coordinator sent as stored byte for byte;
+    the decoded bytes decide, as for any write."""
+    data = compressible(2 << 20)
+    source = DiskBlobStore(tmp_path / "a")
+    digest = source.put_bytes(data)
+    stream = source.path_of(digest).read_bytes()
+    store = DiskBlobStore(tmp_path / "b")
+    with store.writer() as w:
+        inflate = Inflate(w.write, len(data))
+        for i in range(0, len(stream), 1 << 16):
+            w.write_zstd(stream[i:i + (1 << 16)])
+            inflate.feed(stream[i:i + (1 << 16)])
+        w.commit(digest, len(data))
+    assert store.path_of(digest).read_bytes() == stream
+    assert DiskBlobStore(tmp_path / "b").read_bytes(digest) == data
+    with store.writer() as w:  # decoded bytes that are not the artifact: nothing stored
+        w.write_zstd(stream)
+        w.write(data[:-1] + b"?")
+        with pytest.raises(DigestMismatch):
+            w.commit(digest, len(data))
+    with store.writer() as w, pytest.raises(ValueError):
+        w.write(b"plain first")
+        w.write_zstd(stream)

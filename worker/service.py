@@ -113,8 +113,8 @@ class _Fill:
 
 class _Inflating:
     """A download sent as zstd (FetchChunk.zstd_data), decoded on a thread
-    into the fill's readers and the host cache's writer, a bounded piece at a
-    time (however well it compresses), readers first as for plain data."""
+    for the fill's readers, a bounded piece at a time (however well it
+    compresses), and stored in the host cache as the stream it came in."""
 
     def __init__(self, key: str, info: pb.ArtifactInfo | None, fill: _Fill, writer) -> None:
         if info is None or writer.size:
@@ -137,9 +137,13 @@ class _Inflating:
                     raise CorruptBlob("download given up while decoding") from None
         self._writer.write(data)
 
+    def _feed(self, data) -> None:  # on the decoding thread
+        self._writer.write_zstd(data)  # kept as it came: nothing compressed again
+        self._inflate.feed(data)
+
     async def feed(self, data) -> None:
         try:
-            await asyncio.to_thread(self._inflate.feed, data)
+            await asyncio.to_thread(self._feed, data)
         except BaseException:
             self._stop.set()  # cancelled or failed: the thread stops at its next piece
             raise
@@ -595,6 +599,8 @@ class WorkerService(rpc.CompileCacheServicer):
                             # connection: go on from the bytes already here (served,
                             # never redirected: a peer would start from the first byte).
                             pause, relay = resumes.pop(0), ""
+                            if inflate is not None:  # the rest comes decoded: no whole stream
+                                writer.stop_keeping("its zstd stream was cut off midway")
                             log.warning("download of %s was cut off at byte %d (%s); resuming "
                                         "in %.0fs", key, writer.size, exc.details(), pause,
                                         extra={"key": key})
