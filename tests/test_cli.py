@@ -282,14 +282,21 @@ def test_the_etcd_of_up_compacts_its_history(tmp_path):
     import time
 
     from compilecast.launch import free_port
-    from compilecast.up import UpConfig, start_etcd, stop_process
 
-    cfg = UpConfig(home=tmp_path, etcd_port=free_port(), etcd_peer_port=free_port(),
-                   etcd_compaction_retention="1s")
-    proc = start_etcd(cfg)
+    port, peer = free_port(), free_port()
+    # In a process of its own: start_etcd forks with a preexec_fn, and a fork
+    # from this process, where other tests' gRPC threads run, trips gRPC's
+    # fork handler.
+    helper = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from pathlib import Path; from compilecast.up import UpConfig, start_etcd, "
+        f"stop_process; p = start_etcd(UpConfig(home=Path({str(tmp_path)!r}), etcd_port={port}, "
+        f"etcd_peer_port={peer}, etcd_compaction_retention='1s')); print('up', flush=True); "
+        "sys.stdin.read(); stop_process(p)")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    assert helper.stdout.readline().strip() == "up"
 
     def etcdctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["etcdctl", f"--endpoints=127.0.0.1:{cfg.etcd_port}", *args],
+        return subprocess.run(["etcdctl", f"--endpoints=127.0.0.1:{port}", *args],
                               capture_output=True, text=True, timeout=30,
                               env={**os.environ, "ETCDCTL_API": "3"})
 
@@ -305,4 +312,6 @@ def test_the_etcd_of_up_compacts_its_history(tmp_path):
             time.sleep(0.5)
         assert etcdctl("get", "k", "--print-value-only").stdout.strip() == "2"
     finally:
-        stop_process(proc)
+        helper.stdin.close()
+        helper.wait(30)
+        helper.stdout.close()
