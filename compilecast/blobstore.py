@@ -91,6 +91,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def worth_compressing(sample: bytes, level: int) -> bool:
+    """Whether zstd at `level` saves at least MIN_SAVING of `sample` (a blob's
+    first PROBE bytes): else it is stored, and sent, raw."""
+    if not sample:
+        return True
+    return len(zstandard.ZstdCompressor(level=level).compress(sample)) <= (
+        len(sample) * (1 - MIN_SAVING))
+
+
 class Inflate:
     """A blob's zstd stream decoded as it arrives: `feed` it the stream's
     bytes; `sink` gets the decoded bytes in pieces of at most `piece` bytes
@@ -213,9 +222,8 @@ class BlobWriter:
         """Compress or not, from the first PROBE bytes; then write them."""
         head = b"".join(self._probe)
         self._probe = []
-        sample = head[:PROBE]
         zc = zstandard.ZstdCompressor(level=self._level)
-        if sample and len(zc.compress(sample)) > len(sample) * (1 - MIN_SAVING):
+        if not worth_compressing(head[:PROBE], self._level):
             self._raw = True
             self._file.write(RAW_MAGIC)
             self._file.write(head)
@@ -223,6 +231,11 @@ class BlobWriter:
         else:
             self._zw = zc.stream_writer(self._file, closefd=False)
             self._zw.write(head)
+
+    @property
+    def level(self) -> int:
+        """The zstd level its store compresses at."""
+        return self._level
 
     @property
     def stored_raw(self) -> bool:

@@ -18,23 +18,24 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
 DATA_TAG = 0x12  # field 2, length-delimited: `data` in both FetchChunk and PublishChunk
-ZSTD_TAG = 0x22  # field 4, length-delimited: FetchChunk's `zstd_data`
+ZSTD_TAG = 0x22  # field 4, length-delimited: `zstd_data` in both
 assert pb.FetchChunk.DESCRIPTOR.fields_by_name["data"].number == 2
 assert pb.PublishChunk.DESCRIPTOR.fields_by_name["data"].number == 2
 assert pb.FetchChunk.DESCRIPTOR.fields_by_name["zstd_data"].number == 4
+assert pb.PublishChunk.DESCRIPTOR.fields_by_name["zstd_data"].number == 4
 
 
 class Zstd(bytes):
-    """Bytes of a blob's zstd stream as stored (not the artifact's bytes):
-    framed as FetchChunk.zstd_data."""
+    """Bytes of a blob's zstd stream (not the artifact's bytes): framed as
+    `zstd_data`."""
 
     __slots__ = ()
 
 
 class DataChunk:
-    """A FetchChunk or PublishChunk whose only field is `data`, or a
-    FetchChunk whose only field is `zstd_data` (bytes or a memoryview): read
-    like the message it stands for."""
+    """A FetchChunk or PublishChunk whose only field is `data`, or whose
+    only field is `zstd_data` (bytes or a memoryview): read like the message
+    it stands for."""
 
     __slots__ = ("data", "wire", "zstd_data")
     relay_from = ""
@@ -85,9 +86,9 @@ def serialize(msg) -> bytes:
     return msg.SerializeToString()
 
 
-def _data_only(raw: bytes, tags: tuple[int, ...]) -> memoryview | None:
-    """The payload when `raw` is exactly one field whose tag is in `tags`, else None."""
-    if not raw or raw[0] not in tags:
+def _data_only(raw: bytes) -> memoryview | None:
+    """The payload when `raw` is exactly one `data` or `zstd_data` field, else None."""
+    if not raw or raw[0] not in (DATA_TAG, ZSTD_TAG):
         return None
     n = shift = 0
     i = 1
@@ -104,10 +105,9 @@ def _data_only(raw: bytes, tags: tuple[int, ...]) -> memoryview | None:
 
 def parser(cls):
     """FromString for `cls`, with data-only messages as DataChunk views."""
-    tags = (DATA_TAG, ZSTD_TAG) if cls is pb.FetchChunk else (DATA_TAG,)
 
     def parse(raw: bytes):
-        data = _data_only(raw, tags)
+        data = _data_only(raw)
         if data is None:
             return cls.FromString(raw)
         chunk = DataChunk(data) if raw[0] == DATA_TAG else DataChunk(b"", data)

@@ -29,12 +29,12 @@ async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncItera
         raise InvalidRequest("the first Publish message must carry the header")
 
     async def data() -> AsyncIterator[DataChunk]:
-        if first.data:
-            yield DataChunk(first.data)
+        if first.data or first.zstd_data:
+            yield DataChunk(first.data, first.zstd_data)
         async for msg in request_iterator:
             if msg.HasField("header"):
                 raise InvalidRequest("only the first Publish message may carry a header")
-            yield msg if type(msg) is DataChunk else DataChunk(msg.data)
+            yield msg if type(msg) is DataChunk else DataChunk(msg.data, msg.zstd_data)
 
     return first.header, data()
 

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from compilecast import validate
-from compilecast.blobstore import DiskBlobStore, amake_room, aread
+from compilecast.blobstore import DiskBlobStore, Inflate, amake_room, aread
 from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
     AlreadyPublished,
@@ -102,6 +102,17 @@ def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
 
 
 PURGE_TXN_KEYS = 60  # index entries one purge txn deletes (etcd allows 128 compares, 128 ops)
+
+
+def _store_zstd(writer, inflate: Inflate, stream) -> None:
+    """Store a publish sent as zstd as it came, its decoded bytes verified
+    (a stream that does not decode, or decodes past the declared size, is
+    the publisher's error)."""
+    writer.write_zstd(stream)
+    try:
+        inflate.feed(stream)
+    except CorruptBlob as exc:
+        raise InvalidRequest(f"zstd_data: {exc}") from None
 
 
 def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
@@ -371,11 +382,12 @@ class CoordinatorState:
         ok, rev, kvs = await self._claims.txn(
             compare, [op_put(record, self._claim(lease_id, req, program), lease=lease_id)], read)
         if ok:
-            return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s, revision=rev), []
+            return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s, revision=rev,
+                            accepts_zstd=True), []
         mine = kvs[read.index(record)]
         if mine is not None and json.loads(mine.value).get("lease") == lease_id:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s,
-                            revision=mine.mod_revision), kvs
+                            revision=mine.mod_revision, accepts_zstd=True), kvs
         self.leases.give_back((lease_id, granted_at))
         return None, kvs
 
@@ -655,9 +667,22 @@ class CoordinatorState:
                             "after evicting what it could (its volume is full)")
         writer = self.store.writer()
         loop = asyncio.get_running_loop()
+        received = self.metrics.bytes.labels("in")
+        inflate: Inflate | None = None
         with writer, self.uploads.track(sk, _in_flight(key, header), writer) as upload:
             async for chunk in chunks:
+                received.inc(chunk.size)
+                if chunk.zstd_data:
+                    if inflate is None:
+                        if writer.size:
+                            raise InvalidRequest("a Publish sends data or zstd_data, not both")
+                        inflate = Inflate(writer.write, header.size)
+                    await loop.run_in_executor(self._publish_threads, _store_zstd, writer,
+                                               inflate, chunk.zstd_data)
+                    continue
                 data = chunk.data
+                if inflate is not None and data:
+                    raise InvalidRequest("a Publish sends data or zstd_data, not both")
                 if writer.size + len(data) > header.size:
                     raise InvalidRequest(f"received more than the declared {header.size} bytes")
                 await loop.run_in_executor(self._publish_threads, writer.write, data)
@@ -671,7 +696,6 @@ class CoordinatorState:
         """Index a committed blob in etcd under the key, if the lease still holds."""
         key = plain(sk)
         revocation = self._revocation(tenant_of(sk), header.digest)
-        self.metrics.bytes.labels("in").inc(header.size)
         recipe = None
         if header.HasField("recipe"):  # stored before the index entry that names it
             recipe = pb.Recipe()

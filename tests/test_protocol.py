@@ -348,6 +348,58 @@ def test_artifacts_travel_as_stored_zstd_to_clients_that_decode_it(coordinator, 
         assert not any(c.zstd_data for c in chunks)
 
 
+def test_a_worker_publishes_compressed_to_a_coordinator_that_takes_zstd(
+        coordinator, start_worker):
+    """Through a worker, a compressible publish goes up as a zstd stream made
+    once, on the holder's host: the coordinator stores it as it came, and so
+    does the host cache. An incompressible one goes up as data."""
+    worker = start_worker(coordinator.cfg.listen)
+    process = client(worker.target)
+
+    def received() -> float:
+        return coordinator.registry.get_sample_value(
+            "compilecast_coordinator_artifact_bytes_total", {"direction": "in"}) or 0.0
+
+    data = b"".join(os.urandom(64) + b"\x00" * 448 for _ in range(8192))  # 4 MiB, ~8x
+    digest = hashlib.sha256(data).hexdigest()
+    claim = process.acquire("k")
+    assert claim.lease.accepts_zstd
+    process.publish("k", claim.lease, data, 1.0)
+    stream = coordinator.store.path_of(digest).read_bytes()
+    assert len(stream) < len(data) / 4
+    assert received() == len(stream)
+    assert worker.cache.store.path_of(digest).read_bytes() == stream
+    assert client(coordinator.cfg.listen).fetch("k")[1] == data
+    noise = os.urandom(3 << 20)
+    process.publish("n", process.acquire("n").lease, noise, 1.0)
+    assert received() == len(stream) + len(noise)
+    assert client(coordinator.cfg.listen).fetch("n")[1] == noise
+
+
+def test_a_publish_whose_zstd_is_not_the_artifact_is_refused(coordinator):
+    """The coordinator decodes what it stores: a stream that does not decode,
+    or decodes to other bytes than the header says, is refused and nothing
+    is stored or indexed."""
+    import zstandard
+
+    direct = client(coordinator.cfg.listen)
+    stub = rpc.CompileCacheStub(grpc.insecure_channel(coordinator.cfg.listen))
+    data = b"x" * 100_000
+    cases = {"garbage": b"not a zstd stream" * 100,
+             "longer": zstandard.ZstdCompressor().compress(data + b"more"),
+             "other": zstandard.ZstdCompressor().compress(b"y" * 100_000)}
+    for name, stream in cases.items():
+        lease = direct.acquire(f"bad-{name}").lease
+        header = pb.PublishHeader(key=f"bad-{name}", lease=lease, size=len(data),
+                                  digest=hashlib.sha256(data).hexdigest())
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Publish(iter([pb.PublishChunk(header=header),
+                               pb.PublishChunk(zstd_data=stream)]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, err.value)
+        assert not coordinator.store.has(hashlib.sha256(data).hexdigest())
+        assert direct.acquire(f"bad-{name}").decision != pb.HIT
+
+
 # -- explaining misses -----------------------------------------------------------
 
 def test_misses_are_counted_by_the_component_that_differed(coordinator):

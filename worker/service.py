@@ -24,9 +24,10 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import zstandard
 
 from compilecast import decide, validate, wire
-from compilecast.blobstore import OUT_OF_SPACE, Inflate, amake_room, aread
+from compilecast.blobstore import OUT_OF_SPACE, PROBE, Inflate, amake_room, aread, worth_compressing
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.decide import Decider
@@ -109,6 +110,56 @@ class _Fill:
             else:
                 self.done.set_exception(error)
                 self.done.exception()  # retrieved: late joiners get it via await
+
+
+class _Packer:
+    """A publish on its way to a coordinator that takes zstd: the first
+    PROBE bytes decide, as for the store, whether it goes as a zstd stream
+    (compressed here, the stream also kept in the host cache as it goes) or
+    as the data it came as. Runs on a thread, a chunk at a time; returns the
+    chunks to send."""
+
+    def __init__(self, writer) -> None:
+        self._writer = writer
+        self._held: list = []  # chunks until PROBE bytes decide
+        self._held_bytes = 0
+        self._zstd = None  # the compressor, once decided for it
+        self._plain = False
+
+    def add(self, chunk) -> list:
+        if self._plain:
+            self._writer.write(chunk.data)
+            return [chunk]
+        if self._zstd is not None:
+            return self._pack(chunk.data)
+        self._held.append(chunk)
+        self._held_bytes += len(chunk.data)
+        return self._decide() if self._held_bytes >= PROBE else []
+
+    def end(self) -> list:
+        out = self._decide() if self._zstd is None and not self._plain else []
+        if self._zstd is not None:
+            tail = self._zstd.flush()
+            self._writer.write_zstd(tail)
+            out.append(DataChunk(b"", tail))
+        return out
+
+    def _decide(self) -> list:
+        held, self._held = self._held, []
+        level = self._writer.level
+        if not worth_compressing(b"".join(bytes(c.data) for c in held)[:PROBE], level):
+            self._plain = True
+            for c in held:
+                self._writer.write(c.data)
+            return held
+        self._zstd = zstandard.ZstdCompressor(level=level).compressobj()
+        return [out for c in held for out in self._pack(c.data)]
+
+    def _pack(self, data) -> list:
+        stream = self._zstd.compress(data)
+        self._writer.write_zstd(stream)  # first: the host cache keeps the stream as sent
+        self._writer.write(data)  # hashed and counted
+        return [DataChunk(b"", stream)] if stream else []
 
 
 class _Inflating:
@@ -432,12 +483,27 @@ class WorkerService(rpc.CompileCacheServicer):
 
             moved = [time.monotonic()]
 
+            # A coordinator that takes zstd gets the publish compressed here, on the
+            # holder's host, once: it stores the stream as it comes, and so does
+            # the host cache.
+            pack = _Packer(writer) if header.lease.accepts_zstd else None
+
             async def forward() -> AsyncIterator[pb.PublishChunk]:
                 yield pb.PublishChunk(header=header)
                 async for chunk in chunks:
                     moved[0] = time.monotonic()
-                    await asyncio.to_thread(writer.write, chunk.data)
-                    yield chunk  # as received: its frame goes on without re-encoding
+                    if chunk.zstd_data:
+                        raise InvalidRequest("a worker takes a publish as data (it compresses "
+                                             "for the coordinator itself)")
+                    if pack is None:
+                        await asyncio.to_thread(writer.write, chunk.data)
+                        yield chunk  # as received: its frame goes on without re-encoding
+                        continue
+                    for out in await asyncio.to_thread(pack.add, chunk):
+                        yield out
+                if pack is not None:
+                    for out in await asyncio.to_thread(pack.end):
+                        yield out
 
             try:
                 resp = await _unless_stalled(
