@@ -11,7 +11,8 @@ hashing like ours (the fair ceiling for a verifying client). Afterwards, the pea
 RSS of the coordinator and worker processes. With --compressible, the
 coordinator and warm-worker fetches are also run taking the stored zstd
 (FetchRequest.accept_zstd, the client decoding it), as compilecast's own
-clients do.
+clients do, and a process publishes the same bytes through the worker
+(which compresses them for the coordinator).
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, compressible_file, free_port, peak_rss_mb, random_file, wait_port
+from _servers import (
+    Stack,
+    compressible_file,
+    cpu_seconds,
+    free_port,
+    peak_rss_mb,
+    random_file,
+    wait_port,
+)
 
 from compilecast import wire
 from compilecast.blobstore import Inflate
@@ -64,6 +73,21 @@ def publish_file(target: str, key: str, path: Path) -> str:
         keeper.close()
         ch.close()
     return digest.hexdigest()
+
+
+def publish_through(worker: str, key: str, path: Path) -> float:
+    """Seconds for a process to publish the file's bytes through its worker
+    (which sends them to the coordinator compressed when they compress)."""
+    data = path.read_bytes()
+    c = CacheClient(worker, timeout_s=60)
+    lease = c.acquire(key).lease
+    c.keep_lease(key, lease)
+    t0 = time.perf_counter()
+    try:
+        c.publish(key, lease, data, 1.0)
+        return time.perf_counter() - t0
+    finally:
+        c.close()
 
 
 def fetch(target: str, key: str, expect: str, zstd: bool = False) -> float:
@@ -144,6 +168,10 @@ def main() -> None:
                    "coordinator_peak_rss_mb": peak_rss_mb(cproc.pid),
                    "worker_peak_rss_mb": peak_rss_mb(wproc.pid)}
             if args.compressible:
+                before = cpu_seconds(cproc.pid), cpu_seconds(wproc.pid)
+                row["worker_publish_s"] = publish_through(worker, f"{key}-w", path)
+                row["publish_cpu_s"] = (cpu_seconds(cproc.pid) - before[0],
+                                        cpu_seconds(wproc.pid) - before[1])
                 row["coordinator_zstd_s"] = fetch(coord, key, digest, zstd=True)
                 row["worker_warm_zstd_s"] = fetch(worker, key, digest, zstd=True)
                 row["stored_mb"] = stack.stored_bytes(digest) / (1 << 20)
@@ -156,6 +184,11 @@ def main() -> None:
                   f" MB, worker {row['worker_peak_rss_mb']:.0f} MB", flush=True)
             if args.compressible:
                 z, wz = row["coordinator_zstd_s"], row["worker_warm_zstd_s"]
+                print(f"       publish through a worker {mb / row['worker_publish_s']:5.0f} MB/s "
+                      f"({pub / row['worker_publish_s']:.2f}x the direct plain publish); CPU "
+                      f"coordinator {row['publish_cpu_s'][0]:.2f} s, worker "
+                      f"{row['publish_cpu_s'][1]:.2f} s",
+                      flush=True)
                 print(f"       stored as {row['stored_mb']:.0f} MB of zstd, fetched as stored: "
                       f"coordinator {mb / z:7.0f} MB/s ({base / z * 100:3.0f}% of plain, "
                       f"{direct / z:.2f}x the plain-data fetch) | worker warm {mb / wz:6.0f} "
