@@ -611,13 +611,12 @@ class WorkerService(rpc.CompileCacheServicer):
         relay = self.relay_address
         writer = self.cache.store.writer(discard_when_full=True)
         resumes = list(RESUME_S)
-        inflate: _Inflating | None = None
         try:
             with writer:
                 while True:
                     # The coordinator's stored zstd, decoded here: a tenth of the bytes on
                     # the wire. A peer relays decoded bytes; a resumed download is decoded.
-                    inflate = None
+                    inflate: _Inflating | None = None
                     request = pb.FetchRequest(key=key, digest=info.digest if info else digest,
                                               relay_address="" if peer else relay,
                                               offset=0 if peer else writer.size,
