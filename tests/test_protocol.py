@@ -374,6 +374,13 @@ def test_a_worker_publishes_compressed_to_a_coordinator_that_takes_zstd(
     process.publish("n", process.acquire("n").lease, noise, 1.0)
     assert received() == len(stream) + len(noise)
     assert client(coordinator.cfg.listen).fetch("n")[1] == noise
+    # A lease from a coordinator that predates zstd publishes (no accepts_zstd): data.
+    before = received()
+    old_lease = process.acquire("o").lease
+    old_lease.accepts_zstd = False
+    process.publish("o", old_lease, data, 1.0)
+    assert received() == before + len(data)
+    assert client(coordinator.cfg.listen).fetch("o")[1] == data
 
 
 def test_a_publish_whose_zstd_is_not_the_artifact_is_refused(coordinator):
