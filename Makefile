@@ -55,6 +55,7 @@ bench: install
 	$(PY) bench/publish_overlap.py --upload-mbps 0 50
 	$(PY) bench/warm_start.py
 	$(PY) bench/fetch.py
+	$(PY) bench/fetch.py --sizes-mb 100 1024 --compressible
 	$(PY) bench/decisions.py
 	$(PY) bench/decisions.py --batch 100 --clients 100
 	$(PY) bench/decisions.py --streams 8
