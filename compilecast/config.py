@@ -305,8 +305,11 @@ def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
 
 
 def load(cls: type, *, flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-         file: str | None = None) -> tuple[Any, dict[str, str]]:
-    """Build and validate a config; returns it and {setting: source}."""
+         file: str | None = None, defaults: dict[str, Any] | None = None,
+         defaults_from: str = "") -> tuple[Any, dict[str, str]]:
+    """Build and validate a config; returns it and {setting: source}.
+    `defaults` replace the class's defaults (a flag, the environment or the
+    file still win); `defaults_from` names who set them."""
     env = os.environ if env is None else env
     file_values: dict[str, Any] = {}
     if file:
@@ -334,6 +337,8 @@ def load(cls: type, *, flags: dict[str, Any] | None = None, env: dict[str, str] 
         elif name in file_values:
             src = f"file {file}"
             values[name], sources[name] = _coerce(f, file_values[name], src), src
+        elif defaults and name in defaults:
+            values[name], sources[name] = defaults[name], f"default of {defaults_from}"
         else:
             sources[name] = "default"
     cfg = cls(**values)

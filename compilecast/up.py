@@ -128,11 +128,19 @@ async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str) ->
     await serve_until_signal(worker.server, on_stop=stop_coordinator)
 
 
-def run(cfg: UpConfig) -> int:
-    cfg.home.mkdir(parents=True, exist_ok=True)
-    # `up` fixes where things listen; every other setting comes from the
-    # environment (COMPILECAST_LEASE_TTL_S, ...) as for the standalone roles.
-    ccfg, _ = load(CoordinatorConfig, flags={
+# On one machine the store shares the user's disk: bounded like the host cache,
+# and leaving as much free (a standalone coordinator's store is unbounded by
+# default, on a volume of its own). COMPILECAST_STORE_MAX_BYTES=0 unbounds it.
+UP_STORE_DEFAULTS = {"store_max_bytes": 20 << 30, "store_min_free_bytes": 2 << 30}
+
+
+def configs(cfg: UpConfig, env: dict[str, str] | None = None
+            ) -> tuple[CoordinatorConfig, WorkerConfig]:
+    """The coordinator's and the worker's settings under `up`. `up` fixes where
+    things listen; every other setting comes from the environment
+    (COMPILECAST_LEASE_TTL_S, ...) as for the standalone roles."""
+    ccfg, _ = load(CoordinatorConfig, env=env, defaults=UP_STORE_DEFAULTS,
+                   defaults_from="compilecast up", flags={
         "listen": f"127.0.0.1:{cfg.coordinator_port}",
         "etcd_endpoints": f"127.0.0.1:{cfg.etcd_port}",
         "store_dir": str(cfg.home / "coordinator"),
@@ -143,11 +151,17 @@ def run(cfg: UpConfig) -> int:
         "allow_unauthenticated": True,
     })
     sock = cfg.home / "worker.sock"
-    wcfg, _ = load(WorkerConfig, flags={
+    wcfg, _ = load(WorkerConfig, env=env, flags={
         "listen": f"unix://{sock}", "coordinator": ccfg.listen,
         "cache_dir": str(cfg.home / "worker"), "metrics_port": cfg.worker_metrics_port,
         "metrics_host": "127.0.0.1",
     })
+    return ccfg, wcfg
+
+
+def run(cfg: UpConfig) -> int:
+    cfg.home.mkdir(parents=True, exist_ok=True)
+    ccfg, wcfg = configs(cfg)
     if _port_open(cfg.coordinator_port):
         raise UpError(f"port {cfg.coordinator_port} is taken (another `compilecast up`?)")
     etcd = start_etcd(cfg)

@@ -124,3 +124,37 @@ def test_a_tokens_file_maps_digests_to_tenants_and_permissions(tmp_path):
         ("reader", "team-a", False, False)
     assert (admin.name, admin.tenant, admin.can_publish, admin.can_admin) == \
         ("token-1", "team-b", True, True)
+
+
+def test_the_store_of_up_is_bounded_on_the_users_disk(tmp_path):
+    """A standalone coordinator's store is unbounded (a volume of its own);
+    under `compilecast up` it shares the user's disk, so it is bounded like
+    the host cache and leaves as much free. The environment still decides."""
+    from compilecast.up import UpConfig, configs
+
+    base = {"COMPILECAST_ALLOW_UNAUTHENTICATED": "true"}
+    alone, _ = load(CoordinatorConfig, env=base)
+    assert alone.store_max_bytes == 0 and alone.store_min_free_bytes == 0
+    ccfg, wcfg = configs(UpConfig(home=tmp_path), env={})
+    assert ccfg.store_max_bytes == wcfg.cache_max_bytes == 20 << 30
+    assert ccfg.store_min_free_bytes == wcfg.cache_min_free_bytes == 2 << 30
+    assert ccfg.store_dir == str(tmp_path / "coordinator")
+    ccfg, _ = configs(UpConfig(home=tmp_path), env={"COMPILECAST_STORE_MAX_BYTES": "0"})
+    assert ccfg.store_max_bytes == 0
+
+
+def test_defaults_given_to_load_lose_to_flags_env_and_file(tmp_path):
+    file = tmp_path / "c.yaml"
+    file.write_text(yaml.safe_dump({"lease_ttl_s": 30}))
+    given = {"lease_ttl_s": 20, "local_marker_ttl_s": 40}
+    cfg, sources = load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1"},
+                        defaults=given, defaults_from="a test")
+    assert (cfg.lease_ttl_s, cfg.local_marker_ttl_s) == (20, 40)
+    assert sources["lease_ttl_s"] == "default of a test"
+    cfg, _ = load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1"},
+                  defaults=given, file=str(file))
+    assert cfg.lease_ttl_s == 30
+    cfg, _ = load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1",
+                                          "COMPILECAST_LEASE_TTL_S": "15"},
+                  defaults=given, flags={"local_marker_ttl_s": 50})
+    assert (cfg.lease_ttl_s, cfg.local_marker_ttl_s) == (15, 50)
