@@ -172,6 +172,8 @@ def main() -> None:
                 row["worker_publish_s"] = publish_through(worker, f"{key}-w", path)
                 row["publish_cpu_s"] = (cpu_seconds(cproc.pid) - before[0],
                                         cpu_seconds(wproc.pid) - before[1])
+                row["peak_rss_after_publish_mb"] = (peak_rss_mb(cproc.pid),
+                                                    peak_rss_mb(wproc.pid))
                 row["coordinator_zstd_s"] = fetch(coord, key, digest, zstd=True)
                 row["worker_warm_zstd_s"] = fetch(worker, key, digest, zstd=True)
                 row["stored_mb"] = stack.stored_bytes(digest) / (1 << 20)
@@ -187,7 +189,9 @@ def main() -> None:
                 print(f"       publish through a worker {mb / row['worker_publish_s']:5.0f} MB/s "
                       f"({pub / row['worker_publish_s']:.2f}x the direct plain publish); CPU "
                       f"coordinator {row['publish_cpu_s'][0]:.2f} s, worker "
-                      f"{row['publish_cpu_s'][1]:.2f} s",
+                      f"{row['publish_cpu_s'][1]:.2f} s; peak RSS since start: coordinator "
+                      f"{row['peak_rss_after_publish_mb'][0]:.0f} MB, worker "
+                      f"{row['peak_rss_after_publish_mb'][1]:.0f} MB",
                       flush=True)
                 print(f"       stored as {row['stored_mb']:.0f} MB of zstd, fetched as stored: "
                       f"coordinator {mb / z:7.0f} MB/s ({base / z * 100:3.0f}% of plain, "
