@@ -154,7 +154,7 @@ class _Packer:
     def _decide(self) -> list:
         held, self._held = self._held, []
         level = self._writer.level
-        if not worth_compressing(b"".join(bytes(c.data) for c in held)[:PROBE], level):
+        if not worth_compressing(b"".join(c.data for c in held)[:PROBE], level):
             self._plain = True
             for c in held:
                 self._writer.write(c.data)
