@@ -13,7 +13,11 @@ processes ask for over it:
   at rest each request leaves at once.
 - `serve` (the server) decides each message as it arrives, concurrently (a
   slow miss that waits on etcd never holds up the hits behind it), and answers
-  it when it is decided; ids match answers to messages.
+  it when it is decided; ids match answers to messages. A message the client
+  takes in parts (`answer_in_parts`, which Decider always sets) is answered
+  in two: what the server knows at once (hits from its index), then the rest.
+  So a hit that shares a message with a miss (the client coalesced the two
+  callers' requests) does not wait for the miss's etcd write.
 
 A message that is refused (a bad key from a client that does not validate)
 gets its status in its answer; the stream and the other messages carry on.
@@ -24,6 +28,7 @@ has read and ends with OK, and the client sends the rest again elsewhere.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import itertools
@@ -58,7 +63,10 @@ Decide = Callable[[Sequence[pb.AcquireRequest]], Awaitable[list[pb.AcquireRespon
 # A checked batch decided without waiting for anything (every key one the
 # server already knows: a hit, a claim someone holds), or None: the message
 # then goes the way of Decide.
-DecideNow = Callable[[Sequence[pb.AcquireRequest]], list[pb.AcquireResponse] | None]
+# With partial (the client takes parts), the list may hold None for the keys
+# that need more, and is None only when no key is known.
+DecideNow = Callable[[Sequence[pb.AcquireRequest], bool],
+                     list[pb.AcquireResponse | None] | None]
 # A wait on the stream: the request and until_publishing in, the event that ends it out.
 WaitOnce = Callable[[pb.WaitRequest, bool], Awaitable[pb.WaitEvent]]
 
@@ -72,14 +80,14 @@ def _valid(requests: Sequence[pb.AcquireRequest]) -> bool:
     return True
 
 
-def _decided_now(decide_now: DecideNow, requests: Sequence[pb.AcquireRequest]
-                 ) -> list[pb.AcquireResponse] | None:
+def _decided_now(decide_now: DecideNow, requests: Sequence[pb.AcquireRequest],
+                 partial: bool) -> list[pb.AcquireResponse | None] | None:
     """`decide_now`'s answer for a checked batch; None for an empty batch and
     when it has none (or fails: the batch then goes the usual way)."""
     if not requests:
         return None
     try:
-        return decide_now(requests)
+        return decide_now(requests, partial)
     except Exception:
         log.exception("deciding a Decide message at once failed; deciding it the usual way")
         return None
@@ -103,13 +111,16 @@ async def ending_event(events: AsyncIterator[pb.WaitEvent],
     return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended without a decision")
 
 
-def _refusal(msg_id: int, exc: BaseException) -> pb.DecideResponse:
-    """The answer to a message that failed: its status, the stream carries on."""
+def _refusal(msg_id: int, exc: BaseException, positions: Sequence[int] = ()
+             ) -> pb.DecideResponse:
+    """The answer to a message (or the part at `positions`) that failed: its
+    status, the stream carries on."""
     if isinstance(exc, CompilecastError):
-        return pb.DecideResponse(id=msg_id, error_code=exc.code.value[0], error_message=str(exc))
+        return pb.DecideResponse(id=msg_id, error_code=exc.code.value[0], error_message=str(exc),
+                                 positions=positions)
     log.error("Decide message %d failed", msg_id, exc_info=exc)
     return pb.DecideResponse(id=msg_id, error_code=grpc.StatusCode.INTERNAL.value[0],
-                             error_message="Decide: internal error")
+                             error_message="Decide: internal error", positions=positions)
 
 
 class Streams:
@@ -137,7 +148,8 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
     its wait messages with `wait` (without it, with no event: the client
     then uses Wait). With `decide_now`, a message it can decide at once
     (known hits and claims) is answered as it is read, without a task of its
-    own. With `streams`, a drain ends the stream after answering every
+    own; one the client takes in parts gets what is known at once and the
+    rest later. With `streams`, a drain ends the stream after answering every
     decision read; the waits it cuts short go unanswered, so that the client
     sends them again."""
     answers: asyncio.Queue[pb.DecideResponse | None] = asyncio.Queue()
@@ -145,16 +157,35 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
     running: set[asyncio.Task] = set()
     waiting: dict[int, asyncio.Task] = {}
 
-    async def one(msg: pb.DecideRequest, checked: bool = False) -> None:
+    async def one(msg: pb.DecideRequest, checked: bool = False,
+                  positions: list[int] | None = None) -> None:
+        # positions: decide only those requests (the others were answered).
         try:
             if not checked:
                 check_batch(msg.requests)
-            answer = pb.DecideResponse(id=msg.id, responses=await decide(msg.requests))
+            requests = (msg.requests if positions is None
+                        else [msg.requests[i] for i in positions])
+            answer = pb.DecideResponse(id=msg.id, responses=await decide(requests),
+                                       positions=positions or ())
         except Exception as exc:
-            answer = _refusal(msg.id, exc)
+            answer = _refusal(msg.id, exc, positions or ())
         finally:
             slots.release()
         answers.put_nowait(answer)
+
+    def answer_known(msg: pb.DecideRequest) -> list[int] | None:
+        """Answer what is known of a checked message at once: None when that
+        was all of it, else the positions still to decide."""
+        got = _decided_now(decide_now, msg.requests, msg.answer_in_parts)
+        known = [i for i, a in enumerate(got or ()) if a is not None]
+        if not known or (len(known) < len(got) and not msg.answer_in_parts):
+            return []
+        if len(known) == len(got):
+            answers.put_nowait(pb.DecideResponse(id=msg.id, responses=got))
+            return None
+        answers.put_nowait(pb.DecideResponse(id=msg.id, responses=[got[i] for i in known],
+                                             positions=known))
+        return [i for i, a in enumerate(got) if a is None]
 
     async def wait_one(msg: pb.DecideRequest) -> None:
         # Cancelled (by the client, or by a drain): no answer at all.
@@ -192,11 +223,13 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
                         start(wait_one(msg), msg.id)
                     elif msg.requests or not msg.cancel:
                         checked = decide_now is not None and _valid(msg.requests)
-                        if checked and (got := _decided_now(decide_now, msg.requests)):
-                            answers.put_nowait(pb.DecideResponse(id=msg.id, responses=got))
+                        rest = answer_known(msg) if checked else []
+                        if rest is None:
                             continue
                         await slots.acquire()
-                        start(one(msg, checked))
+                        # [] decides the whole message (answered whole, as a
+                        # client that takes no parts expects).
+                        start(one(msg, checked, rest or None))
             except asyncio.CancelledError:
                 if streams is None or not streams.draining:
                     raise
@@ -235,7 +268,8 @@ class _NoWaits(Exception):
 class _Entry:
     """One caller's decisions (or one wait) on their way through a Decider."""
 
-    __slots__ = ("done", "msg_id", "requests", "sent", "until_publishing", "wait")
+    __slots__ = ("done", "got", "left", "msg_id", "requests", "sent", "start",
+                 "until_publishing", "wait")
 
     def __init__(self, done: asyncio.Future, requests: Sequence[pb.AcquireRequest] = (),
                  wait: pb.WaitRequest | None = None, until_publishing: bool = False) -> None:
@@ -245,6 +279,9 @@ class _Entry:
         self.done = done
         self.sent = 0  # times written (at most twice: once more after a drain)
         self.msg_id = 0  # the message that carried it last
+        self.start = 0  # where its requests begin in that message
+        self.got: list[pb.AcquireResponse | None] = []  # answers in parts so far
+        self.left = 0  # requests not answered yet
 
 
 class Decider:
@@ -380,7 +417,10 @@ class Decider:
                 msg.wait.CopyFrom(entry.wait)
                 msg.until_publishing = entry.until_publishing
                 break
+            entry.start, entry.left = len(msg.requests), len(entry.requests)
+            entry.got = [None] * entry.left
             msg.requests.extend(entry.requests)
+            msg.answer_in_parts = True
         if entries:
             self._sent[msg.id] = entries
         return msg
@@ -438,6 +478,9 @@ class Decider:
 
     async def _read(self, call) -> None:
         async for answer in call:
+            if answer.positions:
+                self._part(answer)
+                continue
             entries = self._sent.pop(answer.id, None)
             if entries is None:
                 continue
@@ -461,6 +504,42 @@ class Decider:
                 if not entry.done.done():
                     entry.done.set_result(responses[start:start + len(entry.requests)])
                 start += len(entry.requests)
+
+    def _part(self, answer: pb.DecideResponse) -> None:
+        """An answer to some of a message's requests: each caller is answered
+        once all of its own requests are."""
+        entries = self._sent.get(answer.id)
+        if entries is None or entries[0].wait is not None:
+            return
+        error = None
+        if answer.error_code:
+            error = rpc_error(_CODES.get(answer.error_code, grpc.StatusCode.UNKNOWN),
+                              answer.error_message)
+        elif len(answer.responses) != len(answer.positions):
+            raise rpc_error(grpc.StatusCode.INTERNAL,
+                            f"Decide answer {answer.id} has {len(answer.responses)} "
+                            f"responses for {len(answer.positions)} positions")
+        starts = [e.start for e in entries]
+        total = entries[-1].start + len(entries[-1].requests)
+        for j, pos in enumerate(answer.positions):
+            if pos >= total:
+                raise rpc_error(grpc.StatusCode.INTERNAL,
+                                f"Decide answer {answer.id} answers position {pos} of {total}")
+            entry = entries[bisect.bisect_right(starts, pos) - 1]
+            if entry.left == 0:
+                continue
+            if error is not None:
+                entry.left = 0
+                if not entry.done.done():
+                    entry.done.set_exception(error)
+                continue
+            if entry.got[pos - entry.start] is None:
+                entry.got[pos - entry.start] = answer.responses[j]
+                entry.left -= 1
+                if entry.left == 0 and not entry.done.done():
+                    entry.done.set_result(entry.got)
+        if all(e.left == 0 for e in entries):
+            del self._sent[answer.id]
 
     def _fail_all(self, error: BaseException) -> None:
         entries = [e for sent in self._sent.values() for e in sent] + list(self._queue)

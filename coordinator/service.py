@@ -86,8 +86,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
             async for answer in decide.serve(
                     request_iterator, lambda rs: self._acquire_many(rs, who),
                     wait=lambda r, until: decide.ending_event(self._wait(r, who), until),
-                    decide_now=lambda rs: self.state.decided_now([r.key for r in rs],
-                                                              tenant=who.tenant),
+                    decide_now=lambda rs, partial: self.state.decided_now(
+                        [r.key for r in rs], tenant=who.tenant, partial=partial),
                     streams=self.streams):
                 yield answer
         finally:

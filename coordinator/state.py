@@ -426,19 +426,25 @@ class CoordinatorState:
                                          dict(components)))
         return resp
 
-    def decided_now(self, keys: Sequence[str], *, tenant: str = DEFAULT_TENANT
-                    ) -> list[pb.AcquireResponse] | None:
+    def decided_now(self, keys: Sequence[str], *, tenant: str = DEFAULT_TENANT,
+                    partial: bool = False) -> list[pb.AcquireResponse | None] | None:
         """What acquire would answer for every key of a checked batch, when
         this replica knows it without etcd and without awaiting anything
         (a HIT from the index, a WAIT on a claim the watch reported). None
-        when any key needs more (acquire decides the whole batch then)."""
+        when any key needs more (acquire decides the whole batch then); with
+        `partial`, None in place of each key that needs more, and None only
+        when no key is known. The answers given are counted."""
         answers = []
         for key in keys:
             known = self._known(scope(tenant, key))
-            if known is None:
+            if known is None and not partial:
                 return None
             answers.append(known)
+        if all(a is None for a in answers):
+            return None
         for resp in answers:
+            if resp is None:
+                continue
             if resp.decision == pb.HIT:
                 self._hit(resp.artifact)
             self.metrics.count_decision(resp.decision)

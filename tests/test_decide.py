@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import signal
 import time
 
 import grpc
 import pytest
 
 from compilecast import decide
+from compilecast.coordinator.server import Coordinator
 from compilecast.errors import InvalidRequest
 from compilecast.grpcutil import aio_channel, bearer
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
+
+from .conftest import EtcdProcess, coordinator_config
 
 DATA = b"decided" * 10_000
 
@@ -288,7 +293,8 @@ def test_serve_answers_what_it_can_decide_at_once_as_it_reads(loop_thread):
             await release.wait()
         return [pb.AcquireResponse(decision=pb.COMPILE, reason=r.key) for r in requests]
 
-    def fake_now(requests):
+    def fake_now(requests, partial):
+        assert not partial  # these messages do not take parts
         shown.append(requests[0].key)
         if requests[0].key == "broken":
             raise RuntimeError("a bug in the fast path")
@@ -330,8 +336,8 @@ def test_serve_answers_what_it_can_decide_at_once_as_it_reads(loop_thread):
 def test_decisions_made_at_once_count_once(coordinator, loop_thread):
     """Decisions from the coordinator's memory (hits from its index, waits on
     claims its watch reported), through Decide, AcquireMany and Acquire,
-    count each decision and its saved compile time exactly once, and a batch
-    with a miss in it is decided whole the usual way."""
+    count each decision and its saved compile time exactly once, also for a
+    message answered in parts (its hit at once, its miss the usual way)."""
     target = coordinator.cfg.listen
     info = published(target, "known")  # compile_time_seconds 1.0
 
@@ -359,6 +365,108 @@ def test_decisions_made_at_once_count_once(coordinator, loop_thread):
     assert reg.get_sample_value("compilecast_coordinator_decisions_total",
                                 {"decision": "wait"}) == 3
     assert reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") == 5.0
+
+
+def test_a_message_taken_in_parts_gets_what_is_known_at_once(loop_thread):
+    """With answer_in_parts, the known requests of a message are answered as
+    it is read (their positions given) while its others are decided; a
+    failure there refuses those positions only. Without it, the message is
+    decided and answered whole."""
+    release = asyncio.Event()
+    decided: list[list[str]] = []
+
+    async def fake_decide(requests):
+        decided.append([r.key for r in requests])
+        if any(r.key == "boom" for r in requests):
+            raise InvalidRequest("boom is refused")
+        await release.wait()
+        return [pb.AcquireResponse(decision=pb.COMPILE, reason=r.key) for r in requests]
+
+    def fake_now(requests, partial):
+        got = [pb.AcquireResponse(decision=pb.HIT, reason=r.key)
+               if r.key.startswith("hit") else None for r in requests]
+        if all(a is None for a in got) or (None in got and not partial):
+            return None
+        return got
+
+    async def body():
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def messages():
+            while (msg := await inbox.get()) is not None:
+                yield msg
+
+        answers = decide.serve(messages(), fake_decide, decide_now=fake_now)
+        for i, (keys, parts) in enumerate([(["hit-a", "miss", "hit-b"], True),
+                                           (["hit-c", "miss"], False),
+                                           (["hit-d", "boom"], True)], 1):
+            inbox.put_nowait(pb.DecideRequest(id=i, requests=[ask(k) for k in keys],
+                                              answer_in_parts=parts))
+        early = [await anext(answers) for _ in range(3)]  # before any miss is decided
+        release.set()
+        inbox.put_nowait(None)
+        return early, [a async for a in answers]
+
+    early, late = loop_thread.run(body())
+
+    def seen(a):
+        return (a.id, list(a.positions), [r.reason for r in a.responses], a.error_code)
+
+    refused = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert sorted(map(seen, early)) == [(1, [0, 2], ["hit-a", "hit-b"], 0),
+                                        (3, [0], ["hit-d"], 0), (3, [1], [], refused)]
+    assert sorted(map(seen, late)) == [(1, [1], ["miss"], 0),
+                                       (2, [], ["hit-c", "miss"], 0)]
+    assert sorted(decided) == [["boom"], ["hit-c", "miss"], ["miss"]]
+
+
+def test_a_hit_coalesced_with_a_miss_does_not_wait_for_etcd(tmp_path, prefix, started,
+                                                           loop_thread):
+    """Two callers' requests in one Decide message, a hit and a miss: the hit
+    is answered while etcd (stopped) cannot answer the miss, which is
+    decided once etcd is back. A raw message that takes no parts gets its
+    answer whole."""
+    etcd = EtcdProcess(tmp_path)
+    try:
+        coord = started(Coordinator(coordinator_config(etcd, tmp_path, prefix)))
+        target = coord.cfg.listen
+        published(target, "known")
+
+        async def body(d: decide.Decider):
+            await d.decide([ask("known")])  # the stream is open
+            before = d.messages
+            os.kill(etcd.proc.pid, signal.SIGSTOP)
+            try:
+                hit = asyncio.ensure_future(d.decide([ask("known")]))
+                miss = asyncio.ensure_future(d.decide([ask("new", client="a")]))
+                got_hit = await asyncio.wait_for(hit, 5)
+                miss_pending = not miss.done()
+            finally:
+                os.kill(etcd.proc.pid, signal.SIGCONT)
+            return got_hit, miss_pending, await miss, d.messages - before
+
+        got_hit, miss_pending, got_miss, messages = loop_thread.run(with_decider(target, body))
+        assert messages == 1  # both callers' requests went in one message
+        assert got_hit[0].decision == pb.HIT and miss_pending
+        assert got_miss[0].decision == pb.COMPILE
+
+        async def whole():
+            channel = aio_channel(target, None)
+            try:
+                call = rpc.CompileCacheStub(channel).Decide()
+                await call.write(pb.DecideRequest(id=7, requests=[ask("known"), ask("other")]))
+                answer = await call.read()
+                await call.done_writing()
+                return answer
+            finally:
+                await channel.close()
+
+        answer = loop_thread.run(whole())
+        assert answer.id == 7 and not answer.positions
+        assert [r.decision for r in answer.responses] == [pb.HIT, pb.COMPILE]
+        coord.stop()
+    finally:
+        etcd.stop()
 
 
 def test_a_drain_answers_what_was_read_and_reads_no_more(loop_thread):
