@@ -4,11 +4,16 @@ for new keys (COMPILE: a lease grant and a txn in etcd).
 
     python bench/decisions.py [--clients 1000] [--seconds 15] [--hit-ratio 0.5]
     python bench/decisions.py --ceiling   # the same load on a trivial grpc.aio server
+    python bench/decisions.py --loadgen go --rate 5000 --hit-ratio 0.9 --pin
 
 Prints decisions per second, latency percentiles and where the CPU went
 (cores used by the load generator, the coordinator(s) and etcd). The load
 generator is one grpc.aio process sharing the machine's 2 cores with the
-coordinator and etcd.
+coordinator and etcd. With `--loadgen go` the load comes from bench/loadgen
+(Go, built here with `go build`), which offers the same open-loop Decide load
+as `--streams N --rate R` for a fraction of the CPU: the Python load
+generator takes most of the core it shares with etcd under `--pin`, and its
+own queueing then shows in the latencies.
 """
 
 from __future__ import annotations
@@ -160,6 +165,30 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     return latencies, decisions, errors, wall, by_decision, messages
 
 
+def go_loadgen() -> Path:
+    """bench/loadgen built (go build caches: fast after the first time)."""
+    out = Path(tempfile.gettempdir()) / "compilecast-bench-loadgen"
+    try:
+        subprocess.run(["go", "build", "-o", str(out), "."], cwd=Path(__file__).parent / "loadgen",
+                       check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        sys.exit(f"--loadgen go needs Go to build bench/loadgen: {exc}")
+    return out
+
+
+def go_load(binary: Path, targets: list[str], args, hit_keys: list[str]) -> dict:
+    """One run of the Go load generator (on CPU 1 with --pin); its JSON row."""
+    cmd = [str(binary), "-target", ",".join(targets), "-clients", str(args.clients),
+           "-streams", str(args.streams or 8), "-rate", str(args.rate),
+           "-seconds", str(args.seconds), "-hit-ratio", str(args.hit_ratio),
+           "-hit-keys", ",".join(hit_keys)]
+    pinned = (lambda: os.sched_setaffinity(0, {1})) if args.pin else None
+    done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pinned)
+    if done.returncode != 0:
+        sys.exit(f"the Go load generator failed ({done.returncode}): {done.stderr.strip()}")
+    return json.loads(done.stdout)
+
+
 def quantiles_ms(values: list[float]) -> tuple[float, float]:
     values = sorted(values)
     return values[len(values) // 2] * 1e3, values[int(len(values) * 0.99)] * 1e3
@@ -191,9 +220,15 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true",
                     help="the coordinator replicas on CPU 0, etcd and the load generator on "
                          "CPU 1 (as with the load generator on another machine)")
+    ap.add_argument("--loadgen", choices=("python", "go"), default="python",
+                    help="go: the open-loop Decide load from bench/loadgen (needs --rate)")
     ap.add_argument("--ceiling", action="store_true",
                     help="load a trivial grpc.aio server that answers HIT (gRPC's own ceiling)")
     args = ap.parse_args()
+    if args.loadgen == "go" and (args.rate <= 0 or args.pod or args.ceiling or args.batch != 1):
+        ap.error("--loadgen go offers open-loop single-key Decide load: give --rate, "
+                 "and no --pod, --ceiling or --batch")
+    binary = go_loadgen() if args.loadgen == "go" else None
     if args.ceiling:
         port = free_port()
         server = subprocess.Popen([sys.executable, str(Path(__file__).parent /
@@ -230,6 +265,23 @@ def main() -> None:
             c.publish(key, c.acquire(key).lease, f"artifact {i}".encode() * 100, 1.0)
             hit_keys.append(key)
         c.close()
+        if binary is not None:
+            row, used = cores(pids, lambda: go_load(binary, targets, args, hit_keys))
+            used["load generator"] = row.pop("load_generator_cores")
+            row.update({"clients": args.clients, "replicas": args.replicas,
+                        "offered_rate": args.rate, "cores": used, "load_generator": "go"})
+            total = sum(row["by_decision"].values())
+            print(f"{args.clients} clients, {args.replicas} replica(s), Go load generator, "
+                  f"{args.streams or 8} Decide stream(s), offered {args.rate:.0f}/s: "
+                  f"{row['per_second']:.0f} decisions/s, request latency p50 "
+                  f"{row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, errors {row['errors']}, "
+                  f"{row['by_decision']}; {fmt_cores(used)}; "
+                  f"{row['stream_messages'] / max(total, 1):.2f} stream messages per request")
+            print("  p50 / p99 by decision: " + ", ".join(
+                f"{k} {a:.1f} / {b:.1f} ms" for k, (a, b) in
+                row["p50_p99_ms_by_decision"].items()))
+            print(json.dumps(row))
+            return
         # Several replicas: clients spread over them (one ipv4: target per replica).
         target = "ipv4:" + ",".join(targets) if len(targets) > 1 else targets[0]
         (lat, decisions, errors, wall, by_decision, messages), used = cores(pids, lambda: asyncio.run(

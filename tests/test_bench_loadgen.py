@@ -1,0 +1,53 @@
+"""bench/loadgen, the Go load generator of bench/decisions.py, encodes and
+decodes the Decide messages by hand (protowire, no generated code): run it
+against a real coordinator and check every answer it counted against the
+coordinator's own counters."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from compilecast.worker.client import CacheClient
+
+from .conftest import publish
+
+LOADGEN = Path(__file__).resolve().parent.parent / "bench" / "loadgen"
+
+
+def test_the_go_load_generator_speaks_decide(coordinator, tmp_path):
+    if shutil.which("go") is None:
+        pytest.fail("Go is not installed (.ci/run builds helm with it)")
+    binary = tmp_path / "loadgen"
+    subprocess.run(["go", "build", "-o", str(binary), "."], cwd=LOADGEN, check=True, timeout=600)
+    c = CacheClient(coordinator.cfg.listen)
+    try:
+        keys = [f"hit-{i}" for i in range(3)]
+        for k in keys:
+            publish(c, k, k.encode() * 100)
+    finally:
+        c.close()
+    reg = coordinator.registry
+
+    def count(result: str) -> float:
+        return reg.get_sample_value("compilecast_coordinator_lookups_total",
+                                    {"result": result}) or 0.0
+
+    hits_before, misses_before = count("hit"), count("miss")
+    done = subprocess.run(
+        [str(binary), "-target", coordinator.cfg.listen, "-streams", "2", "-channels", "1",
+         "-rate", "400", "-seconds", "1", "-hit-ratio", "0.5", "-hit-keys", ",".join(keys)],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)
+    by = row["by_decision"]
+    assert row["errors"] == 0 and set(by) == {"HIT", "COMPILE"}
+    assert row["requests"] == by["HIT"] + by["COMPILE"] > 100
+    assert row["stream_messages"] <= row["requests"]
+    # Each stream's warm-up request is a hit the row does not count.
+    assert count("hit") - hits_before == by["HIT"] + 2
+    assert count("miss") - misses_before == by["COMPILE"]
