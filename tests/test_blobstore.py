@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
 
 import pytest
 
-from compilecast.blobstore import DiskBlobStore, Inflate
+from compilecast.blobstore import DiskBlobStore, Inflate, Sha256
 from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, StoreFull, TooLarge
 from compilecast.wire import Zstd
 
@@ -367,3 +368,50 @@ def test_a_blob_written_as_its_zstd_stream_is_stored_as_it_came(tmp_path):
     with store.writer() as w, pytest.raises(ValueError):
         w.write(b"plain first")
         w.write_zstd(stream)
+
+
+def _hash_threads() -> int:
+    return sum(t.name == "compilecast-sha256" for t in threading.enumerate())
+
+
+def test_sha256_on_a_thread_gives_hashlibs_digest():
+    """Below its threshold it hashes inline (no thread); past it, on a thread,
+    with the same digest, also for a buffer the caller reuses at once."""
+    pieces = [os.urandom(n) for n in (5, 100, 3, 64 << 10, 1, 7000)]
+    expect = hashlib.sha256(b"".join(pieces)).hexdigest()
+    small = Sha256(inline=1 << 30)
+    for p in pieces:
+        small.update(p)
+    assert _hash_threads() == 0 and small.hexdigest() == expect
+    before = _hash_threads()
+    big = Sha256(inline=10, depth=2)
+    reused = bytearray(7000)
+    for p in pieces:
+        if len(p) == 7000:  # handed over, then overwritten before it is hashed
+            reused[:] = p
+            big.update(reused)
+            reused[:] = b"x" * 7000
+        elif len(p) == 3:
+            big.update(memoryview(p))
+        else:
+            big.update(p)
+    assert _hash_threads() == before + 1
+    assert big.hexdigest() == expect and _hash_threads() == before
+    big.update(b"more")  # after the digest: inline again
+    assert big.hexdigest() == hashlib.sha256(b"".join(pieces) + b"more").hexdigest()
+
+
+def test_a_writer_given_up_ends_its_hashing_thread(tmp_path):
+    store = DiskBlobStore(tmp_path / "store")
+    before = _hash_threads()
+    with store.writer() as w:
+        for _ in range(12):
+            w.write(os.urandom(2 << 20))  # past the 16 MiB hashed inline
+        assert _hash_threads() == before + 1
+    assert _hash_threads() == before
+    data = os.urandom(20 << 20)
+    with store.writer() as w:
+        w.write(data)
+        w.commit(hashlib.sha256(data).hexdigest(), len(data))
+    assert _hash_threads() == before
+    assert b"".join(store.read(hashlib.sha256(data).hexdigest())) == data

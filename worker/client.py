@@ -8,6 +8,7 @@ Lease keepalives run on a daemon thread that never blocks the caller.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from compilecast import wire
-from compilecast.blobstore import Inflate
+from compilecast.blobstore import Inflate, Sha256
 from compilecast.decide import ends_wait
 from compilecast.errors import CorruptBlob
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
@@ -270,7 +271,7 @@ class CacheClient:
     def _fetch_once(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, bytes]:
         info = None
         parts: list[bytes] = []
-        h = hashlib.sha256()
+        h = Sha256()  # on a thread of its own for a big artifact: overlaps receiving
 
         def take(data) -> None:
             h.update(data)
@@ -279,7 +280,7 @@ class CacheClient:
         inflate = None
         call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest, accept_zstd=True),
                                timeout=TRANSFER_S)
-        with _Watchdog(self.stall_s).watching(call.cancel) as dog:
+        with _Watchdog(self.stall_s).watching(call.cancel) as dog, contextlib.closing(h):
             try:
                 for chunk in call:
                     dog.tick()
