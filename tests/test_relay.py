@@ -63,6 +63,89 @@ def test_six_workers_fetching_at_once_cost_the_coordinator_about_one_copy(
         assert CacheClient(w.target).fetch("big")[1] == data
 
 
+def test_peers_relay_the_stored_zstd_stream_as_it_came(start_coordinator, start_worker):
+    """A compressible artifact goes from worker to worker as the coordinator's
+    stored zstd stream: each worker receives a fraction of the bytes, keeps
+    the stream byte for byte in its host cache, and hands its processes the
+    decoded, verified artifact."""
+    coordinator = start_coordinator(relay_fanout=2)
+    data = b"".join(os.urandom(64) + b"\x00" * 960 for _ in range(SIZE // 1024))  # ~10x
+    info = publish(coordinator, "zbig", data)
+    stream = coordinator.store.path_of(info.digest).read_bytes()
+    assert len(stream) < SIZE / 5
+    workers = [relaying_worker(start_worker, coordinator, f"z{i}") for i in range(6)]
+    before = egress(coordinator)
+    got = fetch_all([w.target for w in workers], "zbig")
+    assert all(g == data for g in got)
+    assert egress(coordinator) - before <= 2 * len(stream)
+    redirected = sum(w.registry.get_sample_value("compilecast_worker_relays_total",
+                                                 {"event": "redirected"}) or 0 for w in workers)
+    assert redirected >= 3
+    # What the workers sent each other and their processes: each process got
+    # the decoded artifact; each peer the stream, not the artifact.
+    served = sum(w.registry.get_sample_value("compilecast_worker_artifact_bytes_total",
+                                             {"direction": "served"}) or 0 for w in workers)
+    assert served <= 6 * SIZE + redirected * len(stream) * 1.01
+    for w in workers:
+        assert w.cache.store.path_of(info.digest).read_bytes() == stream
+
+
+def test_a_fill_hands_each_reader_the_stream_it_takes(loop_thread):
+    """_Fill: a reader that takes zstd and joins before any data follows the
+    zstd stream once it comes; a plain reader gets the decoded bytes; a
+    reader joining later gets the backlog of its own kind; a cut ends the
+    zstd readers with UNAVAILABLE (they fetch the rest elsewhere) and sends
+    later zstd readers the decoded bytes."""
+    from compilecast.errors import UpstreamError
+    from compilecast.wire import DataChunk
+    from compilecast.worker.service import _Fill
+
+    async def drain(q):
+        out = []
+        while not q.empty():
+            out.append(q.get_nowait())
+        return out
+
+    async def body():
+        fill = _Fill(1 << 20)
+        early_z, early_plain = fill.join(zstd=True), fill.join()
+        await fill.send(pb.FetchChunk(artifact=pb.ArtifactInfo(size=6)))
+        await fill.send_zstd(DataChunk(b"", b"Z1"))
+        await fill.send(DataChunk(b"abc"))
+        late_z, late_plain = fill.join(zstd=True), fill.join()
+        await fill.send(pb.FetchChunk())  # a heartbeat: to everyone
+        first = [await drain(q) for q in (early_z, early_plain, late_z, late_plain)]
+        await fill.cut_zstd("cut")
+        after_cut = fill.join(zstd=True)
+        await fill.send(DataChunk(b"def"))
+        await fill.finish(pb.ArtifactInfo(size=6), None)
+        second = [await drain(q) for q in (early_z, late_z, after_cut, early_plain)]
+        return first, second
+
+    first, second = loop_thread.run(body())
+
+    def one(i) -> str:
+        if i is None:
+            return "end"
+        if isinstance(i, UpstreamError):
+            return f"UpstreamError:{i.code.name}"
+        if i.zstd_data:
+            return "z:" + bytes(i.zstd_data).decode()
+        if i.data:
+            return "d:" + bytes(i.data).decode()
+        return "header" if i.HasField("artifact") else "beat"
+
+    def seen(items):
+        return [one(i) for i in items]
+
+    assert [seen(q) for q in first] == [
+        ["header", "z:Z1", "beat"], ["header", "d:abc", "beat"],
+        ["header", "z:Z1", "beat"], ["header", "d:abc", "beat"]]
+    assert [seen(q) for q in second] == [
+        ["UpstreamError:UNAVAILABLE"], ["UpstreamError:UNAVAILABLE"],
+        ["header", "d:abc", "beat", "d:def", "end"], ["d:def", "end"]]
+
+
 def test_a_dead_peer_costs_a_retry_from_the_coordinator(start_coordinator, start_worker):
     coordinator = start_coordinator(relay_fanout=2)
     data = os.urandom(4 << 20)

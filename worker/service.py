@@ -57,54 +57,116 @@ class _Fill:
     live: that is how a relaying worker passes an artifact on to the peers
     the coordinator points at it. Later readers read the committed blob.
     Readers get unverified bytes and, at the end, None once the digest
-    verified or the error; every client verifies the digest too."""
+    verified or the error; every client verifies the digest too.
+
+    A download that arrives as the coordinator's stored zstd stream goes on
+    to readers that take zstd (peers ask for it) as that stream, with its own
+    backlog: a tenth of the bytes between peers for an artifact that
+    compresses 10x, and nothing for the peer to compress again. The others
+    get the decoded bytes. A reader that takes zstd and joins before the
+    first byte follows whichever way the bytes come."""
 
     MAX_BACKLOG = 64 << 20
 
     def __init__(self, max_backlog: int = MAX_BACKLOG) -> None:
         self.max_backlog = max_backlog
-        self.readers: list[asyncio.Queue] = []
+        self.readers: list[asyncio.Queue] = []  # decoded bytes
+        self.zstd_readers: list[asyncio.Queue] = []  # the zstd stream as it came
+        self._undecided: set[asyncio.Queue] = set()  # take zstd; joined before any data
+        self.zstd: bool | None = None  # whether the data comes as zstd (None: no data yet)
         self.started = False
         self.finished = False
         self.backlog: list[pb.FetchChunk] | None = []
         self.backlog_bytes = 0
+        self.zstd_backlog: list | None = []  # None: too far along, or cut off
+        self.zstd_backlog_bytes = 0
         self.kept = True  # False: served without a copy in the host cache (its disk is full)
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
 
-    def join(self) -> asyncio.Queue | None:
-        if self.finished or (self.started and self.backlog is None):
+    def join(self, zstd: bool = False) -> asyncio.Queue | None:
+        """A reader's queue, or None: wait for the committed blob. With zstd,
+        the reader takes the zstd stream if that is how the bytes come."""
+        if self.finished:
             return None
-        backlog = self.backlog or []
+        if zstd and self.zstd and self.zstd_backlog is not None:
+            return self._add(self.zstd_readers, self.zstd_backlog)
+        if self.started and self.backlog is None:
+            return None
+        q = self._add(self.readers, self.backlog or [])
+        if zstd and self.zstd is None:
+            self._undecided.add(q)
+        return q
+
+    @staticmethod
+    def _add(readers: list[asyncio.Queue], backlog: list) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue(maxsize=len(backlog) + 8)
         for chunk in backlog:
             q.put_nowait(chunk)
-        self.readers.append(q)
+        readers.append(q)
         return q
 
     def leave(self, q: asyncio.Queue) -> None:
-        if q in self.readers:
-            self.readers.remove(q)
+        for readers in (self.readers, self.zstd_readers):
+            if q in readers:
+                readers.remove(q)
+        self._undecided.discard(q)
         while not q.empty():  # unblock a send waiting on this reader
             q.get_nowait()
 
     async def send(self, chunk: pb.FetchChunk) -> None:
+        """Decoded bytes, the header or a heartbeat (those go to every reader)."""
         self.started = True
+        data = len(chunk.data)
+        if data and self.zstd is None:
+            self.zstd = False
+            self._undecided.clear()
         if self.backlog is not None:
-            self.backlog_bytes += len(chunk.data)
+            self.backlog_bytes += data
             if self.backlog_bytes > self.max_backlog:
                 self.backlog = None  # too far along: later readers wait for the blob
             else:
                 self.backlog.append(chunk)
-        for q in list(self.readers):
-            if q in self.readers:
-                await q.put(chunk)
+        readers = self.readers
+        if not data:
+            readers = readers + self.zstd_readers
+            if self.zstd_backlog is not None:
+                self.zstd_backlog.append(chunk)
+        await self._put(readers, chunk)
+
+    async def send_zstd(self, chunk) -> None:
+        """A piece of the zstd stream as it came (before its decoded bytes)."""
+        self.started = True
+        if self.zstd is None:
+            self.zstd = True
+            for q in self._undecided:  # they have had the header only: the stream from here
+                if q in self.readers:
+                    self.readers.remove(q)
+                    self.zstd_readers.append(q)
+            self._undecided.clear()
+        if self.zstd_backlog is not None:
+            self.zstd_backlog_bytes += len(chunk.zstd_data)
+            if self.zstd_backlog_bytes > self.max_backlog:
+                self.zstd_backlog = None
+            else:
+                self.zstd_backlog.append(chunk)
+        await self._put(self.zstd_readers, chunk)
+
+    async def cut_zstd(self, why: str) -> None:
+        """The zstd stream stops midway (the rest comes decoded): its readers
+        fail, and fetch the rest elsewhere from the offset they reached."""
+        self.zstd_backlog = None
+        readers, self.zstd_readers = self.zstd_readers, []
+        await self._put(readers, UpstreamError(grpc.StatusCode.UNAVAILABLE, why))
+
+    async def _put(self, readers: list[asyncio.Queue], item) -> None:
+        for q in list(readers):
+            if q in readers:
+                await q.put(item)
 
     async def finish(self, info: pb.ArtifactInfo | None, error: BaseException | None) -> None:
         self.started = self.finished = True
-        self.backlog = None
-        for q in list(self.readers):
-            if q in self.readers:
-                await q.put(error)  # None: verified and committed
+        self.backlog = self.zstd_backlog = None
+        await self._put(self.readers + self.zstd_readers, error)  # None: verified, committed
         if not self.done.done():
             if error is None:
                 self.done.set_result(info)
@@ -621,13 +683,13 @@ class WorkerService(rpc.CompileCacheServicer):
         try:
             with writer:
                 while True:
-                    # The coordinator's stored zstd, decoded here: a tenth of the bytes on
-                    # the wire. A peer relays decoded bytes; a resumed download is decoded.
+                    # The coordinator's stored zstd (or a peer's relay of it), decoded
+                    # here: a tenth of the bytes on the wire. A resumed download is decoded.
                     inflate: _Inflating | None = None
                     request = pb.FetchRequest(key=key, digest=info.digest if info else digest,
                                               relay_address="" if peer else relay,
                                               offset=0 if peer else writer.size,
-                                              accept_zstd=not peer and not writer.size)
+                                              accept_zstd=not writer.size)
                     stub = self._peer(peer) if peer else self.up
                     try:
                         redirect = ""
@@ -649,6 +711,7 @@ class WorkerService(rpc.CompileCacheServicer):
                             if chunk.zstd_data:
                                 if inflate is None:
                                     inflate = _Inflating(key, info, fill, writer)
+                                await fill.send_zstd(chunk)  # peers relay the stream as it came
                                 await inflate.feed(chunk.zstd_data)
                             elif chunk.data:
                                 if inflate is not None:
@@ -673,6 +736,7 @@ class WorkerService(rpc.CompileCacheServicer):
                             pause, relay = resumes.pop(0), ""
                             if inflate is not None:  # the rest comes decoded: no whole stream
                                 writer.stop_keeping("its zstd stream was cut off midway")
+                                await fill.cut_zstd(f"the relay's download of {key} was cut off")
                             log.warning("download of %s was cut off at byte %d (%s); resuming "
                                         "in %.0fs", key, writer.size, exc.details(), pause,
                                         extra={"key": key})
@@ -684,6 +748,9 @@ class WorkerService(rpc.CompileCacheServicer):
                                     "rest from the coordinator", key, peer, why, writer.size)
                         self.metrics.relays.labels("fallback").inc()
                         peer, relay = "", ""  # asking again: served, never redirected
+                        if inflate is not None:  # the rest comes decoded: no whole stream
+                            writer.stop_keeping("its zstd stream from a peer was cut off")
+                            await fill.cut_zstd(f"the relay's download of {key} was cut off")
                         continue
                     if redirect and not peer and relay:
                         peer = redirect
@@ -765,7 +832,7 @@ class WorkerService(rpc.CompileCacheServicer):
                 fill = self._fills[(ns, request.key)] = _Fill(
                     _Fill.MAX_BACKLOG if self.relay_address else 0)
                 self._spawn(self._run_fill(fill, ns, md, request.key, request.digest))
-            reader = fill.join()
+            reader = fill.join(request.accept_zstd)
             if reader is not None:
                 break
             # Joined late: wait for the blob (heartbeats meanwhile), then read
@@ -787,7 +854,7 @@ class WorkerService(rpc.CompileCacheServicer):
                     return
                 if isinstance(item, BaseException):
                     raise item
-                self.metrics.bytes.labels("served").inc(len(item.data))
+                self.metrics.bytes.labels("served").inc(len(item.data) + len(item.zstd_data))
                 yield item
         finally:
             fill.leave(reader)
