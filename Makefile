@@ -67,6 +67,7 @@ bench: install
 	$(PY) bench/pod_start.py --wait-calls
 	$(PY) bench/pod_start.py --per-host 8
 	$(PY) bench/fanout.py
+	$(PY) bench/fanout.py --compressible
 	$(PY) bench/aot_farm.py --layers 64
 	$(PY) bench/sweep.py --records
 
