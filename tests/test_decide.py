@@ -38,6 +38,18 @@ def published(target: str, key: str) -> pb.ArtifactInfo:
         c.close()
 
 
+def fed():
+    """A queue to put Decide messages in (None ends the stream) and the
+    stream `serve` reads them from."""
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def messages():
+        while (msg := await inbox.get()) is not None:
+            yield msg
+
+    return inbox, messages()
+
+
 async def with_decider(target: str, body, metadata: tuple = ()):
     channel = aio_channel(target, None)
     decider = decide.Decider(rpc.CompileCacheStub(channel), metadata, timeout_s=10)
@@ -260,13 +272,8 @@ def test_serve_answers_each_message_when_it_is_decided(loop_thread):
         return [pb.AcquireResponse(decision=pb.HIT, reason=r.key) for r in requests]
 
     async def body():
-        inbox: asyncio.Queue = asyncio.Queue()
-
-        async def messages():
-            while (msg := await inbox.get()) is not None:
-                yield msg
-
-        answers = decide.serve(messages(), fake_decide)
+        inbox, messages = fed()
+        answers = decide.serve(messages, fake_decide)
         for i, key in enumerate(["slow", "fast", "faster"], 1):
             inbox.put_nowait(pb.DecideRequest(id=i, requests=[ask(key)]))
         order = [(await anext(answers)).id, (await anext(answers)).id]
@@ -303,13 +310,8 @@ def test_serve_answers_what_it_can_decide_at_once_as_it_reads(loop_thread):
         return None
 
     async def body():
-        inbox: asyncio.Queue = asyncio.Queue()
-
-        async def messages():
-            while (msg := await inbox.get()) is not None:
-                yield msg
-
-        answers = decide.serve(messages(), fake_decide, decide_now=fake_now)
+        inbox, messages = fed()
+        answers = decide.serve(messages, fake_decide, decide_now=fake_now)
         batches = [["held"], ["hit-a", "hit-b"], ["hit-c", "miss"], ["broken"], ["bad key!"]]
         for i, keys in enumerate(batches, 1):
             inbox.put_nowait(pb.DecideRequest(id=i, requests=[ask(k) for k in keys]))
@@ -390,13 +392,8 @@ def test_a_message_taken_in_parts_gets_what_is_known_at_once(loop_thread):
         return got
 
     async def body():
-        inbox: asyncio.Queue = asyncio.Queue()
-
-        async def messages():
-            while (msg := await inbox.get()) is not None:
-                yield msg
-
-        answers = decide.serve(messages(), fake_decide, decide_now=fake_now)
+        inbox, messages = fed()
+        answers = decide.serve(messages, fake_decide, decide_now=fake_now)
         for i, (keys, parts) in enumerate([(["hit-a", "miss", "hit-b"], True),
                                            (["hit-c", "miss"], False),
                                            (["hit-d", "boom"], True)], 1):
