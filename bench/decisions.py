@@ -225,9 +225,9 @@ def main() -> None:
     ap.add_argument("--ceiling", action="store_true",
                     help="load a trivial grpc.aio server that answers HIT (gRPC's own ceiling)")
     args = ap.parse_args()
-    if args.loadgen == "go" and (args.rate <= 0 or args.pod or args.ceiling or args.batch != 1):
+    if args.loadgen == "go" and (args.rate <= 0 or args.pod or args.batch != 1):
         ap.error("--loadgen go offers open-loop single-key Decide load: give --rate, "
-                 "and no --pod, --ceiling or --batch")
+                 "and no --pod or --batch")
     binary = go_loadgen() if args.loadgen == "go" else None
     if args.ceiling:
         port = free_port()
@@ -235,6 +235,19 @@ def main() -> None:
                                                        "_trivial_server.py"), str(port)])
         try:
             wait_port(port)
+            if args.pin:
+                pin(server.pid, {0})
+            if binary is not None:
+                row, used = cores({"server": server.pid},
+                                  lambda: go_load(binary, [f"127.0.0.1:{port}"], args, ["k"]))
+                used["load generator"] = row.pop("load_generator_cores")
+                print(f"{args.clients} clients, trivial grpc.aio server, Go load generator, "
+                      f"{args.streams or 8} Decide stream(s), offered {args.rate:.0f}/s: "
+                      f"{row['per_second']:.0f} requests/s, p50 {row['p50_ms']:.1f} ms, p99 "
+                      f"{row['p99_ms']:.1f} ms, errors {row['errors']}; {fmt_cores(used)}; "
+                      f"{row['stream_messages'] / max(row['requests'], 1):.2f} stream messages "
+                      "per request")
+                return
             (lat, decisions, errors, wall, _, _), used = cores(
                 {"server": server.pid}, lambda: asyncio.run(load(
                     f"127.0.0.1:{port}", args.clients, args.seconds, 1.0, ["k"], 1,
