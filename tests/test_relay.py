@@ -12,6 +12,7 @@ import pytest
 
 from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient
 
 from .conftest import all_at_once
@@ -144,6 +145,55 @@ def test_a_fill_hands_each_reader_the_stream_it_takes(loop_thread):
     assert [seen(q) for q in second] == [
         ["UpstreamError:UNAVAILABLE"], ["UpstreamError:UNAVAILABLE"],
         ["header", "d:abc", "beat", "d:def", "end"], ["d:def", "end"]]
+
+
+def test_a_peer_whose_zstd_stream_breaks_off_costs_the_rest_from_the_coordinator(
+        start_coordinator, start_worker, loop_thread):
+    """A peer (one of our own, the test's) that relays the first pieces of
+    the stored zstd stream and then fails: the worker fetches the rest,
+    decoded, from the offset it had decoded to, and keeps no copy of that
+    stream, which is not whole. Its process, which was reading the stream,
+    is cut off, asks again, and gets the whole verified artifact. What the
+    host cache holds in the end is the coordinator's stream, byte for byte."""
+    coordinator = start_coordinator(relay_fanout=2)
+    data = b"".join(os.urandom(64) + b"\x00" * 960 for _ in range(SIZE // 1024))
+    info = publish(coordinator, "zcut", data)
+    stream = coordinator.store.path_of(info.digest).read_bytes()
+    asked: list[bool] = []
+
+    class BreakingPeer(rpc.CompileCacheServicer):
+        async def Fetch(self, request, context):
+            asked.append(request.accept_zstd)
+            yield pb.FetchChunk(artifact=info)
+            for i in range(0, len(stream) // 2, 256 << 10):
+                yield pb.FetchChunk(zstd_data=stream[i:i + (256 << 10)])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the peer went away")
+
+    async def serve_peer():
+        server = grpc.aio.server()
+        rpc.add_CompileCacheServicer_to_server(BreakingPeer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = loop_thread.run(serve_peer())
+    try:
+        # The peer asks first, so the coordinator points later fetchers at it.
+        first = CacheClient(coordinator.cfg.listen)
+        list(first.stub.Fetch(pb.FetchRequest(key="zcut", relay_address=f"127.0.0.1:{port}")))
+        worker = relaying_worker(start_worker, coordinator, "zw")
+        assert CacheClient(worker.target, timeout_s=60).fetch("zcut")[1] == data
+        assert asked == [True]  # it asked the peer for the stream as stored
+        assert worker.registry.get_sample_value("compilecast_worker_relays_total",
+                                                {"event": "fallback"}) == 1
+        # The process asked twice: its read of the broken stream was cut off.
+        assert worker.registry.get_sample_value("compilecast_worker_fetches_total",
+                                                {"source": "coordinator"}) == 2
+        assert worker.cache.lookup("host", "zcut") is not None
+        assert worker.cache.store.path_of(info.digest).read_bytes() == stream
+        assert CacheClient(worker.target, timeout_s=60).fetch("zcut")[1] == data
+    finally:
+        loop_thread.run(server.stop(0))
 
 
 def test_a_dead_peer_costs_a_retry_from_the_coordinator(start_coordinator, start_worker):
