@@ -199,6 +199,10 @@ class WorkerConfig:
     revocation_poll_s: float = field(
         default=30.0, metadata=_help("how often to ask the coordinator for purged artifacts "
                                      "and drop them from the host cache"))
+    link_store_dir: str = field(
+        default="", metadata=_help("a coordinator's store on this machine's filesystem "
+                                   "(compilecast up sets it): a download whose blob is there "
+                                   "is hard-linked into the host cache, not copied"))
     relay_listen: str = field(
         default="", metadata=_help("host:port where this worker relays artifacts it downloads "
                                    "to other workers (empty: no relaying)"))

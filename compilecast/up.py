@@ -155,6 +155,8 @@ def configs(cfg: UpConfig, env: dict[str, str] | None = None
         "listen": f"unix://{sock}", "coordinator": ccfg.listen,
         "cache_dir": str(cfg.home / "worker"), "metrics_port": cfg.worker_metrics_port,
         "metrics_host": "127.0.0.1",
+        # One disk: the host cache links the coordinator's blobs instead of copying them.
+        "link_store_dir": ccfg.store_dir,
     })
     return ccfg, wcfg
 

@@ -523,3 +523,40 @@ def test_a_release_without_a_reason_is_invalid_and_keeps_the_lease(coordinator):
     code, details = code_of(lambda: c.release("k", lease, pb.RELEASE_REASON_UNSPECIFIED))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "reason must be" in details
     assert c.publish("k", lease, DATA, 3.0).digest == hashlib.sha256(DATA).hexdigest()
+
+
+def test_a_worker_on_the_coordinators_disk_links_its_blobs(coordinator, start_worker):
+    """With link_store_dir (`compilecast up`), a download whose blob is in the
+    coordinator's store is hard-linked into the host cache: one inode on
+    the disk, not two copies, and the process still gets verified bytes. A
+    linked blob that does not verify is never served: the fetch fails,
+    the link is quarantined, and the next fetch asks the coordinator."""
+    worker = start_worker(coordinator.cfg.listen, link_store_dir=str(coordinator.store.root))
+    direct = client(coordinator.cfg.listen)
+    data = os.urandom(3 << 20)
+    info = direct.publish("linked", direct.acquire("linked").lease, data, 1.0)
+
+    process = client(worker.target)
+    assert process.fetch("linked")[1] == data
+    ours, theirs = (s.path_of(info.digest).stat() for s in (worker.cache.store, coordinator.store))
+    assert (ours.st_ino, ours.st_dev) == (theirs.st_ino, theirs.st_dev) and ours.st_nlink == 2
+    assert worker.registry.get_sample_value("compilecast_worker_artifact_bytes_total",
+                                            {"direction": "linked"}) == len(data)
+    assert process.fetch("linked")[1] == data  # a host-cache hit now
+
+    bad = os.urandom(3 << 20)
+    bad_info = direct.publish("flipped", direct.acquire("flipped").lease, bad, 1.0)
+    path = coordinator.store.path_of(bad_info.digest)
+    with open(path, "r+b") as f:  # in place: the link the worker takes is this file
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    for _ in range(2):  # the link, then the coordinator's own read: neither serves it
+        with pytest.raises(grpc.RpcError) as failed:
+            process.fetch("flipped")
+        assert failed.value.code() == grpc.StatusCode.DATA_LOSS
+    assert worker.cache.lookup("host", "flipped") is None
+    assert not worker.cache.store.has(bad_info.digest)
+    assert coordinator.registry.get_sample_value(
+        "compilecast_coordinator_corrupt_blobs_total") == 1

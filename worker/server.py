@@ -52,6 +52,7 @@ class Worker(Role):
                                      token=token,
                                      credentials=upstream_creds,
                                      relay_address=relay_address,
+                                     link_store=cfg.link_store_dir,
                                      # Peers serve with the same certificates as the
                                      # coordinator's CA signs (one PKI per release).
                                      peer_credentials=upstream_creds,

@@ -346,10 +346,12 @@ class WorkerService(rpc.CompileCacheServicer):
     def __init__(self, coordinator: str, cache: HostCache, metrics: WorkerMetrics,
                  *, rpc_timeout_s: float, share_binary_timeout_ms: int = 0,
                  token: str = "", credentials: grpc.ChannelCredentials | None = None,
-                 relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None
-                 ) -> None:
+                 relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None,
+                 link_store: str = "") -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
         self.relay_address = relay_address
+        self.link_store = link_store  # a coordinator's store on this filesystem (`up`)
+        self._unlinkable: set[str] = set()  # digests whose linked blob failed to verify
         self.peer_credentials = peer_credentials
         self._peers: dict[str, tuple[grpc.aio.Channel, rpc.CompileCacheStub]] = {}
         self.coordinator = coordinator
@@ -680,6 +682,7 @@ class WorkerService(rpc.CompileCacheServicer):
         relay = self.relay_address
         writer = self.cache.store.writer(discard_when_full=True)
         resumes = list(RESUME_S)
+        linked = False
         try:
             with writer:
                 while True:
@@ -708,6 +711,10 @@ class WorkerService(rpc.CompileCacheServicer):
                                 if not fill.started:  # readers learn what to expect first
                                     await fill.send(pb.FetchChunk(artifact=chunk.artifact))
                                 info = chunk.artifact
+                                if (not peer and not writer.size
+                                        and await self._linked(info.digest)):
+                                    linked = True
+                                    break  # the download is cancelled: the bytes are here
                             if chunk.zstd_data:
                                 if inflate is None:
                                     inflate = _Inflating(key, info, fill, writer)
@@ -759,6 +766,13 @@ class WorkerService(rpc.CompileCacheServicer):
                     break
                 if info is None:
                     raise CorruptBlob(f"coordinator sent no artifact header for {key}")
+                if linked:
+                    writer.abort()
+                    await self._serve_linked(fill, info)
+                    await self._record(ns, info, writer)
+                    self.metrics.bytes.labels("linked").inc(info.size)
+                    await fill.finish(info, None)
+                    return
                 try:
                     fill.kept = await asyncio.to_thread(writer.commit, info.digest,
                                                         info.size) is not None
@@ -782,6 +796,24 @@ class WorkerService(rpc.CompileCacheServicer):
         if not await amake_room(self.cache.store, size):
             writer.stop_keeping(f"no room for {size} bytes above the free space kept on the "
                                 "host cache's disk")
+
+    async def _linked(self, digest: str) -> bool:
+        """Whether the blob is now in the host cache by a hard link from the
+        coordinator's store on this filesystem (`up`)."""
+        if not self.link_store or digest in self._unlinkable:
+            return False
+        return await asyncio.to_thread(self.cache.store.link, digest, self.link_store)
+
+    async def _serve_linked(self, fill: _Fill, info: pb.ArtifactInfo) -> None:
+        """Pass a linked blob to the fill's readers, verifying it as it is
+        read. One that does not verify is quarantined here and never linked
+        again: the next fill downloads it."""
+        try:
+            async for piece in aread(self.cache.store, info.digest):
+                await fill.send(DataChunk(piece))
+        except CorruptBlob:
+            self._unlinkable.add(info.digest)
+            raise
 
     async def _record(self, ns: str, info: pb.ArtifactInfo, writer) -> None:
         """Index a committed download or publish in the host cache; one the
