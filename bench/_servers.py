@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from compilecast.blobstore import blob_path
 from compilecast.launch import free_port
 from compilecast.worker.client import wait_until_healthy
 
@@ -53,7 +54,7 @@ class Stack:
 
     def stored_bytes(self, digest: str, name: str = "c") -> int:
         """What coordinator `name`'s store holds for `digest` (zstd or raw)."""
-        return (self.root / f"store-{name}" / "blobs" / digest[:2] / f"{digest}.zst").stat().st_size
+        return blob_path(self.root / f"store-{name}", digest).stat().st_size
 
     def coordinator(self, name: str = "c", store: Path | None = None,
                     extra: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:

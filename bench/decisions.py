@@ -189,6 +189,25 @@ def go_load(binary: Path, targets: list[str], args, hit_keys: list[str]) -> dict
     return json.loads(done.stdout)
 
 
+def go_report(what: str, row: dict, used: dict[str, float], args) -> None:
+    """Print a Go load generator's row (the cores each process used in it)."""
+    used["load generator"] = row.pop("load_generator_cores")
+    row.update({"clients": args.clients, "offered_rate": args.rate, "cores": used,
+                "load_generator": "go"})
+    print(f"{args.clients} clients, {what}, Go load generator, {args.streams or 8} Decide "
+          f"stream(s), offered {args.rate:.0f}/s: {row['per_second']:.0f} decisions/s, request "
+          f"latency p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, errors "
+          f"{row['errors']}, {row['by_decision']}; {fmt_cores(used)}; "
+          f"{row['stream_messages'] / max(row['requests'], 1):.2f} stream messages per request")
+    print_by_decision(row["p50_p99_ms_by_decision"])
+    print(json.dumps(row))
+
+
+def print_by_decision(quantiles: dict[str, tuple[float, float]]) -> None:
+    print("  p50 / p99 by decision: " + ", ".join(
+        f"{k} {a:.1f} / {b:.1f} ms" for k, (a, b) in quantiles.items()))
+
+
 def quantiles_ms(values: list[float]) -> tuple[float, float]:
     values = sorted(values)
     return values[len(values) // 2] * 1e3, values[int(len(values) * 0.99)] * 1e3
@@ -238,15 +257,9 @@ def main() -> None:
             if args.pin:
                 pin(server.pid, {0})
             if binary is not None:
-                row, used = cores({"server": server.pid},
-                                  lambda: go_load(binary, [f"127.0.0.1:{port}"], args, ["k"]))
-                used["load generator"] = row.pop("load_generator_cores")
-                print(f"{args.clients} clients, trivial grpc.aio server, Go load generator, "
-                      f"{args.streams or 8} Decide stream(s), offered {args.rate:.0f}/s: "
-                      f"{row['per_second']:.0f} requests/s, p50 {row['p50_ms']:.1f} ms, p99 "
-                      f"{row['p99_ms']:.1f} ms, errors {row['errors']}; {fmt_cores(used)}; "
-                      f"{row['stream_messages'] / max(row['requests'], 1):.2f} stream messages "
-                      "per request")
+                go_report("trivial grpc.aio server", *cores(
+                    {"server": server.pid},
+                    lambda: go_load(binary, [f"127.0.0.1:{port}"], args, ["k"])), args)
                 return
             (lat, decisions, errors, wall, _, _), used = cores(
                 {"server": server.pid}, lambda: asyncio.run(load(
@@ -280,20 +293,8 @@ def main() -> None:
         c.close()
         if binary is not None:
             row, used = cores(pids, lambda: go_load(binary, targets, args, hit_keys))
-            used["load generator"] = row.pop("load_generator_cores")
-            row.update({"clients": args.clients, "replicas": args.replicas,
-                        "offered_rate": args.rate, "cores": used, "load_generator": "go"})
-            total = sum(row["by_decision"].values())
-            print(f"{args.clients} clients, {args.replicas} replica(s), Go load generator, "
-                  f"{args.streams or 8} Decide stream(s), offered {args.rate:.0f}/s: "
-                  f"{row['per_second']:.0f} decisions/s, request latency p50 "
-                  f"{row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, errors {row['errors']}, "
-                  f"{row['by_decision']}; {fmt_cores(used)}; "
-                  f"{row['stream_messages'] / max(total, 1):.2f} stream messages per request")
-            print("  p50 / p99 by decision: " + ", ".join(
-                f"{k} {a:.1f} / {b:.1f} ms" for k, (a, b) in
-                row["p50_p99_ms_by_decision"].items()))
-            print(json.dumps(row))
+            row["replicas"] = args.replicas
+            go_report(f"{args.replicas} replica(s)", row, used, args)
             return
         # Several replicas: clients spread over them (one ipv4: target per replica).
         target = "ipv4:" + ",".join(targets) if len(targets) > 1 else targets[0]
@@ -318,9 +319,7 @@ def main() -> None:
               f"errors {errors}, {decisions}; {fmt_cores(used)}" +
               (f"; {messages / max(n, 1):.2f} stream messages per request" if messages else ""))
         if by_decision:
-            print("  p50 / p99 by decision: " + ", ".join(
-                f"{k} {a:.1f} / {b:.1f} ms" for k, (a, b) in
-                row["p50_p99_ms_by_decision"].items()))
+            print_by_decision(row["p50_p99_ms_by_decision"])
         print(json.dumps(row))
     finally:
         stack.close()

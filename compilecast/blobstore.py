@@ -391,6 +391,11 @@ class BlobWriter:
             self.abort()
 
 
+def blob_path(root: str | os.PathLike[str], digest: str) -> Path:
+    """Where the store at `root` keeps the blob of `digest`."""
+    return Path(root) / "blobs" / digest[:2] / f"{digest}.zst"
+
+
 class DiskBlobStore:
     """A directory of content-addressed, zstd-compressed blobs."""
 
@@ -430,7 +435,7 @@ class DiskBlobStore:
 
     # -- queries ---------------------------------------------------------
     def path_of(self, digest: str) -> Path:
-        return self.blob_dir / digest[:2] / f"{digest}.zst"
+        return blob_path(self.root, digest)
 
     def link(self, digest: str, other_root: str | os.PathLike[str]) -> bool:
         """Take the blob of `digest` from the store at `other_root` by a hard
@@ -443,11 +448,10 @@ class DiskBlobStore:
         validate.digest(digest)
         if self.has(digest):
             return True
-        src = Path(other_root) / "blobs" / digest[:2] / f"{digest}.zst"
         dst = self.path_of(digest)
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            os.link(src, dst)
+            os.link(blob_path(other_root, digest), dst)
         except FileExistsError:
             return True
         except OSError:

@@ -87,11 +87,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.home:
         cfg.home = Path(args.home)
     for name in ("etcd_port", "etcd_peer_port", "coordinator_port",
-                 "coordinator_metrics_port", "worker_metrics_port"):
+                 "coordinator_metrics_port", "worker_metrics_port", "etcd_compaction_retention"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
-    if args.etcd_compaction_retention is not None:
-        cfg.etcd_compaction_retention = args.etcd_compaction_retention
     return run(cfg)
 
 

@@ -49,6 +49,28 @@ DEGRADED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 MAX_DECIDERS = 64  # upstream Decide streams kept open (one per caller credential)
 
 
+class _Backlog:
+    """The chunks a fill keeps for readers that join late, while they total
+    at most `limit` bytes; past that, `chunks` is None (later readers wait
+    for the committed blob)."""
+
+    __slots__ = ("chunks", "limit", "size")
+
+    def __init__(self, limit: int) -> None:
+        self.chunks: list | None = []
+        self.limit = limit
+        self.size = 0
+
+    def add(self, chunk, nbytes: int) -> None:
+        if self.chunks is None:
+            return
+        self.size += nbytes
+        if self.size > self.limit:
+            self.chunks = None
+        else:
+            self.chunks.append(chunk)
+
+
 class _Fill:
     """One download into the host cache, streamed to its readers as it arrives.
 
@@ -69,17 +91,14 @@ class _Fill:
     MAX_BACKLOG = 64 << 20
 
     def __init__(self, max_backlog: int = MAX_BACKLOG) -> None:
-        self.max_backlog = max_backlog
         self.readers: list[asyncio.Queue] = []  # decoded bytes
         self.zstd_readers: list[asyncio.Queue] = []  # the zstd stream as it came
         self._undecided: set[asyncio.Queue] = set()  # take zstd; joined before any data
         self.zstd: bool | None = None  # whether the data comes as zstd (None: no data yet)
         self.started = False
         self.finished = False
-        self.backlog: list[pb.FetchChunk] | None = []
-        self.backlog_bytes = 0
-        self.zstd_backlog: list | None = []  # None: too far along, or cut off
-        self.zstd_backlog_bytes = 0
+        self.backlog = _Backlog(max_backlog)  # decoded bytes
+        self.zstd_backlog = _Backlog(max_backlog)  # the stream (chunks None once cut off)
         self.kept = True  # False: served without a copy in the host cache (its disk is full)
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -88,11 +107,11 @@ class _Fill:
         the reader takes the zstd stream if that is how the bytes come."""
         if self.finished:
             return None
-        if zstd and self.zstd and self.zstd_backlog is not None:
-            return self._add(self.zstd_readers, self.zstd_backlog)
-        if self.started and self.backlog is None:
+        if zstd and self.zstd and self.zstd_backlog.chunks is not None:
+            return self._add(self.zstd_readers, self.zstd_backlog.chunks)
+        if self.started and self.backlog.chunks is None:
             return None
-        q = self._add(self.readers, self.backlog or [])
+        q = self._add(self.readers, self.backlog.chunks or [])
         if zstd and self.zstd is None:
             self._undecided.add(q)
         return q
@@ -120,17 +139,11 @@ class _Fill:
         if data and self.zstd is None:
             self.zstd = False
             self._undecided.clear()
-        if self.backlog is not None:
-            self.backlog_bytes += data
-            if self.backlog_bytes > self.max_backlog:
-                self.backlog = None  # too far along: later readers wait for the blob
-            else:
-                self.backlog.append(chunk)
+        self.backlog.add(chunk, data)
         readers = self.readers
         if not data:
             readers = readers + self.zstd_readers
-            if self.zstd_backlog is not None:
-                self.zstd_backlog.append(chunk)
+            self.zstd_backlog.add(chunk, 0)
         await self._put(readers, chunk)
 
     async def send_zstd(self, chunk) -> None:
@@ -143,18 +156,13 @@ class _Fill:
                     self.readers.remove(q)
                     self.zstd_readers.append(q)
             self._undecided.clear()
-        if self.zstd_backlog is not None:
-            self.zstd_backlog_bytes += len(chunk.zstd_data)
-            if self.zstd_backlog_bytes > self.max_backlog:
-                self.zstd_backlog = None
-            else:
-                self.zstd_backlog.append(chunk)
+        self.zstd_backlog.add(chunk, len(chunk.zstd_data))
         await self._put(self.zstd_readers, chunk)
 
     async def cut_zstd(self, why: str) -> None:
         """The zstd stream stops midway (the rest comes decoded): its readers
         fail, and fetch the rest elsewhere from the offset they reached."""
-        self.zstd_backlog = None
+        self.zstd_backlog.chunks = None
         readers, self.zstd_readers = self.zstd_readers, []
         await self._put(readers, UpstreamError(grpc.StatusCode.UNAVAILABLE, why))
 
@@ -165,7 +173,7 @@ class _Fill:
 
     async def finish(self, info: pb.ArtifactInfo | None, error: BaseException | None) -> None:
         self.started = self.finished = True
-        self.backlog = self.zstd_backlog = None
+        self.backlog.chunks = self.zstd_backlog.chunks = None
         await self._put(self.readers + self.zstd_readers, error)  # None: verified, committed
         if not self.done.done():
             if error is None:
@@ -267,6 +275,13 @@ class _Inflating:
         except BaseException:
             self._stop.set()  # cancelled or failed: the thread stops at its next piece
             raise
+
+    async def cut(self, key: str, why: str) -> None:
+        """The stream stopped midway and the rest comes decoded: the host
+        cache keeps no copy (its stream is not whole), and the fill's zstd
+        readers fetch the rest elsewhere."""
+        self._writer.stop_keeping(why)
+        await self._fill.cut_zstd(f"the relay's download of {key} was cut off")
 
 
 PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for the coordinator
@@ -741,9 +756,8 @@ class WorkerService(rpc.CompileCacheServicer):
                             # connection: go on from the bytes already here (served,
                             # never redirected: a peer would start from the first byte).
                             pause, relay = resumes.pop(0), ""
-                            if inflate is not None:  # the rest comes decoded: no whole stream
-                                writer.stop_keeping("its zstd stream was cut off midway")
-                                await fill.cut_zstd(f"the relay's download of {key} was cut off")
+                            if inflate is not None:
+                                await inflate.cut(key, "its zstd stream was cut off midway")
                             log.warning("download of %s was cut off at byte %d (%s); resuming "
                                         "in %.0fs", key, writer.size, exc.details(), pause,
                                         extra={"key": key})
@@ -755,9 +769,8 @@ class WorkerService(rpc.CompileCacheServicer):
                                     "rest from the coordinator", key, peer, why, writer.size)
                         self.metrics.relays.labels("fallback").inc()
                         peer, relay = "", ""  # asking again: served, never redirected
-                        if inflate is not None:  # the rest comes decoded: no whole stream
-                            writer.stop_keeping("its zstd stream from a peer was cut off")
-                            await fill.cut_zstd(f"the relay's download of {key} was cut off")
+                        if inflate is not None:
+                            await inflate.cut(key, "its zstd stream from a peer was cut off")
                         continue
                     if redirect and not peer and relay:
                         peer = redirect
