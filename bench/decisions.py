@@ -181,7 +181,7 @@ def go_load(binary: Path, targets: list[str], args, hit_keys: list[str]) -> dict
     cmd = [str(binary), "-target", ",".join(targets), "-clients", str(args.clients),
            "-streams", str(args.streams or 8), "-rate", str(args.rate),
            "-seconds", str(args.seconds), "-hit-ratio", str(args.hit_ratio),
-           "-hit-keys", ",".join(hit_keys)]
+           "-hit-keys", ",".join(hit_keys), f"-bundles={str(not args.no_bundles).lower()}"]
     pinned = (lambda: os.sched_setaffinity(0, {1})) if args.pin else None
     done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pinned)
     if done.returncode != 0:
@@ -198,7 +198,8 @@ def go_report(what: str, row: dict, used: dict[str, float], args) -> None:
           f"stream(s), offered {args.rate:.0f}/s: {row['per_second']:.0f} decisions/s, request "
           f"latency p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, errors "
           f"{row['errors']}, {row['by_decision']}; {fmt_cores(used)}; "
-          f"{row['stream_messages'] / max(row['requests'], 1):.2f} stream messages per request")
+          f"{row['stream_messages'] / max(row['requests'], 1):.2f} stream messages and "
+          f"{row['answer_messages'] / max(row['requests'], 1):.2f} answer messages per request")
     print_by_decision(row["p50_p99_ms_by_decision"])
     print(json.dumps(row))
 
@@ -241,6 +242,8 @@ def main() -> None:
                          "CPU 1 (as with the load generator on another machine)")
     ap.add_argument("--loadgen", choices=("python", "go"), default="python",
                     help="go: the open-loop Decide load from bench/loadgen (needs --rate)")
+    ap.add_argument("--no-bundles", action="store_true",
+                    help="with --loadgen go: each answer a message of its own (no takes_bundles)")
     ap.add_argument("--ceiling", action="store_true",
                     help="load a trivial grpc.aio server that answers HIT (gRPC's own ceiling)")
     args = ap.parse_args()

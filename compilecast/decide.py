@@ -17,7 +17,10 @@ processes ask for over it:
   takes in parts (`answer_in_parts`, which Decider always sets) is answered
   in two: what the server knows at once (hits from its index), then the rest.
   So a hit that shares a message with a miss (the client coalesced the two
-  callers' requests) does not wait for the miss's etcd write.
+  callers' requests) does not wait for the miss's etcd write. Answers
+  coalesce too: those that queue while one is written leave together in one
+  message (`takes_bundles`, which Decider always sets), since gRPC's cost
+  is per message.
 
 A message that is refused (a bad key from a client that does not validate)
 gets its status in its answer; the stream and the other messages carry on.
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 1000  # requests per message, as for AcquireMany
 IN_FLIGHT = 64  # messages of one stream decided at once; reading pauses beyond
 MAX_WAITS = 10_000  # waits of one stream at once; beyond, a wait is refused
+MAX_BUNDLE = 64  # answers sent in one DecideResponse (takes_bundles)
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -123,6 +127,22 @@ def _refusal(msg_id: int, exc: BaseException, positions: Sequence[int] = ()
                              error_message="Decide: internal error", positions=positions)
 
 
+def _bundled(first: pb.DecideResponse, answers: asyncio.Queue) -> pb.DecideResponse:
+    """`first` with the answers queued behind it (at most MAX_BUNDLE in
+    all) in its `more`: under load, answers queue while one is written, and
+    one message then carries them, as a Decider's requests do. The end of
+    the stream (None) stays queued."""
+    rest = []
+    while len(rest) < MAX_BUNDLE - 1 and not answers.empty():
+        answer = answers.get_nowait()
+        if answer is None:
+            answers.put_nowait(None)
+            break
+        rest.append(answer)
+    first.more.extend(rest)
+    return first
+
+
 class Streams:
     """The Decide streams a server is running, so that a shutdown can end
     them cleanly: `drain()` stops every stream reading; each answers what it
@@ -156,6 +176,7 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
     slots = asyncio.Semaphore(in_flight)
     running: set[asyncio.Task] = set()
     waiting: dict[int, asyncio.Task] = {}
+    bundles = False  # the client takes answers bundled
 
     async def one(msg: pb.DecideRequest, checked: bool = False,
                   positions: list[int] | None = None) -> None:
@@ -210,9 +231,11 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
             waiting[msg_id] = task
 
     async def read() -> None:
+        nonlocal bundles
         try:
             try:
                 async for msg in messages:
+                    bundles = msg.takes_bundles
                     for gone in msg.cancel:
                         if (task := waiting.pop(gone, None)) is not None:
                             task.cancel()
@@ -248,7 +271,7 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
             reader.cancel()
     try:
         while (answer := await answers.get()) is not None:
-            yield answer
+            yield _bundled(answer, answers) if bundles and not answers.empty() else answer
         await reader  # raises what ended the reading (an undecodable message)
     finally:
         reader.cancel()
@@ -399,7 +422,7 @@ class Decider:
     def _next_message(self) -> pb.DecideRequest:
         """A wait alone, or the decisions queued up to the next wait (at most
         MAX_BATCH requests), as one message, with the cancels pending."""
-        msg = pb.DecideRequest(id=next(self._ids), cancel=self._cancels)
+        msg = pb.DecideRequest(id=next(self._ids), cancel=self._cancels, takes_bundles=True)
         self._cancels.clear()
         entries: list[_Entry] = []
         while self._queue:
@@ -478,32 +501,38 @@ class Decider:
 
     async def _read(self, call) -> None:
         async for answer in call:
-            if answer.positions:
-                self._part(answer)
-                continue
-            entries = self._sent.pop(answer.id, None)
-            if entries is None:
-                continue
-            if answer.error_code:
-                code = _CODES.get(answer.error_code, grpc.StatusCode.UNKNOWN)
-                self._fail(entries, rpc_error(code, answer.error_message))
-                continue
-            if entries[0].wait is not None:
-                if not entries[0].done.done():
-                    if answer.HasField("event"):
-                        entries[0].done.set_result(answer.event)
-                    else:
-                        entries[0].done.set_exception(_NoWaits())
-                continue
-            responses = list(answer.responses)
-            if len(responses) != sum(len(e.requests) for e in entries):
-                raise rpc_error(grpc.StatusCode.INTERNAL,
-                                f"Decide answer {answer.id} has {len(responses)} responses")
-            start = 0
-            for entry in entries:
-                if not entry.done.done():
-                    entry.done.set_result(responses[start:start + len(entry.requests)])
-                start += len(entry.requests)
+            self._answer(answer)
+            for more in answer.more:
+                self._answer(more)
+
+    def _answer(self, answer: pb.DecideResponse) -> None:
+        """Settle what one answer (or one of a bundle) answers."""
+        if answer.positions:
+            self._part(answer)
+            return
+        entries = self._sent.pop(answer.id, None)
+        if entries is None:
+            return
+        if answer.error_code:
+            code = _CODES.get(answer.error_code, grpc.StatusCode.UNKNOWN)
+            self._fail(entries, rpc_error(code, answer.error_message))
+            return
+        if entries[0].wait is not None:
+            if not entries[0].done.done():
+                if answer.HasField("event"):
+                    entries[0].done.set_result(answer.event)
+                else:
+                    entries[0].done.set_exception(_NoWaits())
+            return
+        responses = list(answer.responses)
+        if len(responses) != sum(len(e.requests) for e in entries):
+            raise rpc_error(grpc.StatusCode.INTERNAL,
+                            f"Decide answer {answer.id} has {len(responses)} responses")
+        start = 0
+        for entry in entries:
+            if not entry.done.done():
+                entry.done.set_result(responses[start:start + len(entry.requests)])
+            start += len(entry.requests)
 
     def _part(self, answer: pb.DecideResponse) -> None:
         """An answer to some of a message's requests: each caller is answered

@@ -552,3 +552,114 @@ def test_what_a_drained_stream_did_not_read_goes_again_on_a_new_one(loop_thread)
     # "b" went out on stream 1, was not read there, and was answered on stream 2.
     assert [a.reason for a in answers] == ["stream 1: a", "stream 2: b"]
     assert servicer.streams == 2 and messages >= 2
+
+
+def test_answers_that_queue_leave_in_one_message(loop_thread):
+    """A client that takes bundles gets the answers queued behind the one
+    being written in that one's `more`, each once and as it would have been
+    alone (parts and refusals included); a held answer leaves on its own
+    later. Without takes_bundles, every answer is a message of its own."""
+    release: list[asyncio.Event] = []
+
+    async def fake_decide(requests):
+        if requests[0].key == "held":
+            await release[-1].wait()
+        return [pb.AcquireResponse(decision=pb.COMPILE, reason=r.key) for r in requests]
+
+    def fake_now(requests, partial):
+        got = [pb.AcquireResponse(decision=pb.HIT, reason=r.key)
+               if r.key.startswith("hit") else None for r in requests]
+        return None if all(a is None for a in got) else got
+
+    async def body(bundles: bool):
+        release.append(asyncio.Event())
+        inbox, messages = fed()
+        answers = decide.serve(messages, fake_decide, decide_now=fake_now)
+        keys = [["held"], ["bad key!"], ["hit-a", "miss"]] + [[f"hit-{i}"] for i in range(20)]
+        for i, k in enumerate(keys, 1):
+            inbox.put_nowait(pb.DecideRequest(id=i, requests=[ask(x) for x in k],
+                                              answer_in_parts=True, takes_bundles=bundles))
+        sent = [await anext(answers)]
+        while sum(1 + len(a.more) for a in sent) < len(keys):  # all but the held one
+            sent.append(await anext(answers))
+        release[-1].set()
+        inbox.put_nowait(None)
+        sent += [a async for a in answers]
+        return sent
+
+    def each(sent):
+        return [(a.id, list(a.positions), [r.reason for r in a.responses], a.error_code)
+                for m in sent for a in (m, *m.more)]
+
+    for bundles in (True, False):
+        sent = loop_thread.run(body(bundles))
+        got = each(sent)
+        refused = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert sorted(got) == sorted(
+            [(1, [], ["held"], 0), (2, [], [], refused), (3, [0], ["hit-a"], 0),
+             (3, [1], ["miss"], 0)] + [(i, [], [f"hit-{i - 4}"], 0) for i in range(4, 24)])
+        assert got[-1][0] == 1, got  # the held answer came last
+        assert all(not a.more for m in sent for a in m.more)
+        if bundles:
+            assert len(sent) < 8, f"{len(sent)} messages for {len(got)} answers"
+        else:
+            assert len(sent) == len(got)
+
+
+class _AnswersInBundles(rpc.CompileCacheServicer):
+    """A server that reads `n` messages and then answers them all in one
+    DecideResponse: the first whole, each later one in two parts (the
+    second's first request HIT, the rest WAIT), the third refused."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    async def Decide(self, request_iterator, context):
+        read = []
+        async for msg in request_iterator:
+            assert msg.takes_bundles
+            read.append(msg)
+            if len(read) < self.n:
+                continue
+            answers = [pb.DecideResponse(id=read[0].id, responses=[
+                pb.AcquireResponse(decision=pb.HIT, reason=r.key) for r in read[0].requests])]
+            for i, m in enumerate(read[1:], 1):
+                if i == 2:
+                    answers.append(pb.DecideResponse(
+                        id=m.id, error_code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                        error_message="too many"))
+                    continue
+                answers.append(pb.DecideResponse(id=m.id, positions=[0], responses=[
+                    pb.AcquireResponse(decision=pb.HIT, reason=m.requests[0].key)]))
+                answers.append(pb.DecideResponse(
+                    id=m.id, positions=range(1, len(m.requests)), responses=[
+                        pb.AcquireResponse(decision=pb.WAIT, reason=r.key)
+                        for r in m.requests[1:]]))
+            yield pb.DecideResponse(id=answers[0].id, responses=answers[0].responses,
+                                    more=answers[1:])
+            read = []
+
+
+def test_the_decider_takes_answers_in_bundles(loop_thread):
+    """Every answer of a bundle settles its own callers: whole, in parts, or
+    refused."""
+    async def body(d: decide.Decider):
+        # One at a time, so that each call is a message of its own.
+        first = asyncio.ensure_future(d.decide([ask("a")]))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(d.decide([ask("b0"), ask("b1"), ask("b2")]))
+        await asyncio.sleep(0.05)
+        third = asyncio.ensure_future(d.decide([ask("c")]))
+        await asyncio.sleep(0.05)
+        fourth = asyncio.ensure_future(d.decide([ask("d0"), ask("d1")]))
+        got = await asyncio.gather(first, second, fourth)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await third
+        return got, refused.value.code(), d.messages
+
+    got, code, messages = loop_thread.run(against(_AnswersInBundles(4), body))
+    assert messages == 4
+    assert [[(r.decision, r.reason) for r in rs] for rs in got] == [
+        [(pb.HIT, "a")], [(pb.HIT, "b0"), (pb.WAIT, "b1"), (pb.WAIT, "b2")],
+        [(pb.HIT, "d0"), (pb.WAIT, "d1")]]
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED

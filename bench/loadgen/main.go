@@ -7,9 +7,11 @@
 // one of `-clients` clients, over `-streams` Decide streams. Each stream
 // writes one message at a time; the requests that arrive meanwhile leave
 // together in the next (as compilecast's Decider coalesces), and every
-// message takes its answer in parts (DecideRequest.answer_in_parts). A
-// request is a hit (one of -hit-keys published keys) with probability
-// -hit-ratio, else a new key. Prints one JSON object.
+// message takes its answer in parts (DecideRequest.answer_in_parts) and
+// bundled with other messages' answers (takes_bundles; with -bundles=false
+// each answer comes as a message of its own). A request is a hit (one of
+// -hit-keys published keys) with probability -hit-ratio, else a new key.
+// Prints one JSON object.
 //
 // Messages are encoded and decoded with protowire (no generated code): the
 // field numbers are those of protos/compilecast/v1/cache.proto.
@@ -76,11 +78,14 @@ type stream struct {
 	wake     chan struct{}
 	inflight map[uint64]*sent
 	nextID   uint64
-	messages int
+	messages int // messages sent
+	received int // answer messages received
 	pending  int // requests queued or in flight
 	res      results
 	idle     *sync.Cond
 }
+
+var bundles = true // the requests say the client takes bundled answers
 
 func encodeRequest(id uint64, reqs []request) []byte {
 	b := protowire.AppendTag(nil, 1, protowire.VarintType)
@@ -98,7 +103,12 @@ func encodeRequest(id uint64, reqs []request) []byte {
 		b = protowire.AppendBytes(b, acq)
 	}
 	b = protowire.AppendTag(b, 6, protowire.VarintType) // answer_in_parts
-	return protowire.AppendVarint(b, 1)
+	b = protowire.AppendVarint(b, 1)
+	if bundles {
+		b = protowire.AppendTag(b, 7, protowire.VarintType) // takes_bundles
+		b = protowire.AppendVarint(b, 1)
+	}
+	return b
 }
 
 type answer struct {
@@ -106,6 +116,7 @@ type answer struct {
 	decisions []uint64
 	positions []uint64
 	errorCode uint64
+	more      []answer // answers to other messages, bundled with this one
 }
 
 func fields(b []byte, each func(num protowire.Number, typ protowire.Type, v []byte, u uint64) error) error {
@@ -175,6 +186,12 @@ func decodeAnswer(b []byte) (answer, error) {
 			}
 		case num == 6 && typ == protowire.VarintType:
 			a.positions = append(a.positions, u)
+		case num == 8 && typ == protowire.BytesType: // bundled answers
+			more, err := decodeAnswer(v)
+			if err != nil {
+				return err
+			}
+			a.more = append(a.more, more)
 		}
 		return nil
 	})
@@ -244,34 +261,42 @@ func (s *stream) read() {
 			os.Exit(1)
 		}
 		s.mu.Lock()
-		m := s.inflight[a.id]
-		if m == nil {
-			s.mu.Unlock()
-			continue
-		}
-		positions := a.positions
-		if len(positions) == 0 {
-			positions = make([]uint64, len(m.reqs))
-			for i := range positions {
-				positions[i] = uint64(i)
-			}
-		}
-		for j, p := range positions {
-			if p >= uint64(len(m.reqs)) || m.answered[p] {
-				continue
-			}
-			m.answered[p] = true
-			m.left--
-			if a.errorCode != 0 || j >= len(a.decisions) {
-				s.done(m.reqs[p], "", true)
-			} else {
-				s.done(m.reqs[p], decisionNames[a.decisions[j]], false)
-			}
-		}
-		if m.left == 0 {
-			delete(s.inflight, a.id)
+		s.received++
+		s.settle(a)
+		for _, more := range a.more {
+			s.settle(more)
 		}
 		s.mu.Unlock()
+	}
+}
+
+// settle the requests one answer answers (s.mu held).
+func (s *stream) settle(a answer) {
+	m := s.inflight[a.id]
+	if m == nil {
+		return
+	}
+	positions := a.positions
+	if len(positions) == 0 {
+		positions = make([]uint64, len(m.reqs))
+		for i := range positions {
+			positions[i] = uint64(i)
+		}
+	}
+	for j, p := range positions {
+		if p >= uint64(len(m.reqs)) || m.answered[p] {
+			continue
+		}
+		m.answered[p] = true
+		m.left--
+		if a.errorCode != 0 || j >= len(a.decisions) {
+			s.done(m.reqs[p], "", true)
+		} else {
+			s.done(m.reqs[p], decisionNames[a.decisions[j]], false)
+		}
+	}
+	if m.left == 0 {
+		delete(s.inflight, a.id)
 	}
 }
 
@@ -301,6 +326,7 @@ func main() {
 	seconds := flag.Float64("seconds", 10, "how long to offer load")
 	hitRatio := flag.Float64("hit-ratio", 0.9, "share of requests for published keys")
 	hitKeys := flag.String("hit-keys", "", "the published keys, comma-separated")
+	flag.BoolVar(&bundles, "bundles", true, "take answers bundled (DecideRequest.takes_bundles)")
 	flag.Parse()
 	hits := strings.Split(*hitKeys, ",")
 	if *hitKeys == "" || *streams < 1 || *channels < 1 || *rate <= 0 {
@@ -343,7 +369,7 @@ func main() {
 			s.idle.Wait()
 		}
 		s.res = results{byDecision: map[string][]float64{}}
-		s.messages = 0
+		s.messages, s.received = 0, 0
 		s.mu.Unlock()
 	}
 	run := fmt.Sprintf("%d-%d", os.Getpid(), time.Now().UnixNano())
@@ -390,7 +416,7 @@ func main() {
 	perSecond := make([][]float64, int(*seconds)+1)
 	by := map[string][]float64{}
 	counts := map[string]int{}
-	errors, messages := 0, 0
+	errors, messages, received := 0, 0, 0
 	for _, s := range ss {
 		s.mu.Lock()
 		all = append(all, s.res.latencies...)
@@ -405,6 +431,7 @@ func main() {
 		}
 		errors += s.res.errors
 		messages += s.messages
+		received += s.received
 		s.mu.Unlock()
 		s.cs.CloseSend()
 	}
@@ -419,7 +446,7 @@ func main() {
 	}
 	out := map[string]any{
 		"requests": len(all), "per_second": float64(len(all)) / wall, "p50_ms": q[0],
-		"p99_ms": q[1], "errors": errors, "by_decision": counts, "stream_messages": messages,
+		"p99_ms": q[1], "errors": errors, "by_decision": counts, "stream_messages": messages, "answer_messages": received,
 		"p50_p99_ms_by_decision": byQ, "p99_ms_by_second_asked": p99BySecond, "load_generator_cores": cpu / wall, "wall_s": wall,
 	}
 	enc := json.NewEncoder(os.Stdout)

@@ -130,36 +130,40 @@ class AcquireManyResponse(_message.Message):
     def __init__(self, responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
 
 class DecideRequest(_message.Message):
-    __slots__ = ("id", "requests", "wait", "until_publishing", "cancel", "answer_in_parts")
+    __slots__ = ("id", "requests", "wait", "until_publishing", "cancel", "answer_in_parts", "takes_bundles")
     ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     UNTIL_PUBLISHING_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     ANSWER_IN_PARTS_FIELD_NUMBER: _ClassVar[int]
+    TAKES_BUNDLES_FIELD_NUMBER: _ClassVar[int]
     id: int
     requests: _containers.RepeatedCompositeFieldContainer[AcquireRequest]
     wait: WaitRequest
     until_publishing: bool
     cancel: _containers.RepeatedScalarFieldContainer[int]
     answer_in_parts: bool
-    def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[AcquireRequest, _Mapping]]] = ..., wait: _Optional[_Union[WaitRequest, _Mapping]] = ..., until_publishing: _Optional[bool] = ..., cancel: _Optional[_Iterable[int]] = ..., answer_in_parts: _Optional[bool] = ...) -> None: ...
+    takes_bundles: bool
+    def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[AcquireRequest, _Mapping]]] = ..., wait: _Optional[_Union[WaitRequest, _Mapping]] = ..., until_publishing: _Optional[bool] = ..., cancel: _Optional[_Iterable[int]] = ..., answer_in_parts: _Optional[bool] = ..., takes_bundles: _Optional[bool] = ...) -> None: ...
 
 class DecideResponse(_message.Message):
-    __slots__ = ("id", "responses", "error_code", "error_message", "event", "positions")
+    __slots__ = ("id", "responses", "error_code", "error_message", "event", "positions", "more")
     ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     id: int
     responses: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
     error_code: int
     error_message: str
     event: WaitEvent
     positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., event: _Optional[_Union[WaitEvent, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[DecideResponse]
+    def __init__(self, id: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., event: _Optional[_Union[WaitEvent, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., more: _Optional[_Iterable[_Union[DecideResponse, _Mapping]]] = ...) -> None: ...
 
 class WaitRequest(_message.Message):
     __slots__ = ("key", "requester", "timeout_ms")
