@@ -11,7 +11,7 @@ On CPU, loading a serialized executable costs nearly as much as compiling it,
 so these runs show the protocol's overhead and compile counts, not TPU savings.
 
     python bench/time_to_executable.py --tpu v5e:4x4 [--n 4 16] [--layers 64] [--width 1024]
-                                       [--tpu-weights] [--tpu-after]
+                                       [--tpu-weights] [--tpu-after] [--tpu-pairs K]
 
 does the same with a real TPU program: each of N processes (one jax.distributed
 job, as the hosts of a pod) lowers the training step for TOPOLOGY with libtpu's
@@ -57,7 +57,7 @@ def wave(n: int, target: str, layers: int, width: int, *, baseline: bool,
 
 
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
-        weights: bool, after: bool = False) -> None:
+        weights: bool, after: bool = False, pairs: int = 1) -> None:
     import aot_farm
 
     aot_farm.ENV.update(BENCH_LAYERS=str(layers), BENCH_WIDTH=str(width))
@@ -77,6 +77,26 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
         rows.append(dict(r, mode=mode, n=n))
         return r
 
+    if pairs > 1:
+        # A compile's time swings by 20 % from run to run here: each ratio
+        # from a compile alone and a compilecast run next to it, the order
+        # alternating.
+        for n in ns:
+            ratios = []
+            for k in range(pairs):
+                first, second = ("local", "share") if k % 2 == 0 else ("share", "local")
+                got = {first: run(first, 1 if first == "local" else n)}
+                got[second] = run(second, 1 if second == "local" else n)
+                ratios.append(got["share"]["ready"] / got["local"]["ready"])
+                print(f"N={n:3d} pair {k + 1}: one compile alone {got['local']['ready']:.2f}s, "
+                      f"compilecast {got['share']['compiles']} compile(s), all hold the verified "
+                      f"bytes {got['share']['ready']:.2f}s = {ratios[-1]:.2f}x "
+                      f"({first} ran first)", flush=True)
+            ratios.sort()
+            print(f"N={n:3d}: {pairs} pairs, ratio median {ratios[len(ratios) // 2]:.2f}x, "
+                  f"range {ratios[0]:.2f}-{ratios[-1]:.2f}x", flush=True)
+        print(json.dumps(rows))
+        return
     one = run("local", 1)
     print(f"one process compiling alone: {one['ready']:.2f}s, "
           f"{one['bytes'] / 1e6:.0f} MB executable", flush=True)
@@ -117,12 +137,16 @@ def main() -> None:
                     help="with --tpu, run the coordinator streaming uploads to 4 waiters "
                          "(--publish-stream-readers 4) and, side by side, waiters fetching "
                          "only after the publish (the default)")
+    ap.add_argument("--tpu-pairs", type=int, default=1,
+                    help="with --tpu, this many pairs per N of a compile alone and a compilecast "
+                         "run next to it (order alternating), each pair's ratio and the median")
     ap.add_argument("--tpu-weights", action="store_true",
                     help="with --tpu, bake the weights into the program (a large executable)")
     args = ap.parse_args()
     if args.tpu:
         tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
-            args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after)
+            args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
+            args.tpu_pairs)
         return
     args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"
