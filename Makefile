@@ -52,6 +52,7 @@ bench: install
 	$(PY) bench/time_to_executable.py
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --tpu-after
+	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --n 4 --tpu-pairs 3
 	$(PY) bench/publish_overlap.py --upload-mbps 0 50
 	$(PY) bench/warm_start.py
 	$(PY) bench/fetch.py
