@@ -51,3 +51,14 @@ def test_the_go_load_generator_speaks_decide(coordinator, tmp_path):
     # Each stream's warm-up request is a hit the row does not count.
     assert count("hit") - hits_before == by["HIT"] + 2
     assert count("miss") - misses_before == by["COMPILE"]
+
+
+def test_the_go_load_generator_settles_bundled_answers():
+    """bench/loadgen's own unit test (go test): a bundle of whole, partial
+    and nested answers settles every request of every message it answers."""
+    if shutil.which("go") is None:
+        pytest.fail("Go is not installed (.ci/run builds helm with it)")
+    done = subprocess.run(["go", "test", "./..."], cwd=LOADGEN, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok" in done.stdout

@@ -1,0 +1,73 @@
+package main
+
+import (
+	"sync"
+	"testing"
+
+	"google.golang.org/protobuf/encoding/protowire"
+)
+
+// response encodes a DecideResponse as cache.proto lays it out: id 1,
+// responses 2 (each with decision 1), packed positions 6, bundled more 8.
+func response(id uint64, decisions []uint64, positions []uint64, more ...[]byte) []byte {
+	b := protowire.AppendTag(nil, 1, protowire.VarintType)
+	b = protowire.AppendVarint(b, id)
+	for _, d := range decisions {
+		r := protowire.AppendTag(nil, 1, protowire.VarintType)
+		r = protowire.AppendVarint(r, d)
+		b = protowire.AppendTag(b, 2, protowire.BytesType)
+		b = protowire.AppendBytes(b, r)
+	}
+	if len(positions) > 0 {
+		var p []byte
+		for _, x := range positions {
+			p = protowire.AppendVarint(p, x)
+		}
+		b = protowire.AppendTag(b, 6, protowire.BytesType)
+		b = protowire.AppendBytes(b, p)
+	}
+	for _, m := range more {
+		b = protowire.AppendTag(b, 8, protowire.BytesType)
+		b = protowire.AppendBytes(b, m)
+	}
+	return b
+}
+
+func TestABundleSettlesEveryMessageItAnswers(t *testing.T) {
+	s := &stream{inflight: map[uint64]*sent{}, res: results{byDecision: map[string][]float64{}}}
+	s.idle = sync.NewCond(&s.mu)
+	for id, n := range map[uint64]int{1: 1, 2: 3, 3: 1} {
+		reqs := make([]request, n)
+		s.inflight[id] = &sent{reqs: reqs, answered: make([]bool, n), left: n}
+		s.pending += n
+	}
+	// 1 whole (HIT), 2 in two parts (HIT at 0; COMPILE at 1 and 2), 3 whole (WAIT).
+	raw := response(1, []uint64{1}, nil,
+		response(2, []uint64{1}, []uint64{0}),
+		response(2, []uint64{2, 2}, []uint64{1, 2}),
+		response(3, []uint64{3}, nil))
+	a, err := decodeAnswer(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(a.more) != 3 {
+		t.Fatalf("decoded %d bundled answers, want 3", len(a.more))
+	}
+	s.settle(a)
+	for _, m := range a.more {
+		s.settle(m)
+	}
+	if len(s.inflight) != 0 || s.pending != 0 || s.res.errors != 0 {
+		t.Fatalf("left in flight %d, pending %d, errors %d", len(s.inflight), s.pending, s.res.errors)
+	}
+	got := map[string]int{}
+	for k, v := range s.res.byDecision {
+		got[k] = len(v)
+	}
+	want := map[string]int{decisionNames[1]: 2, decisionNames[2]: 2, decisionNames[3]: 1}
+	for k, v := range want {
+		if got[k] != v {
+			t.Fatalf("by decision %v, want %v", got, want)
+		}
+	}
+}
