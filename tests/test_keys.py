@@ -180,7 +180,7 @@ def test_one_element_of_a_resource_constant_changes_the_key():
     for fmt in ("mlir-bytecode", "hlo-proto"):
         assert key_of(a, fmt) != key_of(b, fmt), fmt
     cfg = KeyConfig()
-    assert program_digest(module, cfg) != program_digest(b.compiler_ir("stablehlo"), cfg)
+    assert program_digest(module, cfg)[0] != program_digest(b.compiler_ir("stablehlo"), cfg)[0]
 
 
 # Attributes JAX does not emit on CPU by itself: edit real lowered text.
@@ -439,3 +439,51 @@ def test_explain_cuts_long_lines_around_their_difference():
     assert "A" in ca and "B" in cb and ca.replace("A", "B") == cb
     assert len(ca) <= EXPLAIN_WIDTH + 2 and ca.startswith("…") and ca.endswith("…")
     assert _around_difference("short a", "short b") == ("short a", "short b")
+
+
+def test_a_keys_program_bytes_bound_its_bytecode(aot):
+    """Key.program_bytes, the bytes the program's digest hashed, is at most
+    1.3x the module's MLIR bytecode, for an op-heavy training step and for
+    a constant-heavy program: a recipe relies on it (at a 2x margin) to skip
+    serializing a program far over its limit."""
+    from compilecast.demo_step import make_inputs, make_step
+
+    table = np.random.default_rng(1).standard_normal(1 << 18, dtype=np.float32)  # 1 MiB
+    params, x, y = make_inputs(240, 64, batch=8)
+    programs = {
+        "ops": lambda: make_step()(params, x, y),
+        "constants": lambda: jax.jit(lambda x: x + jnp.asarray(table).sum())(jnp.ones(4)),
+    }
+    for name, run in programs.items():
+        p = aot.probe(run)
+        out = io.BytesIO()
+        p.module.operation.write_bytecode(file=out)
+        code = len(out.getvalue())
+        assert code > 50_000 and p.key.program_bytes <= 1.3 * code, (
+            name, code, p.key.program_bytes)
+    assert p.key.program_bytes >= table.nbytes
+
+
+def test_a_program_far_over_the_recipe_limit_is_never_serialized(aot, monkeypatch):
+    """A recipe keeps a small program's bytecode; for one whose key hashed
+    more than twice the recipe limit it never writes the bytecode at all
+    (it would be dropped), and the recipe is still filled otherwise."""
+    from compilecast import validate
+    from compilecast.v1 import cache_pb2 as pb
+    from compilecast.worker import jax_adapter
+
+    written = []
+    real = jax_adapter.module_bytecode
+    monkeypatch.setattr(jax_adapter, "module_bytecode",
+                        lambda m: written.append(1) or real(m))
+    small = aot.probe(lambda: jax.jit(lambda x: x * 3)(jnp.ones(4)))
+    assert aot.complete_recipe(pb.Recipe(), small).program
+    assert written == [1]
+    big_table = np.zeros(3 * validate.MAX_RECIPE_BYTES // 4 + 1, dtype=np.float32)
+    big_table[::7] = 1.0  # not a splat
+    big = aot.probe(lambda: jax.jit(lambda x: x + jnp.asarray(big_table).sum())(jnp.ones(4)))
+    assert big.key.program_bytes > 2 * validate.MAX_RECIPE_BYTES
+    recipe = aot.complete_recipe(pb.Recipe(), big)
+    assert written == [1] and recipe.program == b""
+    assert recipe.key == big.key.value and recipe.target.platform == "cpu"
+    assert list(recipe.device_ids) == [int(d.id) for d in big.devices.flat]

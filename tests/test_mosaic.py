@@ -262,9 +262,8 @@ def _explained(a, b) -> list[str]:
     from compilecast.worker.keys import Key, explain
 
     ka, kb = Key(), Key()
-    (ka.components["program"], ka.program_text), (kb.components["program"], kb.program_text) = (
-        program_digest(a, KeyConfig(), keep_text=True),
-        program_digest(b, KeyConfig(), keep_text=True))
+    for k, m in ((ka, a), (kb, b)):
+        k.components["program"], k.program_text, _ = program_digest(m, KeyConfig(), keep_text=True)
     return explain(ka, kb)
 
 

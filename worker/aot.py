@@ -271,7 +271,7 @@ def complete_recipe(recipe: pb.Recipe, p: Probe) -> pb.Recipe:
     compile inputs, the versions of the compiler."""
     out = pb.Recipe()
     out.CopyFrom(recipe)
-    fill_recipe(out, p.module, p.devices, p.compile_options, p.backend)
+    fill_recipe(out, p.module, p.devices, p.compile_options, p.backend, p.key.program_bytes)
     out.key = p.key.value
     return out
 
@@ -283,12 +283,26 @@ def program_name(recipe: pb.Recipe, module: Any) -> str:
     return str(jax_adapter.ir.StringAttr(module.operation.attributes["sym_name"]).value)[:200]
 
 
+def _too_big_for_a_recipe(program_bytes: int) -> bool:
+    """Whether a program whose canonical stream is this big has MLIR
+    bytecode over the recipe limit (bytecode is 1.0-1.2x the stream; the
+    margin here is 2x). Such a program is not serialized just to be dropped:
+    2 GB of constants would cost its process 4 GB (the bytecode and the
+    recipe's copy) and seconds, right after its compile, before its publish."""
+    from compilecast import validate
+
+    return program_bytes > 2 * validate.MAX_RECIPE_BYTES
+
+
 def fill_recipe(out: pb.Recipe, module: Any, devices: Any, compile_options: Any,
-                backend: Any) -> pb.Recipe:
+                backend: Any, program_bytes: int = 0) -> pb.Recipe:
+    """`out` filled from JAX's compile inputs. program_bytes: the key's
+    Key.program_bytes (0: unknown; the program is serialized and measured)."""
     from compilecast import validate
 
     out.program_name = program_name(out, module)
-    out.program = jax_adapter.module_bytecode(module)
+    out.program = (b"" if _too_big_for_a_recipe(program_bytes)
+                   else jax_adapter.module_bytecode(module))
     out.compile_options = jax_adapter.compile_options_proto(compile_options)
     del out.device_ids[:], out.device_shape[:], out.xla_flags[:]
     out.device_ids.extend(int(d.id) for d in devices.flat)

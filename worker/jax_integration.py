@@ -67,7 +67,8 @@ class Stats:
 class _Held:
     lease: pb.Lease
     started: float
-    inputs: tuple = ()  # (module, devices, compile_options, backend), for the recipe
+    # (module, devices, compile_options, backend, Key.program_bytes), for the recipe
+    inputs: tuple = ()
 
 
 MAX_DESCRIBED = 256
@@ -300,7 +301,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
             if len(self._described) >= MAX_DESCRIBED:  # keys only ever looked up
                 self._described.pop(next(iter(self._described)))
             self._described[key.value] = (name[:200], key.components, time.monotonic() - start,
-                                          (module, devices, compile_options, backend))
+                                          (module, devices, compile_options, backend,
+                                           key.program_bytes))
         log.debug("compilecast key %s of %s components %s", key.value, name, key.components,
                   extra={"key": key.value})
         return key.value

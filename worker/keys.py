@@ -125,6 +125,11 @@ class Key:
     components: dict[str, str] = field(default_factory=dict)
     # Canonical program text for `explain` (only kept when asked for).
     program_text: str | None = None
+    # Bytes of the program's canonical stream (what its digest hashed). Not
+    # part of the key: it tells, before anything is serialized, roughly how
+    # big the program's MLIR bytecode is (op-heavy modules 1.0-1.2x this,
+    # constants 1.0x; BENCHMARKS.md, "Fifteenth session").
+    program_bytes: int = 0
 
     @property
     def value(self) -> str:
@@ -301,28 +306,45 @@ def _bytecode(module: Any) -> bytes:
     return out.getvalue()
 
 
+class _Counted:
+    """sha256 that counts the bytes it is given."""
+
+    def __init__(self, data: bytes = b"") -> None:
+        self._h = hashlib.sha256(data)
+        self.n = len(data)
+
+    def update(self, data) -> None:
+        self._h.update(data)
+        self.n += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
-                   copy: bool = True) -> tuple[str, str | None]:
-    """The program component of an MLIR module's key, and (keep_text) its
-    canonical text for `explain`. The digest is of mlircanon's canonical
-    stream, one walk that leaves the module untouched; with include_metadata,
-    of the module's bytecode, locations and names included."""
+                   copy: bool = True) -> tuple[str, str | None, int]:
+    """The program component of an MLIR module's key, (keep_text) its
+    canonical text for `explain`, and the bytes hashed (Key.program_bytes).
+    The digest is of mlircanon's canonical stream, one walk that leaves the
+    module untouched; with include_metadata, of the module's bytecode,
+    locations and names included."""
     if cfg.include_metadata:
-        return _digest(_bytecode(module)), (
-            module.operation.get_asm(enable_debug_info=True) if keep_text else None)
+        code = _bytecode(module)
+        return _digest(code), (
+            module.operation.get_asm(enable_debug_info=True) if keep_text else None), len(code)
     with module.context:
         renames = None if cfg.rename_private_functions else {}  # None: the walk finds them
-        h = hashlib.sha256()
+        h = _Counted()
         try:
             mlircanon.stream(module, h, frozenset(cfg.ignore_attributes), renames,
                              mosaic.kernel_part)
         except mlircanon.ResourceRefused:  # blobs outside attributes: the bytecode has them
-            h = hashlib.sha256(b"resources\n" + _bytecode(canonicalize(module, cfg, copy=True)))
+            h = _Counted(b"resources\n" + _bytecode(canonicalize(module, cfg, copy=True)))
     text = None
     if keep_text:  # only for explain: the canonical module as MLIR prints it
         text = mosaic.readable(
             canonicalize(module, cfg, copy=copy).operation.get_asm(enable_debug_info=False))
-    return h.hexdigest(), text
+    return h.hexdigest(), text, h.n
 
 
 # -- keys ----------------------------------------------------------------------
@@ -341,8 +363,8 @@ def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = 
                 key.program_text = _hlo_text(data, cfg)
         else:
             module, fmt = parse_program(data, fmt)
-            digest, key.program_text = program_digest(module, cfg, keep_text=keep_text,
-                                                      copy=False)
+            digest, key.program_text, key.program_bytes = program_digest(
+                module, cfg, keep_text=keep_text, copy=False)
     except Exception:
         fmt, digest = "raw", _digest(data)
     key.components.update(program=digest, program_format=fmt, key_version=KEY_VERSION,
@@ -426,7 +448,7 @@ def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
     changes the executable on CPU, see docs/keys.md.
     """
     cfg = cfg or KeyConfig()
-    digest, _ = program_digest(module, cfg)
+    digest, _, streamed = program_digest(module, cfg)
     kinds = sorted({str(d.device_kind) for d in devices.flat})
     ids = [int(d.id) for d in devices.flat]
     # Where each device sits in the slice (TPU chips' ICI coordinates and core)
@@ -450,7 +472,7 @@ def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
         "ignored": _digest(cfg.describe()),
         **({"custom_hook": _digest(hook)} if hook else {}),
         **({"host_cpu": _host_cpu_digest()} if backend.platform == "cpu" else {}),
-    })
+    }, program_bytes=streamed)
 
 
 EXPLAIN_WIDTH = 200  # characters of a differing line that explain shows
