@@ -285,8 +285,8 @@ def program_name(recipe: pb.Recipe, module: Any) -> str:
 
 def _too_big_for_a_recipe(program_bytes: int) -> bool:
     """Whether a program whose canonical stream is this big has MLIR
-    bytecode over the recipe limit (bytecode is 1.0-1.2x the stream; the
-    margin here is 2x). Such a program is not serialized just to be dropped:
+    bytecode over the recipe limit (the stream is at most 1.21x the
+    bytecode; the margin here is 2x). Such a program is not serialized just to be dropped:
     2 GB of constants would cost its process 4 GB (the bytecode and the
     recipe's copy) and seconds, right after its compile, before its publish."""
     from compilecast import validate

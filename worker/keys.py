@@ -127,8 +127,8 @@ class Key:
     program_text: str | None = None
     # Bytes of the program's canonical stream (what its digest hashed). Not
     # part of the key: it tells, before anything is serialized, roughly how
-    # big the program's MLIR bytecode is (op-heavy modules 1.0-1.2x this,
-    # constants 1.0x; BENCHMARKS.md, "Fifteenth session").
+    # big the program's MLIR bytecode is (the stream is at most 1.21x the
+    # bytecode, 1.0x for constants; BENCHMARKS.md, "Fifteenth session").
     program_bytes: int = 0
 
     @property
