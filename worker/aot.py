@@ -286,9 +286,10 @@ def program_name(recipe: pb.Recipe, module: Any) -> str:
 def _too_big_for_a_recipe(program_bytes: int) -> bool:
     """Whether a program whose canonical stream is this big has MLIR
     bytecode over the recipe limit (the stream is at most 1.21x the
-    bytecode; the margin here is 2x). Such a program is not serialized just to be dropped:
-    2 GB of constants would cost its process 4 GB (the bytecode and the
-    recipe's copy) and seconds, right after its compile, before its publish."""
+    bytecode; the margin here is 2x). Such a program is not serialized
+    just to be dropped: 2 GB of constants would cost its process 4 GB (the
+    bytecode and the recipe's copy) and seconds, right after its compile,
+    before its publish."""
     from compilecast import validate
 
     return program_bytes > 2 * validate.MAX_RECIPE_BYTES
