@@ -63,7 +63,7 @@ bench: install
 	$(PY) bench/decisions.py --streams 8 --hit-ratio 1.0 --rate 2000
 	$(PY) bench/decisions.py --streams 8 --hit-ratio 1.0 --rate 5000 --pin
 	$(PY) bench/decisions.py --streams 8 --pod
-	$(PY) bench/decisions.py --loadgen go --streams 8 --rate 5000 --hit-ratio 0.9 --pin
+	$(PY) bench/decisions.py --loadgen go --streams 8 --rate 5000 --hit-ratio 0.9 --pin --repeat 3
 	$(PY) bench/pod_start.py
 	$(PY) bench/pod_start.py --wait-calls
 	$(PY) bench/pod_start.py --per-host 8
