@@ -84,14 +84,13 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
         for n in ns:
             ratios = []
             for k in range(pairs):
-                first, second = ("local", "share") if k % 2 == 0 else ("share", "local")
-                got = {first: run(first, 1 if first == "local" else n)}
-                got[second] = run(second, 1 if second == "local" else n)
+                order = ("local", "share") if k % 2 == 0 else ("share", "local")
+                got = {mode: run(mode, 1 if mode == "local" else n) for mode in order}
                 ratios.append(got["share"]["ready"] / got["local"]["ready"])
                 print(f"N={n:3d} pair {k + 1}: one compile alone {got['local']['ready']:.2f}s, "
                       f"compilecast {got['share']['compiles']} compile(s), all hold the verified "
                       f"bytes {got['share']['ready']:.2f}s = {ratios[-1]:.2f}x "
-                      f"({first} ran first)", flush=True)
+                      f"({order[0]} ran first)", flush=True)
             ratios.sort()
             print(f"N={n:3d}: {pairs} pairs, ratio median {ratios[len(ratios) // 2]:.2f}x, "
                   f"range {ratios[0]:.2f}-{ratios[-1]:.2f}x", flush=True)

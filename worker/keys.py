@@ -315,7 +315,7 @@ class _Counted:
 
     def update(self, data) -> None:
         self._h.update(data)
-        self.n += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+        self.n += memoryview(data).nbytes
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
