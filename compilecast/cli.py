@@ -111,7 +111,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         st = client.status()
     except grpc.RpcError as exc:
-        print(f"worker {args.worker}: unreachable ({exc.code().name}: {exc.details()})")
+        print(f"worker {args.worker}: {_unreachable(exc, WORKER_HINT)}")
         return 2
     finally:
         client.close()
@@ -216,6 +216,8 @@ def _seen_key(key: str, worker: str):
     try:
         d = client.describe(key)
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            raise CliError(f"{key}: worker {worker}: {_unreachable(exc, WORKER_HINT)}") from None
         raise CliError(f"{key}: {exc.details()}") from None
     finally:
         client.close()
@@ -337,8 +339,28 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         client.close()
 
 
+WORKER_HINT = ("is `compilecast up` or `compilecast worker` running? "
+               "(--worker or COMPILECAST_WORKER names another)")
+SERVER_HINT = ("is a coordinator or worker listening there? "
+               "(--coordinator or COMPILECAST_COORDINATOR names another)")
+
+
+def _unreachable(exc, hint: str) -> str:
+    """Why a server could not be asked, and where to look: "unreachable:
+    no socket at that path; is ... running?"."""
+    from compilecast.grpcutil import unreachable
+
+    return f"{unreachable(exc)}; {hint}"
+
+
 def _rpc_failed(args: argparse.Namespace, exc) -> CliError:
-    return CliError(f"{args.coordinator}: {exc.code().name}: {exc.details()}")
+    import grpc
+
+    from compilecast.grpcutil import rpc_problem
+
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return CliError(f"{args.coordinator}: {_unreachable(exc, SERVER_HINT)}")
+    return CliError(f"{args.coordinator}: {rpc_problem(exc)}")
 
 
 LS_ORDER = {"key": lambda a: a.artifact.key, "size": lambda a: -a.artifact.size,

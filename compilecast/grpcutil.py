@@ -23,6 +23,38 @@ CHANNEL_OPTIONS = [
 ]
 
 
+# Why a connection could not be made, as gRPC's details say it (the OS's
+# words, after a chain of resolver and subchannel context), in a few words.
+_CONNECT_FAILURES = (
+    ("No such file or directory", "no socket at that path"),
+    ("Connection refused", "connection refused"),
+    ("Permission denied", "permission denied"),
+    ("Domain name not found", "no such host"),
+    ("Name or service not known", "no such host"),
+    ("Network is unreachable", "network unreachable"),
+    ("No route to host", "no route to host"),
+)
+
+
+def rpc_problem(exc: grpc.RpcError) -> str:
+    """A failed call as one readable line: its status and details, or, for a
+    server that could not be reached, "unreachable: " and why in a few words
+    (gRPC's own details for that run to a few hundred characters)."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        for needle, why in _CONNECT_FAILURES:
+            if needle in details:
+                return f"unreachable: {why}"
+    return f"{code.name}: {details}"
+
+
+def unreachable(exc: grpc.RpcError) -> str:
+    """rpc_problem for a server that did not answer: always "unreachable",
+    with why (a connection that failed) or the status (a deadline)."""
+    problem = rpc_problem(exc)
+    return problem if problem.startswith("unreachable") else f"unreachable ({problem})"
+
+
 def _read(path: str) -> bytes | None:
     if not path:
         return None

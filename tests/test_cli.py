@@ -15,7 +15,26 @@ def cc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def test_status_is_nonzero_when_nothing_runs(tmp_path):
     r = cc("status", "--worker", f"unix://{tmp_path}/none.sock", "--timeout", "1")
     assert r.returncode != 0
-    assert "unreachable" in r.stdout
+    assert "unreachable: no socket at that path; is `compilecast up`" in r.stdout
+    assert "FAILED_PRECONDITION" not in r.stdout  # gRPC's own chain of context
+
+
+def test_a_server_that_cannot_be_reached_is_said_in_a_few_words(tmp_path):
+    """Client commands say why a server could not be asked and where to
+    look, not gRPC's resolver and subchannel chain."""
+    from compilecast.launch import free_port
+
+    for target, why in ((f"127.0.0.1:{free_port()}", "connection refused"),
+                        (f"unix://{tmp_path}/none.sock", "no socket at that path")):
+        r = cc("ls", "--coordinator", target)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr == (f"compilecast: {target}: unreachable: {why}; is a coordinator or "
+                            "worker listening there? (--coordinator or COMPILECAST_COORDINATOR "
+                            "names another)\n"), r.stderr
+    key = "cc1-" + "0" * 64
+    r = cc("explain", key, key, "--worker", f"unix://{tmp_path}/none.sock")
+    assert r.returncode == 2 and "unreachable: no socket at that path; is `compilecast up`" \
+        in r.stderr, r.stderr
 
 
 def test_status_is_zero_against_a_healthy_worker(coordinator, start_worker):
@@ -122,7 +141,8 @@ def test_ls_lists_the_tenants_artifacts_a_page_at_a_time(coordinator):
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
         bad = cc("ls", "--coordinator", "127.0.0.1:1")
-    assert bad.returncode != 0 and "UNAVAILABLE" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode != 0 and "unreachable: connection refused" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 # -- `compilecast key` and `compilecast explain` on files ------------------------

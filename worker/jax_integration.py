@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from compilecast.config import default_worker_target
+from compilecast.grpcutil import unreachable
 from compilecast.v1 import cache_pb2 as pb
 
 from . import jax_adapter, keys
@@ -117,8 +118,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
 
     def _unreachable(self, key: str, exc: grpc.RpcError) -> None:
         self._down_until = time.monotonic() + UNREACHABLE_BACKOFF_S
-        self._fallback(key, f"worker {self.target} unreachable ({exc.code().name}: "
-                            f"{exc.details()}); not asking again for {UNREACHABLE_BACKOFF_S:.0f}s")
+        self._fallback(key, f"worker {self.target} {unreachable(exc)}; "
+                            f"not asking again for {UNREACHABLE_BACKOFF_S:.0f}s")
 
     # -- CacheInterface ----------------------------------------------------
     def get(self, key: str) -> bytes | None:
