@@ -199,8 +199,7 @@ def cmd_key(args: argparse.Namespace) -> int:
             print(f"compilecast: {exc}", file=sys.stderr)
             failed += 1
             continue
-        fmt = key.components["program_format"]
-        note = "  (unparsed: keyed by raw bytes)" if fmt == "raw" else ""
+        note = f"  (unparsed, keyed by raw bytes: {key.unparsed})" if key.unparsed else ""
         print(f"{key.value}  {path}{note}", flush=True)
     return 1 if failed else 0
 

@@ -195,7 +195,23 @@ def test_key_says_when_a_file_is_not_a_program(tmp_path):
     junk.write_text("not a program\n")
     r = cc("key", str(junk))
     assert r.returncode == 0
-    assert r.stdout.rstrip().endswith(f"  {junk}  (unparsed: keyed by raw bytes)")
+    assert f"  {junk}  (unparsed, keyed by raw bytes: not valid hlo-proto: " in r.stdout
+
+
+def test_key_says_why_a_damaged_program_was_not_parsed(tmp_path):
+    """A dump cut short keys by its raw bytes, and says what the parser
+    found wrong; the whole dump is parsed and says nothing."""
+    whole = _fixture("mlp.hlo.pb")
+    with open(whole, "rb") as f:
+        data = f.read()
+    cut = tmp_path / "cut.hlo.pb"
+    cut.write_bytes(data[:len(data) // 2])
+    r = cc("key", whole, str(cut))
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.splitlines()
+    assert first.endswith(f"  {whole}")
+    assert second.endswith(f"  {cut}  (unparsed, keyed by raw bytes: not valid hlo-proto: "
+                           "field runs past the end of its message)"), second
 
 
 def test_explain_two_files(tmp_path):

@@ -130,6 +130,8 @@ class Key:
     # big the program's MLIR bytecode is (the stream is at most 1.21x the
     # bytecode, 1.0x for constants; BENCHMARKS.md, "Fifteenth session").
     program_bytes: int = 0
+    # Why a program file was keyed by its raw bytes ("" when it was parsed).
+    unparsed: str = ""
 
     @property
     def value(self) -> str:
@@ -365,12 +367,20 @@ def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = 
             module, fmt = parse_program(data, fmt)
             digest, key.program_text, key.program_bytes = program_digest(
                 module, cfg, keep_text=keep_text, copy=False)
-    except Exception:
+    except Exception as exc:
+        key.unparsed = f"not valid {fmt}: {_first_words(exc)}"
         fmt, digest = "raw", _digest(data)
     key.components.update(program=digest, program_format=fmt, key_version=KEY_VERSION,
                           include_metadata=str(cfg.include_metadata),
                           ignored=_digest(cfg.describe()))
     return key
+
+
+def _first_words(exc: Exception, limit: int = 160) -> str:
+    """A parser's error on one line, cut at `limit` characters."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    text = text or type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _hlo_text(data: bytes, cfg: KeyConfig) -> str | None:
