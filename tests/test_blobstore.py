@@ -415,3 +415,75 @@ def test_a_writer_given_up_ends_its_hashing_thread(tmp_path):
         w.commit(hashlib.sha256(data).hexdigest(), len(data))
     assert _hash_threads() == before
     assert b"".join(store.read(hashlib.sha256(data).hexdigest())) == data
+
+
+def test_the_kernel_starts_writeback_where_the_platform_allows(tmp_path):
+    """The binding of sync_file_range works here (a wrong one would only be
+    refused, and every durable commit would wait for its whole blob again)."""
+    import sys
+
+    from compilecast import blobstore
+
+    if not sys.platform.startswith("linux"):
+        assert blobstore._start_writeback is None
+        return
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert blobstore._start_writeback(fd, 0, 1 << 20)
+        assert not blobstore._start_writeback(-1, 0, 1 << 20)  # EBADF: refused, said so
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["raw", "compressed", "as-sent"])
+def test_a_durable_writer_has_its_bytes_written_out_as_it_goes(tmp_path, monkeypatch, how):
+    """Every WRITEBACK_EVERY bytes of a durable blob's file, the kernel is
+    asked to start writing them out, each range once and in order, before
+    the commit; a cache's store (not durable) never asks; once refused, a
+    writer stops asking and its commit still makes the blob."""
+    from compilecast import blobstore
+
+    asked = []
+
+    def start(fd, offset, nbytes):
+        asked.append((offset, nbytes, os.fstat(fd).st_size))
+        return len(asked) < 100
+
+    monkeypatch.setattr(blobstore, "_start_writeback", start)
+    monkeypatch.setattr(blobstore, "WRITEBACK_EVERY", 1 << 20)
+    data = os.urandom(5 << 19) * 4 if how != "raw" else os.urandom(10 << 20)  # 10 MiB
+    import zstandard
+
+    stored = zstandard.ZstdCompressor(level=1).compress(data) if how == "as-sent" else b""
+    for durable in (True, False):
+        asked.clear()
+        store = DiskBlobStore(tmp_path / str(durable), durable=durable)
+        with store.writer() as w:
+            if how == "as-sent":
+                for off in range(0, len(stored), 300_000):
+                    w.write_zstd(stored[off:off + 300_000])
+            for off in range(0, len(data), 300_000):
+                w.write(data[off:off + 300_000])
+            before_commit = list(asked)
+            w.commit(hashlib.sha256(data).hexdigest(), len(data))
+        assert store.read_bytes(hashlib.sha256(data).hexdigest()) == data
+        if not durable:
+            assert asked == []
+            continue
+        assert before_commit == asked and len(asked) >= 2, (how, asked)
+        ends = 0
+        for offset, nbytes, file_size in asked:
+            assert offset == ends and nbytes >= (1 << 20) and offset + nbytes <= file_size
+            ends = offset + nbytes
+        assert ends > store.path_of(hashlib.sha256(data).hexdigest()).stat().st_size - (1 << 20)
+
+    asked.clear()
+    monkeypatch.setattr(blobstore, "_start_writeback", lambda *a: asked.append(a) and False)
+    store = DiskBlobStore(tmp_path / "refused")
+    with store.writer() as w:
+        w.write(os.urandom(4 << 20))
+        assert len(asked) == 1  # refused the first time: never asked again
+        w.write(os.urandom(4 << 20))
+        assert len(asked) == 1
