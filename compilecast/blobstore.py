@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -102,29 +103,29 @@ def _fsync_dir(path: Path) -> None:
 WRITEBACK_EVERY = 8 << 20
 
 
-def _writeback_starter() -> Callable[[int, int, int], bool] | None:
-    """start(fd, offset, nbytes) -> whether the kernel took the request, or
-    None where there is no sync_file_range."""
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's sync_file_range, bound on first use (never in a process that
+    writes no durable blob, such as a user's JAX process); None where there
+    is none."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.sync_file_range
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
     call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     call.restype = ctypes.c_int
-    write = 2  # SYNC_FILE_RANGE_WRITE: start writing dirty pages, do not wait
-
-    def start(fd: int, offset: int, nbytes: int) -> bool:
-        return call(fd, offset, nbytes, write) == 0
-
-    return start
+    return call
 
 
-_start_writeback = _writeback_starter()
+def _start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Have the kernel start writing out a range of the file, without
+    waiting (SYNC_FILE_RANGE_WRITE); whether it took the request."""
+    call = _sync_file_range()
+    return call is not None and call(fd, offset, nbytes, 2) == 0
 
 
 def worth_compressing(sample: bytes, level: int) -> bool:
@@ -266,7 +267,7 @@ class BlobWriter:
         self.size = 0
         self._done = False
         # Up to where the kernel was asked to write the file out (durable only).
-        self._written_back = 0 if store.durable and _start_writeback is not None else None
+        self._written_back = 0 if store.durable else None
 
     def write(self, data: bytes) -> None:
         self.size += len(data)
