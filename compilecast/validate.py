@@ -75,12 +75,15 @@ def acquire_request(r) -> None:  # a compilecast.v1.AcquireRequest
 
 
 def publish_header(header, max_size: int) -> str:  # a compilecast.v1.PublishHeader
-    """Check a Publish header (coordinator and worker alike); returns the key."""
+    """Check a Publish header (coordinator and worker alike); returns the key.
+    An empty digest comes last (PublishChunk.digest; coordinator.service's
+    publish_stream checks it)."""
     from compilecast.errors import TooLarge
 
     k = key(header.key)
     lease(header.lease)
-    digest(header.digest)
+    if header.digest:
+        digest(header.digest)
     requester(header.requester)
     if header.size <= 0:
         raise InvalidRequest("size must be > 0")

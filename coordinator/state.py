@@ -383,13 +383,19 @@ class CoordinatorState:
             compare, [op_put(record, self._claim(lease_id, req, program), lease=lease_id)], read)
         if ok:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s, revision=rev,
-                            accepts_zstd=True), []
+                            accepts_zstd=True, digest_first=self._digest_first()), []
         mine = kvs[read.index(record)]
         if mine is not None and json.loads(mine.value).get("lease") == lease_id:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s,
-                            revision=mine.mod_revision, accepts_zstd=True), kvs
+                            revision=mine.mod_revision, accepts_zstd=True,
+                            digest_first=self._digest_first()), kvs
         self.leases.give_back((lease_id, granted_at))
         return None, kvs
+
+    def _digest_first(self) -> bool:
+        """Whether holders send the digest before the bytes: needed when the
+        waiters read an upload as it arrives (they are told its digest)."""
+        return self.cfg.publish_stream_readers > 0
 
     async def _check_holder(self, sk: str, lease: pb.Lease,
                             requester: pb.Requester | None = None) -> str:
@@ -662,12 +668,15 @@ class CoordinatorState:
                        chunks: AsyncIterator[DataChunk]) -> pb.ArtifactInfo:
         key = plain(sk)
         kind = await self._check_holder(sk, header.lease, header.requester)
-        revocation = self._revocation(tenant_of(sk), header.digest)
-        entry, revoked = await self.etcd.get_many([self._k("a", sk), revocation])
+        later = not header.digest  # sent last: checked against revocations once known
+        reads = [self._k("a", sk)]
+        if not later:
+            reads.append(self._revocation(tenant_of(sk), header.digest))
+        entry, *revoked = await self.etcd.get_many(reads)
         if entry is not None:
             raise AlreadyPublished(f"key {key} is already published")
-        if revoked is not None:
-            raise await self._refuse_revoked(sk, kind, header, revoked, "was purged")
+        if revoked and revoked[0] is not None:
+            raise await self._refuse_revoked(sk, kind, header, revoked[0], "was purged")
         if not await amake_room(self.store, header.size):
             raise StoreFull(f"the artifact store has no room for {header.size} bytes, even "
                             "after evicting what it could (its volume is full)")
@@ -693,6 +702,11 @@ class CoordinatorState:
                     raise InvalidRequest(f"received more than the declared {header.size} bytes")
                 await loop.run_in_executor(self._publish_threads, writer.write, data)
                 upload.advance()  # fetchers of the upload may read this far
+            if later:  # the digest the last message carried: never a purged one's bytes
+                revoked, = await self.etcd.get_many([self._revocation(tenant_of(sk),
+                                                                      header.digest)])
+                if revoked is not None:
+                    raise await self._refuse_revoked(sk, kind, header, revoked, "was purged")
             await loop.run_in_executor(self._publish_threads, writer.commit, header.digest,
                                        header.size)
             upload.finish(ok=True)

@@ -82,8 +82,15 @@ class Uploads:
 
     @contextlib.contextmanager
     def track(self, sk: str, info: pb.ArtifactInfo, writer: BlobWriter) -> Iterator[Upload]:
-        """Registered for the block; failed unless marked committed in it."""
-        upload = self._by_key[sk] = Upload(info, writer)
+        """Registered for the block; failed unless marked committed in it.
+        An upload whose digest comes last is not registered: its fetchers
+        could not be told what to verify it against (they get the blob once
+        it is committed)."""
+        upload = Upload(info, writer)
+        if not info.digest:
+            yield upload
+            return
+        self._by_key[sk] = upload
         self._on_start(sk)
         try:
             yield upload

@@ -103,6 +103,106 @@ def test_malformed_publishes_are_invalid_argument(coordinator):
     assert coordinator.store.count() == 0
 
 
+def test_a_publish_may_send_its_digest_last(coordinator):
+    """The holder hashes as it sends: a header without a digest, the bytes,
+    then the digest alone. That is what CacheClient.publish sends (the
+    coordinator does not ask for it first) and it lands as any publish."""
+    c = client(coordinator.cfg.listen)
+    lease = c.acquire("k").lease
+    assert not lease.digest_first
+    sent = list(publish_messages(pb.PublishHeader(key="k", lease=lease, size=len(DATA)), DATA))
+    assert sent[0].header.digest == "" and sent[-1].digest == hashlib.sha256(DATA).hexdigest()
+    info = c.stub.Publish(iter(sent), timeout=10).artifact
+    assert info.digest == hashlib.sha256(DATA).hexdigest()
+    assert c.fetch("k")[1] == DATA
+    lease = c.acquire("k2").lease
+    assert c.publish("k2", lease, DATA * 3, 1.0).digest == hashlib.sha256(DATA * 3).hexdigest()
+
+
+def test_a_digest_sent_last_is_checked_as_one_sent_first(coordinator):
+    """Wrong, missing, twice, or not last: refused, nothing stored, and the
+    holder can still publish."""
+    c = client(coordinator.cfg.listen)
+    lease = c.acquire("k").lease
+    digest = hashlib.sha256(DATA).hexdigest()
+
+    def stream(header_digest: str, *tail: pb.PublishChunk):
+        msgs = publish_messages(pb.PublishHeader(key="k", lease=lease, size=len(DATA),
+                                                 digest=header_digest or digest), DATA)
+        msgs = list(msgs)
+        if not header_digest:
+            msgs[0].header.digest = ""
+        return iter(msgs + list(tail))
+
+    cases = {
+        "wrong": (stream("", pb.PublishChunk(digest="0" * 64)), "digest mismatch"),
+        "missing": (stream(""), "ended without its digest"),
+        "malformed": (stream("", pb.PublishChunk(digest="xyz")), "digest 'xyz' is invalid"),
+        "twice": (stream(digest, pb.PublishChunk(digest=digest)), "not both"),
+        "not last": (stream("", pb.PublishChunk(digest=digest), pb.PublishChunk(data=b"x")),
+                     "must be a Publish's last"),
+    }
+    for name, (msgs, says) in cases.items():
+        code, details = code_of(lambda m=msgs: c.stub.Publish(m, timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and says in details, (name, details)
+    assert coordinator.store.count() == 0
+    assert list(coordinator.store.tmp_dir.iterdir()) == []
+    c.publish("k", lease, DATA, 1.0)
+    assert c.fetch("k")[1] == DATA
+
+
+def test_a_purged_digest_sent_last_is_refused_before_it_is_stored(coordinator):
+    c = client(coordinator.cfg.listen)
+    lease = c.acquire("k").lease
+    c.publish("k", lease, DATA, 1.0)
+    c.purge(["k"], reason="bad build")
+    lease = c.acquire("k").lease
+    code, details = code_of(lambda: c.publish("k", lease, DATA, 1.0))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "purged" in details, details
+    assert coordinator.store.count() == 1  # the purged blob only; nothing new stored
+    assert code_of(lambda: c.fetch("k"))[0] == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_client_sends_the_digest_first_to_a_server_that_predates_digests_sent_last():
+    """A server of an older release refuses an empty header digest before
+    taking any byte; the client then sends the digest first, at once and
+    from then on. (A server of the test's own, answering as older
+    coordinators and workers do.)"""
+    from concurrent import futures
+
+    from compilecast.launch import free_port
+
+    headers = []
+
+    class Older(rpc.CompileCacheServicer):
+        def Publish(self, request_iterator, context):
+            header = next(request_iterator).header
+            headers.append(header.digest)
+            if not header.digest:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "digest '' is invalid: expected "
+                              "64 lowercase hex characters (sha256)")
+            body = b"".join(m.data for m in request_iterator)
+            assert hashlib.sha256(body).hexdigest() == header.digest
+            return pb.PublishResponse(artifact=pb.ArtifactInfo(key=header.key,
+                                                               digest=header.digest))
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    rpc.add_CompileCacheServicer_to_server(Older(), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        c = client(f"127.0.0.1:{port}")
+        lease = pb.Lease(id=1, ttl_seconds=10, revision=1)
+        digest = hashlib.sha256(DATA).hexdigest()
+        assert c.publish("k", lease, DATA, 1.0).digest == digest
+        assert headers == ["", digest]
+        assert c.publish("k2", lease, DATA, 1.0).digest == digest
+        assert headers == ["", digest, digest]
+    finally:
+        server.stop(0)
+
+
 def test_wait_with_negative_timeout_is_invalid(coordinator):
     c = client(coordinator.cfg.listen)
     code, _ = code_of(lambda: list(c.stub.Wait(pb.WaitRequest(key="k", timeout_ms=-1),

@@ -36,12 +36,13 @@ class HeldUpload:
     (then sends the rest) or `cut` (then ends with an error, the upload short)."""
 
     def __init__(self, client: CacheClient, key: str, lease: pb.Lease, data: bytes,
-                 digest: str = "", *, coordinator=None) -> None:
+                 digest: str = "", *, coordinator=None, digest_last: bool = False) -> None:
         self.go, self.cut, self.sent_head = threading.Event(), threading.Event(), threading.Event()
         self.error: grpc.RpcError | None = None
         header = pb.PublishHeader(key=key, lease=lease, size=len(data), compile_time_seconds=7.0,
                                   requester=client.identity.requester(),
-                                  digest=digest or hashlib.sha256(data).hexdigest())
+                                  digest="" if digest_last
+                                  else digest or hashlib.sha256(data).hexdigest())
 
         def messages():
             yield pb.PublishChunk(header=header)
@@ -54,6 +55,8 @@ class HeldUpload:
                 raise RuntimeError("holder died mid-upload")
             for at in range(HEAD, len(data), MIB):
                 yield DataChunk(data[at:at + MIB])
+            if digest_last:
+                yield pb.PublishChunk(digest=hashlib.sha256(data).hexdigest())
 
         def run():
             try:
@@ -309,3 +312,26 @@ def test_heartbeats_keep_a_fetcher_of_a_held_upload_from_giving_up(
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "moved nothing for 1s" in err.value.details()
     up.thread.join(10)
+
+
+def test_a_coordinator_that_streams_uploads_asks_for_the_digest_first(
+        coordinator, start_coordinator):
+    """Its fetchers are told the digest of an upload as it starts, so its
+    leases ask for it first (one that does not stream uploads does not ask,
+    and its holders hash as they send). A holder that sends it last anyway
+    publishes as usual; its upload is not read in flight."""
+    plain = CacheClient(start_coordinator().cfg.listen).acquire("o")
+    assert plain.decision == pb.COMPILE and not plain.lease.digest_first
+    holder, waiter = clients(coordinator.cfg.listen)
+    lease = holder.acquire("k").lease
+    assert lease.digest_first
+    data = os.urandom(6 * MIB)
+    up = HeldUpload(holder, "k", lease, data, digest_last=True)
+    assert coordinator.state.uploads.get(scope("default", "k")) is None
+    up.go.set()
+    up.thread.join(30)
+    assert up.error is None, up.error
+    assert waiter.fetch("k")[1] == data
+    lease = holder.acquire("k2").lease
+    published = holder.publish("k2", lease, data, 1.0)  # the client sends it first here
+    assert published.digest == hashlib.sha256(data).hexdigest()

@@ -146,6 +146,7 @@ class CacheClient:
         # lease, and each claim is renewed (and stopped) on its own.
         self._keepers: dict[tuple[str, int], threading.Event] = {}
         self._publishing: set[tuple[str, int]] = set()  # publishes in flight
+        self._digest_first = False  # the server refused a digest sent last
 
     def close(self) -> None:
         for stop in self._keepers.values():
@@ -320,9 +321,14 @@ class CacheClient:
 
     def publish(self, key: str, lease: pb.Lease, data: bytes,
                 compile_time_s: float, recipe: pb.Recipe | None = None) -> pb.ArtifactInfo:
-        header = pb.PublishHeader(key=key, lease=lease, digest=hashlib.sha256(data).hexdigest(),
-                                  size=len(data), compile_time_seconds=compile_time_s,
+        # The digest goes last (hashed as the bytes are sent, not before the
+        # first: 0.14 s for 187 MB here) unless the coordinator wants it first
+        # or this server predates digests sent last.
+        header = pb.PublishHeader(key=key, lease=lease, size=len(data),
+                                  compile_time_seconds=compile_time_s,
                                   requester=self.identity.requester(), recipe=recipe)
+        if lease.digest_first or self._digest_first:
+            header.digest = hashlib.sha256(data).hexdigest()
         self._publishing.add((key, lease.id))
         try:
             for attempt, pause in enumerate((*PUBLISH_RETRY_S, None)):
@@ -330,7 +336,8 @@ class CacheClient:
                     return self._publish_once(header, data)
                 except grpc.RpcError as exc:
                     if attempt and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
-                        mine = self._published_as(key, header.digest)
+                        mine = self._published_as(key, header.digest or
+                                                  hashlib.sha256(data).hexdigest())
                         if mine is not None:  # an earlier attempt's answer was lost
                             return mine
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or pause is None:
@@ -352,6 +359,21 @@ class CacheClient:
         return info if info.digest == digest else None
 
     def _publish_once(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo:
+        try:
+            return self._send(header, data)
+        except grpc.RpcError as exc:
+            if header.digest or exc.code() != grpc.StatusCode.INVALID_ARGUMENT \
+                    or "digest '' is invalid" not in (exc.details() or ""):
+                raise
+        # A server that predates digests sent last refused the header before
+        # any byte: from now on this client sends them first.
+        log.info("%s takes the digest of a publish only in its header; sending it there",
+                 self.target)
+        self._digest_first = True
+        header.digest = hashlib.sha256(data).hexdigest()
+        return self._send(header, data)
+
+    def _send(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo:
         key = header.key
         dog = _Watchdog(self.stall_s)
 
@@ -461,10 +483,23 @@ class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercep
 
 
 def publish_messages(header: pb.PublishHeader, data: bytes) -> Iterator[pb.PublishChunk]:
+    """A Publish stream: the header, the chunks, and, when the header has no
+    digest, a last message with the digest of the bytes sent (hashed as they
+    go, on a thread of its own for a big artifact)."""
     yield pb.PublishChunk(header=header)
     view = memoryview(data)
-    for off in range(0, len(data), CHUNK):
-        yield DataChunk(view[off:off + CHUNK])
+    h = None if header.digest else Sha256()
+    try:
+        for off in range(0, len(data), CHUNK):
+            piece = view[off:off + CHUNK]
+            if h is not None:
+                h.update(piece)
+            yield DataChunk(piece)
+        if h is not None:
+            yield pb.PublishChunk(digest=h.hexdigest())
+    finally:
+        if h is not None:
+            h.close()  # a publish cut short: its hashing thread ends too
 
 
 def wait_until_healthy(target: str, timeout_s: float = 30.0) -> pb.StatusResponse:

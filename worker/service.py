@@ -574,6 +574,8 @@ class WorkerService(rpc.CompileCacheServicer):
             # the host cache.
             pack = _Packer(writer) if header.lease.accepts_zstd else None
 
+            later = not header.digest  # the holder sends it last: so does this worker
+
             async def forward() -> AsyncIterator[pb.PublishChunk]:
                 yield pb.PublishChunk(header=header)
                 async for chunk in chunks:
@@ -590,6 +592,8 @@ class WorkerService(rpc.CompileCacheServicer):
                 if pack is not None:
                     for out in await asyncio.to_thread(pack.end):
                         yield out
+                if later:  # set by the stream's last message, once every chunk was read
+                    yield pb.PublishChunk(digest=header.digest)
 
             try:
                 resp = await _unless_stalled(

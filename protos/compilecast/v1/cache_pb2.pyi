@@ -73,16 +73,18 @@ class ArtifactInfo(_message.Message):
     def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., compile_time_seconds: _Optional[float] = ..., created_unix: _Optional[float] = ..., recipe_digest: _Optional[str] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "ttl_seconds", "revision", "accepts_zstd")
+    __slots__ = ("id", "ttl_seconds", "revision", "accepts_zstd", "digest_first")
     ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_ZSTD_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIRST_FIELD_NUMBER: _ClassVar[int]
     id: int
     ttl_seconds: int
     revision: int
     accepts_zstd: bool
-    def __init__(self, id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., revision: _Optional[int] = ..., accepts_zstd: _Optional[bool] = ...) -> None: ...
+    digest_first: bool
+    def __init__(self, id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., revision: _Optional[int] = ..., accepts_zstd: _Optional[bool] = ..., digest_first: _Optional[bool] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("key", "requester", "key_components", "program_name", "key_seconds")
@@ -206,14 +208,16 @@ class PublishHeader(_message.Message):
     def __init__(self, key: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., compile_time_seconds: _Optional[float] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ...) -> None: ...
 
 class PublishChunk(_message.Message):
-    __slots__ = ("header", "data", "zstd_data")
+    __slots__ = ("header", "data", "zstd_data", "digest")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     ZSTD_DATA_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     header: PublishHeader
     data: bytes
     zstd_data: bytes
-    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., zstd_data: _Optional[bytes] = ...) -> None: ...
+    digest: str
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., zstd_data: _Optional[bytes] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("artifact",)
