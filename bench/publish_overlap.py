@@ -10,7 +10,10 @@ CacheClient.wait_and_fetch) against waiters that fetch once it is done
 (`after`), alternating, each on a fresh etcd and coordinator (streamed: with
 `--publish-stream-readers 4`). `--upload-mbps`
 paces the holder's upload (0: as fast as it goes), as a holder behind a
-slower link or disk than the coordinator's would.
+slower link or disk than the coordinator's would. The holder sends the
+digest last (hashing as it sends) where the coordinator lets it (`after`),
+as CacheClient.publish does; `--digest-first` hashes before the first byte,
+as every holder did before the digest could come last.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack
 
+from compilecast.blobstore import Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 from compilecast.worker.client import CacheClient, Identity
 
 WAITER = r"""
 import json, sys, time
+from compilecast.blobstore import Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 target, key, pid, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -50,23 +55,33 @@ print(json.dumps({"done": time.time(), "bytes": len(data)}), flush=True)
 MIB = 1 << 20
 
 
-def publish(holder: CacheClient, key: str, lease: pb.Lease, data: bytes, mbps: float) -> None:
-    header = pb.PublishHeader(key=key, lease=lease, digest=hashlib.sha256(data).hexdigest(),
-                              size=len(data), compile_time_seconds=10.0,
+def publish(holder: CacheClient, key: str, lease: pb.Lease, data: bytes, mbps: float,
+            digest_first: bool = False) -> None:
+    """As CacheClient.publish sends it: the digest last (hashed as the bytes
+    go) unless the lease or `digest_first` asks for it in the header."""
+    first = lease.digest_first or digest_first
+    header = pb.PublishHeader(key=key, lease=lease, size=len(data), compile_time_seconds=10.0,
+                              digest=hashlib.sha256(data).hexdigest() if first else "",
                               requester=holder.identity.requester())
     start = time.monotonic()
 
     def messages():
         yield pb.PublishChunk(header=header)
+        h = None if first else Sha256()
         for at in range(0, len(data), MIB):
             if mbps:  # pace: this many bytes may have left by now
                 time.sleep(max(0.0, start + at / (mbps * 1e6) - time.monotonic()))
+            if h is not None:
+                h.update(data[at:at + MIB])
             yield DataChunk(data[at:at + MIB])
+        if h is not None:
+            yield pb.PublishChunk(digest=h.hexdigest())
 
     holder.stub.Publish(messages(), timeout=600)
 
 
-def one(mode: str, n: int, data: bytes, mbps: float) -> tuple[float, float]:
+def one(mode: str, n: int, data: bytes, mbps: float,
+        digest_first: bool = False) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(Path(tmp))
         try:
@@ -83,7 +98,7 @@ def one(mode: str, n: int, data: bytes, mbps: float) -> tuple[float, float]:
                 assert w.stdout.readline().strip() == "waiting"
             time.sleep(1.0)  # every waiter is inside its Wait
             t0 = time.time()
-            publish(holder, key, lease, data, mbps)
+            publish(holder, key, lease, data, mbps, digest_first)
             upload = time.time() - t0
             holder.stop_lease(key, lease)
             rows = [json.loads(w.stdout.readline()) for w in waiters]
@@ -101,6 +116,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--upload-mbps", type=float, nargs="+", default=[0.0, 50.0])
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--digest-first", action="store_true",
+                    help="the holder hashes before it sends (as before digests could come last)")
     args = ap.parse_args()
     data = os.urandom(args.mb * MIB)
     results = []
@@ -110,7 +127,7 @@ def main() -> None:
             got: dict[str, list[tuple[float, float]]] = {"after": [], "streamed": []}
             for _ in range(args.repeat):
                 for mode in got:  # alternating, side by side
-                    got[mode].append(one(mode, n, data, mbps))
+                    got[mode].append(one(mode, n, data, mbps, args.digest_first))
             best = {m: min(v, key=lambda r: r[1]) for m, v in got.items()}
             pace = f"upload paced to {mbps:.0f} MB/s" if mbps else "upload unpaced"
             print(f"N={n:3d} {pace}: all waiters hold the bytes "
