@@ -308,3 +308,39 @@ def test_a_process_asks_a_worker_that_is_restarting_again(coordinator, started, 
     assert cache.stats.compiles == 1 and cache.stats.fallbacks == 0, cache.stats
     held = CacheClient(coordinator.cfg.listen).acquire("k")
     assert held.decision == pb.WAIT  # the lease is this process's
+
+
+def test_a_big_download_is_put_together_in_place():
+    """Past IN_PLACE_FROM, the bytes go into one bytes object of the size the
+    header gave, as they arrive: nothing kept to join. The object is an
+    ordinary bytes (equal, hashed, sliced as any); more bytes than the size,
+    or fewer, are refused."""
+    from compilecast.errors import CorruptBlob
+    from compilecast.worker.client import _Received
+
+    data = os.urandom(_Received.IN_PLACE_FROM + 12_345)
+    r = _Received("k")
+    r.expect(len(data))
+    view = memoryview(data)
+    for off in range(0, len(data), 1 << 20):  # views of the messages, as the parser gives
+        r.add(view[off:off + (1 << 20)])
+    assert r._parts == []
+    out = r.result()
+    assert type(out) is bytes and out == data and hash(out) == hash(bytes(data))
+    assert out[-5:] == data[-5:]
+
+    over = _Received("k")
+    over.expect(len(data))
+    over.add(data)
+    with pytest.raises(CorruptBlob, match="more bytes than its size"):
+        over.add(b"x")
+    short = _Received("k")
+    short.expect(len(data))
+    short.add(data[:-1])
+    with pytest.raises(CorruptBlob, match="ended after"):
+        short.result()
+    small = _Received("k")  # under the bound: joined, as before
+    small.expect(10)
+    small.add(b"01234")
+    small.add(memoryview(b"56789"))
+    assert small.result() == b"0123456789" and len(small._parts) == 2

@@ -9,13 +9,14 @@ Lease keepalives run on a daemon thread that never blocks the caller.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -101,11 +102,80 @@ class _Watchdog:
         self.close()
 
 
-def _inflater(key: str, info: pb.ArtifactInfo | None, parts: list, take) -> Inflate:
+def _inflater(key: str, info: pb.ArtifactInfo | None, received: _Received, take) -> Inflate:
     """The decoder of a Fetch stream sent as zstd (after its header, before any data)."""
-    if info is None or parts:
+    if info is None or received.size:
         raise CorruptBlob(f"fetch of {key} sent zstd_data before its header or after data")
     return Inflate(take, info.size)
+
+
+def _bytes_buffer() -> Callable[[bytes], int] | None:
+    """PyBytes_AsString (the address of a bytes object's own bytes), or None
+    off CPython."""
+    try:
+        import ctypes
+
+        f = ctypes.pythonapi.PyBytes_AsString
+    except (ImportError, AttributeError):
+        return None
+    f.restype, f.argtypes = ctypes.c_void_p, [ctypes.py_object]
+    return f
+
+
+class _Received:
+    """A download's bytes, put together as they arrive. Once the artifact's
+    size is known (its header comes first), into one bytes object of that
+    size, written in place while nothing else can see it (as C code fills
+    the bytes objects it creates): no list of chunks to join, so half the
+    memory and page faults of a join (187 MB: the fetch 0.51-0.56 s -> 0.41-0.44 s
+    here, BENCHMARKS.md). A list joined at the end where that cannot be
+    done: bytes before the header, a small artifact, no ctypes."""
+
+    IN_PLACE_FROM = 4 << 20
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.size = 0  # bytes received
+        self._parts: list = []
+        self._out: bytes | None = None
+        self._view: memoryview | None = None
+
+    def expect(self, size: int) -> None:
+        """The artifact's size, from its header (before its bytes)."""
+        if self.size or self._out is not None or size < self.IN_PLACE_FROM \
+                or (address_of := _bytes_address()) is None:
+            return
+        import ctypes
+
+        try:
+            out = bytes(size)  # calloc'd: its pages come as they are written
+        except (MemoryError, OverflowError):
+            return  # a size this process cannot hold: the join says so if it comes
+        self._out = out
+        self._view = memoryview((ctypes.c_char * size).from_address(address_of(out))).cast("B")
+
+    def add(self, data) -> None:
+        n = len(data)
+        if self._view is None:
+            self._parts.append(data)
+        elif self.size + n > len(self._view):
+            raise CorruptBlob(f"fetch of {self.key} sent more bytes than its size")
+        else:
+            self._view[self.size:self.size + n] = data
+        self.size += n
+
+    def result(self) -> bytes:
+        if self._view is None:
+            return b"".join(self._parts)
+        self._view.release()
+        self._view = None
+        if self.size != len(self._out):
+            raise CorruptBlob(f"fetch of {self.key} ended after {self.size} of "
+                              f"{len(self._out)} bytes")
+        return self._out
+
+
+_bytes_address = functools.cache(_bytes_buffer)
 
 
 def default_client_name() -> str:
@@ -271,12 +341,12 @@ class CacheClient:
 
     def _fetch_once(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, bytes]:
         info = None
-        parts: list[bytes] = []
+        received = _Received(key)
         h = Sha256()  # on a thread of its own for a big artifact: overlaps receiving
 
         def take(data) -> None:
             h.update(data)
-            parts.append(data)
+            received.add(data)
 
         inflate = None
         call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest, accept_zstd=True),
@@ -287,9 +357,10 @@ class CacheClient:
                     dog.tick()
                     if chunk.HasField("artifact"):
                         info = chunk.artifact
+                        received.expect(info.size)
                     if chunk.zstd_data:
                         if inflate is None:
-                            inflate = _inflater(key, info, parts, take)
+                            inflate = _inflater(key, info, received, take)
                         inflate.feed(chunk.zstd_data)
                     elif chunk.data:
                         if inflate is not None:
@@ -307,7 +378,7 @@ class CacheClient:
         if h.hexdigest() != info.digest:
             raise CorruptBlob(f"fetched bytes of {key} hash to {h.hexdigest()}, "
                               f"expected {info.digest}; discarded")
-        return info, b"".join(parts)
+        return info, received.result()
 
     def purge(self, keys: list[str], digests: list[str] = (), reason: str = "", *,
               dry_run: bool = False) -> pb.PurgeResponse:
