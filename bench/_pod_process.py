@@ -41,6 +41,7 @@ def main() -> None:
         time.sleep(max(0.0, go - time.time()))
         t0 = go
     compiles, nbytes = 0, 0
+    phases: dict[str, float] = {}
     if mode == "local":
         for p in programs:
             _, data, _ = aot.compile_entry(p.trigger)
@@ -49,6 +50,7 @@ def main() -> None:
         client = CacheClient(coordinator, timeout_s=60.0,
                              identity=Identity(job="bench-pod", process_id=pid,
                                                designated_process=0))
+        _timed(client, phases, t0)
         if mode in ("share", "share-after"):
             for p in programs:
                 # share: waiters fetch (and verify) as the holder starts publishing.
@@ -62,9 +64,26 @@ def main() -> None:
             assert all(f.present for f in found), found
             nbytes = sum(f.size for f in found)
     print(json.dumps({"process": pid, "mode": mode, "ready": time.time() - t0,
-                      "lowered": lowered, "late": late, "compiles": compiles, "bytes": nbytes}),
+                      "lowered": lowered, "late": late, "compiles": compiles, "bytes": nbytes,
+                      "phases": phases}),
           flush=True)
     jax.distributed.shutdown()
+
+
+def _timed(client, phases: dict[str, float], t0: float) -> None:
+    """Record when each of the client's calls began and ended (seconds from
+    T0, the last call of each kind): where a process's time went."""
+    for name in ("acquire", "publish", "wait_and_fetch", "fetch", "_wait_once"):
+        call = getattr(client, name)
+
+        def timed(*args, _call=call, _name=name, **kwargs):
+            phases[f"{_name} began"] = time.time() - t0
+            try:
+                return _call(*args, **kwargs)
+            finally:
+                phases[f"{_name} ended"] = time.time() - t0
+
+        setattr(client, name, timed)
 
 
 if __name__ == "__main__":

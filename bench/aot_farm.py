@@ -49,7 +49,8 @@ def pod(mode: str, coordinator: str, topology: str, n: int, *,
     rows = collect(procs, timeout_s=3600)
     return {"ready": max(r["ready"] for r in rows), "compiles": sum(r["compiles"] for r in rows),
             "lowered": max(r["lowered"] for r in rows), "bytes": rows[0]["bytes"],
-            "late": max(r.get("late", 0.0) for r in rows)}
+            "late": max(r.get("late", 0.0) for r in rows),
+            "phases": [r.get("phases", {}) for r in rows]}
 
 
 @contextlib.contextmanager

@@ -56,6 +56,22 @@ def wave(n: int, target: str, layers: int, width: int, *, baseline: bool,
     }
 
 
+def timeline(phases: list[dict[str, float]]) -> str:
+    """Where a compilecast run's time went, from its processes' call times
+    (seconds from the common start): the holder's compile and publish, then
+    when the last waiter was woken and when the last one held the bytes."""
+    holder = next((p for p in phases if "publish began" in p), {})
+    waiters = [p for p in phases if p is not holder and "fetch ended" in p]
+    if not holder or not waiters:
+        return "(no holder and waiters to time)"
+    return (f"holder: compiled {holder['publish began']:.2f}s, published "
+            f"{holder['publish ended']:.2f}s (+{holder['publish ended'] - holder['publish began']:.2f}); "
+            f"waiters: last woken {max(p['fetch began'] for p in waiters):.2f}s, last holds "
+            f"the bytes {max(p['fetch ended'] for p in waiters):.2f}s "
+            f"(+{max(p['fetch ended'] for p in waiters) - holder['publish ended']:.2f} after the "
+            "publish)")
+
+
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
         weights: bool, after: bool = False, pairs: int = 1) -> None:
     import aot_farm
@@ -91,6 +107,7 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
                       f"compilecast {got['share']['compiles']} compile(s), all hold the verified "
                       f"bytes {got['share']['ready']:.2f}s = {ratios[-1]:.2f}x "
                       f"({order[0]} ran first)", flush=True)
+                print(f"         {timeline(got['share']['phases'])}", flush=True)
             ratios.sort()
             print(f"N={n:3d}: {pairs} pairs, ratio median {ratios[len(ratios) // 2]:.2f}x, "
                   f"range {ratios[0]:.2f}-{ratios[-1]:.2f}x", flush=True)
