@@ -48,22 +48,22 @@ from compilecast.worker.client import CacheClient
 
 
 def publish_file(target: str, key: str, path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+    """Publish the file as CacheClient.publish sends bytes: the digest last,
+    hashed as they go (the file read in 1 MiB pieces, never whole)."""
+    digest = Sha256()
     size = path.stat().st_size
     ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
     stub = wire.stub(ch)
     lease = stub.Acquire(pb.AcquireRequest(key=key), timeout=10).lease
 
     def msgs():
-        yield pb.PublishChunk(header=pb.PublishHeader(key=key, lease=lease,
-                                                      digest=digest.hexdigest(), size=size,
+        yield pb.PublishChunk(header=pb.PublishHeader(key=key, lease=lease, size=size,
                                                       compile_time_seconds=1.0))
         with open(path, "rb") as f:
             while chunk := f.read(1 << 20):
+                digest.update(chunk)
                 yield DataChunk(chunk)
+        yield pb.PublishChunk(digest=digest.hexdigest())
 
     keeper = CacheClient(target)
     keeper.keep_lease(key, lease)  # a long upload outlives the lease TTL
