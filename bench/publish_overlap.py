@@ -58,8 +58,8 @@ MIB = 1 << 20
 def publish(holder: CacheClient, key: str, lease: pb.Lease, data: bytes, mbps: float,
             digest_first: bool = False) -> None:
     """As CacheClient.publish sends it: the digest last (hashed as the bytes
-    go) unless the lease or `digest_first` asks for it in the header."""
-    first = lease.digest_first or digest_first
+    go) where the lease says the coordinator takes it so, unless `digest_first`."""
+    first = not lease.takes_digest_last or digest_first
     header = pb.PublishHeader(key=key, lease=lease, size=len(data), compile_time_seconds=10.0,
                               digest=hashlib.sha256(data).hexdigest() if first else "",
                               requester=holder.identity.requester())

@@ -383,19 +383,19 @@ class CoordinatorState:
             compare, [op_put(record, self._claim(lease_id, req, program), lease=lease_id)], read)
         if ok:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s, revision=rev,
-                            accepts_zstd=True, digest_first=self._digest_first()), []
+                            accepts_zstd=True, takes_digest_last=self._takes_digest_last()), []
         mine = kvs[read.index(record)]
         if mine is not None and json.loads(mine.value).get("lease") == lease_id:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s,
                             revision=mine.mod_revision, accepts_zstd=True,
-                            digest_first=self._digest_first()), kvs
+                            takes_digest_last=self._takes_digest_last()), kvs
         self.leases.give_back((lease_id, granted_at))
         return None, kvs
 
-    def _digest_first(self) -> bool:
-        """Whether holders send the digest before the bytes: needed when the
+    def _takes_digest_last(self) -> bool:
+        """Whether holders may send the digest after the bytes: not when the
         waiters read an upload as it arrives (they are told its digest)."""
-        return self.cfg.publish_stream_readers > 0
+        return self.cfg.publish_stream_readers == 0
 
     async def _check_holder(self, sk: str, lease: pb.Lease,
                             requester: pb.Requester | None = None) -> str:

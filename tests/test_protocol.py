@@ -109,7 +109,7 @@ def test_a_publish_may_send_its_digest_last(coordinator):
     coordinator does not ask for it first) and it lands as any publish."""
     c = client(coordinator.cfg.listen)
     lease = c.acquire("k").lease
-    assert not lease.digest_first
+    assert lease.takes_digest_last
     sent = list(publish_messages(pb.PublishHeader(key="k", lease=lease, size=len(DATA)), DATA))
     assert sent[0].header.digest == "" and sent[-1].digest == hashlib.sha256(DATA).hexdigest()
     info = c.stub.Publish(iter(sent), timeout=10).artifact
@@ -164,10 +164,12 @@ def test_a_purged_digest_sent_last_is_refused_before_it_is_stored(coordinator):
 
 
 def test_a_client_sends_the_digest_first_to_a_server_that_predates_digests_sent_last():
-    """A server of an older release refuses an empty header digest before
-    taking any byte; the client then sends the digest first, at once and
-    from then on. (A server of the test's own, answering as older
-    coordinators and workers do.)"""
+    """An older worker passes on a newer coordinator's lease as it is (it
+    says the digest may come last) but refuses an empty header digest
+    before taking any byte; the client then sends the digest first, at once
+    and from then on. A lease that does not say so (an older coordinator's)
+    gets the digest first. (A server of the test's own, answering as older
+    releases do.)"""
     from concurrent import futures
 
     from compilecast.launch import free_port
@@ -192,12 +194,17 @@ def test_a_client_sends_the_digest_first_to_a_server_that_predates_digests_sent_
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     try:
-        c = client(f"127.0.0.1:{port}")
-        lease = pb.Lease(id=1, ttl_seconds=10, revision=1)
         digest = hashlib.sha256(DATA).hexdigest()
-        assert c.publish("k", lease, DATA, 1.0).digest == digest
+        older_coordinators = pb.Lease(id=1, ttl_seconds=10, revision=1)
+        assert client(f"127.0.0.1:{port}").publish("k", older_coordinators, DATA,
+                                                  1.0).digest == digest
+        assert headers == [digest]
+        headers.clear()
+        c = client(f"127.0.0.1:{port}")
+        passed_on = pb.Lease(id=1, ttl_seconds=10, revision=1, takes_digest_last=True)
+        assert c.publish("k", passed_on, DATA, 1.0).digest == digest
         assert headers == ["", digest]
-        assert c.publish("k2", lease, DATA, 1.0).digest == digest
+        assert c.publish("k2", passed_on, DATA, 1.0).digest == digest
         assert headers == ["", digest, digest]
     finally:
         server.stop(0)

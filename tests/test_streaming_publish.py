@@ -314,17 +314,17 @@ def test_heartbeats_keep_a_fetcher_of_a_held_upload_from_giving_up(
     up.thread.join(10)
 
 
-def test_a_coordinator_that_streams_uploads_asks_for_the_digest_first(
+def test_a_coordinator_that_streams_uploads_takes_the_digest_first_only(
         coordinator, start_coordinator):
     """Its fetchers are told the digest of an upload as it starts, so its
     leases ask for it first (one that does not stream uploads does not ask,
     and its holders hash as they send). A holder that sends it last anyway
     publishes as usual; its upload is not read in flight."""
     plain = CacheClient(start_coordinator().cfg.listen).acquire("o")
-    assert plain.decision == pb.COMPILE and not plain.lease.digest_first
+    assert plain.decision == pb.COMPILE and plain.lease.takes_digest_last
     holder, waiter = clients(coordinator.cfg.listen)
     lease = holder.acquire("k").lease
-    assert lease.digest_first
+    assert not lease.takes_digest_last
     data = os.urandom(6 * MIB)
     up = HeldUpload(holder, "k", lease, data, digest_last=True)
     assert coordinator.state.uploads.get(scope("default", "k")) is None

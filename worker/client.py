@@ -393,12 +393,12 @@ class CacheClient:
     def publish(self, key: str, lease: pb.Lease, data: bytes,
                 compile_time_s: float, recipe: pb.Recipe | None = None) -> pb.ArtifactInfo:
         # The digest goes last (hashed as the bytes are sent, not before the
-        # first: 0.14 s for 187 MB here) unless the coordinator wants it first
-        # or this server predates digests sent last.
+        # first: 0.14 s for 187 MB here) where the lease says the coordinator
+        # takes it so, unless a server on the way (an older worker) refused it.
         header = pb.PublishHeader(key=key, lease=lease, size=len(data),
                                   compile_time_seconds=compile_time_s,
                                   requester=self.identity.requester(), recipe=recipe)
-        if lease.digest_first or self._digest_first:
+        if not lease.takes_digest_last or self._digest_first:
             header.digest = hashlib.sha256(data).hexdigest()
         self._publishing.add((key, lease.id))
         try:
