@@ -109,7 +109,8 @@ def _inflater(key: str, info: pb.ArtifactInfo | None, received: _Received, take)
     return Inflate(take, info.size)
 
 
-def _bytes_buffer() -> Callable[[bytes], int] | None:
+@functools.cache
+def _bytes_address() -> Callable[[bytes], int] | None:
     """PyBytes_AsString (the address of a bytes object's own bytes), or None
     off CPython."""
     try:
@@ -127,9 +128,9 @@ class _Received:
     size is known (its header comes first), into one bytes object of that
     size, written in place while nothing else can see it (as C code fills
     the bytes objects it creates): no list of chunks to join, so half the
-    memory and page faults of a join (187 MB: the fetch 0.51-0.56 s -> 0.41-0.44 s
-    here, BENCHMARKS.md). A list joined at the end where that cannot be
-    done: bytes before the header, a small artifact, no ctypes."""
+    memory and page faults of a join (187 MB here: 0.53-0.55 s -> 0.38-0.43 s,
+    BENCHMARKS.md). A list joined at the end where that cannot be done:
+    bytes before the header, a small artifact, no ctypes."""
 
     IN_PLACE_FROM = 4 << 20
 
@@ -174,8 +175,6 @@ class _Received:
                               f"{len(self._out)} bytes")
         return self._out
 
-
-_bytes_address = functools.cache(_bytes_buffer)
 
 
 def default_client_name() -> str:
