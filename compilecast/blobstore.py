@@ -403,7 +403,7 @@ class BlobWriter:
             actual = self._hash.hexdigest()
             if actual != digest:
                 raise DigestMismatch(
-                    f"digest mismatch: header says {digest}, bytes hash to {actual}"
+                    f"digest mismatch: the publish says {digest}, its bytes hash to {actual}"
                 )
             if self.size != size:
                 raise DigestMismatch(f"size mismatch: header says {size}, received {self.size}")

@@ -42,7 +42,6 @@ async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncItera
         return True
 
     async def data() -> AsyncIterator[DataChunk]:
-        done = False
         if first.data or first.zstd_data:
             yield DataChunk(first.data, first.zstd_data)
         done = ends(first)
