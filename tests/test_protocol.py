@@ -491,6 +491,31 @@ def test_a_worker_publishes_compressed_to_a_coordinator_that_takes_zstd(
     assert client(coordinator.cfg.listen).fetch("o")[1] == data
 
 
+def test_a_worker_forwards_a_digest_sent_last(coordinator, start_worker):
+    """The lease a process gets through its worker says the digest may come
+    last; the worker sends it on last, compressed or not, and keeps the
+    verified blob. A wrong one is refused by the coordinator and kept by
+    neither store."""
+    worker = start_worker(coordinator.cfg.listen)
+    process = client(worker.target)
+    for key, data in (("z", b"".join(os.urandom(64) + b"\x00" * 448 for _ in range(8192))),
+                      ("r", os.urandom(3 << 20))):
+        lease = process.acquire(key).lease
+        assert lease.takes_digest_last
+        digest = hashlib.sha256(data).hexdigest()
+        assert process.publish(key, lease, data, 1.0).digest == digest
+        assert worker.cache.store.has(digest) and coordinator.store.has(digest)
+        assert client(coordinator.cfg.listen).fetch(key)[1] == data
+    data = os.urandom(2 << 20)
+    lease = process.acquire("bad").lease
+    msgs = list(publish_messages(pb.PublishHeader(key="bad", lease=lease, size=len(data)), data))
+    msgs[-1] = pb.PublishChunk(digest="0" * 64)
+    code, details = code_of(lambda: process.stub.Publish(iter(msgs), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "digest mismatch" in details, details
+    digest = hashlib.sha256(data).hexdigest()
+    assert not worker.cache.store.has(digest) and not coordinator.store.has(digest)
+
+
 def test_a_publish_whose_zstd_is_not_the_artifact_is_refused(coordinator):
     """The coordinator decodes what it stores: a stream that does not decode,
     or decodes to other bytes than the header says, is refused and nothing
