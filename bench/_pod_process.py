@@ -73,7 +73,7 @@ def main() -> None:
 def _timed(client, phases: dict[str, float], t0: float) -> None:
     """Record when each of the client's calls began and ended (seconds from
     T0, the last call of each kind): where a process's time went."""
-    for name in ("acquire", "publish", "wait_and_fetch", "fetch", "_wait_once"):
+    for name in ("publish", "fetch"):  # what time_to_executable's timeline reads
         call = getattr(client, name)
 
         def timed(*args, _call=call, _name=name, **kwargs):

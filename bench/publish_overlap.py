@@ -31,14 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack
 
-from compilecast.blobstore import Sha256
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.wire import DataChunk
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.client import CacheClient, Identity, publish_messages
 
 WAITER = r"""
 import json, sys, time
-from compilecast.blobstore import Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 target, key, pid, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -66,16 +63,12 @@ def publish(holder: CacheClient, key: str, lease: pb.Lease, data: bytes, mbps: f
     start = time.monotonic()
 
     def messages():
-        yield pb.PublishChunk(header=header)
-        h = None if first else Sha256()
-        for at in range(0, len(data), MIB):
+        sent = 0
+        for message in publish_messages(header, data):  # as the client frames and hashes them
             if mbps:  # pace: this many bytes may have left by now
-                time.sleep(max(0.0, start + at / (mbps * 1e6) - time.monotonic()))
-            if h is not None:
-                h.update(data[at:at + MIB])
-            yield DataChunk(data[at:at + MIB])
-        if h is not None:
-            yield pb.PublishChunk(digest=h.hexdigest())
+                time.sleep(max(0.0, start + sent / (mbps * 1e6) - time.monotonic()))
+            sent += len(message.data)
+            yield message
 
     holder.stub.Publish(messages(), timeout=600)
 

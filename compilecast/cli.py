@@ -216,7 +216,7 @@ def _seen_key(key: str, worker: str):
         d = client.describe(key)
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            raise CliError(f"{key}: worker {worker}: {_unreachable(exc, WORKER_HINT)}") from None
+            raise _rpc_failed(f"{key}: worker {worker}", exc, WORKER_HINT) from None
         raise CliError(f"{key}: {exc.details()}") from None
     finally:
         client.close()
@@ -333,7 +333,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     except aot.AotError as exc:
         raise CliError(str(exc)) from exc
     except grpc.RpcError as exc:
-        raise _rpc_failed(args, exc) from exc
+        raise _rpc_failed(args.coordinator, exc) from exc
     finally:
         client.close()
 
@@ -352,14 +352,15 @@ def _unreachable(exc, hint: str) -> str:
     return f"{unreachable(exc)}; {hint}"
 
 
-def _rpc_failed(args: argparse.Namespace, exc) -> CliError:
+def _rpc_failed(target: str, exc, hint: str = SERVER_HINT) -> CliError:
+    """A failed call to `target` as a CliError; an unreachable one with `hint`."""
     import grpc
 
     from compilecast.grpcutil import rpc_problem
 
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        return CliError(f"{args.coordinator}: {_unreachable(exc, SERVER_HINT)}")
-    return CliError(f"{args.coordinator}: {rpc_problem(exc)}")
+        return CliError(f"{target}: {_unreachable(exc, hint)}")
+    return CliError(f"{target}: {rpc_problem(exc)}")
 
 
 LS_ORDER = {"key": lambda a: a.artifact.key, "size": lambda a: -a.artifact.size,
@@ -374,7 +375,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     try:
         listed = list(client.list_artifacts())
     except grpc.RpcError as exc:
-        raise _rpc_failed(args, exc) from exc
+        raise _rpc_failed(args.coordinator, exc) from exc
     finally:
         client.close()
     if args.program:
@@ -407,7 +408,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
     try:
         resp = client.purge(args.keys, args.digest, args.reason, dry_run=args.dry_run)
     except grpc.RpcError as exc:
-        raise _rpc_failed(args, exc) from exc
+        raise _rpc_failed(args.coordinator, exc) from exc
     finally:
         client.close()
     purged, revoked, after = (("would purge   ", "would revoke  ", "") if args.dry_run else
