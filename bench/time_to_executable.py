@@ -64,12 +64,12 @@ def timeline(phases: list[dict[str, float]]) -> str:
     waiters = [p for p in phases if p is not holder and "fetch ended" in p]
     if not holder or not waiters:
         return "(no holder and waiters to time)"
-    return (f"holder: compiled {holder['publish began']:.2f}s, published "
-            f"{holder['publish ended']:.2f}s (+{holder['publish ended'] - holder['publish began']:.2f}); "
-            f"waiters: last woken {max(p['fetch began'] for p in waiters):.2f}s, last holds "
-            f"the bytes {max(p['fetch ended'] for p in waiters):.2f}s "
-            f"(+{max(p['fetch ended'] for p in waiters) - holder['publish ended']:.2f} after the "
-            "publish)")
+    compiled, published = holder["publish began"], holder["publish ended"]
+    woken = max(p["fetch began"] for p in waiters)
+    done = max(p["fetch ended"] for p in waiters)
+    return (f"holder: compiled {compiled:.2f}s, published {published:.2f}s "
+            f"(+{published - compiled:.2f}); waiters: last woken {woken:.2f}s, last holds the "
+            f"bytes {done:.2f}s (+{done - published:.2f} after the publish)")
 
 
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
