@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -108,9 +109,8 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
                       f"bytes {got['share']['ready']:.2f}s = {ratios[-1]:.2f}x "
                       f"({order[0]} ran first)", flush=True)
                 print(f"         {timeline(got['share']['phases'])}", flush=True)
-            ratios.sort()
-            print(f"N={n:3d}: {pairs} pairs, ratio median {ratios[len(ratios) // 2]:.2f}x, "
-                  f"range {ratios[0]:.2f}-{ratios[-1]:.2f}x", flush=True)
+            print(f"N={n:3d}: {pairs} pairs, ratio median {statistics.median(ratios):.2f}x, "
+                  f"range {min(ratios):.2f}-{max(ratios):.2f}x", flush=True)
         print(json.dumps(rows))
         return
     one = run("local", 1)
