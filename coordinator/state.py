@@ -132,6 +132,14 @@ def _reason(kv: KV) -> str:
         return "revoked"
 
 
+def _verdict(marker: dict) -> dict:
+    """The reason and cause of a COMPILE_LOCALLY from a key's "compile
+    locally" marker (one written before causes has none: a warning)."""
+    cause = marker.get("cause")
+    return {"reason": marker.get("reason", "not cached"),
+            "local_cause": cause if cause in pb.LocalCause.values() else 0}
+
+
 def _holder_name(rec: dict) -> str:
     if rec.get("job"):
         return f"job {rec['job']} process {rec.get('process', 0)} ({rec.get('client', '?')})"
@@ -484,8 +492,7 @@ class CoordinatorState:
                 self._hit(info)
                 return pb.AcquireResponse(decision=pb.HIT, artifact=info)
             if st.local:
-                return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
-                                          reason=st.local.get("reason", "not cached"))
+                return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, **_verdict(st.local))
             if st.lease or st.hedge:
                 return pb.AcquireResponse(decision=pb.WAIT,
                                           reason=f"compiled by {_holder_name(st.lease or st.hedge)}")
@@ -554,8 +561,7 @@ class CoordinatorState:
                         yield pb.WaitEvent(decision=pb.HIT, artifact=info)
                         return
                     if st.local:
-                        yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
-                                           reason=st.local.get("reason", "not cached"))
+                        yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, **_verdict(st.local))
                         return
                     upload = self.uploads.get(sk) if self.cfg.publish_stream_readers else None
                     if upload is not None and upload is not announced:
@@ -853,13 +859,14 @@ class CoordinatorState:
         name = pb.ReleaseReason.Name(reason)
         why = {pb.COMPILE_FAILED: "the compile failed on the holder",
                pb.BELOW_THRESHOLD: "the entry is below the caching thresholds"}.get(reason)
-        if not await self._give_up(sk, kind, lease, why, detail):
+        cause = pb.LOCAL_CAUSE_BELOW_THRESHOLD if reason == pb.BELOW_THRESHOLD else 0
+        if not await self._give_up(sk, kind, lease, why, detail, cause):
             raise LeaseError(f"the compile lease for key {key} is no longer held")
         self.metrics.releases.labels(name.lower()).inc()
         log.info("released %s (%s) %s", key, name, detail[:200], extra={"key": sk})
 
     async def _give_up(self, sk: str, kind: str, lease: pb.Lease, why: str | None,
-                       detail: str) -> bool:
+                       detail: str, cause: int = pb.LOCAL_CAUSE_UNSPECIFIED) -> bool:
         """End the claim P/kind that `lease` holds; with `why`, every waiter
         compiles locally at once (a "compile locally" verdict for
         local_marker_ttl_s) instead of one being promoted. False when the
@@ -867,7 +874,7 @@ class CoordinatorState:
         ops = [op_delete(self._k(kind, sk))]
         if why is not None:
             marker_lease = await self.etcd.grant(self.cfg.local_marker_ttl_s)
-            body = json.dumps({"reason": f"{why}; compile locally",
+            body = json.dumps({"reason": f"{why}; compile locally", "cause": cause,
                                "detail": detail[:validate.MAX_DETAIL_LEN]})
             ops.append(op_put(self._k("x", sk), body.encode(), lease=marker_lease))
         ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k(kind, sk), lease.revision)], ops)

@@ -60,6 +60,10 @@ def test_below_threshold_everyone_compiles_locally_without_waiting(up):
     assert all(r["compilecast"]["published"] == 0 for r in reports)
     # Released at once: no waiter sat out the share-binary timeout.
     assert all(r["seconds"] < 60 for r in reports)
+    # The waiters were told why, and that nothing is wrong: no warning.
+    told = [reason for r in reports for reason in r["compilecast"]["reasons"]]
+    assert any("below the caching thresholds" in reason for reason in told), reports
+    assert not any("locally" in r["stderr"] for r in reports), [r["stderr"] for r in reports]
 
 
 def test_unreachable_worker_compiles_locally_with_a_warning(tmp_path, reference_digest):

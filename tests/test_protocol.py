@@ -263,7 +263,24 @@ def test_failed_compile_releases_waiters_at_once(coordinator):
     t.join(10)
     assert out["v"].decision == pb.COMPILE_LOCALLY
     assert "failed" in out["v"].reason
+    assert out["v"].local_cause == pb.LOCAL_CAUSE_UNSPECIFIED  # a fault: worth a warning
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("reason,cause", [(pb.BELOW_THRESHOLD, pb.LOCAL_CAUSE_BELOW_THRESHOLD),
+                                          (pb.COMPILE_FAILED, pb.LOCAL_CAUSE_UNSPECIFIED)])
+def test_a_compile_locally_says_whether_it_is_expected(coordinator, reason, cause):
+    """Waiters and later askers are told an entry under the thresholds is not
+    a fault (the JAX integration then logs it without a warning)."""
+    a, b = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
+    lease = a.acquire("k").lease
+    t, out = in_thread(lambda: b.wait("k", 60))
+    time.sleep(0.3)
+    a.release("k", lease, reason, "detail")
+    t.join(10)
+    assert (out["v"].decision, out["v"].local_cause) == (pb.COMPILE_LOCALLY, cause)
+    later = client(coordinator.cfg.listen).acquire("k")
+    assert (later.decision, later.local_cause) == (pb.COMPILE_LOCALLY, cause)
 
 
 def test_expired_holder_is_replaced_by_a_waiter(start_coordinator):

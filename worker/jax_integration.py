@@ -11,7 +11,9 @@ The decision read before a compile (see jax_adapter) goes:
   COMPILE         -> return a miss; JAX compiles; the compile hook publishes
   WAIT            -> wait (HIT: load; promoted: compile and publish;
                      timeout or error: compile locally)
-  COMPILE_LOCALLY -> return a miss and publish nothing
+  COMPILE_LOCALLY -> return a miss and publish nothing (a warning says why,
+                     unless the entry is under JAX's caching thresholds:
+                     that is logged at INFO, as nothing is wrong)
 """
 
 from __future__ import annotations
@@ -184,15 +186,18 @@ class CompilecastCache(jax_adapter.CacheInterface):
                 self.stats.promotions += 1
                 self._hold(key, event.lease, inputs)
                 return None
-            self._compile_locally(key, event.reason)
+            self._compile_locally(key, event.reason, event.local_cause)
             return None
-        self._compile_locally(key, resp.reason)
+        self._compile_locally(key, resp.reason, resp.local_cause)
         return None
 
-    def _compile_locally(self, key: str, reason: str) -> None:
+    def _compile_locally(self, key: str, reason: str, cause: int) -> None:
         self.stats.local_compiles += 1
         self.stats.reasons.append(reason)
-        log.warning("compilecast: compiling %s locally: %s", key, reason, extra={"key": key})
+        # An entry under JAX's caching thresholds is compiled locally by design
+        # (a job has many such small programs): not a warning.
+        level = logging.INFO if cause == pb.LOCAL_CAUSE_BELOW_THRESHOLD else logging.WARNING
+        log.log(level, "compilecast: compiling %s locally: %s", key, reason, extra={"key": key})
 
     def _fetch_hit(self, key: str, info: pb.ArtifactInfo) -> bytes:
         _, data = self.client.fetch(key, info.digest)  # verified against the digest

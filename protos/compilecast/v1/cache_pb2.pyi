@@ -15,6 +15,11 @@ class Decision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WAIT: _ClassVar[Decision]
     COMPILE_LOCALLY: _ClassVar[Decision]
 
+class LocalCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOCAL_CAUSE_UNSPECIFIED: _ClassVar[LocalCause]
+    LOCAL_CAUSE_BELOW_THRESHOLD: _ClassVar[LocalCause]
+
 class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RELEASE_REASON_UNSPECIFIED: _ClassVar[ReleaseReason]
@@ -34,6 +39,8 @@ HIT: Decision
 COMPILE: Decision
 WAIT: Decision
 COMPILE_LOCALLY: Decision
+LOCAL_CAUSE_UNSPECIFIED: LocalCause
+LOCAL_CAUSE_BELOW_THRESHOLD: LocalCause
 RELEASE_REASON_UNSPECIFIED: ReleaseReason
 COMPILE_FAILED: ReleaseReason
 BELOW_THRESHOLD: ReleaseReason
@@ -108,16 +115,18 @@ class AcquireRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., key_components: _Optional[_Mapping[str, str]] = ..., program_name: _Optional[str] = ..., key_seconds: _Optional[float] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("decision", "artifact", "lease", "reason")
+    __slots__ = ("decision", "artifact", "lease", "reason", "local_cause")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CAUSE_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     artifact: ArtifactInfo
     lease: Lease
     reason: str
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    local_cause: LocalCause
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ..., local_cause: _Optional[_Union[LocalCause, str]] = ...) -> None: ...
 
 class AcquireManyRequest(_message.Message):
     __slots__ = ("requests",)
@@ -178,16 +187,18 @@ class WaitRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class WaitEvent(_message.Message):
-    __slots__ = ("decision", "artifact", "lease", "reason")
+    __slots__ = ("decision", "artifact", "lease", "reason", "local_cause")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CAUSE_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     artifact: ArtifactInfo
     lease: Lease
     reason: str
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    local_cause: LocalCause
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ..., local_cause: _Optional[_Union[LocalCause, str]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
     __slots__ = ("key", "lease", "digest", "size", "compile_time_seconds", "requester", "recipe")
