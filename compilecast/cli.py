@@ -205,7 +205,10 @@ def cmd_key(args: argparse.Namespace) -> int:
 
 
 def _seen_key(key: str, worker: str):
-    """A Key built from what the coordinator recorded about `key`."""
+    """A Key built from what the coordinator recorded about `key`, and a
+    line that says what it is."""
+    import time
+
     import grpc
 
     from compilecast.worker.client import CacheClient
@@ -220,28 +223,42 @@ def _seen_key(key: str, worker: str):
         raise CliError(f"{key}: {exc.details()}") from None
     finally:
         client.close()
-    k = Key(components=dict(d.key_components))
-    return k
+    def utc(t: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+    about = d.program_name or "(no program name)"
+    if d.first_seen_unix:  # (a key published without components has no record)
+        about += f", first seen {utc(d.first_seen_unix)}"
+    if d.HasField("artifact"):
+        about += f", published {utc(d.artifact.created_unix)} ({_size(d.artifact.size)})"
+    return Key(components=dict(d.key_components)), about
 
 
 def _explain_operand(arg: str, args: argparse.Namespace):
+    """(key, its Key, what it is): a key the coordinator has seen, or a file."""
     from compilecast.worker.keys import KEY_PREFIX
 
     if arg.startswith(KEY_PREFIX) and not Path(arg).exists():
-        return _seen_key(arg, args.worker)
-    return _file_key(arg, args.include_metadata, keep_text=True)
+        # The key as asked: what was recorded of it may be partial (a
+        # client need not send its components).
+        return (arg, *_seen_key(arg, args.worker))
+    k = _file_key(arg, args.include_metadata, keep_text=True)
+    return k.value, k, arg
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from compilecast.worker.keys import explain
 
-    a = _explain_operand(args.a, args)
-    b = _explain_operand(args.b, args)
-    if a.value == b.value:
-        print(f"same key {a.value}")
+    (ka, a, about_a), (kb, b, about_b) = (_explain_operand(x, args) for x in (args.a, args.b))
+    if ka == kb:
+        print(f"same key {ka}")
         return 0
-    print(f"{a.value}  {args.a}")
-    print(f"{b.value}  {args.b}")
+    print(f"{ka}  {about_a}")
+    print(f"{kb}  {about_b}")
+    for key, k in ((ka, a), (kb, b)):
+        if not k.components:
+            print(f"no components were recorded for {key} (its client sent none): "
+                  "what differs cannot be told")
     for line in explain(a, b):
         print(line)
     return 1

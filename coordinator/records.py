@@ -200,9 +200,10 @@ class KeyRecords:
         validate.key(key)
         sk = scope(tenant, key)
         rec, art = await self.etcd.get_many([self._k("k", sk), self._k("a", sk)])
-        if rec is None:
+        if rec is None and art is None:
             raise NotFound(f"the coordinator has not seen key {key}")
-        d = json.loads(rec.value)
+        # A key published by a client that sent no components has no record.
+        d = json.loads(rec.value) if rec is not None else {}
         resp = pb.DescribeKeyResponse(key=key, program_name=d.get("program_name", ""),
                                       first_seen_unix=d.get("first_seen", 0.0))
         resp.key_components.update(d.get("components", {}))

@@ -97,6 +97,40 @@ def test_status_shows_jobs_and_explained_misses(coordinator, start_worker):
     assert "(platform changed)" in r.stdout
 
 
+def test_explain_two_keys_the_coordinator_has_seen(coordinator, start_worker):
+    """Keys are told apart by what they are, not by what was recorded of
+    them: two keys whose clients sent no components are not "the same"."""
+    from compilecast.worker.client import CacheClient
+
+    worker = start_worker(coordinator.cfg.listen)
+    c = CacheClient(worker.target)
+    k1, k2, k3, k4 = (f"cc1-{d * 64}" for d in "1234")
+    c.acquire(k1, components={"program": "a" * 64, "platform": "cpu"}, program_name="jit_step")
+    c.acquire(k2, components={"program": "a" * 64, "platform": "tpu"}, program_name="jit_step")
+    for k in (k3, k4):  # published by a client that sent no components
+        c.publish(k, c.acquire(k, program_name="jit_other").lease, k.encode(), 1.0)
+
+    r = cc("explain", k1, k2, "--worker", worker.target)
+    assert r.returncode == 1, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"{k1}  jit_step, first seen ") and "UTC" in lines[0], lines
+    assert lines[1].startswith(f"{k2}  jit_step, first seen "), lines
+    assert lines[2:] == ["component platform differs: cpu vs tpu"], lines
+
+    r = cc("explain", k3, k4, "--worker", worker.target)
+    assert r.returncode == 1, r.stdout
+    assert "same key" not in r.stdout
+    assert f"no components were recorded for {k3}" in r.stdout, r.stdout
+    assert r.stdout.startswith(f"{k3}  (no program name), published "), r.stdout
+    assert "UTC (68 B)" in r.stdout
+
+    r = cc("explain", k1, k1, "--worker", worker.target)
+    assert (r.returncode, r.stdout) == (0, f"same key {k1}\n")
+
+    r = cc("explain", k1, "cc1-" + "9" * 64, "--worker", worker.target)
+    assert r.returncode == 2 and "cc1-9999" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_json_logs_carry_key_and_job(tmp_path):
     import json
     import logging
