@@ -90,9 +90,12 @@ class Up:
 
     def leftover_processes(self) -> list[str]:
         """Processes still running on this home's etcd data (none after stop)."""
-        out = subprocess.run(["pgrep", "-af", f"--data-dir {self.home / 'etcd'}"],
-                             capture_output=True, text=True).stdout
-        return [line for line in out.splitlines() if "pgrep" not in line]
+        # (`--` first: the pattern itself starts with dashes.)
+        r = subprocess.run(["pgrep", "-af", "--", f"--data-dir {self.home / 'etcd'}"],
+                           capture_output=True, text=True)
+        if r.returncode not in (0, 1):  # 1: none matched
+            raise RuntimeError(f"pgrep failed ({r.returncode}): {r.stderr.strip()}")
+        return [line for line in r.stdout.splitlines() if "pgrep" not in line]
 
 
 # The demo's and the benches' steps compile in about a second on a quiet CPU,

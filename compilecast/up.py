@@ -3,7 +3,8 @@
 Starts a local etcd (Debian's etcd-server binary; data under the user's cache
 directory), a coordinator and a worker in this process, prints where each
 listens, and stops all of them on Ctrl-C or SIGTERM. etcd runs as a child
-with PR_SET_PDEATHSIG, so even a SIGKILL of `up` leaves no process behind.
+with PR_SET_PDEATHSIG, so even a SIGKILL of `up` leaves no process behind,
+and is started again whenever it exits (LocalEtcd).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +56,24 @@ def find_etcd() -> str:
 
 def _pdeathsig() -> None:
     with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+try:  # resolved here, not in the forked child (no dlopen after a fork)
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = lambda *_: None  # noqa: E731  (no prctl: no death signal)
+
+
+def _with_death_signal(cmd: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """`cmd` run so that the child gets SIGTERM when `up` dies, even by
+    SIGKILL: through util-linux's setpriv where there is one, so the child is
+    spawned without a fork of this process (gRPC's threads run here once `up`
+    serves), else with prctl between fork and exec."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "TERM", "--", *cmd], None
+    return cmd, _pdeathsig
 
 
 def _port_open(port: int) -> bool:
@@ -62,7 +81,7 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def start_etcd(cfg: UpConfig) -> subprocess.Popen:
+def _spawn_etcd(cfg: UpConfig) -> subprocess.Popen:
     binary = find_etcd()
     for port in (cfg.etcd_port, cfg.etcd_peer_port):
         if _port_open(port):
@@ -70,28 +89,93 @@ def start_etcd(cfg: UpConfig) -> subprocess.Popen:
                           "pass --etcd-port/--etcd-peer-port")
     data = cfg.home / "etcd"
     data.mkdir(parents=True, exist_ok=True)
-    logf = open(cfg.home / "etcd.log", "ab")
     peer = f"http://127.0.0.1:{cfg.etcd_peer_port}"
     client = f"http://127.0.0.1:{cfg.etcd_port}"
-    proc = subprocess.Popen(
-        [binary, "--name", "compilecast", "--data-dir", str(data),
-         "--listen-client-urls", client, "--advertise-client-urls", client,
-         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-         "--initial-cluster", f"compilecast={peer}",
-         "--auto-compaction-mode", "periodic",
-         "--auto-compaction-retention", cfg.etcd_compaction_retention],
-        stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_pdeathsig,
-    )
-    logf.close()
-    deadline = time.monotonic() + 20
-    while not _port_open(cfg.etcd_port):
-        if proc.poll() is not None:
-            raise UpError(f"etcd exited with {proc.returncode}; see {cfg.home / 'etcd.log'}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise UpError(f"etcd did not start in 20s; see {cfg.home / 'etcd.log'}")
+    cmd, preexec = _with_death_signal([
+        binary, "--name", "compilecast", "--data-dir", str(data),
+        "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", f"compilecast={peer}",
+        "--auto-compaction-mode", "periodic",
+        "--auto-compaction-retention", cfg.etcd_compaction_retention])
+    with open(cfg.home / "etcd.log", "ab") as logf:
+        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=preexec)
+
+
+def _listening(proc: subprocess.Popen, cfg: UpConfig, deadline: float) -> bool:
+    """Whether the etcd just spawned serves its clients yet; UpError when it
+    exited or missed the deadline (then it is killed)."""
+    if _port_open(cfg.etcd_port):
+        return True
+    if proc.poll() is not None:
+        raise UpError(f"etcd exited with {proc.returncode}; see {cfg.home / 'etcd.log'}")
+    if time.monotonic() > deadline:
+        proc.kill()
+        proc.wait()
+        raise UpError(f"etcd did not start in {ETCD_START_S:.0f}s; see {cfg.home / 'etcd.log'}")
+    return False
+
+
+ETCD_START_S = 20.0
+
+
+def start_etcd(cfg: UpConfig) -> subprocess.Popen:
+    proc, deadline = _spawn_etcd(cfg), time.monotonic() + ETCD_START_S
+    while not _listening(proc, cfg, deadline):
         time.sleep(0.05)
     return proc
+
+
+class LocalEtcd:
+    """`up`'s etcd child, started again whenever it exits (killed, crashed,
+    OOM): the coordinator meanwhile answers "compile locally" and its etcd
+    client reconnects on its own, so nothing else has to restart. A child
+    that keeps exiting soon after its start is started again less often
+    (1 s, doubling up to 30 s)."""
+
+    STEADY_S = 30.0  # a child that ran this long resets the backoff
+    MAX_BACKOFF_S = 30.0
+
+    def __init__(self, cfg: UpConfig) -> None:
+        self.cfg = cfg
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.restarts = 0
+
+    def start(self) -> None:
+        self.proc, self.started = start_etcd(self.cfg), time.monotonic()
+
+    async def supervise(self, poll_s: float = 0.5) -> None:
+        backoff = 1.0
+        while True:
+            await asyncio.sleep(poll_s)
+            if self.proc is None or self.proc.poll() is None:
+                continue
+            if time.monotonic() - self.started >= self.STEADY_S:
+                backoff = 1.0
+            log.warning("etcd exited with %s (see %s); starting it again in %.0fs",
+                        self.proc.returncode, self.cfg.home / "etcd.log", backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, self.MAX_BACKOFF_S)
+            try:
+                # Spawned from the event loop's thread, which lives as long
+                # as `up` (a death signal follows the child's parent thread).
+                proc = _spawn_etcd(self.cfg)
+                self.proc, self.started = proc, time.monotonic()
+                deadline = self.started + ETCD_START_S
+                while True:
+                    if _listening(proc, self.cfg, deadline):
+                        break
+                    await asyncio.sleep(0.05)
+            except UpError as exc:
+                log.warning("etcd did not start again: %s", exc)
+                continue
+            self.restarts += 1
+            log.warning("etcd started again (pid %d, restart %d)", proc.pid, self.restarts)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -104,7 +188,8 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             proc.wait()
 
 
-async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str) -> None:
+async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str,
+                 etcd: LocalEtcd) -> None:
     from compilecast.coordinator.server import Coordinator
     from compilecast.serving import serve_until_signal
     from compilecast.worker import mlircanon
@@ -120,8 +205,10 @@ async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str) ->
         await coordinator.stop(0.0)
         raise
     print(ready_msg, flush=True)
+    supervisor = asyncio.create_task(etcd.supervise())
 
     async def stop_coordinator() -> None:
+        supervisor.cancel()
         await worker._close()
         await coordinator.stop(10.0)  # finishes in-flight publishes
 
@@ -166,7 +253,8 @@ def run(cfg: UpConfig) -> int:
     ccfg, wcfg = configs(cfg)
     if _port_open(cfg.coordinator_port):
         raise UpError(f"port {cfg.coordinator_port} is taken (another `compilecast up`?)")
-    etcd = start_etcd(cfg)
+    etcd = LocalEtcd(cfg)
+    etcd.start()
     msg = "\n".join([
         "compilecast is up (Ctrl-C stops it)",
         f"  etcd         127.0.0.1:{cfg.etcd_port}   data {cfg.home / 'etcd'}",
@@ -177,9 +265,9 @@ def run(cfg: UpConfig) -> int:
         "  use it from JAX: COMPILECAST_ENABLE=1 python train.py",
     ])
     try:
-        asyncio.run(_serve(ccfg, wcfg, msg))
+        asyncio.run(_serve(ccfg, wcfg, msg, etcd))
     finally:
-        stop_process(etcd)
+        etcd.stop()
         print("compilecast stopped", file=sys.stderr, flush=True)
     return 0
 

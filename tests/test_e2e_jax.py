@@ -71,3 +71,51 @@ def test_unreachable_worker_compiles_locally_with_a_warning(tmp_path, reference_
     assert r["xla_compiles"] == 1
     assert r["digest"] == reference_digest
     assert "unreachable" in r["stderr"] and "compiling" in r["stderr"]
+
+
+def test_up_starts_its_etcd_again_when_it_dies(up):
+    """SIGKILL of `up`'s etcd: meanwhile decisions say "compile locally"
+    (never hang); then `up` starts etcd again on the same data, and what was
+    published before is still a hit."""
+    import os
+    import signal
+    import time
+
+    from compilecast.v1 import cache_pb2 as pb
+    from compilecast.worker.client import CacheClient
+
+    c = CacheClient(up.target)
+    before = "cc1-" + "a" * 64
+    c.publish(before, c.acquire(before).lease, b"executable", 1.0)
+    (etcd,) = [int(line.split()[0]) for line in up.leftover_processes()]
+    os.kill(etcd, signal.SIGKILL)
+
+    deadline = time.monotonic() + 60
+    answers = []
+    while time.monotonic() < deadline:
+        answer = c.acquire("cc1-" + "b" * 64)
+        answers.append(answer.decision)
+        if answer.decision == pb.COMPILE:
+            break
+        assert answer.decision == pb.COMPILE_LOCALLY, answer
+        time.sleep(0.2)
+    assert answers[-1] == pb.COMPILE, answers
+    assert pb.COMPILE_LOCALLY in answers  # etcd really was down for a while
+    (again,) = [int(line.split()[0]) for line in up.leftover_processes()]
+    assert again != etcd
+    assert "etcd exited with -9" in up.log_path.read_text()
+    assert c.fetch(before)[1] == b"executable"
+
+
+def test_a_sigkill_of_up_leaves_no_etcd_behind(up):
+    import signal
+    import time
+
+    assert len(up.leftover_processes()) == 1  # its etcd, found by its data directory
+    up.proc.send_signal(signal.SIGKILL)
+    up.proc.wait(10)
+    up.proc = None
+    deadline = time.monotonic() + 20
+    while up.leftover_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert up.leftover_processes() == []
