@@ -23,7 +23,7 @@ from etcd3.etcdrpc import rpc_pb2 as pb
 from etcd3.etcdrpc import rpc_pb2_grpc as rpc
 
 from compilecast.errors import Unavailable
-from compilecast.grpcutil import aio_channel
+from compilecast.grpcutil import aio_channel, rpc_problem
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +152,7 @@ class Etcd:
                         and "space exceeded" in (exc.details() or ""):
                     raise EtcdOutOfSpace(f"etcd is out of space: {OUT_OF_SPACE_HELP}") from None
                 # Whatever else etcd says, for the caller etcd cannot serve now.
-                raise Unavailable(f"etcd unavailable: {exc.code().name}: {exc.details()}") \
-                    from None
+                raise Unavailable(f"etcd {rpc_problem(exc)}") from None
 
     # -- KV ------------------------------------------------------------------
     async def get(self, key: bytes) -> KV | None:
@@ -308,7 +307,7 @@ class Etcd:
                 yield resp.header.revision, list(resp.events)
         except grpc.aio.AioRpcError as exc:
             self.failover(member)
-            raise Unavailable(f"etcd watch broke: {exc.code().name} {exc.details()}") from None
+            raise Unavailable(f"etcd watch broke: {rpc_problem(exc)}") from None
         finally:
             await queue.put(None)
             call.cancel()
@@ -426,7 +425,7 @@ class _KeepAlives:
                     del self._waiting[resp.ID]
         except grpc.aio.AioRpcError as exc:
             self.etcd.failover(member)
-            error = Unavailable(f"etcd unavailable: {exc.code().name}: {exc.details()}")
+            error = Unavailable(f"etcd {rpc_problem(exc)}")
         except asyncio.CancelledError:
             error = Unavailable("the lease renewal stream was closed")
         finally:

@@ -59,7 +59,6 @@ from compilecast.wire import DataChunk
 from .etcd import (
     KV,
     Etcd,
-    EtcdOutOfSpace,
     GuardedBatcher,
     WriteBatcher,
     cmp_absent,
@@ -344,9 +343,7 @@ class CoordinatorState:
         """A decision that etcd's absence turns into compile-locally: counted
         (the alert's metric) and explained."""
         self.metrics.etcd_unavailable.inc()
-        if isinstance(exc, EtcdOutOfSpace):
-            return f"coordinator: {exc}"
-        return f"coordinator cannot reach etcd: {exc}"
+        return f"coordinator: {exc}"
 
     def _hit(self, info: pb.ArtifactInfo) -> None:
         self.metrics.compile_seconds_saved.inc(max(info.compile_time_seconds, 0.0))

@@ -91,16 +91,19 @@ def test_up_starts_its_etcd_again_when_it_dies(up):
     os.kill(etcd, signal.SIGKILL)
 
     deadline = time.monotonic() + 60
-    answers = []
+    answers, reasons = [], set()
     while time.monotonic() < deadline:
         answer = c.acquire("cc1-" + "b" * 64)
         answers.append(answer.decision)
+        reasons.add(answer.reason)
         if answer.decision == pb.COMPILE:
             break
         assert answer.decision == pb.COMPILE_LOCALLY, answer
         time.sleep(0.2)
     assert answers[-1] == pb.COMPILE, answers
     assert pb.COMPILE_LOCALLY in answers  # etcd really was down for a while
+    # Said in a few words, not gRPC's chain of resolver errors.
+    assert "coordinator: etcd unreachable: connection refused" in reasons, reasons
     (again,) = [int(line.split()[0]) for line in up.leftover_processes()]
     assert again != etcd
     assert "etcd exited with -9" in up.log_path.read_text()
