@@ -248,6 +248,21 @@ def test_key_says_why_a_damaged_program_was_not_parsed(tmp_path):
                            "field runs past the end of its message)"), second
 
 
+def test_key_of_hlo_text_says_to_dump_protos(tmp_path):
+    """XLA's default dump is HLO text, whose printer elides large constants:
+    keyed by its raw bytes (never two programs on one key), and told how to
+    get a canonical key."""
+    text = tmp_path / "module_0001.jit_f.before_optimizations.txt"
+    text.write_text("HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}\n\n"
+                    "ENTRY main.3 {\n  Arg_0.1 = f32[4]{0} parameter(0)\n"
+                    "  ROOT sine.2 = f32[4]{0} sine(Arg_0.1)\n}\n")
+    r = cc("key", str(text))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith(f"  {text}  (unparsed, keyed by raw bytes: HLO text is not keyed "
+                             "canonically (its printer elides large constants); dump with "
+                             "--xla_dump_hlo_as_proto)\n"), r.stdout
+
+
 def test_explain_two_files(tmp_path):
     same = cc("explain", _fixture("mlp.hlo.pb"), _fixture("mlp_other_file.hlo.pb"))
     assert same.returncode == 0 and same.stdout.startswith("same key cc1-"), same.stderr

@@ -177,10 +177,18 @@ def detect_format(data: bytes) -> str:
         text = head.decode("utf-8")
     except UnicodeDecodeError:
         text = ""
+    if text.lstrip().startswith("HloModule "):
+        return "hlo-text"  # not keyed canonically (HLO_TEXT)
     if text and ("module" in text or "func.func" in text or "stablehlo." in text
                  or "mhlo." in text):
         return "mlir-text"
     return "hlo-proto"
+
+
+# XLA's HLO text printer elides large constants ({...}) by default: printer
+# output cannot tell such programs apart, so it is never canonicalized.
+HLO_TEXT = ("HLO text is not keyed canonically (its printer elides large constants); "
+            "dump with --xla_dump_hlo_as_proto")
 
 
 # -- canonicalization ------------------------------------------------------------
@@ -359,6 +367,8 @@ def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = 
     key = Key()
     fmt = detect_format(data)
     try:
+        if fmt == "hlo-text":
+            raise ValueError(HLO_TEXT)
         if fmt == "hlo-proto":
             digest = _hlo_digest(hlo_module_bytes(data), cfg)
             if keep_text:  # for `explain` only: the program as MLIR prints it
@@ -368,7 +378,7 @@ def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = 
             digest, key.program_text, key.program_bytes = program_digest(
                 module, cfg, keep_text=keep_text, copy=False)
     except Exception as exc:
-        key.unparsed = f"not valid {fmt}: {_first_words(exc)}"
+        key.unparsed = HLO_TEXT if fmt == "hlo-text" else f"not valid {fmt}: {_first_words(exc)}"
         fmt, digest = "raw", _digest(data)
     key.components.update(program=digest, program_format=fmt, key_version=KEY_VERSION,
                           include_metadata=str(cfg.include_metadata),
