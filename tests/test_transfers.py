@@ -344,3 +344,16 @@ def test_a_big_download_is_put_together_in_place():
     small.add(b"01234")
     small.add(memoryview(b"56789"))
     assert small.result() == b"0123456789" and len(small._parts) == 2
+
+
+def test_a_process_keeps_only_its_latest_reasons():
+    """A process that runs for days compiling new shapes locally keeps the
+    latest reasons, not one string per compile since it started."""
+    from compilecast.worker.jax_integration import REASONS_KEPT, Stats
+
+    stats = Stats()
+    for i in range(3 * REASONS_KEPT):
+        stats.reasons.append(f"reason {i}")
+    reasons = stats.as_dict()["reasons"]
+    assert type(reasons) is list and len(reasons) == REASONS_KEPT
+    assert reasons[-1] == f"reason {3 * REASONS_KEPT - 1}"

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ UNREACHABLE_BACKOFF_S = 30.0
 # rollout) takes a second or two, and giving up then would compile everything
 # the job asks for in the next 30 s locally.
 REFUSED_RETRY_S = (1.0, 2.0)
+REASONS_KEPT = 100
 
 
 @dataclass
@@ -60,7 +62,9 @@ class Stats:
     released: int = 0
     profiles_published: int = 0  # FDO/PGLE profiles this process shared
     profiles_received: int = 0  # profiles taken from the store (another process's, or stored)
-    reasons: list[str] = field(default_factory=list)
+    # Why each local compile or fallback happened: the latest REASONS_KEPT (a
+    # process that runs for days keeps compiling new shapes).
+    reasons: deque[str] = field(default_factory=lambda: deque(maxlen=REASONS_KEPT))
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__, reasons=list(self.reasons))
