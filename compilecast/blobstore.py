@@ -34,9 +34,10 @@ store, or a host disk shared with a training job's checkpoints). `make_room`
 evicts least-recently-read blobs until a blob of a given size fits above
 `min_free` bytes kept free; other files on the volume are never touched. A
 write that still finds no space raises StoreFull, or, for a writer opened with
-`discard_when_full` (a cache that can serve its readers without a copy of its
+`discard_when_unwritable` (a cache that can serve its readers without a copy of its
 own), stops keeping the bytes but goes on hashing them: its commit verifies
-and returns None.
+and returns None. Such a writer does the same on any other failure to write
+(a directory that became unwritable): a cache's disk never denies a reader.
 """
 
 from __future__ import annotations
@@ -243,15 +244,19 @@ class BlobWriter:
     without `commit()` removes the temp file."""
 
     def __init__(self, store: DiskBlobStore, max_size: int, *,
-                 discard_when_full: bool = False) -> None:
+                 discard_when_unwritable: bool = False) -> None:
         self._store = store
         self._max_size = max_size
-        self._discard = discard_when_full
+        self._discard = discard_when_unwritable
         self.discarded = ""  # why the bytes are hashed but not kept
         self._path: Path | None = None
         self._file: Any = None
         try:
-            fd, name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".part")
+            try:
+                fd, name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".part")
+            except FileNotFoundError:  # removed under the running store
+                store.restore()
+                fd, name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".part")
         except OSError as exc:
             self._out_of_space(exc)
         else:
@@ -323,12 +328,17 @@ class BlobWriter:
             self._out_of_space(exc)
 
     def _out_of_space(self, exc: OSError) -> None:
-        """A write failed: for want of space, raise StoreFull, or (opened with
-        discard_when_full) go on hashing without keeping the bytes."""
-        if exc.errno not in OUT_OF_SPACE:
-            raise exc
-        why = f"no space left on the volume under {self._store.root}"
+        """A write failed. Opened with discard_when_unwritable, go on hashing
+        without keeping the bytes, whatever the failure; else raise StoreFull
+        for want of space, and anything else as it is."""
+        full = exc.errno in OUT_OF_SPACE
+        if full:
+            why = f"no space left on the volume under {self._store.root}"
+        else:
+            why = f"cannot write under {self._store.root}: {exc.strerror or exc}"
         if not self._discard:
+            if not full:
+                raise exc
             raise StoreFull(f"the blob store is full: {why}") from None
         self.stop_keeping(why)
 
@@ -470,8 +480,7 @@ class DiskBlobStore:
         self._blob_prefix = f"{self.blob_dir}/"
         self.tmp_dir = self.root / "tmp"
         self.quarantine_dir = self.root / "quarantine"
-        for d in (self.blob_dir, self.tmp_dir, self.quarantine_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        self._make_dirs()
         for stale in self.tmp_dir.iterdir():
             with contextlib.suppress(OSError):
                 stale.unlink()
@@ -527,12 +536,33 @@ class DiskBlobStore:
         return sum(1 for _ in self.blob_dir.glob("*/*.zst"))
 
     # -- writes ----------------------------------------------------------
-    def writer(self, *, discard_when_full: bool = False) -> BlobWriter:
-        return BlobWriter(self, self.max_blob_size, discard_when_full=discard_when_full)
+    def writer(self, *, discard_when_unwritable: bool = False) -> BlobWriter:
+        return BlobWriter(self, self.max_blob_size, discard_when_unwritable=discard_when_unwritable)
+
+    def _make_dirs(self) -> None:
+        for d in (self.blob_dir, self.tmp_dir, self.quarantine_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def restore(self) -> None:
+        """Make the store's directories again after something removed them
+        while it ran (an operator freeing a disk, a cleaner): it goes on
+        serving, as empty as what is left, and counts what is left."""
+        log.warning("the store's directory %s was removed while in use: made again; its "
+                    "blobs that went with it are fetched or compiled again", self.root)
+        self._make_dirs()
+        self.rescan()
+
+    def free_bytes(self) -> int:
+        """Free bytes on the store's volume (one statvfs)."""
+        try:
+            return shutil.disk_usage(self.root).free
+        except FileNotFoundError:
+            self.restore()
+            return shutil.disk_usage(self.root).free
 
     def _room(self, nbytes: int) -> int:
         """Bytes the volume lacks for a blob of `nbytes` above min_free (<= 0: it fits)."""
-        free = shutil.disk_usage(self.root).free
+        free = self.free_bytes()
         return nbytes + nbytes // 128 + ROOM_SLACK + self.min_free - free
 
     def fits(self, nbytes: int) -> bool:

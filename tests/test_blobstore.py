@@ -238,7 +238,7 @@ def test_a_writer_that_may_discard_still_verifies_what_it_could_not_keep(tmp_pat
     store = DiskBlobStore(tmp_path)
     data = os.urandom(3 << 20)
     digest = hashlib.sha256(data).hexdigest()
-    with store.writer(discard_when_full=True) as w:
+    with store.writer(discard_when_unwritable=True) as w:
         w.write(data[:1 << 20])  # the probe's worth: decided (raw) and on disk
         assert not w.discarded
         _onto_a_full_volume(w)
@@ -248,7 +248,7 @@ def test_a_writer_that_may_discard_still_verifies_what_it_could_not_keep(tmp_pat
         assert w.commit(digest, len(data)) is None
     assert not store.has(digest)
     assert list(store.tmp_dir.iterdir()) == []
-    with store.writer(discard_when_full=True) as w:
+    with store.writer(discard_when_unwritable=True) as w:
         _onto_a_full_volume(w)
         w.write(data)
         with pytest.raises(DigestMismatch):

@@ -235,3 +235,50 @@ def test_flipped_bytes_are_detected_never_served_and_counted(coordinator, start_
     assert worker.cache.lookup("host", "k") is None  # nothing unverified reached the host cache
     # The entry is gone, so the next process recompiles instead of failing again.
     assert via_worker.acquire("k").decision == pb.COMPILE
+
+
+def test_a_host_cache_removed_under_a_running_worker_is_made_again(coordinator, start_worker):
+    """`rm -rf` of the host cache while the worker runs (an operator freeing a
+    disk): the next fetch downloads into a cache made again, at once, and
+    status still answers."""
+    import shutil
+
+    worker = start_worker(coordinator.cfg.listen)
+    c = CacheClient(coordinator.cfg.listen)
+    data = os.urandom(1 << 20)
+    c.publish("k", c.acquire("k").lease, data, 1.0)
+    via_worker = CacheClient(worker.target, timeout_s=10)
+    assert via_worker.fetch("k")[1] == data
+    shutil.rmtree(worker.cache.root)
+
+    start = time.monotonic()
+    assert via_worker.fetch("k")[1] == data
+    assert time.monotonic() - start < 10  # not a stalled fill
+    assert worker.cache.lookup("host", "k") is not None  # kept again
+    assert via_worker.status().host_disk_free_bytes > 0
+
+
+def test_a_host_cache_that_cannot_keep_a_download_serves_it_without_a_copy(
+        coordinator, start_worker):
+    """A host cache that cannot take a download (here the directory of its
+    partial files became a file): the fetch is served at once from the
+    coordinator's stream, verified, without a copy, and counted; a fix of
+    the directory is used by the next download."""
+    worker = start_worker(coordinator.cfg.listen)
+    c = CacheClient(coordinator.cfg.listen)
+    data = os.urandom(1 << 20)
+    c.publish("k", c.acquire("k").lease, data, 1.0)
+    tmp = worker.cache.store.tmp_dir
+    tmp.rmdir()
+    tmp.write_bytes(b"not a directory")
+    via_worker = CacheClient(worker.target, timeout_s=10)
+    for _ in range(2):
+        start = time.monotonic()
+        assert via_worker.fetch("k")[1] == data
+        assert time.monotonic() - start < 10
+    assert worker.cache.lookup("host", "k") is None
+    assert worker.metrics.registry.get_sample_value("compilecast_worker_uncached_total") == 2
+    assert not worker.service._fills
+    tmp.unlink()
+    assert via_worker.fetch("k")[1] == data
+    assert worker.cache.lookup("host", "k") is not None

@@ -66,7 +66,7 @@ class HostCache:
                            "compile_time_seconds": info.compile_time_seconds,
                            "created_unix": info.created_unix}).encode()
         entry = self._entry(ns, info.key)
-        entry.parent.mkdir(exist_ok=True)
+        entry.parent.mkdir(parents=True, exist_ok=True)  # (keys/ too, if it was removed)
         fd, tmp = tempfile.mkstemp(dir=entry.parent, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:

@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -563,7 +562,7 @@ class WorkerService(rpc.CompileCacheServicer):
         # Refuse bad headers here: a coordinator that aborts a stream the worker
         # is still sending can surface as a reset (INTERNAL) instead of its status.
         validate.publish_header(header, self.cache.store.max_blob_size)
-        writer = self.cache.store.writer(discard_when_full=True)
+        writer = self.cache.store.writer(discard_when_unwritable=True)
         with writer:
             await self._make_room(writer, header.size)
 
@@ -699,10 +698,11 @@ class WorkerService(rpc.CompileCacheServicer):
         info = None
         peer = ""
         relay = self.relay_address
-        writer = self.cache.store.writer(discard_when_full=True)
         resumes = list(RESUME_S)
         linked = False
         try:
+            # (Inside the try: a fill that fails to start ends its readers too.)
+            writer = self.cache.store.writer(discard_when_unwritable=True)
             with writer:
                 while True:
                     # The coordinator's stored zstd (or a peer's relay of it), decoded
@@ -946,7 +946,7 @@ class WorkerService(rpc.CompileCacheServicer):
     async def _host_status(self, resp: pb.StatusResponse) -> None:
         store = self.cache.store
         resp.host_cache_bytes, resp.host_cache_max_bytes = store.stored_bytes, store.max_bytes or 0
-        resp.host_disk_free_bytes = (await asyncio.to_thread(shutil.disk_usage, store.root)).free
+        resp.host_disk_free_bytes = await asyncio.to_thread(store.free_bytes)
         resp.host_cache_min_free_bytes = store.min_free
         resp.host_uncached = int(self.metrics.registry.get_sample_value(
             "compilecast_worker_uncached_total") or 0)
