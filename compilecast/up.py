@@ -252,7 +252,8 @@ def run(cfg: UpConfig) -> int:
     cfg.home.mkdir(parents=True, exist_ok=True)
     ccfg, wcfg = configs(cfg)
     if _port_open(cfg.coordinator_port):
-        raise UpError(f"port {cfg.coordinator_port} is taken (another `compilecast up`?)")
+        raise UpError(f"port {cfg.coordinator_port} is taken (another `compilecast up`? "
+                      "`compilecast status` says); pass --coordinator-port for another")
     etcd = LocalEtcd(cfg)
     etcd.start()
     msg = "\n".join([
