@@ -607,6 +607,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, ListenError):
             print(f"compilecast {args.command}: {exc}", file=sys.stderr)
             return 1
+        if isinstance(exc, OSError) and exc.filename:  # e.g. a data directory it cannot make
+            print(f"compilecast {args.command}: cannot use {exc.filename}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 1
         raise
 
 

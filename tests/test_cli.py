@@ -131,6 +131,21 @@ def test_explain_two_keys_the_coordinator_has_seen(coordinator, start_worker):
     assert r.returncode == 2 and "cc1-9999" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_data_directory_that_cannot_be_made_is_a_readable_error(tmp_path):
+    from compilecast.launch import free_port
+
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "cache"
+    for role, flags in (("worker", ("--cache-dir", "--coordinator")),
+                        ("coordinator", ("--store-dir", "--etcd-endpoints",
+                                         "--allow-unauthenticated", "true"))):
+        r = cc(role, flags[0], str(bad), flags[1], f"127.0.0.1:{free_port()}", *flags[2:],
+               "--metrics-port", "0", "--listen", f"127.0.0.1:{free_port()}")
+        assert r.returncode == 1, r.stderr
+        assert f"compilecast {role}: cannot use {bad}" in r.stderr, r.stderr
+        assert "Not a directory" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_json_logs_carry_key_and_job(tmp_path):
     import json
     import logging
