@@ -33,6 +33,8 @@ _CONNECT_FAILURES = (
     ("Name or service not known", "no such host"),
     ("Network is unreachable", "network unreachable"),
     ("No route to host", "no route to host"),
+    ("Socket closed", "the connection was closed"),
+    ("failed to connect to all addresses", "cannot connect"),
 )
 
 

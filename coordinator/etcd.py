@@ -23,7 +23,7 @@ from etcd3.etcdrpc import rpc_pb2 as pb
 from etcd3.etcdrpc import rpc_pb2_grpc as rpc
 
 from compilecast.errors import Unavailable
-from compilecast.grpcutil import aio_channel, rpc_problem
+from compilecast.grpcutil import aio_channel, rpc_problem, unreachable
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class Etcd:
             await self.kv.Range(pb.RangeRequest(key=b"health", limit=1), timeout=2.0)
         except grpc.aio.AioRpcError as exc:
             self.failover(member)
-            return False, f"etcd unreachable: {exc.code().name}: {exc.details()}"
+            return False, f"etcd {unreachable(exc)}"
         try:
             resp = await self.maintenance.Alarm(pb.AlarmRequest(action=pb.AlarmRequest.GET),
                                                 timeout=2.0)

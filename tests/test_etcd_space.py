@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 
-import grpc
-
 from compilecast.coordinator.server import Coordinator
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
@@ -71,4 +69,5 @@ def test_status_names_an_unreachable_etcd(tmp_path, prefix, started):
     etcd.stop()
     st = CacheClient(coord.cfg.listen, timeout_s=10).status()
     assert not st.upstream_healthy and st.upstream_problem.startswith("etcd unreachable: ")
-    assert st.upstream_problem != "" and grpc.StatusCode.UNAVAILABLE.name in st.upstream_problem
+    # In a few words, not gRPC's chain of resolver errors.
+    assert "failed to connect" not in st.upstream_problem, st.upstream_problem

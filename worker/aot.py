@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 
+from compilecast.grpcutil import rpc_problem
 from compilecast.v1 import cache_pb2 as pb
 
 from . import jax_adapter, keys
@@ -448,8 +449,8 @@ class FarmWorker:
                 resp = self.client.claim(self.name, self.claim_wait_ms)
             except grpc.RpcError as exc:
                 self._slots.release()
-                log.warning("farm: cannot claim a task (%s: %s); retrying",
-                            exc.code().name, exc.details())
+                log.warning("farm: cannot claim a task (coordinator %s: %s); retrying",
+                            self.client.target, rpc_problem(exc))
                 stop.wait(2.0)
                 continue
             if not resp.task_id:

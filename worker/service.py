@@ -32,7 +32,7 @@ from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.decide import Decider
 from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
-from compilecast.grpcutil import aio_channel, bearer, rpc_errors
+from compilecast.grpcutil import aio_channel, bearer, rpc_errors, unreachable
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
@@ -920,7 +920,7 @@ class WorkerService(rpc.CompileCacheServicer):
             up = await self.up.Status(request, timeout=timeout,
                                       metadata=self._credential(context)[1])
         except grpc.aio.AioRpcError as exc:
-            resp.upstream_problem = f"coordinator unreachable: {exc.code().name}: {exc.details()}"
+            resp.upstream_problem = f"coordinator {unreachable(exc)}"
         else:
             resp.CopyFrom(up)
             # Hits this worker answered from its host cache, and answers it shared
