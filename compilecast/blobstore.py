@@ -258,7 +258,7 @@ class BlobWriter:
                 store.restore()
                 fd, name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".part")
         except OSError as exc:
-            self._out_of_space(exc)
+            self._write_failed(exc)
         else:
             self._path = Path(name)
             self._file = os.fdopen(fd, "wb")
@@ -295,7 +295,7 @@ class BlobWriter:
             if self._written_back is not None:
                 self._write_back()
         except OSError as exc:
-            self._out_of_space(exc)
+            self._write_failed(exc)
 
     def _write_back(self) -> None:
         """Have the kernel start writing out what this file holds beyond the
@@ -325,9 +325,9 @@ class BlobWriter:
             if self._written_back is not None:
                 self._write_back()
         except OSError as exc:
-            self._out_of_space(exc)
+            self._write_failed(exc)
 
-    def _out_of_space(self, exc: OSError) -> None:
+    def _write_failed(self, exc: OSError) -> None:
         """A write failed. Opened with discard_when_unwritable, go on hashing
         without keeping the bytes, whatever the failure; else raise StoreFull
         for want of space, and anything else as it is."""
@@ -409,7 +409,7 @@ class BlobWriter:
                 try:
                     self._finish_file(final.parent)
                 except OSError as exc:
-                    self._out_of_space(exc)
+                    self._write_failed(exc)
             actual = self._hash.hexdigest()
             if actual != digest:
                 raise DigestMismatch(
