@@ -223,6 +223,7 @@ def _seen_key(key: str, worker: str):
         raise CliError(f"{key}: {exc.details()}") from None
     finally:
         client.close()
+
     def utc(t: float) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
