@@ -363,22 +363,23 @@ SERVER_HINT = ("is a coordinator or worker listening there? "
 
 
 def _unreachable(exc, hint: str) -> str:
-    """Why a server could not be asked, and where to look: "unreachable:
-    no socket at that path; is ... running?"."""
-    from compilecast.grpcutil import unreachable
+    """Why a call failed: for a server that could not be asked, why and
+    where to look ("unreachable: no socket at that path; is ... running?");
+    for one that answered with an error (an INTERNAL, a coordinator's status
+    relayed by a worker as UNAVAILABLE), what it answered, without the hint."""
+    import grpc
 
-    return f"{unreachable(exc)}; {hint}"
+    from compilecast.grpcutil import rpc_problem, unreachable
+
+    problem = rpc_problem(exc)
+    if problem.startswith("unreachable") or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"{unreachable(exc)}; {hint}"
+    return problem
 
 
 def _rpc_failed(target: str, exc, hint: str = SERVER_HINT) -> CliError:
     """A failed call to `target` as a CliError; an unreachable one with `hint`."""
-    import grpc
-
-    from compilecast.grpcutil import rpc_problem
-
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        return CliError(f"{target}: {_unreachable(exc, hint)}")
-    return CliError(f"{target}: {rpc_problem(exc)}")
+    return CliError(f"{target}: {_unreachable(exc, hint)}")
 
 
 LS_ORDER = {"key": lambda a: a.artifact.key, "size": lambda a: -a.artifact.size,

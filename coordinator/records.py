@@ -50,6 +50,15 @@ def info_from(key: str, raw: bytes) -> pb.ArtifactInfo:
     return pb.ArtifactInfo(key=key, **d)
 
 
+def read_info(key: str, raw: bytes) -> pb.ArtifactInfo | None:
+    """info_from, or None for an index entry that cannot be read (damaged, or
+    written by something else): callers treat it as absent, never fail on it."""
+    try:
+        return info_from(key, raw)
+    except (ValueError, TypeError):
+        return None
+
+
 DEFAULT_TENANT = "default"
 EXPECTED_TTL_S = 10.0  # how long a program's expected compile time is reused
 EXPECTED_MAX = 4096  # programs remembered at once (expired ones go first)
@@ -188,7 +197,11 @@ class KeyRecords:
         keys = [kv.key[len(head):].decode() for kv in page.kvs]
         records = await self.etcd.get_many([self._k("k", scope(tenant, k)) for k in keys])
         for key, kv, rec in zip(keys, page.kvs, records, strict=True):
-            item = resp.artifacts.add(artifact=info_from(key, kv.value))
+            info = read_info(key, kv.value)
+            if info is None:
+                log.warning("unreadable index entry for %s: not listed", key)
+                continue
+            item = resp.artifacts.add(artifact=info)
             if rec is not None:
                 with contextlib.suppress(ValueError):
                     item.program_name = json.loads(rec.value).get("program_name", "")
@@ -207,7 +220,7 @@ class KeyRecords:
         resp = pb.DescribeKeyResponse(key=key, program_name=d.get("program_name", ""),
                                       first_seen_unix=d.get("first_seen", 0.0))
         resp.key_components.update(d.get("components", {}))
-        if art is not None:
-            resp.artifact.CopyFrom(info_from(key, art.value))
+        if art is not None and (info := read_info(key, art.value)) is not None:
+            resp.artifact.CopyFrom(info)
         return resp
 

@@ -69,7 +69,16 @@ from .etcd import (
 from .farm import Farm
 from .leases import LeasePool
 from .metrics import CoordinatorMetrics
-from .records import DEFAULT_TENANT, KeyRecords, info_from, info_json, plain, scope, tenant_of
+from .records import (
+    DEFAULT_TENANT,
+    KeyRecords,
+    info_from,
+    info_json,
+    plain,
+    read_info,
+    scope,
+    tenant_of,
+)
 from .relay import RelayTrees
 from .sweep import IndexSweeper
 from .uploads import Uploads
@@ -92,6 +101,7 @@ class KeyState:
     lease_rev: int
     local: dict | None
     hedge: dict | None = None
+    unreadable: bool = False  # an index entry is there, and cannot be read
 
 
 def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
@@ -260,10 +270,12 @@ class CoordinatorState:
             self._index[sk] = (info, revision)
 
     def _published(self, sk: str, value: bytes, revision: int) -> None:
-        try:
-            self._remember_artifact(sk, info_from(plain(sk), value), revision)
-        except (ValueError, TypeError):
+        info = read_info(plain(sk), value)
+        if info is None:  # what etcd now holds is not what was remembered
             log.warning("unreadable index entry for %s at revision %d", sk, revision)
+            self._forget_artifact(sk, revision)
+            return
+        self._remember_artifact(sk, info, revision)
 
     def _cached_artifact(self, sk: str) -> pb.ArtifactInfo | None:
         entry = self._index.get(sk)
@@ -313,10 +325,11 @@ class CoordinatorState:
 
     def _state(self, sk: str, kvs: list[KV | None]) -> KeyState:
         a, lrec, x, h = kvs
-        artifact = info_from(plain(sk), a.value) if a is not None else None
+        artifact = read_info(plain(sk), a.value) if a is not None else None
         if artifact is not None:
             self._remember_artifact(sk, artifact, a.mod_revision)
         return KeyState(
+            unreadable=a is not None and artifact is None,
             artifact=artifact,
             artifact_rev=a.mod_revision if a else 0,
             lease=json.loads(lrec.value) if lrec else None,
@@ -326,14 +339,19 @@ class CoordinatorState:
         )
 
     async def _usable_artifact(self, sk: str, st: KeyState) -> pb.ArtifactInfo | None:
-        """The artifact if its blob is present; a dangling entry is dropped."""
-        if st.artifact is None:
+        """The artifact if its blob is present; a dangling or unreadable entry
+        is dropped (the key compiles again)."""
+        if st.unreadable:
+            log.warning("index entry %s cannot be read (damaged, or written by something "
+                        "else); dropping it: the key compiles again", sk)
+        elif st.artifact is None:
             return None
-        if self.store.has(st.artifact.digest):  # one stat: cheaper than a thread hop
+        elif self.store.has(st.artifact.digest):  # one stat: cheaper than a thread hop
             return st.artifact
-        log.warning("index entry %s points at missing blob %s (evicted from a bounded store, "
-                    "or deleted); dropping it: the key compiles again",
-                    st.artifact.key, st.artifact.digest)
+        else:
+            log.warning("index entry %s points at missing blob %s (evicted from a bounded "
+                        "store, or deleted); dropping it: the key compiles again",
+                        st.artifact.key, st.artifact.digest)
         self._forget_artifact(sk, st.artifact_rev + 1)
         await self.etcd.txn([cmp_mod_revision(self._k("a", sk), st.artifact_rev)],
                             [op_delete(self._k("a", sk))])
@@ -928,7 +946,11 @@ class CoordinatorState:
                 return upload.info, self._counted(stream_upload(
                     upload, offset, lambda at: self._stream(sk, upload.info, at),
                     self.cfg.publish_stream_readers))
-            info = info_from(key, rec.value)
+            info = read_info(key, rec.value)
+            if info is None:
+                await self._usable_artifact(sk, KeyState(None, rec.mod_revision, None, 0, None,
+                                                         unreadable=True))  # drops it
+                raise NotFound(f"the index entry of key {key} could not be read; recompile")
             self._remember_artifact(sk, info, rec.mod_revision)
         if digest and info.digest != digest:
             raise NotFound(f"key {key} holds digest {info.digest}, not {digest}")

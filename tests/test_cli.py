@@ -416,3 +416,33 @@ def test_the_etcd_of_up_compacts_its_history(tmp_path):
         helper.stdin.close()
         helper.wait(30)
         helper.stdout.close()
+
+
+def test_a_server_that_answered_an_error_is_not_called_unreachable():
+    """Only a server that could not be asked gets "unreachable" and the hint
+    to look for it; one that answered (a worker relaying the coordinator's
+    error as UNAVAILABLE, an INTERNAL) is quoted."""
+    import grpc
+
+    from compilecast.cli import SERVER_HINT, _rpc_failed
+
+    class Failed(grpc.RpcError):
+        def __init__(self, code, details):
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+    relayed = Failed(grpc.StatusCode.UNAVAILABLE, "coordinator: ListArtifacts: internal error")
+    assert str(_rpc_failed("w", relayed)) == \
+        "w: UNAVAILABLE: coordinator: ListArtifacts: internal error"
+    refused = Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last "
+                     "error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: "
+                     "Connection refused")
+    assert str(_rpc_failed("w", refused)) == f"w: unreachable: connection refused; {SERVER_HINT}"
+    late = Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    assert str(_rpc_failed("w", late)) == \
+        f"w: unreachable (DEADLINE_EXCEEDED: Deadline Exceeded); {SERVER_HINT}"

@@ -282,3 +282,32 @@ def test_a_host_cache_that_cannot_keep_a_download_serves_it_without_a_copy(
     tmp.unlink()
     assert via_worker.fetch("k")[1] == data
     assert worker.cache.lookup("host", "k") is not None
+
+
+def test_an_unreadable_index_entry_is_dropped_and_the_key_compiles_again(coordinator, etcd):
+    """An index entry that is not ours to read (an operator's `etcdctl put`,
+    a damaged value): listing skips it, and the key is a miss that compiles
+    and publishes again, instead of INTERNAL on every call for it."""
+    from compilecast.coordinator.records import scope
+
+    c = CacheClient(coordinator.cfg.listen)
+    for k in ("k", "other"):
+        c.publish(k, c.acquire(k).lease, k.encode() * 100, 1.0)
+    entry = coordinator.state._k("a", scope("default", "k")).decode()
+    put = subprocess.run(["etcdctl", f"--endpoints={etcd.endpoint}", "put", entry, "not json{"],
+                         capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "ETCDCTL_API": "3"})
+    assert put.returncode == 0, put.stderr
+    deadline = time.monotonic() + 10  # the watch forgets what it remembered of the entry
+    while coordinator.state._cached_artifact(scope("default", "k")) is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+    assert [a.artifact.key for a in c.list_artifacts()] == ["other"]
+    with pytest.raises(grpc.RpcError) as info:
+        c.fetch("k")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    again = c.acquire("k")
+    assert again.decision == pb.COMPILE, again
+    c.publish("k", again.lease, b"recompiled", 1.0)
+    assert c.fetch("k")[1] == b"recompiled"
