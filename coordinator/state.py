@@ -101,7 +101,6 @@ class KeyState:
     lease_rev: int
     local: dict | None
     hedge: dict | None = None
-    unreadable: bool = False  # an index entry is there, and cannot be read
 
 
 def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
@@ -139,6 +138,25 @@ def _reason(kv: KV) -> str:
         return json.loads(kv.value)["reason"]
     except (ValueError, KeyError, TypeError):
         return "revoked"
+
+
+_KINDS = {"a": "index", "l": "compile lease", "x": "compile-locally", "h": "hedge"}
+
+
+def _as_dict(value: bytes) -> dict | None:
+    """A record's JSON object, or None when it is not one."""
+    try:
+        d = json.loads(value)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _readable(kind: str, sk: str, value: bytes) -> bool:
+    """Whether a key's record (P/<kind>/...) is one this coordinator can read."""
+    if kind == "a":
+        return read_info(plain(sk), value) is not None
+    return _as_dict(value) is not None
 
 
 def _verdict(marker: dict) -> dict:
@@ -300,7 +318,27 @@ class CoordinatorState:
         return [self._k(kind, sk) for kind in "alxh"]
 
     async def _read(self, sk: str) -> KeyState:
-        return self._state(sk, await self.etcd.get_many(self._state_keys(sk)))
+        return await self._readable_state(sk, await self.etcd.get_many(self._state_keys(sk)))
+
+    async def _readable_state(self, sk: str, kvs: list[KV | None]) -> KeyState:
+        """_state of the key's records as read, those it cannot read dropped."""
+        for i, (kind, kv) in enumerate(zip("alxh", kvs, strict=True)):
+            if kv is not None and not _readable(kind, sk, kv.value):
+                await self._drop_unreadable(sk, kind, kv)
+                kvs[i] = None
+        return self._state(sk, kvs)
+
+    async def _drop_unreadable(self, sk: str, kind: str, kv: KV) -> None:
+        """A record of the key that is not ours to read (an operator's `etcdctl
+        put`, a damaged value) is dropped, as long as it is still that one:
+        the key then reads as if it were absent (a miss compiles again),
+        instead of failing every call for it."""
+        log.warning("the %s record of %s cannot be read (damaged, or written by something "
+                    "else); dropping it", _KINDS[kind], sk, extra={"key": sk})
+        if kind == "a":
+            self._forget_artifact(sk, kv.mod_revision + 1)
+        await self.etcd.txn([cmp_mod_revision(self._k(kind, sk), kv.mod_revision)],
+                            [op_delete(self._k(kind, sk))])
 
     async def _read_shared(self, sk: str, *, fresh: bool = False) -> KeyState:
         """_read, shared by concurrent callers on one key (the hosts of a pod
@@ -325,11 +363,10 @@ class CoordinatorState:
 
     def _state(self, sk: str, kvs: list[KV | None]) -> KeyState:
         a, lrec, x, h = kvs
-        artifact = read_info(plain(sk), a.value) if a is not None else None
+        artifact = info_from(plain(sk), a.value) if a is not None else None
         if artifact is not None:
             self._remember_artifact(sk, artifact, a.mod_revision)
         return KeyState(
-            unreadable=a is not None and artifact is None,
             artifact=artifact,
             artifact_rev=a.mod_revision if a else 0,
             lease=json.loads(lrec.value) if lrec else None,
@@ -339,19 +376,14 @@ class CoordinatorState:
         )
 
     async def _usable_artifact(self, sk: str, st: KeyState) -> pb.ArtifactInfo | None:
-        """The artifact if its blob is present; a dangling or unreadable entry
-        is dropped (the key compiles again)."""
-        if st.unreadable:
-            log.warning("index entry %s cannot be read (damaged, or written by something "
-                        "else); dropping it: the key compiles again", sk)
-        elif st.artifact is None:
+        """The artifact if its blob is present; a dangling entry is dropped."""
+        if st.artifact is None:
             return None
-        elif self.store.has(st.artifact.digest):  # one stat: cheaper than a thread hop
+        if self.store.has(st.artifact.digest):  # one stat: cheaper than a thread hop
             return st.artifact
-        else:
-            log.warning("index entry %s points at missing blob %s (evicted from a bounded "
-                        "store, or deleted); dropping it: the key compiles again",
-                        st.artifact.key, st.artifact.digest)
+        log.warning("index entry %s points at missing blob %s (evicted from a bounded store, "
+                    "or deleted); dropping it: the key compiles again",
+                    st.artifact.key, st.artifact.digest)
         self._forget_artifact(sk, st.artifact_rev + 1)
         await self.etcd.txn([cmp_mod_revision(self._k("a", sk), st.artifact_rev)],
                             [op_delete(self._k("a", sk))])
@@ -391,7 +423,7 @@ class CoordinatorState:
         keys = self._state_keys(sk)
         lease, kvs = await self._claim_txn(sk, "l", [cmp_absent(k) for k in keys], keys,
                                            req, program)
-        return (lease, None) if lease is not None else (None, self._state(sk, kvs))
+        return (lease, None) if lease is not None else (None, await self._readable_state(sk, kvs))
 
     async def _claim_txn(self, sk: str, kind: str, compare: list, read: list[bytes],
                          req: pb.Requester, program: str
@@ -408,7 +440,7 @@ class CoordinatorState:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s, revision=rev,
                             accepts_zstd=True, takes_digest_last=self._takes_digest_last()), []
         mine = kvs[read.index(record)]
-        if mine is not None and json.loads(mine.value).get("lease") == lease_id:
+        if mine is not None and (_as_dict(mine.value) or {}).get("lease") == lease_id:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s,
                             revision=mine.mod_revision, accepts_zstd=True,
                             takes_digest_last=self._takes_digest_last()), kvs
@@ -948,8 +980,7 @@ class CoordinatorState:
                     self.cfg.publish_stream_readers))
             info = read_info(key, rec.value)
             if info is None:
-                await self._usable_artifact(sk, KeyState(None, rec.mod_revision, None, 0, None,
-                                                         unreadable=True))  # drops it
+                await self._drop_unreadable(sk, "a", rec)
                 raise NotFound(f"the index entry of key {key} could not be read; recompile")
             self._remember_artifact(sk, info, rec.mod_revision)
         if digest and info.digest != digest:

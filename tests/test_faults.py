@@ -284,6 +284,13 @@ def test_a_host_cache_that_cannot_keep_a_download_serves_it_without_a_copy(
     assert worker.cache.lookup("host", "k") is not None
 
 
+def _etcdctl_put(etcd, key: bytes, value: str) -> None:
+    put = subprocess.run(["etcdctl", f"--endpoints={etcd.endpoint}", "put", key.decode(), value],
+                         capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "ETCDCTL_API": "3"})
+    assert put.returncode == 0, put.stderr
+
+
 def test_an_unreadable_index_entry_is_dropped_and_the_key_compiles_again(coordinator, etcd):
     """An index entry that is not ours to read (an operator's `etcdctl put`,
     a damaged value): listing skips it, and the key is a miss that compiles
@@ -293,11 +300,7 @@ def test_an_unreadable_index_entry_is_dropped_and_the_key_compiles_again(coordin
     c = CacheClient(coordinator.cfg.listen)
     for k in ("k", "other"):
         c.publish(k, c.acquire(k).lease, k.encode() * 100, 1.0)
-    entry = coordinator.state._k("a", scope("default", "k")).decode()
-    put = subprocess.run(["etcdctl", f"--endpoints={etcd.endpoint}", "put", entry, "not json{"],
-                         capture_output=True, text=True, timeout=30,
-                         env={**os.environ, "ETCDCTL_API": "3"})
-    assert put.returncode == 0, put.stderr
+    _etcdctl_put(etcd, coordinator.state._k("a", scope("default", "k")), "not json{")
     deadline = time.monotonic() + 10  # the watch forgets what it remembered of the entry
     while coordinator.state._cached_artifact(scope("default", "k")) is not None:
         assert time.monotonic() < deadline
@@ -311,3 +314,18 @@ def test_an_unreadable_index_entry_is_dropped_and_the_key_compiles_again(coordin
     assert again.decision == pb.COMPILE, again
     c.publish("k", again.lease, b"recompiled", 1.0)
     assert c.fetch("k")[1] == b"recompiled"
+
+
+
+@pytest.mark.parametrize("kind", ["l", "x", "h"])
+def test_an_unreadable_claim_record_is_dropped(coordinator, etcd, kind):
+    """The same for a key's compile lease, compile-locally and hedge records:
+    a decision on the key goes on (COMPILE) instead of failing."""
+    from compilecast.coordinator.records import scope
+
+    _etcdctl_put(etcd, coordinator.state._k(kind, scope("default", "k")), "[1, 2")
+    c = CacheClient(coordinator.cfg.listen)
+    first = c.acquire("k")
+    assert first.decision == pb.COMPILE, first
+    c.publish("k", first.lease, b"bytes", 1.0)
+    assert c.fetch("k")[1] == b"bytes"
