@@ -11,7 +11,6 @@ explain misses:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -48,6 +47,16 @@ def info_json(info: pb.ArtifactInfo) -> bytes:
 def info_from(key: str, raw: bytes) -> pb.ArtifactInfo:
     d = json.loads(raw)
     return pb.ArtifactInfo(key=key, **d)
+
+
+def json_dict(raw: bytes) -> dict | None:
+    """A record's JSON object, or None when it is not one (damaged, or put
+    there by something else)."""
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) else None
 
 
 def read_info(key: str, raw: bytes) -> pb.ArtifactInfo | None:
@@ -129,7 +138,8 @@ class KeyRecords:
         if not keys:
             return None
         arts = await self.etcd.get_many([self._k("a", k) for k in keys])
-        times = [json.loads(a.value)["compile_time_seconds"] for a in arts if a is not None]
+        times = [t for a in arts if a is not None and isinstance(
+            t := (json_dict(a.value) or {}).get("compile_time_seconds"), int | float)]
         return max(times) if times else None
 
     def name_prefix(self, tenant: str, program_name: str) -> bytes:
@@ -165,7 +175,7 @@ class KeyRecords:
             for other in others:
                 if other is None:
                     continue
-                theirs = json.loads(other.value).get("components", {})
+                theirs = (json_dict(other.value) or {}).get("components", {})
                 diff = sorted(n for n in set(comps) | set(theirs) if comps.get(n) != theirs.get(n))
                 if best is None or len(diff) < len(best):
                     best = diff
@@ -203,8 +213,7 @@ class KeyRecords:
                 continue
             item = resp.artifacts.add(artifact=info)
             if rec is not None:
-                with contextlib.suppress(ValueError):
-                    item.program_name = json.loads(rec.value).get("program_name", "")
+                item.program_name = str((json_dict(rec.value) or {}).get("program_name", ""))
         if page.more and keys:
             resp.next_after = keys[-1]
         return resp
@@ -216,10 +225,12 @@ class KeyRecords:
         if rec is None and art is None:
             raise NotFound(f"the coordinator has not seen key {key}")
         # A key published by a client that sent no components has no record.
-        d = json.loads(rec.value) if rec is not None else {}
-        resp = pb.DescribeKeyResponse(key=key, program_name=d.get("program_name", ""),
-                                      first_seen_unix=d.get("first_seen", 0.0))
-        resp.key_components.update(d.get("components", {}))
+        d = (json_dict(rec.value) if rec is not None else None) or {}
+        resp = pb.DescribeKeyResponse(key=key, program_name=str(d.get("program_name", "")),
+                                      first_seen_unix=float(d.get("first_seen", 0.0)))
+        comps = d.get("components")
+        if isinstance(comps, dict):
+            resp.key_components.update({str(k): str(v) for k, v in comps.items()})
         if art is not None and (info := read_info(key, art.value)) is not None:
             resp.artifact.CopyFrom(info)
         return resp

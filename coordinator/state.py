@@ -74,6 +74,7 @@ from .records import (
     KeyRecords,
     info_from,
     info_json,
+    json_dict,
     plain,
     read_info,
     scope,
@@ -143,20 +144,11 @@ def _reason(kv: KV) -> str:
 _KINDS = {"a": "index", "l": "compile lease", "x": "compile-locally", "h": "hedge"}
 
 
-def _as_dict(value: bytes) -> dict | None:
-    """A record's JSON object, or None when it is not one."""
-    try:
-        d = json.loads(value)
-    except ValueError:
-        return None
-    return d if isinstance(d, dict) else None
-
-
 def _readable(kind: str, sk: str, value: bytes) -> bool:
     """Whether a key's record (P/<kind>/...) is one this coordinator can read."""
     if kind == "a":
         return read_info(plain(sk), value) is not None
-    return _as_dict(value) is not None
+    return json_dict(value) is not None
 
 
 def _verdict(marker: dict) -> dict:
@@ -440,7 +432,7 @@ class CoordinatorState:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s, revision=rev,
                             accepts_zstd=True, takes_digest_last=self._takes_digest_last()), []
         mine = kvs[read.index(record)]
-        if mine is not None and (_as_dict(mine.value) or {}).get("lease") == lease_id:
+        if mine is not None and (json_dict(mine.value) or {}).get("lease") == lease_id:
             return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s,
                             revision=mine.mod_revision, accepts_zstd=True,
                             takes_digest_last=self._takes_digest_last()), kvs

@@ -22,7 +22,6 @@ make the second a no-op.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING
 from compilecast.validate import DIGEST_RE
 
 from .etcd import KV, cmp_absent, cmp_mod_revision, op_delete
+from .records import json_dict
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -150,8 +150,4 @@ class IndexSweeper:
 
 def _json(kv: KV) -> dict:
     """A record's JSON object; {} for anything else (left alone)."""
-    try:
-        value = json.loads(kv.value)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+    return json_dict(kv.value) or {}

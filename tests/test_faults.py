@@ -299,8 +299,11 @@ def test_an_unreadable_index_entry_is_dropped_and_the_key_compiles_again(coordin
 
     c = CacheClient(coordinator.cfg.listen)
     for k in ("k", "other"):
-        c.publish(k, c.acquire(k).lease, k.encode() * 100, 1.0)
+        c.publish(k, c.acquire(k, components={"program": k}, program_name=f"jit_{k}").lease,
+                  k.encode() * 100, 1.0)
     _etcdctl_put(etcd, coordinator.state._k("a", scope("default", "k")), "not json{")
+    _etcdctl_put(etcd, coordinator.state._k("k", scope("default", "other")), "[]")
+    assert c.describe("other").artifact.size == 500  # its record unreadable, its entry not
     deadline = time.monotonic() + 10  # the watch forgets what it remembered of the entry
     while coordinator.state._cached_artifact(scope("default", "k")) is not None:
         assert time.monotonic() < deadline
