@@ -880,10 +880,11 @@ class CoordinatorState:
         head = self._k("v", scope(tenant, ""))
         kvs, revision = await self.etcd.changed_since(head, since_revision)
         resp = pb.RevokedResponse(revision=revision)
-        for kv in kvs:
-            rec = json.loads(kv.value)
-            resp.revocations.add(digest=kv.key[len(head):].decode(), reason=rec["reason"],
-                                 revoked_unix=rec["at"], keys=rec["keys"])
+        for kv in kvs:  # (a record it cannot read still revokes its digest)
+            rec = json_dict(kv.value) or {}
+            resp.revocations.add(digest=kv.key[len(head):].decode(), reason=_reason(kv),
+                                 revoked_unix=float(rec.get("at", 0.0)),
+                                 keys=[str(k) for k in rec.get("keys", ())])
         return resp
 
     # -- Release ---------------------------------------------------------
@@ -1034,11 +1035,9 @@ class CoordinatorState:
         now = time.time()
         jobs: dict[str, list[int]] = {}
         for kv in leases:
-            rec = json.loads(kv.value)
-            jobs.setdefault(rec.get("job", ""), [0, 0])[0] += 1
+            jobs.setdefault(str((json_dict(kv.value) or {}).get("job", "")), [0, 0])[0] += 1
         for kv in await self.etcd.get_prefix(self.prefix + b"/w" + tenant_path, limit=5000):
-            with contextlib.suppress(ValueError):
-                jobs.setdefault(json.loads(kv.value or b"{}").get("job", ""), [0, 0])[1] += 1
+            jobs.setdefault(str((json_dict(kv.value) or {}).get("job", "")), [0, 0])[1] += 1
         for job, (compiling, waiting) in sorted(jobs.items()):
             resp.jobs.append(pb.JobStatus(job=job, compiles_in_flight=compiling, waiters=waiting))
         for sk, name, differing, when in self.records.recent:
@@ -1048,7 +1047,7 @@ class CoordinatorState:
                                                         age_seconds=now - when))
         for kv in leases:
             key = kv.key[len(self.prefix) + 3 + len(tenant_path) - 1:].decode()
-            rec = json.loads(kv.value)
+            rec = json_dict(kv.value) or {}
             nwait = await self.etcd.count_prefix(self._k("w", scope(tenant, key)) + b"/")
             resp.in_flight.append(pb.InFlight(key=key, holder=_holder_name(rec),
                                               age_seconds=now - rec.get("granted", now),
