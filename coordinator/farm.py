@@ -35,6 +35,7 @@ from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import Etcd, cmp_absent, cmp_mod_revision, op_delete, op_put
 from .metrics import CoordinatorMetrics
+from .records import json_dict
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class Farm:
             if task in claimed:
                 continue
             task_id = task.decode()
-            body = json.loads(kv.value)
+            body = json_dict(kv.value) or {}
             lease_id = await self.etcd.grant(self.claim_ttl_s)
             claim = json.dumps({"worker": worker, "lease": lease_id, "claimed": time.time()})
             ok, revision, _ = await self.etcd.txn(
@@ -215,9 +216,9 @@ class Farm:
         qkey, ckey = self._k("q", tenant, task_id), self._k("c", tenant, task_id)
         pending = await self.etcd.get(qkey)
         claim = await self.etcd.get(ckey)
-        body = json.loads(pending.value) if pending is not None else {}
+        body = (json_dict(pending.value) or {}) if pending is not None else {}
         if claim is not None:
-            body["worker"] = json.loads(claim.value).get("worker", "")
+            body["worker"] = (json_dict(claim.value) or {}).get("worker", "")
         body.update(detail=detail, key=key, finished=time.time())
         done = self._k("d" if ok else "f", tenant, task_id)
         settled, _, _ = await self.etcd.txn(
@@ -243,7 +244,7 @@ class Farm:
             validate.task_id(t)
         wanted = set(ids)
         now = time.time()
-        claims = {kv.key.rsplit(b"/", 1)[1].decode(): json.loads(kv.value)
+        claims = {kv.key.rsplit(b"/", 1)[1].decode(): (json_dict(kv.value) or {})
                   for kv in await self.etcd.get_prefix(self._k("c", tenant))}
         out = pb.TasksResponse()
         for kind, state in (("q", pb.QUEUED), ("d", pb.DONE), ("f", pb.FAILED)):
@@ -251,7 +252,7 @@ class Farm:
                 task_id = kv.key.rsplit(b"/", 1)[1].decode()
                 if wanted and task_id not in wanted:
                     continue
-                body = json.loads(kv.value)
+                body = json_dict(kv.value) or {}
                 st = state
                 worker = body.get("worker", "")
                 if state == pb.QUEUED and task_id in claims:
