@@ -44,9 +44,14 @@ def info_json(info: pb.ArtifactInfo) -> bytes:
     ).encode()
 
 
+# An index entry's fields; others (a newer replica's, in a rolling upgrade) are
+# ignored, so that an entry is only ever unreadable when it is damaged.
+_INFO_FIELDS = frozenset(pb.ArtifactInfo.DESCRIPTOR.fields_by_name) - {"key"}
+
+
 def info_from(key: str, raw: bytes) -> pb.ArtifactInfo:
     d = json.loads(raw)
-    return pb.ArtifactInfo(key=key, **d)
+    return pb.ArtifactInfo(key=key, **{k: v for k, v in d.items() if k in _INFO_FIELDS})
 
 
 def json_dict(raw: bytes) -> dict | None:
@@ -64,7 +69,7 @@ def read_info(key: str, raw: bytes) -> pb.ArtifactInfo | None:
     written by something else): callers treat it as absent, never fail on it."""
     try:
         return info_from(key, raw)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, AttributeError):
         return None
 
 

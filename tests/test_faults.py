@@ -333,3 +333,24 @@ def test_an_unreadable_claim_record_is_dropped(coordinator, etcd, kind):
     assert first.decision == pb.COMPILE, first
     c.publish("k", first.lease, b"bytes", 1.0)
     assert c.fetch("k")[1] == b"bytes"
+
+
+
+def test_an_index_entry_with_fields_of_a_newer_replica_is_read_not_dropped(coordinator, etcd):
+    """In a rolling upgrade a newer replica may write fields this one does not
+    know: its entries are read (unknown fields ignored), never dropped as
+    unreadable."""
+    import json
+
+    from compilecast.coordinator.records import scope
+
+    c = CacheClient(coordinator.cfg.listen)
+    c.publish("k", c.acquire("k").lease, b"bytes" * 100, 1.0)
+    entry = coordinator.state._k("a", scope("default", "k"))
+    raw = subprocess.run(["etcdctl", f"--endpoints={etcd.endpoint}", "get", entry.decode(),
+                          "--print-value-only"], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "ETCDCTL_API": "3"}).stdout.strip()
+    _etcdctl_put(etcd, entry, json.dumps({**json.loads(raw), "from_the_future": [1]}))
+    coordinator.state._index.clear()  # read from etcd, not from what the watch remembered
+    hit = CacheClient(coordinator.cfg.listen).acquire("k")
+    assert hit.decision == pb.HIT and hit.artifact.size == 500, hit
