@@ -893,12 +893,16 @@ class CoordinatorState:
         validate.key(key)
         validate.lease(lease)
         if reason not in pb.ReleaseReason.values() or reason == pb.RELEASE_REASON_UNSPECIFIED:
-            raise InvalidRequest("reason must be COMPILE_FAILED, BELOW_THRESHOLD or ABANDONED")
+            raise InvalidRequest("reason must be COMPILE_FAILED, BELOW_THRESHOLD, ABANDONED or "
+                                 "PUBLISH_REFUSED")
         sk = scope(tenant, key)
         kind = await self._check_holder(sk, lease)
         name = pb.ReleaseReason.Name(reason)
         why = {pb.COMPILE_FAILED: "the compile failed on the holder",
-               pb.BELOW_THRESHOLD: "the entry is below the caching thresholds"}.get(reason)
+               pb.BELOW_THRESHOLD: "the entry is below the caching thresholds",
+               pb.PUBLISH_REFUSED: "the coordinator refused the holder's executable"}.get(reason)
+        if reason == pb.PUBLISH_REFUSED and detail:
+            why += f" ({detail[:200]})"
         cause = pb.LOCAL_CAUSE_BELOW_THRESHOLD if reason == pb.BELOW_THRESHOLD else 0
         if not await self._give_up(sk, kind, lease, why, detail, cause):
             raise LeaseError(f"the compile lease for key {key} is no longer held")

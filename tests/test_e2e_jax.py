@@ -66,6 +66,24 @@ def test_below_threshold_everyone_compiles_locally_without_waiting(up):
     assert not any("locally" in r["stderr"] for r in reports), [r["stderr"] for r in reports]
 
 
+def test_an_executable_the_coordinator_refuses_releases_every_waiter_at_once(start_up):
+    """An executable over the coordinator's max_artifact_bytes: its holder
+    says it is not shared, and the waiters compile at once, none promoted to
+    compile and be refused in turn."""
+    up = start_up(env={"COMPILECAST_MAX_ARTIFACT_BYTES": "10000"})
+    reports = run_procs(3, up.target)
+    assert sum(r["xla_compiles"] for r in reports) == 3
+    stats = [r["compilecast"] for r in reports]
+    assert [s["published"] for s in stats] == [0, 0, 0]
+    assert sum(s["compiles"] for s in stats) == 1, stats  # one lease, never handed on
+    assert sum(s["promotions"] for s in stats) == 0, stats
+    holder = next(r for r in reports if r["compilecast"]["compiles"] == 1)
+    assert "not sharing the executable of" in holder["stderr"], holder["stderr"]
+    assert "exceeds the limit of 10000" in holder["stderr"]
+    told = [reason for s in stats if not s["compiles"] for reason in s["reasons"]]
+    assert len(told) == 2 and all("refused the holder's executable" in t for t in told), told
+
+
 def test_unreachable_worker_compiles_locally_with_a_warning(tmp_path, reference_digest):
     (r,) = run_procs(1, f"unix://{tmp_path}/no-such.sock")
     assert r["xla_compiles"] == 1

@@ -268,7 +268,8 @@ def test_failed_compile_releases_waiters_at_once(coordinator):
 
 
 @pytest.mark.parametrize("reason,cause", [(pb.BELOW_THRESHOLD, pb.LOCAL_CAUSE_BELOW_THRESHOLD),
-                                          (pb.COMPILE_FAILED, pb.LOCAL_CAUSE_UNSPECIFIED)])
+                                          (pb.COMPILE_FAILED, pb.LOCAL_CAUSE_UNSPECIFIED),
+                                          (pb.PUBLISH_REFUSED, pb.LOCAL_CAUSE_UNSPECIFIED)])
 def test_a_compile_locally_says_whether_it_is_expected(coordinator, reason, cause):
     """Waiters and later askers are told an entry under the thresholds is not
     a fault (the JAX integration then logs it without a warning)."""
@@ -279,6 +280,8 @@ def test_a_compile_locally_says_whether_it_is_expected(coordinator, reason, caus
     a.release("k", lease, reason, "detail")
     t.join(10)
     assert (out["v"].decision, out["v"].local_cause) == (pb.COMPILE_LOCALLY, cause)
+    if reason == pb.PUBLISH_REFUSED:  # the waiters are told what was refused
+        assert "refused the holder's executable (detail)" in out["v"].reason
     later = client(coordinator.cfg.listen).acquire("k")
     assert (later.decision, later.local_cause) == (pb.COMPILE_LOCALLY, cause)
 

@@ -117,10 +117,11 @@ class CompilecastCache(jax_adapter.CacheInterface):
         return ms / 1000.0
 
     # -- failure handling -------------------------------------------------
-    def _fallback(self, key: str, why: str) -> None:
+    def _fallback(self, key: str, why: str, *, compiled: bool = False) -> None:
         self.stats.fallbacks += 1
         self.stats.reasons.append(why)
-        log.warning("compilecast: compiling %s locally: %s", key, why, extra={"key": key})
+        what = "not sharing the executable of %s" if compiled else "compiling %s locally"
+        log.warning(f"compilecast: {what}: %s", key, why, extra={"key": key})
 
     def _unreachable(self, key: str, exc: grpc.RpcError) -> None:
         self._down_until = time.monotonic() + UNREACHABLE_BACKOFF_S
@@ -231,8 +232,14 @@ class CompilecastCache(jax_adapter.CacheInterface):
                                 recipe=self._recipe(key, held))
             self.stats.published += 1
         except grpc.RpcError as exc:
-            self._fallback(key, f"publish failed: {exc.code().name}: {exc.details()}")
-            self._release(key, held, pb.ABANDONED, "publish failed")
+            problem = f"{exc.code().name}: {exc.details()}"
+            self._fallback(key, f"publish failed: {problem}", compiled=True)
+            # Refused for what it is (too large, no room): every waiter's
+            # publish would be refused too, so they compile at once instead of
+            # each being promoted and compiling in turn.
+            refused = exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     grpc.StatusCode.INVALID_ARGUMENT)
+            self._release(key, held, pb.PUBLISH_REFUSED if refused else pb.ABANDONED, problem)
 
     def _recipe(self, key: str, held: _Held) -> pb.Recipe | None:
         """How to compile the program again (for replays onto other targets)."""
@@ -249,7 +256,13 @@ class CompilecastCache(jax_adapter.CacheInterface):
 
     def _release(self, key: str, held: _Held, reason: int, detail: str) -> None:
         try:
-            self.client.release(key, held.lease, reason, detail)
+            try:
+                self.client.release(key, held.lease, reason, detail)
+            except grpc.RpcError as exc:
+                if reason != pb.PUBLISH_REFUSED or exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                # A coordinator that predates PUBLISH_REFUSED: a waiter is promoted.
+                self.client.release(key, held.lease, pb.ABANDONED, detail)
             self.stats.released += 1
         except grpc.RpcError as exc:
             log.warning("compilecast: release of %s failed (%s); the lease lapses in %ss",

@@ -26,6 +26,7 @@ class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMPILE_FAILED: _ClassVar[ReleaseReason]
     BELOW_THRESHOLD: _ClassVar[ReleaseReason]
     ABANDONED: _ClassVar[ReleaseReason]
+    PUBLISH_REFUSED: _ClassVar[ReleaseReason]
 
 class TaskState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -45,6 +46,7 @@ RELEASE_REASON_UNSPECIFIED: ReleaseReason
 COMPILE_FAILED: ReleaseReason
 BELOW_THRESHOLD: ReleaseReason
 ABANDONED: ReleaseReason
+PUBLISH_REFUSED: ReleaseReason
 TASK_STATE_UNSPECIFIED: TaskState
 QUEUED: TaskState
 RUNNING: TaskState
