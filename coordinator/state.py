@@ -38,6 +38,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from compilecast import validate
 from compilecast.blobstore import DiskBlobStore, Inflate, amake_room, aread
@@ -141,14 +142,9 @@ def _reason(kv: KV) -> str:
         return "revoked"
 
 
+# A key's records, P/<kind>/<tenant>/<key>: what each kind is.
 _KINDS = {"a": "index", "l": "compile lease", "x": "compile-locally", "h": "hedge"}
-
-
-def _readable(kind: str, sk: str, value: bytes) -> bool:
-    """Whether a key's record (P/<kind>/...) is one this coordinator can read."""
-    if kind == "a":
-        return read_info(plain(sk), value) is not None
-    return json_dict(value) is not None
+_RECORDS = "alxh"  # the ones a decision reads, in this order
 
 
 def _verdict(marker: dict) -> dict:
@@ -307,18 +303,33 @@ class CoordinatorState:
 
     # -- reads -----------------------------------------------------------
     def _state_keys(self, sk: str) -> list[bytes]:
-        return [self._k(kind, sk) for kind in "alxh"]
+        return [self._k(kind, sk) for kind in _RECORDS]
 
     async def _read(self, sk: str) -> KeyState:
         return await self._readable_state(sk, await self.etcd.get_many(self._state_keys(sk)))
 
     async def _readable_state(self, sk: str, kvs: list[KV | None]) -> KeyState:
-        """_state of the key's records as read, those it cannot read dropped."""
-        for i, (kind, kv) in enumerate(zip("alxh", kvs, strict=True)):
-            if kv is not None and not _readable(kind, sk, kv.value):
-                await self._drop_unreadable(sk, kind, kv)
-                kvs[i] = None
-        return self._state(sk, kvs)
+        """The key's state from its records as read (in _RECORDS order), each
+        parsed once; one it cannot read is dropped and reads as absent."""
+        parsed: list[tuple[KV | None, Any]] = []
+        for kind, kv in zip(_RECORDS, kvs, strict=True):
+            value = None
+            if kv is not None:
+                value = read_info(plain(sk), kv.value) if kind == "a" else json_dict(kv.value)
+                if value is None:
+                    await self._drop_unreadable(sk, kind, kv)
+            parsed.append((kv, value))
+        (a, artifact), (lrec, lease), (_, local), (_, hedge) = parsed
+        if artifact is not None:
+            self._remember_artifact(sk, artifact, a.mod_revision)
+        return KeyState(
+            artifact=artifact,
+            artifact_rev=a.mod_revision if artifact is not None else 0,
+            lease=lease,
+            lease_rev=lrec.mod_revision if lease is not None else 0,
+            local=local,
+            hedge=hedge,
+        )
 
     async def _drop_unreadable(self, sk: str, kind: str, kv: KV) -> None:
         """A record of the key that is not ours to read (an operator's `etcdctl
@@ -352,20 +363,6 @@ class CoordinatorState:
                 self._reads[sk] = entry
                 read.add_done_callback(lambda _: self._reads.pop(sk, None))
         return await asyncio.shield(entry[0])
-
-    def _state(self, sk: str, kvs: list[KV | None]) -> KeyState:
-        a, lrec, x, h = kvs
-        artifact = info_from(plain(sk), a.value) if a is not None else None
-        if artifact is not None:
-            self._remember_artifact(sk, artifact, a.mod_revision)
-        return KeyState(
-            artifact=artifact,
-            artifact_rev=a.mod_revision if a else 0,
-            lease=json.loads(lrec.value) if lrec else None,
-            lease_rev=lrec.mod_revision if lrec else 0,
-            local=json.loads(x.value) if x else None,
-            hedge=json.loads(h.value) if h else None,
-        )
 
     async def _usable_artifact(self, sk: str, st: KeyState) -> pb.ArtifactInfo | None:
         """The artifact if its blob is present; a dangling entry is dropped."""

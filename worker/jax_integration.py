@@ -120,8 +120,11 @@ class CompilecastCache(jax_adapter.CacheInterface):
     def _fallback(self, key: str, why: str, *, compiled: bool = False) -> None:
         self.stats.fallbacks += 1
         self.stats.reasons.append(why)
-        what = "not sharing the executable of %s" if compiled else "compiling %s locally"
-        log.warning(f"compilecast: {what}: %s", key, why, extra={"key": key})
+        if compiled:
+            log.warning("compilecast: not sharing the executable of %s: %s", key, why,
+                        extra={"key": key})
+        else:
+            log.warning("compilecast: compiling %s locally: %s", key, why, extra={"key": key})
 
     def _unreachable(self, key: str, exc: grpc.RpcError) -> None:
         self._down_until = time.monotonic() + UNREACHABLE_BACKOFF_S
