@@ -20,11 +20,11 @@ from compilecast.worker.client import wait_until_healthy
 __all__ = ["Stack", "free_port", "peak_rss_mb", "random_file", "wait_port"]
 
 
-def wait_port(port: int, timeout: float = 20) -> None:
+def wait_port(port: int, timeout: float = 20, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 return
         time.sleep(0.05)
     raise RuntimeError(f"port {port} did not open")
@@ -32,23 +32,28 @@ def wait_port(port: int, timeout: float = 20) -> None:
 
 class Stack:
     """etcd + coordinator (+ workers) as subprocesses under `root`, which
-    close() removes."""
+    close() removes. `host` (a _netem.Host) runs etcd and the coordinators on
+    a host of an emulated network, listening on its address, instead of on
+    this one's loopback."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, host=None) -> None:
         self.root = root
         self.procs: list[subprocess.Popen] = []
+        self.ip = host.ip if host else "127.0.0.1"
+        self._prefix = list(host.prefix) if host else []
         client, peer = free_port(), free_port()
-        self.etcd = f"127.0.0.1:{client}"
+        self.etcd = f"{self.ip}:{client}"
         self._spawn([shutil.which("etcd") or "/usr/bin/etcd", "--data-dir", str(root / "etcd"),
                      "--listen-client-urls", f"http://{self.etcd}",
                      "--advertise-client-urls", f"http://{self.etcd}",
-                     "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                     "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                     "--initial-cluster", f"default=http://127.0.0.1:{peer}"])
-        wait_port(client)
+                     "--listen-peer-urls", f"http://{self.ip}:{peer}",
+                     "--initial-advertise-peer-urls", f"http://{self.ip}:{peer}",
+                     "--initial-cluster", f"default=http://{self.ip}:{peer}"], self._prefix)
+        wait_port(client, host=self.ip)
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen:
-        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def _spawn(self, args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
+        p = subprocess.Popen([*prefix, *args], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
         self.procs.append(p)
         return p
 
@@ -60,21 +65,24 @@ class Stack:
                     extra: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
         port = free_port()
         p = self._spawn([sys.executable, "-m", "compilecast.cli", "--log-level", "warning",
-                         "coordinator", "--listen", f"127.0.0.1:{port}",
-                         "--etcd-endpoints", self.etcd,
+                         "coordinator", "--listen", f"{self.ip}:{port}",
+                         "--metrics-host", self.ip, "--etcd-endpoints", self.etcd,
                          "--store-dir", str(store or self.root / f"store-{name}"),
-                         "--metrics-port", "0", "--allow-unauthenticated", "true", *extra])
-        target = f"127.0.0.1:{port}"
+                         "--metrics-port", "0", "--allow-unauthenticated", "true", *extra],
+                        self._prefix)
+        target = f"{self.ip}:{port}"
         wait_until_healthy(target, 30)
         return target, p
 
-    def worker(self, coordinator: str, name: str,
-               extra: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
+    def worker(self, coordinator: str, name: str, extra: tuple[str, ...] = (),
+               host=None) -> tuple[str, subprocess.Popen]:
+        """A worker; on `host` (a _netem.Host) when given. Its unix socket is
+        in the file system, which every network namespace shares."""
         sock = self.root / f"{name}.sock"
         p = self._spawn([sys.executable, "-m", "compilecast.cli", "--log-level", "warning",
                          "worker", "--listen", f"unix://{sock}", "--coordinator", coordinator,
                          "--cache-dir", str(self.root / f"cache-{name}"), "--metrics-port", "0",
-                         *extra])
+                         *extra], list(host.prefix) if host else [])
         target = f"unix://{sock}"
         wait_until_healthy(target, 30)
         return target, p

@@ -1,6 +1,7 @@
 """Fan-out: N workers fetch the same artifact at once.
 
     python bench/fanout.py [--mb 256] [--workers 16] [--compressible]
+    sudo python bench/fanout.py --link-mbps 200 --fanouts 0 1 2   # hosts with NICs of their own
 
 For relay fan-out 0 (every worker fetches from the coordinator) and 2 (the
 coordinator streams to the first worker and points the others at earlier
@@ -12,11 +13,20 @@ All processes share this machine's cores. With --compressible the artifact
 compresses ~10x (stored as zstd): the coordinator sends its stored stream,
 workers relay that stream to each other, and the fetching clients take it as
 compilecast's do.
+
+With --link-mbps R (Linux, root, iproute2) the coordinator (with its etcd)
+and every worker run on hosts of their own, each with an R Mbit/s full-duplex
+link to a shared switch (bench/_netem.py), as on a pod: then the links, not
+this machine's 2 cores, bound what moves, and the time target (all N within
+2x one fetch) can be read. The clients reach their worker over its unix
+socket, as a host's JAX processes do. The cores every process used meanwhile
+are printed, to show the CPU was not the limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
@@ -26,37 +36,44 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, compressible_file, free_port, random_file, wait_port
+from _netem import Network, available
+from _servers import (Stack, compressible_file, cpu_seconds, free_port, own_cpu_seconds,
+                      random_file, wait_port)
 from fetch import fetch, publish_file
 
 
-def egress(metrics_port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
+    text = urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics").read().decode()
     m = re.search(r'compilecast_coordinator_artifact_bytes_total\{direction="out"\} (\S+)', text)
     return float(m.group(1)) if m else 0.0
 
 
-def run(fanout: int, mb: int, n: int, compressible: bool = False) -> dict:
+def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0) -> dict:
     root = Path(tempfile.mkdtemp(prefix="cc-fanout-"))
-    stack = Stack(root)
+    net = Network(link_mbps) if link_mbps else None
+    host = (lambda name: net.host(name)) if net else (lambda name: None)
+    chost = host("coordinator")
+    stack = Stack(root, host=chost)
     try:
         mport = free_port()
         coord, _ = stack.coordinator(extra=("--relay-fanout", str(fanout),
                                             "--metrics-port", str(mport)))
-        wait_port(mport)
+        wait_port(mport, host=stack.ip)
         path = root / "art.bin"
         (compressible_file if compressible else random_file)(path, mb << 20)
         digest = publish_file(coord, "art", path)
         path.unlink()
-        alone, _ = stack.worker(coord, "alone")
+        alone, _ = stack.worker(coord, "alone", host=host("alone"))
         single = fetch(alone, "art", digest, zstd=compressible)
         workers = []
         for i in range(n):
-            port = free_port()
-            target, _ = stack.worker(coord, f"w{i}", extra=(
-                "--relay-listen", f"127.0.0.1:{port}", "--relay-advertise", f"127.0.0.1:{port}"))
+            h = host(f"w{i}")
+            addr = f"{h.ip if h else '127.0.0.1'}:{free_port()}"
+            target, _ = stack.worker(coord, f"w{i}", host=h, extra=(
+                "--relay-listen", addr, "--relay-advertise", addr))
             workers.append(target)
-        before = egress(mport)
+        before = egress(mport, stack.ip)
+        cpu0 = sum(cpu_seconds(p.pid) for p in stack.procs) + own_cpu_seconds()
         errors: list = []
 
         def one(t: str) -> None:
@@ -72,12 +89,15 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False) -> dict:
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
+        cores = (sum(cpu_seconds(p.pid) for p in stack.procs) + own_cpu_seconds() - cpu0) / wall
         if errors:
             raise RuntimeError(errors[0])
-        return {"single_s": single, "all_s": wall,
-                "egress_x": (egress(mport) - before) / (mb << 20)}
+        return {"single_s": single, "all_s": wall, "cores": cores,
+                "egress_x": (egress(mport, stack.ip) - before) / (mb << 20)}
     finally:
         stack.close()
+        if net:
+            net.close()
 
 
 def main() -> None:
@@ -86,14 +106,24 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--compressible", action="store_true",
                     help="an artifact that compresses ~10x (as executables do), not random bytes")
+    ap.add_argument("--fanouts", type=int, nargs="+", default=[0, 2],
+                    help="the coordinator's --relay-fanout values to run")
+    ap.add_argument("--link-mbps", type=float, default=0,
+                    help="every host on a link of this many Mbit/s of its own (0: all on "
+                         "this machine's loopback)")
     args = ap.parse_args()
+    if args.link_mbps and (why := available()):
+        sys.exit(f"fanout: --link-mbps: {why}")
+    where = (f"each on a {args.link_mbps:g} Mbit/s link of its own" if args.link_mbps
+             else "all on this machine's loopback")
     print(f"# {args.workers} workers fetch one {args.mb} MB "
-          f"{'compressible ' if args.compressible else ''}artifact at once")
-    for fanout in (0, 2):
-        r = run(fanout, args.mb, args.workers, args.compressible)
+          f"{'compressible ' if args.compressible else ''}artifact at once, {where}")
+    for fanout in args.fanouts:
+        r = run(fanout, args.mb, args.workers, args.compressible, args.link_mbps)
         print(f"relay fan-out {fanout}: all {args.workers} hold it in {r['all_s']:6.1f}s "
-              f"({r['all_s'] / r['single_s']:.1f}x one fetch alone, {r['single_s']:.2f}s); "
-              f"coordinator egress {r['egress_x']:.1f}x the artifact", flush=True)
+              f"({r['all_s'] / r['single_s']:.2f}x one fetch alone, {r['single_s']:.2f}s); "
+              f"coordinator egress {r['egress_x']:.1f}x the artifact; "
+              f"cores used {r['cores']:.2f} (of {os.cpu_count()})", flush=True)
 
 
 if __name__ == "__main__":
