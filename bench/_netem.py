@@ -7,20 +7,31 @@ full duplex, its own, whatever the other hosts do. Processes run on a host
 through `ip netns exec` (Host.prefix); a unix socket still reaches them, the
 file system being shared.
 
-Needs root (CAP_NET_ADMIN) and iproute2 (`ip`, `tc`). Everything made is
-named with PREFIX and removed by close(), and any leftovers of an earlier
-run that was killed are removed first.
+With `cpus`, every host also gets that many cores of this machine's (a cgroup
+v1 CPU quota, CFS): its processes, and any thread of this one that calls
+Host.enter(), share that much CPU, whatever the other hosts use, as a pod
+host's processes share its own cores. Hosts times `cpus` should stay within
+this machine's cores.
+
+Needs root (CAP_NET_ADMIN) and iproute2 (`ip`, `tc`); `cpus` needs the
+cgroup v1 cpu controller at /sys/fs/cgroup/cpu. Everything made is named
+with PREFIX and removed by close(), and any leftovers of an earlier run that
+was killed are removed first.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 PREFIX = "ccne"
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "10.88"
+CGROUPS = Path("/sys/fs/cgroup/cpu")
 MTU = 9000  # jumbo frames, as in the data centers pods run in: fewer packets for the kernel
 
 
@@ -28,10 +39,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
-def available() -> str | None:
+def available(cpus: float = 0) -> str | None:
     """None when hosts can be emulated here, else why not."""
     if not (shutil.which("ip") and shutil.which("tc")):
         return "iproute2 (ip, tc) is not installed"
+    if cpus and not (CGROUPS / "cpu.cfs_quota_us").exists():
+        return f"no cgroup v1 cpu controller at {CGROUPS}"
     probe = f"{PREFIX}-probe"
     r = _ip("netns", "add", probe, check=False)
     if r.returncode:
@@ -46,15 +59,30 @@ class Host:
     ip: str
     ns: str
     veth: str  # the bridge's end; the host's end is `eth0` inside `ns`
+    cgroup: Path | None = None  # its CPU quota, if any
 
     @property
     def prefix(self) -> tuple[str, ...]:
-        return ("ip", "netns", "exec", self.ns)
+        """Runs a command on this host: in its namespace (and CPU quota)."""
+        ns = ("ip", "netns", "exec", self.ns)
+        if self.cgroup is None:
+            return ns
+        # The quota first: `ip netns exec` mounts a sysfs of the namespace's,
+        # without the cgroup file system.
+        return ("sh", "-c", f'echo $$ > {self.cgroup}/cgroup.procs && exec "$@"', "sh", *ns)
+
+    def enter(self) -> None:
+        """The calling thread uses this host's CPU quota from now on (its
+        network stays this machine's: a client reaches its worker over a unix
+        socket)."""
+        if self.cgroup is not None:
+            (self.cgroup / "tasks").write_text(str(threading.get_native_id()))
 
 
 class Network:
-    def __init__(self, mbps: float) -> None:
+    def __init__(self, mbps: float = 0, cpus: float = 0) -> None:
         self.mbps = mbps
+        self.cpus = cpus
         self.hosts: list[Host] = []
         self._cleanup()
         _ip("link", "add", BRIDGE, "type", "bridge")
@@ -79,6 +107,11 @@ class Network:
         self.hosts.append(h)
         if self.mbps:
             self._limit(h)
+        if self.cpus:
+            h.cgroup = CGROUPS / h.ns
+            h.cgroup.mkdir()
+            period = int((h.cgroup / "cpu.cfs_period_us").read_text())
+            (h.cgroup / "cpu.cfs_quota_us").write_text(str(int(period * self.cpus)))
         return h
 
     def _limit(self, h: Host) -> None:
@@ -104,3 +137,13 @@ class Network:
             if ns.startswith(f"{PREFIX}-"):
                 _ip("netns", "del", ns, check=False)  # its veth ends go with it
         _ip("link", "del", BRIDGE, check=False)
+        for cg in CGROUPS.glob(f"{PREFIX}-*") if CGROUPS.exists() else ():
+            for tid in (cg / "tasks").read_text().split():  # threads of ours still in it
+                try:
+                    (CGROUPS / "tasks").write_text(tid)
+                except OSError:
+                    pass
+            try:
+                os.rmdir(cg)
+            except OSError:
+                pass  # a process of a killed run still in it

@@ -48,13 +48,14 @@ def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0) -> dict:
+def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0,
+        host_cpus: float = 0) -> dict:
     root = Path(tempfile.mkdtemp(prefix="cc-fanout-"))
-    net = Network(link_mbps) if link_mbps else None
+    net = Network(link_mbps, host_cpus) if link_mbps or host_cpus else None
     host = (lambda name: net.host(name)) if net else (lambda name: None)
-    chost = host("coordinator")
-    stack = Stack(root, host=chost)
+    stack = None
     try:
+        stack = Stack(root, host=host("coordinator"))
         mport = free_port()
         coord, _ = stack.coordinator(extra=("--relay-fanout", str(fanout),
                                             "--metrics-port", str(mport)))
@@ -63,26 +64,29 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
         (compressible_file if compressible else random_file)(path, mb << 20)
         digest = publish_file(coord, "art", path)
         path.unlink()
-        alone, _ = stack.worker(coord, "alone", host=host("alone"))
-        single = fetch(alone, "art", digest, zstd=compressible)
+        ahost = host("alone")
+        alone, _ = stack.worker(coord, "alone", host=ahost)
+        single = on_host(ahost, lambda: fetch(alone, "art", digest, zstd=compressible))
         workers = []
         for i in range(n):
             h = host(f"w{i}")
             addr = f"{h.ip if h else '127.0.0.1'}:{free_port()}"
             target, _ = stack.worker(coord, f"w{i}", host=h, extra=(
                 "--relay-listen", addr, "--relay-advertise", addr))
-            workers.append(target)
+            workers.append((target, h))
         before = egress(mport, stack.ip)
         cpu0 = sum(cpu_seconds(p.pid) for p in stack.procs) + own_cpu_seconds()
         errors: list = []
 
-        def one(t: str) -> None:
+        def one(t: str, h) -> None:
             try:
+                if h:
+                    h.enter()  # the client is a process of that host
                 fetch(t, "art", digest, zstd=compressible)
             except Exception as exc:  # reported below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=one, args=(t,)) for t in workers]
+        threads = [threading.Thread(target=one, args=w) for w in workers]
         t0 = time.perf_counter()
         for t in threads:
             t.start()
@@ -95,9 +99,28 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
         return {"single_s": single, "all_s": wall, "cores": cores,
                 "egress_x": (egress(mport, stack.ip) - before) / (mb << 20)}
     finally:
-        stack.close()
+        if stack:
+            stack.close()
         if net:
             net.close()
+
+
+def on_host(h, fn):
+    """fn() on a thread of host `h` (its CPU quota), when there is one."""
+    if h is None:
+        return fn()
+    out: list = []
+
+    def body():
+        h.enter()
+        out.append(fn())
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    if not out:
+        raise RuntimeError("the fetch on the host failed")
+    return out[0]
 
 
 def main() -> None:
@@ -111,15 +134,24 @@ def main() -> None:
     ap.add_argument("--link-mbps", type=float, default=0,
                     help="every host on a link of this many Mbit/s of its own (0: all on "
                          "this machine's loopback)")
+    ap.add_argument("--host-cpus", type=float, default=0,
+                    help="every host (its servers and its clients) limited to this many "
+                         "cores of its own (0: all share this machine's)")
     args = ap.parse_args()
-    if args.link_mbps and (why := available()):
-        sys.exit(f"fanout: --link-mbps: {why}")
-    where = (f"each on a {args.link_mbps:g} Mbit/s link of its own" if args.link_mbps
-             else "all on this machine's loopback")
+    if (args.link_mbps or args.host_cpus) and (why := available(args.host_cpus)):
+        sys.exit(f"fanout: emulated hosts: {why}")
+    if args.host_cpus * (args.workers + 2) > (os.cpu_count() or 1):
+        print(f"# note: {args.workers + 2} hosts x {args.host_cpus:g} cores is more than this "
+              f"machine's {os.cpu_count()}: hosts will also wait on each other")
+    where = ", ".join(w for w in (
+        f"each on a {args.link_mbps:g} Mbit/s link of its own" if args.link_mbps else "",
+        f"each with {args.host_cpus:g} cores of its own" if args.host_cpus else "") if w) \
+        or "all on this machine's loopback"
     print(f"# {args.workers} workers fetch one {args.mb} MB "
           f"{'compressible ' if args.compressible else ''}artifact at once, {where}")
     for fanout in args.fanouts:
-        r = run(fanout, args.mb, args.workers, args.compressible, args.link_mbps)
+        r = run(fanout, args.mb, args.workers, args.compressible, args.link_mbps,
+                args.host_cpus)
         print(f"relay fan-out {fanout}: all {args.workers} hold it in {r['all_s']:6.1f}s "
               f"({r['all_s'] / r['single_s']:.2f}x one fetch alone, {r['single_s']:.2f}s); "
               f"coordinator egress {r['egress_x']:.1f}x the artifact; "

@@ -95,6 +95,22 @@ def test_share_binary_timeout_and_lease_ttl_reach_the_processes():
     assert env_from[0]["configMapRef"]["name"] == cm["metadata"]["name"]
 
 
+def test_the_relay_fanout_reaches_the_coordinator_as_a_setting_it_reads():
+    from compilecast.config import CoordinatorConfig, load
+
+    def fanout(*sets: str) -> int:
+        (cm,) = by_kind(render(None, *sets), "ConfigMap")
+        # auth comes as a flag and a Secret, not in the ConfigMap
+        cfg, sources = load(CoordinatorConfig, env=cm["data"], flags={"allow_unauthenticated": True})
+        assert sources["relay_fanout"] == "env COMPILECAST_RELAY_FANOUT"
+        return cfg.relay_fanout
+
+    assert fanout() == 2
+    assert fanout("worker.relay.fanout=1") == 1
+    r = helm("template", "rel", str(CHART), "--set", "worker.relay.fanout=-1")
+    assert r.returncode != 0 and "fanout" in r.stderr
+
+
 def test_the_store_bound_reaches_the_coordinator_as_a_size_it_parses():
     from compilecast.cli import build_parser
     from compilecast.config import parse_size
