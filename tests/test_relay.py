@@ -298,3 +298,50 @@ def test_a_bad_relay_address_is_refused(address):
         check_address(address)
     assert check_address("10.0.0.7:50052") == "10.0.0.7:50052"
     assert check_address("[::1]:50052") == "[::1]:50052"
+
+
+def test_relay_pieces_keep_the_bytes_and_their_kind():
+    from compilecast.wire import DataChunk
+    from compilecast.worker.service import RELAY_PIECE, relay_pieces
+
+    data = os.urandom(2 * RELAY_PIECE + 123)
+    for zstd in (False, True):
+        chunk = DataChunk(b"", memoryview(data)) if zstd else DataChunk(memoryview(data))
+        pieces = list(relay_pieces(chunk))
+        assert [p.size for p in pieces] == [RELAY_PIECE, RELAY_PIECE, 123]
+        got = b"".join(bytes(p.zstd_data if zstd else p.data) for p in pieces)
+        assert got == data
+        assert not any(len(p.data if zstd else p.zstd_data) for p in pieces)
+    small, header = DataChunk(data[:RELAY_PIECE]), pb.FetchChunk(artifact=pb.ArtifactInfo(size=1))
+    assert list(relay_pieces(small)) == [small]
+    assert list(relay_pieces(header)) == [header]
+
+
+@pytest.mark.parametrize("compressible", [False, True])
+def test_a_peer_gets_a_live_download_in_pieces(start_coordinator, start_worker, compressible):
+    """What a relay endpoint sends a peer while its own download runs comes
+    in messages of at most RELAY_PIECE bytes (each hop can pass bytes on that
+    much sooner), and they are the artifact, or its stored zstd stream."""
+    import zstandard
+
+    from compilecast import wire
+    from compilecast.worker.service import RELAY_PIECE
+
+    coordinator = start_coordinator(relay_fanout=2)
+    data = (b"".join(os.urandom(64) + b"\x00" * 960 for _ in range(SIZE // 1024))
+            if compressible else os.urandom(SIZE))
+    info = publish(coordinator, "pieces", data)
+    w = relaying_worker(start_worker, coordinator, "relay")
+    channel = grpc.insecure_channel(w.cfg.relay_listen)
+    sizes, payload = [], []
+    for chunk in wire.stub(channel).Fetch(pb.FetchRequest(key="pieces", accept_zstd=True),
+                                          timeout=60):
+        if isinstance(chunk, wire.DataChunk):
+            sizes.append(chunk.size)
+            payload.append(bytes(chunk.zstd_data or chunk.data))
+    channel.close()
+    got = b"".join(payload)
+    if compressible:
+        got = zstandard.ZstdDecompressor().decompressobj().decompress(got)
+    assert hashlib.sha256(got).hexdigest() == info.digest
+    assert max(sizes) <= RELAY_PIECE  # the coordinator sent 2 MiB chunks
