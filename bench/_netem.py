@@ -21,6 +21,7 @@ was killed are removed first.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -32,6 +33,7 @@ PREFIX = "ccne"
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "10.88"
 CGROUPS = Path("/sys/fs/cgroup/cpu")
+LOCK = Path("/tmp") / f"{PREFIX}.lock"  # one emulated network at a time: a second would remove it
 MTU = 9000  # jumbo frames, as in the data centers pods run in: fewer packets for the kernel
 
 
@@ -84,6 +86,12 @@ class Network:
         self.mbps = mbps
         self.cpus = cpus
         self.hosts: list[Host] = []
+        self._lock = open(LOCK, "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(f"another run is using the emulated network ({LOCK})") from None
         self._cleanup()
         _ip("link", "add", BRIDGE, "type", "bridge")
         _ip("link", "set", BRIDGE, "mtu", str(MTU))
@@ -129,6 +137,7 @@ class Network:
     def close(self) -> None:
         self._cleanup()
         self.hosts.clear()
+        self._lock.close()  # and with it the lock
 
     @staticmethod
     def _cleanup() -> None:
