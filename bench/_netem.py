@@ -38,7 +38,10 @@ MTU = 9000  # jumbo frames, as in the data centers pods run in: fewer packets fo
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and r.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+    return r
 
 
 def available(cpus: float = 0) -> str | None:
@@ -145,7 +148,10 @@ class Network:
             ns = line.split()[0] if line.strip() else ""
             if ns.startswith(f"{PREFIX}-"):
                 _ip("netns", "del", ns, check=False)  # its veth ends go with it
-        _ip("link", "del", BRIDGE, check=False)
+        for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+            name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+            if name.startswith(PREFIX):  # the bridge, and veths a killed run left
+                _ip("link", "del", name, check=False)
         for cg in CGROUPS.glob(f"{PREFIX}-*") if CGROUPS.exists() else ():
             for tid in (cg / "tasks").read_text().split():  # threads of ours still in it
                 try:
