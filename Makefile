@@ -69,6 +69,11 @@ bench: install
 	$(PY) bench/pod_start.py --per-host 8
 	$(PY) bench/fanout.py
 	$(PY) bench/fanout.py --compressible
+	@# Hosts of their own (network namespaces, tc, CPU quotas) need root.
+	@if [ "$$(id -u)" = 0 ]; then \
+	  $(PY) bench/fanout.py --mb 64 --link-mbps 50 --fanouts 1 2 && \
+	  $(PY) bench/fanout.py --mb 128 --host-cpus 0.11 --fanouts 2 1; \
+	else echo "bench/fanout.py --link-mbps/--host-cpus: skipped (needs root)"; fi
 	$(PY) bench/aot_farm.py --layers 64
 	$(PY) bench/sweep.py --records
 
