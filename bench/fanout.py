@@ -49,7 +49,7 @@ def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
 
 
 def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0,
-        host_cpus: float = 0) -> dict:
+        host_cpus: float = 0, kill_after: float = 0) -> dict:
     root = Path(tempfile.mkdtemp(prefix="cc-fanout-"))
     net = Network(link_mbps, host_cpus) if link_mbps or host_cpus else None
     host = (lambda name: net.host(name)) if net else (lambda name: None)
@@ -67,13 +67,17 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
         ahost = host("alone")
         alone, _ = stack.worker(coord, "alone", host=ahost)
         single = on_host(ahost, lambda: fetch(alone, "art", digest, zstd=compressible))
-        workers = []
+        workers, procs = [], []
         for i in range(n):
             h = host(f"w{i}")
             addr = f"{h.ip if h else '127.0.0.1'}:{free_port()}"
-            target, _ = stack.worker(coord, f"w{i}", host=h, extra=(
+            target, proc = stack.worker(coord, f"w{i}", host=h, extra=(
                 "--relay-listen", addr, "--relay-advertise", addr))
             workers.append((target, h))
+            procs.append(proc)
+        # --kill-after: one worker (SIGKILL) while the others relay through it.
+        victim = workers[n // 2][0] if kill_after else None
+        killer = threading.Timer(kill_after, procs[n // 2].kill) if kill_after else None
         before = egress(mport, stack.ip)
         cpu0 = sum(cpu_seconds(p.pid) for p in stack.procs) + own_cpu_seconds()
         errors: list = []
@@ -84,10 +88,13 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
                     h.enter()  # the client is a process of that host
                 fetch(t, "art", digest, zstd=compressible)
             except Exception as exc:  # reported below
-                errors.append(exc)
+                if t != victim:
+                    errors.append(exc)
 
         threads = [threading.Thread(target=one, args=w) for w in workers]
         t0 = time.perf_counter()
+        if killer:
+            killer.start()
         for t in threads:
             t.start()
         for t in threads:
@@ -137,6 +144,9 @@ def main() -> None:
     ap.add_argument("--host-cpus", type=float, default=0,
                     help="every host (its servers and its clients) limited to this many "
                          "cores of its own (0: all share this machine's)")
+    ap.add_argument("--kill-after", type=float, default=0,
+                    help="SIGKILL one worker this many seconds into the fetch: what the others "
+                         "pay for a relay that dies (times are then of the other N-1)")
     args = ap.parse_args()
     if (args.link_mbps or args.host_cpus) and (why := available(args.host_cpus)):
         sys.exit(f"fanout: emulated hosts: {why}")
@@ -148,10 +158,11 @@ def main() -> None:
         f"each with {args.host_cpus:g} cores of its own" if args.host_cpus else "") if w) \
         or "all on this machine's loopback"
     print(f"# {args.workers} workers fetch one {args.mb} MB "
-          f"{'compressible ' if args.compressible else ''}artifact at once, {where}")
+          f"{'compressible ' if args.compressible else ''}artifact at once, {where}"
+          + (f"; one worker killed {args.kill_after:g}s in" if args.kill_after else ""))
     for fanout in args.fanouts:
         r = run(fanout, args.mb, args.workers, args.compressible, args.link_mbps,
-                args.host_cpus)
+                args.host_cpus, args.kill_after)
         print(f"relay fan-out {fanout}: all {args.workers} hold it in {r['all_s']:6.1f}s "
               f"({r['all_s'] / r['single_s']:.2f}x one fetch alone, {r['single_s']:.2f}s); "
               f"coordinator egress {r['egress_x']:.1f}x the artifact; "
