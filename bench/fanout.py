@@ -163,7 +163,8 @@ def main() -> None:
     for fanout in args.fanouts:
         r = run(fanout, args.mb, args.workers, args.compressible, args.link_mbps,
                 args.host_cpus, args.kill_after)
-        print(f"relay fan-out {fanout}: all {args.workers} hold it in {r['all_s']:6.1f}s "
+        ready = f"the other {args.workers - 1}" if args.kill_after else f"all {args.workers}"
+        print(f"relay fan-out {fanout}: {ready} hold it in {r['all_s']:6.1f}s "
               f"({r['all_s'] / r['single_s']:.2f}x one fetch alone, {r['single_s']:.2f}s); "
               f"coordinator egress {r['egress_x']:.1f}x the artifact; "
               f"cores used {r['cores']:.2f} (of {os.cpu_count()})", flush=True)
