@@ -49,7 +49,7 @@ def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
 
 
 def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0,
-        host_cpus: float = 0, kill_after: float = 0) -> dict:
+        host_cpus: float = 0, kill_after: float = 0, chain_bytes: str = "") -> dict:
     root = Path(tempfile.mkdtemp(prefix="cc-fanout-"))
     net = Network(link_mbps, host_cpus) if link_mbps or host_cpus else None
     host = (lambda name: net.host(name)) if net else (lambda name: None)
@@ -58,7 +58,8 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
         stack = Stack(root, host=host("coordinator"))
         mport = free_port()
         coord, _ = stack.coordinator(extra=("--relay-fanout", str(fanout),
-                                            "--metrics-port", str(mport)))
+                                            "--metrics-port", str(mport))
+                                     + (("--relay-chain-bytes", chain_bytes) if chain_bytes else ()))
         wait_port(mport, host=stack.ip)
         path = root / "art.bin"
         (compressible_file if compressible else random_file)(path, mb << 20)
@@ -144,6 +145,8 @@ def main() -> None:
     ap.add_argument("--host-cpus", type=float, default=0,
                     help="every host (its servers and its clients) limited to this many "
                          "cores of its own (0: all share this machine's)")
+    ap.add_argument("--relay-chain-bytes", default="",
+                    help="the coordinator's --relay-chain-bytes (default: its own, 4Mi)")
     ap.add_argument("--kill-after", type=float, default=0,
                     help="SIGKILL one worker this many seconds into the fetch: what the others "
                          "pay for a relay that dies (times are then of the other N-1)")
@@ -153,6 +156,8 @@ def main() -> None:
     if args.host_cpus * (args.workers + 2) > (os.cpu_count() or 1):
         print(f"# note: {args.workers + 2} hosts x {args.host_cpus:g} cores is more than this "
               f"machine's {os.cpu_count()}: hosts will also wait on each other")
+    if args.relay_chain_bytes:
+        print(f"# coordinator --relay-chain-bytes {args.relay_chain_bytes}")
     where = ", ".join(w for w in (
         f"each on a {args.link_mbps:g} Mbit/s link of its own" if args.link_mbps else "",
         f"each with {args.host_cpus:g} cores of its own" if args.host_cpus else "") if w) \
@@ -162,7 +167,7 @@ def main() -> None:
           + (f"; one worker killed {args.kill_after:g}s in" if args.kill_after else ""))
     for fanout in args.fanouts:
         r = run(fanout, args.mb, args.workers, args.compressible, args.link_mbps,
-                args.host_cpus, args.kill_after)
+                args.host_cpus, args.kill_after, args.relay_chain_bytes)
         ready = f"the other {args.workers - 1}" if args.kill_after else f"all {args.workers}"
         print(f"relay fan-out {fanout}: {ready} hold it in {r['all_s']:6.1f}s "
               f"({r['all_s'] / r['single_s']:.2f}x one fetch alone, {r['single_s']:.2f}s); "

@@ -107,6 +107,11 @@ class CoordinatorConfig:
     relay_fanout: int = field(
         default=2, metadata=_help("workers one relaying worker serves an artifact to, when "
                                   "many fetch it at once (0: every worker fetches from here)"))
+    relay_chain_bytes: int = field(
+        default=4 << 20, metadata=_help(
+            "workers fetching an artifact of S bytes at once are chained, each relaying to one "
+            "(a whole link each), while the chain is shorter than S / this; later ones join a "
+            "tree of relay_fanout peers per worker (0: never chain)"))
     publish_stream_readers: int = field(
         default=0, metadata=_help("waiters an upload in progress streams to as it arrives "
                                   "(later ones get the committed blob); 0: waiters fetch once "
@@ -136,6 +141,8 @@ class CoordinatorConfig:
                               f"or at least max_artifact_bytes ({self.max_artifact_bytes})")
         if self.relay_fanout < 0:
             raise ConfigError("relay_fanout must be >= 0")
+        if self.relay_chain_bytes < 0:
+            raise ConfigError("relay_chain_bytes must be >= 0")
         if self.publish_stream_readers < 0:
             raise ConfigError("publish_stream_readers must be >= 0")
         _not_negative(self, "store_reverify_s")

@@ -41,14 +41,22 @@ def check_address(address: str) -> str:
 
 
 class RelayTrees:
-    def __init__(self, fanout: int = 2, window_s: float = 300.0) -> None:
+    """`chain_bytes`: the first size // chain_bytes workers of an artifact
+    of `size` bytes form a chain (each relays to the next); later ones join
+    breadth-first, `fanout` peers per worker. Where host links are the
+    limit, a chain gives every host a whole link and costs a message's time
+    per hop; a tree halves the link at every branch. So the chain wins while
+    it is short next to the artifact, and gives way to the tree after."""
+
+    def __init__(self, fanout: int = 2, window_s: float = 300.0, chain_bytes: int = 0) -> None:
         self.fanout = max(1, fanout)
         self.window_s = window_s
+        self.chain_bytes = chain_bytes
         self._trees: dict[tuple[str, str], list[_Node]] = {}
 
-    def assign(self, artifact: tuple[str, str], address: str) -> str | None:
-        """The peer `address` should fetch `artifact` from, or None: from us.
-        `artifact` is (tenant, digest)."""
+    def assign(self, artifact: tuple[str, str], address: str, size: int = 0) -> str | None:
+        """The peer `address` should fetch `artifact` (of `size` bytes) from,
+        or None: from us. `artifact` is (tenant, digest)."""
         now = time.monotonic()
         if artifact not in self._trees and len(self._trees) >= MAX_TREES:
             self._expire(now)
@@ -56,7 +64,10 @@ class RelayTrees:
                                          if now - n.since < self.window_s]
         if any(n.address == address for n in nodes):
             return None  # asking again: its peer failed it, or it lost the blob
-        parent = next((n for n in nodes if n.children < self.fanout), None)
+        chained = self.chain_bytes and nodes and len(nodes) < size // self.chain_bytes \
+            and not nodes[-1].children
+        parent = nodes[-1] if chained else next(
+            (n for n in nodes if n.children < self.fanout), None)
         nodes.append(_Node(address, now))
         if parent is None:
             return None

@@ -188,7 +188,7 @@ class CoordinatorState:
                                     record_max_age_s=cfg.key_record_days * 86400,
                                     forget=self._forget_artifact)
         self.farm = Farm(etcd, store, self.prefix, metrics, cfg.lease_ttl_s)
-        self.relays = RelayTrees(cfg.relay_fanout)
+        self.relays = RelayTrees(cfg.relay_fanout, chain_bytes=cfg.relay_chain_bytes)
         self.uploads = Uploads(self.hub.wake)
         # Publishes write on threads of their own, never queued behind readers.
         self._publish_threads = ThreadPoolExecutor(4, thread_name_prefix="publish")

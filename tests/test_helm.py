@@ -107,8 +107,16 @@ def test_the_relay_fanout_reaches_the_coordinator_as_a_setting_it_reads():
 
     assert fanout() == 2
     assert fanout("worker.relay.fanout=1") == 1
-    r = helm("template", "rel", str(CHART), "--set", "worker.relay.fanout=-1")
-    assert r.returncode != 0 and "fanout" in r.stderr
+    (cm,) = by_kind(render(None, "worker.relay.chainBytes=16Mi"), "ConfigMap")
+    cfg, _ = load(CoordinatorConfig, env=cm["data"], flags={"allow_unauthenticated": True})
+    assert cfg.relay_chain_bytes == 16 << 20
+    (cm,) = by_kind(render(None), "ConfigMap")
+    assert load(CoordinatorConfig, env=cm["data"], flags={"allow_unauthenticated": True}
+                )[0].relay_chain_bytes == 4 << 20
+    for bad, name in (("worker.relay.fanout=-1", "fanout"), ("worker.relay.chainBytes=lots",
+                                                            "chainBytes")):
+        r = helm("template", "rel", str(CHART), "--set", bad)
+        assert r.returncode != 0 and name in r.stderr
 
 
 def test_the_store_bound_reaches_the_coordinator_as_a_size_it_parses():

@@ -270,6 +270,22 @@ def test_relay_trees_are_breadth_first_with_fanout_children():
     assert trees.assign(("tenant-b", "d" * 64), "w8:1") is None  # and another tenant's
 
 
+def test_workers_are_chained_while_the_chain_is_short_next_to_the_artifact():
+    from compilecast.coordinator.relay import RelayTrees
+
+    trees = RelayTrees(fanout=2, chain_bytes=4 << 20)
+    art = ("default", "c" * 64)
+    # 16 MiB / 4 MiB: a chain of 4, then breadth-first, 2 peers per worker.
+    parents = [trees.assign(art, f"w{i}:1", 16 << 20) for i in range(8)]
+    assert parents == [None, "w0:1", "w1:1", "w2:1", "w0:1", "w1:1", "w2:1", "w3:1"]
+    small = ("default", "s" * 64)  # shorter than one chained worker's share: a tree at once
+    assert [trees.assign(small, f"w{i}:1", 1 << 20) for i in range(4)] == \
+        [None, "w0:1", "w0:1", "w1:1"]
+    never = RelayTrees(fanout=2, chain_bytes=0)
+    assert [never.assign(art, f"w{i}:1", 1 << 30) for i in range(4)] == \
+        [None, "w0:1", "w0:1", "w1:1"]
+
+
 def test_relay_trees_forget_old_nodes_and_stay_bounded(monkeypatch):
     from compilecast.coordinator import relay
 
