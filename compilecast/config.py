@@ -106,7 +106,8 @@ class CoordinatorConfig:
         default=120.0, metadata=_help("never hedge a holder younger than this many seconds"))
     relay_fanout: int = field(
         default=2, metadata=_help("workers one relaying worker serves an artifact to, when "
-                                  "many fetch it at once (0: every worker fetches from here)"))
+                                  "many fetch it at once, past the chain (relay_chain_bytes; "
+                                  "1: a chain throughout; 0: every worker fetches from here)"))
     relay_chain_bytes: int = field(
         default=4 << 20, metadata=_help(
             "workers fetching an artifact of S bytes at once are chained, each relaying to one "
