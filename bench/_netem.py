@@ -37,11 +37,15 @@ LOCK = Path("/tmp") / f"{PREFIX}.lock"  # one emulated network at a time: a seco
 MTU = 9000  # jumbo frames, as in the data centers pods run in: fewer packets for the kernel
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True)
     if check and r.returncode:
-        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
     return r
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(["ip", *args], check)
 
 
 def available(cpus: float = 0) -> str | None:
@@ -133,9 +137,8 @@ class Network:
         # before packets are dropped (TCP then backs off).
         burst = max(256 << 10, int(self.mbps * 1e6 / 8 * 0.004))
         tbf = ("root", "tbf", "rate", f"{self.mbps}mbit", "burst", str(burst), "latency", "50ms")
-        subprocess.run(["tc", "qdisc", "add", "dev", h.veth, *tbf], check=True)
-        subprocess.run(["ip", "netns", "exec", h.ns, "tc", "qdisc", "add", "dev", "eth0", *tbf],
-                       check=True)
+        _run(["tc", "qdisc", "add", "dev", h.veth, *tbf])
+        _ip("netns", "exec", h.ns, "tc", "qdisc", "add", "dev", "eth0", *tbf)
 
     def close(self) -> None:
         self._cleanup()

@@ -30,6 +30,12 @@ def wait_port(port: int, timeout: float = 20, host: str = "127.0.0.1") -> None:
     raise RuntimeError(f"port {port} did not open")
 
 
+def _on(host) -> list[str]:
+    """The command prefix that runs a process on `host` (a _netem.Host), or
+    none: on this machine."""
+    return list(host.prefix) if host else []
+
+
 class Stack:
     """etcd + coordinator (+ workers) as subprocesses under `root`, which
     close() removes. `host` (a _netem.Host) runs etcd and the coordinators on
@@ -40,7 +46,7 @@ class Stack:
         self.root = root
         self.procs: list[subprocess.Popen] = []
         self.ip = host.ip if host else "127.0.0.1"
-        self._prefix = list(host.prefix) if host else []
+        self._prefix = _on(host)
         client, peer = free_port(), free_port()
         self.etcd = f"{self.ip}:{client}"
         self._spawn([shutil.which("etcd") or "/usr/bin/etcd", "--data-dir", str(root / "etcd"),
@@ -82,7 +88,7 @@ class Stack:
         p = self._spawn([sys.executable, "-m", "compilecast.cli", "--log-level", "warning",
                          "worker", "--listen", f"unix://{sock}", "--coordinator", coordinator,
                          "--cache-dir", str(self.root / f"cache-{name}"), "--metrics-port", "0",
-                         *extra], list(host.prefix) if host else [])
+                         *extra], _on(host))
         target = f"unix://{sock}"
         wait_until_healthy(target, 30)
         return target, p

@@ -98,21 +98,17 @@ def test_share_binary_timeout_and_lease_ttl_reach_the_processes():
 def test_the_relay_fanout_reaches_the_coordinator_as_a_setting_it_reads():
     from compilecast.config import CoordinatorConfig, load
 
-    def fanout(*sets: str) -> int:
+    def coordinator_config(*sets: str):
         (cm,) = by_kind(render(None, *sets), "ConfigMap")
         # auth comes as a flag and a Secret, not in the ConfigMap
         cfg, sources = load(CoordinatorConfig, env=cm["data"], flags={"allow_unauthenticated": True})
         assert sources["relay_fanout"] == "env COMPILECAST_RELAY_FANOUT"
-        return cfg.relay_fanout
+        return cfg
 
-    assert fanout() == 2
-    assert fanout("worker.relay.fanout=1") == 1
-    (cm,) = by_kind(render(None, "worker.relay.chainBytes=16Mi"), "ConfigMap")
-    cfg, _ = load(CoordinatorConfig, env=cm["data"], flags={"allow_unauthenticated": True})
-    assert cfg.relay_chain_bytes == 16 << 20
-    (cm,) = by_kind(render(None), "ConfigMap")
-    assert load(CoordinatorConfig, env=cm["data"], flags={"allow_unauthenticated": True}
-                )[0].relay_chain_bytes == 4 << 20
+    assert coordinator_config().relay_fanout == 2
+    assert coordinator_config("worker.relay.fanout=1").relay_fanout == 1
+    assert coordinator_config("worker.relay.chainBytes=16Mi").relay_chain_bytes == 16 << 20
+    assert coordinator_config().relay_chain_bytes == 4 << 20
     for bad, name in (("worker.relay.fanout=-1", "fanout"), ("worker.relay.chainBytes=lots",
                                                             "chainBytes")):
         r = helm("template", "rel", str(CHART), "--set", bad)
