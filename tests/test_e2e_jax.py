@@ -58,11 +58,12 @@ def test_below_threshold_everyone_compiles_locally_without_waiting(up):
                         extra_env={"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1000"})
     assert sum(r["xla_compiles"] for r in reports) == 3
     assert all(r["compilecast"]["published"] == 0 for r in reports)
-    # Released at once: no waiter sat out the share-binary timeout.
-    assert all(r["seconds"] < 60 for r in reports)
     # The waiters were told why, and that nothing is wrong: no warning.
     told = [reason for r in reports for reason in r["compilecast"]["reasons"]]
     assert any("below the caching thresholds" in reason for reason in told), reports
+    # Released at once: no waiter sat out the share-binary timeout (said by
+    # what it was told, not by a wall-clock bound, which a loaded machine broke).
+    assert not any("share-binary timeout" in reason for reason in told), told
     assert not any("locally" in r["stderr"] for r in reports), [r["stderr"] for r in reports]
 
 
