@@ -246,7 +246,9 @@ class Farm:
         now = time.time()
         claims = {kv.key.rsplit(b"/", 1)[1].decode(): (json_dict(kv.value) or {})
                   for kv in await self.etcd.get_prefix(self._k("c", tenant))}
-        out = pb.TasksResponse()
+        # The three prefixes are read one after another: a task that finishes
+        # between two reads is in both, and its later state is the one.
+        found: dict[str, pb.TaskStatus] = {}
         for kind, state in (("q", pb.QUEUED), ("d", pb.DONE), ("f", pb.FAILED)):
             for kv in await self.etcd.get_prefix(self._k(kind, tenant), limit=0 if ids else MAX_TASKS_LISTED):
                 task_id = kv.key.rsplit(b"/", 1)[1].decode()
@@ -257,11 +259,12 @@ class Farm:
                 worker = body.get("worker", "")
                 if state == pb.QUEUED and task_id in claims:
                     st, worker = pb.RUNNING, claims[task_id].get("worker", "")
-                out.tasks.append(pb.TaskStatus(
+                found.pop(task_id, None)  # listed where it was last seen
+                found[task_id] = pb.TaskStatus(
                     task_id=task_id, state=st, program_name=body.get("program", ""),
                     target=body.get("target", ""), worker=worker, detail=body.get("detail", ""),
-                    key=body.get("key", ""), age_seconds=now - body.get("submitted", now)))
-        return out
+                    key=body.get("key", ""), age_seconds=now - body.get("submitted", now))
+        return pb.TasksResponse(tasks=found.values())
 
     async def counts(self, tenant: str) -> dict[str, int]:
         pending = await self.etcd.count_prefix(self._k("q", tenant))
