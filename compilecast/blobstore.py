@@ -700,6 +700,18 @@ class DiskBlobStore:
         with self._lock:
             self._verified.pop(digest, None)
 
+    def _touch(self, digest: str, path: Path, stat: Callable[[], os.stat_result]) -> bool:
+        """Whether the blob is trusted (below); in a bounded store, its mtime
+        is set to now as well, for eviction by last read. Our own touch does
+        not make it another file: it stays trusted."""
+        since = self._trusted(digest, stat())
+        if self.max_bytes is not None:
+            with contextlib.suppress(OSError):
+                os.utime(path)
+            if since is not None:
+                self._trust(digest, stat(), since)
+        return since is not None
+
     def read(self, digest: str, chunk_size: int = CHUNK, *, offset: int = 0,
              as_stored: bool = False) -> Iterator[bytes]:
         """Yield the uncompressed bytes of a blob from `offset` on, verifying its digest.
@@ -726,13 +738,7 @@ class DiskBlobStore:
         h = Sha256()  # a big blob's hashing overlaps its reading and decoding
         try:
             started = time.monotonic()
-            since = self._trusted(digest, os.fstat(f.fileno()))
-            trusted = since is not None
-            if self.max_bytes is not None:
-                with contextlib.suppress(OSError):
-                    os.utime(path)
-                if since is not None:  # our own touch does not make it another file
-                    self._trust(digest, os.fstat(f.fileno()), since)
+            trusted = self._touch(digest, path, lambda: os.fstat(f.fileno()))
             raw = f.read(len(RAW_MAGIC)) == RAW_MAGIC
             if raw and trusted and offset:
                 f.seek(len(RAW_MAGIC) + offset)
@@ -774,6 +780,18 @@ class DiskBlobStore:
         if not trusted and h.hexdigest() != digest:
             self.quarantine(digest, f"hashes to {h.hexdigest()}")
             raise CorruptBlob(f"blob {digest} is corrupt: its bytes hash to {h.hexdigest()}")
+
+    def hand_out(self, digest: str) -> str | None:
+        """The path of a blob that a reader on this host reads for itself
+        (and verifies, as every reader does), touched as a read here would be
+        so that eviction sees it used; None when it is not in the store."""
+        validate.digest(digest)
+        path = self.path_of(digest)
+        try:
+            self._touch(digest, path, lambda: os.stat(path))
+        except FileNotFoundError:
+            return None
+        return str(path)
 
     def read_bytes(self, digest: str) -> bytes:
         return b"".join(self.read(digest))

@@ -211,6 +211,11 @@ class WorkerConfig:
         default="", metadata=_help("a coordinator's store on this machine's filesystem "
                                    "(compilecast up sets it): a download whose blob is there "
                                    "is hard-linked into the host cache, not copied"))
+    local_files: bool = field(
+        default=True, metadata=_help("answer a host cache hit for a process that asks over the "
+                                     "unix socket with the file's path: it reads and verifies "
+                                     "the file itself, without the bytes going through this "
+                                     "worker (it must see cache_dir at the same path)"))
     relay_listen: str = field(
         default="", metadata=_help("host:port where this worker relays artifacts it downloads "
                                    "to other workers (empty: no relaying)"))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from compilecast import wire
-from compilecast.blobstore import Inflate, Sha256
+from compilecast.blobstore import RAW_MAGIC, Inflate, Sha256
 from compilecast.decide import ends_wait
 from compilecast.errors import CorruptBlob
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
@@ -32,6 +32,7 @@ from compilecast.wire import DataChunk
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+LOCAL_PIECE = 4 << 20  # a host cache file is read (and hashed) in pieces of this size
 STALL_S = 60.0  # a transfer that moves nothing for this long is given up
 PUBLISH_RETRY_S = (1.0, 4.0)  # a publish cut off (UNAVAILABLE) is tried again after these
 FETCH_RETRY_S = (1.0, 4.0)  # and a fetch cut off midway (its server restarting)
@@ -177,6 +178,33 @@ class _Received:
 
 
 
+def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
+    """The artifact from the worker's host cache file at `path`, verified.
+    OSError when it cannot be read here; CorruptBlob when its bytes are not
+    the artifact's."""
+    received = _Received(key)
+    received.expect(info.size)
+    h = Sha256()
+
+    def take(data) -> None:
+        h.update(data)
+        received.add(data)
+
+    with open(path, "rb", buffering=0) as f, contextlib.closing(h):
+        head = f.read(len(RAW_MAGIC))
+        if head == RAW_MAGIC:
+            feed = take
+        else:  # stored as one zstd stream
+            feed = Inflate(take, info.size).feed
+            feed(head)
+        while piece := f.read(LOCAL_PIECE):
+            feed(piece)
+    if h.hexdigest() != info.digest:
+        raise CorruptBlob(f"the host cache file of {key} hashes to {h.hexdigest()}, "
+                          f"expected {info.digest}")
+    return received.result()
+
+
 def default_client_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -216,6 +244,10 @@ class CacheClient:
         self._keepers: dict[tuple[str, int], threading.Event] = {}
         self._publishing: set[tuple[str, int]] = set()  # publishes in flight
         self._digest_first = False  # the server refused a digest sent last
+        # On this host's worker (a unix socket), fetches may be answered with
+        # the host cache's file to read here; off once such a file could not be.
+        self.local_files = target.startswith("unix:") and os.environ.get(
+            "COMPILECAST_LOCAL_FILES", "1") != "0"
 
     def close(self) -> None:
         for stop in self._keepers.values():
@@ -339,6 +371,25 @@ class CacheClient:
         raise AssertionError("unreachable")
 
     def _fetch_once(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, bytes]:
+        local = self.local_files
+        while True:
+            info, got = self._fetch_stream(key, digest, local)
+            if isinstance(got, bytes):
+                return info, got
+            try:
+                return info, _read_local(key, info, got)
+            except OSError as exc:
+                self.local_files = local = False
+                log.info("cannot read the worker's file for %s here (%s); its bytes come over "
+                         "the socket from now on", key, exc, extra={"key": key})
+            except CorruptBlob as exc:
+                local = False
+                log.warning("%s; fetching its bytes instead", exc, extra={"key": key})
+
+    def _fetch_stream(self, key: str, digest: str,
+                      local: bool) -> tuple[pb.ArtifactInfo, bytes | str]:
+        """The artifact's info and its verified bytes, or with `local` the
+        path of the file the worker answered with instead."""
         info = None
         received = _Received(key)
         h = Sha256()  # on a thread of its own for a big artifact: overlaps receiving
@@ -348,7 +399,8 @@ class CacheClient:
             received.add(data)
 
         inflate = None
-        call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest, accept_zstd=True),
+        call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest, accept_zstd=True,
+                                               accept_local_file=local),
                                timeout=TRANSFER_S)
         with _Watchdog(self.stall_s).watching(call.cancel) as dog, contextlib.closing(h):
             try:
@@ -356,6 +408,12 @@ class CacheClient:
                     dog.tick()
                     if chunk.HasField("artifact"):
                         info = chunk.artifact
+                        if local and chunk.local_path:
+                            if digest and info.digest != digest:
+                                raise CorruptBlob(f"the worker answered {key} with "
+                                                  f"{info.digest}, not {digest}")
+                            call.cancel()  # (its only message)
+                            return info, chunk.local_path
                         received.expect(info.size)
                     if chunk.zstd_data:
                         if inflate is None:

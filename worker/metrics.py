@@ -23,6 +23,12 @@ class WorkerMetrics:
             "compilecast_worker_fetches", "Fetches served, by where the bytes came from",
             ["source"], registry=registry,
         )
+        self.local_files = Counter(
+            "compilecast_worker_local_files",
+            "Host cache hits answered with the file's path: the process on this host read and "
+            "verified the bytes itself, none of them went through the worker",
+            registry=registry,
+        )
         self.fetch_seconds = Histogram(
             "compilecast_worker_fetch_seconds", "Time to fill the host cache from the coordinator",
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=registry,

@@ -53,6 +53,7 @@ class Worker(Role):
                                      credentials=upstream_creds,
                                      relay_address=relay_address,
                                      link_store=cfg.link_store_dir,
+                                     local_files=cfg.local_files,
                                      # Peers serve with the same certificates as the
                                      # coordinator's CA signs (one PKI per release).
                                      peer_credentials=upstream_creds,

@@ -381,8 +381,9 @@ class WorkerService(rpc.CompileCacheServicer):
                  *, rpc_timeout_s: float, share_binary_timeout_ms: int = 0,
                  token: str = "", credentials: grpc.ChannelCredentials | None = None,
                  relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None,
-                 link_store: str = "") -> None:
+                 link_store: str = "", local_files: bool = True) -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
+        self.local_files = local_files  # hand processes on this host the host cache's files
         self.relay_address = relay_address
         self.link_store = link_store  # a coordinator's store on this filesystem (`up`)
         self._unlinkable: set[str] = set()  # digests whose linked blob failed to verify
@@ -866,12 +867,21 @@ class WorkerService(rpc.CompileCacheServicer):
         log.warning("kept no copy of %s in the host cache: %s", info.key,
                     writer.discarded or "no space left for its entry", extra={"key": info.key})
 
-    async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str, as_stored: bool):
+    async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str,
+                          request: pb.FetchRequest):
+        if request.accept_local_file and self.local_files:
+            # A process on this host reads the host cache's file itself (and
+            # verifies it); if the file went meanwhile, it asks again without.
+            path = self.cache.store.hand_out(info.digest)
+            if path is not None:
+                self.metrics.local_files.inc()
+                yield pb.FetchChunk(artifact=info, local_path=path)
+                return
         yield pb.FetchChunk(artifact=info)
         served = self.metrics.bytes.labels("served")
         try:
             async for chunk in aread(self.cache.store, info.digest, transform=DataChunk.framed,
-                                     as_stored=as_stored):
+                                     as_stored=request.accept_zstd):
                 served.inc(chunk.size)
                 yield chunk
         except CorruptBlob:
@@ -890,7 +900,7 @@ class WorkerService(rpc.CompileCacheServicer):
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is not None and (not request.digest or info.digest == request.digest):
             self.metrics.fetches.labels("host").inc()
-            async for chunk in self._serve_blob(info, ns, request.key, request.accept_zstd):
+            async for chunk in self._serve_blob(info, ns, request.key, request):
                 yield chunk
             return
         self.metrics.fetches.labels("coordinator").inc()
@@ -913,7 +923,7 @@ class WorkerService(rpc.CompileCacheServicer):
                     yield pb.FetchChunk()
             info = fill.done.result()
             if fill.kept:
-                async for chunk in self._serve_blob(info, ns, request.key, request.accept_zstd):
+                async for chunk in self._serve_blob(info, ns, request.key, request):
                     yield chunk
                 return
         try:
