@@ -166,6 +166,14 @@ class _Received:
             self._view[self.size:self.size + n] = data
         self.size += n
 
+    def room(self, n: int) -> memoryview | None:
+        """The next at most `n` bytes of the result, to be filled in place
+        (then `filled`); None when it is not put together in place."""
+        return None if self._view is None else self._view[self.size:self.size + n]
+
+    def filled(self, n: int) -> None:
+        self.size += n
+
     def result(self) -> bytes:
         if self._view is None:
             return b"".join(self._parts)
@@ -192,13 +200,18 @@ def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
 
     with open(path, "rb", buffering=0) as f, contextlib.closing(h):
         head = f.read(len(RAW_MAGIC))
-        if head == RAW_MAGIC:
-            feed = take
-        else:  # stored as one zstd stream
+        if head != RAW_MAGIC:  # stored as one zstd stream
             feed = Inflate(take, info.size).feed
             feed(head)
-        while piece := f.read(LOCAL_PIECE):
-            feed(piece)
+            while piece := f.read(LOCAL_PIECE):
+                feed(piece)
+        elif received.room(0) is None:
+            while piece := f.read(LOCAL_PIECE):
+                take(piece)
+        else:  # read straight into the result: no copy on the way
+            while (room := received.room(LOCAL_PIECE)) and (n := f.readinto(room)):
+                h.update(room[:n].toreadonly())  # (never written again: not copied)
+                received.filled(n)
     if h.hexdigest() != info.digest:
         raise CorruptBlob(f"the host cache file of {key} hashes to {h.hexdigest()}, "
                           f"expected {info.digest}")
