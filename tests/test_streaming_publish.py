@@ -335,3 +335,61 @@ def test_a_coordinator_that_streams_uploads_takes_the_digest_first_only(
     lease = holder.acquire("k2").lease
     published = holder.publish("k2", lease, data, 1.0)  # the client sends it first here
     assert published.digest == hashlib.sha256(data).hexdigest()
+
+
+def fetch_in_thread(client: CacheClient, key: str) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run():
+        try:
+            out.append(client.fetch(key)[1])
+        except grpc.RpcError as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def worker_sample(worker, name: str, **labels) -> float:
+    return worker.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_process_fetching_what_its_host_publishes_reads_the_workers_copy(coordinator,
+                                                                           start_worker):
+    """Holder and waiter on one host: the waiter's fetch, asked while the
+    upload goes through their worker, waits for the worker's own copy and
+    reads its file. The worker downloads nothing of what it uploads."""
+    worker = start_worker(coordinator.cfg.listen)
+    holder, waiter = clients(worker.target)
+    data = os.urandom(6 * MIB)
+    lease = holder.acquire("k").lease
+    assert waiter.acquire("k").decision == pb.WAIT
+    up = HeldUpload(holder, "k", lease, data)
+    assert waiter.wait("k", 10, publishing=True).decision == pb.WAIT
+    fetching, out = fetch_in_thread(waiter, "k")
+    fetching.join(1.0)
+    assert fetching.is_alive() and up.thread.is_alive()  # asked before the upload ended
+    up.go.set()
+    fetching.join(30)
+    assert out == [data]
+    assert worker_sample(worker, "compilecast_worker_local_files_total") == 1
+    assert worker_sample(worker, "compilecast_worker_fetches_total", source="coordinator") == 0
+
+
+def test_a_fetch_waiting_for_its_hosts_upload_ends_when_the_upload_fails(coordinator,
+                                                                         start_worker):
+    worker = start_worker(coordinator.cfg.listen)
+    holder, waiter = clients(worker.target)
+    lease = holder.acquire("k").lease
+    assert waiter.acquire("k").decision == pb.WAIT
+    up = HeldUpload(holder, "k", lease, os.urandom(6 * MIB))
+    assert waiter.wait("k", 10, publishing=True).decision == pb.WAIT
+    fetching, out = fetch_in_thread(waiter, "k")
+    fetching.join(1.0)
+    assert fetching.is_alive()
+    up.cut.set()
+    fetching.join(30)
+    assert not fetching.is_alive()
+    assert len(out) == 1 and isinstance(out[0], grpc.RpcError), out  # never bytes of a cut upload
+    assert worker_sample(worker, "compilecast_worker_local_files_total") == 0

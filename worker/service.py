@@ -367,6 +367,16 @@ async def _unless_stalled(call, moved: list[float], stall_s: float, what: str):
             call.cancel()
 
 
+async def _heartbeats_until(done: asyncio.Future):
+    """Empty FetchChunks, one every HEARTBEAT_S, until `done` is: a fetch
+    that waits for its bytes shows its reader it is alive."""
+    while not done.done():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(done), HEARTBEAT_S)
+        if not done.done():
+            yield pb.FetchChunk()
+
+
 def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
     """The coordinator's status for our caller; a stream reset or an upstream
     bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
@@ -397,6 +407,7 @@ class WorkerService(rpc.CompileCacheServicer):
         self.channel = aio_channel(coordinator, credentials)
         self.up = wire.stub(self.channel)
         self._fills: dict[tuple[str, str], _Fill] = {}
+        self._publishing: dict[tuple[str, str], asyncio.Future] = {}  # publishes through us
         self._tasks: set[asyncio.Task] = set()
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self._retiring: set[Decider] = set()  # evicted, closed once their waits end
@@ -583,6 +594,18 @@ class WorkerService(rpc.CompileCacheServicer):
         # Refuse bad headers here: a coordinator that aborts a stream the worker
         # is still sending can surface as a reset (INTERNAL) instead of its status.
         validate.publish_header(header, self.cache.store.max_blob_size)
+        # This host's processes that fetch it meanwhile read our copy when it is done.
+        done = asyncio.get_running_loop().create_future()
+        ours = self._publishing.setdefault((ns, header.key), done) is done
+        try:
+            return await self._publish(ns, md, header, chunks)
+        finally:
+            if ours:
+                del self._publishing[(ns, header.key)]
+            done.set_result(None)
+
+    async def _publish(self, ns: str, md: tuple, header: pb.PublishHeader,
+                       chunks) -> pb.PublishResponse:
         writer = self.cache.store.writer(discard_when_unwritable=True)
         with writer:
             await self._make_room(writer, header.size)
@@ -898,6 +921,14 @@ class WorkerService(rpc.CompileCacheServicer):
             raise InvalidRequest("offset and relay_address are for the coordinator")
         ns, md = self._credential(context)
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
+        publishing = self._publishing.get((ns, request.key))
+        if info is None and publishing is not None and request.accept_local_file \
+                and self.local_files:
+            # A process of this host is publishing it through us: the one asking
+            # reads our copy once it is in, instead of our downloading what we upload.
+            async for beat in _heartbeats_until(publishing):
+                yield beat
+            info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is not None and (not request.digest or info.digest == request.digest):
             self.metrics.fetches.labels("host").inc()
             async for chunk in self._serve_blob(info, ns, request.key, request):
@@ -916,11 +947,8 @@ class WorkerService(rpc.CompileCacheServicer):
                 break
             # Joined late: wait for the blob (heartbeats meanwhile), then read
             # it from disk; one the host cache had no room for is downloaded again.
-            while not fill.done.done():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(fill.done), HEARTBEAT_S)
-                if not fill.done.done():
-                    yield pb.FetchChunk()
+            async for beat in _heartbeats_until(fill.done):
+                yield beat
             info = fill.done.result()
             if fill.kept:
                 async for chunk in self._serve_blob(info, ns, request.key, request):
