@@ -54,13 +54,15 @@ def pod(mode: str, coordinator: str, topology: str, n: int, *,
 
 
 @contextlib.contextmanager
-def fresh_coordinator(*flags: str) -> Iterator[str]:
+def fresh_coordinator(*flags: str, one_host: bool = False) -> Iterator[str]:
     """A coordinator (with these command-line flags) on its own etcd in a
-    temporary folder, for one way."""
+    temporary folder, for one way. With one_host, the target is a worker in
+    front of it: the processes are those of one host (a GPU host's 8)."""
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(Path(tmp))
         try:
-            yield stack.coordinator(extra=flags)[0]
+            coordinator = stack.coordinator(extra=flags)[0]
+            yield stack.worker(coordinator, "w")[0] if one_host else coordinator
         finally:
             stack.close()
 

@@ -12,6 +12,7 @@ so these runs show the protocol's overhead and compile counts, not TPU savings.
 
     python bench/time_to_executable.py --tpu v5e:4x4 [--n 4 16] [--layers 64] [--width 1024]
                                        [--tpu-weights] [--tpu-after] [--tpu-pairs K]
+                                       [--tpu-one-host]
 
 does the same with a real TPU program: each of N processes (one jax.distributed
 job, as the hosts of a pod) lowers the training step for TOPOLOGY with libtpu's
@@ -20,7 +21,10 @@ one compiles and publishes, the others wait and then fetch and verify the
 bytes (a compile-only client cannot load an executable). Reported against one
 process compiling the program alone, from the same kind of common start. With
 --tpu-weights the weights are baked in (default 16 layers: an ~80 MB executable
-that every waiter fetches).
+that every waiter fetches). With --tpu-one-host the N processes are those of
+one host (a GPU host's 8) and go through one worker, as a host's processes do;
+COMPILECAST_LOCAL_FILES=0 makes them take the bytes over its socket instead of
+reading its host cache's file.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def timeline(phases: list[dict[str, float]]) -> str:
 
 
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
-        weights: bool, after: bool = False, pairs: int = 1) -> None:
+        weights: bool, after: bool = False, pairs: int = 1, one_host: bool = False) -> None:
     import aot_farm
 
     aot_farm.ENV.update(BENCH_LAYERS=str(layers), BENCH_WIDTH=str(width))
@@ -87,7 +91,7 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
     def run(mode: str, n: int) -> dict:
         # "share" streams uploads to the waiters (publish_stream_readers, off by default).
         flags = ("--publish-stream-readers", "4") if mode == "share" and after else ()
-        with aot_farm.fresh_coordinator(*flags) as coordinator:
+        with aot_farm.fresh_coordinator(*flags, one_host=one_host) as coordinator:
             # Start-up, JAX import and lowering take ~2 s a process on 2 cores.
             r = aot_farm.pod(mode, coordinator, topology, n, entry=entry,
                              go_after_s=10.0 + 2.5 * n)
@@ -156,13 +160,15 @@ def main() -> None:
     ap.add_argument("--tpu-pairs", type=int, default=1,
                     help="with --tpu, this many pairs per N of a compile alone and a compilecast "
                          "run next to it (order alternating), each pair's ratio and the median")
+    ap.add_argument("--tpu-one-host", action="store_true",
+                    help="with --tpu, the N processes share one worker (one host's processes)")
     ap.add_argument("--tpu-weights", action="store_true",
                     help="with --tpu, bake the weights into the program (a large executable)")
     args = ap.parse_args()
     if args.tpu:
         tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
             args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
-            args.tpu_pairs)
+            args.tpu_pairs, args.tpu_one_host)
         return
     args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"
