@@ -7,7 +7,9 @@ compresses ~10x, as executables do), then fetch it (client verifies
 the sha256 on the fly, never holding it whole) from the coordinator, through
 a worker cold (fills its host cache) and warm (host hit), and stream the same
 bytes from a plain gRPC server, without verification and with the client
-hashing like ours (the fair ceiling for a verifying client). Afterwards, the peak
+hashing like ours (the fair ceiling for a verifying client). Then a process on
+the worker's host fetches the warm artifact through CacheClient, as a JAX
+process does, once reading the host cache's file and once over the socket. Afterwards, the peak
 RSS of the coordinator and worker processes. With --compressible, the
 coordinator and warm-worker fetches are also run taking the stored zstd
 (FetchRequest.accept_zstd, the client decoding it), as compilecast's own
@@ -133,6 +135,26 @@ def plain(port: int, verify: bool = False) -> float:
     return elapsed
 
 
+PROCESS = """
+import sys, time
+from compilecast.worker.client import CacheClient
+c = CacheClient(sys.argv[1], timeout_s=60)
+c.local_files = sys.argv[3] == "file"
+t0 = time.perf_counter()
+info, data = c.fetch(sys.argv[2])
+print(time.perf_counter() - t0)
+"""
+
+
+def process_fetch(worker: str, key: str, how: str) -> float:
+    """Seconds for a process on the worker's host to hold the verified bytes
+    through CacheClient, as a JAX process does: reading the host cache's file
+    ("file") or over the worker's socket ("socket")."""
+    out = subprocess.run([sys.executable, "-c", PROCESS, worker, key, how], check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.split()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1024, 2048])
@@ -163,7 +185,10 @@ def main() -> None:
             direct = fetch(coord, key, digest)
             cold = fetch(worker, key, digest)  # the worker takes zstd where it is stored so
             warm = fetch(worker, key, digest)
+            by_file = process_fetch(worker, key, "file")
+            by_socket = process_fetch(worker, key, "socket")
             row = {"mb": mb, "publish_s": pub, "plain_s": base,
+                   "process_file_s": by_file, "process_socket_s": by_socket,
                    "plain_verified_s": base_verified, "coordinator_s": direct,
                    "worker_cold_s": cold, "worker_warm_s": warm,
                    "coordinator_peak_rss_mb": peak_rss_mb(cproc.pid),
@@ -185,6 +210,9 @@ def main() -> None:
                   f"worker warm {mb / warm:6.0f} MB/s ({base / warm * 100:3.0f}%) | publish "
                   f"{mb / pub:5.0f} MB/s | peak RSS coordinator {row['coordinator_peak_rss_mb']:.0f}"
                   f" MB, worker {row['worker_peak_rss_mb']:.0f} MB", flush=True)
+            print(f"       a process on the worker's host (CacheClient, holding the bytes): "
+                  f"reading the host cache file {mb / by_file:6.0f} MB/s | over the socket "
+                  f"{mb / by_socket:6.0f} MB/s ({by_socket / by_file:.2f}x the time)", flush=True)
             if args.compressible:
                 z, wz = row["coordinator_zstd_s"], row["worker_warm_zstd_s"]
                 print(f"       publish through a worker {mb / row['worker_publish_s']:5.0f} MB/s "

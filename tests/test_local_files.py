@@ -18,6 +18,9 @@ from .conftest import publish
 
 RANDOM = os.urandom(6 << 20)  # stored raw (incompressible)
 COMPRESSIBLE = b"".join(os.urandom(96) + bytes(928) for _ in range(6 << 10))  # stored as zstd
+# Under 4 MiB a download is joined from its pieces, not put together in place.
+KINDS = {"raw": RANDOM, "zstd": COMPRESSIBLE, "small-raw": RANDOM[:300_000],
+         "small-zstd": COMPRESSIBLE[:300_000]}
 
 
 def sample(worker, name: str, **labels) -> float:
@@ -40,9 +43,10 @@ def published_through(worker, key: str, data: bytes) -> CacheClient:
     return CacheClient(worker.target, timeout_s=10)
 
 
-@pytest.mark.parametrize("data", [RANDOM, COMPRESSIBLE], ids=["raw", "zstd"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_process_on_the_host_reads_the_host_cache_file_itself(coordinator, start_worker,
-                                                                  data):
+                                                                  kind):
+    data = KINDS[kind]
     worker = start_worker(coordinator.cfg.listen)
     process = published_through(worker, "k", data)
     assert process.local_files  # it reached its worker over the unix socket
@@ -85,14 +89,16 @@ def test_a_file_the_process_cannot_open_is_fetched_over_the_socket(coordinator, 
     assert files(worker) == 1  # not asked again
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_host_cache_file_that_does_not_verify_never_reaches_the_process(coordinator,
-                                                                          start_worker):
+                                                                          start_worker, kind):
     """A byte of the host cache's file changed in place: the process finds it
     out from the file, asks for the bytes, and the worker, reading the same
     file, finds it out too (DATA_LOSS) and drops it; the next fetch downloads
     the artifact again, and the process reads the new file."""
+    data = KINDS[kind]
     worker = start_worker(coordinator.cfg.listen)
-    process = published_through(worker, "k", RANDOM)
+    process = published_through(worker, "k", data)
     info = worker.cache.lookup("host", "k")
     path = worker.cache.store.path_of(info.digest)
     with open(path, "r+b") as f:
@@ -106,6 +112,6 @@ def test_a_host_cache_file_that_does_not_verify_never_reaches_the_process(coordi
     assert files(worker) == 1
     assert worker.cache.lookup("host", "k") is None
     assert process.local_files  # the file was there; it was the bytes that were wrong
-    assert process.fetch("k")[1] == RANDOM  # downloaded again from the coordinator
-    assert process.fetch("k")[1] == RANDOM  # and now a host cache hit, from the new file
+    assert process.fetch("k")[1] == data  # downloaded again from the coordinator
+    assert process.fetch("k")[1] == data  # and now a host cache hit, from the new file
     assert files(worker) == 2

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
+import zstandard
 
 from compilecast import wire
 from compilecast.blobstore import RAW_MAGIC, Inflate, Sha256
@@ -199,19 +200,25 @@ def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
         received.add(data)
 
     with open(path, "rb", buffering=0) as f, contextlib.closing(h):
-        head = f.read(len(RAW_MAGIC))
-        if head != RAW_MAGIC:  # stored as one zstd stream
-            feed = Inflate(take, info.size).feed
-            feed(head)
+        raw = f.read(len(RAW_MAGIC)) == RAW_MAGIC
+        if not raw:  # stored as one zstd stream
+            f.seek(0)
+        if received.room(0) is None:
+            feed = take if raw else Inflate(take, info.size).feed
             while piece := f.read(LOCAL_PIECE):
                 feed(piece)
-        elif received.room(0) is None:
-            while piece := f.read(LOCAL_PIECE):
-                take(piece)
-        else:  # read straight into the result: no copy on the way
-            while (room := received.room(LOCAL_PIECE)) and (n := f.readinto(room)):
-                h.update(room[:n].toreadonly())  # (never written again: not copied)
-                received.filled(n)
+        else:  # read (or decode) straight into the result: no copy on the way
+            reader = f if raw else zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
+            try:
+                while (room := received.room(LOCAL_PIECE)) and (n := reader.readinto(room)):
+                    h.update(room[:n].toreadonly())  # (never written again: not copied)
+                    received.filled(n)
+                if reader.read(1):
+                    raise CorruptBlob(f"the host cache file of {key} holds more than its "
+                                      f"{info.size} bytes")
+            except zstandard.ZstdError as exc:
+                raise CorruptBlob(f"the host cache file of {key} does not decode: {exc}") \
+                    from None
     if h.hexdigest() != info.digest:
         raise CorruptBlob(f"the host cache file of {key} hashes to {h.hexdigest()}, "
                           f"expected {info.digest}")
