@@ -261,6 +261,8 @@ class BlobWriter:
             self._write_failed(exc)
         else:
             self._path = Path(name)
+            if store.file_mode is not None:
+                os.fchmod(fd, store.file_mode)
             self._file = os.fdopen(fd, "wb")
         self._level = store.level
         self._zw = None  # a zstd stream writer, once the probe says compress
@@ -474,8 +476,10 @@ class DiskBlobStore:
         durable: bool = True,
         on_evict: Callable[[int], None] | None = None,
         min_free: int = 0,
+        file_mode: int | None = None,
     ) -> None:
         self.root = Path(root)
+        self.file_mode = file_mode  # of the blobs it writes (None: 0600, mkstemp's)
         self.blob_dir = self.root / "blobs"
         self._blob_prefix = f"{self.blob_dir}/"
         self.tmp_dir = self.root / "tmp"

@@ -141,6 +141,33 @@ def test_worker_args_are_accepted_by_the_cli():
         assert parsed.command in ("coordinator", "worker", "farm")
 
 
+def test_the_worker_keeps_its_host_cache_at_the_nodes_path_for_pods_to_read():
+    """Pods read host cache hits from files at the path the worker hands out:
+    the worker must see its cache at the node's path too, as pods mount it."""
+    from compilecast.cli import build_parser
+    from compilecast.config import WorkerConfig, load
+
+    def worker(*sets: str) -> tuple[WorkerConfig, dict]:
+        (ds,) = by_kind(render(None, *sets), "DaemonSet")
+        spec = ds["spec"]["template"]["spec"]
+        args = build_parser().parse_args(spec["containers"][0]["args"])
+        flags = {k: v for k, v in vars(args).items() if v is not None}
+        cfg, _ = load(WorkerConfig, env={}, flags={
+            f: flags[f] for f in ("cache_dir", "local_files", "listen", "coordinator")})
+        mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        return cfg, {"mount": mounts["cache"], "node": volumes["cache"]["hostPath"]["path"]}
+
+    cfg, cache = worker()
+    assert cfg.local_files is True
+    assert cfg.cache_dir == cache["mount"] == cache["node"] == "/var/cache/compilecast"
+    cfg, cache = worker("worker.cache.localFiles=false", "worker.cache.hostPath=/data/cc")
+    assert cfg.local_files is False
+    assert cfg.cache_dir == cache["mount"] == cache["node"] == "/data/cc"
+    r = helm("template", "rel", str(CHART), "--set", "worker.cache.localFiles=maybe")
+    assert r.returncode != 0 and "localFiles" in r.stderr
+
+
 def test_tpu_scenario_places_workers_on_tpu_nodes_and_enables_monitoring():
     docs = render(CHART / "ci" / "gke-tpu-values.yaml")
     (ds,) = by_kind(docs, "DaemonSet")

@@ -89,6 +89,37 @@ def test_a_file_the_process_cannot_open_is_fetched_over_the_socket(coordinator, 
     assert files(worker) == 1  # not asked again
 
 
+def test_a_file_gone_from_a_host_cache_that_is_here_is_asked_for_again(coordinator,
+                                                                        start_worker):
+    """Evicted between the worker's answer and the process's read (or not
+    readable by the process's user): the bytes come over the socket, and the
+    next fetch still asks for the file."""
+    worker = start_worker(coordinator.cfg.listen)
+    process = published_through(worker, "k", RANDOM)
+    real = worker.cache.store.hand_out
+    worker.cache.store.hand_out = lambda digest: real(digest) + ".evicted"
+    assert process.fetch("k")[1] == RANDOM
+    assert process.local_files
+    worker.cache.store.hand_out = real
+    before = served(worker)
+    assert process.fetch("k")[1] == RANDOM
+    assert files(worker) == 2 and served(worker) == before
+
+
+def test_the_host_cache_blobs_are_readable_by_the_hosts_other_users(coordinator,
+                                                                   start_worker):
+    """Job pods run as other users than the worker: they can read its files
+    only if others may (who sees the directory at all is the mount's choice)."""
+    worker = start_worker(coordinator.cfg.listen)
+    published_through(worker, "k", RANDOM)
+    mode = worker.cache.store.path_of(worker.cache.lookup("host", "k").digest).stat().st_mode
+    assert mode & 0o777 == 0o644
+    other = start_worker(coordinator.cfg.listen, name="w2", local_files=False)
+    published_through(other, "k2", RANDOM)
+    mode = other.cache.store.path_of(other.cache.lookup("host", "k2").digest).stat().st_mode
+    assert mode & 0o777 == 0o600
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_host_cache_file_that_does_not_verify_never_reaches_the_process(coordinator,
                                                                           start_worker, kind):

@@ -399,9 +399,12 @@ class CacheClient:
             try:
                 return info, _read_local(key, info, got)
             except OSError as exc:
-                self.local_files = local = False
+                local = False
+                if not os.path.isdir(os.path.dirname(got)):  # its host cache is not here
+                    self.local_files = False
                 log.info("cannot read the worker's file for %s here (%s); its bytes come over "
-                         "the socket from now on", key, exc, extra={"key": key})
+                         "the socket%s", key, exc, "" if self.local_files else " from now on",
+                         extra={"key": key})
             except CorruptBlob as exc:
                 local = False
                 log.warning("%s; fetching its bytes instead", exc, extra={"key": key})

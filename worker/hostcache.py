@@ -28,11 +28,14 @@ MAX_ENTRY = 1 << 16  # an index entry is ~150 bytes; a bigger file is not one of
 
 class HostCache:
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int, min_free: int = 0,
-                 reverify_s: float = 600.0) -> None:
+                 reverify_s: float = 600.0, readable: bool = False) -> None:
         self.root = Path(root)
         # Not fsynced: what a crash cuts short fails verification and is fetched again.
+        # `readable`: the blobs are readable by the host's other users, whose
+        # processes read their hits from the files (the directory's mount decides who).
         self.store = DiskBlobStore(self.root, max_bytes=max_bytes, durable=False,
-                                   reverify_s=reverify_s, min_free=min_free)
+                                   reverify_s=reverify_s, min_free=min_free,
+                                   file_mode=0o644 if readable else None)
         self.keys = self.root / "keys"
         self.keys.mkdir(parents=True, exist_ok=True)
 
