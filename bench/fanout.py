@@ -37,8 +37,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _netem import Network, available
-from _servers import (Stack, compressible_file, cpu_seconds, free_port, own_cpu_seconds,
-                      random_file, wait_port)
+from _servers import (
+    Stack,
+    compressible_file,
+    cpu_seconds,
+    free_port,
+    own_cpu_seconds,
+    random_file,
+    wait_port,
+)
 from fetch import fetch, publish_file
 
 

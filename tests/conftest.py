@@ -46,6 +46,15 @@ def publish(client, key: str, data: bytes, **acquire_kw):
     return client.publish(key, resp.lease, data, 3.0)
 
 
+def flip_middle_byte(path, mask: int = 0xFF) -> None:
+    """Change one byte in the middle of a stored file, in place (same inode)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def all_at_once(calls, timeout_s: float = 60.0) -> list:
     """Run each of `calls` on a thread of its own, started together; their
     results, in order (None for one that did not finish in time)."""

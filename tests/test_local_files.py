@@ -14,7 +14,7 @@ import pytest
 
 from compilecast.worker.client import CacheClient
 
-from .conftest import publish
+from .conftest import flip_middle_byte, publish
 
 RANDOM = os.urandom(6 << 20)  # stored raw (incompressible)
 COMPRESSIBLE = b"".join(os.urandom(96) + bytes(928) for _ in range(6 << 10))  # stored as zstd
@@ -131,12 +131,7 @@ def test_a_host_cache_file_that_does_not_verify_never_reaches_the_process(coordi
     worker = start_worker(coordinator.cfg.listen)
     process = published_through(worker, "k", data)
     info = worker.cache.lookup("host", "k")
-    path = worker.cache.store.path_of(info.digest)
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_middle_byte(worker.cache.store.path_of(info.digest))
     with pytest.raises(grpc.RpcError) as err:
         process.fetch("k")
     assert err.value.code() == grpc.StatusCode.DATA_LOSS

@@ -14,7 +14,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity, publish_messages
 
-from .conftest import eventually, publish
+from .conftest import eventually, flip_middle_byte, publish
 
 DATA = b"executable-bytes" * 50_000
 
@@ -698,12 +698,8 @@ def test_a_worker_on_the_coordinators_disk_links_its_blobs(coordinator, start_wo
 
     bad = os.urandom(3 << 20)
     bad_info = direct.publish("flipped", direct.acquire("flipped").lease, bad, 1.0)
-    path = coordinator.store.path_of(bad_info.digest)
-    with open(path, "r+b") as f:  # in place: the link the worker takes is this file
-        f.seek(path.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
+    # In place: the link the worker takes is this file.
+    flip_middle_byte(coordinator.store.path_of(bad_info.digest), mask=1)
     # The link, then the coordinator's own read: neither serves it. The
     # coordinator may already have found the flip while it streamed the
     # download the worker cancelled on linking; then the entry is gone.
