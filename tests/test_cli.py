@@ -52,7 +52,9 @@ def test_status_is_nonzero_when_the_coordinator_is_down(coordinator, start_worke
     coordinator.stop()
     r = cc("status", "--worker", worker.target, "--timeout", "2")
     assert r.returncode == 1
-    assert "UNHEALTHY (coordinator unreachable: " in r.stdout, r.stdout
+    # "unreachable: connection refused", or, when the worker's channel was
+    # still connecting at the deadline (a loaded machine), "unreachable (DEADLINE_EXCEEDED...)"
+    assert "UNHEALTHY (coordinator unreachable" in r.stdout, r.stdout
     assert "failed to connect" not in r.stdout, r.stdout  # a few words, not gRPC's chain
 
 

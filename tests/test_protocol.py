@@ -465,10 +465,16 @@ def test_artifacts_travel_as_stored_zstd_to_clients_that_decode_it(coordinator, 
     # Kept as it came: the coordinator's stream, not compressed again.
     assert (worker.cache.store.path_of(digest).read_bytes()
             == coordinator.store.path_of(digest).read_bytes())
-    assert process.fetch("k")[1] == data  # a host-cache hit, sent as stored
+    def served() -> float:
+        return worker.registry.get_sample_value("compilecast_worker_artifact_bytes_total",
+                                                {"direction": "served"})
+
+    assert process.fetch("k")[1] == data  # a host-cache hit, read from the file (as stored)
+    assert served() == stored
+    process.local_files = False
+    assert process.fetch("k")[1] == data  # a host-cache hit over the socket, sent as stored
     assert out() == 2 * stored
-    assert worker.registry.get_sample_value("compilecast_worker_artifact_bytes_total",
-                                            {"direction": "served"}) == 2 * stored
+    assert served() == 2 * stored
     for target in (coordinator.cfg.listen, worker.target):
         with grpc.insecure_channel(target) as channel:
             chunks = list(rpc.CompileCacheStub(channel).Fetch(pb.FetchRequest(key="k")))
