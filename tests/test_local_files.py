@@ -89,6 +89,20 @@ def test_a_file_the_process_cannot_open_is_fetched_over_the_socket(coordinator, 
     assert files(worker) == 1  # not asked again
 
 
+def test_a_fifo_named_as_the_file_never_blocks_the_process(coordinator, start_worker,
+                                                           tmp_path):
+    """Opening a FIFO for reading blocks until someone writes to it: the
+    process opens without blocking, refuses what is not a regular file, and
+    gets the bytes over the socket."""
+    worker = start_worker(coordinator.cfg.listen)
+    process = published_through(worker, "k", RANDOM)
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    worker.cache.store.hand_out = lambda digest: str(path)
+    assert process.fetch("k")[1] == RANDOM
+    assert files(worker) == 1
+
+
 def test_a_file_gone_from_a_host_cache_that_is_here_is_asked_for_again(coordinator,
                                                                         start_worker):
     """Evicted between the worker's answer and the process's read (or not

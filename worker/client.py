@@ -9,11 +9,13 @@ Lease keepalives run on a daemon thread that never blocks the caller.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -199,7 +201,16 @@ def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
         h.update(data)
         received.add(data)
 
-    with open(path, "rb", buffering=0) as f, contextlib.closing(h):
+    # Only a regular file: a FIFO or a device named here would block or never end.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        f = os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+    with f, contextlib.closing(h):
         raw = f.read(len(RAW_MAGIC)) == RAW_MAGIC
         if not raw:  # stored as one zstd stream
             f.seek(0)
