@@ -51,6 +51,7 @@ import logging
 import os
 import queue
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -792,6 +793,8 @@ class DiskBlobStore:
         validate.digest(digest)
         path = self.path_of(digest)
         try:
+            if self.file_mode is not None and stat.S_IMODE(os.stat(path).st_mode) != self.file_mode:
+                os.chmod(path, self.file_mode)  # written before, under another mode
             self._touch(digest, path, lambda: os.stat(path))
         except FileNotFoundError:
             return None

@@ -134,6 +134,19 @@ def test_the_host_cache_blobs_are_readable_by_the_hosts_other_users(coordinator,
     assert mode & 0o777 == 0o600
 
 
+def test_a_blob_written_before_files_were_handed_out_is_made_readable(coordinator,
+                                                                     start_worker):
+    """A host cache from before (0600 blobs): the worker hands its files out
+    readable, so pods of other users need not fall back."""
+    worker = start_worker(coordinator.cfg.listen)
+    process = published_through(worker, "k", RANDOM)
+    path = worker.cache.store.path_of(worker.cache.lookup("host", "k").digest)
+    path.chmod(0o600)
+    assert process.fetch("k")[1] == RANDOM
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert files(worker) == 1
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_host_cache_file_that_does_not_verify_never_reaches_the_process(coordinator,
                                                                           start_worker, kind):
