@@ -109,7 +109,7 @@ class CoordinatorConfig:
                                   "many fetch it at once, past the chain (relay_chain_bytes; "
                                   "1: a chain throughout; 0: every worker fetches from here)"))
     relay_chain_bytes: int = field(
-        default=4 << 20, metadata=_help(
+        default=1 << 20, metadata=_help(
             "workers fetching an artifact of S bytes at once are chained, each relaying to one "
             "(a whole link each), while the chain is shorter than S / this; later ones join a "
             "tree of relay_fanout peers per worker (0: never chain)"))

@@ -108,7 +108,7 @@ def test_the_relay_fanout_reaches_the_coordinator_as_a_setting_it_reads():
     assert coordinator_config().relay_fanout == 2
     assert coordinator_config("worker.relay.fanout=1").relay_fanout == 1
     assert coordinator_config("worker.relay.chainBytes=16Mi").relay_chain_bytes == 16 << 20
-    assert coordinator_config().relay_chain_bytes == 4 << 20
+    assert coordinator_config().relay_chain_bytes == 1 << 20
     for bad, name in (("worker.relay.fanout=-1", "fanout"), ("worker.relay.chainBytes=lots",
                                                             "chainBytes")):
         r = helm("template", "rel", str(CHART), "--set", bad)
