@@ -53,6 +53,7 @@ bench: install
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --tpu-after
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --n 4 --tpu-pairs 3
+	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --n 4 --tpu-pairs 2 --tpu-one-host
 	$(PY) bench/publish_overlap.py --upload-mbps 0 50
 	$(PY) bench/warm_start.py
 	$(PY) bench/fetch.py
@@ -72,6 +73,7 @@ bench: install
 	@# Hosts of their own (network namespaces, tc, CPU quotas) need root.
 	@if [ "$$(id -u)" = 0 ]; then \
 	  $(PY) bench/fanout.py --mb 64 --link-mbps 50 --fanouts 1 2 && \
+	  $(PY) bench/fanout.py --mb 64 --link-mbps 50 --fanouts 2 --workers 24 && \
 	  $(PY) bench/fanout.py --mb 128 --host-cpus 0.11 --fanouts 2 1; \
 	else echo "bench/fanout.py --link-mbps/--host-cpus: skipped (needs root)"; fi
 	$(PY) bench/aot_farm.py --layers 64
