@@ -168,6 +168,33 @@ def test_the_worker_keeps_its_host_cache_at_the_nodes_path_for_pods_to_read():
     assert r.returncode != 0 and "localFiles" in r.stderr
 
 
+def test_the_worker_owns_its_host_directories_before_it_starts(tmp_path):
+    """kubelet makes a missing hostPath directory root's (0755), where the
+    worker's user could create neither its socket nor its cache: the init
+    container, the only part that runs as root, hands both to that user.
+    Its rendered command is run here on two such directories."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    (ds,) = by_kind(render(None, f"worker.socketDir={run}", f"worker.cache.hostPath={cache}",
+                           "worker.runAsUser=4321", "worker.runAsGroup=8765"), "DaemonSet")
+    spec = ds["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    assert init["securityContext"]["runAsUser"] == 0
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"],
+                                                       "add": ["CHOWN", "FOWNER"]}
+    assert {m["mountPath"] for m in init["volumeMounts"]} == {str(run), str(cache)}
+    (worker,) = spec["containers"]
+    assert (worker["securityContext"]["runAsUser"], worker["securityContext"]["runAsGroup"]) \
+        == (4321, 8765)
+    if os.geteuid() != 0:
+        pytest.skip("running the init command needs root, as in its pod")
+    for d in (run, cache):
+        d.mkdir(mode=0o700)
+    subprocess.run(init["command"], check=True)
+    for d in (run, cache):
+        st = d.stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (4321, 8765, 0o755)
+
+
 def test_tpu_scenario_places_workers_on_tpu_nodes_and_enables_monitoring():
     docs = render(CHART / "ci" / "gke-tpu-values.yaml")
     (ds,) = by_kind(docs, "DaemonSet")
