@@ -120,14 +120,14 @@ def test_a_file_gone_from_a_host_cache_that_is_here_is_asked_for_again(coordinat
     assert files(worker) == 2 and served(worker) == before
 
 
-def test_the_host_cache_blobs_are_readable_by_the_hosts_other_users(coordinator,
-                                                                   start_worker):
-    """Job pods run as other users than the worker: they can read its files
-    only if others may (who sees the directory at all is the mount's choice)."""
+def test_the_host_cache_blobs_are_readable_by_the_workers_group(coordinator, start_worker):
+    """Job pods run as other users than the worker, with its group (they need
+    it for the 0660 socket too): they can read its files only if the group may.
+    Nobody else may; who sees the directory at all is the mount's choice."""
     worker = start_worker(coordinator.cfg.listen)
     published_through(worker, "k", RANDOM)
     mode = worker.cache.store.path_of(worker.cache.lookup("host", "k").digest).stat().st_mode
-    assert mode & 0o777 == 0o644
+    assert mode & 0o777 == 0o640
     other = start_worker(coordinator.cfg.listen, name="w2", local_files=False)
     published_through(other, "k2", RANDOM)
     mode = other.cache.store.path_of(other.cache.lookup("host", "k2").digest).stat().st_mode
@@ -137,13 +137,13 @@ def test_the_host_cache_blobs_are_readable_by_the_hosts_other_users(coordinator,
 def test_a_blob_written_before_files_were_handed_out_is_made_readable(coordinator,
                                                                      start_worker):
     """A host cache from before (0600 blobs): the worker hands its files out
-    readable, so pods of other users need not fall back."""
+    group-readable, so pods of other users need not fall back."""
     worker = start_worker(coordinator.cfg.listen)
     process = published_through(worker, "k", RANDOM)
     path = worker.cache.store.path_of(worker.cache.lookup("host", "k").digest)
     path.chmod(0o600)
     assert process.fetch("k")[1] == RANDOM
-    assert path.stat().st_mode & 0o777 == 0o644
+    assert path.stat().st_mode & 0o777 == 0o640
     assert files(worker) == 1
 
 

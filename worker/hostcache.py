@@ -31,11 +31,12 @@ class HostCache:
                  reverify_s: float = 600.0, readable: bool = False) -> None:
         self.root = Path(root)
         # Not fsynced: what a crash cuts short fails verification and is fetched again.
-        # `readable`: the blobs are readable by the host's other users, whose
-        # processes read their hits from the files (the directory's mount decides who).
+        # `readable`: the blobs are readable by the worker's group as well (0640),
+        # whose processes read their hits from the files: the group that may
+        # connect to its socket (0660); the directory's mount decides who sees them.
         self.store = DiskBlobStore(self.root, max_bytes=max_bytes, durable=False,
                                    reverify_s=reverify_s, min_free=min_free,
-                                   file_mode=0o644 if readable else None)
+                                   file_mode=0o640 if readable else None)
         self.keys = self.root / "keys"
         self.keys.mkdir(parents=True, exist_ok=True)
 
