@@ -153,7 +153,7 @@ def main() -> None:
                     help="every host (its servers and its clients) limited to this many "
                          "cores of its own (0: all share this machine's)")
     ap.add_argument("--relay-chain-bytes", default="",
-                    help="the coordinator's --relay-chain-bytes (default: its own, 4Mi)")
+                    help="the coordinator's --relay-chain-bytes (default: its own default)")
     ap.add_argument("--kill-after", type=float, default=0,
                     help="SIGKILL one worker this many seconds into the fetch: what the others "
                          "pay for a relay that dies (times are then of the other N-1)")

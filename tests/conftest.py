@@ -46,6 +46,11 @@ def publish(client, key: str, data: bytes, **acquire_kw):
     return client.publish(key, resp.lease, data, 3.0)
 
 
+def sample(server, name: str, **labels) -> float:
+    """A metric of a server started in this process (0 when never counted)."""
+    return server.registry.get_sample_value(name, labels) or 0.0
+
+
 def flip_middle_byte(path, mask: int = 0xFF) -> None:
     """Change one byte in the middle of a stored file, in place (same inode)."""
     with open(path, "r+b") as f:

@@ -14,17 +14,13 @@ import pytest
 
 from compilecast.worker.client import CacheClient
 
-from .conftest import flip_middle_byte, publish
+from .conftest import flip_middle_byte, publish, sample
 
 RANDOM = os.urandom(6 << 20)  # stored raw (incompressible)
 COMPRESSIBLE = b"".join(os.urandom(96) + bytes(928) for _ in range(6 << 10))  # stored as zstd
 # Under 4 MiB a download is joined from its pieces, not put together in place.
 KINDS = {"raw": RANDOM, "zstd": COMPRESSIBLE, "small-raw": RANDOM[:300_000],
          "small-zstd": COMPRESSIBLE[:300_000]}
-
-
-def sample(worker, name: str, **labels) -> float:
-    return worker.registry.get_sample_value(name, labels) or 0.0
 
 
 def served(worker) -> float:

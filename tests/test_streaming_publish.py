@@ -19,7 +19,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 from compilecast.worker.client import CacheClient, Identity
 
-from .conftest import all_at_once, eventually
+from .conftest import all_at_once, eventually, sample
 
 MIB = 1 << 20
 
@@ -351,10 +351,6 @@ def fetch_in_thread(client: CacheClient, key: str) -> tuple[threading.Thread, li
     return t, out
 
 
-def worker_sample(worker, name: str, **labels) -> float:
-    return worker.registry.get_sample_value(name, labels) or 0.0
-
-
 def test_a_process_fetching_what_its_host_publishes_reads_the_workers_copy(coordinator,
                                                                            start_worker):
     """Holder and waiter on one host: the waiter's fetch, asked while the
@@ -373,8 +369,8 @@ def test_a_process_fetching_what_its_host_publishes_reads_the_workers_copy(coord
     up.go.set()
     fetching.join(30)
     assert out == [data]
-    assert worker_sample(worker, "compilecast_worker_local_files_total") == 1
-    assert worker_sample(worker, "compilecast_worker_fetches_total", source="coordinator") == 0
+    assert sample(worker, "compilecast_worker_local_files_total") == 1
+    assert sample(worker, "compilecast_worker_fetches_total", source="coordinator") == 0
 
 
 def test_a_fetch_waiting_for_its_hosts_upload_ends_when_the_upload_fails(coordinator,
@@ -392,4 +388,4 @@ def test_a_fetch_waiting_for_its_hosts_upload_ends_when_the_upload_fails(coordin
     fetching.join(30)
     assert not fetching.is_alive()
     assert len(out) == 1 and isinstance(out[0], grpc.RpcError), out  # never bytes of a cut upload
-    assert worker_sample(worker, "compilecast_worker_local_files_total") == 0
+    assert sample(worker, "compilecast_worker_local_files_total") == 0

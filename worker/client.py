@@ -196,11 +196,6 @@ def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
     received = _Received(key)
     received.expect(info.size)
     h = Sha256()
-
-    def take(data) -> None:
-        h.update(data)
-        received.add(data)
-
     # Only a regular file: a FIFO or a device named here would block or never end.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
@@ -214,22 +209,26 @@ def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
         raw = f.read(len(RAW_MAGIC)) == RAW_MAGIC
         if not raw:  # stored as one zstd stream
             f.seek(0)
-        if received.room(0) is None:
-            feed = take if raw else Inflate(take, info.size).feed
-            while piece := f.read(LOCAL_PIECE):
-                feed(piece)
-        else:  # read (or decode) straight into the result: no copy on the way
-            reader = f if raw else zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
-            try:
-                while (room := received.room(LOCAL_PIECE)) and (n := reader.readinto(room)):
+        reader = f if raw else zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
+        try:
+            while (left := info.size - received.size) > 0:
+                room = received.room(min(left, LOCAL_PIECE))
+                if room is None:  # a small artifact: pieces, joined at the end
+                    piece = reader.read(min(left, LOCAL_PIECE))
+                    if not piece:
+                        break
+                    h.update(piece)
+                    received.add(piece)
+                elif n := reader.readinto(room):  # straight into the result: no copy
                     h.update(room[:n].toreadonly())  # (never written again: not copied)
                     received.filled(n)
-                if reader.read(1):
-                    raise CorruptBlob(f"the host cache file of {key} holds more than its "
-                                      f"{info.size} bytes")
-            except zstandard.ZstdError as exc:
-                raise CorruptBlob(f"the host cache file of {key} does not decode: {exc}") \
-                    from None
+                else:
+                    break
+            if reader.read(1):
+                raise CorruptBlob(f"the host cache file of {key} holds more than its "
+                                  f"{info.size} bytes")
+        except zstandard.ZstdError as exc:
+            raise CorruptBlob(f"the host cache file of {key} does not decode: {exc}") from None
     if h.hexdigest() != info.digest:
         raise CorruptBlob(f"the host cache file of {key} hashes to {h.hexdigest()}, "
                           f"expected {info.digest}")
