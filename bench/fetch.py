@@ -9,7 +9,8 @@ a worker cold (fills its host cache) and warm (host hit), and stream the same
 bytes from a plain gRPC server, without verification and with the client
 hashing like ours (the fair ceiling for a verifying client). Then a process on
 the worker's host fetches the warm artifact through CacheClient, as a JAX
-process does, once reading the host cache's file and once over the socket. Afterwards, the peak
+process does, reading the host cache's file and over the socket (twice each,
+in turn, best of two). Afterwards, the peak
 RSS of the coordinator and worker processes. With --compressible, the
 coordinator and warm-worker fetches are also run taking the stored zstd
 (FetchRequest.accept_zstd, the client decoding it), as compilecast's own
@@ -185,8 +186,13 @@ def main() -> None:
             direct = fetch(coord, key, digest)
             cold = fetch(worker, key, digest)  # the worker takes zstd where it is stored so
             warm = fetch(worker, key, digest)
-            by_file = process_fetch(worker, key, "file")
-            by_socket = process_fetch(worker, key, "socket")
+            # Twice each, in turn (file, socket, socket, file), best of two: the first
+            # read after a while may find the file evicted from the page cache.
+            order = ("file", "socket", "socket", "file")
+            times: dict[str, list[float]] = {how: [] for how in order}
+            for how in order:
+                times[how].append(process_fetch(worker, key, how))
+            by_file, by_socket = min(times["file"]), min(times["socket"])
             row = {"mb": mb, "publish_s": pub, "plain_s": base,
                    "process_file_s": by_file, "process_socket_s": by_socket,
                    "plain_verified_s": base_verified, "coordinator_s": direct,
@@ -210,7 +216,7 @@ def main() -> None:
                   f"worker warm {mb / warm:6.0f} MB/s ({base / warm * 100:3.0f}%) | publish "
                   f"{mb / pub:5.0f} MB/s | peak RSS coordinator {row['coordinator_peak_rss_mb']:.0f}"
                   f" MB, worker {row['worker_peak_rss_mb']:.0f} MB", flush=True)
-            print(f"       a process on the worker's host (CacheClient, holding the bytes): "
+            print(f"       a process on the worker's host (CacheClient, holding the bytes; best of 2): "
                   f"reading the host cache file {mb / by_file:6.0f} MB/s | over the socket "
                   f"{mb / by_socket:6.0f} MB/s ({by_socket / by_file:.2f}x the time)", flush=True)
             if args.compressible:
