@@ -118,6 +118,15 @@ class CoordinatorConfig:
                                   "(later ones get the committed blob); 0: waiters fetch once "
                                   "it is published. Worth 4 where holders upload over a slower "
                                   "link than the coordinator's"))
+    data_listen: str = field(
+        default="auto", metadata=_help(
+            "the data plane's address host:port: whole artifacts go to clients that ask over "
+            "plain TCP with sendfile (auto: listen's host, any free port; off: every fetch "
+            "over gRPC; always off with TLS)"))
+    data_advertise: str = field(
+        default="", metadata=_help(
+            "host:port clients reach the data plane at (this replica's own, behind a "
+            "Service: the pod IP); empty: the host they dialed, the data plane's port"))
     auth_tokens_file: str = field(
         default="", metadata=_help("YAML file of token sha256 -> tenant, permissions"))
     allow_unauthenticated: bool = field(
@@ -146,6 +155,10 @@ class CoordinatorConfig:
             raise ConfigError("relay_chain_bytes must be >= 0")
         if self.publish_stream_readers < 0:
             raise ConfigError("publish_stream_readers must be >= 0")
+        if self.data_listen not in ("auto", "off"):
+            _hostport(self.data_listen, "data_listen")
+        if self.data_advertise:
+            _hostport(self.data_advertise, "data_advertise")
         _not_negative(self, "store_reverify_s")
         if not self.etcd_endpoints.strip():
             raise ConfigError("etcd_endpoints is empty")

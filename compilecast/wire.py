@@ -17,6 +17,11 @@ from __future__ import annotations
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
+# A data plane connection (coordinator/dataplane.py) begins with these 8
+# bytes and a ticket's token; then the blob comes back as stored.
+DATA_PLANE_REQUEST = b"CCGET01\n"
+DATA_PLANE_TOKEN_BYTES = 32
+
 DATA_TAG = 0x12  # field 2, length-delimited: `data` in both FetchChunk and PublishChunk
 ZSTD_TAG = 0x22  # field 4, length-delimited: `zstd_data` in both
 assert pb.FetchChunk.DESCRIPTOR.fields_by_name["data"].number == 2

@@ -74,6 +74,17 @@ class CoordinatorMetrics:
             "Compile-farm tasks by event (submitted, claimed, done, failed)",
             ["event"], registry=registry,
         )
+        self.data_plane = Counter(
+            "compilecast_coordinator_data_plane_sends",
+            "Data plane connections by result: sent (a whole blob), refused (no such "
+            "ticket), broken (the client went away midway), expired (a ticket never used)",
+            ["result"], registry=registry,
+        )
+        self.data_tickets = Counter(
+            "compilecast_coordinator_data_tickets",
+            "Fetches answered with a data plane ticket instead of the bytes over gRPC",
+            registry=registry,
+        )
         self.streamed_while_publishing = Counter(
             "compilecast_coordinator_fetches_while_publishing",
             "Fetches of an upload still in progress on this replica (streamed as it "

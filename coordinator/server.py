@@ -15,6 +15,7 @@ from compilecast.grpcutil import channel_credentials, server_credentials
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
 from .auth import Authenticator
+from .dataplane import DataPlane
 from .etcd import Etcd
 from .metrics import CoordinatorMetrics
 from .service import CoordinatorService
@@ -49,7 +50,8 @@ class Coordinator(Role):
             cfg.etcd_ca_file, cfg.etcd_cert_file, cfg.etcd_key_file))
         self.state = CoordinatorState(cfg, self.etcd, self.store, self.metrics)
         auth = Authenticator.from_file(cfg.auth_tokens_file, cfg.allow_unauthenticated)
-        service = CoordinatorService(self.state, auth)
+        self.data_plane = self._data_plane()
+        service = CoordinatorService(self.state, auth, self.data_plane)
         self.server_streams = service.streams
         self.server, self.health = make_server(service)
         creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
@@ -58,6 +60,8 @@ class Coordinator(Role):
                                              self.cfg.metrics_port)
         self.port = listen(self.server, cfg.listen, creds, setting="listen")
         await self.state.start()
+        if self.data_plane is not None:
+            await self.data_plane.start()
         await self.server.start()
         await set_serving(self.health, True)
         self._store_scans = asyncio.create_task(self._scan_store())
@@ -65,6 +69,18 @@ class Coordinator(Role):
                         else None)
         log.info("coordinator listening on %s (%s; etcd %s; store %s)", cfg.listen,
                  "TLS" if creds else "plaintext", cfg.etcd_endpoints, cfg.store_dir)
+
+    def _data_plane(self) -> DataPlane | None:
+        cfg = self.cfg
+        if cfg.data_listen == "off":
+            return None
+        if cfg.tls_cert_file:  # its tokens would cross the network in the clear
+            log.info("data plane off: the coordinator serves TLS, so every fetch goes over gRPC")
+            return None
+        address = cfg.data_listen
+        if address == "auto":
+            address = cfg.listen.rpartition(":")[0] + ":0"
+        return DataPlane(self.store, self.metrics, address, cfg.data_advertise)
 
     async def _scan_store(self) -> None:
         """Count the store's directory every store_scan_s and hold it to its
@@ -97,6 +113,8 @@ class Coordinator(Role):
         for task in (self._store_scans, self._sweeps):
             if task is not None:
                 task.cancel()
+        if self.data_plane is not None:
+            await self.data_plane.stop()
         await self.state.stop()
         await self.etcd.close()
 

@@ -14,6 +14,7 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
 from .auth import Authenticator
+from .dataplane import DataPlane
 from .relay import check_address
 from .state import CoordinatorState
 
@@ -66,9 +67,11 @@ async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncItera
 class CoordinatorService(rpc.CompileCacheServicer):
     """Every call is authenticated first; the principal's tenant scopes it."""
 
-    def __init__(self, state: CoordinatorState, auth: Authenticator) -> None:
+    def __init__(self, state: CoordinatorState, auth: Authenticator,
+                 data_plane: DataPlane | None = None) -> None:
         self.state = state
         self.auth = auth
+        self.data_plane = data_plane
         self.streams = decide.Streams()
 
     @rpc_errors
@@ -155,6 +158,12 @@ class CoordinatorService(rpc.CompileCacheServicer):
             if parent is not None:
                 self.state.metrics.relays.inc()
                 yield pb.FetchChunk(artifact=info, relay_from=parent)
+                return
+        if request.accept_data_ticket and not request.offset and self.data_plane is not None:
+            ticket = await self.data_plane.ticket(info, zstd_ok=request.accept_zstd)
+            if ticket is not None:
+                self.state.metrics.data_tickets.inc()
+                yield pb.FetchChunk(artifact=info, data_ticket=ticket)
                 return
         yield pb.FetchChunk(artifact=info)
         async for chunk in chunks:

@@ -189,27 +189,54 @@ class _Received:
 
 
 
-def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
-    """The artifact from the worker's host cache file at `path`, verified.
-    OSError when it cannot be read here; CorruptBlob when its bytes are not
-    the artifact's."""
+class _Unreachable(OSError):
+    """The data plane's address cannot be connected to from here."""
+
+
+class _Prefixed:
+    """`source` with `prefix` put back in front of it: what was read to tell
+    a raw blob from a zstd stream, for a source that cannot seek back."""
+
+    def __init__(self, prefix: bytes, source) -> None:
+        self._prefix, self._source = prefix, source
+
+    def read(self, n: int = -1) -> bytes:
+        if not self._prefix:
+            return self._source.read(n)
+        out, self._prefix = self._prefix, b""
+        return out
+
+
+def _read_exactly(f, n: int) -> bytes:
+    out = b""
+    while len(out) < n and (piece := f.read(n - len(out))):
+        out += piece
+    return out
+
+
+def _read_into(reader, room: memoryview) -> int:
+    """Fill `room` from `reader` (a socket returns what has arrived: whole
+    pieces keep the hashing thread's hand-offs few); fewer bytes only at the end."""
+    n = 0
+    while n < len(room) and (got := reader.readinto(room[n:])):
+        n += got
+    return n
+
+
+def _read_stored(key: str, info: pb.ArtifactInfo, f, where: str) -> bytes:
+    """The artifact from `f`, a blob as a store keeps it (RAW_MAGIC and the
+    bytes, or one zstd stream that decodes to them; read to its end),
+    verified. OSError when it cannot be read; CorruptBlob when its bytes are
+    not the artifact's. The bytes go straight into the result (no copy), and
+    are hashed on the hashing thread from read-only views of it."""
     received = _Received(key)
     received.expect(info.size)
     h = Sha256()
-    # Only a regular file: a FIFO or a device named here would block or never end.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
-        f = os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
-    with f, contextlib.closing(h):
-        raw = f.read(len(RAW_MAGIC)) == RAW_MAGIC
-        if not raw:  # stored as one zstd stream
-            f.seek(0)
-        reader = f if raw else zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
+    with contextlib.closing(h):
+        head = _read_exactly(f, len(RAW_MAGIC))
+        raw = head == RAW_MAGIC
+        reader = f if raw else zstandard.ZstdDecompressor().stream_reader(
+            _Prefixed(head, f), closefd=False)
         try:
             while (left := info.size - received.size) > 0:
                 room = received.room(min(left, LOCAL_PIECE))
@@ -219,20 +246,62 @@ def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
                         break
                     h.update(piece)
                     received.add(piece)
-                elif n := reader.readinto(room):  # straight into the result: no copy
+                elif n := _read_into(reader, room):  # straight into the result: no copy
                     h.update(room[:n].toreadonly())  # (never written again: not copied)
                     received.filled(n)
                 else:
                     break
             if reader.read(1):
-                raise CorruptBlob(f"the host cache file of {key} holds more than its "
-                                  f"{info.size} bytes")
+                raise CorruptBlob(f"{where} of {key} holds more than its {info.size} bytes")
         except zstandard.ZstdError as exc:
-            raise CorruptBlob(f"the host cache file of {key} does not decode: {exc}") from None
+            raise CorruptBlob(f"{where} of {key} does not decode: {exc}") from None
     if h.hexdigest() != info.digest:
-        raise CorruptBlob(f"the host cache file of {key} hashes to {h.hexdigest()}, "
+        raise CorruptBlob(f"{where} of {key} hashes to {h.hexdigest()}, "
                           f"expected {info.digest}")
     return received.result()
+
+
+def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
+    """The artifact from the worker's host cache file at `path`, verified."""
+    # Only a regular file: a FIFO or a device named here would block or never end.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        f = os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        return _read_stored(key, info, f, "the host cache file")
+
+
+def data_plane_address(ticket: pb.DataTicket, target: str) -> tuple[str, int]:
+    """Where a ticket's bytes are: its address, or for ":port" the host of
+    the gRPC `target` the client dialed."""
+    host, _, port = ticket.address.rpartition(":")
+    if not host:
+        host = target.removeprefix("dns:///").removeprefix("ipv4:").rpartition(":")[0]
+    if not port.isdigit() or not host:
+        raise OSError(errno.EINVAL, f"unusable data plane address {ticket.address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _read_data_plane(key: str, info: pb.ArtifactInfo, ticket: pb.DataTicket, target: str,
+                     stall_s: float) -> bytes:
+    """The artifact over the coordinator's data plane, verified. OSError
+    (a refused or broken connection, a read that waited `stall_s`) or
+    CorruptBlob; the caller then fetches over gRPC."""
+    address = data_plane_address(ticket, target)
+    try:
+        sock = socket.create_connection(address, timeout=stall_s)
+    except OSError as exc:
+        raise _Unreachable(exc.errno, f"cannot connect to {address[0]}:{address[1]}: "
+                                      f"{exc.strerror or exc}") from None
+    with sock:
+        sock.sendall(wire.DATA_PLANE_REQUEST + ticket.token)
+        with sock.makefile("rb", buffering=0) as f:
+            return _read_stored(key, info, f, f"the data plane at {address[0]}:{address[1]}")
 
 
 def default_client_name() -> str:
@@ -278,6 +347,10 @@ class CacheClient:
         # the host cache's file to read here; off once such a file could not be.
         self.local_files = target.startswith("unix:") and os.environ.get(
             "COMPILECAST_LOCAL_FILES", "1") != "0"
+        # From a coordinator (plaintext TCP), whole artifacts may come over its
+        # data plane; off once its address could not be connected to.
+        self.data_plane = not target.startswith("unix:") and creds is None and os.environ.get(
+            "COMPILECAST_DATA_PLANE", "1") != "0"
 
     def close(self) -> None:
         for stop in self._keepers.values():
@@ -401,11 +474,25 @@ class CacheClient:
         raise AssertionError("unreachable")
 
     def _fetch_once(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, bytes]:
-        local = self.local_files
+        local, data_plane = self.local_files, self.data_plane
         while True:
-            info, got = self._fetch_stream(key, digest, local)
+            info, got = self._fetch_stream(key, digest, local, data_plane)
             if isinstance(got, bytes):
                 return info, got
+            if isinstance(got, pb.DataTicket):
+                data_plane = False  # whatever happens, a second ask takes gRPC
+                try:
+                    return info, _read_data_plane(key, info, got, self.target, self.stall_s)
+                except _Unreachable as exc:
+                    self.data_plane = False
+                    log.info("cannot reach the coordinator's data plane (%s); artifacts come "
+                             "over gRPC from now on", exc, extra={"key": key})
+                except OSError as exc:
+                    log.info("the data plane's send of %s broke off (%s); fetching it over "
+                             "gRPC", key, exc, extra={"key": key})
+                except CorruptBlob as exc:
+                    log.warning("%s; fetching it over gRPC", exc, extra={"key": key})
+                continue
             try:
                 return info, _read_local(key, info, got)
             except OSError as exc:
@@ -419,10 +506,11 @@ class CacheClient:
                 local = False
                 log.warning("%s; fetching its bytes instead", exc, extra={"key": key})
 
-    def _fetch_stream(self, key: str, digest: str,
-                      local: bool) -> tuple[pb.ArtifactInfo, bytes | str]:
+    def _fetch_stream(self, key: str, digest: str, local: bool, data_plane: bool = False
+                      ) -> tuple[pb.ArtifactInfo, bytes | str | pb.DataTicket]:
         """The artifact's info and its verified bytes, or with `local` the
-        path of the file the worker answered with instead."""
+        path of the file the worker answered with instead, or with
+        `data_plane` the coordinator's ticket for its bytes."""
         info = None
         received = _Received(key)
         h = Sha256()  # on a thread of its own for a big artifact: overlaps receiving
@@ -433,7 +521,8 @@ class CacheClient:
 
         inflate = None
         call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest, accept_zstd=True,
-                                               accept_local_file=local),
+                                               accept_local_file=local,
+                                               accept_data_ticket=data_plane),
                                timeout=TRANSFER_S)
         with _Watchdog(self.stall_s).watching(call.cancel) as dog, contextlib.closing(h):
             try:
@@ -441,12 +530,15 @@ class CacheClient:
                     dog.tick()
                     if chunk.HasField("artifact"):
                         info = chunk.artifact
-                        if local and chunk.local_path:
+                        elsewhere = (chunk.local_path if local and chunk.local_path else
+                                     chunk.data_ticket if data_plane
+                                     and chunk.HasField("data_ticket") else None)
+                        if elsewhere is not None:
                             if digest and info.digest != digest:
-                                raise CorruptBlob(f"the worker answered {key} with "
+                                raise CorruptBlob(f"the server answered {key} with "
                                                   f"{info.digest}, not {digest}")
                             call.cancel()  # (its only message)
-                            return info, chunk.local_path
+                            return info, elsewhere
                         received.expect(info.size)
                     if chunk.zstd_data:
                         if inflate is None:

@@ -255,34 +255,46 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("key", "digest", "relay_address", "offset", "accept_zstd", "accept_local_file")
+    __slots__ = ("key", "digest", "relay_address", "offset", "accept_zstd", "accept_local_file", "accept_data_ticket")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_ZSTD_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LOCAL_FILE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     key: str
     digest: str
     relay_address: str
     offset: int
     accept_zstd: bool
     accept_local_file: bool
-    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., relay_address: _Optional[str] = ..., offset: _Optional[int] = ..., accept_zstd: _Optional[bool] = ..., accept_local_file: _Optional[bool] = ...) -> None: ...
+    accept_data_ticket: bool
+    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., relay_address: _Optional[str] = ..., offset: _Optional[int] = ..., accept_zstd: _Optional[bool] = ..., accept_local_file: _Optional[bool] = ..., accept_data_ticket: _Optional[bool] = ...) -> None: ...
+
+class DataTicket(_message.Message):
+    __slots__ = ("address", "token")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    token: bytes
+    def __init__(self, address: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("artifact", "data", "relay_from", "zstd_data", "local_path")
+    __slots__ = ("artifact", "data", "relay_from", "zstd_data", "local_path", "data_ticket")
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     RELAY_FROM_FIELD_NUMBER: _ClassVar[int]
     ZSTD_DATA_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PATH_FIELD_NUMBER: _ClassVar[int]
+    DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     artifact: ArtifactInfo
     data: bytes
     relay_from: str
     zstd_data: bytes
     local_path: str
-    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., relay_from: _Optional[str] = ..., zstd_data: _Optional[bytes] = ..., local_path: _Optional[str] = ...) -> None: ...
+    data_ticket: DataTicket
+    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., relay_from: _Optional[str] = ..., zstd_data: _Optional[bytes] = ..., local_path: _Optional[str] = ..., data_ticket: _Optional[_Union[DataTicket, _Mapping]] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("key", "lease")

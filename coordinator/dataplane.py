@@ -1,0 +1,164 @@
+"""The data plane: artifact bytes over plain TCP, sent with sendfile.
+
+A fetch over gRPC costs both ends per-message work in Python for every
+512 KiB: the coordinator reads, frames and queues each chunk, the client
+parses each message and copies its bytes out. For the artifacts this system
+exists for (hundreds of MB to GB) that work, not the network, bounds a
+fetch, and on a pod every host fetches at once. So a fetch of a whole,
+committed artifact may be answered with a ticket instead (FetchChunk.
+data_ticket: an address and a one-time token, issued only over the
+authenticated Fetch call). The client connects, writes "CCGET01\\n" and the
+token, and the coordinator sends the blob's file as it is stored with
+sendfile: the kernel moves the bytes; no Python touches them here, and the
+client reads them straight into the bytes object it returns.
+
+What a ticket may send:
+- only a blob this replica wrote or verified within store_reverify_s, in the
+  same unchanged file (DiskBlobStore.open_trusted); anything else goes over
+  gRPC, whose read verifies it. The file is opened when the ticket is issued
+  and sent from that open file, so an eviction or a quarantine in between
+  cannot swap it;
+- one connection, within TICKET_S of the Fetch; an unknown, used or expired
+  token gets the connection closed without a byte.
+Clients verify size and digest of what they receive, as on every path, and
+fetch over gRPC on any failure. The token stands in for the caller's
+credential for one blob for a few seconds, so the data plane is offered only
+where the gRPC port is plaintext too: a coordinator with TLS answers every
+fetch over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from compilecast.blobstore import RAW_MAGIC, DiskBlobStore
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.wire import DATA_PLANE_REQUEST as REQUEST_MAGIC
+from compilecast.wire import DATA_PLANE_TOKEN_BYTES as TOKEN_BYTES
+
+from .metrics import CoordinatorMetrics
+
+log = logging.getLogger(__name__)
+
+TICKET_S = 30.0  # a ticket not redeemed by then is dropped (its file closed)
+MAX_TICKETS = 4096  # outstanding tickets (each holds an open file); past it, gRPC
+REQUEST_S = 10.0  # a connection that has not sent its token by then is closed
+UNACKED_S = 60  # a client that takes nothing for this long is dropped (TCP_USER_TIMEOUT)
+
+
+@dataclass
+class _Ticket:
+    file: Any  # the blob's file, open
+    expires: float
+
+
+class DataPlane:
+    def __init__(self, store: DiskBlobStore, metrics: CoordinatorMetrics, listen: str,
+                 advertise: str = "") -> None:
+        self.store = store
+        self.metrics = metrics
+        self.listen = listen
+        self.advertise = advertise
+        self.port = 0
+        self._tickets: dict[bytes, _Ticket] = {}
+        self._server: asyncio.Server | None = None
+        self._sends: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        host, _, port = self.listen.rpartition(":")
+        self._server = await asyncio.start_server(self._serve, host.strip("[]"), int(port))
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("data plane listening on %s:%d", host, self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._sends):
+            task.cancel()
+        for ticket in self._tickets.values():
+            ticket.file.close()
+        self._tickets.clear()
+
+    @property
+    def address(self) -> str:
+        return self.advertise or f":{self.port}"
+
+    async def ticket(self, info: pb.ArtifactInfo, *, zstd_ok: bool) -> pb.DataTicket | None:
+        """A ticket for the artifact's stored blob, or None where its bytes
+        must go over gRPC (not a trusted blob here, zstd to a client that
+        does not decode it, too many tickets out)."""
+        self._expire()
+        if len(self._tickets) >= MAX_TICKETS:
+            return None
+        f = await asyncio.to_thread(self._open, info.digest, zstd_ok)
+        if f is None:
+            return None
+        token = secrets.token_bytes(TOKEN_BYTES)
+        self._tickets[token] = _Ticket(f, time.monotonic() + TICKET_S)
+        return pb.DataTicket(address=self.address, token=token)
+
+    def _open(self, digest: str, zstd_ok: bool):
+        f = self.store.open_trusted(digest)
+        if f is None:
+            return None
+        try:
+            if zstd_ok or f.read(len(RAW_MAGIC)) == RAW_MAGIC:
+                f.seek(0)
+                return f
+        except OSError:
+            pass
+        f.close()
+        return None
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for token in [t for t, v in self._tickets.items() if v.expires < now]:
+            self._tickets.pop(token).file.close()
+            self.metrics.data_plane.labels("expired").inc()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._sends.add(task)
+        ticket = None
+        try:
+            sock = writer.get_extra_info("socket")
+            with contextlib.suppress(OSError, AttributeError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, UNACKED_S * 1000)
+            try:
+                request = await asyncio.wait_for(
+                    reader.readexactly(len(REQUEST_MAGIC) + TOKEN_BYTES), REQUEST_S)
+            except (TimeoutError, asyncio.IncompleteReadError, OSError):
+                self.metrics.data_plane.labels("refused").inc()
+                return
+            self._expire()
+            ticket = (self._tickets.pop(request[len(REQUEST_MAGIC):], None)
+                      if request.startswith(REQUEST_MAGIC) else None)
+            if ticket is None:
+                log.info("data plane: refused a connection from %s (no such ticket)",
+                         writer.get_extra_info("peername"))
+                self.metrics.data_plane.labels("refused").inc()
+                return
+            size = os.fstat(ticket.file.fileno()).st_size
+            try:
+                sent = await asyncio.get_running_loop().sendfile(writer.transport, ticket.file)
+            except (OSError, RuntimeError) as exc:
+                log.info("data plane: a send broke off (%s)", exc)
+                self.metrics.data_plane.labels("broken").inc()
+                return
+            self.metrics.bytes.labels("out").inc(sent)
+            self.metrics.data_plane.labels("sent" if sent == size else "broken").inc()
+        finally:
+            if ticket is not None:
+                ticket.file.close()
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+            self._sends.discard(task)
