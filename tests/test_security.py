@@ -118,6 +118,9 @@ def test_tls_coordinator_refuses_plaintext_and_serves_tls_clients(start_coordina
     tls.publish("k", tls.acquire("k").lease, DATA, 1.0)
     worker = start_worker(c.cfg.listen, coordinator_ca_file=str(pki / "ca.pem"))
     assert CacheClient(worker.target).fetch("k")[1] == DATA
+    # No plaintext data plane next to a TLS port (its tickets would travel in the clear).
+    assert c.data_plane is None and not tls.data_plane
+    assert tls.fetch("k")[1] == DATA
 
 
 def test_mtls_requires_a_client_certificate(start_coordinator, pki, start_worker):

@@ -1,0 +1,187 @@
+"""Whole artifacts from the coordinator over its data plane
+(coordinator/dataplane.py): a fetch answered with a one-time ticket, the
+stored blob sent with sendfile over plain TCP, read straight into the
+result and verified by the client. Every failure (a refused or unreachable
+data plane, bytes that do not verify) ends in the same verified bytes over
+gRPC. Real coordinator and etcd; tickets and connections tested at the
+socket."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import grpc
+import pytest
+
+from compilecast import wire
+from compilecast.coordinator import dataplane
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker.client import CacheClient, data_plane_address
+
+from .conftest import free_port, publish, sample
+
+RANDOM = os.urandom(6 << 20)  # stored raw (incompressible)
+COMPRESSIBLE = b"".join(os.urandom(96) + bytes(928) for _ in range(6 << 10))  # stored as zstd
+KINDS = {"raw": RANDOM, "zstd": COMPRESSIBLE, "small-raw": RANDOM[:300_000],
+         "small-zstd": COMPRESSIBLE[:300_000]}
+
+
+def sends(coordinator, result: str = "sent") -> float:
+    return sample(coordinator, "compilecast_coordinator_data_plane_sends_total", result=result)
+
+
+def tickets(coordinator) -> float:
+    return sample(coordinator, "compilecast_coordinator_data_tickets_total")
+
+
+def bytes_out(coordinator) -> float:
+    return sample(coordinator, "compilecast_coordinator_artifact_bytes_total", direction="out")
+
+
+def published(coordinator, key: str, data: bytes) -> CacheClient:
+    publish(CacheClient(coordinator.cfg.listen, timeout_s=10), key, data)
+    return CacheClient(coordinator.cfg.listen, timeout_s=10)
+
+
+def ticket_for(coordinator, key: str, **request) -> tuple[pb.ArtifactInfo, pb.DataTicket | None]:
+    """Ask as a client would, by hand: the header and the ticket, if any."""
+    with grpc.insecure_channel(coordinator.cfg.listen) as ch:
+        chunks = list(wire.stub(ch).Fetch(pb.FetchRequest(key=key, accept_data_ticket=True,
+                                                          **request), timeout=10))
+    head = chunks[0]
+    return head.artifact, head.data_ticket if head.HasField("data_ticket") else None
+
+
+def redeem(coordinator, token: bytes, magic: bytes = wire.DATA_PLANE_REQUEST) -> bytes:
+    """Everything the data plane sends for `token` until it closes."""
+    with socket.create_connection(("127.0.0.1", coordinator.data_plane.port), timeout=10) as s:
+        s.sendall(magic + token)
+        out = bytearray()
+        while piece := s.recv(1 << 20):
+            out += piece
+        return bytes(out)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_fetch_takes_the_stored_blob_over_the_data_plane(coordinator, kind):
+    data = KINDS[kind]
+    client = published(coordinator, "k", data)
+    assert client.data_plane  # a plaintext TCP coordinator
+    info, got = client.fetch("k")
+    assert got == data and info.size == len(data)
+    assert tickets(coordinator) == 1 and sends(coordinator) == 1
+    stored = os.path.getsize(coordinator.store.path_of(info.digest))
+    assert bytes_out(coordinator) == stored  # the file as stored, and nothing over gRPC
+    assert client.data_plane
+
+
+def test_a_ticket_is_good_for_one_connection(coordinator):
+    published(coordinator, "k", RANDOM)
+    info, ticket = ticket_for(coordinator, "k", accept_zstd=True)
+    assert ticket is not None and ticket.address == f":{coordinator.data_plane.port}"
+    first = redeem(coordinator, ticket.token)
+    assert first.startswith(b"CCRAW01\n") and first[8:] == RANDOM
+    assert redeem(coordinator, ticket.token) == b""  # used
+    assert redeem(coordinator, os.urandom(32)) == b""  # never issued
+    _, other = ticket_for(coordinator, "k", accept_zstd=True)
+    assert redeem(coordinator, other.token, magic=b"GET / HT") == b""  # not our protocol
+    assert sends(coordinator) == 1 and sends(coordinator, "refused") == 3
+
+
+def test_a_ticket_not_used_in_time_expires(coordinator, monkeypatch):
+    published(coordinator, "k", RANDOM)
+    monkeypatch.setattr(dataplane, "TICKET_S", 0.0)
+    _, ticket = ticket_for(coordinator, "k", accept_zstd=True)
+    time.sleep(0.01)
+    assert redeem(coordinator, ticket.token) == b""
+    assert sends(coordinator, "expired") == 1 and sends(coordinator) == 0
+
+
+def test_a_connection_that_sends_no_token_is_closed(coordinator, monkeypatch):
+    monkeypatch.setattr(dataplane, "REQUEST_S", 0.2)
+    with socket.create_connection(("127.0.0.1", coordinator.data_plane.port), timeout=10) as s:
+        s.sendall(wire.DATA_PLANE_REQUEST)  # and then nothing
+        assert s.recv(1) == b""
+    assert sends(coordinator, "refused") == 1
+
+
+def test_no_ticket_where_the_bytes_must_go_over_grpc(start_coordinator):
+    """A resumed fetch (offset), a zstd blob to a client that does not
+    decode, and a blob the replica has not verified recently go over gRPC,
+    whose read decodes or verifies them."""
+    coordinator = start_coordinator()
+    published(coordinator, "raw", RANDOM)
+    published(coordinator, "zstd", COMPRESSIBLE)
+    assert ticket_for(coordinator, "raw", offset=10)[1] is None
+    assert ticket_for(coordinator, "zstd")[1] is None
+    assert ticket_for(coordinator, "raw")[1] is not None  # raw needs no decoding
+    unverified = start_coordinator(store_reverify_s=0)
+    published(unverified, "k", RANDOM)
+    assert ticket_for(unverified, "k", accept_zstd=True)[1] is None
+    client = CacheClient(unverified.cfg.listen)
+    assert client.fetch("k")[1] == RANDOM and tickets(unverified) == 0
+
+
+def test_a_data_plane_switched_off_answers_over_grpc(start_coordinator, monkeypatch):
+    off = start_coordinator(data_listen="off")
+    assert off.data_plane is None
+    assert published(off, "k", RANDOM).fetch("k")[1] == RANDOM
+    assert tickets(off) == 0 and bytes_out(off) == len(RANDOM)  # the data, over gRPC
+    on = start_coordinator()  # a second replica (same etcd and store)
+    published(on, "k2", RANDOM)
+    monkeypatch.setenv("COMPILECAST_DATA_PLANE", "0")
+    client = CacheClient(on.cfg.listen)
+    assert not client.data_plane
+    assert client.fetch("k2")[1] == RANDOM and tickets(on) == 0
+
+
+def test_an_unreachable_data_plane_falls_back_to_grpc_for_good(start_coordinator):
+    """Advertised where nothing listens (a Service that does not expose its
+    port): the bytes come over gRPC, and the client stops asking."""
+    coordinator = start_coordinator(data_advertise=f"127.0.0.1:{free_port()}")
+    client = published(coordinator, "k", RANDOM)
+    assert client.fetch("k")[1] == RANDOM
+    assert tickets(coordinator) == 1 and sends(coordinator) == 0
+    assert not client.data_plane
+    assert client.fetch("k")[1] == RANDOM
+    assert tickets(coordinator) == 1  # not asked again
+
+
+def test_bytes_that_do_not_verify_are_fetched_again_over_grpc(coordinator, tmp_path):
+    """The client verifies what the data plane sends: a file that changed
+    under a trusted entry (here: another file handed to the sender) never
+    reaches the caller, and the stored blob comes over gRPC."""
+    client = published(coordinator, "k", RANDOM)
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"CCRAW01\n" + RANDOM[:-1] + bytes([RANDOM[-1] ^ 1]))
+    real = coordinator.store.open_trusted
+    coordinator.store.open_trusted = lambda digest: open(bad, "rb")
+    try:
+        assert client.fetch("k")[1] == RANDOM
+    finally:
+        coordinator.store.open_trusted = real
+    assert sends(coordinator) == 1  # the bad bytes went out, and were refused by the client
+    assert client.data_plane  # a bad send does not switch the data plane off
+    assert client.fetch("k")[1] == RANDOM and sends(coordinator) == 2
+
+
+def test_a_send_cut_short_is_fetched_again_over_grpc(coordinator, tmp_path):
+    client = published(coordinator, "k", RANDOM)
+    short = tmp_path / "short"
+    short.write_bytes(b"CCRAW01\n" + RANDOM[: len(RANDOM) // 2])
+    coordinator.store.open_trusted = lambda digest: open(short, "rb")
+    assert client.fetch("k")[1] == RANDOM
+    assert client.data_plane
+
+
+def test_the_data_plane_address_of_a_ticket():
+    t = pb.DataTicket(address=":7650")
+    assert data_plane_address(t, "127.0.0.1:7640") == ("127.0.0.1", 7650)
+    assert data_plane_address(t, "dns:///coordinator.ns:7640") == ("coordinator.ns", 7650)
+    assert data_plane_address(t, "[::1]:7640") == ("::1", 7650)
+    assert data_plane_address(pb.DataTicket(address="10.0.0.5:7650"), "svc:7640") == \
+        ("10.0.0.5", 7650)
+    with pytest.raises(OSError):
+        data_plane_address(pb.DataTicket(address="nowhere"), "svc:7640")
