@@ -129,6 +129,37 @@ def test_the_store_bound_reaches_the_coordinator_as_a_size_it_parses():
     assert store_bound("coordinator.storage.maxBytes=0") == 0  # unbounded
 
 
+def test_the_coordinator_serves_its_data_plane_at_its_own_address():
+    """Tickets name the replica that issued them (its pod IP), whose port the
+    pod and the network policy open; with TLS, or dataPort 0, it is off."""
+    from compilecast.cli import build_parser
+    from compilecast.config import CoordinatorConfig
+
+    def coordinator(*sets: str):
+        docs = render(None, *sets)
+        (dep,) = by_kind(docs, "Deployment")
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        args = vars(build_parser().parse_args(c["args"]))
+        env = {e["name"]: e for e in c.get("env", [])}
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        policy = [p["port"] for d in by_kind(docs, "NetworkPolicy")
+                  if d["metadata"]["name"].endswith("-coordinator")
+                  for rule in d["spec"]["ingress"] for p in rule["ports"]]
+        return args, env, ports, policy
+
+    args, env, ports, policy = coordinator()
+    assert args["data_listen"] == "0.0.0.0:7644" and ports["data"] == 7644 and 7644 in policy
+    assert args["data_advertise"] == "$(POD_IP):7644"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    CoordinatorConfig(data_listen=args["data_listen"],
+                      data_advertise=args["data_advertise"].replace("$(POD_IP)", "10.1.2.3"),
+                      allow_unauthenticated=True
+                      ).validate()
+    for sets in (("tls.secretName=certs",), ("coordinator.dataPort=0",)):
+        args, _, ports, policy = coordinator(*sets)
+        assert args["data_listen"] == "off" and "data" not in ports and 7644 not in policy
+
+
 def test_worker_args_are_accepted_by_the_cli():
     """Every flag the chart passes exists in `compilecast worker`/`coordinator`."""
     from compilecast.cli import build_parser
