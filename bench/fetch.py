@@ -10,7 +10,8 @@ bytes from a plain gRPC server, without verification and with the client
 hashing like ours (the fair ceiling for a verifying client). Then a process on
 the worker's host fetches the warm artifact through CacheClient, as a JAX
 process does, reading the host cache's file and over the socket (twice each,
-in turn, best of two). Afterwards, the peak
+in turn, best of two), and a process fetches it from the coordinator, over
+its data plane and over gRPC (the same way). Afterwards, the peak
 RSS of the coordinator and worker processes. With --compressible, the
 coordinator and warm-worker fetches are also run taking the stored zstd
 (FetchRequest.accept_zstd, the client decoding it), as compilecast's own
@@ -141,6 +142,7 @@ import sys, time
 from compilecast.worker.client import CacheClient
 c = CacheClient(sys.argv[1], timeout_s=60)
 c.local_files = sys.argv[3] == "file"
+c.data_plane = sys.argv[3] == "data"
 t0 = time.perf_counter()
 info, data = c.fetch(sys.argv[2])
 print(time.perf_counter() - t0)
@@ -150,7 +152,9 @@ print(time.perf_counter() - t0)
 def process_fetch(worker: str, key: str, how: str) -> float:
     """Seconds for a process on the worker's host to hold the verified bytes
     through CacheClient, as a JAX process does: reading the host cache's file
-    ("file") or over the worker's socket ("socket")."""
+    ("file") or over the worker's socket ("socket"); or, with the
+    coordinator's address for `worker`, over its data plane ("data") or
+    over gRPC ("grpc")."""
     out = subprocess.run([sys.executable, "-c", PROCESS, worker, key, how], check=True,
                          capture_output=True, text=True).stdout
     return float(out.split()[-1])
@@ -193,8 +197,18 @@ def main() -> None:
             for how in order:
                 times[how].append(process_fetch(worker, key, how))
             by_file, by_socket = min(times["file"]), min(times["socket"])
+            # A process fetching from the coordinator itself (no worker: AOT checks, a pod's
+            # processes in bench/time_to_executable.py), the same way: its data plane and gRPC.
+            for how in ("data", "grpc", "grpc", "data"):
+                before = cpu_seconds(cproc.pid)
+                times.setdefault(how, []).append(process_fetch(coord, key, how))
+                times.setdefault(f"{how}_cpu", []).append(cpu_seconds(cproc.pid) - before)
+            by_data, by_grpc = min(times["data"]), min(times["grpc"])
             row = {"mb": mb, "publish_s": pub, "plain_s": base,
                    "process_file_s": by_file, "process_socket_s": by_socket,
+                   "process_data_plane_s": by_data, "process_grpc_s": by_grpc,
+                   "coordinator_cpu_data_plane_s": min(times["data_cpu"]),
+                   "coordinator_cpu_grpc_s": min(times["grpc_cpu"]),
                    "plain_verified_s": base_verified, "coordinator_s": direct,
                    "worker_cold_s": cold, "worker_warm_s": warm,
                    "coordinator_peak_rss_mb": peak_rss_mb(cproc.pid),
@@ -219,6 +233,11 @@ def main() -> None:
             print(f"       a process on the worker's host (CacheClient, holding the bytes; best of 2): "
                   f"reading the host cache file {mb / by_file:6.0f} MB/s | over the socket "
                   f"{mb / by_socket:6.0f} MB/s ({by_socket / by_file:.2f}x the time)", flush=True)
+            print(f"       a process fetching from the coordinator (CacheClient, holding the bytes; "
+                  f"best of 2): data plane {mb / by_data:6.0f} MB/s | over gRPC {mb / by_grpc:6.0f}"
+                  f" MB/s ({by_grpc / by_data:.2f}x the time); coordinator CPU per fetch "
+                  f"{min(times['data_cpu']):.2f} s against {min(times['grpc_cpu']):.2f} s",
+                  flush=True)
             if args.compressible:
                 z, wz = row["coordinator_zstd_s"], row["worker_warm_zstd_s"]
                 print(f"       publish through a worker {mb / row['worker_publish_s']:5.0f} MB/s "

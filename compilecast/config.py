@@ -229,6 +229,10 @@ class WorkerConfig:
                                      "unix socket with the file's path: it reads and verifies "
                                      "the file itself, without the bytes going through this "
                                      "worker (it must see cache_dir at the same path)"))
+    data_plane: bool = field(
+        default=True, metadata=_help("take whole artifacts over the coordinator's data plane "
+                                     "(plain TCP, sendfile) when it offers one; never with TLS "
+                                     "to the coordinator"))
     relay_listen: str = field(
         default="", metadata=_help("host:port where this worker relays artifacts it downloads "
                                    "to other workers (empty: no relaying)"))

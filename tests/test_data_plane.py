@@ -8,6 +8,7 @@ socket."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import time
@@ -185,3 +186,61 @@ def test_the_data_plane_address_of_a_ticket():
         ("10.0.0.5", 7650)
     with pytest.raises(OSError):
         data_plane_address(pb.DataTicket(address="nowhere"), "svc:7640")
+
+
+def taken(worker, result: str = "taken") -> float:
+    return sample(worker, "compilecast_worker_data_plane_downloads_total", result=result)
+
+
+@pytest.mark.parametrize("kind", ["raw", "zstd"])
+def test_a_workers_download_takes_the_data_plane(coordinator, start_worker, kind):
+    """The host's download comes over the data plane; the worker passes it
+    on to its processes and keeps it (as stored) in its host cache."""
+    data = KINDS[kind]
+    published(coordinator, "k", data)
+    worker = start_worker(coordinator.cfg.listen)
+    assert worker.service.data_plane
+    assert CacheClient(worker.target).fetch("k")[1] == data
+    assert taken(worker) == 1 and sends(coordinator) == 1 and taken(worker, "fallback") == 0
+    assert worker.cache.lookup("host", "k") is not None  # kept: the next process reads it here
+    assert CacheClient(worker.target).fetch("k")[1] == data and sends(coordinator) == 1
+
+
+def test_a_worker_told_not_to_never_asks(coordinator, start_worker):
+    published(coordinator, "k", RANDOM)
+    worker = start_worker(coordinator.cfg.listen, data_plane=False)
+    assert CacheClient(worker.target).fetch("k")[1] == RANDOM
+    assert tickets(coordinator) == 0 and taken(worker) == 0
+
+
+def test_a_worker_that_cannot_reach_the_data_plane_stops_asking(start_coordinator,
+                                                                start_worker):
+    coordinator = start_coordinator(data_advertise=f"127.0.0.1:{free_port()}")
+    published(coordinator, "k", RANDOM)
+    published(coordinator, "k2", COMPRESSIBLE)
+    worker = start_worker(coordinator.cfg.listen)
+    assert CacheClient(worker.target).fetch("k")[1] == RANDOM
+    assert taken(worker, "fallback") == 1 and not worker.service.data_plane
+    assert CacheClient(worker.target).fetch("k2")[1] == COMPRESSIBLE
+    assert tickets(coordinator) == 1  # the second download did not ask
+
+
+@pytest.mark.parametrize("kind", ["raw", "zstd"])
+def test_a_workers_download_cut_short_gets_the_rest_over_grpc(coordinator, start_worker,
+                                                              tmp_path, kind):
+    data = KINDS[kind]
+    published(coordinator, "k", data)
+    stored = coordinator.store.path_of(hashlib.sha256(data).hexdigest()).read_bytes()
+    short = tmp_path / "short"
+    short.write_bytes(stored[: len(stored) // 2])
+    real, cut = coordinator.store.open_trusted, []
+
+    def once_short(digest: str):  # the first send breaks off halfway; later ones do not
+        cut.append(digest)
+        return open(short, "rb") if len(cut) == 1 else real(digest)
+
+    coordinator.store.open_trusted = once_short
+    worker = start_worker(coordinator.cfg.listen)
+    assert CacheClient(worker.target).fetch("k")[1] == data
+    assert taken(worker, "fallback") == 1
+    assert worker.service.data_plane  # it was reachable: asked again next time

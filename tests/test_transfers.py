@@ -206,14 +206,16 @@ def test_a_publish_cut_off_by_a_coordinator_restart_is_tried_again(
     assert CacheClient(first.cfg.listen, timeout_s=30).fetch("k")[1] == data
 
 
+@pytest.mark.parametrize("way", ["grpc", "data-plane"])
 @pytest.mark.parametrize("stored", ["raw", "zstd"])
 def test_a_download_cut_off_by_a_coordinator_restart_resumes(
-        start_coordinator, start_worker, started, tmp_path, caplog, stored):
+        start_coordinator, start_worker, started, tmp_path, caplog, stored, way):
     """The worker's download from a replica stopped midway goes on, from the
     byte it had, at the replica that took the address; its processes never
     see the break. A download sent as stored zstd goes on as plain data from
-    the last byte it decoded."""
-    first = start_coordinator(store_dir=tmp_path / "store")
+    the last byte it decoded. Over the data plane too: the rest comes over gRPC."""
+    first = start_coordinator(store_dir=tmp_path / "store",
+                              data_listen="off" if way == "grpc" else "auto")
     data = None
     if stored == "zstd":  # compresses ~2x: still long enough on the wire to be cut off
         data = b"".join(os.urandom(512) + bytes(512) for _ in range(300 << 10))
@@ -224,7 +226,8 @@ def test_a_download_cut_off_by_a_coordinator_restart_resumes(
     restart(first, started, grace_s=0.1)  # mid-download, with no grace for it to finish
     t.join(60)
     assert out == [data]
-    assert "was cut off at byte" in caplog.text
+    assert ("was cut off at byte" if way == "grpc" else "fetching the rest over gRPC") \
+        in caplog.text
 
 
 def test_a_wait_cut_off_by_a_coordinator_restart_is_sent_again(

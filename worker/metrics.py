@@ -23,6 +23,12 @@ class WorkerMetrics:
             "compilecast_worker_fetches", "Fetches served, by where the bytes came from",
             ["source"], registry=registry,
         )
+        self.data_plane = Counter(
+            "compilecast_worker_data_plane_downloads",
+            "Downloads over the coordinator's data plane: taken (the whole artifact came that "
+            "way), fallback (it failed, and the rest came over gRPC)",
+            ["result"], registry=registry,
+        )
         self.local_files = Counter(
             "compilecast_worker_local_files",
             "Host cache hits answered with the file's path: the process on this host read and "

@@ -27,7 +27,15 @@ import grpc
 import zstandard
 
 from compilecast import decide, validate, wire
-from compilecast.blobstore import OUT_OF_SPACE, PROBE, Inflate, amake_room, aread, worth_compressing
+from compilecast.blobstore import (
+    OUT_OF_SPACE,
+    PROBE,
+    RAW_MAGIC,
+    Inflate,
+    amake_room,
+    aread,
+    worth_compressing,
+)
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.decide import Decider
@@ -37,6 +45,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
+from .client import data_plane_address
 from .decisions import HostDecisions
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
@@ -287,8 +296,49 @@ PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for t
 UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats every 10 s) failed
 HEARTBEAT_S = 10.0  # readers waiting on a download get an empty chunk this often
 TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
+DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
 RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
 WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait the coordinator cut off is sent again after these
+
+
+class _DataPlaneBroke(Exception):
+    """A download over the coordinator's data plane failed: the rest comes over gRPC."""
+
+
+async def _with_data_plane(call, target: str, key: str, used: list) -> AsyncIterator:
+    """A Fetch call's chunks, where a data ticket (the only message, next to
+    the artifact) stands for the chunks its connection brings: the stored
+    blob, raw after RAW_MAGIC (data) or one zstd stream (zstd_data), as a
+    gRPC fetch would send it. Appends to `used` once the ticket is taken;
+    _DataPlaneBroke when the connection fails or ends short of a raw blob."""
+    async for chunk in call:
+        if not (chunk.HasField("artifact") and chunk.HasField("data_ticket")):
+            yield chunk
+            continue
+        info = chunk.artifact
+        yield pb.FetchChunk(artifact=info)
+        used.append(True)
+        try:
+            host, port = data_plane_address(chunk.data_ticket, target)
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError as exc:
+            raise _DataPlaneBroke(f"cannot connect to its data plane: {exc}", True) from None
+        try:
+            writer.write(wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
+            head = await reader.readexactly(len(RAW_MAGIC))
+            raw, got = head == RAW_MAGIC, 0
+            if not raw:
+                yield DataChunk(b"", head)
+            while piece := await reader.read(DATA_PLANE_PIECE):
+                got += len(piece)
+                yield DataChunk(piece) if raw else DataChunk(b"", piece)
+            if raw and got != info.size:
+                raise _DataPlaneBroke(f"its data plane sent {got} of {info.size} bytes", False)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            raise _DataPlaneBroke(f"its data plane broke off: {exc}", False) from None
+        finally:
+            writer.close()
+        return
 
 
 async def _idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
@@ -391,8 +441,12 @@ class WorkerService(rpc.CompileCacheServicer):
                  *, rpc_timeout_s: float, share_binary_timeout_ms: int = 0,
                  token: str = "", credentials: grpc.ChannelCredentials | None = None,
                  relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None,
-                 link_store: str = "", local_files: bool = True) -> None:
+                 link_store: str = "", local_files: bool = True,
+                 data_plane: bool = False) -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
+        # Whole downloads over the coordinator's data plane when it offers one
+        # (plaintext only); off once its address could not be connected to.
+        self.data_plane = data_plane
         self.local_files = local_files  # hand processes on this host the host cache's files
         self.relay_address = relay_address
         self.link_store = link_store  # a coordinator's store on this filesystem (`up`)
@@ -744,6 +798,7 @@ class WorkerService(rpc.CompileCacheServicer):
         relay = self.relay_address
         resumes = list(RESUME_S)
         linked = False
+        ticket = self.data_plane
         try:
             # (Inside the try: a fill that fails to start ends its readers too.)
             writer = self.cache.store.writer(discard_when_unwritable=True)
@@ -755,12 +810,17 @@ class WorkerService(rpc.CompileCacheServicer):
                     request = pb.FetchRequest(key=key, digest=info.digest if info else digest,
                                               relay_address="" if peer else relay,
                                               offset=0 if peer else writer.size,
-                                              accept_zstd=not writer.size)
+                                              accept_zstd=not writer.size,
+                                              accept_data_ticket=(ticket and not peer
+                                                                  and not writer.size))
                     stub = self._peer(peer) if peer else self.up
+                    used: list = []
                     try:
                         redirect = ""
                         async for chunk in _idle_timeout(
-                                stub.Fetch(request, timeout=TRANSFER_S, metadata=md),
+                                _with_data_plane(
+                                    stub.Fetch(request, timeout=TRANSFER_S, metadata=md),
+                                    self.coordinator, key, used),
                                 PEER_IDLE_S if peer else UPSTREAM_IDLE_S):
                             if chunk.HasField("artifact") and info is None:
                                 await self._make_room(writer, chunk.artifact.size)
@@ -791,6 +851,24 @@ class WorkerService(rpc.CompileCacheServicer):
                                 await asyncio.to_thread(writer.write, chunk.data)
                             elif not chunk.HasField("artifact"):
                                 await fill.send(chunk)  # a heartbeat: pass it on
+                        if used and not linked and writer.size != info.size:
+                            raise _DataPlaneBroke(f"its data plane's stream ended at byte "
+                                                  f"{writer.size} of {info.size}", False)
+                        if used and not linked:
+                            self.metrics.data_plane.labels("taken").inc()
+                    except _DataPlaneBroke as exc:
+                        # The rest (or all) over gRPC, from where the download is.
+                        ticket, relay = False, ""
+                        if exc.args[1]:  # unreachable from here: never asked for again
+                            self.data_plane = False
+                        if inflate is not None:
+                            await inflate.cut(key, "its zstd stream from the data plane was "
+                                                   "cut off")
+                        self.metrics.data_plane.labels("fallback").inc()
+                        log.warning("download of %s: %s; fetching %s over gRPC", key,
+                                    exc.args[0], "the rest" if writer.size else "it",
+                                    extra={"key": key})
+                        continue
                     except (grpc.aio.AioRpcError, TimeoutError) as exc:
                         if not peer:
                             if isinstance(exc, TimeoutError):
