@@ -5,7 +5,8 @@
 Per size: publish an incompressible artifact (--compressible: one that
 compresses ~10x, as executables do), then fetch it (client verifies
 the sha256 on the fly, never holding it whole) from the coordinator, through
-a worker cold (fills its host cache) and warm (host hit), and stream the same
+a worker cold (fills its host cache; its download over the data plane, and
+through a second worker over gRPC only) and warm (host hit), and stream the same
 bytes from a plain gRPC server, without verification and with the client
 hashing like ours (the fair ceiling for a verifying client). Then a process on
 the worker's host fetches the warm artifact through CacheClient, as a JAX
@@ -172,6 +173,8 @@ def main() -> None:
     try:
         coord, cproc = stack.coordinator()
         worker, wproc = stack.worker(coord, "w")
+        # The same, its downloads over gRPC only: what the data plane changes for a worker.
+        worker_grpc, _ = stack.worker(coord, "g", extra=("--data-plane", "false"))
         for mb in args.sizes_mb:
             path = root / f"art-{mb}.bin"
             (compressible_file if args.compressible else random_file)(path, mb << 20)
@@ -189,6 +192,7 @@ def main() -> None:
             ps.wait()
             direct = fetch(coord, key, digest)
             cold = fetch(worker, key, digest)  # the worker takes zstd where it is stored so
+            cold_grpc = fetch(worker_grpc, key, digest)
             warm = fetch(worker, key, digest)
             # Twice each, in turn (file, socket, socket, file), best of two: the first
             # read after a while may find the file evicted from the page cache.
@@ -210,7 +214,8 @@ def main() -> None:
                    "coordinator_cpu_data_plane_s": min(times["data_cpu"]),
                    "coordinator_cpu_grpc_s": min(times["grpc_cpu"]),
                    "plain_verified_s": base_verified, "coordinator_s": direct,
-                   "worker_cold_s": cold, "worker_warm_s": warm,
+                   "worker_cold_s": cold, "worker_cold_grpc_s": cold_grpc,
+                   "worker_warm_s": warm,
                    "coordinator_peak_rss_mb": peak_rss_mb(cproc.pid),
                    "worker_peak_rss_mb": peak_rss_mb(wproc.pid)}
             if args.compressible:
@@ -226,7 +231,8 @@ def main() -> None:
             rows.append(row)
             print(f"{mb:5d} MB  plain {mb / base:7.0f} MB/s | coordinator {mb / direct:7.0f} MB/s "
                   f"({base / direct * 100:3.0f}% of plain, {base_verified / direct * 100:3.0f}% of "
-                  f"plain verifying at {mb / base_verified:.0f} MB/s) | worker cold {mb / cold:6.0f} MB/s | "
+                  f"plain verifying at {mb / base_verified:.0f} MB/s) | worker cold {mb / cold:6.0f} MB/s "
+                  f"(over gRPC only {mb / cold_grpc:6.0f} MB/s) | "
                   f"worker warm {mb / warm:6.0f} MB/s ({base / warm * 100:3.0f}%) | publish "
                   f"{mb / pub:5.0f} MB/s | peak RSS coordinator {row['coordinator_peak_rss_mb']:.0f}"
                   f" MB, worker {row['worker_peak_rss_mb']:.0f} MB", flush=True)

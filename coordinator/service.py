@@ -15,6 +15,7 @@ from compilecast.wire import DataChunk
 
 from .auth import Authenticator
 from .dataplane import DataPlane
+from .records import scope
 from .relay import check_address
 from .state import CoordinatorState
 
@@ -159,7 +160,10 @@ class CoordinatorService(rpc.CompileCacheServicer):
                 self.state.metrics.relays.inc()
                 yield pb.FetchChunk(artifact=info, relay_from=parent)
                 return
-        if request.accept_data_ticket and not request.offset and self.data_plane is not None:
+        # Only a committed artifact: one still uploading (whose digest may be stored under
+        # another key already) streams from its upload, and ends with it if it fails.
+        if request.accept_data_ticket and not request.offset and self.data_plane is not None \
+                and self.state.uploads.get(scope(who.tenant, request.key)) is None:
             ticket = await self.data_plane.ticket(info, zstd_ok=request.accept_zstd)
             if ticket is not None:
                 self.state.metrics.data_tickets.inc()
