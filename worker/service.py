@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -297,6 +298,7 @@ UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats 
 HEARTBEAT_S = 10.0  # readers waiting on a download get an empty chunk this often
 TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
+CONNECT_S = 10.0  # a data plane that does not take the connection by then is not reachable
 RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
 WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait the coordinator cut off is sent again after these
 
@@ -309,8 +311,9 @@ async def _with_data_plane(call, target: str, key: str, used: list) -> AsyncIter
     """A Fetch call's chunks, where a data ticket (the only message, next to
     the artifact) stands for the chunks its connection brings: the stored
     blob, raw after RAW_MAGIC (data) or one zstd stream (zstd_data), as a
-    gRPC fetch would send it. Appends to `used` once the ticket is taken;
-    _DataPlaneBroke when the connection fails or ends short of a raw blob."""
+    gRPC fetch would send it, in whole pieces received straight into their
+    own buffers. Appends to `used` once the ticket is taken; _DataPlaneBroke
+    when the connection fails or ends short of a raw blob."""
     async for chunk in call:
         if not (chunk.HasField("artifact") and chunk.HasField("data_ticket")):
             yield chunk
@@ -318,26 +321,45 @@ async def _with_data_plane(call, target: str, key: str, used: list) -> AsyncIter
         info = chunk.artifact
         yield pb.FetchChunk(artifact=info)
         used.append(True)
+        loop = asyncio.get_running_loop()
         try:
             host, port = data_plane_address(chunk.data_ticket, target)
-            reader, writer = await asyncio.open_connection(host, port)
+            family, kind, proto, _, address = (await loop.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM))[0]
+            sock = socket.socket(family, kind, proto)
         except OSError as exc:
             raise _DataPlaneBroke(f"cannot connect to its data plane: {exc}", True) from None
-        try:
-            writer.write(wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
-            head = await reader.readexactly(len(RAW_MAGIC))
-            raw, got = head == RAW_MAGIC, 0
-            if not raw:
-                yield DataChunk(b"", head)
-            while piece := await reader.read(DATA_PLANE_PIECE):
-                got += len(piece)
-                yield DataChunk(piece) if raw else DataChunk(b"", piece)
+        with sock:
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, address), CONNECT_S)
+            except (OSError, TimeoutError) as exc:
+                raise _DataPlaneBroke(f"cannot connect to its data plane: {exc!r}",
+                                      True) from None
+            try:
+                await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
+                raw, got, first = None, 0, True
+                while True:
+                    piece = bytearray(DATA_PLANE_PIECE)
+                    view, n = memoryview(piece), 0
+                    while n < len(piece) and (k := await loop.sock_recv_into(sock, view[n:])):
+                        n += k
+                    if first:  # the marker of a raw blob, or the zstd stream's first bytes
+                        first = False
+                        raw = view[:len(RAW_MAGIC)] == RAW_MAGIC
+                        view = view[len(RAW_MAGIC):n] if raw else view[:n]
+                    else:
+                        view = view[:n]
+                    if len(view):
+                        got += len(view)
+                        view = view.toreadonly()  # never written again: hashed without a copy
+                        yield DataChunk(view) if raw else DataChunk(b"", view)
+                    if n < len(piece):
+                        break
+            except OSError as exc:
+                raise _DataPlaneBroke(f"its data plane broke off: {exc}", False) from None
             if raw and got != info.size:
                 raise _DataPlaneBroke(f"its data plane sent {got} of {info.size} bytes", False)
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            raise _DataPlaneBroke(f"its data plane broke off: {exc}", False) from None
-        finally:
-            writer.close()
         return
 
 
