@@ -3,6 +3,8 @@
 Usage: _pod_process.py MODE COORDINATOR TOPOLOGY PROCESS_ID N DIST_ADDR T0 [ENTRY [GO]]
 
 MODE local:     compile every program here (no compilecast)
+     one:       process 0 compiles every program, the others only take part in the
+                job (the same programs as the job compiles, one compile at a time)
      share:     compilecast at job start: process 0 compiles and publishes, the
                 others wait and fetch and verify as the publish starts (streamed)
      share-after: the same, but the others fetch only once the publish is done
@@ -42,7 +44,10 @@ def main() -> None:
         t0 = go
     compiles, nbytes = 0, 0
     phases: dict[str, float] = {}
-    if mode == "local":
+    _timed(aot, phases, t0, ("compile_entry",))
+    if mode == "one" and pid != 0:
+        pass  # in the job, idle: process 0 compiles alone (the baseline for this job's programs)
+    elif mode in ("local", "one"):
         for p in programs:
             _, data, _ = aot.compile_entry(p.trigger)
             compiles, nbytes = compiles + 1, nbytes + len(data)
@@ -70,10 +75,12 @@ def main() -> None:
     jax.distributed.shutdown()
 
 
-def _timed(client, phases: dict[str, float], t0: float) -> None:
-    """Record when each of the client's calls began and ended (seconds from
-    T0, the last call of each kind): where a process's time went."""
-    for name in ("publish", "fetch"):  # what time_to_executable's timeline reads
+def _timed(client, phases: dict[str, float], t0: float,
+           names: tuple[str, ...] = ("publish", "fetch")) -> None:
+    """Record when each of the client's calls (or a module's functions)
+    began and ended (seconds from T0, the last call of each kind): where a
+    process's time went."""
+    for name in names:  # what time_to_executable's timeline reads
         call = getattr(client, name)
 
         def timed(*args, _call=call, _name=name, **kwargs):

@@ -19,7 +19,10 @@ job, as the hosts of a pod) lowers the training step for TOPOLOGY with libtpu's
 compile-only client; after a common start (once all have started and lowered)
 one compiles and publishes, the others wait and then fetch and verify the
 bytes (a compile-only client cannot load an executable). Reported against one
-process compiling the program alone, from the same kind of common start. With
+process compiling the program alone, from the same kind of common start: with
+--tpu-pairs, process 0 of the same N-process job compiling while the others
+idle (a job of one process, --tpu-alone-job, compiles the same program ~10 %
+faster here; BENCHMARKS.md, "Twentieth session"). With
 --tpu-weights the weights are baked in (default 16 layers: an ~80 MB executable
 that every waiter fetches). With --tpu-one-host the N processes are those of
 one host (a GPU host's 8) and go through one worker, as a host's processes do;
@@ -72,13 +75,18 @@ def timeline(phases: list[dict[str, float]]) -> str:
     compiled, published = holder["publish began"], holder["publish ended"]
     woken = max(p["fetch began"] for p in waiters)
     done = max(p["fetch ended"] for p in waiters)
-    return (f"holder: compiled {compiled:.2f}s, published {published:.2f}s "
+    compiling = ""
+    if "compile_entry began" in holder:  # JAX's compile and its serialization, in the holder
+        began, ended = holder["compile_entry began"], holder["compile_entry ended"]
+        compiling = f"compile {began:.2f}-{ended:.2f}s ({ended - began:.2f}), "
+    return (f"holder: {compiling}compiled {compiled:.2f}s, published {published:.2f}s "
             f"(+{published - compiled:.2f}); waiters: last woken {woken:.2f}s, last holds the "
             f"bytes {done:.2f}s (+{done - published:.2f} after the publish)")
 
 
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
-        weights: bool, after: bool = False, pairs: int = 1, one_host: bool = False) -> None:
+        weights: bool, after: bool = False, pairs: int = 1, one_host: bool = False,
+        alone_job: bool = False) -> None:
     import aot_farm
 
     aot_farm.ENV.update(BENCH_LAYERS=str(layers), BENCH_WIDTH=str(width))
@@ -105,13 +113,25 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
         for n in ns:
             ratios = []
             for k in range(pairs):
-                order = ("local", "share") if k % 2 == 0 else ("share", "local")
+                # One compile: process 0 of the same N-process job compiling while the
+                # others idle ("one"), or with alone_job a job of one process ("local").
+                base = "local" if alone_job else "one"
+                order = (base, "share") if k % 2 == 0 else ("share", base)
                 got = {mode: run(mode, 1 if mode == "local" else n) for mode in order}
+                got["local"] = got[base]
                 ratios.append(got["share"]["ready"] / got["local"]["ready"])
-                print(f"N={n:3d} pair {k + 1}: one compile alone {got['local']['ready']:.2f}s, "
+                print(f"N={n:3d} pair {k + 1}: one compile alone "
+                      f"({'a one-process job' if alone_job else 'in the job'}) "
+                      f"{got['local']['ready']:.2f}s, "
                       f"compilecast {got['share']['compiles']} compile(s), all hold the verified "
                       f"bytes {got['share']['ready']:.2f}s = {ratios[-1]:.2f}x "
-                      f"({order[0]} ran first)", flush=True)
+                      f"({'alone' if order[0] == base else 'compilecast'} ran first)",
+                      flush=True)
+                alone = next((p for p in got["local"]["phases"] if "compile_entry began" in p),
+                             {})
+                if "compile_entry began" in alone:
+                    print(f"         alone: compile {alone['compile_entry began']:.2f}-"
+                          f"{alone['compile_entry ended']:.2f}s", flush=True)
                 print(f"         {timeline(got['share']['phases'])}", flush=True)
             print(f"N={n:3d}: {pairs} pairs, ratio median {statistics.median(ratios):.2f}x, "
                   f"range {min(ratios):.2f}-{max(ratios):.2f}x", flush=True)
@@ -160,6 +180,10 @@ def main() -> None:
     ap.add_argument("--tpu-pairs", type=int, default=1,
                     help="with --tpu, this many pairs per N of a compile alone and a compilecast "
                          "run next to it (order alternating), each pair's ratio and the median")
+    ap.add_argument("--tpu-alone-job", action="store_true",
+                    help="with --tpu-pairs, the compile alone is a job of one process (before "
+                         "the twentieth session); by default it is process 0 of the same "
+                         "N-process job compiling while the others idle")
     ap.add_argument("--tpu-one-host", action="store_true",
                     help="with --tpu, the N processes share one worker (one host's processes)")
     ap.add_argument("--tpu-weights", action="store_true",
@@ -168,7 +192,7 @@ def main() -> None:
     if args.tpu:
         tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
             args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
-            args.tpu_pairs, args.tpu_one_host)
+            args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job)
         return
     args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"
