@@ -82,6 +82,7 @@ def test_a_ticket_is_good_for_one_connection(coordinator):
     published(coordinator, "k", RANDOM)
     info, ticket = ticket_for(coordinator, "k", accept_zstd=True)
     assert ticket is not None and ticket.address == f":{coordinator.data_plane.port}"
+    assert info.size == len(RANDOM)
     first = redeem(coordinator, ticket.token)
     assert first.startswith(b"CCRAW01\n") and first[8:] == RANDOM
     assert redeem(coordinator, ticket.token) == b""  # used
