@@ -81,7 +81,8 @@ def timeline(phases: list[dict[str, float]]) -> str:
         compiling = f"compile {began:.2f}-{ended:.2f}s ({ended - began:.2f}), "
     return (f"holder: {compiling}compiled {compiled:.2f}s, published {published:.2f}s "
             f"(+{published - compiled:.2f}); waiters: last woken {woken:.2f}s, last holds the "
-            f"bytes {done:.2f}s (+{done - published:.2f} after the publish)")
+            f"bytes {done:.2f}s (+{done - published:.2f} after the publish; "
+            f"{done / compiled:.2f}x the holder's own time to its executable)")
 
 
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
