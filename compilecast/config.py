@@ -121,8 +121,9 @@ class CoordinatorConfig:
     data_listen: str = field(
         default="auto", metadata=_help(
             "the data plane's address host:port: whole artifacts go to clients that ask over "
-            "plain TCP with sendfile (auto: listen's host, any free port; off: every fetch "
-            "over gRPC; always off with TLS)"))
+            "plain TCP with sendfile (auto: listen's host, any free port, unless that host is "
+            "a wildcard and data_advertise is empty; off: every fetch over gRPC; always off "
+            "with TLS)"))
     data_advertise: str = field(
         default="", metadata=_help(
             "host:port clients reach the data plane at (this replica's own, behind a "

@@ -79,7 +79,16 @@ class Coordinator(Role):
             return None
         address = cfg.data_listen
         if address == "auto":
-            address = cfg.listen.rpartition(":")[0] + ":0"
+            host = cfg.listen.rpartition(":")[0]
+            if host.strip("[]") in ("0.0.0.0", "::", "") and not cfg.data_advertise:
+                # Clients would be told "this port, on the host you dialed": behind a
+                # Service or a proxy that host is not this process, and a connection to
+                # a port nobody forwards may hang until it times out.
+                log.info("data plane off: the coordinator listens on all addresses; set "
+                         "--data-listen and --data-advertise (this replica's own address) "
+                         "to serve one")
+                return None
+            address = host + ":0"
         return DataPlane(self.store, self.metrics, address, cfg.data_advertise)
 
     async def _scan_store(self) -> None:

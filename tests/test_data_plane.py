@@ -21,7 +21,7 @@ from compilecast.coordinator import dataplane
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, data_plane_address
 
-from .conftest import free_port, publish, sample
+from .conftest import coordinator_config, free_port, publish, sample
 
 RANDOM = os.urandom(6 << 20)  # stored raw (incompressible)
 COMPRESSIBLE = b"".join(os.urandom(96) + bytes(928) for _ in range(6 << 10))  # stored as zstd
@@ -245,3 +245,25 @@ def test_a_workers_download_cut_short_gets_the_rest_over_grpc(coordinator, start
     assert CacheClient(worker.target).fetch("k")[1] == data
     assert taken(worker, "fallback") == 1
     assert worker.service.data_plane  # it was reachable: asked again next time
+
+
+def test_a_coordinator_on_all_addresses_serves_a_data_plane_only_where_told(
+        etcd, tmp_path, prefix, started):
+    """Listening on 0.0.0.0, it cannot know an address clients reach it at
+    (behind a Service, "the host you dialed" is not this process): no data
+    plane unless one is advertised."""
+    from compilecast.coordinator.server import Coordinator
+
+    def on_all_addresses(**kw):
+        cfg = coordinator_config(etcd, tmp_path, prefix, **kw)
+        cfg.listen = f"0.0.0.0:{free_port()}"
+        return started(Coordinator(cfg))
+
+    assert on_all_addresses().data_plane is None
+    p = free_port()
+    told = on_all_addresses(data_listen=f"127.0.0.1:{p}", data_advertise=f"127.0.0.1:{p}")
+    assert told.data_plane is not None and told.data_plane.port == p
+    target = f"127.0.0.1:{told.cfg.listen.rpartition(':')[2]}"
+    publish(CacheClient(target, timeout_s=10), "k", RANDOM)
+    assert CacheClient(target).fetch("k")[1] == RANDOM
+    assert sends(told) == 1

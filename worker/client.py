@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 20
 LOCAL_PIECE = 4 << 20  # a host cache file is read (and hashed) in pieces of this size
 STALL_S = 60.0  # a transfer that moves nothing for this long is given up
+DATA_PLANE_CONNECT_S = 5.0  # a data plane that does not take the connection by then: gRPC
 PUBLISH_RETRY_S = (1.0, 4.0)  # a publish cut off (UNAVAILABLE) is tried again after these
 FETCH_RETRY_S = (1.0, 4.0)  # and a fetch cut off midway (its server restarting)
 WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # and a wait that ran, then broke (within its timeout)
@@ -294,7 +295,8 @@ def _read_data_plane(key: str, info: pb.ArtifactInfo, ticket: pb.DataTicket, tar
     CorruptBlob; the caller then fetches over gRPC."""
     address = data_plane_address(ticket, target)
     try:
-        sock = socket.create_connection(address, timeout=stall_s)
+        sock = socket.create_connection(address, timeout=min(stall_s, DATA_PLANE_CONNECT_S))
+        sock.settimeout(stall_s)
     except OSError as exc:
         raise _Unreachable(exc.errno, f"cannot connect to {address[0]}:{address[1]}: "
                                       f"{exc.strerror or exc}") from None

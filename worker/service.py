@@ -46,7 +46,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
-from .client import data_plane_address
+from .client import DATA_PLANE_CONNECT_S, data_plane_address
 from .decisions import HostDecisions
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
@@ -298,7 +298,6 @@ UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats 
 HEARTBEAT_S = 10.0  # readers waiting on a download get an empty chunk this often
 TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
-CONNECT_S = 10.0  # a data plane that does not take the connection by then is not reachable
 RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
 WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait the coordinator cut off is sent again after these
 
@@ -332,7 +331,7 @@ async def _with_data_plane(call, target: str, key: str, used: list) -> AsyncIter
         with sock:
             sock.setblocking(False)
             try:
-                await asyncio.wait_for(loop.sock_connect(sock, address), CONNECT_S)
+                await asyncio.wait_for(loop.sock_connect(sock, address), DATA_PLANE_CONNECT_S)
             except (OSError, TimeoutError) as exc:
                 raise _DataPlaneBroke(f"cannot connect to its data plane: {exc!r}",
                                       True) from None
