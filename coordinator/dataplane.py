@@ -52,6 +52,7 @@ TICKET_S = 30.0  # a ticket not redeemed by then is dropped (its file closed)
 MAX_TICKETS = 4096  # outstanding tickets (each holds an open file); past it, gRPC
 REQUEST_S = 10.0  # a connection that has not sent its token by then is closed
 UNACKED_S = 60  # a client that takes nothing for this long is dropped (TCP_USER_TIMEOUT)
+MAX_CONNECTIONS = 1024  # open at once; past it a connection is closed at once (its client: gRPC)
 
 
 @dataclass
@@ -129,6 +130,9 @@ class DataPlane:
         self._sends.add(task)
         ticket = None
         try:
+            if len(self._sends) > MAX_CONNECTIONS:  # a flood of connections without tokens
+                self.metrics.data_plane.labels("refused").inc()
+                return
             sock = writer.get_extra_info("socket")
             with contextlib.suppress(OSError, AttributeError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, UNACKED_S * 1000)
