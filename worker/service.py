@@ -303,10 +303,15 @@ WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait the coordinator cut off is sent ag
 
 
 class _DataPlaneBroke(Exception):
-    """A download over the coordinator's data plane failed: the rest comes over gRPC."""
+    """A download over the coordinator's data plane failed: the rest comes
+    over gRPC. `unreachable`: it could not even connect (not asked again)."""
+
+    def __init__(self, why: str, unreachable: bool = False) -> None:
+        super().__init__(why)
+        self.unreachable = unreachable
 
 
-async def _with_data_plane(call, target: str, key: str, used: list) -> AsyncIterator:
+async def _with_data_plane(call, target: str, used: list) -> AsyncIterator:
     """A Fetch call's chunks, where a data ticket (the only message, next to
     the artifact) stands for the chunks its connection brings: the stored
     blob, raw after RAW_MAGIC (data) or one zstd stream (zstd_data), as a
@@ -327,14 +332,15 @@ async def _with_data_plane(call, target: str, key: str, used: list) -> AsyncIter
                 host, port, type=socket.SOCK_STREAM))[0]
             sock = socket.socket(family, kind, proto)
         except OSError as exc:
-            raise _DataPlaneBroke(f"cannot connect to its data plane: {exc}", True) from None
+            raise _DataPlaneBroke(f"cannot connect to its data plane: {exc}",
+                                  unreachable=True) from None
         with sock:
             sock.setblocking(False)
             try:
                 await asyncio.wait_for(loop.sock_connect(sock, address), DATA_PLANE_CONNECT_S)
             except (OSError, TimeoutError) as exc:
                 raise _DataPlaneBroke(f"cannot connect to its data plane: {exc!r}",
-                                      True) from None
+                                      unreachable=True) from None
             try:
                 await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
                 raw, got, first = None, 0, True
@@ -356,9 +362,9 @@ async def _with_data_plane(call, target: str, key: str, used: list) -> AsyncIter
                     if n < len(piece):
                         break
             except OSError as exc:
-                raise _DataPlaneBroke(f"its data plane broke off: {exc}", False) from None
+                raise _DataPlaneBroke(f"its data plane broke off: {exc}") from None
             if raw and got != info.size:
-                raise _DataPlaneBroke(f"its data plane sent {got} of {info.size} bytes", False)
+                raise _DataPlaneBroke(f"its data plane sent {got} of {info.size} bytes")
         return
 
 
@@ -841,7 +847,7 @@ class WorkerService(rpc.CompileCacheServicer):
                         async for chunk in _idle_timeout(
                                 _with_data_plane(
                                     stub.Fetch(request, timeout=TRANSFER_S, metadata=md),
-                                    self.coordinator, key, used),
+                                    self.coordinator, used),
                                 PEER_IDLE_S if peer else UPSTREAM_IDLE_S):
                             if chunk.HasField("artifact") and info is None:
                                 await self._make_room(writer, chunk.artifact.size)
@@ -874,20 +880,20 @@ class WorkerService(rpc.CompileCacheServicer):
                                 await fill.send(chunk)  # a heartbeat: pass it on
                         if used and not linked and writer.size != info.size:
                             raise _DataPlaneBroke(f"its data plane's stream ended at byte "
-                                                  f"{writer.size} of {info.size}", False)
+                                                  f"{writer.size} of {info.size}")
                         if used and not linked:
                             self.metrics.data_plane.labels("taken").inc()
                     except _DataPlaneBroke as exc:
                         # The rest (or all) over gRPC, from where the download is.
                         ticket, relay = False, ""
-                        if exc.args[1]:  # unreachable from here: never asked for again
+                        if exc.unreachable:  # from here: never asked for again
                             self.data_plane = False
                         if inflate is not None:
                             await inflate.cut(key, "its zstd stream from the data plane was "
                                                    "cut off")
                         self.metrics.data_plane.labels("fallback").inc()
                         log.warning("download of %s: %s; fetching %s over gRPC", key,
-                                    exc.args[0], "the rest" if writer.size else "it",
+                                    exc, "the rest" if writer.size else "it",
                                     extra={"key": key})
                         continue
                     except (grpc.aio.AioRpcError, TimeoutError) as exc:
