@@ -274,7 +274,6 @@ class BlobWriter:
         self._hash = Sha256()
         self.size = 0
         self._done = False
-        self._flushed = False  # the temp file holds everything written, whole
         # Up to where the kernel was asked to write the file out (durable only).
         self._written_back = 0 if store.durable else None
 
@@ -392,49 +391,16 @@ class BlobWriter:
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
 
-    def _flush_file(self) -> None:
-        """Everything written into the temp file, whole (a zstd stream ended):
-        readable by another open of `path`."""
-        if self._flushed:
-            return
-        self._flushed = True
+    def _finish_file(self, parent: Path) -> None:
         if self._zw is None and not self._raw and not self._as_sent:
             self._decide()
         if self._zw is not None:
             self._zw.flush(zstandard.FLUSH_FRAME)
         self._file.flush()
-
-    def _finish_file(self, parent: Path) -> None:
-        self._flush_file()
         if self._store.durable:
             os.fsync(self._file.fileno())
         self._file.close()
         parent.mkdir(parents=True, exist_ok=True)
-
-    def verify(self, digest: str, size: int) -> None:
-        """Check the bytes written against `digest` and `size`, and flush the
-        temp file whole, before `commit` makes it durable: a reader may take
-        the verified file (`path`) while the fsync runs. DigestMismatch when
-        they do not match (the writer is then aborted)."""
-        validate.digest(digest)
-        try:
-            if not self.discarded:
-                try:
-                    self._flush_file()
-                except OSError as exc:
-                    self._write_failed(exc)
-            self._check(digest, size)
-        except BaseException:
-            self.abort()
-            raise
-
-    def _check(self, digest: str, size: int) -> None:
-        actual = self._hash.hexdigest()
-        if actual != digest:
-            raise DigestMismatch(
-                f"digest mismatch: the publish says {digest}, its bytes hash to {actual}")
-        if self.size != size:
-            raise DigestMismatch(f"size mismatch: header says {size}, received {self.size}")
 
     def commit(self, digest: str, size: int) -> Path | None:
         """Verify and move the blob into place; returns its path, or None when
@@ -447,7 +413,13 @@ class BlobWriter:
                     self._finish_file(final.parent)
                 except OSError as exc:
                     self._write_failed(exc)
-            self._check(digest, size)
+            actual = self._hash.hexdigest()
+            if actual != digest:
+                raise DigestMismatch(
+                    f"digest mismatch: the publish says {digest}, its bytes hash to {actual}"
+                )
+            if self.size != size:
+                raise DigestMismatch(f"size mismatch: header says {size}, received {self.size}")
             if self.discarded:
                 self._done = True
                 return None

@@ -14,9 +14,8 @@ client reads them straight into the bytes object it returns.
 
 What a ticket may send:
 - only a blob this replica wrote or verified within store_reverify_s, in the
-  same unchanged file (DiskBlobStore.open_trusted), or the whole temp file of
-  an upload it has verified and is making durable (coordinator/uploads.py);
-  anything else goes over gRPC, whose read verifies it. The file is opened when the ticket is issued
+  same unchanged file (DiskBlobStore.open_trusted); anything else goes over
+  gRPC, whose read verifies it. The file is opened when the ticket is issued
   and sent from that open file, so an eviction or a quarantine in between
   cannot swap it;
 - one connection, within TICKET_S of the Fetch; an unknown, used or expired
@@ -93,31 +92,22 @@ class DataPlane:
     def address(self) -> str:
         return self.advertise or f":{self.port}"
 
-    async def ticket(self, info: pb.ArtifactInfo, *, zstd_ok: bool,
-                     verified_file: str = "") -> pb.DataTicket | None:
-        """A ticket for the artifact's stored blob (or `verified_file`, the
-        whole temp file of an upload whose bytes this replica has verified
-        and is making durable), or None where its bytes must go over gRPC
-        (not a trusted blob here, zstd to a client that does not decode it,
-        too many tickets out)."""
+    async def ticket(self, info: pb.ArtifactInfo, *, zstd_ok: bool) -> pb.DataTicket | None:
+        """A ticket for the artifact's stored blob, or None where its bytes
+        must go over gRPC (not a trusted blob here, zstd to a client that
+        does not decode it, too many tickets out)."""
         self._expire()
         if len(self._tickets) >= MAX_TICKETS:
             return None
-        f = await asyncio.to_thread(self._open, info.digest, zstd_ok, verified_file)
+        f = await asyncio.to_thread(self._open, info.digest, zstd_ok)
         if f is None:
             return None
         token = secrets.token_bytes(TOKEN_BYTES)
         self._tickets[token] = _Ticket(f, time.monotonic() + TICKET_S)
         return pb.DataTicket(address=self.address, token=token)
 
-    def _open(self, digest: str, zstd_ok: bool, verified_file: str):
-        f = None
-        if verified_file:
-            # (The open file outlives the commit's rename, or an abort's unlink.)
-            with contextlib.suppress(OSError):
-                f = open(verified_file, "rb")  # kept open by the ticket
-        if f is None:  # committed meanwhile: renamed into the store
-            f = self.store.open_trusted(digest)
+    def _open(self, digest: str, zstd_ok: bool):
+        f = self.store.open_trusted(digest)
         if f is None:
             return None
         try:

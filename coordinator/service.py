@@ -160,15 +160,11 @@ class CoordinatorService(rpc.CompileCacheServicer):
                 self.state.metrics.relays.inc()
                 yield pb.FetchChunk(artifact=info, relay_from=parent)
                 return
-        # A committed artifact, or an upload whose bytes are all in and verified: one
-        # still uploading (whose digest may be stored under another key already) streams
-        # from its upload, and ends with it if it fails.
-        upload = self.state.uploads.get(scope(who.tenant, request.key))
+        # Only a committed artifact: one still uploading (whose digest may be stored under
+        # another key already) streams from its upload, and ends with it if it fails.
         if request.accept_data_ticket and not request.offset and self.data_plane is not None \
-                and (upload is None or upload.state == "verified"):
-            ticket = await self.data_plane.ticket(
-                info, zstd_ok=request.accept_zstd,
-                verified_file=str(upload.writer.path) if upload is not None else "")
+                and self.state.uploads.get(scope(who.tenant, request.key)) is None:
+            ticket = await self.data_plane.ticket(info, zstd_ok=request.accept_zstd)
             if ticket is not None:
                 self.state.metrics.data_tickets.inc()
                 yield pb.FetchChunk(artifact=info, data_ticket=ticket)

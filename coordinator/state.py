@@ -599,15 +599,12 @@ class CoordinatorState:
                     if st.local:
                         yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, **_verdict(st.local))
                         return
-                    upload = self.uploads.get(sk)
-                    if upload is not None and upload is not announced and (
-                            self.cfg.publish_stream_readers or upload.state == "verified"):
+                    upload = self.uploads.get(sk) if self.cfg.publish_stream_readers else None
+                    if upload is not None and upload is not announced:
                         announced = upload  # once per upload: fetching it streams it
                         yield pb.WaitEvent(decision=pb.WAIT, artifact=upload.info,
                                            reason="publishing: a fetch streams the bytes "
-                                                  "as they upload" if upload.state == "open"
-                                           else "published: a fetch takes the verified bytes "
-                                                "while they are made durable")
+                                                  "as they upload")
                     now = time.monotonic()
                     if st.lease or st.hedge:
                         seen_holder, free_since = True, None
@@ -752,10 +749,6 @@ class CoordinatorState:
                                                                       header.digest)])
                 if revoked is not None:
                     raise await self._refuse_revoked(sk, kind, header, revoked, "was purged")
-            # Verified bytes: the waiters take them while the fsync makes them durable.
-            await loop.run_in_executor(self._publish_threads, writer.verify, header.digest,
-                                       header.size)
-            self.uploads.verified(sk, upload, header.digest)
             await loop.run_in_executor(self._publish_threads, writer.commit, header.digest,
                                        header.size)
             upload.finish(ok=True)

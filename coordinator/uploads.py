@@ -22,13 +22,6 @@ The upload is what every fetcher waits on, so it must not be starved: at
 most `max_readers` fetchers read an upload in flight (the rest get the
 committed blob), and the publish writes on threads of its own.
 
-Once every byte is in and matches the digest, before the blob is made
-durable (fsync) and indexed, the upload is *verified* (`Uploads.verified`),
-whatever `max_readers` says: its waiters are woken then, any number of
-fetchers read the whole temp file (or take it over the data plane), and the
-fsync, seconds for a big artifact on a network disk, no longer delays them.
-An upload whose digest comes last is registered only then.
-
 Concurrency: one event loop. The publish task calls `advance` after each
 write and `finish` once; any number of fetch tasks read.
 """
@@ -90,33 +83,22 @@ class Uploads:
     @contextlib.contextmanager
     def track(self, sk: str, info: pb.ArtifactInfo, writer: BlobWriter) -> Iterator[Upload]:
         """Registered for the block; failed unless marked committed in it.
-        An upload whose digest comes last is registered only once its bytes
-        are verified (`verified`): until then its fetchers could not be told
-        what to verify it against."""
+        An upload whose digest comes last is not registered: its fetchers
+        could not be told what to verify it against (they get the blob once
+        it is committed)."""
         upload = Upload(info, writer)
-        if info.digest:
-            self._by_key[sk] = upload
-            self._on_start(sk)
+        if not info.digest:
+            yield upload
+            return
+        self._by_key[sk] = upload
+        self._on_start(sk)
         try:
             yield upload
         finally:
             if self._by_key.get(sk) is upload:
                 del self._by_key[sk]
-            if upload.state in ("open", "verified"):
+            if upload.state == "open":
                 upload.finish(ok=False)
-
-    def verified(self, sk: str, upload: Upload, digest: str) -> None:
-        """Every byte of the upload is in its temp file and matches `digest`;
-        what is left is making it durable (fsync) and indexing it. Its waiters
-        are woken now: they fetch the verified file while the fsync runs,
-        which for a big artifact on a network disk takes seconds."""
-        upload.info.digest = digest
-        upload.advance()
-        upload.state = "verified"
-        upload._notify()
-        if self._by_key.get(sk) is None:
-            self._by_key[sk] = upload
-        self._on_start(sk)
 
 
 async def stream(upload: Upload, offset: int,
@@ -126,8 +108,7 @@ async def stream(upload: Upload, offset: int,
     committed blob (`committed(offset)`) when they cannot be read in flight."""
     size, pos = upload.info.size, offset
     fd: int | None = None
-    # A verified upload is whole: its readers no longer hold the upload back.
-    if upload.readers < max_readers or upload.state == "verified":
+    if upload.readers < max_readers:
         with contextlib.suppress(FileNotFoundError):  # committed (renamed) or failed already
             fd = os.open(upload.writer.path, os.O_RDONLY)
     if fd is not None:

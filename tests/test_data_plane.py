@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import threading
 import time
 
 import grpc
@@ -293,78 +292,3 @@ def test_a_coordinator_on_all_addresses_serves_a_data_plane_only_where_told(
     assert CacheClient(target).fetch("k")[1] == RANDOM
     assert sends(told) == 1
 
-
-def held_fsync(monkeypatch, fail: bool = False) -> threading.Event:
-    """os.fsync of any file over 1 MiB (an artifact's temp file) waits until
-    the returned event is set (then fails with `fail`): a network disk
-    making a big artifact durable."""
-    real, release = os.fsync, threading.Event()
-
-    def fsync(fd: int) -> None:
-        if os.fstat(fd).st_size > 1 << 20:
-            release.wait(20)
-            if fail:
-                raise OSError(5, "Input/output error (the test's disk)")
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    return release
-
-
-def holder_and_waiter(coordinator):
-    from compilecast.worker.client import Identity
-
-    holder = CacheClient(coordinator.cfg.listen, identity=Identity(job="j", process_id=0))
-    waiter = CacheClient(coordinator.cfg.listen, identity=Identity(job="j", process_id=1),
-                         timeout_s=10)
-    lease = holder.acquire("k").lease
-    assert waiter.acquire("k").decision == pb.WAIT
-    return holder, lease, waiter
-
-
-def test_waiters_take_a_verified_upload_while_it_is_made_durable(coordinator, monkeypatch):
-    """Making a big artifact durable (fsync) takes seconds on a network disk:
-    its waiters are woken once every byte is in and verified, and take the
-    whole temp file over the data plane, before the publish returns."""
-    release = held_fsync(monkeypatch)
-    holder, lease, waiter = holder_and_waiter(coordinator)
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(holder.publish("k", lease, RANDOM, 1.0)))
-    t.start()
-    try:
-        event, got = waiter.wait_and_fetch("k", 15)
-        assert got == RANDOM and event.decision == pb.HIT
-        assert t.is_alive() and not out  # the publish is still making it durable
-        assert sends(coordinator) == 1  # the temp file, over the data plane
-    finally:
-        release.set()
-        t.join(20)
-    assert out and out[0].digest == hashlib.sha256(RANDOM).hexdigest()
-    assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == RANDOM  # committed, indexed
-
-
-def test_a_verified_upload_that_fails_to_become_durable_is_not_published(coordinator,
-                                                                         monkeypatch):
-    """The waiter holds verified bytes (what any compile of the key gives);
-    the key itself stays unpublished, and the next one to ask compiles."""
-    release = held_fsync(monkeypatch, fail=True)
-    holder, lease, waiter = holder_and_waiter(coordinator)
-    out: list = []
-
-    def publish() -> None:
-        try:
-            holder.publish("k", lease, RANDOM, 1.0)
-        except grpc.RpcError as exc:
-            out.append(exc.code())
-
-    t = threading.Thread(target=publish)
-    t.start()
-    try:
-        assert waiter.wait_and_fetch("k", 15)[1] == RANDOM
-    finally:
-        release.set()
-        t.join(20)
-    assert out and out[0] != grpc.StatusCode.OK
-    monkeypatch.undo()
-    holder.release("k", lease, pb.ABANDONED, "could not publish")
-    assert CacheClient(coordinator.cfg.listen).acquire("k").decision == pb.COMPILE
