@@ -311,13 +311,23 @@ class _DataPlaneBroke(Exception):
         self.unreachable = unreachable
 
 
+async def _recv_piece(loop, sock: socket.socket) -> memoryview:
+    """The next DATA_PLANE_PIECE bytes of the connection, received straight
+    into a buffer of their own (read-only: hashed without a copy); fewer
+    only at its end."""
+    piece = memoryview(bytearray(DATA_PLANE_PIECE))
+    n = 0
+    while n < len(piece) and (k := await loop.sock_recv_into(sock, piece[n:])):
+        n += k
+    return piece[:n].toreadonly()
+
+
 async def _with_data_plane(call, target: str, used: list) -> AsyncIterator:
     """A Fetch call's chunks, where a data ticket (the only message, next to
     the artifact) stands for the chunks its connection brings: the stored
     blob, raw after RAW_MAGIC (data) or one zstd stream (zstd_data), as a
-    gRPC fetch would send it, in whole pieces received straight into their
-    own buffers. Appends to `used` once the ticket is taken; _DataPlaneBroke
-    when the connection fails or ends short of a raw blob."""
+    gRPC fetch would send it. Appends to `used` once the ticket is taken;
+    _DataPlaneBroke when the connection fails or ends short of a raw blob."""
     async for chunk in call:
         if not (chunk.HasField("artifact") and chunk.HasField("data_ticket")):
             yield chunk
@@ -326,41 +336,29 @@ async def _with_data_plane(call, target: str, used: list) -> AsyncIterator:
         yield pb.FetchChunk(artifact=info)
         used.append(True)
         loop = asyncio.get_running_loop()
+        sock = None
         try:
             host, port = data_plane_address(chunk.data_ticket, target)
             family, kind, proto, _, address = (await loop.getaddrinfo(
                 host, port, type=socket.SOCK_STREAM))[0]
             sock = socket.socket(family, kind, proto)
-        except OSError as exc:
-            raise _DataPlaneBroke(f"cannot connect to its data plane: {exc}",
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, address), DATA_PLANE_CONNECT_S)
+        except (OSError, TimeoutError) as exc:
+            if sock is not None:
+                sock.close()
+            raise _DataPlaneBroke(f"cannot connect to its data plane: {exc!r}",
                                   unreachable=True) from None
         with sock:
-            sock.setblocking(False)
-            try:
-                await asyncio.wait_for(loop.sock_connect(sock, address), DATA_PLANE_CONNECT_S)
-            except (OSError, TimeoutError) as exc:
-                raise _DataPlaneBroke(f"cannot connect to its data plane: {exc!r}",
-                                      unreachable=True) from None
             try:
                 await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
-                raw, got, first = None, 0, True
-                while True:
-                    piece = bytearray(DATA_PLANE_PIECE)
-                    view, n = memoryview(piece), 0
-                    while n < len(piece) and (k := await loop.sock_recv_into(sock, view[n:])):
-                        n += k
-                    if first:  # the marker of a raw blob, or the zstd stream's first bytes
-                        first = False
-                        raw = view[:len(RAW_MAGIC)] == RAW_MAGIC
-                        view = view[len(RAW_MAGIC):n] if raw else view[:n]
-                    else:
-                        view = view[:n]
-                    if len(view):
-                        got += len(view)
-                        view = view.toreadonly()  # never written again: hashed without a copy
-                        yield DataChunk(view) if raw else DataChunk(b"", view)
-                    if n < len(piece):
-                        break
+                piece = await _recv_piece(loop, sock)
+                raw = piece[:len(RAW_MAGIC)] == RAW_MAGIC  # else the zstd stream's first bytes
+                got, piece = 0, piece[len(RAW_MAGIC):] if raw else piece
+                while len(piece):
+                    got += len(piece)
+                    yield DataChunk(piece) if raw else DataChunk(b"", piece)
+                    piece = await _recv_piece(loop, sock)
             except OSError as exc:
                 raise _DataPlaneBroke(f"its data plane broke off: {exc}") from None
             if raw and got != info.size:
@@ -844,11 +842,11 @@ class WorkerService(rpc.CompileCacheServicer):
                     used: list = []
                     try:
                         redirect = ""
+                        chunks = stub.Fetch(request, timeout=TRANSFER_S, metadata=md)
+                        if request.accept_data_ticket:  # (every other chunk passes straight on)
+                            chunks = _with_data_plane(chunks, self.coordinator, used)
                         async for chunk in _idle_timeout(
-                                _with_data_plane(
-                                    stub.Fetch(request, timeout=TRANSFER_S, metadata=md),
-                                    self.coordinator, used),
-                                PEER_IDLE_S if peer else UPSTREAM_IDLE_S):
+                                chunks, PEER_IDLE_S if peer else UPSTREAM_IDLE_S):
                             if chunk.HasField("artifact") and info is None:
                                 await self._make_room(writer, chunk.artifact.size)
                             if chunk.relay_from:
