@@ -44,6 +44,7 @@ class DataChunk:
 
     __slots__ = ("data", "wire", "zstd_data")
     relay_from = ""
+    local_growing = False
 
     def __init__(self, data, zstd_data=b"") -> None:
         self.data = data

@@ -164,3 +164,138 @@ def test_a_host_cache_file_that_does_not_verify_never_reaches_the_process(coordi
     assert process.fetch("k")[1] == data  # downloaded again from the coordinator
     assert process.fetch("k")[1] == data  # and now a host cache hit, from the new file
     assert files(worker) == 2
+
+
+# --- a cold fetch followed in the file the worker is writing -----------------
+
+BIG = os.urandom(24 << 20)  # stored raw; more chunks than a reader's queue holds
+
+
+def growing(worker) -> float:
+    return sample(worker, "compilecast_worker_growing_files_total")
+
+
+def cold(coordinator, start_worker, data: bytes, key: str = "k"):
+    """`data` published to the coordinator, not through the worker: its
+    host cache does not hold it, and a fetch through it downloads it."""
+    publish(CacheClient(coordinator.cfg.listen, timeout_s=10), key, data)
+    worker = start_worker(coordinator.cfg.listen)
+    assert worker.cache.lookup("host", key) is None
+    return worker, CacheClient(worker.target, timeout_s=10)
+
+
+def test_a_cold_fetch_follows_the_file_the_worker_is_writing(coordinator, start_worker):
+    """After the first MiB (when the worker knows it stores the bytes raw) the
+    process reads the rest from the host cache's file as it grows: the worker
+    sends it where the file is and how far it is written, not the bytes."""
+    worker, process = cold(coordinator, start_worker, BIG)
+    info, got = process.fetch("k")
+    assert got == BIG and info.size == len(BIG)
+    assert growing(worker) == 1
+    assert served(worker) < len(BIG) // 2  # the head at most: the rest from the file
+    assert worker.cache.lookup("host", "k") is not None  # and the host cache holds it
+    assert process.fetch("k")[1] == BIG and files(worker) == 1  # a hit: the whole file
+
+
+def test_the_stream_switches_to_the_file_where_the_bytes_sent_end(coordinator, start_worker):
+    """The protocol as any client sees it: the header, some bytes, then the
+    file and how far it is written, rising to the size; the bytes sent and the
+    file's from there make the artifact."""
+    from compilecast.v1 import cache_pb2 as pb
+    from compilecast.wire import stub
+
+    worker, _ = cold(coordinator, start_worker, BIG)
+    channel = grpc.insecure_channel(worker.target)
+    try:
+        sent, switch, marks = b"", None, []
+        for chunk in stub(channel).Fetch(pb.FetchRequest(key="k", accept_local_file=True,
+                                                         accept_growing_file=True)):
+            if switch is None and chunk.local_growing:
+                switch = chunk
+            if switch is not None:
+                marks.append(chunk.local_available)
+            else:
+                sent += bytes(chunk.data)
+    finally:
+        channel.close()
+    assert switch is not None and switch.local_path
+    assert marks == sorted(marks) and marks[-1] == len(BIG)
+    path = worker.cache.store.path_of(worker.cache.lookup("host", "k").digest)
+    with open(path, "rb") as f:
+        stored = f.read()
+    assert stored[8:8 + len(sent)] == sent
+    assert sent + stored[8 + len(sent):] == BIG
+
+
+def test_a_client_that_does_not_follow_files_gets_the_bytes(coordinator, start_worker):
+    from compilecast.v1 import cache_pb2 as pb
+    from compilecast.wire import stub
+
+    worker, _ = cold(coordinator, start_worker, BIG)
+    channel = grpc.insecure_channel(worker.target)
+    try:
+        chunks = list(stub(channel).Fetch(pb.FetchRequest(key="k", accept_local_file=True)))
+    finally:
+        channel.close()
+    assert not any(c.local_growing for c in chunks)
+    assert b"".join(bytes(c.data) for c in chunks) == BIG
+    assert growing(worker) == 0
+
+
+def test_a_compressed_download_is_not_followed(coordinator, start_worker):
+    """Stored as zstd (as it came), the file is not the artifact's bytes
+    while it is written: the process gets them over the socket, as before."""
+    data = COMPRESSIBLE * 4
+    worker, process = cold(coordinator, start_worker, data)
+    assert process.fetch("k")[1] == data
+    assert growing(worker) == 0
+
+
+def test_a_file_the_process_cannot_follow_is_asked_for_again(coordinator, start_worker,
+                                                             monkeypatch):
+    """Not visible here, or shorter than the worker said: the process asks
+    again without following, and gets the artifact whole."""
+    from compilecast.worker import client as client_mod
+
+    real = client_mod._Following
+
+    def unopenable(key, path, received, h):
+        raise PermissionError(13, "not readable here", path)
+
+    worker, process = cold(coordinator, start_worker, BIG)
+    monkeypatch.setattr(client_mod, "_Following", unopenable)
+    assert process.fetch("k")[1] == BIG
+    assert growing(worker) == 1 and process.local_files
+
+    class Short(real):  # the file ends before what the worker said is in it
+        def to(self, available):
+            super().to(min(available, 3 << 20))
+            if available > 3 << 20:
+                raise client_mod.CorruptBlob("ends short")
+
+    worker2, process2 = cold(coordinator, start_worker, BIG[::-1], key="k2")
+    monkeypatch.setattr(client_mod, "_Following", Short)
+    assert process2.fetch("k2")[1] == BIG[::-1]
+    assert growing(worker2) == 1
+
+
+def test_a_file_that_ends_short_is_refused(tmp_path):
+    from compilecast.blobstore import RAW_MAGIC, Sha256
+    from compilecast.errors import CorruptBlob
+    from compilecast.worker.client import _Following, _Received
+
+    path = tmp_path / "blob"
+    path.write_bytes(RAW_MAGIC + bytes(range(200)))
+    received, h = _Received("k"), Sha256()
+    follow = _Following("k", str(path), received, h)
+    try:
+        follow.to(150)
+        assert received.size == 150
+        with pytest.raises(CorruptBlob, match="ends at byte 200"):
+            follow.to(300)
+    finally:
+        follow.close()
+        h.close()
+    path.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(100))  # a zstd stream: not followable
+    with pytest.raises(CorruptBlob, match="not a raw blob"):
+        _Following("k", str(path), _Received("k"), Sha256())

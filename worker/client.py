@@ -190,6 +190,11 @@ class _Received:
 
 
 
+class _Unfollowable(Exception):
+    """The file a worker switched a fetch to cannot be opened here (its
+    cause says why)."""
+
+
 class _Unreachable(OSError):
     """The data plane's address cannot be connected to from here."""
 
@@ -277,6 +282,47 @@ def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
         return _read_stored(key, info, f, "the host cache file")
 
 
+class _Following:
+    """A download the worker goes on with in its host cache's file, which it
+    is still writing (FetchChunk.local_growing): read from the artifact's
+    byte the download reached, up to what the worker says the file holds,
+    straight into the result and hashed as the rest of it is."""
+
+    def __init__(self, key: str, path: str, received: _Received, h: Sha256) -> None:
+        self.key, self.received, self.h = key, received, h
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            if os.pread(fd, len(RAW_MAGIC), 0) != RAW_MAGIC:
+                raise CorruptBlob(f"the host cache file of {key} is not a raw blob")
+            os.lseek(fd, len(RAW_MAGIC) + received.size, os.SEEK_SET)
+            self.f = os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def to(self, available: int) -> None:
+        received = self.received
+        while (left := available - received.size) > 0:
+            room = received.room(min(left, LOCAL_PIECE))
+            if room is None:  # a small artifact: pieces, joined at the end
+                piece = self.f.read(min(left, LOCAL_PIECE))
+                n = len(piece)
+                if n:
+                    self.h.update(piece)
+                    received.add(piece)
+            elif n := _read_into(self.f, room):
+                self.h.update(room[:n].toreadonly())  # (never written again: not copied)
+                received.filled(n)
+            if not n:
+                raise CorruptBlob(f"the host cache file of {self.key} ends at byte "
+                                  f"{received.size}, short of the {available} its worker said")
+
+    def close(self) -> None:
+        self.f.close()
+
+
 def data_plane_address(ticket: pb.DataTicket, target: str) -> tuple[str, int]:
     """Where a ticket's bytes are: its address, or for ":port" the host of
     the gRPC `target` the client dialed."""
@@ -349,6 +395,9 @@ class CacheClient:
         # the host cache's file to read here; off once such a file could not be.
         self.local_files = target.startswith("unix:") and os.environ.get(
             "COMPILECAST_LOCAL_FILES", "1") != "0"
+        # With local files: a download the worker is still writing may be read
+        # from its file as it grows, after the first MiB (docs/architecture.md).
+        self.follow_files = True
         # From a coordinator (plaintext TCP), whole artifacts may come over its
         # data plane; off once its address could not be connected to.
         self.data_plane = not target.startswith("unix:") and creds is None and os.environ.get(
@@ -476,9 +525,17 @@ class CacheClient:
         raise AssertionError("unreachable")
 
     def _fetch_once(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, bytes]:
-        local, data_plane = self.local_files, self.data_plane
+        local, data_plane, growing = self.local_files, self.data_plane, self.follow_files
         while True:
-            info, got = self._fetch_stream(key, digest, local, data_plane)
+            try:
+                info, got = self._fetch_stream(key, digest, local, data_plane, growing)
+            except _Unfollowable as exc:
+                # Asked again: the file is then whole in the host cache, or comes
+                # over the socket.
+                growing = False
+                log.info("cannot follow the worker's file for %s (%s); asking again", key,
+                         exc.__cause__ or exc, extra={"key": key})
+                continue
             if isinstance(got, bytes):
                 return info, got
             if isinstance(got, pb.DataTicket):
@@ -508,14 +565,18 @@ class CacheClient:
                 local = False
                 log.warning("%s; fetching its bytes instead", exc, extra={"key": key})
 
-    def _fetch_stream(self, key: str, digest: str, local: bool, data_plane: bool = False
+    def _fetch_stream(self, key: str, digest: str, local: bool, data_plane: bool = False,
+                      growing: bool = False
                       ) -> tuple[pb.ArtifactInfo, bytes | str | pb.DataTicket]:
         """The artifact's info and its verified bytes, or with `local` the
         path of the file the worker answered with instead, or with
-        `data_plane` the coordinator's ticket for its bytes."""
+        `data_plane` the coordinator's ticket for its bytes. With `local` and
+        `growing`, the worker may go on in its file as it writes it;
+        _Unfollowable when that file cannot be read here."""
         info = None
         received = _Received(key)
         h = Sha256()  # on a thread of its own for a big artifact: overlaps receiving
+        following: _Following | None = None
 
         def take(data) -> None:
             h.update(data)
@@ -524,12 +585,25 @@ class CacheClient:
         inflate = None
         call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest, accept_zstd=True,
                                                accept_local_file=local,
+                                               accept_growing_file=local and growing,
                                                accept_data_ticket=data_plane),
                                timeout=TRANSFER_S)
         with _Watchdog(self.stall_s).watching(call.cancel) as dog, contextlib.closing(h):
             try:
                 for chunk in call:
                     dog.tick()
+                    if chunk.local_growing or following is not None:
+                        if info is None or inflate is not None:
+                            raise CorruptBlob(f"fetch of {key} switched to a file before its "
+                                              "header, or in a zstd stream")
+                        try:
+                            if following is None:
+                                following = _Following(key, chunk.local_path, received, h)
+                            following.to(chunk.local_available)
+                        except (OSError, CorruptBlob) as exc:  # not there, or short
+                            call.cancel()
+                            raise _Unfollowable() from exc
+                        continue
                     if chunk.HasField("artifact"):
                         info = chunk.artifact
                         elsewhere = (chunk.local_path if local and chunk.local_path else
@@ -557,6 +631,9 @@ class CacheClient:
                 if info is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
                     raise _CutOff(exc) from None
                 raise
+            finally:
+                if following is not None:
+                    following.close()
         if info is None:
             raise CorruptBlob(f"fetch of {key} returned no artifact header")
         if h.hexdigest() != info.digest:

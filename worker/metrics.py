@@ -35,6 +35,12 @@ class WorkerMetrics:
             "verified the bytes itself, none of them went through the worker",
             registry=registry,
         )
+        self.growing_files = Counter(
+            "compilecast_worker_growing_files",
+            "Downloads that a process on this host followed in the host cache's file as this "
+            "worker wrote it (after the first MiB), instead of taking their bytes over the socket",
+            registry=registry,
+        )
         self.fetch_seconds = Histogram(
             "compilecast_worker_fetch_seconds", "Time to fill the host cache from the coordinator",
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=registry,

@@ -110,6 +110,30 @@ class _Fill:
         self.zstd_backlog = _Backlog(max_backlog)  # the stream (chunks None once cut off)
         self.kept = True  # False: served without a copy in the host cache (its disk is full)
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.info: pb.ArtifactInfo | None = None  # once the header came
+        self.writer = None  # the host cache's BlobWriter, once it is made
+        self._changed = asyncio.Event()  # set (and replaced) at each write and at the end
+
+    def advance(self) -> None:
+        """More is written (or the fill ended): wake who follows its file."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self, timeout_s: float) -> bool:
+        """Whether it advanced within `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def readable(self) -> int | None:
+        """Bytes of the artifact its file holds now, for a reader on this
+        host; None unless the file is one a reader may follow as it grows
+        (stored raw, with the header known)."""
+        if self.info is None or self.writer is None or self.finished:
+            return None
+        return self.writer.readable()
 
     def join(self, zstd: bool = False) -> asyncio.Queue | None:
         """A reader's queue, or None: wait for the committed blob. With zstd,
@@ -183,6 +207,7 @@ class _Fill:
     async def finish(self, info: pb.ArtifactInfo | None, error: BaseException | None) -> None:
         self.started = self.finished = True
         self.backlog.chunks = self.zstd_backlog.chunks = None
+        self.advance()
         await self._put(self.readers + self.zstd_readers, error)  # None: verified, committed
         if not self.done.done():
             if error is None:
@@ -450,6 +475,35 @@ async def _heartbeats_until(done: asyncio.Future):
             await asyncio.wait_for(asyncio.shield(done), HEARTBEAT_S)
         if not done.done():
             yield pb.FetchChunk()
+
+
+FOLLOW_STEP = 4 << 20  # a reader following a fill's file is told of every this many bytes
+
+
+async def _following(fill: _Fill, available: int):
+    """The messages of a fetch that a process on this host goes on with by
+    reading the fill's file as it is written: where it is, then how far it
+    is written (every FOLLOW_STEP, at HEARTBEAT_S when nothing comes), and
+    the artifact's size once the fill committed it; the fill's error if it
+    failed. (A file the fill stopped writing, its disk full, ends short: the
+    reader finds the bytes missing and asks again without the file.)"""
+    yield pb.FetchChunk(local_path=str(fill.writer.path), local_growing=True,
+                        local_available=available)
+    told = available
+    while not fill.finished:
+        moved = await fill.changed(HEARTBEAT_S)
+        now = fill.readable()
+        if now is None:
+            break
+        if now >= told + FOLLOW_STEP or not moved:
+            told = now
+            yield pb.FetchChunk(local_available=now)
+    while not fill.done.done():  # (its file is not followed: a disk that filled up)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(fill.done), HEARTBEAT_S)
+        if not fill.done.done():
+            yield pb.FetchChunk(local_available=told)
+    yield pb.FetchChunk(local_available=fill.done.result().size)  # (or the fill's error)
 
 
 def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
@@ -826,7 +880,7 @@ class WorkerService(rpc.CompileCacheServicer):
         ticket = self.data_plane
         try:
             # (Inside the try: a fill that fails to start ends its readers too.)
-            writer = self.cache.store.writer(discard_when_unwritable=True)
+            writer = fill.writer = self.cache.store.writer(discard_when_unwritable=True)
             with writer:
                 while True:
                     # The coordinator's stored zstd (or a peer's relay of it), decoded
@@ -858,7 +912,7 @@ class WorkerService(rpc.CompileCacheServicer):
                                     raise CorruptBlob(f"{key} changed digest mid-download")
                                 if not fill.started:  # readers learn what to expect first
                                     await fill.send(pb.FetchChunk(artifact=chunk.artifact))
-                                info = chunk.artifact
+                                info = fill.info = chunk.artifact
                                 if (not peer and not writer.size
                                         and await self._linked(info.digest)):
                                     linked = True
@@ -874,6 +928,7 @@ class WorkerService(rpc.CompileCacheServicer):
                                 # Readers first: they hash it while this worker does.
                                 await fill.send(chunk)
                                 await asyncio.to_thread(writer.write, chunk.data)
+                                fill.advance()
                             elif not chunk.HasField("artifact"):
                                 await fill.send(chunk)  # a heartbeat: pass it on
                         if used and not linked and writer.size != info.size:
@@ -1057,8 +1112,11 @@ class WorkerService(rpc.CompileCacheServicer):
                 async for chunk in self._serve_blob(info, ns, request.key, request):
                     yield chunk
                 return
+        # A process on this host follows the host cache's file instead, from
+        # the byte it has, once the fill stores the bytes raw (after its first MiB).
+        follow = request.accept_growing_file and request.accept_local_file and self.local_files
         try:
-            while True:
+            while not follow or (available := fill.readable()) is None:
                 item = await reader.get()
                 if item is None:
                     return
@@ -1068,6 +1126,9 @@ class WorkerService(rpc.CompileCacheServicer):
                 yield item
         finally:
             fill.leave(reader)
+        self.metrics.growing_files.inc()
+        async for chunk in _following(fill, available):
+            yield chunk
 
     @rpc_errors
     async def Status(self, request, context):

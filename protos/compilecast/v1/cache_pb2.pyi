@@ -255,7 +255,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("key", "digest", "relay_address", "offset", "accept_zstd", "accept_local_file", "accept_data_ticket")
+    __slots__ = ("key", "digest", "relay_address", "offset", "accept_zstd", "accept_local_file", "accept_data_ticket", "accept_growing_file")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class FetchRequest(_message.Message):
     ACCEPT_ZSTD_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LOCAL_FILE_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_GROWING_FILE_FIELD_NUMBER: _ClassVar[int]
     key: str
     digest: str
     relay_address: str
@@ -270,7 +271,8 @@ class FetchRequest(_message.Message):
     accept_zstd: bool
     accept_local_file: bool
     accept_data_ticket: bool
-    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., relay_address: _Optional[str] = ..., offset: _Optional[int] = ..., accept_zstd: _Optional[bool] = ..., accept_local_file: _Optional[bool] = ..., accept_data_ticket: _Optional[bool] = ...) -> None: ...
+    accept_growing_file: bool
+    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., relay_address: _Optional[str] = ..., offset: _Optional[int] = ..., accept_zstd: _Optional[bool] = ..., accept_local_file: _Optional[bool] = ..., accept_data_ticket: _Optional[bool] = ..., accept_growing_file: _Optional[bool] = ...) -> None: ...
 
 class DataTicket(_message.Message):
     __slots__ = ("address", "token")
@@ -281,20 +283,24 @@ class DataTicket(_message.Message):
     def __init__(self, address: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("artifact", "data", "relay_from", "zstd_data", "local_path", "data_ticket")
+    __slots__ = ("artifact", "data", "relay_from", "zstd_data", "local_path", "data_ticket", "local_growing", "local_available")
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     RELAY_FROM_FIELD_NUMBER: _ClassVar[int]
     ZSTD_DATA_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_GROWING_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     artifact: ArtifactInfo
     data: bytes
     relay_from: str
     zstd_data: bytes
     local_path: str
     data_ticket: DataTicket
-    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., relay_from: _Optional[str] = ..., zstd_data: _Optional[bytes] = ..., local_path: _Optional[str] = ..., data_ticket: _Optional[_Union[DataTicket, _Mapping]] = ...) -> None: ...
+    local_growing: bool
+    local_available: int
+    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., relay_from: _Optional[str] = ..., zstd_data: _Optional[bytes] = ..., local_path: _Optional[str] = ..., data_ticket: _Optional[_Union[DataTicket, _Mapping]] = ..., local_growing: _Optional[bool] = ..., local_available: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("key", "lease")

@@ -1,0 +1,87 @@
+"""A process's cold fetch through its worker: the worker downloads the
+artifact into its host cache while the process reads it, either following
+the host cache's file as the worker writes it (after the first MiB; the
+default) or taking every byte over the worker's socket (as before the
+twenty-first session). Side by side, alternating, each fetch on a fresh
+worker (its host cache empty) of one coordinator.
+
+    python bench/cold_fetch.py [--mb 512] [--pairs 3]
+
+Prints per fetch the wall time until the process holds the verified bytes,
+and the CPU-seconds of the process, the worker and the coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _servers import Stack, cpu_seconds, random_file
+from fetch import publish_file
+
+PROCESS = """
+import resource, sys, time
+from compilecast.worker.client import CacheClient
+c = CacheClient(sys.argv[1], timeout_s=120)
+c.follow_files = sys.argv[3] == "follow"
+t0 = time.perf_counter()
+info, data = c.fetch(sys.argv[2])
+r = resource.getrusage(resource.RUSAGE_SELF)
+print(time.perf_counter() - t0, r.ru_utime + r.ru_stime)
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=512)
+    ap.add_argument("--pairs", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="cc-cold-") as tmp:
+        root = Path(tmp)
+        stack = Stack(root)
+        try:
+            coord, cproc = stack.coordinator()
+            path = root / "artifact.bin"
+            random_file(path, args.mb << 20)  # stored raw, as JAX's (compressed) entries are
+            publish_file(coord, "art", path)
+            path.unlink()
+            rows = []
+            for k in range(args.pairs):
+                order = ("follow", "socket") if k % 2 == 0 else ("socket", "follow")
+                for how in order:
+                    worker, wproc = stack.worker(coord, f"w{k}-{how}")
+                    before = cpu_seconds(wproc.pid), cpu_seconds(cproc.pid)
+                    out = subprocess.run([sys.executable, "-c", PROCESS, worker, "art", how],
+                                         check=True, capture_output=True, text=True).stdout
+                    wall, process_cpu = map(float, out.split()[-2:])
+                    time.sleep(0.2)  # the worker's commit after the process is done
+                    row = {"how": how, "pair": k + 1, "wall_s": wall, "process_cpu_s": process_cpu,
+                           "worker_cpu_s": cpu_seconds(wproc.pid) - before[0],
+                           "coordinator_cpu_s": cpu_seconds(cproc.pid) - before[1]}
+                    rows.append(row)
+                    print(f"pair {k + 1} {how:6s}: {args.mb / wall:5.0f} MB/s ({wall:.2f} s); CPU "
+                          f"process {process_cpu:.2f} s (with its start-up), worker "
+                          f"{row['worker_cpu_s']:.2f} s, coordinator "
+                          f"{row['coordinator_cpu_s']:.2f} s", flush=True)
+                    wproc.terminate()
+                    wproc.wait(30)
+            for how in ("follow", "socket"):
+                mine = [r for r in rows if r["how"] == how]
+                print(f"{how:6s}: median {statistics.median(r['wall_s'] for r in mine):.2f} s, "
+                      f"process CPU {statistics.median(r['process_cpu_s'] for r in mine):.2f} s, "
+                      f"worker CPU {statistics.median(r['worker_cpu_s'] for r in mine):.2f} s",
+                      flush=True)
+            print(json.dumps(rows))
+        finally:
+            stack.close()
+
+
+if __name__ == "__main__":
+    main()
