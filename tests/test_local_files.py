@@ -8,6 +8,7 @@ blob always gives. Real coordinator, worker and etcd."""
 from __future__ import annotations
 
 import os
+import time
 
 import grpc
 import pytest
@@ -299,3 +300,35 @@ def test_a_file_that_ends_short_is_refused(tmp_path):
     path.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(100))  # a zstd stream: not followable
     with pytest.raises(CorruptBlob, match="not a raw blob"):
         _Following("k", str(path), _Received("k"), Sha256())
+
+
+def test_a_process_that_joins_a_download_late_follows_the_file_from_its_start(
+        coordinator, start_worker):
+    """A second process of the host asking while the worker downloads (too
+    late for the bytes sent so far) used to wait for the whole download and
+    then read the file; it follows the file from its first byte instead."""
+    import threading
+
+    from compilecast.v1 import cache_pb2 as pb
+    from compilecast.wire import stub
+
+    worker, late = cold(coordinator, start_worker, BIG)
+    channel = grpc.insecure_channel(worker.target)
+    try:
+        # The first reader takes bytes and holds the download back (its queue is full).
+        first = stub(channel).Fetch(pb.FetchRequest(key="k"))
+        head = [bytes(next(first).data) for _ in range(3)]
+        got = {}
+        t = threading.Thread(target=lambda: got.update(late=late.fetch("k")))
+        t.start()
+        deadline = time.monotonic() + 10
+        while growing(worker) == 0 and t.is_alive() and time.monotonic() < deadline:
+            t.join(0.05)
+        following = growing(worker)  # before the first reader moves on
+        rest = b"".join(bytes(c.data) for c in first)
+        t.join(30)
+    finally:
+        channel.close()
+    assert following == 1
+    assert b"".join(head) + rest == BIG
+    assert got["late"][1] == BIG

@@ -1093,6 +1093,9 @@ class WorkerService(rpc.CompileCacheServicer):
                 yield chunk
             return
         self.metrics.fetches.labels("coordinator").inc()
+        # A process on this host follows the host cache's file instead, from
+        # the byte it has, once the fill stores the bytes raw (after its first MiB).
+        follow = request.accept_growing_file and request.accept_local_file and self.local_files
         while True:
             fill = self._fills.get((ns, request.key))
             if fill is None:
@@ -1103,6 +1106,16 @@ class WorkerService(rpc.CompileCacheServicer):
             reader = fill.join(request.accept_zstd)
             if reader is not None:
                 break
+            if follow:  # joined late: the file from its first byte, as it is written
+                while not fill.finished and fill.readable() is None:
+                    if not await fill.changed(HEARTBEAT_S):
+                        yield pb.FetchChunk()
+                if (available := fill.readable()) is not None:
+                    self.metrics.growing_files.inc()
+                    yield pb.FetchChunk(artifact=fill.info)
+                    async for chunk in _following(fill, available):
+                        yield chunk
+                    return
             # Joined late: wait for the blob (heartbeats meanwhile), then read
             # it from disk; one the host cache had no room for is downloaded again.
             async for beat in _heartbeats_until(fill.done):
@@ -1112,9 +1125,6 @@ class WorkerService(rpc.CompileCacheServicer):
                 async for chunk in self._serve_blob(info, ns, request.key, request):
                     yield chunk
                 return
-        # A process on this host follows the host cache's file instead, from
-        # the byte it has, once the fill stores the bytes raw (after its first MiB).
-        follow = request.accept_growing_file and request.accept_local_file and self.local_files
         try:
             while not follow or (available := fill.readable()) is None:
                 item = await reader.get()
