@@ -577,6 +577,7 @@ class CacheClient:
         received = _Received(key)
         h = Sha256()  # on a thread of its own for a big artifact: overlaps receiving
         following: _Following | None = None
+        unfollowable: BaseException | None = None  # why the file could not be followed
 
         def take(data) -> None:
             h.update(data)
@@ -596,13 +597,14 @@ class CacheClient:
                         if info is None or inflate is not None:
                             raise CorruptBlob(f"fetch of {key} switched to a file before its "
                                               "header, or in a zstd stream")
+                        if unfollowable is not None:
+                            continue  # to how the download ends: its error, or asked again
                         try:
                             if following is None:
                                 following = _Following(key, chunk.local_path, received, h)
                             following.to(chunk.local_available)
                         except (OSError, CorruptBlob) as exc:  # not there, or short
-                            call.cancel()
-                            raise _Unfollowable() from exc
+                            unfollowable = exc
                         continue
                     if chunk.HasField("artifact"):
                         info = chunk.artifact
@@ -634,6 +636,8 @@ class CacheClient:
             finally:
                 if following is not None:
                     following.close()
+        if unfollowable is not None:  # the download went well: its file is whole now
+            raise _Unfollowable() from unfollowable
         if info is None:
             raise CorruptBlob(f"fetch of {key} returned no artifact header")
         if h.hexdigest() != info.digest:
