@@ -58,6 +58,8 @@ bench: install
 	$(PY) bench/warm_start.py
 	$(PY) bench/fetch.py
 	$(PY) bench/fetch.py --sizes-mb 100 1024 --compressible
+	$(PY) bench/cold_fetch.py --mb 1024 --pairs 4
+	$(PY) bench/cold_fetch.py --mb 256 --pairs 3 --processes 8
 	$(PY) bench/decisions.py
 	$(PY) bench/decisions.py --batch 100 --clients 100
 	$(PY) bench/decisions.py --streams 8
