@@ -267,18 +267,25 @@ def _read_stored(key: str, info: pb.ArtifactInfo, f, where: str) -> bytes:
     return received.result()
 
 
-def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
-    """The artifact from the worker's host cache file at `path`, verified."""
-    # Only a regular file: a FIFO or a device named here would block or never end.
+def _open_host_file(path: str, check=None):
+    """A worker's host cache file at `path`, open unbuffered for reading;
+    `check(fd)` runs before. Only a regular file: a FIFO or a device named
+    here would block or never end."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
-        f = os.fdopen(fd, "rb", buffering=0)
+        if check is not None:
+            check(fd)
+        return os.fdopen(fd, "rb", buffering=0)
     except BaseException:
         os.close(fd)
         raise
-    with f:
+
+
+def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
+    """The artifact from the worker's host cache file at `path`, verified."""
+    with _open_host_file(path) as f:
         return _read_stored(key, info, f, "the host cache file")
 
 
@@ -290,17 +297,13 @@ class _Following:
 
     def __init__(self, key: str, path: str, received: _Received, h: Sha256) -> None:
         self.key, self.received, self.h = key, received, h
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file", path)
+
+        def at_the_byte_reached(fd: int) -> None:
             if os.pread(fd, len(RAW_MAGIC), 0) != RAW_MAGIC:
                 raise CorruptBlob(f"the host cache file of {key} is not a raw blob")
             os.lseek(fd, len(RAW_MAGIC) + received.size, os.SEEK_SET)
-            self.f = os.fdopen(fd, "rb", buffering=0)
-        except BaseException:
-            os.close(fd)
-            raise
+
+        self.f = _open_host_file(path, at_the_byte_reached)
 
     def to(self, available: int) -> None:
         received = self.received
