@@ -112,10 +112,14 @@ class _Fill:
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.info: pb.ArtifactInfo | None = None  # once the header came
         self.writer = None  # the host cache's BlobWriter, once it is made
+        self._written: int | None = None  # what the writer had written, at its last write's end
         self._changed = asyncio.Event()  # set (and replaced) at each write and at the end
 
     def advance(self) -> None:
-        """More is written (or the fill ended): wake who follows its file."""
+        """A write ended (or the fill did): wake who follows its file. (The
+        writer's own count runs ahead of its file while a write is under way
+        on its thread: only what a finished write left counts.)"""
+        self._written = self.writer.readable() if self.writer is not None else None
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -131,9 +135,9 @@ class _Fill:
         """Bytes of the artifact its file holds now, for a reader on this
         host; None unless the file is one a reader may follow as it grows
         (stored raw, with the header known)."""
-        if self.info is None or self.writer is None or self.finished:
+        if self.info is None or self.finished:
             return None
-        return self.writer.readable()
+        return self._written
 
     def join(self, zstd: bool = False) -> asyncio.Queue | None:
         """A reader's queue, or None: wait for the committed blob. With zstd,
