@@ -42,8 +42,11 @@ def pod(mode: str, coordinator: str, topology: str, n: int, *,
     and lowering), and `ready` counts from then."""
     dist, t0 = f"127.0.0.1:{free_port()}", time.time()
     extra = [entry] + ([str(t0 + go_after_s)] if go_after_s is not None else [])
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_pod_process.py"), mode, coordinator,
-                               topology, str(i), str(n), dist, str(t0), *extra], env=ENV,
+    # A list: each process its own worker (a pod's hosts), in turn.
+    targets = coordinator if isinstance(coordinator, list) else [coordinator]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_pod_process.py"), mode,
+                               targets[i % len(targets)], topology, str(i), str(n), dist,
+                               str(t0), *extra], env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(n)]
     rows = collect(procs, timeout_s=3600)
@@ -54,15 +57,21 @@ def pod(mode: str, coordinator: str, topology: str, n: int, *,
 
 
 @contextlib.contextmanager
-def fresh_coordinator(*flags: str, one_host: bool = False) -> Iterator[str]:
+def fresh_coordinator(*flags: str, one_host: bool = False,
+                      host_workers: int = 0) -> Iterator[str | list[str]]:
     """A coordinator (with these command-line flags) on its own etcd in a
     temporary folder, for one way. With one_host, the target is a worker in
-    front of it: the processes are those of one host (a GPU host's 8)."""
+    front of it: the processes are those of one host (a GPU host's 8). With
+    host_workers, that many workers in front of it, their targets in a list:
+    each process goes through its own, as on a pod's hosts."""
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(Path(tmp))
         try:
             coordinator = stack.coordinator(extra=flags)[0]
-            yield stack.worker(coordinator, "w")[0] if one_host else coordinator
+            if host_workers:
+                yield [stack.worker(coordinator, f"h{i}")[0] for i in range(host_workers)]
+            else:
+                yield stack.worker(coordinator, "w")[0] if one_host else coordinator
         finally:
             stack.close()
 

@@ -27,7 +27,10 @@ faster here; BENCHMARKS.md, "Twentieth session"). With
 that every waiter fetches). With --tpu-one-host the N processes are those of
 one host (a GPU host's 8) and go through one worker, as a host's processes do;
 COMPILECAST_LOCAL_FILES=0 makes them take the bytes over its socket instead of
-reading its host cache's file.
+reading its host cache's file. With --tpu-host-workers each process goes
+through a worker of its own, as on a pod's hosts: the holder publishes through
+its worker, and each waiter's worker downloads the executable while the
+process follows its host cache's file.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def timeline(phases: list[dict[str, float]]) -> str:
 
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
         weights: bool, after: bool = False, pairs: int = 1, one_host: bool = False,
-        alone_job: bool = False) -> None:
+        alone_job: bool = False, host_workers: bool = False) -> None:
     import aot_farm
 
     aot_farm.ENV.update(BENCH_LAYERS=str(layers), BENCH_WIDTH=str(width))
@@ -100,7 +103,8 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
     def run(mode: str, n: int) -> dict:
         # "share" streams uploads to the waiters (publish_stream_readers, off by default).
         flags = ("--publish-stream-readers", "4") if mode == "share" and after else ()
-        with aot_farm.fresh_coordinator(*flags, one_host=one_host) as coordinator:
+        with aot_farm.fresh_coordinator(*flags, one_host=one_host,
+                                        host_workers=n if host_workers else 0) as coordinator:
             # Start-up, JAX import and lowering take ~2 s a process on 2 cores.
             r = aot_farm.pod(mode, coordinator, topology, n, entry=entry,
                              go_after_s=10.0 + 2.5 * n)
@@ -187,13 +191,16 @@ def main() -> None:
                          "N-process job compiling while the others idle")
     ap.add_argument("--tpu-one-host", action="store_true",
                     help="with --tpu, the N processes share one worker (one host's processes)")
+    ap.add_argument("--tpu-host-workers", action="store_true",
+                    help="with --tpu, each process goes through a worker of its own (a pod's "
+                         "hosts)")
     ap.add_argument("--tpu-weights", action="store_true",
                     help="with --tpu, bake the weights into the program (a large executable)")
     args = ap.parse_args()
     if args.tpu:
         tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
             args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
-            args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job)
+            args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job, args.tpu_host_workers)
         return
     args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"
