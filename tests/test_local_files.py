@@ -332,3 +332,20 @@ def test_a_process_that_joins_a_download_late_follows_the_file_from_its_start(
     assert following == 1
     assert b"".join(head) + rest == BIG
     assert got["late"][1] == BIG
+
+
+def test_a_process_that_does_not_see_the_workers_files_stops_following(
+        coordinator, start_worker, monkeypatch, tmp_path):
+    """The temp file's directory is not here (the host cache not mounted into
+    the process's container): the fetch still gets the artifact, and the
+    process no longer asks to follow files."""
+    from compilecast.blobstore import BlobWriter
+
+    elsewhere = tmp_path / "not-mounted-here"
+    monkeypatch.setattr(BlobWriter, "path", property(lambda w: elsewhere / w._path.name))
+    worker, process = cold(coordinator, start_worker, BIG)
+    assert process.fetch("k")[1] == BIG
+    assert growing(worker) == 1 and not process.follow_files
+    publish(CacheClient(coordinator.cfg.listen, timeout_s=10), "k2", BIG[::-1])
+    assert process.fetch("k2")[1] == BIG[::-1]
+    assert growing(worker) == 1  # not asked again

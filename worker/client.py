@@ -191,8 +191,12 @@ class _Received:
 
 
 class _Unfollowable(Exception):
-    """The file a worker switched a fetch to cannot be opened here (its
-    cause says why)."""
+    """The file a worker switched a fetch to (`path`) could not be read here
+    (its cause says why)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
 
 
 class _Unreachable(OSError):
@@ -536,6 +540,8 @@ class CacheClient:
                 # Asked again: the file is then whole in the host cache, or comes
                 # over the socket.
                 growing = False
+                if not os.path.isdir(os.path.dirname(exc.path)):  # its host cache is not here
+                    self.follow_files = False
                 log.info("cannot follow the worker's file for %s (%s); asking again", key,
                          exc.__cause__ or exc, extra={"key": key})
                 continue
@@ -581,6 +587,7 @@ class CacheClient:
         h = Sha256()  # on a thread of its own for a big artifact: overlaps receiving
         following: _Following | None = None
         unfollowable: BaseException | None = None  # why the file could not be followed
+        followed = ""  # its path
 
         def take(data) -> None:
             h.update(data)
@@ -604,7 +611,8 @@ class CacheClient:
                             continue  # to how the download ends: its error, or asked again
                         try:
                             if following is None:
-                                following = _Following(key, chunk.local_path, received, h)
+                                followed = chunk.local_path
+                                following = _Following(key, followed, received, h)
                             following.to(chunk.local_available)
                         except (OSError, CorruptBlob) as exc:  # not there, or short
                             unfollowable = exc
@@ -640,7 +648,7 @@ class CacheClient:
                 if following is not None:
                     following.close()
         if unfollowable is not None:  # the download went well: its file is whole now
-            raise _Unfollowable() from unfollowable
+            raise _Unfollowable(followed) from unfollowable
         if info is None:
             raise CorruptBlob(f"fetch of {key} returned no artifact header")
         if h.hexdigest() != info.digest:
