@@ -351,25 +351,37 @@ def fetch_in_thread(client: CacheClient, key: str) -> tuple[threading.Thread, li
     return t, out
 
 
-def test_a_process_fetching_what_its_host_publishes_reads_the_workers_copy(coordinator,
-                                                                           start_worker):
+@pytest.mark.parametrize("digest_last", [False, True])
+@pytest.mark.parametrize("follow", [True, False])
+def test_a_process_fetching_what_its_host_publishes_reads_the_workers_copy(
+        coordinator, start_worker, follow, digest_last):
     """Holder and waiter on one host: the waiter's fetch, asked while the
-    upload goes through their worker, waits for the worker's own copy and
-    reads its file. The worker downloads nothing of what it uploads."""
+    upload goes through their worker, reads the worker's own copy: it follows
+    the copy's file as the upload writes it (the digest, when the holder sends
+    it last, comes with the fetch's last message), or, a client that does not
+    follow files, waits for the copy and reads the file. The worker downloads
+    nothing of what it uploads."""
     worker = start_worker(coordinator.cfg.listen)
     holder, waiter = clients(worker.target)
+    waiter.follow_files = follow
     data = os.urandom(6 * MIB)
     lease = holder.acquire("k").lease
     assert waiter.acquire("k").decision == pb.WAIT
-    up = HeldUpload(holder, "k", lease, data)
-    assert waiter.wait("k", 10, publishing=True).decision == pb.WAIT
+    up = HeldUpload(holder, "k", lease, data, digest_last=digest_last)
+    if digest_last:  # (not announced: fetched while the head is in)
+        assert up.sent_head.wait(10)
+    else:
+        assert waiter.wait("k", 10, publishing=True).decision == pb.WAIT
     fetching, out = fetch_in_thread(waiter, "k")
     fetching.join(1.0)
     assert fetching.is_alive() and up.thread.is_alive()  # asked before the upload ended
+    if follow:  # following the copy already, the head of the upload read
+        assert sample(worker, "compilecast_worker_growing_files_total") == 1
     up.go.set()
     fetching.join(30)
     assert out == [data]
-    assert sample(worker, "compilecast_worker_local_files_total") == 1
+    assert sample(worker, "compilecast_worker_growing_files_total") == int(follow)
+    assert sample(worker, "compilecast_worker_local_files_total") == int(not follow)
     assert sample(worker, "compilecast_worker_fetches_total", source="coordinator") == 0
 
 

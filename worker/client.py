@@ -607,6 +607,10 @@ class CacheClient:
                         if info is None or inflate is not None:
                             raise CorruptBlob(f"fetch of {key} switched to a file before its "
                                               "header, or in a zstd stream")
+                        if chunk.HasField("artifact"):  # the last: with the digest, if it
+                            if info.digest and chunk.artifact.digest != info.digest:  # came last
+                                raise CorruptBlob(f"{key} changed digest mid-fetch")
+                            info = chunk.artifact
                         if unfollowable is not None:
                             continue  # to how the download ends: its error, or asked again
                         try:
@@ -651,6 +655,8 @@ class CacheClient:
             raise _Unfollowable(followed) from unfollowable
         if info is None:
             raise CorruptBlob(f"fetch of {key} returned no artifact header")
+        if digest and info.digest != digest:
+            raise CorruptBlob(f"the server answered {key} with {info.digest}, not {digest}")
         if h.hexdigest() != info.digest:
             raise CorruptBlob(f"fetched bytes of {key} hash to {h.hexdigest()}, "
                               f"expected {info.digest}; discarded")

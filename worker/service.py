@@ -40,7 +40,7 @@ from compilecast.blobstore import (
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.decide import Decider
-from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
+from compilecast.errors import CorruptBlob, InvalidRequest, Unavailable, UpstreamError
 from compilecast.grpcutil import aio_channel, bearer, rpc_errors, unreachable
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -113,6 +113,7 @@ class _Fill:
         self.info: pb.ArtifactInfo | None = None  # once the header came
         self.writer = None  # the host cache's BlobWriter, once it is made
         self._written: int | None = None  # what the writer had written, at its last write's end
+        self.followed = False  # a reader follows its file
         self._changed = asyncio.Event()  # set (and replaced) at each write and at the end
 
     def advance(self) -> None:
@@ -507,7 +508,8 @@ async def _following(fill: _Fill, available: int):
             await asyncio.wait_for(asyncio.shield(fill.done), HEARTBEAT_S)
         if not fill.done.done():
             yield pb.FetchChunk(local_available=told)
-    yield pb.FetchChunk(local_available=fill.done.result().size)  # (or the fill's error)
+    info = fill.done.result()  # (or the fill's error)
+    yield pb.FetchChunk(artifact=info, local_available=info.size)
 
 
 def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
@@ -544,7 +546,7 @@ class WorkerService(rpc.CompileCacheServicer):
         self.channel = aio_channel(coordinator, credentials)
         self.up = wire.stub(self.channel)
         self._fills: dict[tuple[str, str], _Fill] = {}
-        self._publishing: dict[tuple[str, str], asyncio.Future] = {}  # publishes through us
+        self._publishing: dict[tuple[str, str], _Fill] = {}  # publishes through us
         self._tasks: set[asyncio.Task] = set()
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self._retiring: set[Decider] = set()  # evicted, closed once their waits end
@@ -731,19 +733,28 @@ class WorkerService(rpc.CompileCacheServicer):
         # Refuse bad headers here: a coordinator that aborts a stream the worker
         # is still sending can surface as a reset (INTERNAL) instead of its status.
         validate.publish_header(header, self.cache.store.max_blob_size)
-        # This host's processes that fetch it meanwhile read our copy when it is done.
-        done = asyncio.get_running_loop().create_future()
-        ours = self._publishing.setdefault((ns, header.key), done) is done
+        # This host's processes that fetch it meanwhile read our copy: they
+        # follow its file as it is written (stored raw), or read it when done.
+        # (The digest may come last: they learn it at the end.)
+        copy = _Fill(0)
+        copy.info = pb.ArtifactInfo(key=header.key, size=header.size, digest=header.digest)
+        ours = self._publishing.setdefault((ns, header.key), copy) is copy
+        error: BaseException | None = None
+        resp = None
         try:
-            return await self._publish(ns, md, header, chunks)
+            resp = await self._publish(ns, md, header, chunks, copy)
+            return resp
+        except BaseException as exc:
+            error = Unavailable(f"the publish of {header.key} on this host failed: {exc}")
+            raise
         finally:
             if ours:
                 del self._publishing[(ns, header.key)]
-            done.set_result(None)
+            await copy.finish(resp.artifact if resp is not None else None, error)
 
     async def _publish(self, ns: str, md: tuple, header: pb.PublishHeader,
-                       chunks) -> pb.PublishResponse:
-        writer = self.cache.store.writer(discard_when_unwritable=True)
+                       chunks, copy: _Fill) -> pb.PublishResponse:
+        writer = copy.writer = self.cache.store.writer(discard_when_unwritable=True)
         with writer:
             await self._make_room(writer, header.size)
 
@@ -765,9 +776,12 @@ class WorkerService(rpc.CompileCacheServicer):
                                              "for the coordinator itself)")
                     if pack is None:
                         await asyncio.to_thread(writer.write, chunk.data)
+                        copy.advance()
                         yield chunk  # as received: its frame goes on without re-encoding
                         continue
-                    for out in await asyncio.to_thread(pack.add, chunk):
+                    sent = await asyncio.to_thread(pack.add, chunk)
+                    copy.advance()
+                    for out in sent:
                         yield out
                 if pack is not None:
                     for out in await asyncio.to_thread(pack.end):
@@ -1084,11 +1098,20 @@ class WorkerService(rpc.CompileCacheServicer):
         ns, md = self._credential(context)
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         publishing = self._publishing.get((ns, request.key))
+        # A process on this host follows the host cache's file instead, from
+        # the byte it has, once the fill stores the bytes raw (after its first MiB).
+        follow = request.accept_growing_file and request.accept_local_file and self.local_files
         if info is None and publishing is not None and request.accept_local_file \
                 and self.local_files:
             # A process of this host is publishing it through us: the one asking
-            # reads our copy once it is in, instead of our downloading what we upload.
-            async for beat in _heartbeats_until(publishing):
+            # reads our copy (as it is written, or once it is in), instead of our
+            # downloading what we upload.
+            if follow:
+                async for chunk in self._follow_late(publishing):
+                    yield chunk
+                if publishing.followed:
+                    return
+            async for beat in _heartbeats_until(publishing.done):
                 yield beat
             info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is not None and (not request.digest or info.digest == request.digest):
@@ -1097,9 +1120,6 @@ class WorkerService(rpc.CompileCacheServicer):
                 yield chunk
             return
         self.metrics.fetches.labels("coordinator").inc()
-        # A process on this host follows the host cache's file instead, from
-        # the byte it has, once the fill stores the bytes raw (after its first MiB).
-        follow = request.accept_growing_file and request.accept_local_file and self.local_files
         while True:
             fill = self._fills.get((ns, request.key))
             if fill is None:
@@ -1111,14 +1131,9 @@ class WorkerService(rpc.CompileCacheServicer):
             if reader is not None:
                 break
             if follow:  # joined late: the file from its first byte, as it is written
-                while not fill.finished and fill.readable() is None:
-                    if not await fill.changed(HEARTBEAT_S):
-                        yield pb.FetchChunk()
-                if (available := fill.readable()) is not None:
-                    self.metrics.growing_files.inc()
-                    yield pb.FetchChunk(artifact=fill.info)
-                    async for chunk in _following(fill, available):
-                        yield chunk
+                async for chunk in self._follow_late(fill):
+                    yield chunk
+                if fill.followed:
                     return
             # Joined late: wait for the blob (heartbeats meanwhile), then read
             # it from disk; one the host cache had no room for is downloaded again.
@@ -1143,6 +1158,21 @@ class WorkerService(rpc.CompileCacheServicer):
         self.metrics.growing_files.inc()
         async for chunk in _following(fill, available):
             yield chunk
+
+    async def _follow_late(self, fill: _Fill):
+        """A fetch that follows `fill`'s file from its first byte, once it is
+        one to follow (heartbeats until then): the header, then _following.
+        Nothing more when the fill ends without one (`fill.followed` stays
+        False: read the committed blob)."""
+        while not fill.finished and fill.readable() is None:
+            if not await fill.changed(HEARTBEAT_S):
+                yield pb.FetchChunk()
+        if (available := fill.readable()) is not None:
+            fill.followed = True
+            self.metrics.growing_files.inc()
+            yield pb.FetchChunk(artifact=fill.info)
+            async for chunk in _following(fill, available):
+                yield chunk
 
     @rpc_errors
     async def Status(self, request, context):
