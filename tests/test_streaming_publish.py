@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 
 import grpc
 import pytest
@@ -401,3 +402,64 @@ def test_a_fetch_waiting_for_its_hosts_upload_ends_when_the_upload_fails(coordin
     assert not fetching.is_alive()
     assert len(out) == 1 and isinstance(out[0], grpc.RpcError), out  # never bytes of a cut upload
     assert sample(worker, "compilecast_worker_local_files_total") == 0
+
+
+def _until(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.mark.parametrize("digest_last", [False, True])
+def test_a_hosts_waiters_are_woken_by_its_own_publish_and_follow_it(coordinator, start_worker,
+                                                                    digest_last):
+    """The worker sees a publish of its own host before the coordinator can
+    tell anyone: the host's waiters (until publishing) are woken as it
+    begins, and follow the worker's copy while the upload runs, even when
+    the holder sends its digest last (the coordinator then announces nothing
+    until the end). One upstream wait, never a second."""
+    worker = start_worker(coordinator.cfg.listen)
+    holder, waiter = clients(worker.target)
+    data = os.urandom(6 * MIB)
+    lease = holder.acquire("k").lease
+    assert waiter.acquire("k").decision == pb.WAIT
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 30)), daemon=True)
+    t.start()
+    assert _until(lambda: worker.service.waits.waiting == 1)
+    up = HeldUpload(holder, "k", lease, data, digest_last=digest_last)
+    # Woken, and following the copy, while the upload is held at its head.
+    assert _until(lambda: sample(worker, "compilecast_worker_growing_files_total") == 1)
+    assert up.thread.is_alive() and t.is_alive()
+    up.go.set()
+    t.join(30)
+    (event, got), = out
+    assert event.decision == pb.HIT and got == data
+    assert event.artifact.digest == hashlib.sha256(data).hexdigest()
+    assert sample(worker, "compilecast_worker_woken_by_host_publish_total") == 1
+    assert sample(worker, "compilecast_worker_waits_total", how="upstream") == 1
+    assert sample(worker, "compilecast_worker_fetches_total", source="coordinator") == 0
+
+
+def test_a_host_waiter_woken_by_a_publish_that_fails_waits_on(coordinator, start_worker):
+    """Woken by its host's publish, following its copy, when the upload is
+    cut: the waiter gets no bytes of it and waits on, to the end the holder
+    gives the lease (here a refused publish: compile locally)."""
+    worker = start_worker(coordinator.cfg.listen)
+    holder, waiter = clients(worker.target)
+    lease = holder.acquire("k").lease
+    assert waiter.acquire("k").decision == pb.WAIT
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 60)), daemon=True)
+    t.start()
+    assert _until(lambda: worker.service.waits.waiting == 1)
+    up = HeldUpload(holder, "k", lease, os.urandom(6 * MIB), digest_last=True)
+    assert _until(lambda: sample(worker, "compilecast_worker_growing_files_total") == 1)
+    up.cut.set()
+    up.thread.join(30)
+    holder.release("k", lease, pb.PUBLISH_REFUSED, "the upload was cut")
+    t.join(60)
+    (event, got), = out
+    assert got is None  # never bytes of the cut upload
+    assert event.decision == pb.COMPILE_LOCALLY and "the upload was cut" in event.reason

@@ -35,6 +35,12 @@ class WorkerMetrics:
             "verified the bytes itself, none of them went through the worker",
             registry=registry,
         )
+        self.woken_here = Counter(
+            "compilecast_worker_woken_by_host_publish",
+            "Waits of this host's processes ended by a publish of another process of the host "
+            "through this worker, as it began (they follow the worker's copy of the upload)",
+            registry=registry,
+        )
         self.growing_files = Counter(
             "compilecast_worker_growing_files",
             "Downloads that a process on this host followed in the host cache's file as this "

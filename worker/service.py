@@ -710,7 +710,7 @@ class WorkerService(rpc.CompileCacheServicer):
 
     @rpc_errors
     async def Wait(self, request, context):
-        _, md = self._credential(context)
+        ns, md = self._credential(context)
         request = self._bounded(request)
         deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms else None
         event = await self._wait_once(request, md, until_publishing=True)
@@ -724,6 +724,17 @@ class WorkerService(rpc.CompileCacheServicer):
                 yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                    reason="share-binary timeout passed; compile locally")
                 return
+        copy = self._publishing.get((ns, request.key))
+        if copy is not None:  # published through us: its end is the HIT, no wait upstream
+            with contextlib.suppress(Exception):  # (failed: wait on upstream, as for any)
+                info = await asyncio.wait_for(
+                    asyncio.shield(copy.done),
+                    None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if info is not None:
+                    yield pb.WaitEvent(decision=pb.HIT, artifact=info)
+                    return
+            if deadline is not None:
+                request.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
         yield await self._wait_once(request, md, until_publishing=False)
 
     @rpc_errors
@@ -739,13 +750,17 @@ class WorkerService(rpc.CompileCacheServicer):
         copy = _Fill(0)
         copy.info = pb.ArtifactInfo(key=header.key, size=header.size, digest=header.digest)
         ours = self._publishing.setdefault((ns, header.key), copy) is copy
+        if ours:  # this host's waiters for it fetch now: they follow our copy
+            self.metrics.woken_here.inc(self.waits.publishing(
+                md, header.key, pb.WaitEvent(decision=pb.WAIT, artifact=copy.info)))
         error: BaseException | None = None
         resp = None
         try:
             resp = await self._publish(ns, md, header, chunks, copy)
             return resp
         except BaseException as exc:
-            error = Unavailable(f"the publish of {header.key} on this host failed: {exc}")
+            error = Unavailable(f"the publish of {header.key} on this host failed: "
+                                f"{exc or type(exc).__name__}")
             raise
         finally:
             if ours:
@@ -1101,8 +1116,7 @@ class WorkerService(rpc.CompileCacheServicer):
         # A process on this host follows the host cache's file instead, from
         # the byte it has, once the fill stores the bytes raw (after its first MiB).
         follow = request.accept_growing_file and request.accept_local_file and self.local_files
-        if info is None and publishing is not None and request.accept_local_file \
-                and self.local_files:
+        if info is None and publishing is not None:
             # A process of this host is publishing it through us: the one asking
             # reads our copy (as it is written, or once it is in), instead of our
             # downloading what we upload.

@@ -6,6 +6,8 @@ in the name of the lowest process id among its waiters, and answers all of
 them from it:
 
 - HIT, or the notice that the holder has started to publish: everyone.
+  A holder of this host that publishes through this worker is noticed here
+  first: its host's waiters until publishing are told at once (`publishing`).
 - COMPILE (a promotion or a hedge): the lowest process id of the job it was
   asked for, among the waiters then (one may have joined after the upstream
   wait was sent; publish checks the job, not the process); the others wait
@@ -102,6 +104,23 @@ class HostWaits:
                 group.waiters.remove(me)
             if not group.waiters and group.task is not None:
                 group.task.cancel()  # nobody left to answer: end the upstream wait
+
+    def publishing(self, scope: Hashable, key: str, event: pb.WaitEvent) -> int:
+        """A process of this host has started to publish `key` through this
+        worker (under the credential `scope`): its waiters until publishing
+        get `event` now, before the coordinator could tell them, and follow
+        the worker's copy as it is written. The upstream wait ends with its
+        last waiter. Returns how many were woken."""
+        group = self._groups.get((scope, key, True))
+        if group is None:
+            return 0
+        woken = 0
+        for w in list(group.waiters):
+            group.waiters.remove(w)
+            if not w.done.done():
+                w.done.set_result(event)
+                woken += 1
+        return woken
 
     async def _run(self, gk: tuple, group: _Group, upstream: Upstream,
                    until_publishing: bool) -> None:
