@@ -230,6 +230,12 @@ class WorkerConfig:
                                      "unix socket with the file's path: it reads and verifies "
                                      "the file itself, without the bytes going through this "
                                      "worker (it must see cache_dir at the same path)"))
+    wake_on_host_publish: bool = field(
+        default=False, metadata=_help("when a process of this host starts to publish through "
+                                      "this worker, wake the host's processes waiting for it "
+                                      "at once, to follow the worker's copy as it is written "
+                                      "(off: they are woken when the publish ends; on 2 shared "
+                                      "cores following slowed the upload, BENCHMARKS.md)"))
     data_plane: bool = field(
         default=True, metadata=_help("take whole artifacts over the coordinator's data plane "
                                      "(plain TCP, sendfile) when it offers one; never with TLS "

@@ -419,7 +419,7 @@ def test_a_hosts_waiters_are_woken_by_its_own_publish_and_follow_it(coordinator,
     begins, and follow the worker's copy while the upload runs, even when
     the holder sends its digest last (the coordinator then announces nothing
     until the end). One upstream wait, never a second."""
-    worker = start_worker(coordinator.cfg.listen)
+    worker = start_worker(coordinator.cfg.listen, wake_on_host_publish=True)
     holder, waiter = clients(worker.target)
     data = os.urandom(6 * MIB)
     lease = holder.acquire("k").lease
@@ -446,7 +446,7 @@ def test_a_host_waiter_woken_by_a_publish_that_fails_waits_on(coordinator, start
     """Woken by its host's publish, following its copy, when the upload is
     cut: the waiter gets no bytes of it and waits on, to the end the holder
     gives the lease (here a refused publish: compile locally)."""
-    worker = start_worker(coordinator.cfg.listen)
+    worker = start_worker(coordinator.cfg.listen, wake_on_host_publish=True)
     holder, waiter = clients(worker.target)
     lease = holder.acquire("k").lease
     assert waiter.acquire("k").decision == pb.WAIT
@@ -463,3 +463,26 @@ def test_a_host_waiter_woken_by_a_publish_that_fails_waits_on(coordinator, start
     (event, got), = out
     assert got is None  # never bytes of the cut upload
     assert event.decision == pb.COMPILE_LOCALLY and "the upload was cut" in event.reason
+
+
+def test_by_default_a_hosts_waiters_are_woken_when_its_publish_ends(coordinator, start_worker):
+    """wake_on_host_publish off (the default): the coordinator's notice ends
+    the wait, at the end of a publish whose digest comes last."""
+    worker = start_worker(coordinator.cfg.listen)
+    holder, waiter = clients(worker.target)
+    data = os.urandom(6 * MIB)
+    lease = holder.acquire("k").lease
+    assert waiter.acquire("k").decision == pb.WAIT
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 30)), daemon=True)
+    t.start()
+    assert _until(lambda: worker.service.waits.waiting == 1)
+    up = HeldUpload(holder, "k", lease, data, digest_last=True)
+    assert up.sent_head.wait(10)
+    t.join(1.0)
+    assert t.is_alive() and worker.service.waits.waiting == 1  # still waiting: not woken
+    up.go.set()
+    t.join(30)
+    (event, got), = out
+    assert event.decision == pb.HIT and got == data
+    assert sample(worker, "compilecast_worker_woken_by_host_publish_total") == 0

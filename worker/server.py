@@ -54,6 +54,7 @@ class Worker(Role):
                                      relay_address=relay_address,
                                      link_store=cfg.link_store_dir,
                                      local_files=cfg.local_files,
+                                     wake_on_host_publish=cfg.wake_on_host_publish,
                                      data_plane=cfg.data_plane and upstream_creds is None,
                                      # Peers serve with the same certificates as the
                                      # coordinator's CA signs (one PKI per release).

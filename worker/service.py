@@ -527,8 +527,10 @@ class WorkerService(rpc.CompileCacheServicer):
                  token: str = "", credentials: grpc.ChannelCredentials | None = None,
                  relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None,
                  link_store: str = "", local_files: bool = True,
-                 data_plane: bool = False) -> None:
+                 data_plane: bool = False, wake_on_host_publish: bool = False) -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
+        # This host's waiters woken as a publish through us begins (they follow our copy).
+        self.wake_on_host_publish = wake_on_host_publish
         # Whole downloads over the coordinator's data plane when it offers one
         # (plaintext only); off once its address could not be connected to.
         self.data_plane = data_plane
@@ -750,7 +752,7 @@ class WorkerService(rpc.CompileCacheServicer):
         copy = _Fill(0)
         copy.info = pb.ArtifactInfo(key=header.key, size=header.size, digest=header.digest)
         ours = self._publishing.setdefault((ns, header.key), copy) is copy
-        if ours:  # this host's waiters for it fetch now: they follow our copy
+        if ours and self.wake_on_host_publish:  # they fetch now: they follow our copy
             self.metrics.woken_here.inc(self.waits.publishing(
                 md, header.key, pb.WaitEvent(decision=pb.WAIT, artifact=copy.info)))
         error: BaseException | None = None
