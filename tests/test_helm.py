@@ -416,3 +416,18 @@ def test_the_charts_dashboard_is_the_documented_one():
     ships the same file as a ConfigMap."""
     docs_copy = ROOT / "docs" / "grafana-dashboard.json"
     assert (CHART / "dashboards" / "compilecast.json").read_text() == docs_copy.read_text()
+
+
+def test_the_chart_sets_whether_a_host_publish_wakes_its_waiters():
+    from compilecast.cli import build_parser
+    from compilecast.config import WorkerConfig, load
+
+    def wake(*sets: str) -> bool:
+        (ds,) = by_kind(render(None, *sets), "DaemonSet")
+        args = build_parser().parse_args(ds["spec"]["template"]["spec"]["containers"][0]["args"])
+        cfg, _ = load(WorkerConfig, env={},
+                      flags={"wake_on_host_publish": args.wake_on_host_publish})
+        return cfg.wake_on_host_publish
+
+    assert wake() is False
+    assert wake("worker.cache.wakeOnHostPublish=true") is True
