@@ -411,6 +411,34 @@ def _until(cond, timeout_s: float = 10.0) -> bool:
     return cond()
 
 
+class HostWaiting:
+    """A holder and a waiter of one host (one worker): the waiter in
+    wait_and_fetch, its wait registered with the worker, before the holder
+    starts to publish (held at its head) with `upload(...)`."""
+
+    def __init__(self, coordinator, start_worker, **worker_kw) -> None:
+        self.worker = start_worker(coordinator.cfg.listen, **worker_kw)
+        self.holder, waiter = clients(self.worker.target)
+        self.lease = self.holder.acquire("k").lease
+        assert waiter.acquire("k").decision == pb.WAIT
+        self.out: list = []
+        self.thread = threading.Thread(
+            target=lambda: self.out.append(waiter.wait_and_fetch("k", 60)), daemon=True)
+        self.thread.start()
+        assert _until(lambda: self.worker.service.waits.waiting == 1)
+
+    def upload(self, data: bytes) -> HeldUpload:
+        return HeldUpload(self.holder, "k", self.lease, data, digest_last=True)
+
+    def result(self) -> tuple[pb.WaitEvent, bytes | None]:
+        self.thread.join(60)
+        (got,) = self.out
+        return got
+
+    def following(self) -> bool:
+        return _until(lambda: sample(self.worker, "compilecast_worker_growing_files_total") == 1)
+
+
 @pytest.mark.parametrize("digest_last", [False, True])
 def test_a_hosts_waiters_are_woken_by_its_own_publish_and_follow_it(coordinator, start_worker,
                                                                     digest_last):
@@ -419,24 +447,16 @@ def test_a_hosts_waiters_are_woken_by_its_own_publish_and_follow_it(coordinator,
     begins, and follow the worker's copy while the upload runs, even when
     the holder sends its digest last (the coordinator then announces nothing
     until the end). One upstream wait, never a second."""
-    worker = start_worker(coordinator.cfg.listen, wake_on_host_publish=True)
-    holder, waiter = clients(worker.target)
+    host = HostWaiting(coordinator, start_worker, wake_on_host_publish=True)
     data = os.urandom(6 * MIB)
-    lease = holder.acquire("k").lease
-    assert waiter.acquire("k").decision == pb.WAIT
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 30)), daemon=True)
-    t.start()
-    assert _until(lambda: worker.service.waits.waiting == 1)
-    up = HeldUpload(holder, "k", lease, data, digest_last=digest_last)
-    # Woken, and following the copy, while the upload is held at its head.
-    assert _until(lambda: sample(worker, "compilecast_worker_growing_files_total") == 1)
-    assert up.thread.is_alive() and t.is_alive()
+    up = HeldUpload(host.holder, "k", host.lease, data, digest_last=digest_last)
+    assert host.following()  # woken, and following the copy, while the upload is held
+    assert up.thread.is_alive() and host.thread.is_alive()
     up.go.set()
-    t.join(30)
-    (event, got), = out
+    event, got = host.result()
     assert event.decision == pb.HIT and got == data
     assert event.artifact.digest == hashlib.sha256(data).hexdigest()
+    worker = host.worker
     assert sample(worker, "compilecast_worker_woken_by_host_publish_total") == 1
     assert sample(worker, "compilecast_worker_waits_total", how="upstream") == 1
     assert sample(worker, "compilecast_worker_fetches_total", source="coordinator") == 0
@@ -446,21 +466,13 @@ def test_a_host_waiter_woken_by_a_publish_that_fails_waits_on(coordinator, start
     """Woken by its host's publish, following its copy, when the upload is
     cut: the waiter gets no bytes of it and waits on, to the end the holder
     gives the lease (here a refused publish: compile locally)."""
-    worker = start_worker(coordinator.cfg.listen, wake_on_host_publish=True)
-    holder, waiter = clients(worker.target)
-    lease = holder.acquire("k").lease
-    assert waiter.acquire("k").decision == pb.WAIT
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 60)), daemon=True)
-    t.start()
-    assert _until(lambda: worker.service.waits.waiting == 1)
-    up = HeldUpload(holder, "k", lease, os.urandom(6 * MIB), digest_last=True)
-    assert _until(lambda: sample(worker, "compilecast_worker_growing_files_total") == 1)
+    host = HostWaiting(coordinator, start_worker, wake_on_host_publish=True)
+    up = host.upload(os.urandom(6 * MIB))
+    assert host.following()
     up.cut.set()
     up.thread.join(30)
-    holder.release("k", lease, pb.PUBLISH_REFUSED, "the upload was cut")
-    t.join(60)
-    (event, got), = out
+    host.holder.release("k", host.lease, pb.PUBLISH_REFUSED, "the upload was cut")
+    event, got = host.result()
     assert got is None  # never bytes of the cut upload
     assert event.decision == pb.COMPILE_LOCALLY and "the upload was cut" in event.reason
 
@@ -468,21 +480,13 @@ def test_a_host_waiter_woken_by_a_publish_that_fails_waits_on(coordinator, start
 def test_by_default_a_hosts_waiters_are_woken_when_its_publish_ends(coordinator, start_worker):
     """wake_on_host_publish off (the default): the coordinator's notice ends
     the wait, at the end of a publish whose digest comes last."""
-    worker = start_worker(coordinator.cfg.listen)
-    holder, waiter = clients(worker.target)
+    host = HostWaiting(coordinator, start_worker)
     data = os.urandom(6 * MIB)
-    lease = holder.acquire("k").lease
-    assert waiter.acquire("k").decision == pb.WAIT
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(waiter.wait_and_fetch("k", 30)), daemon=True)
-    t.start()
-    assert _until(lambda: worker.service.waits.waiting == 1)
-    up = HeldUpload(holder, "k", lease, data, digest_last=True)
+    up = host.upload(data)
     assert up.sent_head.wait(10)
-    t.join(1.0)
-    assert t.is_alive() and worker.service.waits.waiting == 1  # still waiting: not woken
+    host.thread.join(1.0)
+    assert host.thread.is_alive() and host.worker.service.waits.waiting == 1  # not woken
     up.go.set()
-    t.join(30)
-    (event, got), = out
+    event, got = host.result()
     assert event.decision == pb.HIT and got == data
-    assert sample(worker, "compilecast_worker_woken_by_host_publish_total") == 0
+    assert sample(host.worker, "compilecast_worker_woken_by_host_publish_total") == 0
