@@ -113,7 +113,6 @@ class _Fill:
         self.info: pb.ArtifactInfo | None = None  # once the header came
         self.writer = None  # the host cache's BlobWriter, once it is made
         self._written: int | None = None  # what the writer had written, at its last write's end
-        self.followed = False  # a reader follows its file
         self._changed = asyncio.Event()  # set (and replaced) at each write and at the end
 
     def advance(self) -> None:
@@ -472,14 +471,14 @@ async def _unless_stalled(call, moved: list[float], stall_s: float, what: str):
             call.cancel()
 
 
-async def _heartbeats_until(done: asyncio.Future):
-    """Empty FetchChunks, one every HEARTBEAT_S, until `done` is: a fetch
-    that waits for its bytes shows its reader it is alive."""
+async def _heartbeats_until(done: asyncio.Future, beat=pb.FetchChunk):
+    """`beat()` (an empty FetchChunk), one every HEARTBEAT_S, until `done`
+    is: a fetch that waits for its bytes shows its reader it is alive."""
     while not done.done():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(done), HEARTBEAT_S)
         if not done.done():
-            yield pb.FetchChunk()
+            yield beat()
 
 
 FOLLOW_STEP = 4 << 20  # a reader following a fill's file is told of every this many bytes
@@ -503,11 +502,9 @@ async def _following(fill: _Fill, available: int):
         if now >= told + FOLLOW_STEP or not moved:
             told = now
             yield pb.FetchChunk(local_available=now)
-    while not fill.done.done():  # (its file is not followed: a disk that filled up)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(fill.done), HEARTBEAT_S)
-        if not fill.done.done():
-            yield pb.FetchChunk(local_available=told)
+    # (Its file no longer followed, a disk that filled up: its end.)
+    async for beat in _heartbeats_until(fill.done, lambda: pb.FetchChunk(local_available=told)):
+        yield beat
     info = fill.done.result()  # (or the fill's error)
     yield pb.FetchChunk(artifact=info, local_available=info.size)
 
@@ -728,13 +725,15 @@ class WorkerService(rpc.CompileCacheServicer):
                 return
         copy = self._publishing.get((ns, request.key))
         if copy is not None:  # published through us: its end is the HIT, no wait upstream
-            with contextlib.suppress(Exception):  # (failed: wait on upstream, as for any)
+            try:
                 info = await asyncio.wait_for(
                     asyncio.shield(copy.done),
                     None if deadline is None else max(0.0, deadline - time.monotonic()))
-                if info is not None:
-                    yield pb.WaitEvent(decision=pb.HIT, artifact=info)
-                    return
+            except Exception:  # (it failed, or time ran out: wait on upstream, as for any)
+                pass
+            else:
+                yield pb.WaitEvent(decision=pb.HIT, artifact=info)
+                return
             if deadline is not None:
                 request.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
         yield await self._wait_once(request, md, until_publishing=False)
@@ -1123,9 +1122,11 @@ class WorkerService(rpc.CompileCacheServicer):
             # reads our copy (as it is written, or once it is in), instead of our
             # downloading what we upload.
             if follow:
+                followed = False
                 async for chunk in self._follow_late(publishing):
+                    followed = followed or chunk.HasField("artifact")
                     yield chunk
-                if publishing.followed:
+                if followed:
                     return
             async for beat in _heartbeats_until(publishing.done):
                 yield beat
@@ -1147,9 +1148,11 @@ class WorkerService(rpc.CompileCacheServicer):
             if reader is not None:
                 break
             if follow:  # joined late: the file from its first byte, as it is written
+                followed = False
                 async for chunk in self._follow_late(fill):
+                    followed = followed or chunk.HasField("artifact")
                     yield chunk
-                if fill.followed:
+                if followed:
                     return
             # Joined late: wait for the blob (heartbeats meanwhile), then read
             # it from disk; one the host cache had no room for is downloaded again.
@@ -1171,23 +1174,24 @@ class WorkerService(rpc.CompileCacheServicer):
                 yield item
         finally:
             fill.leave(reader)
-        self.metrics.growing_files.inc()
-        async for chunk in _following(fill, available):
+        async for chunk in self._following(fill, available):
             yield chunk
+
+    def _following(self, fill: _Fill, available: int):
+        self.metrics.growing_files.inc()
+        return _following(fill, available)
 
     async def _follow_late(self, fill: _Fill):
         """A fetch that follows `fill`'s file from its first byte, once it is
         one to follow (heartbeats until then): the header, then _following.
-        Nothing more when the fill ends without one (`fill.followed` stays
-        False: read the committed blob)."""
+        Only heartbeats when the fill ends without one (read the committed
+        blob then)."""
         while not fill.finished and fill.readable() is None:
             if not await fill.changed(HEARTBEAT_S):
                 yield pb.FetchChunk()
         if (available := fill.readable()) is not None:
-            fill.followed = True
-            self.metrics.growing_files.inc()
             yield pb.FetchChunk(artifact=fill.info)
-            async for chunk in _following(fill, available):
+            async for chunk in self._following(fill, available):
                 yield chunk
 
     @rpc_errors
