@@ -309,6 +309,55 @@ def test_successors_and_block_arguments_are_in_the_stream():
     assert digest_py(a) == digest_py(c)  # value and block names are not the program
 
 
+def forward_use_module(defs: int, between: int = 0, late: int = 8) -> str:
+    """`defs` values defined in the entry block, then a block that uses
+    `late` values defined in a block written after it (which dominates the
+    user; MLIR allows the order), defines `between` more values, and uses
+    early ones."""
+    chain = [f"    %d{i} = stablehlo.negate %d{i - 1} : tensor<f32>" for i in range(1, defs)]
+    uses = [f"    %u{k} = stablehlo.add %v{k}, %d{defs - 1} : tensor<f32>" for k in range(late)]
+    more = [f"    %b{i} = stablehlo.negate %b{i - 1} : tensor<f32>" for i in range(1, between)]
+    defined = [f"    %v{k} = stablehlo.negate %d{(defs * k) // late} : tensor<f32>"
+               for k in range(late)]
+    return "\n".join([
+        "module {",
+        "  func.func public @main(%x: tensor<f32>) -> tensor<f32> {",
+        "    %d0 = stablehlo.negate %x : tensor<f32>",
+        *chain,
+        "    cf.br ^late",
+        "  ^early:",
+        *uses,
+        "    %b0 = stablehlo.add %u0, %d1 : tensor<f32>",
+        *more,
+        f"    %e1 = stablehlo.add %b{max(between - 1, 0)}, %w : tensor<f32>",
+        "    return %e1 : tensor<f32>",
+        "  ^late:",
+        *defined,
+        "    %w = stablehlo.add %v0, %d1 : tensor<f32>",
+        "    cf.br ^early",
+        "  }",
+        "}"])
+
+
+@native
+@pytest.mark.parametrize("defs,between", [(3, 0), (63, 0), (64, 0), (65, 0), (200, 0),
+                                          (200, 30000)])
+def test_a_use_before_its_definition_numbers_both_as_the_reference_does(defs, between):
+    """The C walk keeps new definitions aside and inserts them into its value
+    table in batches, until it meets a use before a definition; from then on
+    every definition looks itself up. Around the batch's size, the uses
+    before the definitions must still get the definitions' numbers, and the
+    definitions kept aside theirs; with many values between the uses and the
+    definitions, the walk's cache of recent values no longer holds them."""
+    text = forward_use_module(defs, between)
+    module = keys.parse_program(text.encode())[0]
+    assert digest_native(module) == digest_py(module)
+    # The late block's value is the one used early: another operand is another key.
+    other = keys.parse_program(text.replace("%u0 = stablehlo.add %v0,", "%u0 = stablehlo.add %w,")
+                               .encode())[0]
+    assert digest_native(other) == digest_py(other) != digest_py(module)
+
+
 def installed_build() -> str:
     lib = mlircanon.library_candidates()[0]
     digest = mlircanon.installed_hash(lib)

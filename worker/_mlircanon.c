@@ -351,20 +351,32 @@ static int64_t table_get(const Table *t, const void *k) {
   }
 }
 
-static int table_put(Table *t, const void *k, uint64_t v) {
-  if (2 * (t->n + 1) > t->cap) {
-    Table bigger;
-    if (table_init(&bigger, t->cap * 2)) return -1;
-    for (size_t i = 0; i < t->cap; i++)
-      if (t->slots[i].key) table_put(&bigger, t->slots[i].key, t->slots[i].val);
-    table_free(t);
-    *t = bigger;
-  }
+/* k, known to be absent, at its slot; the table has room. */
+static void table_insert(Table *t, const void *k, uint64_t v) {
   size_t i = slot_of(k, t->cap);
   while (t->slots[i].key) i = (i + 1) & (t->cap - 1);
   t->slots[i].key = k;
   t->slots[i].val = v;
   t->n++;
+}
+
+/* Room for `more` keys at a load of at most one half. */
+static int table_reserve(Table *t, size_t more) {
+  if (2 * (t->n + more) <= t->cap) return 0;
+  size_t cap = t->cap;
+  while (2 * (t->n + more) > cap) cap *= 2;
+  Table bigger;
+  if (table_init(&bigger, cap)) return -1;
+  for (size_t i = 0; i < t->cap; i++)
+    if (t->slots[i].key) table_insert(&bigger, t->slots[i].key, t->slots[i].val);
+  table_free(t);
+  *t = bigger;
+  return 0;
+}
+
+static int table_put(Table *t, const void *k, uint64_t v) {
+  if (table_reserve(t, 1)) return -1;
+  table_insert(t, k, v);
   return 0;
 }
 
@@ -393,11 +405,19 @@ typedef struct {
 static size_t values_hint = 1 << 14;
 
 #define RECENT 4096  /* the values last numbered or looked up, direct-mapped */
+/* Definitions are inserted into the value table in batches of PENDING: each
+ * insert lands on a slot no cache holds, and a batch lets the memory system
+ * fetch its slots at once instead of one after another. */
+#define PENDING 64
 
 typedef struct {
   Out out;
   Table idents, types, attrs, values, blocks, opnames;
   Slot *recent;  /* RECENT slots before `values`: most uses follow their definition closely */
+  Slot pending[PENDING];  /* definitions not in `values` yet (inserted PENDING at a time) */
+  size_t npending;
+  uint64_t pending_mask;  /* a bit per pending key's hash: most lookups skip the scan */
+  int forward;  /* a value was used before its definition: definitions look themselves up */
   NameList *lists;
   size_t nlists, caplists;
   uint64_t next_value;
@@ -608,18 +628,50 @@ static int attr_rule(Walk *w, MlirNamedAttribute na, int depth) {
   return 1;
 }
 
-/* A value, where it is used or defined: its number + 1, or 0 when first seen
- * (it takes the next number). A use before the definition (graph regions,
- * blocks out of dominance order) and its definition then both say which. */
-static void number_value(Walk *w, MlirValue v) {
-  Slot *r = &w->recent[((uint64_t)(uintptr_t)v.ptr * 0x9E3779B97F4A7C15ull) >> 52];
+static int flush_pending(Walk *w) {
+  Table *t = &w->values;
+  if (table_reserve(t, w->npending)) return -1;
+  for (size_t i = 0; i < w->npending; i++)
+    __builtin_prefetch(&t->slots[slot_of(w->pending[i].key, t->cap)], 1);
+  for (size_t i = 0; i < w->npending; i++) table_insert(t, w->pending[i].key, w->pending[i].val);
+  w->npending = 0;
+  w->pending_mask = 0;
+  return 0;
+}
+
+/* A value, where it is used (def 0) or defined (def 1): its number + 1, or 0
+ * when first seen (it takes the next number). A use before the definition
+ * (graph regions, blocks out of dominance order) and its definition then both
+ * say which. Until a walk meets such a use, a definition is always new and
+ * waits in `pending` for its batch. */
+static void number_value(Walk *w, MlirValue v, int def) {
+  uint64_t h = (uint64_t)(uintptr_t)v.ptr * 0x9E3779B97F4A7C15ull;
+  Slot *r = &w->recent[h >> 52];
   if (r->key == v.ptr) { put_varint(&w->out, r->val + 1); return; }
-  int64_t idx = table_get(&w->values, v.ptr);
+  if (def && !w->forward) {
+    if (w->npending == PENDING && flush_pending(w)) { w->error = 1; return; }
+    w->pending[w->npending].key = v.ptr;
+    w->pending[w->npending++].val = w->next_value;
+    w->pending_mask |= 1ull << (h >> 58);
+    r->key = v.ptr;
+    r->val = w->next_value++;
+    put_varint(&w->out, 0);
+    return;
+  }
+  int64_t idx = -1;
+  if (w->pending_mask & (1ull << (h >> 58)))
+    for (size_t i = w->npending; i-- > 0;)
+      if (w->pending[i].key == v.ptr) { idx = (int64_t)w->pending[i].val; break; }
+  if (idx < 0) idx = table_get(&w->values, v.ptr);
   if (idx >= 0) {
     r->key = v.ptr;
     r->val = (uint64_t)idx;
     put_varint(&w->out, (uint64_t)idx + 1);
     return;
+  }
+  if (!def && !w->forward) {  /* the first use before a definition: look definitions up from now */
+    w->forward = 1;
+    if (flush_pending(w)) { w->error = 1; return; }
   }
   if (table_put(&w->values, v.ptr, w->next_value)) { w->error = 1; return; }
   r->key = v.ptr;
@@ -740,12 +792,12 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
   ref_ident(w, opname);
   intptr_t n = p_mlirOperationGetNumOperands(op);
   put_varint(o, (uint64_t)n);
-  for (intptr_t i = 0; i < n; i++) number_value(w, p_mlirOperationGetOperand(op, i));
+  for (intptr_t i = 0; i < n; i++) number_value(w, p_mlirOperationGetOperand(op, i), 0);
   n = p_mlirOperationGetNumResults(op);
   put_varint(o, (uint64_t)n);
   for (intptr_t i = 0; i < n; i++) {
     MlirValue v = p_mlirOperationGetResult(op, i);
-    number_value(w, v);
+    number_value(w, v, 1);
     ref_type(w, p_mlirValueGetType(v));
   }
   n = p_mlirOperationGetNumAttributes(op);
@@ -806,7 +858,7 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
       put_varint(o, (uint64_t)na);
       for (intptr_t i = 0; i < na; i++) {
         MlirValue v = p_mlirBlockGetArgument(b, i);
-        number_value(w, v);
+        number_value(w, v, 1);
         ref_type(w, p_mlirValueGetType(v));
       }
       for (MlirOperation c = p_mlirBlockGetFirstOperation(b); c.ptr; c = p_mlirOperationGetNextInBlock(c))
@@ -946,7 +998,7 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   table_free(&w.idents);
   table_free(&w.types);
   table_free(&w.attrs);
-  if (!w.error && w.values.cap <= (1u << 22)) values_hint = w.values.cap;
+  if (!w.error && !flush_pending(&w) && w.values.cap <= (1u << 22)) values_hint = w.values.cap;
   table_free(&w.values);
   table_free(&w.blocks);
   table_free(&w.opnames);
