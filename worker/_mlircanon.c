@@ -679,6 +679,18 @@ static void number_value(Walk *w, MlirValue v, int def) {
   put_varint(&w->out, 0);
 }
 
+/* The value table's slots for the operands of `op` that the recent cache
+ * does not hold: fetched while the op before it is walked. */
+static void prefetch_uses(Walk *w, MlirOperation op) {
+  intptr_t n = p_mlirOperationGetNumOperands(op);
+  for (intptr_t i = 0; i < n && i < 4; i++) {
+    MlirValue v = p_mlirOperationGetOperand(op, i);
+    uint64_t h = (uint64_t)(uintptr_t)v.ptr * 0x9E3779B97F4A7C15ull;
+    if (w->recent[h >> 52].key != v.ptr)
+      __builtin_prefetch(&w->values.slots[slot_of(v.ptr, w->values.cap)]);
+  }
+}
+
 static int name_cmp(MlirStringRef a, MlirStringRef b) {
   int c = memcmp(a.data, b.data, a.length < b.length ? a.length : b.length);
   return c ? c : (a.length < b.length ? -1 : a.length > b.length);
@@ -861,8 +873,11 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
         number_value(w, v, 1);
         ref_type(w, p_mlirValueGetType(v));
       }
-      for (MlirOperation c = p_mlirBlockGetFirstOperation(b); c.ptr; c = p_mlirOperationGetNextInBlock(c))
+      for (MlirOperation c = p_mlirBlockGetFirstOperation(b), next; c.ptr; c = next) {
+        next = p_mlirOperationGetNextInBlock(c);
+        if (next.ptr) prefetch_uses(w, next);
         walk_op(w, c, depth + 1);
+      }
       put_byte(o, 'Z');  /* the block's end: every op starts with 'O' */
     }
   }
