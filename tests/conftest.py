@@ -194,10 +194,11 @@ def prefix() -> str:
 
 
 def coordinator_config(etcd: EtcdProcess, tmp: Path, prefix: str, **kw) -> CoordinatorConfig:
+    kw = {"allow_unauthenticated": True, **kw}
     return CoordinatorConfig(
-        listen=f"127.0.0.1:{free_port()}", etcd_endpoints=etcd.endpoint, etcd_prefix=prefix,
-        store_dir=str(tmp / "store"), metrics_port=0,
-        **{"allow_unauthenticated": True, **kw},
+        listen=kw.pop("listen", None) or f"127.0.0.1:{free_port()}",
+        etcd_endpoints=etcd.endpoint, etcd_prefix=prefix, store_dir=str(tmp / "store"),
+        metrics_port=0, **kw,
     )
 
 
@@ -239,10 +240,16 @@ def start_coordinator(etcd, tmp_path, prefix, started):
     from compilecast.coordinator.server import Coordinator
 
     def start(store_dir: Path | None = None, **kw) -> Coordinator:
-        cfg = coordinator_config(etcd, tmp_path, prefix, **kw)
+        # Port 0 unless asked: the port is the one the server bound, not one
+        # free_port() saw free a moment before (another socket may take it
+        # in between). cfg.listen names it once started, for clients and restarts.
+        cfg = coordinator_config(etcd, tmp_path, prefix, **{"listen": "127.0.0.1:0", **kw})
         if store_dir is not None:
             cfg.store_dir = str(store_dir)
-        return started(Coordinator(cfg))
+        running = started(Coordinator(cfg))
+        if cfg.listen.endswith(":0"):
+            cfg.listen = f"{cfg.listen.rpartition(':')[0]}:{running.port}"
+        return running
 
     return start
 
