@@ -329,9 +329,14 @@ typedef struct {
   size_t cap, n;
 } Table;
 
+/* A pointer's bits mixed (Fibonacci hashing): tables take bits 20 and up,
+ * the recent-value cache the top 12, a pending batch's mask the top 6. */
+static inline uint64_t mix(const void *k) {
+  return (uint64_t)(uintptr_t)k * 0x9E3779B97F4A7C15ull;
+}
+
 static size_t slot_of(const void *k, size_t cap) {
-  uint64_t h = (uint64_t)(uintptr_t)k * 0x9E3779B97F4A7C15ull;
-  return (size_t)(h >> 20) & (cap - 1);
+  return (size_t)(mix(k) >> 20) & (cap - 1);
 }
 
 static int table_init(Table *t, size_t cap) {
@@ -645,7 +650,7 @@ static int flush_pending(Walk *w) {
  * say which. Until a walk meets such a use, a definition is always new and
  * waits in `pending` for its batch. */
 static void number_value(Walk *w, MlirValue v, int def) {
-  uint64_t h = (uint64_t)(uintptr_t)v.ptr * 0x9E3779B97F4A7C15ull;
+  uint64_t h = mix(v.ptr);
   Slot *r = &w->recent[h >> 52];
   if (r->key == v.ptr) { put_varint(&w->out, r->val + 1); return; }
   if (def && !w->forward) {
@@ -685,7 +690,7 @@ static void prefetch_uses(Walk *w, MlirOperation op) {
   intptr_t n = p_mlirOperationGetNumOperands(op);
   for (intptr_t i = 0; i < n && i < 4; i++) {
     MlirValue v = p_mlirOperationGetOperand(op, i);
-    uint64_t h = (uint64_t)(uintptr_t)v.ptr * 0x9E3779B97F4A7C15ull;
+    uint64_t h = mix(v.ptr);
     if (w->recent[h >> 52].key != v.ptr)
       __builtin_prefetch(&w->values.slots[slot_of(v.ptr, w->values.cap)]);
   }
