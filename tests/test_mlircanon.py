@@ -312,8 +312,8 @@ def test_successors_and_block_arguments_are_in_the_stream():
 def forward_use_module(defs: int, between: int = 0, late: int = 8) -> str:
     """`defs` values defined in the entry block, then a block that uses
     `late` values defined in a block written after it (which dominates the
-    user; MLIR allows the order), defines `between` more values, and uses
-    early ones."""
+    user; MLIR allows the order), defines `between` more values (at least
+    one), and uses early ones."""
     chain = [f"    %d{i} = stablehlo.negate %d{i - 1} : tensor<f32>" for i in range(1, defs)]
     uses = [f"    %u{k} = stablehlo.add %v{k}, %d{defs - 1} : tensor<f32>" for k in range(late)]
     more = [f"    %b{i} = stablehlo.negate %b{i - 1} : tensor<f32>" for i in range(1, between)]
