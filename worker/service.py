@@ -1121,15 +1121,12 @@ class WorkerService(rpc.CompileCacheServicer):
             # A process of this host is publishing it through us: the one asking
             # reads our copy (as it is written, or once it is in), instead of our
             # downloading what we upload.
-            if follow:
-                followed = False
-                async for chunk in self._follow_late(publishing):
-                    followed = followed or chunk.HasField("artifact")
-                    yield chunk
-                if followed:
-                    return
-            async for beat in _heartbeats_until(publishing.done):
-                yield beat
+            followed = False
+            async for chunk in self._join_late(publishing, follow):
+                followed = followed or chunk.HasField("artifact")
+                yield chunk
+            if followed:
+                return
             info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is not None and (not request.digest or info.digest == request.digest):
             self.metrics.fetches.labels("host").inc()
@@ -1147,17 +1144,15 @@ class WorkerService(rpc.CompileCacheServicer):
             reader = fill.join(request.accept_zstd)
             if reader is not None:
                 break
-            if follow:  # joined late: the file from its first byte, as it is written
-                followed = False
-                async for chunk in self._follow_late(fill):
-                    followed = followed or chunk.HasField("artifact")
-                    yield chunk
-                if followed:
-                    return
-            # Joined late: wait for the blob (heartbeats meanwhile), then read
-            # it from disk; one the host cache had no room for is downloaded again.
-            async for beat in _heartbeats_until(fill.done):
-                yield beat
+            # Joined late: the file from its first byte, as it is written, or
+            # wait for the blob (heartbeats meanwhile) and read it from disk;
+            # one the host cache had no room for is downloaded again.
+            followed = False
+            async for chunk in self._join_late(fill, follow):
+                followed = followed or chunk.HasField("artifact")
+                yield chunk
+            if followed:
+                return
             info = fill.done.result()
             if fill.kept:
                 async for chunk in self._serve_blob(info, ns, request.key, request):
@@ -1181,18 +1176,24 @@ class WorkerService(rpc.CompileCacheServicer):
         self.metrics.growing_files.inc()
         return _following(fill, available)
 
-    async def _follow_late(self, fill: _Fill):
-        """A fetch that follows `fill`'s file from its first byte, once it is
-        one to follow (heartbeats until then): the header, then _following.
-        Only heartbeats when the fill ends without one (read the committed
+    async def _join_late(self, fill: _Fill, follow: bool):
+        """A fetch that joins `fill` after it began. With `follow`, it follows
+        the fill's file from its first byte, once it is one to follow
+        (heartbeats until then): the header, which carries the artifact, then
+        _following. Otherwise, or when the fill ends without such a file,
+        heartbeats until the fill is done (the caller reads the committed
         blob then)."""
-        while not fill.finished and fill.readable() is None:
-            if not await fill.changed(HEARTBEAT_S):
-                yield pb.FetchChunk()
-        if (available := fill.readable()) is not None:
-            yield pb.FetchChunk(artifact=fill.info)
-            async for chunk in self._following(fill, available):
-                yield chunk
+        if follow:
+            while not fill.finished and fill.readable() is None:
+                if not await fill.changed(HEARTBEAT_S):
+                    yield pb.FetchChunk()
+            if (available := fill.readable()) is not None:
+                yield pb.FetchChunk(artifact=fill.info)
+                async for chunk in self._following(fill, available):
+                    yield chunk
+                return
+        async for beat in _heartbeats_until(fill.done):
+            yield beat
 
     @rpc_errors
     async def Status(self, request, context):
