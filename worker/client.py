@@ -233,6 +233,26 @@ def _read_into(reader, room: memoryview) -> int:
     return n
 
 
+def _read_hashed(reader, received: _Received, h: Sha256, end: int) -> None:
+    """Read from `reader` into `received` until it holds `end` bytes or the
+    reader has no more, hashing on the way. The bytes go straight into the
+    result where it is put together in place (no copy), and are hashed from
+    read-only views of it."""
+    while (left := end - received.size) > 0:
+        room = received.room(min(left, LOCAL_PIECE))
+        if room is None:  # a small artifact: pieces, joined at the end
+            piece = reader.read(min(left, LOCAL_PIECE))
+            if not piece:
+                return
+            h.update(piece)
+            received.add(piece)
+        elif n := _read_into(reader, room):
+            h.update(room[:n].toreadonly())  # (never written again: not copied)
+            received.filled(n)
+        else:
+            return
+
+
 def _read_stored(key: str, info: pb.ArtifactInfo, f, where: str) -> bytes:
     """The artifact from `f`, a blob as a store keeps it (RAW_MAGIC and the
     bytes, or one zstd stream that decodes to them; read to its end),
@@ -248,19 +268,7 @@ def _read_stored(key: str, info: pb.ArtifactInfo, f, where: str) -> bytes:
         reader = f if raw else zstandard.ZstdDecompressor().stream_reader(
             _Prefixed(head, f), closefd=False)
         try:
-            while (left := info.size - received.size) > 0:
-                room = received.room(min(left, LOCAL_PIECE))
-                if room is None:  # a small artifact: pieces, joined at the end
-                    piece = reader.read(min(left, LOCAL_PIECE))
-                    if not piece:
-                        break
-                    h.update(piece)
-                    received.add(piece)
-                elif n := _read_into(reader, room):  # straight into the result: no copy
-                    h.update(room[:n].toreadonly())  # (never written again: not copied)
-                    received.filled(n)
-                else:
-                    break
+            _read_hashed(reader, received, h, info.size)
             if reader.read(1):
                 raise CorruptBlob(f"{where} of {key} holds more than its {info.size} bytes")
         except zstandard.ZstdError as exc:
@@ -310,21 +318,10 @@ class _Following:
         self.f = _open_host_file(path, at_the_byte_reached)
 
     def to(self, available: int) -> None:
-        received = self.received
-        while (left := available - received.size) > 0:
-            room = received.room(min(left, LOCAL_PIECE))
-            if room is None:  # a small artifact: pieces, joined at the end
-                piece = self.f.read(min(left, LOCAL_PIECE))
-                n = len(piece)
-                if n:
-                    self.h.update(piece)
-                    received.add(piece)
-            elif n := _read_into(self.f, room):
-                self.h.update(room[:n].toreadonly())  # (never written again: not copied)
-                received.filled(n)
-            if not n:
-                raise CorruptBlob(f"the host cache file of {self.key} ends at byte "
-                                  f"{received.size}, short of the {available} its worker said")
+        _read_hashed(self.f, self.received, self.h, available)
+        if self.received.size < available:
+            raise CorruptBlob(f"the host cache file of {self.key} ends at byte "
+                              f"{self.received.size}, short of the {available} its worker said")
 
     def close(self) -> None:
         self.f.close()
