@@ -34,7 +34,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack, cpu_seconds, free_port, own_cpu_seconds, wait_port
 
-from compilecast.decide import Decider
+from compilecast.decide import GAP_S, Decider
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient
@@ -58,7 +58,7 @@ def fmt_cores(used: dict[str, float]) -> str:
 
 async def load(target: str, clients: int, seconds: float, hit_ratio: float,
                hit_keys: list[str], batch: int, streams: int = 0, rate: float = 0.0,
-               pod: bool = False
+               pod: bool = False, gap_s: float = GAP_S
                ) -> tuple[list[float], dict[str, int], int, float, dict[str, list[float]], int]:
     """Closed loop (rate 0): every client asks again as soon as it is answered.
     Open loop (rate > 0): the clients together ask `rate` times a second
@@ -74,7 +74,7 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     opts = [("grpc.lb_policy_name", "round_robin"), ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(target, options=opts) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
-    deciders = [Decider(stubs[i % len(stubs)], timeout_s=60) for i in range(streams)]
+    deciders = [Decider(stubs[i % len(stubs)], timeout_s=60, gap_s=gap_s) for i in range(streams)]
     # Workers keep their streams open: open them before the clock starts.
     await asyncio.gather(*(d.decide([pb.AcquireRequest(key=hit_keys[0])]) for d in deciders))
     latencies: list[float] = []
@@ -181,7 +181,8 @@ def go_load(binary: Path, targets: list[str], args, hit_keys: list[str]) -> dict
     cmd = [str(binary), "-target", ",".join(targets), "-clients", str(args.clients),
            "-streams", str(args.streams or 8), "-rate", str(args.rate),
            "-seconds", str(args.seconds), "-hit-ratio", str(args.hit_ratio),
-           "-hit-keys", ",".join(hit_keys), f"-bundles={str(not args.no_bundles).lower()}"]
+           "-hit-keys", ",".join(hit_keys), f"-bundles={str(not args.no_bundles).lower()}",
+           f"-gap={args.gap_ms}ms"]
     pinned = (lambda: os.sched_setaffinity(0, {1})) if args.pin else None
     done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pinned)
     if done.returncode != 0:
@@ -240,6 +241,9 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true",
                     help="the coordinator replicas on CPU 0, etcd and the load generator on "
                          "CPU 1 (as with the load generator on another machine)")
+    ap.add_argument("--gap-ms", type=float, default=GAP_S * 1000,
+                    help="at least this long between two messages of a Decide stream (what "
+                         "arrives meanwhile coalesces; default: the Decider's own, 0: none)")
     ap.add_argument("--loadgen", choices=("python", "go"), default="python",
                     help="go: the open-loop Decide load from bench/loadgen (needs --rate)")
     ap.add_argument("--repeat", type=int, default=1,
@@ -270,7 +274,7 @@ def main() -> None:
             (_lat, decisions, errors, wall, _, _), used = cores(
                 {"server": server.pid}, lambda: asyncio.run(load(
                     f"127.0.0.1:{port}", args.clients, args.seconds, 1.0, ["k"], 1,
-                    args.streams, args.rate)))
+                    args.streams, args.rate, gap_s=args.gap_ms / 1000)))
         finally:
             server.terminate()
             server.wait()
@@ -316,7 +320,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
         target = "ipv4:" + ",".join(targets) if len(targets) > 1 else targets[0]
         (lat, decisions, errors, wall, by_decision, messages), used = cores(pids, lambda: asyncio.run(
             load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch,
-                 args.streams, args.rate, args.pod)))
+                 args.streams, args.rate, args.pod, args.gap_ms / 1000)))
         n = len(lat)
         p50, p99 = quantiles_ms(lat)
         total = sum(decisions.values())

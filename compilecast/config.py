@@ -205,6 +205,11 @@ class WorkerConfig:
     metrics_port: int = field(default=7642, metadata=_help("Prometheus port (0: off)"))
     metrics_host: str = field(default="127.0.0.1", metadata=_help("Prometheus bind address"))
     rpc_timeout_s: float = field(default=5.0, metadata=_help("deadline of unary upstream calls"))
+    decide_gap_ms: float = field(
+        default=5.0, metadata=_help("at least this long between two messages of the Decide "
+                                    "stream to the coordinator: the decisions asked meanwhile "
+                                    "leave together in the next (a message costs the "
+                                    "coordinator more than a decision in it; 0: send at once)"))
     token_file: str = field(
         default="", metadata=_help("file holding this worker's bearer token for the coordinator"))
     coordinator_ca_file: str = field(
@@ -255,7 +260,7 @@ class WorkerConfig:
         if self.relay_advertise:
             _hostport(self.relay_advertise, "relay_advertise")
         _not_negative(self, "share_binary_between_hosts_timeout_ms", "store_reverify_s",
-                      "cache_min_free_bytes")
+                      "cache_min_free_bytes", "decide_gap_ms")
         _pair(self, "coordinator_cert_file", "coordinator_key_file")
         _pair(self, "tls_cert_file", "tls_key_file")
         _readable(self, "token_file", "coordinator_ca_file", "coordinator_cert_file",

@@ -7,10 +7,12 @@ decisions. A worker daemon therefore keeps one
 Decide stream per credential to the coordinator and sends every decision its
 processes ask for over it:
 
-- `Decider` (the client) coalesces: while one message is being written, the
-  requests that arrive queue up and leave together in the next one (at most
-  MAX_BATCH requests), so under load one message carries many decisions, and
-  at rest each request leaves at once.
+- `Decider` (the client) coalesces: while one message is being written, and
+  for `gap_s` after it was sent (GAP_S by default), the requests that arrive
+  queue up and leave together in the next one (at most MAX_BATCH requests).
+  So under load one message carries many decisions and the stream sends at
+  most one message per gap, while at rest (nothing sent within the gap) a
+  request leaves at once.
 - `serve` (the server) decides each message as it arrives, concurrently (a
   slow miss that waits on etcd never holds up the hits behind it), and answers
   it when it is decided; ids match answers to messages. A message the client
@@ -50,6 +52,11 @@ MAX_BATCH = 1000  # requests per message, as for AcquireMany
 IN_FLIGHT = 64  # messages of one stream decided at once; reading pauses beyond
 MAX_WAITS = 10_000  # waits of one stream at once; beyond, a wait is refused
 MAX_BUNDLE = 64  # answers sent in one DecideResponse (takes_bundles)
+# A stream's messages are at least this far apart. A message costs the
+# coordinator about twice what a decision in it does (gRPC Python's per-message
+# floor), so under load holding requests a few milliseconds to share one
+# message frees most of its core (BENCHMARKS.md, twenty-third session).
+GAP_S = 0.005
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -322,10 +329,12 @@ class Decider:
     that predates waits on the stream, to Wait.
     """
 
-    def __init__(self, stub, metadata: tuple = (), *, timeout_s: float = 5.0) -> None:
+    def __init__(self, stub, metadata: tuple = (), *, timeout_s: float = 5.0,
+                 gap_s: float = GAP_S) -> None:
         self._stub = stub
         self._metadata = metadata
         self.timeout_s = timeout_s
+        self.gap_s = gap_s  # at least this long between two messages (0: none)
         self._queue: collections.deque[_Entry] = collections.deque()
         self._cancels: list[int] = []  # ids of sent waits nobody wants answered any more
         self._wake = asyncio.Event()
@@ -450,6 +459,7 @@ class Decider:
 
     async def _run(self) -> None:
         call = self._stub.Decide(metadata=self._metadata)
+        loop = asyncio.get_running_loop()
         reader = asyncio.create_task(self._read(call))
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the Decide stream ended")
         clean = False  # the server ended the stream with OK
@@ -465,8 +475,12 @@ class Decider:
                     continue
                 msg = self._next_message()
                 if msg.requests or msg.HasField("wait") or msg.cancel:
+                    sent_at = loop.time()
                     await call.write(msg)
                     self.messages += 1
+                    if (rest := self.gap_s - (loop.time() - sent_at)) > 0:
+                        # What arrives meanwhile leaves in the next message.
+                        await asyncio.wait({reader}, timeout=rest)
             if reader.exception() is not None:
                 error = reader.exception()
             else:

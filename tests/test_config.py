@@ -39,6 +39,14 @@ def test_bad_values_name_the_setting(env, message):
         load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1", **env})
 
 
+def test_the_workers_decide_gap_is_a_setting_in_milliseconds():
+    assert load(WorkerConfig, env={})[0].decide_gap_ms == 5.0
+    cfg, src = load(WorkerConfig, flags={"decide_gap_ms": "0"}, env={})
+    assert cfg.decide_gap_ms == 0 and src["decide_gap_ms"] == "flag --decide-gap-ms"
+    with pytest.raises(ConfigError, match=re.escape("decide_gap_ms must be >= 0")):
+        load(WorkerConfig, env={"COMPILECAST_DECIDE_GAP_MS": "-1"})
+
+
 def test_the_coordinator_refuses_to_start_open_unless_told():
     with pytest.raises(ConfigError, match="allow_unauthenticated explicitly"):
         load(CoordinatorConfig, env={})

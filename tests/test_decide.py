@@ -111,6 +111,38 @@ def test_concurrent_decisions_share_messages(coordinator, loop_thread):
     assert reg.get_sample_value("compilecast_coordinator_lookups_total", {"result": "hit"}) == 300
 
 
+def test_requests_asked_within_the_gap_leave_in_one_message(coordinator, loop_thread):
+    """After a message, the stream holds what is asked for `gap_s`, then sends
+    it in one message; the first request, asked at rest, leaves at once.
+    Without a gap, requests asked 20 ms apart each leave alone."""
+    target = coordinator.cfg.listen
+    digest = published(target, "g").digest
+
+    async def spaced(gap_s: float, spacing_s: float):
+        channel = aio_channel(target, None)
+        d = decide.Decider(rpc.CompileCacheStub(channel), timeout_s=30, gap_s=gap_s)
+        try:
+            # At rest: the first decision does not wait out the gap.
+            first = await asyncio.wait_for(d.decide([ask("g")]), gap_s * 0.9 or 10)
+            asks = []
+            for _ in range(6):
+                asks.append(asyncio.ensure_future(d.decide([ask("g")])))
+                await asyncio.sleep(spacing_s)
+            answers = [first, *await asyncio.gather(*asks)]
+            return answers, d.messages
+        finally:
+            await d.close()
+            await channel.close()
+
+    held, held_messages = loop_thread.run(spaced(6.0, 0.02))
+    alone, alone_messages = loop_thread.run(spaced(0.0, 0.02))
+    for answers in (held, alone):
+        assert [a[0].decision for a in answers] == [pb.HIT] * 7
+        assert {a[0].artifact.digest for a in answers} == {digest}
+    assert held_messages == 2, held_messages
+    assert alone_messages > 2, alone_messages
+
+
 def test_a_bad_message_is_refused_alone(coordinator, loop_thread):
     """A client that does not check its requests: the message with the bad key
     gets INVALID_ARGUMENT; the stream and the message after it carry on."""

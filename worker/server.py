@@ -60,6 +60,7 @@ class Worker(Role):
                                      # coordinator's CA signs (one PKI per release).
                                      peer_credentials=upstream_creds,
                                      rpc_timeout_s=self.cfg.rpc_timeout_s,
+                                     decide_gap_s=self.cfg.decide_gap_ms / 1000,
                                      share_binary_timeout_ms=(
                                          self.cfg.share_binary_between_hosts_timeout_ms))
         self.server_streams = self.service.streams

@@ -521,6 +521,7 @@ def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
 class WorkerService(rpc.CompileCacheServicer):
     def __init__(self, coordinator: str, cache: HostCache, metrics: WorkerMetrics,
                  *, rpc_timeout_s: float, share_binary_timeout_ms: int = 0,
+                 decide_gap_s: float = decide.GAP_S,
                  token: str = "", credentials: grpc.ChannelCredentials | None = None,
                  relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None,
                  link_store: str = "", local_files: bool = True,
@@ -541,6 +542,7 @@ class WorkerService(rpc.CompileCacheServicer):
         self.cache = cache
         self.metrics = metrics
         self.rpc_timeout_s = rpc_timeout_s
+        self.decide_gap_s = decide_gap_s  # between two messages of a Decide stream upstream
         self.token = token
         self.channel = aio_channel(coordinator, credentials)
         self.up = wire.stub(self.channel)
@@ -595,7 +597,8 @@ class WorkerService(rpc.CompileCacheServicer):
         """The Decide stream to the coordinator for one upstream credential."""
         decider = self._deciders.pop(md, None)
         if decider is None:
-            decider = Decider(self.up, md, timeout_s=self.rpc_timeout_s)
+            decider = Decider(self.up, md, timeout_s=self.rpc_timeout_s,
+                              gap_s=self.decide_gap_s)
             if len(self._deciders) >= MAX_DECIDERS:  # the least recently used goes
                 _, old = self._deciders.popitem(last=False)
                 self._retiring.add(old)  # closed at shutdown too, if its waits last that long

@@ -5,8 +5,9 @@
 //
 // Open loop: `-rate` requests a second in all (Poisson arrivals), each from
 // one of `-clients` clients, over `-streams` Decide streams. Each stream
-// writes one message at a time; the requests that arrive meanwhile leave
-// together in the next (as compilecast's Decider coalesces), and every
+// writes one message at a time, at least `-gap` apart; the requests that
+// arrive meanwhile leave together in the next (as compilecast's Decider
+// coalesces), and every
 // message takes its answer in parts (DecideRequest.answer_in_parts) and
 // bundled with other messages' answers (takes_bundles; with -bundles=false
 // each answer comes as a message of its own). A request is a hit (one of
@@ -34,6 +35,10 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/encoding/protowire"
 )
+
+// At least this long between two messages of a stream, as compilecast's
+// Decider (decide.GAP_S): the requests that arrive meanwhile leave together.
+var gap = 5 * time.Millisecond
 
 const maxBatch = 1000 // requests per message, as compilecast.decide.MAX_BATCH
 
@@ -226,9 +231,13 @@ func (s *stream) write() {
 			s.messages++
 			s.mu.Unlock()
 			msg := encodeRequest(id, reqs)
+			sentAt := time.Now()
 			if err := s.cs.SendMsg(&msg); err != nil {
 				fmt.Fprintln(os.Stderr, "send:", err)
 				os.Exit(1)
+			}
+			if gap > 0 {
+				time.Sleep(gap - time.Since(sentAt))
 			}
 		}
 	}
@@ -326,6 +335,7 @@ func main() {
 	seconds := flag.Float64("seconds", 10, "how long to offer load")
 	hitRatio := flag.Float64("hit-ratio", 0.9, "share of requests for published keys")
 	hitKeys := flag.String("hit-keys", "", "the published keys, comma-separated")
+	flag.DurationVar(&gap, "gap", gap, "at least this long between two messages of a stream (what arrives meanwhile coalesces), as the Decider's gap")
 	flag.BoolVar(&bundles, "bundles", true, "take answers bundled (DecideRequest.takes_bundles)")
 	flag.Parse()
 	hits := strings.Split(*hitKeys, ",")
