@@ -40,15 +40,25 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient
 
 
+def stolen_seconds() -> float:
+    """CPU time the hypervisor gave to others while this VM wanted it (the
+    steal column of /proc/stat, all CPUs), in seconds."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+
+
 def cores(pids: dict[str, int], run):
     """Run `run()`; return its result and the cores each process (and this
-    one, the load generator) used meanwhile."""
+    one, the load generator) used meanwhile, and the cores stolen from this
+    VM (a busy neighbour shows there, not in our processes)."""
     before = {n: cpu_seconds(p) for n, p in pids.items()}
-    c0, t0 = own_cpu_seconds(), time.monotonic()
+    c0, s0, t0 = own_cpu_seconds(), stolen_seconds(), time.monotonic()
     result = run()
     wall = time.monotonic() - t0
     used = {n: (cpu_seconds(p) - before[n]) / wall for n, p in pids.items()}
     used["load generator"] = (own_cpu_seconds() - c0) / wall
+    used["stolen"] = (stolen_seconds() - s0) / wall
     return result, used
 
 
