@@ -48,6 +48,39 @@ def stolen_seconds() -> float:
     return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 
+def wal_fsyncs(etcd: str) -> dict[float, float]:
+    """etcd's WAL fsync histogram (upper bound in seconds -> count so far)."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://{etcd}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("etcd_disk_wal_fsync_duration_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def fsync_summary(before: dict[float, float], after: dict[float, float]) -> dict:
+    """The WAL fsyncs between two histograms: how many, the share within 1
+    and 8 ms, and the bucket bound p99 falls under. A claim waits for at
+    least one, so this VM's disk sets a floor under a miss's latency."""
+    d = {le: after[le] - before.get(le, 0) for le in sorted(after)}
+    n = d.get(float("inf"), 0)
+    if not n:
+        return {"fsyncs": 0}
+    p99 = next(le for le, c in d.items() if c >= 0.99 * n)
+    return {"fsyncs": int(n), "within_1ms": d.get(0.001, 0) / n, "within_8ms": d.get(0.008, 0) / n,
+            "p99_under_ms": p99 * 1000}
+
+
+def fmt_fsyncs(f: dict) -> str:
+    if not f.get("fsyncs"):
+        return "etcd WAL fsyncs: none"
+    return (f"etcd WAL fsyncs: {f['fsyncs']}, {f['within_1ms']:.0%} within 1 ms, "
+            f"{f['within_8ms']:.0%} within 8 ms, p99 under {f['p99_under_ms']:g} ms")
+
+
 def cores(pids: dict[str, int], run):
     """Run `run()`; return its result and the cores each process (and this
     one, the load generator) used meanwhile, and the cores stolen from this
@@ -212,6 +245,8 @@ def go_report(what: str, row: dict, used: dict[str, float], args) -> None:
           f"{row['stream_messages'] / max(row['requests'], 1):.2f} stream messages and "
           f"{row['answer_messages'] / max(row['requests'], 1):.2f} answer messages per request")
     print_by_decision(row["p50_p99_ms_by_decision"])
+    if "etcd_wal_fsync" in row:
+        print("  " + fmt_fsyncs(row["etcd_wal_fsync"]))
     print(json.dumps(row))
 
 
@@ -321,9 +356,11 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
             c.publish(key, c.acquire(key).lease, f"artifact {i}".encode() * 100, 1.0)
             hit_keys.append(key)
         c.close()
+        fsyncs = wal_fsyncs(stack.etcd)
         if binary is not None:
             row, used = cores(pids, lambda: go_load(binary, targets, args, hit_keys))
             row["replicas"] = args.replicas
+            row["etcd_wal_fsync"] = fsync_summary(fsyncs, wal_fsyncs(stack.etcd))
             go_report(f"{args.replicas} replica(s)", row, used, args)
             return row
         # Several replicas: clients spread over them (one ipv4: target per replica).
@@ -331,6 +368,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
         (lat, decisions, errors, wall, by_decision, messages), used = cores(pids, lambda: asyncio.run(
             load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch,
                  args.streams, args.rate, args.pod, args.gap_ms / 1000)))
+        fsyncs = fsync_summary(fsyncs, wal_fsyncs(stack.etcd))
         n = len(lat)
         p50, p99 = quantiles_ms(lat)
         total = sum(decisions.values())
@@ -338,7 +376,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
                "streams": args.streams, "offered_rate": args.rate,
                "requests": n, "decisions": total, "stream_messages": messages,
                "per_second": total / wall, "p50_ms": p50, "p99_ms": p99, "errors": errors,
-               "by_decision": decisions, "cores": used,
+               "by_decision": decisions, "cores": used, "etcd_wal_fsync": fsyncs,
                "p50_p99_ms_by_decision": {k: quantiles_ms(v) for k, v in by_decision.items()}}
         how = ("one job, same programs, " if args.pod else "") + (
             f"{args.streams} Decide stream(s)" if args.streams else "unary calls") + (
@@ -350,6 +388,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
               (f"; {messages / max(n, 1):.2f} stream messages per request" if messages else ""))
         if by_decision:
             print_by_decision(row["p50_p99_ms_by_decision"])
+        print("  " + fmt_fsyncs(fsyncs))
         print(json.dumps(row))
         return row
     finally:
