@@ -55,7 +55,9 @@ MAX_BUNDLE = 64  # answers sent in one DecideResponse (takes_bundles)
 # A stream's messages are at least this far apart. A message costs the
 # coordinator about twice what a decision in it does (gRPC Python's per-message
 # floor), so under load holding requests a few milliseconds to share one
-# message frees most of its core (BENCHMARKS.md, twenty-third session).
+# message halves the messages; at 5,000 mixed decisions a second over 8 streams
+# it gave back a tenth to a sixth of the coordinator's core (BENCHMARKS.md,
+# twenty-third session).
 GAP_S = 0.005
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -318,6 +320,9 @@ class Decider:
     """The client end: `await decide(requests)` and `await wait(request)`
     from any number of tasks of one event loop; all of it travels over one
     Decide stream of `stub`.
+
+    A message leaves at least `gap_s` after the one before it (GAP_S; 0:
+    as soon as the one before is written); what is asked meanwhile shares it.
 
     The stream opens on first use and again after it fails; a failure fails
     the decisions and waits in flight with the stream's status (each caller
