@@ -89,7 +89,13 @@ def fetching_through_a_worker(coordinator, start_worker, data: bytes | None = No
     thread, result)."""
     data = os.urandom(300 << 20) if data is None else data
     holder = CacheClient(coordinator.cfg.listen, timeout_s=30)
-    holder.publish("k", holder.acquire("k").lease, data, 1.0)
+    lease = holder.acquire("k").lease
+    # Renewed as a real holder's is: on a busy machine the upload can outlast the TTL.
+    holder.keep_lease("k", lease)
+    try:
+        holder.publish("k", lease, data, 1.0)
+    finally:
+        holder.stop_lease("k", lease)
     worker = start_worker(coordinator.cfg.listen)
     out: list = []
     t = threading.Thread(target=lambda: out.append(CacheClient(worker.target).fetch("k")[1]))
