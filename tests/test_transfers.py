@@ -17,7 +17,6 @@ from concurrent import futures
 import grpc
 import pytest
 
-from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient
@@ -127,8 +126,8 @@ def serve():
     def start(servicer) -> str:
         server = grpc.server(futures.ThreadPoolExecutor(4))
         rpc.add_CompileCacheServicer_to_server(servicer, server)
-        target = f"127.0.0.1:{free_port()}"
-        server.add_insecure_port(target)
+        # Port 0: the port the server binds, not one seen free a moment before.
+        target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         server.start()
         servers.append((server, servicer))
         return target
