@@ -64,7 +64,12 @@ class HeldUpload:
                 client.stub.Publish(messages(), timeout=60)
             except grpc.RpcError as exc:
                 self.error = exc
+            finally:
+                client.stop_lease(key, lease)
 
+        # Renewed while held, as a real holder's lease is: on a busy machine a
+        # test's held upload can outlast the lease's TTL.
+        client.keep_lease(key, lease)
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
         assert self.sent_head.wait(10), self.error
