@@ -19,19 +19,23 @@ def test_a_port_one_of_our_servers_serves_is_taken_for_the_next():
 
     async def run():
         first, _ = make_server(rpc.CompileCacheServicer())
+        servers = [first]  # all stopped here, in this loop: none left for the collector
         port = listen(first, "127.0.0.1:0", setting="listen")
         await first.start()
         try:
             second, _ = make_server(rpc.CompileCacheServicer())
+            servers.append(second)
             with pytest.raises(ListenError) as err:
                 listen(second, f"127.0.0.1:{port}", setting="relay_listen")
             assert f"127.0.0.1:{port} (relay_listen)" in str(err.value)
             # The first still serves the port alone.
             third, _ = make_server(rpc.CompileCacheServicer())
+            servers.append(third)
             with pytest.raises(ListenError):
                 listen(third, f"127.0.0.1:{port}", setting="listen")
         finally:
-            await first.stop(None)
+            for server in servers:
+                await server.stop(None)
 
     asyncio.run(run())
 
@@ -47,13 +51,14 @@ def test_a_unix_socket_is_taken_over_only_when_nothing_serves_it(tmp_path):
         first, _ = make_server(rpc.CompileCacheServicer())
         listen(first, address, setting="listen")  # makes the directory too
         await first.start()
+        second, _ = make_server(rpc.CompileCacheServicer())
         try:
-            second, _ = make_server(rpc.CompileCacheServicer())
             with pytest.raises(ListenError) as err:
                 listen(second, address, setting="listen")
             assert f"{address} (listen)" in str(err.value)
             assert path.is_socket()
         finally:
+            await second.stop(None)
             await first.stop(None)
 
     asyncio.run(run())
