@@ -1,6 +1,7 @@
 """Key computation time against sha256 of the same serialized module.
 
     python bench/keys.py [--sizes-mb 0.1 1 10 100] [--nested]
+    python bench/keys.py --side-by-side-layers 240 2400 14400 [--rounds 21]
 
 For each target size it builds a real JAX program (op-heavy: a deep MLP
 training step, with --nested one whose layers call a nested jit, so the module
@@ -24,6 +25,7 @@ import hashlib
 import io
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -141,6 +143,48 @@ print(max(peak[0], rss()) - base)
 """
 
 
+def hlo_proto(layers: int) -> bytes:
+    """The op-heavy training step of `layers` layers as an HloModuleProto."""
+    from compilecast.demo_step import make_inputs, make_step
+
+    params, x, y = make_inputs(layers, 64, batch=8)
+    return make_step().lower(params, x, y).compiler_ir("hlo").as_serialized_hlo_module_proto()
+
+
+def side_by_side(layer_counts: list[int], rounds: int) -> list[dict]:
+    """Key and sha256 of each op-heavy HLO proto, alternating in this process,
+    CPU time of this thread (this shared machine's stolen time and other
+    processes stay out of it); all sizes in order, then again in reverse."""
+    from compilecast.worker.keys import program_key
+
+    protos = {n: hlo_proto(n) for n in layer_counts}
+    rows = []
+    for order in (layer_counts, layer_counts[::-1]):
+        for n in order:
+            data = protos[n]
+            program_key(data)
+            keys, shas = [], []
+            for _ in range(rounds if len(data) < 50 << 20 else max(3, rounds // 3)):
+                t0 = time.thread_time()
+                program_key(data)
+                t1 = time.thread_time()
+                hashlib.sha256(data).digest()
+                t2 = time.thread_time()
+                keys.append(t1 - t0)
+                shas.append(t2 - t1)
+            ratios = [k / s for k, s in zip(keys, shas, strict=True)]
+            row = {"layers": n, "bytes": len(data), "sha256_median_s": statistics.median(shas),
+                   "key_median_s": statistics.median(keys),
+                   "ratio_median": statistics.median(ratios), "ratio_best": min(ratios)}
+            rows.append(row)
+            print(f"HloModuleProto {n:6d} layers {len(data) / 1e6:7.2f} MB  sha256 median "
+                  f"{row['sha256_median_s'] * 1e3:8.2f} ms  key median "
+                  f"{row['key_median_s'] * 1e3:8.2f} ms  key / sha256: median "
+                  f"{row['ratio_median']:.2f}x, best {row['ratio_best']:.2f}x "
+                  f"({len(ratios)} rounds)", flush=True)
+    return rows
+
+
 def peak_rss_mb(path: str) -> float:
     """RSS the key computation adds on top of a process that has read the
     file and imported everything (sampled every 2 ms)."""
@@ -153,7 +197,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--nested", action="store_true",
                     help="op-heavy programs whose layers call a nested jit (private functions)")
+    ap.add_argument("--side-by-side-layers", type=int, nargs="+", metavar="LAYERS",
+                    help="instead: op-heavy HLO protos of these many layers (240: 0.83 MB, "
+                         "14400: 52 MB), key and sha256 alternating, CPU time, medians")
+    ap.add_argument("--rounds", type=int, default=21,
+                    help="with --side-by-side-layers: rounds per proto (a third over 50 MB)")
     args = ap.parse_args()
+    if args.side_by_side_layers:
+        print(json.dumps({"side_by_side": side_by_side(args.side_by_side_layers, args.rounds)}))
+        return
 
     from compilecast.worker import mlircanon
     from compilecast.worker.keys import KeyConfig, program_digest, program_key
