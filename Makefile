@@ -49,6 +49,7 @@ proto:
 bench: install
 	$(PY) bench/keys.py
 	$(PY) bench/keys.py --nested --sizes-mb 0.1 1
+	$(PY) bench/keys.py --side-by-side-layers 29 240 2400 14400
 	$(PY) bench/time_to_executable.py
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --tpu-after
