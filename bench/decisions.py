@@ -99,6 +99,14 @@ def fmt_cores(used: dict[str, float]) -> str:
     return "cores: " + ", ".join(f"{n} {v:.2f}" for n, v in used.items())
 
 
+def coordinator_us_per_decision(used: dict[str, float], per_second: float) -> float:
+    """The coordinators' CPU per decision, a measure of the code's cost that
+    latency is not. Read it with the messages per request: a coordinator that
+    falls behind gets fuller messages, and each decision then costs less."""
+    busy = sum(v for n, v in used.items() if n.startswith("coordinator"))
+    return 1e6 * busy / per_second if per_second else float("nan")
+
+
 async def load(target: str, clients: int, seconds: float, hit_ratio: float,
                hit_keys: list[str], batch: int, streams: int = 0, rate: float = 0.0,
                pod: bool = False, gap_s: float = GAP_S
@@ -237,11 +245,14 @@ def go_report(what: str, row: dict, used: dict[str, float], args) -> None:
     """Print a Go load generator's row (the cores each process used in it)."""
     used["load generator"] = row.pop("load_generator_cores")
     row.update({"clients": args.clients, "offered_rate": args.rate, "cores": used,
-                "load_generator": "go"})
+                "load_generator": "go",
+                "coordinator_us_per_decision": coordinator_us_per_decision(
+                    used, row["per_second"])})
     print(f"{args.clients} clients, {what}, Go load generator, {args.streams or 8} Decide "
           f"stream(s), offered {args.rate:.0f}/s: {row['per_second']:.0f} decisions/s, request "
           f"latency p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, errors "
-          f"{row['errors']}, {row['by_decision']}; {fmt_cores(used)}; "
+          f"{row['errors']}, {row['by_decision']}; {fmt_cores(used)} "
+          f"(coordinator {row['coordinator_us_per_decision']:.0f} us CPU a decision); "
           f"{row['stream_messages'] / max(row['requests'], 1):.2f} stream messages and "
           f"{row['answer_messages'] / max(row['requests'], 1):.2f} answer messages per request")
     print_by_decision(row["p50_p99_ms_by_decision"])
@@ -332,7 +343,9 @@ def main() -> None:
         p99s = [r["p99_ms"] for r in rows]
         print(f"{args.repeat} runs, each on a fresh etcd and coordinator: p99 "
               + ", ".join(f"{p:.1f}" for p in p99s)
-              + f" ms; under 20 ms in {sum(p < 20 for p in p99s)} of {args.repeat}")
+              + f" ms; under 20 ms in {sum(p < 20 for p in p99s)} of {args.repeat}; "
+              "coordinator CPU a decision "
+              + ", ".join(f"{r['coordinator_us_per_decision']:.0f}" for r in rows) + " us")
 
 
 def on_a_fresh_stack(args, binary: Path | None) -> dict:
@@ -377,6 +390,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
                "requests": n, "decisions": total, "stream_messages": messages,
                "per_second": total / wall, "p50_ms": p50, "p99_ms": p99, "errors": errors,
                "by_decision": decisions, "cores": used, "etcd_wal_fsync": fsyncs,
+               "coordinator_us_per_decision": coordinator_us_per_decision(used, total / wall),
                "p50_p99_ms_by_decision": {k: quantiles_ms(v) for k, v in by_decision.items()}}
         how = ("one job, same programs, " if args.pod else "") + (
             f"{args.streams} Decide stream(s)" if args.streams else "unary calls") + (
@@ -384,7 +398,8 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
         print(f"{args.clients} clients, {args.replicas} replica(s), batch {args.batch}, {how}: "
               f"{row['per_second']:.0f} decisions/s, request latency p50 {row['p50_ms']:.1f} ms, "
               f"p99 {row['p99_ms']:.1f} ms, "
-              f"errors {errors}, {decisions}; {fmt_cores(used)}" +
+              f"errors {errors}, {decisions}; {fmt_cores(used)} (coordinator "
+              f"{row['coordinator_us_per_decision']:.0f} us CPU a decision)" +
               (f"; {messages / max(n, 1):.2f} stream messages per request" if messages else ""))
         if by_decision:
             print_by_decision(row["p50_p99_ms_by_decision"])
