@@ -1,7 +1,7 @@
 """Key computation time against sha256 of the same serialized module.
 
     python bench/keys.py [--sizes-mb 0.1 1 10 100] [--nested]
-    python bench/keys.py --side-by-side-layers 240 2400 14400 [--rounds 21]
+    python bench/keys.py --side-by-side-layers 29 240 2400 14400 [--rounds 21]
 
 For each target size it builds a real JAX program (op-heavy: a deep MLP
 training step, with --nested one whose layers call a nested jit, so the module
