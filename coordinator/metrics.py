@@ -132,8 +132,8 @@ class CoordinatorMetrics:
             for d in pb.Decision.values() if d != pb.DECISION_UNSPECIFIED
         }
 
-    def count_decision(self, decision: int) -> None:
-        """One Acquire answered with `decision`."""
+    def count_decision(self, decision: int, n: int = 1) -> None:
+        """`n` Acquires answered with `decision`."""
         lookup, decided = self._by_decision[decision]
-        lookup.inc()
-        decided.inc()
+        lookup.inc(n)
+        decided.inc(n)

@@ -201,7 +201,7 @@ class CoordinatorState:
         # to WAIT. A key claimed here is a WAIT for everyone else without an
         # etcd round trip; the view may lag etcd by the watch's delay, and an
         # answer from a stale entry is a WAIT whose Wait re-reads etcd at once.
-        self._claimed: dict[str, str] = {}
+        self._claimed: dict[str, str | bytes] = {}  # its reason, or the record unread
         # etcd reads in flight, by key, with the watch's event count at their start.
         self._reads: dict[str, tuple[asyncio.Future, int]] = {}
         self._waiter_writes = WriteBatcher(etcd)  # waiter records, put and deleted together
@@ -296,10 +296,23 @@ class CoordinatorState:
         if record is None:
             self._claimed.pop(sk, None)
             return
+        # Read when a WAIT first needs it: most claims end before anyone asks
+        # (a miss's own claim), and reading each cost the watch ~2 % of the
+        # coordinator's CPU at 5,000 decisions a second (BENCHMARKS.md).
+        self._claimed[sk] = record
+
+    def _claim_reason(self, sk: str) -> str | None:
+        """The WAIT reason for a claim the watch reported, or None (none, or
+        a record that is not ours to read: ask etcd)."""
+        held = self._claimed.get(sk)
+        if not isinstance(held, bytes):
+            return held
         try:
-            self._claimed[sk] = f"compiled by {_holder_name(json.loads(record))}"
+            reason = self._claimed[sk] = f"compiled by {_holder_name(json.loads(held))}"
         except (ValueError, AttributeError):
-            self._claimed.pop(sk, None)  # not ours to read: ask etcd
+            self._claimed.pop(sk, None)
+            return None
+        return reason
 
     # -- reads -----------------------------------------------------------
     def _state_keys(self, sk: str) -> list[bytes]:
@@ -492,19 +505,25 @@ class CoordinatorState:
             answers.append(known)
         if all(a is None for a in answers):
             return None
+        counts: dict[int, int] = {}  # counted once per decision, not once per key
+        saved = 0.0
         for resp in answers:
             if resp is None:
                 continue
             if resp.decision == pb.HIT:
-                self._hit(resp.artifact)
-            self.metrics.count_decision(resp.decision)
+                saved += max(resp.artifact.compile_time_seconds, 0.0)
+            counts[resp.decision] = counts.get(resp.decision, 0) + 1
+        if saved:
+            self.metrics.compile_seconds_saved.inc(saved)
+        for decision, n in counts.items():
+            self.metrics.count_decision(decision, n)
         return answers
 
     def _known(self, sk: str) -> pb.AcquireResponse | None:
         cached = self._cached_artifact(sk)
         if cached is not None:
             return pb.AcquireResponse(decision=pb.HIT, artifact=cached)
-        held = self._claimed.get(sk)
+        held = self._claim_reason(sk)
         if held is not None:  # someone compiles it: what etcd would say, without asking
             return pb.AcquireResponse(decision=pb.WAIT, reason=held)
         return None
