@@ -88,6 +88,27 @@ def test_a_stale_entry_costs_one_wait_and_no_wrong_answer(coordinator, loop_thre
         c.close()
 
 
+def test_a_record_the_view_cannot_read_is_asked_of_etcd(coordinator, loop_thread):
+    """The view keeps a claim record as the watch delivered it and reads it
+    when a decision first needs it; one that is not a claim record answers
+    nothing from the view (the decision reads etcd, which holds no claim
+    here) and leaves it."""
+    sk = scope("default", "unreadable")
+
+    async def plant():
+        coordinator.state._claimed[sk] = b"\xff not a claim record"
+
+    loop_thread.run(plant())
+    c = CacheClient(coordinator.cfg.listen)
+    try:
+        resp = c.acquire("unreadable")
+        assert resp.decision == pb.COMPILE and resp.lease.id > 0
+        c.release("unreadable", resp.lease, pb.COMPILE_FAILED, "test")
+    finally:
+        c.close()
+    assert coordinator.state._claimed.get(sk) != b"\xff not a claim record"
+
+
 def test_concurrent_decisions_on_one_key_share_one_etcd_read(coordinator, loop_thread):
     state = coordinator.state
 
