@@ -369,11 +369,11 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
             c.publish(key, c.acquire(key).lease, f"artifact {i}".encode() * 100, 1.0)
             hit_keys.append(key)
         c.close()
-        fsyncs = wal_fsyncs(stack.etcd)
+        fsyncs_before = wal_fsyncs(stack.etcd)
         if binary is not None:
             row, used = cores(pids, lambda: go_load(binary, targets, args, hit_keys))
             row["replicas"] = args.replicas
-            row["etcd_wal_fsync"] = fsync_summary(fsyncs, wal_fsyncs(stack.etcd))
+            row["etcd_wal_fsync"] = fsync_summary(fsyncs_before, wal_fsyncs(stack.etcd))
             go_report(f"{args.replicas} replica(s)", row, used, args)
             return row
         # Several replicas: clients spread over them (one ipv4: target per replica).
@@ -381,7 +381,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
         (lat, decisions, errors, wall, by_decision, messages), used = cores(pids, lambda: asyncio.run(
             load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch,
                  args.streams, args.rate, args.pod, args.gap_ms / 1000)))
-        fsyncs = fsync_summary(fsyncs, wal_fsyncs(stack.etcd))
+        fsyncs = fsync_summary(fsyncs_before, wal_fsyncs(stack.etcd))
         n = len(lat)
         p50, p99 = quantiles_ms(lat)
         total = sum(decisions.values())

@@ -397,8 +397,11 @@ class CoordinatorState:
         self.metrics.etcd_unavailable.inc()
         return f"coordinator: {exc}"
 
-    def _hit(self, info: pb.ArtifactInfo) -> None:
-        self.metrics.compile_seconds_saved.inc(max(info.compile_time_seconds, 0.0))
+    def _hit(self, *infos: pb.ArtifactInfo) -> None:
+        """Count the compile time that hits on `infos` saved (one increment)."""
+        saved = sum(max(info.compile_time_seconds, 0.0) for info in infos)
+        if saved:
+            self.metrics.compile_seconds_saved.inc(saved)
 
     # -- the lease -------------------------------------------------------
     def _claim(self, lease_id: int, req: pb.Requester, program: str) -> bytes:
@@ -506,15 +509,10 @@ class CoordinatorState:
         if all(a is None for a in answers):
             return None
         counts: dict[int, int] = {}  # counted once per decision, not once per key
-        saved = 0.0
         for resp in answers:
-            if resp is None:
-                continue
-            if resp.decision == pb.HIT:
-                saved += max(resp.artifact.compile_time_seconds, 0.0)
-            counts[resp.decision] = counts.get(resp.decision, 0) + 1
-        if saved:
-            self.metrics.compile_seconds_saved.inc(saved)
+            if resp is not None:
+                counts[resp.decision] = counts.get(resp.decision, 0) + 1
+        self._hit(*(r.artifact for r in answers if r is not None and r.decision == pb.HIT))
         for decision, n in counts.items():
             self.metrics.count_decision(decision, n)
         return answers
