@@ -363,5 +363,5 @@ def canonical_sha256(module_bytes: bytes, drops: tuple[int, ...] = (),
     and never holds the canonical module."""
     if _native_sha256 is not None:
         return _native_sha256(module_bytes, drops, attributes, kernel)
-    return hashlib.sha256(canonical_hlo_py(module_bytes, drops, attributes,
+    return hashlib.sha256(canonical_hlo_py(bytes(module_bytes), drops, attributes,
                                            kernel)).hexdigest()
