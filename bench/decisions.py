@@ -34,6 +34,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack, cpu_seconds, free_port, own_cpu_seconds, wait_port
 
+from compilecast.config import CoordinatorConfig
 from compilecast.decide import GAP_S, Decider
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -254,7 +255,9 @@ def go_report(what: str, row: dict, used: dict[str, float], args) -> None:
           f"{row['errors']}, {row['by_decision']}; {fmt_cores(used)} "
           f"(coordinator {row['coordinator_us_per_decision']:.0f} us CPU a decision); "
           f"{row['stream_messages'] / max(row['requests'], 1):.2f} stream messages and "
-          f"{row['answer_messages'] / max(row['requests'], 1):.2f} answer messages per request")
+          f"{row['answer_messages'] / max(row['requests'], 1):.2f} answer messages per request"
+          + (f"; the coordinator asked for gaps up to {row['advised_gap_ms_max']:.0f} ms"
+             if row.get("advised_gap_ms_max") else ""))
     print_by_decision(row["p50_p99_ms_by_decision"])
     if "etcd_wal_fsync" in row:
         print("  " + fmt_fsyncs(row["etcd_wal_fsync"]))
@@ -300,6 +303,9 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, default=GAP_S * 1000,
                     help="at least this long between two messages of a Decide stream (what "
                          "arrives meanwhile coalesces; default: the Decider's own, 0: none)")
+    ap.add_argument("--busy-gap-ms", type=float, default=CoordinatorConfig.decide_busy_gap_ms,
+                    help="the coordinator's decide_busy_gap_ms: the longest gap it asks of "
+                         "the streams while busy (0: it never asks)")
     ap.add_argument("--loadgen", choices=("python", "go"), default="python",
                     help="go: the open-loop Decide load from bench/loadgen (needs --rate)")
     ap.add_argument("--repeat", type=int, default=1,
@@ -354,7 +360,9 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
     stack = Stack(root)
     try:
         store = root / "shared-store"
-        started = [stack.coordinator(f"c{i}", store=store) for i in range(args.replicas)]
+        extra = ("--decide-busy-gap-ms", str(args.busy_gap_ms))
+        started = [stack.coordinator(f"c{i}", store=store, extra=extra)
+                   for i in range(args.replicas)]
         targets = [t for t, _ in started]
         pids = {"etcd": stack.procs[0].pid}
         pids.update({f"coordinator {i}": p.pid for i, (_, p) in enumerate(started)})

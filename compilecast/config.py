@@ -118,6 +118,11 @@ class CoordinatorConfig:
                                   "(later ones get the committed blob); 0: waiters fetch once "
                                   "it is published. Worth 4 where holders upload over a slower "
                                   "link than the coordinator's"))
+    decide_busy_gap_ms: float = field(
+        default=12.0, metadata=_help(
+            "the longest gap between two messages of a Decide stream this replica asks its "
+            "clients for while its event loop is busy (from 0.3 of a core on, all of it at "
+            "0.6): fewer, fuller messages cost it less per decision (0: never ask)"))
     data_listen: str = field(
         default="auto", metadata=_help(
             "the data plane's address host:port: whole artifacts go to clients that ask over "
@@ -160,7 +165,7 @@ class CoordinatorConfig:
             _hostport(self.data_listen, "data_listen")
         if self.data_advertise:
             _hostport(self.data_advertise, "data_advertise")
-        _not_negative(self, "store_reverify_s")
+        _not_negative(self, "store_reverify_s", "decide_busy_gap_ms")
         if not self.etcd_endpoints.strip():
             raise ConfigError("etcd_endpoints is empty")
         if not self.etcd_prefix.startswith("/"):

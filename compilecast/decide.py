@@ -38,6 +38,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
@@ -59,6 +60,13 @@ MAX_BUNDLE = 64  # answers sent in one DecideResponse (takes_bundles)
 # it gave back a tenth to a sixth of the coordinator's core (BENCHMARKS.md,
 # twenty-third session).
 GAP_S = 0.005
+# A busy server asks for a longer gap (DecideResponse.gap_ms): at 5,000 mixed
+# decisions a second, 10 ms instead of 5 took the coordinator's CPU a decision
+# from 161-195 to 131-143 us (BENCHMARKS.md, twenty-fifth session). A client
+# follows the advice for ADVICE_S after the answer that carried it, and never
+# waits longer than MAX_ADVISED_GAP_S whatever a server asks.
+ADVICE_S = 1.0
+MAX_ADVISED_GAP_S = 0.05
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -70,6 +78,51 @@ def check_batch(requests: Sequence[pb.AcquireRequest]) -> None:
         raise InvalidRequest(f"at most {MAX_BATCH} requests per batch")
     for r in requests:
         validate.acquire_request(r)
+
+
+class GapAdvice:
+    """The gap a server asks of its Decide clients (DecideResponse.gap_ms),
+    from how busy its event loop's thread is: no advice while that thread
+    uses at most `low` of its core, `max_ms` from `high` on, in proportion
+    between. Busy means messages queue; a longer gap puts more decisions in
+    each message, and a message costs the server more than a decision does,
+    so the same decisions then cost it less. An idle stream still sends a
+    request at once (the gap only follows a message).
+
+    `sample()` runs every `period_s` on the loop (`run()`); the thread's CPU
+    use over each period is smoothed (half the last period's, half before).
+    `cpu` and `clock` are the thread's CPU time and the wall clock, in
+    seconds (tests pass their own)."""
+
+    def __init__(self, max_ms: float, *, low: float = 0.3, high: float = 0.6,
+                 period_s: float = 0.25, cpu: Callable[[], float] = time.thread_time,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 <= low < high:
+            raise ValueError("GapAdvice needs 0 <= low < high")
+        self.max_ms = max_ms
+        self.low, self.high = low, high
+        self.period_s = period_s
+        self._cpu, self._clock = cpu, clock
+        self._last = (cpu(), clock())
+        self.busy = 0.0  # smoothed share of a core the loop's thread used
+        self.gap_ms = 0  # the advice now (0: none)
+
+    def sample(self) -> None:
+        cpu, now = self._cpu(), self._clock()
+        spent, elapsed = cpu - self._last[0], now - self._last[1]
+        self._last = (cpu, now)
+        if elapsed <= 0:
+            return
+        self.busy = 0.5 * self.busy + 0.5 * min(spent / elapsed, 1.0)
+        share = (self.busy - self.low) / (self.high - self.low)
+        self.gap_ms = round(self.max_ms * min(max(share, 0.0), 1.0))
+
+    async def run(self) -> None:
+        """Sample every period_s, on the loop whose thread is measured."""
+        self._last = (self._cpu(), self._clock())
+        while True:
+            await asyncio.sleep(self.period_s)
+            self.sample()
 
 
 Decide = Callable[[Sequence[pb.AcquireRequest]], Awaitable[list[pb.AcquireResponse]]]
@@ -171,7 +224,8 @@ class Streams:
 async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
                 wait: WaitOnce | None = None, in_flight: int = IN_FLIGHT,
                 max_waits: int = MAX_WAITS, streams: Streams | None = None,
-                decide_now: DecideNow | None = None) -> AsyncIterator[pb.DecideResponse]:
+                decide_now: DecideNow | None = None,
+                advice: GapAdvice | None = None) -> AsyncIterator[pb.DecideResponse]:
     """Answer the messages of a Decide stream with `decide` (a checked batch
     in, one response per request out), each as soon as it is decided, and
     its wait messages with `wait` (without it, with no event: the client
@@ -180,7 +234,8 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
     own; one the client takes in parts gets what is known at once and the
     rest later. With `streams`, a drain ends the stream after answering every
     decision read; the waits it cuts short go unanswered, so that the client
-    sends them again."""
+    sends them again. With `advice`, each answer message carries its gap
+    (DecideResponse.gap_ms)."""
     answers: asyncio.Queue[pb.DecideResponse | None] = asyncio.Queue()
     slots = asyncio.Semaphore(in_flight)
     running: set[asyncio.Task] = set()
@@ -280,7 +335,10 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
             reader.cancel()
     try:
         while (answer := await answers.get()) is not None:
-            yield _bundled(answer, answers) if bundles and not answers.empty() else answer
+            out = _bundled(answer, answers) if bundles and not answers.empty() else answer
+            if advice is not None and advice.gap_ms:
+                out.gap_ms = advice.gap_ms
+            yield out
         await reader  # raises what ended the reading (an undecodable message)
     finally:
         reader.cancel()
@@ -349,6 +407,8 @@ class Decider:
         self._unary = False  # the server has no Decide
         self._no_waits = False  # the server answers no waits on the stream
         self.messages = 0  # messages written (fewer than decide calls under load)
+        self.advised_gap_s = 0.0  # the server's advice (DecideResponse.gap_ms), capped
+        self._advised_at = 0.0  # loop time of the answer that carried it
 
     async def _ask(self, entry: _Entry, limit_s: float | None):
         """Queue `entry`, wake the writer and wait for its answer."""
@@ -483,7 +543,7 @@ class Decider:
                     sent_at = loop.time()
                     await call.write(msg)
                     self.messages += 1
-                    if (rest := self.gap_s - (loop.time() - sent_at)) > 0:
+                    if (rest := self._gap(loop.time()) - (loop.time() - sent_at)) > 0:
                         # What arrives meanwhile leaves in the next message.
                         await asyncio.wait({reader}, timeout=rest)
             if reader.exception() is not None:
@@ -518,8 +578,18 @@ class Decider:
             else:
                 self._fail_all(error)
 
+    def _gap(self, now: float) -> float:
+        """The gap before the next message: our own, or the server's advice
+        while it is recent and longer."""
+        if now - self._advised_at < ADVICE_S:
+            return max(self.gap_s, self.advised_gap_s)
+        return self.gap_s
+
     async def _read(self, call) -> None:
+        loop = asyncio.get_running_loop()
         async for answer in call:
+            self.advised_gap_s = min(answer.gap_ms / 1000, MAX_ADVISED_GAP_S)
+            self._advised_at = loop.time()
             self._answer(answer)
             for more in answer.more:
                 self._answer(more)

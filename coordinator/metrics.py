@@ -58,6 +58,17 @@ class CoordinatorMetrics:
             "Decide streams open on this replica (one per worker and credential)",
             registry=registry,
         )
+        self.decide_gap_ms = Gauge(
+            "compilecast_coordinator_decide_gap_ms",
+            "The gap between two messages of a Decide stream this replica asks of its "
+            "clients now (0: none; it asks while its event loop is busy)",
+            registry=registry,
+        )
+        self.loop_busy = Gauge(
+            "compilecast_coordinator_loop_busy",
+            "Share of a core the event loop's thread used lately (smoothed)",
+            registry=registry,
+        )
         self.misses_by_component = Counter(
             "compilecast_coordinator_misses_by_component",
             "Compiles by the key component that differed from the nearest earlier key of "

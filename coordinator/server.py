@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from compilecast.blobstore import DiskBlobStore
 from compilecast.config import CoordinatorConfig
+from compilecast.decide import GapAdvice
 from compilecast.errors import Unavailable
 from compilecast.grpcutil import channel_credentials, server_credentials
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
@@ -42,6 +43,7 @@ class Coordinator(Role):
         self._metrics_server = None
         self._store_scans: asyncio.Task | None = None
         self._sweeps: asyncio.Task | None = None
+        self._advising: asyncio.Task | None = None
 
     async def start(self) -> None:
         # grpc.aio objects bind to the running loop: build them here.
@@ -51,7 +53,13 @@ class Coordinator(Role):
         self.state = CoordinatorState(cfg, self.etcd, self.store, self.metrics)
         auth = Authenticator.from_file(cfg.auth_tokens_file, cfg.allow_unauthenticated)
         self.data_plane = self._data_plane()
-        service = CoordinatorService(self.state, auth, self.data_plane)
+        self.advice = (GapAdvice(cfg.decide_busy_gap_ms) if cfg.decide_busy_gap_ms > 0
+                       else None)
+        if self.advice is not None:
+            advice = self.advice
+            self.metrics.decide_gap_ms.set_function(lambda: advice.gap_ms)
+            self.metrics.loop_busy.set_function(lambda: advice.busy)
+        service = CoordinatorService(self.state, auth, self.data_plane, self.advice)
         self.server_streams = service.streams
         self.server, self.health = make_server(service)
         creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
@@ -67,6 +75,8 @@ class Coordinator(Role):
         self._store_scans = asyncio.create_task(self._scan_store())
         self._sweeps = (asyncio.create_task(self._sweep_index()) if cfg.index_sweep_s > 0
                         else None)
+        self._advising = (asyncio.create_task(self.advice.run()) if self.advice is not None
+                          else None)
         log.info("coordinator listening on %s (%s; etcd %s; store %s)", cfg.listen,
                  "TLS" if creds else "plaintext", cfg.etcd_endpoints, cfg.store_dir)
 
@@ -119,7 +129,7 @@ class Coordinator(Role):
             await asyncio.sleep(self.cfg.index_sweep_s * random.uniform(0.8, 1.2))
 
     async def _release(self) -> None:
-        for task in (self._store_scans, self._sweeps):
+        for task in (self._store_scans, self._sweeps, self._advising):
             if task is not None:
                 task.cancel()
         if self.data_plane is not None:

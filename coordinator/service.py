@@ -69,11 +69,13 @@ class CoordinatorService(rpc.CompileCacheServicer):
     """Every call is authenticated first; the principal's tenant scopes it."""
 
     def __init__(self, state: CoordinatorState, auth: Authenticator,
-                 data_plane: DataPlane | None = None) -> None:
+                 data_plane: DataPlane | None = None,
+                 advice: decide.GapAdvice | None = None) -> None:
         self.state = state
         self.auth = auth
         self.data_plane = data_plane
         self.streams = decide.Streams()
+        self.advice = advice  # the gap asked of Decide clients while busy
 
     @rpc_errors
     async def Acquire(self, request, context):
@@ -116,7 +118,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
                     wait=lambda r, until: decide.ending_event(self._wait(r, who), until),
                     decide_now=lambda rs, partial: self.state.decided_now(
                         [r.key for r in rs], tenant=who.tenant, partial=partial),
-                    streams=self.streams):
+                    streams=self.streams, advice=self.advice):
                 yield answer
         finally:
             self.state.metrics.decide_streams.dec()

@@ -88,6 +88,25 @@ type stream struct {
 	pending  int // requests queued or in flight
 	res      results
 	idle     *sync.Cond
+	// The server's gap advice (DecideResponse.gap_ms), followed for
+	// adviceFor after the answer that carried it, as the Decider does.
+	advised   time.Duration
+	advisedAt time.Time
+	adviceMax time.Duration // the longest advice seen (reported)
+}
+
+const (
+	adviceFor  = time.Second
+	maxAdvised = 50 * time.Millisecond
+)
+
+// nextGap is the gap after a message: -gap, or the server's recent advice
+// when longer (s.mu held).
+func (s *stream) nextGap() time.Duration {
+	if s.advised > gap && time.Since(s.advisedAt) < adviceFor {
+		return s.advised
+	}
+	return gap
 }
 
 var bundles = true // the requests say the client takes bundled answers
@@ -121,6 +140,7 @@ type answer struct {
 	decisions []uint64
 	positions []uint64
 	errorCode uint64
+	gapMs     uint64   // the server's gap advice
 	more      []answer // answers to other messages, bundled with this one
 }
 
@@ -180,6 +200,8 @@ func decodeAnswer(b []byte) (answer, error) {
 			a.decisions = append(a.decisions, decision)
 		case num == 3 && typ == protowire.VarintType:
 			a.errorCode = u
+		case num == 9 && typ == protowire.VarintType:
+			a.gapMs = u
 		case num == 6 && typ == protowire.BytesType: // packed positions
 			for len(v) > 0 {
 				p, m := protowire.ConsumeVarint(v)
@@ -236,8 +258,11 @@ func (s *stream) write() {
 				fmt.Fprintln(os.Stderr, "send:", err)
 				os.Exit(1)
 			}
-			if gap > 0 {
-				time.Sleep(gap - time.Since(sentAt))
+			s.mu.Lock()
+			wait := s.nextGap()
+			s.mu.Unlock()
+			if wait > 0 {
+				time.Sleep(wait - time.Since(sentAt))
 			}
 		}
 	}
@@ -271,6 +296,8 @@ func (s *stream) read() {
 		}
 		s.mu.Lock()
 		s.received++
+		s.advised, s.advisedAt = min(time.Duration(a.gapMs)*time.Millisecond, maxAdvised), time.Now()
+		s.adviceMax = max(s.adviceMax, s.advised)
 		s.settle(a)
 		for _, more := range a.more {
 			s.settle(more)
@@ -427,6 +454,7 @@ func main() {
 	by := map[string][]float64{}
 	counts := map[string]int{}
 	errors, messages, received := 0, 0, 0
+	var adviceMax time.Duration
 	for _, s := range ss {
 		s.mu.Lock()
 		all = append(all, s.res.latencies...)
@@ -440,6 +468,7 @@ func main() {
 			counts[k] += len(v)
 		}
 		errors += s.res.errors
+		adviceMax = max(adviceMax, s.adviceMax)
 		messages += s.messages
 		received += s.received
 		s.mu.Unlock()
@@ -458,6 +487,7 @@ func main() {
 		"requests": len(all), "per_second": float64(len(all)) / wall, "p50_ms": q[0],
 		"p99_ms": q[1], "errors": errors, "by_decision": counts, "stream_messages": messages, "answer_messages": received,
 		"p50_p99_ms_by_decision": byQ, "p99_ms_by_second_asked": p99BySecond, "load_generator_cores": cpu / wall, "wall_s": wall,
+		"advised_gap_ms_max": adviceMax.Seconds() * 1e3,
 	}
 	enc := json.NewEncoder(os.Stdout)
 	if err := enc.Encode(out); err != nil {

@@ -161,7 +161,7 @@ class DecideRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[AcquireRequest, _Mapping]]] = ..., wait: _Optional[_Union[WaitRequest, _Mapping]] = ..., until_publishing: _Optional[bool] = ..., cancel: _Optional[_Iterable[int]] = ..., answer_in_parts: _Optional[bool] = ..., takes_bundles: _Optional[bool] = ...) -> None: ...
 
 class DecideResponse(_message.Message):
-    __slots__ = ("id", "responses", "error_code", "error_message", "event", "positions", "more")
+    __slots__ = ("id", "responses", "error_code", "error_message", "event", "positions", "more", "gap_ms")
     ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class DecideResponse(_message.Message):
     EVENT_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    GAP_MS_FIELD_NUMBER: _ClassVar[int]
     id: int
     responses: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
     error_code: int
@@ -176,7 +177,8 @@ class DecideResponse(_message.Message):
     event: WaitEvent
     positions: _containers.RepeatedScalarFieldContainer[int]
     more: _containers.RepeatedCompositeFieldContainer[DecideResponse]
-    def __init__(self, id: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., event: _Optional[_Union[WaitEvent, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., more: _Optional[_Iterable[_Union[DecideResponse, _Mapping]]] = ...) -> None: ...
+    gap_ms: int
+    def __init__(self, id: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., event: _Optional[_Union[WaitEvent, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., more: _Optional[_Iterable[_Union[DecideResponse, _Mapping]]] = ..., gap_ms: _Optional[int] = ...) -> None: ...
 
 class WaitRequest(_message.Message):
     __slots__ = ("key", "requester", "timeout_ms")
