@@ -234,7 +234,7 @@ def go_load(binary: Path, targets: list[str], args, hit_keys: list[str]) -> dict
            "-streams", str(args.streams or 8), "-rate", str(args.rate),
            "-seconds", str(args.seconds), "-hit-ratio", str(args.hit_ratio),
            "-hit-keys", ",".join(hit_keys), f"-bundles={str(not args.no_bundles).lower()}",
-           f"-gap={args.gap_ms}ms"]
+           f"-gap={args.gap_ms}ms", "-components", str(args.components)]
     pinned = (lambda: os.sched_setaffinity(0, {1})) if args.pin else None
     done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pinned)
     if done.returncode != 0:
@@ -306,6 +306,10 @@ def main() -> None:
     ap.add_argument("--busy-gap-ms", type=float, default=CoordinatorConfig.decide_busy_gap_ms,
                     help="the coordinator's decide_busy_gap_ms: the longest gap it asks of "
                          "the streams while busy (0: it never asks)")
+    ap.add_argument("--components", type=int, default=0,
+                    help="with --loadgen go: key components (and a program name) each request "
+                         "carries, as the JAX integration's do (11 there); the coordinator "
+                         "records them on a miss")
     ap.add_argument("--loadgen", choices=("python", "go"), default="python",
                     help="go: the open-loop Decide load from bench/loadgen (needs --rate)")
     ap.add_argument("--repeat", type=int, default=1,

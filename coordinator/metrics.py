@@ -58,6 +58,12 @@ class CoordinatorMetrics:
             "Decide streams open on this replica (one per worker and credential)",
             registry=registry,
         )
+        self.key_records_skipped = Counter(
+            "compilecast_coordinator_key_records_skipped",
+            "Keys whose components went unrecorded: too many waited to be recorded (a storm "
+            "of misses); `explain` and misses_by_component do not cover them",
+            registry=registry,
+        )
         self.decide_gap_ms = Gauge(
             "compilecast_coordinator_decide_gap_ms",
             "The gap between two messages of a Decide stream this replica asks of its "

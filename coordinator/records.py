@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from compilecast import validate
 from compilecast.errors import InvalidRequest, NotFound
+from compilecast.serving import cancel_all
 from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import cmp_absent, op_put
@@ -74,6 +75,13 @@ def read_info(key: str, raw: bytes) -> pb.ArtifactInfo | None:
 
 
 DEFAULT_TENANT = "default"
+LATEST = 64  # a miss is compared with this many latest keys of its program name
+# How long the latest keys of a program name, as read from etcd, serve before
+# they are read again. Between reads a replica sees its own records, not
+# those of other replicas: a miss explained meanwhile may be compared with a
+# less near key. It only ever changes which component a miss is counted by.
+NAME_TTL_S = 10.0
+NAMES_MAX = 1024  # program names whose latest keys are kept
 EXPECTED_TTL_S = 10.0  # how long a program's expected compile time is reused
 EXPECTED_MAX = 4096  # programs remembered at once (expired ones go first)
 DEFAULT_LIST, MAX_LIST = 500, 5000  # artifacts per ListArtifacts page
@@ -93,16 +101,45 @@ def tenant_of(sk: str) -> str:
 
 
 
+class _Components:
+    """A key's components, as sets that compare fast: a miss is compared
+    with up to LATEST earlier keys (sets keep their entries' hashes)."""
+
+    __slots__ = ("items", "names")
+
+    def __init__(self, comps: dict) -> None:
+        self.items = frozenset((str(k), str(v)) for k, v in comps.items())
+        self.names = frozenset(k for k, _ in self.items)
+
+    def differing(self, other: _Components) -> int:
+        """How many components differ (a name on one side only counts)."""
+        entries = len(self.items ^ other.items)
+        if self.names == other.names:
+            return entries // 2  # each differing name: its two values
+        return len(self.names_differing(other))
+
+    def names_differing(self, other: _Components) -> list[str]:
+        return sorted({n for n, _ in self.items ^ other.items})
+
+
 class KeyRecords:
+    BATCH_MAX = 32  # keys a round records: 2 puts each in one txn (etcd's 128-op limit)
+    BACKLOG_MAX = 4096  # keys waiting to be recorded; more go unrecorded (counted)
+
     def __init__(self, etcd: Etcd, prefix: bytes, metrics: CoordinatorMetrics) -> None:
         self.etcd = etcd
         self.prefix = prefix
         self.metrics = metrics
         # The latest explained misses of this replica: (scoped key, name, differing, when).
         self.recent: deque[tuple[str, str, list[str], float]] = deque(maxlen=20)
-        # Keys of one program name are recorded one at a time on a replica, so a
-        # key is compared with the one recorded just before it, not raced by it.
-        self._names: dict[tuple[str, str], list] = {}  # -> [lock, users]
+        # Keys waiting to be recorded, and the task recording them.
+        self._pending: deque[tuple[str, str, dict[str, str]]] = deque()
+        self._recorder: asyncio.Task | None = None
+        self.backlog_max = self.BACKLOG_MAX
+        # (tenant, program name) -> (read at, the components of its latest keys,
+        # newest first): read from etcd at most every NAME_TTL_S, and kept up
+        # to date with what this replica records meanwhile.
+        self._latest_of: dict[tuple[str, str], tuple[float, list[_Components]]] = {}
         # Expected compile times by (tenant, program name): looked up when
         # read, shared by every waiter of a pod for EXPECTED_TTL_S.
         self._expected: dict[tuple[str, str], tuple[float, asyncio.Future]] = {}
@@ -151,51 +188,103 @@ class KeyRecords:
         digest = hashlib.sha256(program_name.encode()).hexdigest()[:32]
         return self.prefix + f"/n/{tenant}/{digest}/".encode()
 
-    async def record(self, sk: str, program_name: str, comps: dict[str, str]) -> None:
-        """Remember a key's components; count the miss by what differed from
-        the nearest earlier key of the same program name."""
-        name = (tenant_of(sk), program_name)
-        slot = self._names.setdefault(name, [asyncio.Lock(), 0])
-        slot[1] += 1
-        try:
-            async with slot[0]:
-                await self._record(sk, program_name, comps)
-        finally:
-            slot[1] -= 1
-            if not slot[1]:
-                del self._names[name]
+    def record(self, sk: str, program_name: str, comps: dict[str, str]) -> None:
+        """Remember a key's components, in the background; count the miss by
+        what differed from the nearest earlier key of the same program name.
+        Bookkeeping only: beyond BACKLOG_MAX keys waiting (a storm of misses)
+        a key goes unrecorded and is counted, and nothing ever fails a
+        decision."""
+        if not comps:
+            return
+        if len(self._pending) >= self.backlog_max:
+            self.metrics.key_records_skipped.inc()
+            return
+        self._pending.append((sk, program_name, comps))
+        if self._recorder is None:
+            self._recorder = asyncio.get_running_loop().create_task(self._drain())
 
-    async def _record(self, sk: str, program_name: str, comps: dict[str, str]) -> None:
-        tenant, key = sk.split("/", 1)
+    async def close(self) -> None:
+        if self._recorder is not None:
+            await cancel_all({self._recorder})
+
+    async def _drain(self) -> None:
+        """Record what waits, BATCH_MAX keys a round, in arrival order (a key
+        is compared with the keys recorded before it, not raced by them)."""
         try:
-            if not comps or await self.etcd.get(self._k("k", sk)) is not None:
-                return
-            # The 64 keys of this program name recorded last, their records in one read.
-            earlier = await self.etcd.get_prefix(self.name_prefix(tenant, program_name),
-                                                 limit=64, newest_first=True)
-            others = await self.etcd.get_many(
-                [self._k("k", f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}")
-                 for kv in earlier]) if earlier else []
-            best: list[str] | None = None
-            for other in others:
-                if other is None:
-                    continue
-                theirs = (json_dict(other.value) or {}).get("components", {})
-                diff = sorted(n for n in set(comps) | set(theirs) if comps.get(n) != theirs.get(n))
-                if best is None or len(diff) < len(best):
-                    best = diff
-            differing = ["new_program"] if best is None else best
+            while self._pending:
+                batch = [self._pending.popleft()
+                         for _ in range(min(self.BATCH_MAX, len(self._pending)))]
+                try:
+                    await self._record_batch(batch)
+                except Exception as exc:  # bookkeeping only; never fails a decision
+                    log.debug("could not record %d keys: %s", len(batch), exc)
+        finally:
+            self._recorder = None
+
+    async def _record_batch(self, batch: list[tuple[str, str, dict[str, str]]]) -> None:
+        """A few round trips for a whole batch: which keys are new, the
+        latest 64 keys of each program name and their records, then the new
+        records in one txn (one txn a key, should another replica have
+        recorded one meanwhile)."""
+        firsts, named = [], set()
+        for item in batch:  # each key once, where it came first
+            if item[0] not in named:
+                named.add(item[0])
+                firsts.append(item)
+        seen = await self.etcd.get_many([self._k("k", sk) for sk, _, _ in firsts])
+        new = [item for item, rec in zip(firsts, seen, strict=True) if rec is None]
+        now = time.monotonic()
+        names = [n for n in dict.fromkeys((tenant_of(sk), name) for sk, name, _ in new)
+                 if now - self._latest_of.get(n, (-NAME_TTL_S, []))[0] >= NAME_TTL_S]
+        earlier = await asyncio.gather(*(self._latest(tenant, name) for tenant, name in names))
+        for n, comps in zip(names, earlier, strict=True):
+            self._latest_of.pop(n, None)
+            self._latest_of[n] = (now, comps)
+        while len(self._latest_of) > NAMES_MAX:  # the names read longest ago go
+            self._latest_of.pop(next(iter(self._latest_of)))
+        writes = []
+        for sk, name, comps in new:
+            tenant, key = sk.split("/", 1)
+            theirs = self._latest_of[(tenant, name)][1]
+            mine = _Components(comps)
+            best: _Components | None = None
+            fewest = 0
+            for other in theirs:
+                n = mine.differing(other)
+                if best is None or n < fewest:
+                    best, fewest = other, n
+                    if n <= 1:
+                        break  # none nearer: another key differs in something
+            theirs.insert(0, mine)  # the next key of this name is compared with it too
+            del theirs[LATEST:]
+            differing = ["new_program"] if best is None else mine.names_differing(best)
             for component in differing:
                 self.metrics.misses_by_component.labels(component).inc()
             if differing:
-                self.recent.appendleft((sk, program_name, differing, time.time()))
-            record = json.dumps({"program_name": program_name, "components": comps,
+                self.recent.appendleft((sk, name, differing, time.time()))
+            record = json.dumps({"program_name": name, "components": comps,
                                  "first_seen": time.time()}).encode()
-            await self.etcd.txn([cmp_absent(self._k("k", sk))],
-                                [op_put(self._k("k", sk), record),
-                                 op_put(self.name_prefix(tenant, program_name) + key.encode(), b"")])
-        except Exception as exc:  # bookkeeping only; never fails a decision
-            log.debug("could not record key %s: %s", key, exc)
+            writes.append(([cmp_absent(self._k("k", sk))],
+                           [op_put(self._k("k", sk), record),
+                            op_put(self.name_prefix(tenant, name) + key.encode(), b"")]))
+        if not writes:
+            return
+        ok, _, _ = await self.etcd.txn([c for cmp, _ in writes for c in cmp],
+                                       [op for _, ops in writes for op in ops])
+        if not ok and len(writes) > 1:  # another replica recorded one of them
+            await asyncio.gather(*(self.etcd.txn(cmp, ops) for cmp, ops in writes))
+
+    async def _latest(self, tenant: str, program_name: str) -> list[_Components]:
+        """The components of the LATEST keys of this program name recorded
+        last, newest first."""
+        latest = await self.etcd.get_prefix(self.name_prefix(tenant, program_name),
+                                            limit=LATEST, newest_first=True)
+        records = await self.etcd.get_many(
+            [self._k("k", f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}")
+             for kv in latest]) if latest else []
+        comps = [(json_dict(rec.value) or {}).get("components") for rec in records
+                 if rec is not None]
+        return [_Components(c) for c in comps if isinstance(c, dict)]
 
     async def list_artifacts(self, after: str, limit: int,
                              tenant: str = DEFAULT_TENANT) -> pb.ListArtifactsResponse:

@@ -225,6 +225,7 @@ class CoordinatorState:
 
     async def stop(self) -> None:
         await cancel_all(self._tasks)  # the session keeper could swallow one cancel
+        await self.records.close()
         await self.leases.close()
         self._publish_threads.shutdown(wait=False)
         if self._session_lease:
@@ -488,8 +489,7 @@ class CoordinatorState:
             resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, reason=self._etcd_down(exc))
         self.metrics.count_decision(resp.decision)
         if resp.decision == pb.COMPILE and components:
-            self._spawn(self.records.record(scope(tenant, key), program_name,
-                                         dict(components)))
+            self.records.record(scope(tenant, key), program_name, dict(components))
         return resp
 
     def decided_now(self, keys: Sequence[str], *, tenant: str = DEFAULT_TENANT,

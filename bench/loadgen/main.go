@@ -20,6 +20,8 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -111,6 +113,36 @@ func (s *stream) nextGap() time.Duration {
 
 var bundles = true // the requests say the client takes bundled answers
 
+// components is how many named key components each request carries (as the
+// JAX integration's requests do; the coordinator records them on a miss).
+var components = 0
+
+// appendComponents adds `components` key_components entries and a program
+// name, as a worker sends them: the first ("program") a digest of the key,
+// the others of the client (its platform, flags and so on), so that two keys
+// of one client differ in their program alone.
+func appendComponents(acq []byte, r request) []byte {
+	if components == 0 {
+		return acq
+	}
+	for i := 0; i < components; i++ {
+		name, of := fmt.Sprintf("component_%d", i), r.client
+		if i == 0 {
+			name, of = "program", r.key
+		}
+		sum := sha256.Sum256([]byte(of + "/" + name))
+		var entry []byte
+		entry = protowire.AppendTag(entry, 1, protowire.BytesType)
+		entry = protowire.AppendString(entry, name)
+		entry = protowire.AppendTag(entry, 2, protowire.BytesType)
+		entry = protowire.AppendString(entry, hex.EncodeToString(sum[:]))
+		acq = protowire.AppendTag(acq, 3, protowire.BytesType)
+		acq = protowire.AppendBytes(acq, entry)
+	}
+	acq = protowire.AppendTag(acq, 4, protowire.BytesType)
+	return protowire.AppendString(acq, "jit_step_"+r.client[len(r.client)-1:])
+}
+
 func encodeRequest(id uint64, reqs []request) []byte {
 	b := protowire.AppendTag(nil, 1, protowire.VarintType)
 	b = protowire.AppendVarint(b, id)
@@ -123,6 +155,7 @@ func encodeRequest(id uint64, reqs []request) []byte {
 		acq = protowire.AppendString(acq, r.key)
 		acq = protowire.AppendTag(acq, 2, protowire.BytesType)
 		acq = protowire.AppendBytes(acq, requester)
+		acq = appendComponents(acq, r)
 		b = protowire.AppendTag(b, 2, protowire.BytesType)
 		b = protowire.AppendBytes(b, acq)
 	}
@@ -364,6 +397,7 @@ func main() {
 	hitKeys := flag.String("hit-keys", "", "the published keys, comma-separated")
 	flag.DurationVar(&gap, "gap", gap, "at least this long between two messages of a stream (what arrives meanwhile coalesces), as the Decider's gap")
 	flag.BoolVar(&bundles, "bundles", true, "take answers bundled (DecideRequest.takes_bundles)")
+	flag.IntVar(&components, "components", components, "key components each request carries, with a program name (as the JAX integration sends; the coordinator records them on a miss)")
 	flag.Parse()
 	hits := strings.Split(*hitKeys, ",")
 	if *hitKeys == "" || *streams < 1 || *channels < 1 || *rate <= 0 {

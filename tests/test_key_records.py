@@ -1,0 +1,87 @@
+"""Key records (what each key was made of, to explain misses), written in
+batches in the background, against a real etcd on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from compilecast.coordinator.etcd import Etcd
+from compilecast.coordinator.metrics import CoordinatorMetrics
+from compilecast.coordinator.records import KeyRecords, json_dict, scope
+
+BASE = {"program": "p1", "compile_options": "o1", "platform": "cpu", "xla_flags": "f1"}
+
+
+def counts(registry: CollectorRegistry) -> dict[str, float]:
+    """misses_by_component by component."""
+    return {s.labels["component"]: s.value
+            for m in registry.collect() if m.name == "compilecast_coordinator_misses_by_component"
+            for s in m.samples if s.name.endswith("_total")}
+
+
+async def recorded(records: KeyRecords, etcd: Etcd, prefix: bytes, keys: list[str]) -> list:
+    """Wait for the recorder to finish; each key's record (None: none)."""
+    for _ in range(500):
+        if records._recorder is None:
+            break
+        await asyncio.sleep(0.01)
+    got = await etcd.get_many([prefix + f"/k/{scope('default', k)}".encode() for k in keys])
+    return [json_dict(kv.value) if kv is not None else None for kv in got]
+
+
+def test_keys_recorded_together_are_compared_with_each_other(etcd, loop_thread, prefix):
+    """Three keys of one program name in one batch: the second is explained
+    by what differs from the first, the third by what differs from the
+    nearer of the two; another name's key is a new program. Recording a key
+    again counts nothing."""
+    registry = CollectorRegistry()
+
+    async def body():
+        client = Etcd([etcd.endpoint])
+        records = KeyRecords(client, prefix.encode(), CoordinatorMetrics(registry))
+        try:
+            second = dict(BASE, compile_options="o2")
+            third = dict(second, program="p2", xla_flags="f2")
+            for key, name, comps in (("a", "jit_step", BASE), ("b", "jit_step", second),
+                                     ("c", "jit_step", third), ("d", "jit_other", BASE)):
+                records.record(scope("default", key), name, comps)
+            first_round = await recorded(records, client, prefix.encode(), ["a", "b", "c", "d"])
+            before = counts(registry)
+            records.record(scope("default", "b"), "jit_step", second)  # seen already
+            await recorded(records, client, prefix.encode(), ["b"])
+            return first_round, before, counts(registry)
+        finally:
+            await records.close()
+            await client.close()
+
+    got, before, after = loop_thread.run(body())
+    assert [r["program_name"] for r in got] == ["jit_step"] * 3 + ["jit_other"]
+    assert got[1]["components"]["compile_options"] == "o2"
+    assert before == {"new_program": 2, "compile_options": 1, "program": 1, "xla_flags": 1}
+    assert after == before
+
+
+def test_a_storm_of_misses_is_recorded_up_to_the_backlog(etcd, loop_thread, prefix):
+    """Keys asked to be recorded while more than backlog_max wait go
+    unrecorded, counted; the others are recorded."""
+    registry = CollectorRegistry()
+
+    async def body():
+        client = Etcd([etcd.endpoint])
+        records = KeyRecords(client, prefix.encode(), CoordinatorMetrics(registry))
+        records.backlog_max = 40
+        try:
+            keys = [f"k{i}" for i in range(100)]
+            for i, key in enumerate(keys):  # no await between: all arrive at once
+                records.record(scope("default", key), "jit_step", dict(BASE, program=f"p{i}"))
+            return await recorded(records, client, prefix.encode(), keys)
+        finally:
+            await records.close()
+            await client.close()
+
+    got = loop_thread.run(body())
+    assert [r is not None for r in got] == [True] * 40 + [False] * 60
+    assert registry.get_sample_value("compilecast_coordinator_key_records_skipped_total") == 60
+    assert counts(registry) == {"new_program": 1, "program": 39}
