@@ -31,6 +31,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack, cpu_seconds, own_cpu_seconds
 
+from compilecast.config import CoordinatorConfig
 from compilecast.decide import Decider
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -117,11 +118,13 @@ def main() -> None:
     ap.add_argument("--solo-decisions", action="store_true",
                     help="with --per-host, each process sends its own requests (only waits "
                          "are shared)")
+    ap.add_argument("--busy-gap-ms", type=float, default=CoordinatorConfig.decide_busy_gap_ms,
+                    help="the coordinator's decide_busy_gap_ms (0: it never asks for a gap)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cc-podstart-"))
     stack = Stack(root)
     try:
-        target, coord = stack.coordinator()
+        target, coord = stack.coordinator(extra=("--decide-busy-gap-ms", str(args.busy_gap_ms)))
         pids = {"etcd": stack.procs[0].pid, "coordinator": coord.pid}
         before = {n: cpu_seconds(p) for n, p in pids.items()}
         c0 = own_cpu_seconds()
