@@ -110,6 +110,7 @@ class _Components:
     def __init__(self, comps: dict) -> None:
         self.items = frozenset((str(k), str(v)) for k, v in comps.items())
         self.names = frozenset(k for k, _ in self.items)
+        hash(self.items)  # kept by the set: unequal sets then compare at once
 
     def differing(self, other: _Components) -> int:
         """How many components differ (a name on one side only counts)."""
@@ -247,14 +248,16 @@ class KeyRecords:
             tenant, key = sk.split("/", 1)
             theirs = self._latest_of[(tenant, name)][1]
             mine = _Components(comps)
-            best: _Components | None = None
+            # A twin first (all components equal: another key version); then
+            # one differing component is as near as any other key can be.
+            best = next((other for other in theirs if other.items == mine.items), None)
             fewest = 0
-            for other in theirs:
+            for other in theirs if best is None else ():
                 n = mine.differing(other)
                 if best is None or n < fewest:
                     best, fewest = other, n
                     if n <= 1:
-                        break  # none nearer: another key differs in something
+                        break
             theirs.insert(0, mine)  # the next key of this name is compared with it too
             del theirs[LATEST:]
             differing = ["new_program"] if best is None else mine.names_differing(best)

@@ -85,3 +85,27 @@ def test_a_storm_of_misses_is_recorded_up_to_the_backlog(etcd, loop_thread, pref
     assert [r is not None for r in got] == [True] * 40 + [False] * 60
     assert registry.get_sample_value("compilecast_coordinator_key_records_skipped_total") == 60
     assert counts(registry) == {"new_program": 1, "program": 39}
+
+
+def test_a_twin_is_nearer_than_any_key_that_differs(etcd, loop_thread, prefix):
+    """A key whose components all equal an earlier key's (a new key version,
+    say) is explained by nothing, even when a key differing in one component
+    was recorded after that twin."""
+    registry = CollectorRegistry()
+
+    async def body():
+        client = Etcd([etcd.endpoint])
+        records = KeyRecords(client, prefix.encode(), CoordinatorMetrics(registry))
+        try:
+            for key, comps in (("a", BASE), ("b", dict(BASE, program="p2")), ("c", BASE)):
+                records.record(scope("default", key), "jit_step", comps)
+            await recorded(records, client, prefix.encode(), ["a", "b", "c"])
+            return counts(registry), list(records.recent)
+        finally:
+            await records.close()
+            await client.close()
+
+    got, recent = loop_thread.run(body())
+    assert got == {"new_program": 1, "program": 1}
+    assert [(sk, differing) for sk, _, differing, _ in recent] == [
+        ("default/b", ["program"]), ("default/a", ["new_program"])]
