@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,26 @@ def test_the_go_load_generator_speaks_decide(coordinator, tmp_path):
     # Each stream's warm-up request is a hit the row does not count.
     assert count("hit") - hits_before == by["HIT"] + 2
     assert count("miss") - misses_before == by["COMPILE"]
+
+    # With key components, as the JAX integration sends them: valid, and recorded.
+    done = subprocess.run(
+        [str(binary), "-target", coordinator.cfg.listen, "-streams", "2", "-channels", "1",
+         "-rate", "200", "-seconds", "0.5", "-hit-ratio", "0", "-hit-keys", keys[0],
+         "-components", "11"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)
+    assert row["errors"] == 0 and row["by_decision"]["COMPILE"] > 20
+
+    def explained() -> float:
+        return sum(s.value for m in reg.collect()
+                   if m.name == "compilecast_coordinator_misses_by_component"
+                   for s in m.samples if s.name.endswith("_total"))
+
+    deadline = time.monotonic() + 10
+    while explained() < row["by_decision"]["COMPILE"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # recorded in the background
+    # Every miss counted by at least one component (new_program, program, ...).
+    assert explained() >= row["by_decision"]["COMPILE"]
 
 
 def test_the_go_load_generator_settles_bundled_answers():

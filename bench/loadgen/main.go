@@ -111,6 +111,12 @@ func (s *stream) nextGap() time.Duration {
 	return gap
 }
 
+// advise takes an answer's gap advice, capped, as the Decider does (s.mu held).
+func (s *stream) advise(a answer) {
+	s.advised, s.advisedAt = min(time.Duration(a.gapMs)*time.Millisecond, maxAdvised), time.Now()
+	s.adviceMax = max(s.adviceMax, s.advised)
+}
+
 var bundles = true // the requests say the client takes bundled answers
 
 // components is how many named key components each request carries (as the
@@ -329,8 +335,7 @@ func (s *stream) read() {
 		}
 		s.mu.Lock()
 		s.received++
-		s.advised, s.advisedAt = min(time.Duration(a.gapMs)*time.Millisecond, maxAdvised), time.Now()
-		s.adviceMax = max(s.adviceMax, s.advised)
+		s.advise(a)
 		s.settle(a)
 		for _, more := range a.more {
 			s.settle(more)

@@ -3,6 +3,7 @@ package main
 import (
 	"sync"
 	"testing"
+	"time"
 
 	"google.golang.org/protobuf/encoding/protowire"
 )
@@ -69,5 +70,36 @@ func TestABundleSettlesEveryMessageItAnswers(t *testing.T) {
 		if got[k] != v {
 			t.Fatalf("by decision %v, want %v", got, want)
 		}
+	}
+}
+
+func TestTheServersGapAdviceIsFollowedCappedAndForgotten(t *testing.T) {
+	withGap := func(ms uint64) answer {
+		raw := protowire.AppendTag(response(1, []uint64{1}, nil), 9, protowire.VarintType)
+		a, err := decodeAnswer(protowire.AppendVarint(raw, ms))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return a
+	}
+	s := &stream{}
+	if got := s.nextGap(); got != gap {
+		t.Fatalf("no advice: gap %v, want the own %v", got, gap)
+	}
+	s.advise(withGap(12))
+	if got := s.nextGap(); got != 12*time.Millisecond {
+		t.Fatalf("advised 12 ms: gap %v", got)
+	}
+	s.advise(withGap(10_000))
+	if got := s.nextGap(); got != maxAdvised {
+		t.Fatalf("advised 10 s: gap %v, want the cap %v", got, maxAdvised)
+	}
+	s.advisedAt = time.Now().Add(-2 * adviceFor)
+	if got := s.nextGap(); got != gap {
+		t.Fatalf("stale advice: gap %v, want the own %v", got, gap)
+	}
+	s.advise(withGap(0))
+	if got := s.nextGap(); got != gap || s.adviceMax != maxAdvised {
+		t.Fatalf("advice withdrawn: gap %v (want %v), longest seen %v", got, gap, s.adviceMax)
 	}
 }
