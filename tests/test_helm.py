@@ -383,7 +383,8 @@ def test_the_alerts_are_valid_promql_over_metrics_that_exist():
     assert {a["alert"] for a in alerts} == {
         "CompilecastCoordinatorDown", "CompilecastEtcdUnavailable",
         "CompilecastWorkersFallingBack", "CompilecastCorruptArtifacts",
-        "CompilecastStoreThrashing", "CompilecastStoreFull", "CompilecastHostCacheFull"}
+        "CompilecastStoreThrashing", "CompilecastStoreFull", "CompilecastHostCacheFull",
+        "CompilecastCoordinatorBusy"}
     exported = _metric_names()
     for a in alerts:
         promql_parser.parse(a["expr"])  # raises on a syntax error
