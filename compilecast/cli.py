@@ -138,6 +138,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"in flight    {st.compiles_in_flight} compiles, {st.waiters} waiters "
               f"(upstream: one per host and key); {st.waiting_here} processes waiting here")
         print(f"lookups      {st.hits} hits, {st.misses} misses (hit ratio {ratio})")
+        if st.coordinator_loop_busy:  # 0: an older coordinator, or one just started
+            gap = (f"; asks workers for {st.decide_gap_ms} ms between Decide messages"
+                   if st.decide_gap_ms else "")
+            print(f"load         the coordinator's event loop used "
+                  f"{100 * st.coordinator_loop_busy:.0f}% of a core lately{gap}")
         print(f"saved        {st.compile_seconds_saved:.1f} s of compile time")
         for f in st.in_flight:
             print(f"  compiling  {f.key}  by {f.holder}  for {f.age_seconds:.0f}s, "

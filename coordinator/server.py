@@ -53,12 +53,10 @@ class Coordinator(Role):
         self.state = CoordinatorState(cfg, self.etcd, self.store, self.metrics)
         auth = Authenticator.from_file(cfg.auth_tokens_file, cfg.allow_unauthenticated)
         self.data_plane = self._data_plane()
-        self.advice = (GapAdvice(cfg.decide_busy_gap_ms) if cfg.decide_busy_gap_ms > 0
-                       else None)
-        if self.advice is not None:
-            advice = self.advice
-            self.metrics.decide_gap_ms.set_function(lambda: advice.gap_ms)
-            self.metrics.loop_busy.set_function(lambda: advice.busy)
+        # Measured whatever decide_busy_gap_ms says (0: it never asks for a gap).
+        advice = self.advice = GapAdvice(cfg.decide_busy_gap_ms)
+        self.metrics.decide_gap_ms.set_function(lambda: advice.gap_ms)
+        self.metrics.loop_busy.set_function(lambda: advice.busy)
         service = CoordinatorService(self.state, auth, self.data_plane, self.advice)
         self.server_streams = service.streams
         self.server, self.health = make_server(service)
@@ -75,8 +73,7 @@ class Coordinator(Role):
         self._store_scans = asyncio.create_task(self._scan_store())
         self._sweeps = (asyncio.create_task(self._sweep_index()) if cfg.index_sweep_s > 0
                         else None)
-        self._advising = (asyncio.create_task(self.advice.run()) if self.advice is not None
-                          else None)
+        self._advising = asyncio.create_task(self.advice.run())
         log.info("coordinator listening on %s (%s; etcd %s; store %s)", cfg.listen,
                  "TLS" if creds else "plaintext", cfg.etcd_endpoints, cfg.store_dir)
 

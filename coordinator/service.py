@@ -196,7 +196,11 @@ class CoordinatorService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Status(self, request, context):
         who = self.auth.identify(context)
-        return await self.state.status(tenant=who.tenant)
+        resp = await self.state.status(tenant=who.tenant)
+        if self.advice is not None:
+            resp.coordinator_loop_busy = self.advice.busy
+            resp.decide_gap_ms = self.advice.gap_ms
+        return resp
 
     @rpc_errors
     async def Purge(self, request, context):

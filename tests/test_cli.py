@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 
 def cc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -45,6 +46,14 @@ def test_status_is_zero_against_a_healthy_worker(coordinator, start_worker):
     assert "stored, unbounded; 0 revoked" in r.stdout
     assert "host cache   0 B of 20.0 GiB (disk: " in r.stdout
     assert "2.0 GiB kept free for jobs)" in r.stdout
+    # The coordinator's own load, passed on by the worker (sampled every 250 ms).
+    deadline = time.monotonic() + 10
+    while (st := json.loads(cc("status", "--worker", worker.target, "--json").stdout)) \
+            .get("coordinatorLoopBusy", 0) <= 0 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert 0 < st["coordinatorLoopBusy"] < 1 and st["decideGapMs"] == 0, st
+    assert "load         the coordinator's event loop used " in \
+        cc("status", "--worker", worker.target).stdout
 
 
 def test_status_is_nonzero_when_the_coordinator_is_down(coordinator, start_worker):
@@ -85,7 +94,6 @@ def test_status_shows_jobs_and_explained_misses(coordinator, start_worker):
 
     t = threading.Thread(target=lambda: waiter.wait("k1", 3))
     t.start()
-    import time
 
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -382,7 +390,6 @@ def test_the_etcd_of_up_compacts_its_history(tmp_path):
     default, as the chart's does): claims and waits write revisions all
     day, and an etcd never compacted fills its quota and stops writing."""
     import os
-    import time
 
     from compilecast.launch import free_port
 
