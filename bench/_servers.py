@@ -4,6 +4,7 @@ processes on free ports, peak RSS of a process."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import signal
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from compilecast.blobstore import blob_path
@@ -121,6 +123,17 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scraped(port: int, name: str, host: str = "127.0.0.1", labels: str = "") -> float:
+    """The sum of a metric's samples on a server's /metrics (those whose
+    label set contains `labels`, e.g. 'direction="out"'); 0 when none."""
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+        if labels in (m.group(1) or ""):
+            total += float(m.group(2))
+    return total
 
 
 def own_cpu_seconds() -> float:

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,15 +42,15 @@ from _servers import (
     free_port,
     own_cpu_seconds,
     random_file,
+    scraped,
     wait_port,
 )
 from fetch import fetch, publish_file
 
 
 def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
-    text = urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics").read().decode()
-    m = re.search(r'compilecast_coordinator_artifact_bytes_total\{direction="out"\} (\S+)', text)
-    return float(m.group(1)) if m else 0.0
+    return scraped(metrics_port, "compilecast_coordinator_artifact_bytes_total", host,
+                   'direction="out"')
 
 
 def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0,

@@ -16,24 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, cpu_seconds, free_port
+from _servers import Stack, cpu_seconds, free_port, scraped
 from decisions import go_loadgen
-
-
-def metric(port: int, name: str) -> float:
-    """The sum of a metric's samples (every label set)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(
-        rf"^{re.escape(name)}(?:{{[^}}]*}})? ([-0-9.e+]+)$", text, re.M))
 
 
 def storm(binary: Path, components: int, rate: float, seconds: float) -> dict:
@@ -51,8 +42,8 @@ def storm(binary: Path, components: int, rate: float, seconds: float) -> dict:
         storm_s, storm_cpu = time.monotonic() - t0, cpu_seconds(proc.pid) - cpu0
 
         def counted() -> tuple[float, float]:
-            return (metric(port, "compilecast_coordinator_misses_by_component_total"),
-                    metric(port, "compilecast_coordinator_key_records_skipped_total"))
+            return (scraped(port, "compilecast_coordinator_misses_by_component_total"),
+                    scraped(port, "compilecast_coordinator_key_records_skipped_total"))
 
         last, last_change = counted(), time.monotonic()
         while time.monotonic() - last_change < 3.0:  # records still growing: wait

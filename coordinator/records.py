@@ -26,7 +26,7 @@ from compilecast.v1 import cache_pb2 as pb
 from .etcd import cmp_absent, op_put
 
 if TYPE_CHECKING:
-    from .etcd import Etcd
+    from .etcd import KV, Etcd
     from .metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
@@ -175,15 +175,22 @@ class KeyRecords:
         return await asyncio.shield(entry[1])
 
     async def _expected_compile_s(self, tenant: str, program: str) -> float | None:
-        names = await self.etcd.get_prefix(self.name_prefix(tenant, program), limit=32,
-                                           newest_first=True)
-        keys = [f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}" for kv in names]
-        if not keys:
-            return None
-        arts = await self.etcd.get_many([self._k("a", k) for k in keys])
-        times = [t for a in arts if a is not None and isinstance(
+        arts = await self._latest_of_name("a", tenant, program, 32)
+        times = [t for a in arts if isinstance(
             t := (json_dict(a.value) or {}).get("compile_time_seconds"), int | float)]
         return max(times) if times else None
+
+    async def _latest_of_name(self, kind: str, tenant: str, program: str,
+                              limit: int) -> list[KV]:
+        """The `kind` records (P/kind/...) of the `limit` keys of this program
+        name recorded last, newest first, those that exist: two reads."""
+        latest = await self.etcd.get_prefix(self.name_prefix(tenant, program), limit=limit,
+                                            newest_first=True)
+        if not latest:
+            return []
+        records = await self.etcd.get_many(
+            [self._k(kind, f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}") for kv in latest])
+        return [r for r in records if r is not None]
 
     def name_prefix(self, tenant: str, program_name: str) -> bytes:
         digest = hashlib.sha256(program_name.encode()).hexdigest()[:32]
@@ -280,13 +287,8 @@ class KeyRecords:
     async def _latest(self, tenant: str, program_name: str) -> list[_Components]:
         """The components of the LATEST keys of this program name recorded
         last, newest first."""
-        latest = await self.etcd.get_prefix(self.name_prefix(tenant, program_name),
-                                            limit=LATEST, newest_first=True)
-        records = await self.etcd.get_many(
-            [self._k("k", f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}")
-             for kv in latest]) if latest else []
-        comps = [(json_dict(rec.value) or {}).get("components") for rec in records
-                 if rec is not None]
+        comps = [(json_dict(rec.value) or {}).get("components")
+                 for rec in await self._latest_of_name("k", tenant, program_name, LATEST)]
         return [_Components(c) for c in comps if isinstance(c, dict)]
 
     async def list_artifacts(self, after: str, limit: int,

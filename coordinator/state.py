@@ -30,6 +30,7 @@ Lease rules (the invariants everything else leans on):
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -508,12 +509,10 @@ class CoordinatorState:
             answers.append(known)
         if all(a is None for a in answers):
             return None
-        counts: dict[int, int] = {}  # counted once per decision, not once per key
-        for resp in answers:
-            if resp is not None:
-                counts[resp.decision] = counts.get(resp.decision, 0) + 1
-        self._hit(*(r.artifact for r in answers if r is not None and r.decision == pb.HIT))
-        for decision, n in counts.items():
+        known = [r for r in answers if r is not None]
+        self._hit(*(r.artifact for r in known if r.decision == pb.HIT))
+        # counted once per decision, not once per key
+        for decision, n in collections.Counter(r.decision for r in known).items():
             self.metrics.count_decision(decision, n)
         return answers
 
