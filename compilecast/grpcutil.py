@@ -17,10 +17,16 @@ log = logging.getLogger(__name__)
 
 # Chunks of 1 MiB; messages up to 8 MiB leave room for headers.
 MAX_MESSAGE = 8 << 20
-CHANNEL_OPTIONS = [
+MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
 ]
+# A client's channel keeps its connections to itself. gRPC shares them
+# process-wide by default, and with them the backoff of one that failed: a new
+# client of a coordinator restarted on the same address was refused at once
+# ("connection refused", from the old server's last attempt) until an older
+# channel's backoff ran out.
+CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 
 
 # Why a connection could not be made, as gRPC's details say it (the OS's

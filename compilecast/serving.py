@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from compilecast.decide import Streams
-from compilecast.grpcutil import CHANNEL_OPTIONS, add_service
+from compilecast.grpcutil import MESSAGE_OPTIONS, add_service
 from compilecast.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 # one of ours already serves would bind it too and silently take half of its
 # connections (a leftover coordinator answering for a new one). Ours bind
 # alone, so a taken port is a ListenError.
-SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CompileCache"].full_name
 

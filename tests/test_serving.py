@@ -80,3 +80,26 @@ def test_a_unix_socket_is_taken_over_only_when_nothing_serves_it(tmp_path):
             await server.stop(None)
 
     asyncio.run(again())
+
+
+def test_a_new_client_of_a_coordinator_restarted_on_its_address_is_served(start_coordinator):
+    """gRPC shares connections, and the backoff of a failed one, across a
+    process's channels unless told not to: an older client that saw the first
+    coordinator go had a fresh client of the second refused at once."""
+    from compilecast.v1 import cache_pb2 as pb
+    from compilecast.worker.client import CacheClient
+
+    first = start_coordinator()
+    address = first.cfg.listen
+    old = CacheClient(address, timeout_s=2.0)
+    assert old.acquire("k").decision == pb.COMPILE
+    first.stop()
+    with pytest.raises(grpc.RpcError) as err:
+        old.acquire("k")  # its connection now backs off
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    second = start_coordinator(listen=address)
+    assert second.cfg.listen == address
+    new = CacheClient(address, timeout_s=2.0)
+    assert new.acquire("other").decision == pb.COMPILE
+    old.close()
+    new.close()
