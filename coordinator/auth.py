@@ -31,7 +31,7 @@ import yaml
 from compilecast.config import ConfigError
 from compilecast.errors import PermissionDenied, Unauthenticated
 
-TENANT_RE = re.compile(r"^[a-z0-9-]{1,63}$")
+TENANT_RE = re.compile(r"^[a-z0-9-]{1,63}\Z")
 PERMISSIONS = {"read", "publish", "admin"}
 
 

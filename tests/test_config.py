@@ -94,6 +94,8 @@ GOOD_DIGEST = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
      "tokens[0]: sha256 must be 64 hex characters"),
     ({"sha256": GOOD_DIGEST, "tenant": "Team_A", "permissions": ["read"]},
      "tokens[0]: tenant 'Team_A' must match"),
+    ({"sha256": GOOD_DIGEST, "tenant": "team-a\n", "permissions": ["read"]},
+     "tokens[0]: tenant 'team-a\\n' must match"),
     ({"sha256": GOOD_DIGEST, "tenant": "team-a", "permissions": []},
      "tokens[0]: permissions must be a subset"),
     ({"sha256": GOOD_DIGEST, "tenant": "team-a", "permissions": ["read", "root"]},

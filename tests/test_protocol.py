@@ -717,3 +717,31 @@ def test_a_worker_on_the_coordinators_disk_links_its_blobs(coordinator, start_wo
     with pytest.raises(grpc.RpcError) as failed:  # nor does the coordinator, to anyone
         direct.fetch("flipped")
     assert failed.value.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND)
+
+
+def test_malformed_acquires_are_invalid_argument_and_claim_nothing(coordinator):
+    """Every field an Acquire names is checked whole: a trailing newline is
+    not the end of a name (a `$` in a pattern would let it through)."""
+    c = client(coordinator.cfg.listen)
+    longest = {f"c{i}": "v" * 128 for i in range(32)}
+    cases = {
+        "key with a newline": (pb.AcquireRequest(key="k\n"), "key 'k\\n' is invalid"),
+        "job with a newline": (pb.AcquireRequest(key="k", requester=pb.Requester(job="j\n")),
+                               "requester.job"),
+        "name with a newline": (pb.AcquireRequest(key="k", key_components={"a\nb": "v"}),
+                                "key component name 'a\\nb' is invalid"),
+        "name ending in one": (pb.AcquireRequest(key="k", key_components={"ok": "v", "a\n": "v"}),
+                               "key component name 'a\\n' is invalid"),
+        "upper case name": (pb.AcquireRequest(key="k", key_components={"Flags": "v"}),
+                            "key component name 'Flags' is invalid"),
+        "long value": (pb.AcquireRequest(key="k", key_components={**longest, "c3": "v" * 129}),
+                       "key component c3 is longer than 128"),
+        "too many": (pb.AcquireRequest(key="k", key_components={**longest, "c32": "v"}),
+                     "at most 32 key_components, got 33"),
+    }
+    for name, (req, says) in cases.items():
+        code, details = code_of(lambda r=req: c.stub.Acquire(r, timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and says in details, (name, details)
+    # At the limits it is decided, and the key was not claimed by any refused one.
+    resp = c.stub.Acquire(pb.AcquireRequest(key="k", key_components=longest), timeout=10)
+    assert resp.decision == pb.COMPILE
