@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import time
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from compilecast import validate
@@ -102,15 +102,13 @@ def tenant_of(sk: str) -> str:
 
 
 class _Components:
-    """A key's components, as sets that compare fast: a miss is compared
-    with up to LATEST earlier keys (sets keep their entries' hashes)."""
+    """A key's components, as sets that compare fast."""
 
     __slots__ = ("items", "names")
 
     def __init__(self, comps: dict) -> None:
         self.items = frozenset((str(k), str(v)) for k, v in comps.items())
         self.names = frozenset(k for k, _ in self.items)
-        hash(self.items)  # kept by the set: unequal sets then compare at once
 
     def differing(self, other: _Components) -> int:
         """How many components differ (a name on one side only counts)."""
@@ -121,6 +119,78 @@ class _Components:
 
     def names_differing(self, other: _Components) -> list[str]:
         return sorted({n for n, _ in self.items ^ other.items})
+
+
+class _Latest:
+    """The LATEST keys of a program name, and which of them hold each
+    (component, value): a miss finds its nearest earlier key among those it
+    shares entries with, and compares with the others only while one of them
+    could still be nearer."""
+
+    __slots__ = ("_keys", "_holding", "_sizes", "_serial")
+
+    def __init__(self, newest_first: list[_Components]) -> None:
+        self._keys: OrderedDict[int, _Components] = OrderedDict()  # serial -> key, oldest first
+        self._holding: dict[tuple[str, str], set[int]] = {}  # entry -> serials of keys with it
+        self._sizes: Counter[int] = Counter()  # how many keys have so many components
+        self._serial = 0
+        for comps in reversed(newest_first[:LATEST]):
+            self.add(comps)
+
+    def add(self, comps: _Components) -> None:
+        """The newest key; the oldest goes beyond LATEST."""
+        self._serial += 1
+        self._keys[self._serial] = comps
+        self._sizes[len(comps.items)] += 1
+        for entry in comps.items:
+            self._holding.setdefault(entry, set()).add(self._serial)
+        while len(self._keys) > LATEST:
+            serial, old = self._keys.popitem(last=False)
+            self._sizes[len(old.items)] -= 1
+            for entry in old.items:
+                holders = self._holding[entry]
+                holders.discard(serial)
+                if not holders:
+                    del self._holding[entry]
+
+    def nearest(self, mine: _Components) -> _Components | None:
+        """The key with the fewest components differing from `mine`, the
+        newest of those (a twin, all equal, first); None when there is none.
+        Two keys that do not share u entries differ in u/2 to u components:
+        the keys sharing some are tried by u, and the rest only while one
+        could still be as near."""
+        shared: dict[int, int] = {}
+        for entry in mine.items:
+            for serial in self._holding.get(entry, ()):
+                shared[serial] = shared.get(serial, 0) + 1
+        n = len(mine.items)
+        best, fewest = 0, 0  # serial, components differing
+
+        def nearer(serial: int, unshared: int) -> bool | None:
+            """Compare with this key when it could be nearer (or as near and
+            newer); None once no key left in a sorted walk can be."""
+            nonlocal best, fewest
+            least = (unshared + 1) // 2  # components differing, at least
+            if best and (least > fewest or (least == fewest and serial < best)):
+                return None if least > fewest else False
+            differing = mine.differing(self._keys[serial])
+            if not best or (differing, -serial) < (fewest, -best):
+                best, fewest = serial, differing
+            return True
+
+        for unshared, neg_serial in sorted(
+                (n + len(self._keys[s].items) - 2 * k, -s) for s, k in shared.items()):
+            if nearer(-neg_serial, unshared) is None:
+                break
+        if len(shared) < len(self._keys):
+            least = n + min(size for size, count in self._sizes.items() if count)
+            for serial in reversed(self._keys):  # newest first
+                if best and ((least + 1) // 2 > fewest or
+                             ((least + 1) // 2 == fewest and serial < best)):
+                    break  # none left can be nearer, nor as near and newer
+                if serial not in shared:
+                    nearer(serial, n + len(self._keys[serial].items))
+        return self._keys[best] if best else None
 
 
 class KeyRecords:
@@ -140,7 +210,7 @@ class KeyRecords:
         # (tenant, program name) -> (read at, the components of its latest keys,
         # newest first): read from etcd at most every NAME_TTL_S, and kept up
         # to date with what this replica records meanwhile.
-        self._latest_of: dict[tuple[str, str], tuple[float, list[_Components]]] = {}
+        self._latest_of: dict[tuple[str, str], tuple[float, _Latest]] = {}
         # Expected compile times by (tenant, program name): looked up when
         # read, shared by every waiter of a pod for EXPECTED_TTL_S.
         self._expected: dict[tuple[str, str], tuple[float, asyncio.Future]] = {}
@@ -247,26 +317,16 @@ class KeyRecords:
         earlier = await asyncio.gather(*(self._latest(tenant, name) for tenant, name in names))
         for n, comps in zip(names, earlier, strict=True):
             self._latest_of.pop(n, None)
-            self._latest_of[n] = (now, comps)
+            self._latest_of[n] = (now, _Latest(comps))
         while len(self._latest_of) > NAMES_MAX:  # the names read longest ago go
             self._latest_of.pop(next(iter(self._latest_of)))
         writes = []
         for sk, name, comps in new:
             tenant, key = sk.split("/", 1)
-            theirs = self._latest_of[(tenant, name)][1]
+            latest = self._latest_of[(tenant, name)][1]
             mine = _Components(comps)
-            # A twin first (all components equal: another key version); then
-            # one differing component is as near as any other key can be.
-            best = next((other for other in theirs if other.items == mine.items), None)
-            fewest = 0
-            for other in theirs if best is None else ():
-                n = mine.differing(other)
-                if best is None or n < fewest:
-                    best, fewest = other, n
-                    if n <= 1:
-                        break
-            theirs.insert(0, mine)  # the next key of this name is compared with it too
-            del theirs[LATEST:]
+            best = latest.nearest(mine)
+            latest.add(mine)  # the next key of this name is compared with it too
             differing = ["new_program"] if best is None else mine.names_differing(best)
             for component in differing:
                 self.metrics.misses_by_component.labels(component).inc()

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import asyncio
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from compilecast.coordinator.etcd import Etcd
 from compilecast.coordinator.metrics import CoordinatorMetrics
-from compilecast.coordinator.records import KeyRecords, json_dict, scope
+from compilecast.coordinator.records import (
+    LATEST,
+    KeyRecords,
+    _Components,
+    _Latest,
+    json_dict,
+    scope,
+)
 
 BASE = {"program": "p1", "compile_options": "o1", "platform": "cpu", "xla_flags": "f1"}
 
@@ -109,3 +118,29 @@ def test_a_twin_is_nearer_than_any_key_that_differs(etcd, loop_thread, prefix):
     assert got == {"new_program": 1, "program": 1}
     assert [(sk, differing) for sk, _, differing, _ in recent] == [
         ("default/b", ["program"]), ("default/a", ["new_program"])]
+
+
+_comps = st.dictionaries(st.sampled_from(["program", "flags", "platform", "options", "jax"]),
+                         st.sampled_from(["a", "b", "c"]), min_size=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(earlier=st.lists(_comps, max_size=LATEST + 20), mine=_comps)
+def test_the_nearest_key_is_the_newest_with_the_fewest_components_differing(earlier, mine):
+    """The shared-entry search finds what comparing with every one of the
+    LATEST keys would: fewest components differing, then the newest."""
+    added = [_Components(c) for c in earlier]
+    latest = _Latest([])
+    for comps in added:
+        latest.add(comps)
+    window = added[::-1][:LATEST]  # newest first
+    me = _Components(mine)
+    got = latest.nearest(me)
+    if not window:
+        assert got is None
+        return
+    fewest = min(me.differing(o) for o in window)
+    expected = next(o for o in window if me.differing(o) == fewest)
+    assert got is expected
+    # Built from a list read from etcd (newest first), the same answer.
+    assert _Latest(window).nearest(me) is expected
