@@ -127,7 +127,7 @@ class _Latest:
     shares entries with, and compares with the others only while one of them
     could still be nearer."""
 
-    __slots__ = ("_keys", "_holding", "_sizes", "_serial")
+    __slots__ = ("_holding", "_keys", "_serial", "_sizes")
 
     def __init__(self, newest_first: list[_Components]) -> None:
         self._keys: OrderedDict[int, _Components] = OrderedDict()  # serial -> key, oldest first
