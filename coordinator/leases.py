@@ -22,14 +22,17 @@ TTL); a staler one still alive is renewed first, over the one renewal
 stream (leader-local in etcd, no raft write), and handed out when that
 worked; otherwise a pooled lease becomes the owner's. One grant then serves
 a process's misses for as long as it keeps making them, instead of one
-grant each. Since another claim may
-live on it, a claim's lease is never revoked when the claim ends (the
-record is deleted; the lease lapses once nobody renews it).
+grant each. A take that finds the owner's lease past half of that age
+still hands it out at once, and renews it in the background: a process
+that keeps making misses does not wait for a renewal round trip. Since
+another claim may live on it, a claim's lease is never revoked when the
+claim ends (the record is deleted; the lease lapses once nobody renews it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -105,6 +108,8 @@ class LeasePool:
             mine = self._owned.get(owner)
             if mine is not None and self._fresh(mine[1]):
                 self._owned.move_to_end(owner)
+                if time.monotonic() - mine[1] >= self.max_age_s / 2:
+                    self._renewal(mine[0])  # ahead: the owner's next take finds it fresh
                 return mine
             if mine is not None and time.monotonic() - mine[1] < self.ttl_s:
                 renewed = await self._renew(owner, mine[0])
@@ -115,21 +120,30 @@ class LeasePool:
             self._own(owner, lease)
         return lease
 
-    async def _renew(self, owner: Hashable, lease_id: int) -> Lease | None:
-        """Renew an owner's lease that is no longer fresh, once for all of
-        its concurrent takes; the lease, fresh again, or None (gone, or etcd
-        failed: a pooled one then)."""
+    def _renewal(self, lease_id: int) -> asyncio.Future:
+        """The renewal of an owner's lease in flight, started when there is
+        none; when it lands, the lease is as fresh as its TTL left says."""
         renewal = self._renewing.get(lease_id)
         if renewal is None:
             renewal = self._renewing[lease_id] = asyncio.ensure_future(
                 self.etcd.keepalive_once(lease_id))
-            renewal.add_done_callback(lambda _: self._renewing.pop(lease_id, None))
+            renewal.add_done_callback(functools.partial(self._renewal_done, lease_id))
             self.renewals += 1
+        return renewal
+
+    def _renewal_done(self, lease_id: int, renewal: asyncio.Future) -> None:
+        self._renewing.pop(lease_id, None)
+        if not renewal.cancelled() and renewal.exception() is None:
+            self.renewed(lease_id, renewal.result())
+
+    async def _renew(self, owner: Hashable, lease_id: int) -> Lease | None:
+        """Renew an owner's lease that is no longer fresh, once for all of
+        its concurrent takes; the lease, fresh again, or None (gone, or etcd
+        failed: a pooled one then)."""
         try:
-            left = await asyncio.shield(renewal)
+            await asyncio.shield(self._renewal(lease_id))  # renewed() has run
         except Unavailable:
             return None
-        self.renewed(lease_id, left)
         now = self._owned.get(owner)
         return now if now is not None and now[0] == lease_id and self._fresh(now[1]) else None
 
@@ -176,7 +190,6 @@ class LeasePool:
             self._free.sort(key=lambda e: e[1])
 
     async def close(self) -> None:
-        if self._refill is not None:
-            await cancel_all([self._refill])
+        await cancel_all([t for t in (self._refill, *self._renewing.values()) if t is not None])
         free, self._free = self._free, []
         await asyncio.gather(*(self.etcd.revoke(i) for i, _ in free), return_exceptions=True)

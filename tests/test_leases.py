@@ -105,6 +105,38 @@ def test_an_owner_reuses_its_fresh_lease_and_renewals_keep_it_fresh(etcd, loop_t
     loop_thread.run(scenario())
 
 
+def test_an_owner_lease_past_half_its_freshness_is_renewed_ahead(etcd, loop_thread):
+    """A take hands the lease out at once and renews it in the background:
+    the owner's next take, after the first lease would have gone stale, needs
+    no renewal round trip."""
+    async def scenario():
+        client = Etcd([etcd.endpoint])
+        pool = LeasePool(client, 5, size=2)  # fresh for 1 s, renewed ahead from 0.5 s
+        a = ("t", "job", 0, "host:1")
+        first = await pool.take(a)
+        assert (await pool.take(a)) == first and pool.renewals == 0  # young: nothing to do
+        await asyncio.sleep(0.6)
+        got = await pool.take(a)
+        assert got == first  # handed out as it was, without waiting ...
+        assert first[0] in pool._renewing and pool.renewals == 1  # ... for the renewal
+        for _ in range(100):
+            if first[0] not in pool._renewing:
+                break
+            await asyncio.sleep(0.01)
+        assert pool._owned[a][1] >= first[1] + 0.5  # fresh again
+        await asyncio.sleep(0.6)  # past the first grant's freshness
+        started = pool.renewals
+        again = await pool.take(a)
+        assert again[0] == first[0] and again[1] > first[1]  # fresh, no renewal awaited
+        assert first[0] in pool._renewing and pool.renewals == started + 1
+        assert await _ttl(client, first[0]) >= 4
+        await pool.close()  # cancels the renewal in flight
+        assert not pool._renewing
+        await client.close()
+
+    loop_thread.run(scenario())
+
+
 def _client(target: str, name: str):
     from compilecast.worker.client import CacheClient, Identity
     return CacheClient(target, identity=Identity(job="j", process_id=0, client=name))
