@@ -5,10 +5,11 @@ its holder stops renewing it. Granting that lease while the client waits
 costs a raft write and a round trip on every miss; here a small pool is
 granted ahead, in the background and concurrently (etcd batches the
 proposals), and a miss takes one. A lease that an attempt did not use (the
-key turned out to be taken) goes back into the pool. Leases older than a
-fifth of their TTL are not handed out: a holder renews at a third of the TTL
-it is told, so it always renews before a pooled lease could run out; the old
-ones are left to expire in etcd. The pool holds no more leases than were
+key turned out to be taken) goes back into the pool. Leases older than half
+of their TTL are not handed out, and a holder is told the whole seconds its
+lease has left (`ttl_left`, at least half the TTL): it renews at a third of
+that, so its first renewal has two thirds of it, at least a third of the
+TTL, to land; the old ones are left to expire in etcd. The pool holds no more leases than were
 taken in the last such interval (at most `size`): an idle coordinator grants
 nothing ahead, a busy one keeps a full pool.
 
@@ -17,7 +18,7 @@ stops renewing it, and a holder is one process: its claims can all live on
 its one lease, renewed by any of them, and all vanish when the process stops.
 So a take for an owner (tenant, job, process and the process's own name)
 hands out the owner's current lease while it is as fresh as a pooled one
-would be (granted, or renewed through this replica, within a fifth of the
+would be (granted, or renewed through this replica, within half of the
 TTL); a staler one still alive is renewed first, over the one renewal
 stream (leader-local in etcd, no raft write), and handed out when that
 worked; otherwise a pooled lease becomes the owner's. One grant then serves
@@ -56,7 +57,7 @@ class LeasePool:
         self.etcd = etcd
         self.ttl_s = ttl_s
         self.size = size
-        self.max_age_s = ttl_s / 5
+        self.max_age_s = ttl_s / 2
         self._free: list[Lease] = []  # (lease id, granted at), oldest first
         self._refill: asyncio.Task | None = None
         self._taken: deque[float] = deque()  # when leases were taken, within max_age_s
@@ -74,6 +75,11 @@ class LeasePool:
 
     def _fresh(self, at: float) -> bool:
         return time.monotonic() - at < self.max_age_s
+
+    def ttl_left(self, at: float) -> int:
+        """Whole seconds a lease granted (or as fresh as one granted) at
+        `at` has left at least: what its holder is told."""
+        return max(1, int(self.ttl_s - (time.monotonic() - at)))
 
     def _target(self) -> int:
         """Leases to keep ready: as many as were taken in the last max_age_s."""
@@ -101,7 +107,7 @@ class LeasePool:
             self._refill = asyncio.create_task(self._fill())
 
     async def take(self, owner: Hashable | None = None) -> Lease:
-        """(lease id, granted at): a lease with at least 4/5 of its TTL left;
+        """(lease id, granted at): a lease with at least half of its TTL left;
         with an owner, the owner's lease when it is that fresh, or once
         renewed (a renewal is no raft write; a grant is)."""
         if owner is not None:

@@ -444,11 +444,12 @@ class CoordinatorState:
         ok, rev, kvs = await self._claims.txn(
             compare, [op_put(record, self._claim(lease_id, req, program), lease=lease_id)], read)
         if ok:
-            return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s, revision=rev,
-                            accepts_zstd=True, takes_digest_last=self._takes_digest_last()), []
+            return pb.Lease(id=lease_id, ttl_seconds=self.leases.ttl_left(granted_at),
+                            revision=rev, accepts_zstd=True,
+                            takes_digest_last=self._takes_digest_last()), []
         mine = kvs[read.index(record)]
         if mine is not None and (json_dict(mine.value) or {}).get("lease") == lease_id:
-            return pb.Lease(id=lease_id, ttl_seconds=self.cfg.lease_ttl_s,
+            return pb.Lease(id=lease_id, ttl_seconds=self.leases.ttl_left(granted_at),
                             revision=mine.mod_revision, accepts_zstd=True,
                             takes_digest_last=self._takes_digest_last()), kvs
         self.leases.give_back((lease_id, granted_at))
