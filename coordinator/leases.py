@@ -6,12 +6,12 @@ costs a raft write and a round trip on every miss; here a small pool is
 granted ahead, in the background and concurrently (etcd batches the
 proposals), and a miss takes one. A lease that an attempt did not use (the
 key turned out to be taken) goes back into the pool. Leases older than half
-of their TTL are not handed out, and a holder is told the whole seconds its
-lease has left (`ttl_left`, at least half the TTL): it renews at a third of
-that, so its first renewal has two thirds of it, at least a third of the
-TTL, to land; the old ones are left to expire in etcd. The pool holds no more leases than were
-taken in the last such interval (at most `size`): an idle coordinator grants
-nothing ahead, a busy one keeps a full pool.
+of their TTL are not handed out (the old ones are left to expire in etcd),
+and a holder is told the whole seconds its lease has left (`ttl_left`, at
+least half the TTL): it renews at a third of that, so its first renewal has
+two thirds of it, at least a third of the TTL, to land. The pool holds no
+more leases than were taken in the last such interval (at most `size`): an
+idle coordinator grants nothing ahead, a busy one keeps a full pool.
 
 A requester's claims share one lease. A claim must vanish when its holder
 stops renewing it, and a holder is one process: its claims can all live on
