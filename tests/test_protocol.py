@@ -745,3 +745,35 @@ def test_malformed_acquires_are_invalid_argument_and_claim_nothing(coordinator):
     # At the limits it is decided, and the key was not claimed by any refused one.
     resp = c.stub.Acquire(pb.AcquireRequest(key="k", key_components=longest), timeout=10)
     assert resp.decision == pb.COMPILE
+
+
+def test_only_a_process_that_may_compile_sends_its_key_components():
+    """The coordinator records a key's components when it answers COMPILE,
+    and Acquire answers a job's other processes WAIT, HIT or COMPILE_LOCALLY:
+    theirs are not sent. Processes outside a job may compile: theirs are.
+    (A server of the test's own, keeping what it was sent.)"""
+    from concurrent import futures
+
+    got: list[pb.AcquireRequest] = []
+
+    class Keeping(rpc.CompileCacheServicer):
+        def Acquire(self, request, context):
+            got.append(request)
+            return pb.AcquireResponse(decision=pb.WAIT)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    rpc.add_CompileCacheServicer_to_server(Keeping(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    comps = {"program": "p1", "platform": "cpu"}
+    try:
+        for process_id, ident in ((0, Identity(job="j", process_id=0, designated_process=0)),
+                                  (1, Identity(job="j", process_id=1, designated_process=0)),
+                                  (2, Identity())):
+            c = CacheClient(f"127.0.0.1:{port}", identity=ident)
+            c.acquire(f"k{process_id}", components=comps, program_name="step")
+            c.close()
+    finally:
+        server.stop(0)
+    assert [dict(r.key_components) for r in got] == [comps, {}, comps]
+    assert [r.program_name for r in got] == ["step"] * 3

@@ -415,8 +415,14 @@ class CacheClient:
     # -- decisions -------------------------------------------------------
     def acquire(self, key: str, *, components: dict[str, str] | None = None,
                 program_name: str = "", key_seconds: float = 0.0) -> pb.AcquireResponse:
+        ident = self.identity
+        if ident.job and ident.process_id != ident.designated_process:
+            # Acquire never tells a job's other processes to compile, and the
+            # coordinator records a key's components only with a COMPILE: they
+            # stay here. At a pod's job start, all but one request of a program.
+            components = None
         return self.stub.Acquire(
-            pb.AcquireRequest(key=key, requester=self.identity.requester(),
+            pb.AcquireRequest(key=key, requester=ident.requester(),
                               key_components=components or {}, program_name=program_name,
                               key_seconds=key_seconds),
             timeout=self.timeout_s,
