@@ -75,6 +75,8 @@ bench: install
 	$(PY) bench/pod_start.py
 	$(PY) bench/pod_start.py --wait-calls
 	$(PY) bench/pod_start.py --per-host 8
+	$(PY) bench/pod_start.py --components 11
+	$(PY) bench/pod_start.py --components 11 --components-from all
 	$(PY) bench/fanout.py
 	$(PY) bench/fanout.py --compressible
 	@# Hosts of their own (network namespaces, tc, CPU quotas) need root.

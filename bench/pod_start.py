@@ -6,6 +6,7 @@ a HIT for every program, against M x compile-s, and where the CPU went.
 
     python bench/pod_start.py [--processes 1000] [--programs 5] [--compile-s 1.0]
                               [--wait-calls] [--per-host K]
+                              [--components N [--components-from designated|all]]
 
 The processes are tasks of one grpc.aio load generator, over 8 Decide
 streams (as 8 workers send them) for their decisions and their waits; with
@@ -13,7 +14,10 @@ streams (as 8 workers send them) for their decisions and their waits; with
 went over the stream). With --per-host K, K processes share a host: its
 requests and waits for one key go upstream as one, as a worker sends them
 (--solo-decisions: only its waits, as before requests were shared). All of
-it on the machine's 2 cores with the coordinator and etcd.
+it on the machine's 2 cores with the coordinator and etcd. With --components
+N, requests carry N key components, as the JAX integration's do: from the
+designated process only (what CacheClient sends), or with
+--components-from all from every process (as it sent before).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ ARTIFACT = b"executable" * 1000
 
 async def run(target: str, processes: int, programs: int, compile_s: float,
               tag: str, wait_calls: bool, per_host: int,
-              solo_decisions: bool = False) -> dict[str, float]:
+              solo_decisions: bool = False, components: int = 0,
+              components_from_all: bool = False) -> dict[str, float]:
     channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
     deciders = [Decider(s, timeout_s=120) for s in stubs]
@@ -65,7 +70,13 @@ async def run(target: str, processes: int, programs: int, compile_s: float,
 
         for m in range(programs):
             key = f"{tag}-program-{m}"
-            ask = [pb.AcquireRequest(key=key, requester=who, program_name=f"program-{m}")]
+            comps = {}
+            if components and (i == 0 or components_from_all):  # one job: one configuration
+                comps = {name: hashlib.sha256(f"{key}/{name}".encode()).hexdigest()
+                         for name in ["program", *(f"component_{j}" for j in
+                                                   range(1, components))]}
+            ask = [pb.AcquireRequest(key=key, requester=who, program_name=f"program-{m}",
+                                     key_components=comps)]
             if per_host > 1 and not solo_decisions:
                 resp = (await shared[host].decide(None, ask, decider.decide))[0][0]
             else:
@@ -118,6 +129,11 @@ def main() -> None:
     ap.add_argument("--solo-decisions", action="store_true",
                     help="with --per-host, each process sends its own requests (only waits "
                          "are shared)")
+    ap.add_argument("--components", type=int, default=0,
+                    help="key components a request carries (the JAX integration sends 11)")
+    ap.add_argument("--components-from", choices=("designated", "all"), default="designated",
+                    help="which processes send them: the designated one (as CacheClient "
+                         "does) or every one")
     ap.add_argument("--busy-gap-ms", type=float, default=CoordinatorConfig.decide_busy_gap_ms,
                     help="the coordinator's decide_busy_gap_ms (0: it never asks for a gap)")
     args = ap.parse_args()
@@ -129,13 +145,16 @@ def main() -> None:
         before = {n: cpu_seconds(p) for n, p in pids.items()}
         c0 = own_cpu_seconds()
         row = asyncio.run(run(target, args.processes, args.programs, args.compile_s, "a",
-                              args.wait_calls, args.per_host, args.solo_decisions))
+                              args.wait_calls, args.per_host, args.solo_decisions,
+                              args.components, args.components_from == "all"))
         used = {n: cpu_seconds(p) - before[n] for n, p in pids.items()}
         used["load generator"] = own_cpu_seconds() - c0
         ideal = args.programs * args.compile_s
         how = "Wait calls" if args.wait_calls else "waits on the Decide streams"
         how += f", {args.per_host} per host" if args.per_host > 1 else ""
         how += " (only waits shared)" if args.per_host > 1 and args.solo_decisions else ""
+        how += (f", {args.components} components from {args.components_from}"
+                if args.components else "")
         print(f"{args.processes} processes x {args.programs} programs, compile {args.compile_s} s, "
               f"{how}: "
               f"all done in {row['wall']:.2f} s ({row['wall'] / ideal:.2f}x the {ideal:.1f} s of "
