@@ -106,9 +106,9 @@ class _Components:
 
     __slots__ = ("items", "names")
 
-    def __init__(self, comps: dict) -> None:
-        self.items = frozenset((str(k), str(v)) for k, v in comps.items())
-        self.names = frozenset(k for k, _ in self.items)
+    def __init__(self, comps: dict[str, str]) -> None:
+        self.items = frozenset(comps.items())
+        self.names = frozenset(comps)
 
     def differing(self, other: _Components) -> int:
         """How many components differ (a name on one side only counts)."""
@@ -142,8 +142,12 @@ class _Latest:
         self._serial += 1
         self._keys[self._serial] = comps
         self._sizes[len(comps.items)] += 1
+        holding = self._holding
         for entry in comps.items:
-            self._holding.setdefault(entry, set()).add(self._serial)
+            if (holders := holding.get(entry)) is None:
+                holding[entry] = {self._serial}
+            else:
+                holders.add(self._serial)
         while len(self._keys) > LATEST:
             serial, old = self._keys.popitem(last=False)
             self._sizes[len(old.items)] -= 1
@@ -214,6 +218,7 @@ class KeyRecords:
         # Expected compile times by (tenant, program name): looked up when
         # read, shared by every waiter of a pod for EXPECTED_TTL_S.
         self._expected: dict[tuple[str, str], tuple[float, asyncio.Future]] = {}
+        self._children: dict[str, object] = {}  # misses_by_component's, by component
 
     def _k(self, kind: str, sk: str) -> bytes:
         return self.prefix + f"/{kind}/{sk}".encode()
@@ -261,6 +266,14 @@ class KeyRecords:
         records = await self.etcd.get_many(
             [self._k(kind, f"{tenant}/{kv.key.rsplit(b'/', 1)[1].decode()}") for kv in latest])
         return [r for r in records if r is not None]
+
+    def _by_component(self, component: str):
+        """misses_by_component's child for `component`, made once (labels()
+        costs several times an inc())."""
+        child = self._children.get(component)
+        if child is None:
+            child = self._children[component] = self.metrics.misses_by_component.labels(component)
+        return child
 
     def name_prefix(self, tenant: str, program_name: str) -> bytes:
         digest = hashlib.sha256(program_name.encode()).hexdigest()[:32]
@@ -320,7 +333,7 @@ class KeyRecords:
             self._latest_of[n] = (now, _Latest(comps))
         while len(self._latest_of) > NAMES_MAX:  # the names read longest ago go
             self._latest_of.pop(next(iter(self._latest_of)))
-        writes = []
+        writes, differed = [], Counter()
         for sk, name, comps in new:
             tenant, key = sk.split("/", 1)
             latest = self._latest_of[(tenant, name)][1]
@@ -328,8 +341,7 @@ class KeyRecords:
             best = latest.nearest(mine)
             latest.add(mine)  # the next key of this name is compared with it too
             differing = ["new_program"] if best is None else mine.names_differing(best)
-            for component in differing:
-                self.metrics.misses_by_component.labels(component).inc()
+            differed.update(differing)
             if differing:
                 self.recent.appendleft((sk, name, differing, time.time()))
             record = json.dumps({"program_name": name, "components": comps,
@@ -337,6 +349,8 @@ class KeyRecords:
             writes.append(([cmp_absent(self._k("k", sk))],
                            [op_put(self._k("k", sk), record),
                             op_put(self.name_prefix(tenant, name) + key.encode(), b"")]))
+        for component, n in differed.items():
+            self._by_component(component).inc(n)
         if not writes:
             return
         ok, _, _ = await self.etcd.txn([c for cmp, _ in writes for c in cmp],
@@ -349,7 +363,8 @@ class KeyRecords:
         last, newest first."""
         comps = [(json_dict(rec.value) or {}).get("components")
                  for rec in await self._latest_of_name("k", tenant, program_name, LATEST)]
-        return [_Components(c) for c in comps if isinstance(c, dict)]
+        return [_Components({str(k): str(v) for k, v in c.items()})
+                for c in comps if isinstance(c, dict)]
 
     async def list_artifacts(self, after: str, limit: int,
                              tenant: str = DEFAULT_TENANT) -> pb.ListArtifactsResponse:

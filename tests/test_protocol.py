@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 
+from compilecast.errors import InvalidRequest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity, publish_messages
@@ -745,6 +746,26 @@ def test_malformed_acquires_are_invalid_argument_and_claim_nothing(coordinator):
     # At the limits it is decided, and the key was not claimed by any refused one.
     resp = c.stub.Acquire(pb.AcquireRequest(key="k", key_components=longest), timeout=10)
     assert resp.decision == pb.COMPILE
+
+
+def test_component_names_checked_before_still_have_their_values_checked():
+    """The names and program name of a request that passed are remembered;
+    the next request with the same ones still has its values checked, and a
+    bad program name with names seen before is still refused."""
+    from compilecast import validate
+
+    names = {f"component_{i}": "v" for i in range(11)}
+    req = pb.AcquireRequest(key="k", key_components=names, program_name="jit_step")
+    validate.acquire_request(req)
+    assert ("\n".join(req.key_components), "jit_step") in validate._NAMED_OK
+    long_value = pb.AcquireRequest(key="k", key_components={**names, "component_3": "v" * 129},
+                                   program_name="jit_step")
+    with pytest.raises(InvalidRequest, match="component_3 is longer than 128"):
+        validate.acquire_request(long_value)
+    bad_name = pb.AcquireRequest(key="k", key_components=names, program_name="jit step")
+    with pytest.raises(InvalidRequest, match="program_name"):
+        validate.acquire_request(bad_name)
+    assert ("\n".join(req.key_components), "jit step") not in validate._NAMED_OK
 
 
 def test_only_a_process_that_may_compile_sends_its_key_components():
