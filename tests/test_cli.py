@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+from .conftest import eventually
+
 
 def cc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "compilecast.cli", *args],
@@ -120,6 +122,7 @@ def test_explain_two_keys_the_coordinator_has_seen(coordinator, start_worker):
     c.acquire(k2, components={"program": "a" * 64, "platform": "tpu"}, program_name="jit_step")
     for k in (k3, k4):  # published by a client that sent no components
         c.publish(k, c.acquire(k, program_name="jit_other").lease, k.encode(), 1.0)
+    eventually(lambda: c.describe(k2).key_components, "k2 recorded (in the background)")
 
     r = cc("explain", k1, k2, "--worker", worker.target)
     assert r.returncode == 1, r.stderr

@@ -96,6 +96,40 @@ def test_a_storm_of_misses_is_recorded_up_to_the_backlog(etcd, loop_thread, pref
     assert counts(registry) == {"new_program": 1, "program": 39}
 
 
+def test_keys_that_trickle_in_are_recorded_in_one_round(etcd, loop_thread, prefix):
+    """Short of a full batch, a round waits round_gap_s for more keys: five
+    keys asked 10 ms apart are recorded in one round (two etcd round trips),
+    not one round each."""
+    registry = CollectorRegistry()
+
+    async def body():
+        client = Etcd([etcd.endpoint])
+        records = KeyRecords(client, prefix.encode(), CoordinatorMetrics(registry))
+        records.round_gap_s = 1.0
+        rounds = []
+        record_batch = records._record_batch
+
+        async def counted(batch):
+            rounds.append(len(batch))
+            await record_batch(batch)
+
+        records._record_batch = counted
+        try:
+            keys = [f"t{i}" for i in range(5)]
+            for i, key in enumerate(keys):
+                records.record(scope("default", key), "jit_step", dict(BASE, program=f"p{i}"))
+                await asyncio.sleep(0.01)
+            return rounds, await recorded(records, client, prefix.encode(), keys)
+        finally:
+            await records.close()
+            await client.close()
+
+    rounds, got = loop_thread.run(body())
+    assert rounds == [5]
+    assert all(r is not None for r in got)
+    assert counts(registry) == {"new_program": 1, "program": 4}
+
+
 def test_a_twin_is_nearer_than_any_key_that_differs(etcd, loop_thread, prefix):
     """A key whose components all equal an earlier key's (a new key version,
     say) is explained by nothing, even when a key differing in one component
