@@ -37,6 +37,19 @@ def eventually(predicate, what: str = "condition", seconds: float = 10.0):
     pytest.fail(f"not within {seconds} s: {what}")
 
 
+def key_recorded(client, key: str) -> bool:
+    """Whether the coordinator has recorded `key`'s components (it does in
+    the background, some tenths of a second after its COMPILE)."""
+    import grpc
+
+    try:
+        return bool(client.describe(key).key_components)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:  # not seen yet
+            raise
+        return False
+
+
 def publish(client, key: str, data: bytes, **acquire_kw):
     """Claim `key` (it must be a miss: COMPILE) and publish `data` under it."""
     from compilecast.v1 import cache_pb2 as pb

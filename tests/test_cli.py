@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from .conftest import eventually
+from .conftest import eventually, key_recorded
 
 
 def cc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -122,7 +122,7 @@ def test_explain_two_keys_the_coordinator_has_seen(coordinator, start_worker):
     c.acquire(k2, components={"program": "a" * 64, "platform": "tpu"}, program_name="jit_step")
     for k in (k3, k4):  # published by a client that sent no components
         c.publish(k, c.acquire(k, program_name="jit_other").lease, k.encode(), 1.0)
-    eventually(lambda: c.describe(k2).key_components, "k2 recorded (in the background)")
+    eventually(lambda: key_recorded(c, k2), "k2 recorded")
 
     r = cc("explain", k1, k2, "--worker", worker.target)
     assert r.returncode == 1, r.stderr
@@ -184,7 +184,13 @@ def test_ls_lists_the_tenants_artifacts_a_page_at_a_time(coordinator):
         resp = c.acquire(f"k{i}", components={"program": f"p{i}"}, program_name=name)
         c.publish(f"k{i}", resp.lease, os.urandom(1000 * (i + 1)), float(i))
     c.acquire("claimed")  # being compiled, not published: not listed
-    listed = list(c.list_artifacts(page=2))  # two pages
+
+    def named() -> list | None:
+        """Two pages, once the key records (program names) are written: in the background."""
+        listed = list(c.list_artifacts(page=2))
+        return listed if all(a.program_name for a in listed) else None
+
+    listed = eventually(named, "the program names recorded")
     assert [a.artifact.key for a in listed] == ["k0", "k1", "k2"]
     assert [a.program_name for a in listed] == ["jit_step", "jit_eval", "jit_step"]
     assert [a.artifact.size for a in listed] == [1000, 2000, 3000]

@@ -15,7 +15,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity, publish_messages
 
-from .conftest import eventually, flip_middle_byte, publish
+from .conftest import eventually, flip_middle_byte, key_recorded, publish
 
 DATA = b"executable-bytes" * 50_000
 
@@ -603,7 +603,7 @@ def test_a_holder_far_past_the_expected_compile_time_is_hedged(start_coordinator
     holder, waiter = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
     # History: an earlier version of the same program compiled in 0.2 s.
     first = holder.acquire("v1", components={"program": "p1"}, program_name="jit_step")
-    time.sleep(0.3)  # the key record is written in the background
+    eventually(lambda: key_recorded(holder, "v1"), "v1 recorded")  # its program name's history
     holder.publish("v1", first.lease, DATA, 0.2)
     slow = holder.acquire("v2", components={"program": "p2"}, program_name="jit_step").lease
     holder.keep_lease("v2", slow)  # alive, but stuck compiling
