@@ -11,6 +11,7 @@ explain misses:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -203,6 +204,7 @@ class KeyRecords:
     # Bookkeeping, read by people and scrapes: a tenth of a second late costs
     # nothing, and at 500 misses a second a round then records ~32 keys, not 1-2.
     ROUND_GAP_S = 0.1
+    CLOSE_S = 5.0  # the longest a stop waits for the keys waiting to be recorded
 
     def __init__(self, etcd: Etcd, prefix: bytes, metrics: CoordinatorMetrics) -> None:
         self.etcd = etcd
@@ -215,6 +217,7 @@ class KeyRecords:
         self._recorder: asyncio.Task | None = None
         self.backlog_max = self.BACKLOG_MAX
         self.round_gap_s = self.ROUND_GAP_S
+        self._stopping = asyncio.Event()  # set by close(): no round waits for more
         # (tenant, program name) -> (read at, the components of its latest keys,
         # newest first): read from etcd at most every NAME_TTL_S, and kept up
         # to date with what this replica records meanwhile.
@@ -289,7 +292,7 @@ class KeyRecords:
         Bookkeeping only: beyond BACKLOG_MAX keys waiting (a storm of misses)
         a key goes unrecorded and is counted, and nothing ever fails a
         decision."""
-        if not comps:
+        if not comps or self._stopping.is_set():
             return
         if len(self._pending) >= self.backlog_max:
             self.metrics.key_records_skipped.inc()
@@ -299,8 +302,18 @@ class KeyRecords:
             self._recorder = asyncio.get_running_loop().create_task(self._drain())
 
     async def close(self) -> None:
-        if self._recorder is not None:
-            await cancel_all({self._recorder})
+        """Stop, once what waits is recorded (no round waits for more now),
+        or after CLOSE_S: a graceful stop loses no records while etcd answers."""
+        self._stopping.set()
+        recorder = self._recorder
+        if recorder is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(recorder), self.CLOSE_S)
+        except TimeoutError:
+            log.warning("stopping with %d key records unwritten", len(self._pending))
+        finally:
+            await cancel_all({recorder})
 
     async def _drain(self) -> None:
         """Record what waits, BATCH_MAX keys a round, in arrival order (a key
@@ -310,7 +323,9 @@ class KeyRecords:
         try:
             while self._pending:
                 if len(self._pending) < self.BATCH_MAX:
-                    await asyncio.sleep(self.round_gap_s)
+                    with contextlib.suppress(TimeoutError):  # the gap, or until close()
+                        async with asyncio.timeout(self.round_gap_s):
+                            await self._stopping.wait()
                 batch = [self._pending.popleft()
                          for _ in range(min(self.BATCH_MAX, len(self._pending)))]
                 try:

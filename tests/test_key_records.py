@@ -4,6 +4,7 @@ batches in the background, against a real etcd on loopback."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -128,6 +129,52 @@ def test_keys_that_trickle_in_are_recorded_in_one_round(etcd, loop_thread, prefi
     assert rounds == [5]
     assert all(r is not None for r in got)
     assert counts(registry) == {"new_program": 1, "program": 4}
+
+
+def test_a_stop_records_what_waits_first(etcd, loop_thread, prefix):
+    """close() records the keys still waiting (without the round gap)
+    before it stops; keys asked after it are not taken."""
+    registry = CollectorRegistry()
+
+    async def body():
+        client = Etcd([etcd.endpoint])
+        records = KeyRecords(client, prefix.encode(), CoordinatorMetrics(registry))
+        records.round_gap_s = 60.0  # a round would wait long for more
+        try:
+            keys = [f"s{i}" for i in range(3)]
+            for i, key in enumerate(keys):
+                records.record(scope("default", key), "jit_step", dict(BASE, program=f"p{i}"))
+            await asyncio.sleep(0.05)  # the recorder is in its round gap
+            await asyncio.wait_for(records.close(), 30)
+            records.record(scope("default", "late"), "jit_step", BASE)
+            assert records._recorder is None
+            return await recorded(records, client, prefix.encode(), [*keys, "late"])
+        finally:
+            await client.close()
+
+    got = loop_thread.run(body())
+    assert [r is not None for r in got] == [True, True, True, False]
+
+
+def test_a_stop_waits_for_records_at_most_close_s(loop_thread, prefix):
+    """With etcd gone, close() gives up on the waiting keys after CLOSE_S."""
+    from compilecast.launch import free_port
+
+    async def body():
+        client = Etcd([f"127.0.0.1:{free_port()}"], timeout=30.0)  # nothing listens
+        records = KeyRecords(client, prefix.encode(), CoordinatorMetrics(CollectorRegistry()))
+        records.round_gap_s, records.CLOSE_S = 0.0, 0.5
+        try:
+            records.record(scope("default", "k"), "jit_step", BASE)
+            await asyncio.sleep(0.05)  # its round is stuck on etcd
+            start = time.monotonic()
+            await records.close()
+            return time.monotonic() - start, records._recorder
+        finally:
+            await client.close()
+
+    took, recorder = loop_thread.run(body())
+    assert recorder is None and took < 10, took
 
 
 def test_a_twin_is_nearer_than_any_key_that_differs(etcd, loop_thread, prefix):
