@@ -17,6 +17,7 @@ import mmap
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -121,7 +122,10 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (EINVAL)
 
 @functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise, or None where there is none to call."""
+    """libc's madvise on Linux (where MADV_POPULATE_WRITE is 23; other
+    systems number their advice otherwise), else None."""
+    if sys.platform != "linux":
+        return None
     try:
         import ctypes
 
