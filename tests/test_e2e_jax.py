@@ -22,7 +22,10 @@ def test_four_processes_compile_once_then_a_second_wave_hits(up, reference_diges
     holders = [r for r in wave1 if r["compilecast"]["published"] == 1]
     loaders = [r for r in wave1 if r["compilecast"]["hits"] == 1]
     assert len(holders) == 1 and len(loaders) == 3
-    assert all(r["compilecast"]["waits"] == 1 for r in loaders)
+    # A loader asks while the holder compiles (one wait), unless it was still
+    # importing JAX at the common start and came after the publish: a plain hit.
+    assert all(r["compilecast"]["waits"] == 1 or r["late_s"] > 0 for r in loaders), \
+        [(r["late_s"], r["compilecast"]) for r in loaders]
 
     wave2 = run_procs(4, up.target)
     assert sum(r["xla_compiles"] for r in wave2) == 0, wave2
