@@ -112,12 +112,13 @@ class LeasePool:
         renewed (a renewal is no raft write; a grant is)."""
         if owner is not None:
             mine = self._owned.get(owner)
-            if mine is not None and self._fresh(mine[1]):
+            age = time.monotonic() - mine[1] if mine is not None else 0.0
+            if mine is not None and age < self.max_age_s:
                 self._owned.move_to_end(owner)
-                if time.monotonic() - mine[1] >= self.max_age_s / 2:
+                if age >= self.max_age_s / 2:
                     self._renewal(mine[0])  # ahead: the owner's next take finds it fresh
                 return mine
-            if mine is not None and time.monotonic() - mine[1] < self.ttl_s:
+            if mine is not None and age < self.ttl_s:
                 renewed = await self._renew(owner, mine[0])
                 if renewed is not None:
                     return renewed

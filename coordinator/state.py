@@ -443,15 +443,17 @@ class CoordinatorState:
         record = self._k(kind, sk)
         ok, rev, kvs = await self._claims.txn(
             compare, [op_put(record, self._claim(lease_id, req, program), lease=lease_id)], read)
-        if ok:
+
+        def held(revision: int) -> pb.Lease:
             return pb.Lease(id=lease_id, ttl_seconds=self.leases.ttl_left(granted_at),
-                            revision=rev, accepts_zstd=True,
-                            takes_digest_last=self._takes_digest_last()), []
+                            revision=revision, accepts_zstd=True,
+                            takes_digest_last=self._takes_digest_last())
+
+        if ok:
+            return held(rev), []
         mine = kvs[read.index(record)]
         if mine is not None and (json_dict(mine.value) or {}).get("lease") == lease_id:
-            return pb.Lease(id=lease_id, ttl_seconds=self.leases.ttl_left(granted_at),
-                            revision=mine.mod_revision, accepts_zstd=True,
-                            takes_digest_last=self._takes_digest_last()), kvs
+            return held(mine.mod_revision), kvs
         self.leases.give_back((lease_id, granted_at))
         return None, kvs
 
