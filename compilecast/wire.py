@@ -21,6 +21,18 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 # bytes and a ticket's token; then the blob comes back as stored.
 DATA_PLANE_REQUEST = b"CCGET01\n"
 DATA_PLANE_TOKEN_BYTES = 32
+# ... or, for an upload (a ticket from OpenUpload), with these 8 bytes and
+# the token; status frames then tell the client to send, and how it ended.
+DATA_PLANE_UPLOAD = b"CCPUT01\n"
+
+
+def status_frame(code: int, payload: bytes = b"") -> bytes:
+    """A data plane upload's status frame: a gRPC status code (0: OK), the
+    payload's length (4 bytes, big-endian) and the payload."""
+    return bytes((code,)) + len(payload).to_bytes(4, "big") + payload
+
+
+STATUS_FRAME_MAX = 1 << 20  # a longer payload is not a status frame
 
 DATA_TAG = 0x12  # field 2, length-delimited: `data` in both FetchChunk and PublishChunk
 ZSTD_TAG = 0x22  # field 4, length-delimited: `zstd_data` in both

@@ -97,6 +97,13 @@ class CoordinatorMetrics:
             "ticket), broken (the client went away midway), expired (a ticket never used)",
             ["result"], registry=registry,
         )
+        self.data_uploads = Counter(
+            "compilecast_coordinator_data_plane_uploads",
+            "Publishes over the data plane by result: published, refused (the publish "
+            "was refused, as a Publish stream would have been), broken (the connection broke "
+            "or stalled midway), expired (a ticket never used)",
+            ["result"], registry=registry,
+        )
         self.data_tickets = Counter(
             "compilecast_coordinator_data_tickets",
             "Fetches answered with a data plane ticket instead of the bytes over gRPC",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from compilecast import decide, validate
 from compilecast.errors import InvalidRequest
@@ -140,6 +140,20 @@ class CoordinatorService(rpc.CompileCacheServicer):
         header, chunks = await publish_stream(request_iterator)
         info = await self.state.publish(header, chunks, tenant=who.tenant)
         return pb.PublishResponse(artifact=info)
+
+    @rpc_errors
+    async def OpenUpload(self, request, context):
+        who = self.auth.identify(context)
+        who.require_publish()
+        if self.data_plane is None:  # no data plane here, or gRPC behind TLS
+            return pb.OpenUploadResponse()
+        await self.state.check_publish(request.header, tenant=who.tenant)
+
+        def publish(header: pb.PublishHeader, chunks) -> Awaitable[pb.ArtifactInfo]:
+            return self.state.publish(header, chunks, tenant=who.tenant)
+
+        return pb.OpenUploadResponse(ticket=self.data_plane.upload_ticket(request.header,
+                                                                          publish))
 
     @rpc_errors
     async def Release(self, request, context):

@@ -714,9 +714,7 @@ class CoordinatorState:
     # -- Publish ---------------------------------------------------------
     async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[DataChunk], *,
                       tenant: str = DEFAULT_TENANT) -> pb.ArtifactInfo:
-        key = validate.publish_header(header, self.cfg.max_artifact_bytes)
-        if header.HasField("recipe"):
-            validate.recipe(header.recipe, need_target=False)
+        key = self._checked_header(header)
         try:
             return await self._publish(scope(tenant, key), header, chunks)
         except Exception as exc:
@@ -725,19 +723,43 @@ class CoordinatorState:
                 log.error("refused the publish of %s: %s", key, exc, extra={"key": key})
             raise
 
-    async def _publish(self, sk: str, header: pb.PublishHeader,
-                       chunks: AsyncIterator[DataChunk]) -> pb.ArtifactInfo:
-        key = plain(sk)
+    async def check_publish(self, header: pb.PublishHeader, *,
+                            tenant: str = DEFAULT_TENANT) -> None:
+        """Raise what a Publish with this header would be refused with before
+        its first byte (a bad header, a lease not held, a key published or a
+        digest purged); the upload's publish checks it all again."""
+        key = self._checked_header(header)
+        try:
+            await self._may_publish(scope(tenant, key), header)
+        except Exception as exc:
+            self.metrics.publishes.labels(type(exc).__name__).inc()
+            raise
+
+    def _checked_header(self, header: pb.PublishHeader) -> str:
+        key = validate.publish_header(header, self.cfg.max_artifact_bytes)
+        if header.HasField("recipe"):
+            validate.recipe(header.recipe, need_target=False)
+        return key
+
+    async def _may_publish(self, sk: str, header: pb.PublishHeader) -> str:
+        """Which record the header's lease holds (see _check_holder), once
+        the key is not published and a digest sent first is not purged."""
         kind = await self._check_holder(sk, header.lease, header.requester)
-        later = not header.digest  # sent last: checked against revocations once known
         reads = [self._k("a", sk)]
-        if not later:
+        if header.digest:  # else sent last: checked against revocations once known
             reads.append(self._revocation(tenant_of(sk), header.digest))
         entry, *revoked = await self.etcd.get_many(reads)
         if entry is not None:
-            raise AlreadyPublished(f"key {key} is already published")
+            raise AlreadyPublished(f"key {plain(sk)} is already published")
         if revoked and revoked[0] is not None:
             raise await self._refuse_revoked(sk, kind, header, revoked[0], "was purged")
+        return kind
+
+    async def _publish(self, sk: str, header: pb.PublishHeader,
+                       chunks: AsyncIterator[DataChunk]) -> pb.ArtifactInfo:
+        key = plain(sk)
+        later = not header.digest  # sent last: checked against revocations once known
+        kind = await self._may_publish(sk, header)
         if not await amake_room(self.store, header.size):
             raise StoreFull(f"the artifact store has no room for {header.size} bytes, even "
                             "after evicting what it could (its volume is full)")

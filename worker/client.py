@@ -61,6 +61,41 @@ class Stalled(grpc.RpcError):
         return self._what
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class UploadRefused(grpc.RpcError):
+    """A publish over the data plane that the coordinator refused, with
+    the status code and message its Publish stream would have ended with."""
+
+    def __init__(self, code: int, details: str) -> None:
+        super().__init__(details)
+        self._code = _STATUS_CODES.get(code, grpc.StatusCode.UNKNOWN)
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _UploadBroken(grpc.RpcError):
+    """A publish over the data plane whose connection broke or stalled
+    before its answer (it may or may not have been published): tried again,
+    over gRPC, as a Publish cut off is."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self._what = what
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._what
+
+
 class _CutOff(Exception):
     """A transfer that started and then broke (UNAVAILABLE): worth trying again."""
 
@@ -390,6 +425,18 @@ def _read_data_plane(key: str, info: pb.ArtifactInfo, ticket: pb.DataTicket, tar
     """The artifact over the coordinator's data plane, verified. OSError
     (a refused or broken connection, a read that waited `stall_s`) or
     CorruptBlob; the caller then fetches over gRPC."""
+    sock, where = _connect_data_plane(ticket, target, stall_s)
+    with sock:
+        sock.sendall(wire.DATA_PLANE_REQUEST + ticket.token)
+        with sock.makefile("rb", buffering=0) as f:
+            return _read_stored(key, info, f, where)
+
+
+def _connect_data_plane(ticket: pb.DataTicket, target: str,
+                        stall_s: float) -> tuple[socket.socket, str]:
+    """A connection to the ticket's data plane, each read and write on it
+    given up after `stall_s`, and what to call it; _Unreachable when it
+    cannot be made."""
     address = data_plane_address(ticket, target)
     try:
         sock = socket.create_connection(address, timeout=min(stall_s, DATA_PLANE_CONNECT_S))
@@ -397,10 +444,54 @@ def _read_data_plane(key: str, info: pb.ArtifactInfo, ticket: pb.DataTicket, tar
     except OSError as exc:
         raise _Unreachable(exc.errno, f"cannot connect to {address[0]}:{address[1]}: "
                                       f"{exc.strerror or exc}") from None
+    return sock, f"the data plane at {address[0]}:{address[1]}"
+
+
+def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTicket,
+                       target: str, stall_s: float) -> pb.ArtifactInfo:
+    """Publish `data` over the coordinator's data plane (cache.proto,
+    DataTicket): the bytes go straight from `data` to the socket, hashed on
+    the way when the header has no digest. UploadRefused as its Publish
+    stream would have been refused; _Unreachable when the data plane cannot
+    be connected to; OSError when the connection broke or stalled."""
+    sock, where = _connect_data_plane(ticket, target, stall_s)
     with sock:
-        sock.sendall(wire.DATA_PLANE_REQUEST + ticket.token)
-        with sock.makefile("rb", buffering=0) as f:
-            return _read_stored(key, info, f, f"the data plane at {address[0]}:{address[1]}")
+        sock.sendall(wire.DATA_PLANE_UPLOAD + ticket.token)
+        _status(sock, where)  # go
+        h = None if header.digest else Sha256()
+        with contextlib.closing(h) if h is not None else contextlib.nullcontext():
+            view = memoryview(data)
+            for off in range(0, len(data), CHUNK):
+                piece = view[off:off + CHUNK]
+                if h is not None:
+                    h.update(piece)
+                sock.sendall(piece)
+            if h is not None:
+                sock.sendall(h.hexdigest().encode("ascii"))
+        return pb.PublishResponse.FromString(_status(sock, where)).artifact
+
+
+def _status(sock: socket.socket, where: str) -> bytes:
+    """The payload of the next status frame (wire.status_frame) of a data
+    plane upload; UploadRefused for a status other than OK."""
+    head = _recv_exactly(sock, 5, where)
+    n = int.from_bytes(head[1:], "big")
+    if n > wire.STATUS_FRAME_MAX:
+        raise OSError(errno.EPROTO, f"{where} sent no status frame")
+    payload = _recv_exactly(sock, n, where)
+    if head[0]:
+        raise UploadRefused(head[0], payload.decode("utf-8", "replace"))
+    return payload
+
+
+def _recv_exactly(sock: socket.socket, n: int, where: str) -> bytes:
+    out = b""
+    while len(out) < n:
+        piece = sock.recv(n - len(out))
+        if not piece:
+            raise ConnectionError(f"{where} closed the connection")
+        out += piece
+    return out
 
 
 def default_client_name() -> str:
@@ -453,6 +544,9 @@ class CacheClient:
         # data plane; off once its address could not be connected to.
         self.data_plane = not target.startswith("unix:") and creds is None and os.environ.get(
             "COMPILECAST_DATA_PLANE", "1") != "0"
+        # ... and publishes may go over it (OpenUpload); off once the
+        # coordinator offered no ticket (one older, or without a data plane).
+        self.data_plane_uploads = True
 
     def close(self) -> None:
         for stop in self._keepers.values():
@@ -733,11 +827,16 @@ class CacheClient:
         if not lease.takes_digest_last or self._digest_first:
             header.digest = hashlib.sha256(data).hexdigest()
         self._publishing.add((key, lease.id))
+        over_data_plane = True  # until an upload over it breaks: then gRPC
         try:
             for attempt, pause in enumerate((*PUBLISH_RETRY_S, None)):
                 try:
+                    if over_data_plane and (got := self._upload(header, data)) is not None:
+                        return got
                     return self._publish_once(header, data)
                 except grpc.RpcError as exc:
+                    if isinstance(exc, _UploadBroken):
+                        over_data_plane = False
                     if attempt and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                         mine = self._published_as(key, header.digest or
                                                   hashlib.sha256(data).hexdigest())
@@ -760,6 +859,35 @@ class CacheClient:
         except grpc.RpcError:
             return None
         return info if info.digest == digest else None
+
+    def _upload(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo | None:
+        """Publish over the coordinator's data plane, where it takes uploads;
+        None where the bytes must go over gRPC instead. The OpenUpload call
+        refuses what a Publish would refuse before its first byte, as the
+        same error."""
+        if not (self.data_plane and self.data_plane_uploads):
+            return None
+        try:
+            resp = self.stub.OpenUpload(pb.OpenUploadRequest(header=header),
+                                        timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            resp = pb.OpenUploadResponse()  # an older coordinator, or not one
+        if not resp.HasField("ticket"):
+            self.data_plane_uploads = False
+            log.info("%s takes publishes over gRPC only", self.target)
+            return None
+        try:
+            return _upload_data_plane(header, data, resp.ticket, self.target, self.stall_s)
+        except _Unreachable as exc:
+            self.data_plane = False
+            log.info("cannot reach the coordinator's data plane (%s); artifacts go over gRPC "
+                     "from now on", exc, extra={"key": header.key})
+            return None
+        except OSError as exc:
+            raise _UploadBroken(f"the data plane upload of {header.key} broke off "
+                                f"({exc})") from None
 
     def _publish_once(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo:
         try:

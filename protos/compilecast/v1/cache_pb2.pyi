@@ -240,6 +240,18 @@ class PublishResponse(_message.Message):
     artifact: ArtifactInfo
     def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ...) -> None: ...
 
+class OpenUploadRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: PublishHeader
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ...) -> None: ...
+
+class OpenUploadResponse(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: DataTicket
+    def __init__(self, ticket: _Optional[_Union[DataTicket, _Mapping]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("key", "lease", "reason", "detail")
     KEY_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class CompileCacheStub:
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.PublishChunk.SerializeToString,
                 response_deserializer=compilecast_dot_v1_dot_cache__pb2.PublishResponse.FromString,
                 _registered_method=True)
+        self.OpenUpload = channel.unary_unary(
+                '/compilecast.v1.CompileCache/OpenUpload',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.OpenUploadRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.OpenUploadResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/compilecast.v1.CompileCache/Release',
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.ReleaseRequest.SerializeToString,
@@ -168,6 +173,13 @@ class CompileCacheServicer:
 
     def Publish(self, request_iterator, context):
         """Publish an artifact under a key whose lease the caller holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenUpload(self, request, context):
+        """A ticket to send a Publish's bytes over the data plane (coordinator only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -301,6 +313,11 @@ def add_CompileCacheServicer_to_server(servicer, server):
                     servicer.Publish,
                     request_deserializer=compilecast_dot_v1_dot_cache__pb2.PublishChunk.FromString,
                     response_serializer=compilecast_dot_v1_dot_cache__pb2.PublishResponse.SerializeToString,
+            ),
+            'OpenUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenUpload,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.OpenUploadRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.OpenUploadResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -508,6 +525,33 @@ class CompileCache:
             '/compilecast.v1.CompileCache/Publish',
             compilecast_dot_v1_dot_cache__pb2.PublishChunk.SerializeToString,
             compilecast_dot_v1_dot_cache__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/OpenUpload',
+            compilecast_dot_v1_dot_cache__pb2.OpenUploadRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.OpenUploadResponse.FromString,
             options,
             channel_credentials,
             insecure,
