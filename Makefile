@@ -58,6 +58,7 @@ bench: install
 	$(PY) bench/publish_overlap.py --upload-mbps 0 50
 	$(PY) bench/warm_start.py
 	$(PY) bench/fetch.py
+	$(PY) bench/publish.py
 	$(PY) bench/fetch.py --sizes-mb 100 1024 --compressible
 	$(PY) bench/cold_fetch.py --mb 1024 --pairs 4
 	$(PY) bench/cold_fetch.py --mb 256 --pairs 3 --processes 8

@@ -67,7 +67,11 @@ class Stack:
 
     def stored_bytes(self, digest: str, name: str = "c") -> int:
         """What coordinator `name`'s store holds for `digest` (zstd or raw)."""
-        return blob_path(self.root / f"store-{name}", digest).stat().st_size
+        return self.blob_path(digest, name).stat().st_size
+
+    def blob_path(self, digest: str, name: str = "c") -> Path:
+        """Where coordinator `name`'s store keeps the blob of `digest`."""
+        return blob_path(self.root / f"store-{name}", digest)
 
     def coordinator(self, name: str = "c", store: Path | None = None,
                     extra: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:

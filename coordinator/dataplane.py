@@ -76,6 +76,7 @@ UNACKED_S = 60  # a client that takes nothing for this long is dropped (TCP_USER
 MAX_CONNECTIONS = 1024  # open at once; past it a connection is closed at once (its client: gRPC)
 UPLOAD_STALL_S = 60.0  # an upload that sends nothing for this long is given up
 DIGEST_HEX = 64  # an upload's digest, when it comes after the bytes
+DRAIN_S = 5.0  # after a refusal, what the client still sends is dropped for at most this long
 
 Publish = Callable[[pb.PublishHeader, AsyncIterator[DataChunk]], Awaitable[pb.ArtifactInfo]]
 
@@ -245,6 +246,7 @@ class DataPlane:
             except CompilecastError as exc:
                 self.metrics.data_uploads.labels("refused").inc()
                 reply = status_frame(exc.code.value[0], str(exc).encode()[:4096])
+                refused = True
             except OSError as exc:  # broken, stalled, or cut short
                 log.info("data plane: the upload of %s broke off (%s)", header.key, exc)
                 self.metrics.data_uploads.labels("broken").inc()
@@ -254,11 +256,20 @@ class DataPlane:
                 self.metrics.data_uploads.labels("refused").inc()
                 reply = status_frame(grpc.StatusCode.INTERNAL.value[0],
                                      b"OpenUpload: internal error")
+                refused = True
             else:
                 self.metrics.data_uploads.labels("published").inc()
                 reply = status_frame(0, pb.PublishResponse(artifact=info).SerializeToString())
+                refused = False
             writer.write(reply)
             await writer.drain()
+            if refused:
+                # Refused before the last byte, maybe: what the client sends until it
+                # reads the refusal is taken and dropped, so that closing with it unread
+                # does not reset the connection (and the refusal with it).
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)
+                    await asyncio.to_thread(_drop, sock, DRAIN_S)
 
 
 def _receive(sock: socket.socket, n: int) -> memoryview:
@@ -273,3 +284,13 @@ def _receive(sock: socket.socket, n: int) -> memoryview:
             raise ConnectionError(f"the connection ended {n - got} bytes short")
         got += k
     return view.toreadonly()
+
+
+def _drop(sock: socket.socket, limit_s: float) -> None:
+    """Read and drop what comes until the client closes, for at most `limit_s`."""
+    end = time.monotonic() + limit_s
+    buf = bytearray(CHUNK)
+    while (left := end - time.monotonic()) > 0:
+        sock.settimeout(left)
+        if not sock.recv_into(buf):
+            return

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import mmap
 import os
+import select
 import socket
 import stat
 import sys
@@ -461,19 +462,33 @@ def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTic
         h = None if header.digest else Sha256()
         with contextlib.closing(h) if h is not None else contextlib.nullcontext():
             view = memoryview(data)
-            for off in range(0, len(data), CHUNK):
-                piece = view[off:off + CHUNK]
+            try:
+                for off in range(0, len(data), CHUNK):
+                    if select.select([sock], [], [], 0)[0]:  # refused before the end
+                        _status(sock, where)
+                        raise OSError(errno.EPROTO, f"{where} answered before the last byte")
+                    piece = view[off:off + CHUNK]
+                    if h is not None:
+                        h.update(piece)
+                    sock.sendall(piece)
                 if h is not None:
-                    h.update(piece)
-                sock.sendall(piece)
-            if h is not None:
-                sock.sendall(h.hexdigest().encode("ascii"))
+                    sock.sendall(h.hexdigest().encode("ascii"))
+            except OSError:
+                _status(sock, where, timeout_s=1.0)  # its refusal, if it sent one
+                raise
         return pb.PublishResponse.FromString(_status(sock, where)).artifact
 
 
-def _status(sock: socket.socket, where: str) -> bytes:
+def _status(sock: socket.socket, where: str, *, timeout_s: float | None = None) -> bytes:
     """The payload of the next status frame (wire.status_frame) of a data
-    plane upload; UploadRefused for a status other than OK."""
+    plane upload; UploadRefused for a status other than OK. With `timeout_s`,
+    for a connection that broke: only a refusal already sent is raised."""
+    if timeout_s is not None:
+        try:
+            sock.settimeout(timeout_s)
+            return _status(sock, where)
+        except OSError:
+            return b""
     head = _recv_exactly(sock, 5, where)
     n = int.from_bytes(head[1:], "big")
     if n > wire.STATUS_FRAME_MAX:
