@@ -78,17 +78,19 @@ def main() -> None:
 def _timed(client, phases: dict[str, float], t0: float,
            names: tuple[str, ...] = ("publish", "fetch")) -> None:
     """Record when each of the client's calls (or a module's functions)
-    began and ended (seconds from T0, the last call of each kind): where a
-    process's time went."""
+    began and ended (seconds from T0, the last call of each kind), and the
+    process's CPU seconds meanwhile: where a process's time went."""
     for name in names:  # what time_to_executable's timeline reads
         call = getattr(client, name)
 
         def timed(*args, _call=call, _name=name, **kwargs):
             phases[f"{_name} began"] = time.time() - t0
+            cpu = time.process_time()
             try:
                 return _call(*args, **kwargs)
             finally:
                 phases[f"{_name} ended"] = time.time() - t0
+                phases[f"{_name} cpu"] = time.process_time() - cpu  # the process's, all threads
 
         setattr(client, name, timed)
 

@@ -82,10 +82,15 @@ def timeline(phases: list[dict[str, float]]) -> str:
     if "compile_entry began" in holder:  # JAX's compile and its serialization, in the holder
         began, ended = holder["compile_entry began"], holder["compile_entry ended"]
         compiling = f"compile {began:.2f}-{ended:.2f}s ({ended - began:.2f}), "
+    cpu = ""
+    if all("fetch cpu" in p for p in waiters):  # each waiter process's CPU while it fetched
+        spent = sorted(p["fetch cpu"] for p in waiters)
+        cpu = (f"; a fetch's process CPU {spent[0]:.2f}-{spent[-1]:.2f}s, median "
+               f"{statistics.median(spent):.2f}s")
     return (f"holder: {compiling}compiled {compiled:.2f}s, published {published:.2f}s "
             f"(+{published - compiled:.2f}); waiters: last woken {woken:.2f}s, last holds the "
             f"bytes {done:.2f}s (+{done - published:.2f} after the publish; "
-            f"{done / compiled:.2f}x the holder's own time to its executable)")
+            f"{done / compiled:.2f}x the holder's own time to its executable){cpu}")
 
 
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
@@ -164,6 +169,7 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
                      f"{base['ready']:.2f}s ({cc['ready'] / base['ready']:.2f})")
         late = max(r["late"] for r in rows)
         print(f"{line} | latest process late for the common start by {late:.1f}s", flush=True)
+        print(f"         {timeline(cc['phases'])}", flush=True)
     print(json.dumps(rows))
 
 
