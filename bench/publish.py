@@ -9,8 +9,9 @@ Each pair publishes the same incompressible bytes (rotated by a byte, so
 that each is a new blob) both ways, alternating which goes first; the blob
 is removed from the store after each publish, so that the page cache does
 not grow through the run. Prints each publish's wall time until the
-coordinator answered, the client's CPU and the coordinator's CPU, and the
-medians of each way.
+coordinator answered, the client's CPU and the coordinator's CPU, the
+medians of each way, and the coordinator's peak RSS (it streams every
+publish to its store, never holding it whole).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, cpu_seconds
+from _servers import Stack, cpu_seconds, peak_rss_mb
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
@@ -70,7 +71,8 @@ def run(mb: float, pairs: int) -> None:
               f"{plane[1]:.3f}s / coordinator {plane[2]:.3f}s; gRPC {grpc_[0]:.3f}s / "
               f"{grpc_[1]:.3f}s / {grpc_[2]:.3f}s; wall {plane[0] / grpc_[0]:.2f}x, "
               f"coordinator CPU {plane[2] / grpc_[2]:.2f}x ({mb / plane[0]:.0f} against "
-              f"{mb / grpc_[0]:.0f} MB/s)", flush=True)
+              f"{mb / grpc_[0]:.0f} MB/s); the coordinator's peak RSS {peak_rss_mb(proc.pid):.0f} MB",
+              flush=True)
     finally:
         stack.close()
 
