@@ -226,19 +226,19 @@ class DataPlane:
         header = upload.header
         writer.transport.pause_reading()
         sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
-        with sock:
+
+        async def chunks() -> AsyncIterator[DataChunk]:
+            left = header.size
+            while left:
+                piece = await asyncio.to_thread(_receive, sock, min(left, CHUNK))
+                left -= len(piece)
+                yield DataChunk(piece)
+            if not header.digest:  # it comes after the bytes
+                digest = await asyncio.to_thread(_receive, sock, DIGEST_HEX)
+                header.digest = validate.digest(bytes(digest).decode("ascii", "replace"))
+
+        try:
             sock.settimeout(UPLOAD_STALL_S)
-
-            async def chunks() -> AsyncIterator[DataChunk]:
-                left = header.size
-                while left:
-                    piece = await asyncio.to_thread(_receive, sock, min(left, CHUNK))
-                    left -= len(piece)
-                    yield DataChunk(piece)
-                if not header.digest:  # it comes after the bytes
-                    digest = await asyncio.to_thread(_receive, sock, DIGEST_HEX)
-                    header.digest = validate.digest(bytes(digest).decode("ascii", "replace"))
-
             writer.write(status_frame(0))
             await writer.drain()
             try:
@@ -246,30 +246,33 @@ class DataPlane:
             except CompilecastError as exc:
                 self.metrics.data_uploads.labels("refused").inc()
                 reply = status_frame(exc.code.value[0], str(exc).encode()[:4096])
-                refused = True
-            except OSError as exc:  # broken, stalled, or cut short
-                log.info("data plane: the upload of %s broke off (%s)", header.key, exc)
-                self.metrics.data_uploads.labels("broken").inc()
-                return
+            except OSError:
+                raise
             except Exception:
                 log.exception("data plane: the upload of %s failed", header.key)
                 self.metrics.data_uploads.labels("refused").inc()
                 reply = status_frame(grpc.StatusCode.INTERNAL.value[0],
                                      b"OpenUpload: internal error")
-                refused = True
             else:
                 self.metrics.data_uploads.labels("published").inc()
                 reply = status_frame(0, pb.PublishResponse(artifact=info).SerializeToString())
-                refused = False
-            writer.write(reply)
-            await writer.drain()
-            if refused:
-                # Refused before the last byte, maybe: what the client sends until it
-                # reads the refusal is taken and dropped, so that closing with it unread
-                # does not reset the connection (and the refusal with it).
-                with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # counted: the client's leaving changes nothing
+                writer.write(reply)
+                await writer.drain()
+                if reply[0]:
+                    # Refused before the last byte, maybe: what the client sends until it
+                    # reads the refusal is taken and dropped, so that closing with it
+                    # unread does not reset the connection (and the refusal with it).
                     sock.shutdown(socket.SHUT_WR)
                     await asyncio.to_thread(_drop, sock, DRAIN_S)
+        except OSError as exc:  # broken, stalled, or cut short
+            log.info("data plane: the upload of %s broke off (%s)", header.key, exc)
+            self.metrics.data_uploads.labels("broken").inc()
+        finally:
+            # Wakes a reading thread still waiting (a stop cancelled this task).
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 def _receive(sock: socket.socket, n: int) -> memoryview:

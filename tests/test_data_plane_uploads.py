@@ -254,3 +254,21 @@ def test_an_unreachable_data_plane_publishes_over_grpc(start_coordinator):
     assert not c.data_plane  # nor fetches: the data plane cannot be reached from here
     assert uploads(coordinator, "expired") + uploads(coordinator) == 0
     assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == DATA
+
+
+def test_a_stop_ends_an_upload_that_waits_for_bytes(start_coordinator):
+    """A coordinator stopping while an upload's thread waits on the
+    connection wakes it and closes the connection at once (not after
+    UPLOAD_STALL_S): a stop does not hang on it, nor keep the client waiting."""
+    coordinator = start_coordinator()
+    c, lease = holder(coordinator)
+    s = connect(coordinator, open_upload(c, header(c, "k", lease, digest=DIGEST)).token)
+    with s:
+        assert frame(s)[0] == 0
+        s.sendall(DATA[:100])  # and then nothing
+        time.sleep(0.2)
+        began = time.monotonic()
+        coordinator.stop()
+        s.settimeout(5)
+        assert s.recv(1) == b""  # closed by the stop, not a timeout
+    assert time.monotonic() - began < 5

@@ -48,30 +48,13 @@ CUT_AFTER_S = 0.5  # a call that failed later than this had been running: cut of
 TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 
 
-class Stalled(grpc.RpcError):
-    """A transfer that moved no bytes (nor a heartbeat) for `stall_s`."""
+class _Status(grpc.RpcError):
+    """A grpc.RpcError raised here rather than by gRPC: a status code and
+    its details, read as a failed call's are."""
 
-    def __init__(self, what: str) -> None:
-        super().__init__(what)
-        self._what = what
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def details(self) -> str:
-        return self._what
-
-
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class UploadRefused(grpc.RpcError):
-    """A publish over the data plane that the coordinator refused, with
-    the status code and message its Publish stream would have ended with."""
-
-    def __init__(self, code: int, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
-        self._code = _STATUS_CODES.get(code, grpc.StatusCode.UNKNOWN)
+        self._code = code
         self._details = details
 
     def code(self) -> grpc.StatusCode:
@@ -81,20 +64,31 @@ class UploadRefused(grpc.RpcError):
         return self._details
 
 
-class _UploadBroken(grpc.RpcError):
+class Stalled(_Status):
+    """A transfer that moved no bytes (nor a heartbeat) for `stall_s`."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, what)
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class UploadRefused(_Status):
+    """A publish over the data plane that the coordinator refused, with
+    the status code and message its Publish stream would have ended with."""
+
+    def __init__(self, code: int, details: str) -> None:
+        super().__init__(_STATUS_CODES.get(code, grpc.StatusCode.UNKNOWN), details)
+
+
+class _UploadBroken(_Status):
     """A publish over the data plane whose connection broke or stalled
     before its answer (it may or may not have been published): tried again,
     over gRPC, as a Publish cut off is."""
 
     def __init__(self, what: str) -> None:
-        super().__init__(what)
-        self._what = what
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return self._what
+        super().__init__(grpc.StatusCode.UNAVAILABLE, what)
 
 
 class _CutOff(Exception):
