@@ -28,6 +28,12 @@ DATA = os.urandom(5 << 20)  # several CHUNKs, stored raw
 DIGEST = hashlib.sha256(DATA).hexdigest()
 
 
+@pytest.fixture(autouse=True)
+def uploads_of_any_size(monkeypatch):
+    """DATA is below the size from which publishes take the data plane."""
+    monkeypatch.setattr(client_mod, "DATA_PLANE_UPLOAD_FROM", 0)
+
+
 def uploads(coordinator, result: str = "published") -> float:
     return sample(coordinator, "compilecast_coordinator_data_plane_uploads_total", result=result)
 
@@ -272,3 +278,17 @@ def test_a_stop_ends_an_upload_that_waits_for_bytes(start_coordinator):
         s.settimeout(5)
         assert s.recv(1) == b""  # closed by the stop, not a timeout
     assert time.monotonic() - began < 5
+
+
+def test_a_small_publish_goes_over_grpc(coordinator, monkeypatch):
+    """Below DATA_PLANE_UPLOAD_FROM the upload's round trips cost more than
+    they save: no ticket is asked for, and the data plane stays on."""
+    monkeypatch.setattr(client_mod, "DATA_PLANE_UPLOAD_FROM", len(DATA) + 1)
+    c, lease = holder(coordinator)
+    assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+    assert uploads(coordinator) == 0 and bytes_in(coordinator) == len(DATA)
+    assert c.data_plane and c.data_plane_uploads
+    monkeypatch.setattr(client_mod, "DATA_PLANE_UPLOAD_FROM", len(DATA))
+    c2, lease2 = holder(coordinator, "k2")
+    c2.publish("k2", lease2, DATA, 2.0)
+    assert uploads(coordinator) == 1
