@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable
 
 from compilecast import decide, validate
-from compilecast.errors import InvalidRequest
+from compilecast.errors import InvalidRequest, TooMany
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -152,8 +152,10 @@ class CoordinatorService(rpc.CompileCacheServicer):
         def publish(header: pb.PublishHeader, chunks) -> Awaitable[pb.ArtifactInfo]:
             return self.state.publish(header, chunks, tenant=who.tenant)
 
-        return pb.OpenUploadResponse(ticket=self.data_plane.upload_ticket(request.header,
-                                                                          publish))
+        ticket = self.data_plane.upload_ticket(request.header, publish)
+        if ticket is None:  # for now: this publish goes over gRPC, later ones may not
+            raise TooMany("too many data plane tickets are out; publish over gRPC")
+        return pb.OpenUploadResponse(ticket=ticket)
 
     @rpc_errors
     async def Release(self, request, context):

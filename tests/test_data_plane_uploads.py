@@ -292,3 +292,19 @@ def test_a_small_publish_goes_over_grpc(coordinator, monkeypatch):
     c2, lease2 = holder(coordinator, "k2")
     c2.publish("k2", lease2, DATA, 2.0)
     assert uploads(coordinator) == 1
+
+
+def test_with_too_many_tickets_out_a_publish_goes_over_grpc_this_time(coordinator,
+                                                                    monkeypatch):
+    monkeypatch.setattr(dataplane, "MAX_TICKETS", 0)
+    c, lease = holder(coordinator)
+    with pytest.raises(grpc.RpcError) as err:
+        c.stub.OpenUpload(pb.OpenUploadRequest(header=header(c, "k", lease)), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+    assert uploads(coordinator) == 0 and bytes_in(coordinator) == len(DATA)
+    assert c.data_plane_uploads  # asked again next time
+    monkeypatch.setattr(dataplane, "MAX_TICKETS", 4096)
+    c2, lease2 = holder(coordinator, "k2")
+    c2.publish("k2", lease2, DATA, 2.0)
+    assert uploads(coordinator) == 1

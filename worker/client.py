@@ -885,6 +885,10 @@ class CacheClient:
             resp = self.stub.OpenUpload(pb.OpenUploadRequest(header=header),
                                         timeout=self.timeout_s)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # Too many tickets out, or an artifact too large: either way the
+                # Publish stream says which (and refuses the latter as this would).
+                return None
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
             resp = pb.OpenUploadResponse()  # an older coordinator, or not one
