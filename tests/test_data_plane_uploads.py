@@ -308,3 +308,25 @@ def test_with_too_many_tickets_out_a_publish_goes_over_grpc_this_time(coordinato
     c2, lease2 = holder(coordinator, "k2")
     c2.publish("k2", lease2, DATA, 2.0)
     assert uploads(coordinator) == 1
+
+
+def test_an_upload_from_a_process_with_many_files_open(coordinator):
+    """The client's check for an early answer works on a descriptor past
+    select()'s limit of 1024, as a big JAX process may have."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open only {hard} files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:  # the upload's socket comes after these
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        c, lease = holder(coordinator)
+        assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+        assert uploads(coordinator) == 1
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

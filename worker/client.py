@@ -460,9 +460,10 @@ def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTic
         h = None if header.digest else Sha256()
         with contextlib.closing(h) if h is not None else contextlib.nullcontext():
             view = memoryview(data)
+            answered = _readable(sock)
             try:
                 for off in range(0, len(data), CHUNK):
-                    if select.select([sock], [], [], 0)[0]:  # refused before the end
+                    if answered():  # refused before the end
                         _status(sock, where)
                         raise OSError(errno.EPROTO, f"{where} answered before the last byte")
                     piece = view[off:off + CHUNK]
@@ -475,6 +476,17 @@ def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTic
                 _status(sock, where, timeout_s=1.0)  # its refusal, if it sent one
                 raise
         return pb.PublishResponse.FromString(_status(sock, where)).artifact
+
+
+def _readable(sock: socket.socket) -> Callable[[], bool]:
+    """Whether `sock` has something to read now, without waiting (poll, not
+    select: a process with a thousand files open has descriptors select cannot
+    take)."""
+    if not hasattr(select, "poll"):
+        return lambda: bool(select.select([sock], [], [], 0)[0])
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return lambda: bool(poller.poll(0))
 
 
 def _status(sock: socket.socket, where: str, *, timeout_s: float | None = None) -> bytes:
