@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import functools
+from collections.abc import AsyncIterator
 
 from compilecast import decide, validate
 from compilecast.errors import InvalidRequest, TooMany
@@ -148,11 +149,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
         if self.data_plane is None:  # no data plane here, or gRPC behind TLS
             return pb.OpenUploadResponse()
         await self.state.check_publish(request.header, tenant=who.tenant)
-
-        def publish(header: pb.PublishHeader, chunks) -> Awaitable[pb.ArtifactInfo]:
-            return self.state.publish(header, chunks, tenant=who.tenant)
-
-        ticket = self.data_plane.upload_ticket(request.header, publish)
+        ticket = self.data_plane.upload_ticket(
+            request.header, functools.partial(self.state.publish, tenant=who.tenant))
         if ticket is None:  # for now: this publish goes over gRPC, later ones may not
             raise TooMany("too many data plane tickets are out; publish over gRPC")
         return pb.OpenUploadResponse(ticket=ticket)

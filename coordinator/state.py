@@ -36,7 +36,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -715,13 +715,8 @@ class CoordinatorState:
     async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[DataChunk], *,
                       tenant: str = DEFAULT_TENANT) -> pb.ArtifactInfo:
         key = self._checked_header(header)
-        try:
+        with self._counting_refusals(key):
             return await self._publish(scope(tenant, key), header, chunks)
-        except Exception as exc:
-            self.metrics.publishes.labels(type(exc).__name__).inc()
-            if isinstance(exc, StoreFull):
-                log.error("refused the publish of %s: %s", key, exc, extra={"key": key})
-            raise
 
     async def check_publish(self, header: pb.PublishHeader, *,
                             tenant: str = DEFAULT_TENANT) -> None:
@@ -729,10 +724,19 @@ class CoordinatorState:
         its first byte (a bad header, a lease not held, a key published or a
         digest purged); the upload's publish checks it all again."""
         key = self._checked_header(header)
-        try:
+        with self._counting_refusals(key):
             await self._may_publish(scope(tenant, key), header)
+
+    @contextlib.contextmanager
+    def _counting_refusals(self, key: str) -> Iterator[None]:
+        """Count a publish that fails in the block by its exception (and log
+        a full store)."""
+        try:
+            yield
         except Exception as exc:
             self.metrics.publishes.labels(type(exc).__name__).inc()
+            if isinstance(exc, StoreFull):
+                log.error("refused the publish of %s: %s", key, exc, extra={"key": key})
             raise
 
     def _checked_header(self, header: pb.PublishHeader) -> str:

@@ -454,9 +454,9 @@ def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTic
     stream would have been refused; _Unreachable when the data plane cannot
     be connected to; OSError when the connection broke or stalled."""
     sock, where = _connect_data_plane(ticket, target, stall_s)
-    with sock:
+    with sock, sock.makefile("rb", buffering=0) as answers:
         sock.sendall(wire.DATA_PLANE_UPLOAD + ticket.token)
-        _status(sock, where)  # go
+        _status(answers, where)  # go
         h = None if header.digest else Sha256()
         with contextlib.closing(h) if h is not None else contextlib.nullcontext():
             view = memoryview(data)
@@ -464,7 +464,7 @@ def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTic
             try:
                 for off in range(0, len(data), CHUNK):
                     if answered():  # refused before the end
-                        _status(sock, where)
+                        _status(answers, where)
                         raise OSError(errno.EPROTO, f"{where} answered before the last byte")
                     piece = view[off:off + CHUNK]
                     if h is not None:
@@ -473,9 +473,12 @@ def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTic
                 if h is not None:
                     sock.sendall(h.hexdigest().encode("ascii"))
             except OSError:
-                _status(sock, where, timeout_s=1.0)  # its refusal, if it sent one
+                # The connection broke: raise the refusal, if one was sent before.
+                with contextlib.suppress(OSError):
+                    sock.settimeout(1.0)
+                    _status(answers, where)
                 raise
-        return pb.PublishResponse.FromString(_status(sock, where)).artifact
+        return pb.PublishResponse.FromString(_status(answers, where)).artifact
 
 
 def _readable(sock: socket.socket) -> Callable[[], bool]:
@@ -489,34 +492,20 @@ def _readable(sock: socket.socket) -> Callable[[], bool]:
     return lambda: bool(poller.poll(0))
 
 
-def _status(sock: socket.socket, where: str, *, timeout_s: float | None = None) -> bytes:
+def _status(answers, where: str) -> bytes:
     """The payload of the next status frame (wire.status_frame) of a data
-    plane upload; UploadRefused for a status other than OK. With `timeout_s`,
-    for a connection that broke: only a refusal already sent is raised."""
-    if timeout_s is not None:
-        try:
-            sock.settimeout(timeout_s)
-            return _status(sock, where)
-        except OSError:
-            return b""
-    head = _recv_exactly(sock, 5, where)
-    n = int.from_bytes(head[1:], "big")
+    plane upload, read from `answers` (its connection, as a file);
+    UploadRefused for a status other than OK."""
+    head = _read_exactly(answers, 5)
+    n = int.from_bytes(head[1:], "big") if len(head) == 5 else 0
     if n > wire.STATUS_FRAME_MAX:
         raise OSError(errno.EPROTO, f"{where} sent no status frame")
-    payload = _recv_exactly(sock, n, where)
+    payload = _read_exactly(answers, n)
+    if len(head) < 5 or len(payload) < n:
+        raise ConnectionError(f"{where} closed the connection")
     if head[0]:
         raise UploadRefused(head[0], payload.decode("utf-8", "replace"))
     return payload
-
-
-def _recv_exactly(sock: socket.socket, n: int, where: str) -> bytes:
-    out = b""
-    while len(out) < n:
-        piece = sock.recv(n - len(out))
-        if not piece:
-            raise ConnectionError(f"{where} closed the connection")
-        out += piece
-    return out
 
 
 def default_client_name() -> str:
