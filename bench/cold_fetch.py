@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,6 +81,10 @@ def main() -> None:
                           f"{row['coordinator_cpu_s']:.2f} s", flush=True)
                     wproc.terminate()
                     wproc.wait(30)
+                    # Its host cache goes too: left in the page cache, each GB made the
+                    # next fills' writes slower on this VM (worker system time 0.7 ->
+                    # 3-3.7 s a GB after three fills), which the pairs would measure.
+                    shutil.rmtree(root / f"cache-w{k}-{how}")
             for how in ("follow", "socket"):
                 mine = [r for r in rows if r["how"] == how]
                 print(f"{how:6s}: median {statistics.median(r['wall_s'] for r in mine):.2f} s, "
