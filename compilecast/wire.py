@@ -14,6 +14,8 @@ anything else go through protobuf.
 
 from __future__ import annotations
 
+import errno
+
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
@@ -33,6 +35,15 @@ def status_frame(code: int, payload: bytes = b"") -> bytes:
 
 
 STATUS_FRAME_MAX = 1 << 20  # a longer payload is not a status frame
+
+
+def status_length(head: bytes, where: str) -> int:
+    """The payload length a status frame's 5-byte head announces; OSError
+    (EPROTO) when it is no status frame's."""
+    n = int.from_bytes(head[1:5], "big")
+    if len(head) != 5 or n > STATUS_FRAME_MAX:
+        raise OSError(errno.EPROTO, f"{where} sent no status frame")
+    return n
 
 DATA_TAG = 0x12  # field 2, length-delimited: `data` in both FetchChunk and PublishChunk
 ZSTD_TAG = 0x22  # field 4, length-delimited: `zstd_data` in both

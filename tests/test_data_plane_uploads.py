@@ -330,3 +330,102 @@ def test_an_upload_from_a_process_with_many_files_open(coordinator):
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# A worker's publishes upstream: a host's holder publishes through its worker,
+# which sends the bytes on over the coordinator's data plane (raw ones; a
+# zstd stream it packed goes over gRPC) and keeps its copy.
+
+def through_worker(start_worker, coordinator, key: str = "k", **kw):
+    w = start_worker(coordinator.cfg.listen, **kw)
+    c = CacheClient(w.target, timeout_s=10, identity=Identity(job="j"))
+    resp = c.acquire(key)
+    assert resp.decision == pb.COMPILE, resp
+    return w, c, resp.lease
+
+
+@pytest.mark.parametrize("digest_first", [False, True])
+def test_a_worker_sends_a_publish_on_over_the_data_plane(coordinator, start_worker,
+                                                         digest_first):
+    w, c, lease = through_worker(start_worker, coordinator)
+    c._digest_first = digest_first
+    info = c.publish("k", lease, DATA, 2.0)
+    assert info.digest == DIGEST and info.size == len(DATA)
+    assert uploads(coordinator) == 1
+    assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == DATA
+    assert w.cache.store.has(DIGEST)  # the worker's copy: this host hits locally
+    assert CacheClient(w.target).fetch("k")[1] == DATA
+
+
+def test_a_zstd_stream_a_worker_packs_goes_over_grpc(coordinator, start_worker):
+    data = b"compressible " * (len(DATA) // 13)
+    w, c, lease = through_worker(start_worker, coordinator)
+    assert lease.accepts_zstd
+    info = c.publish("k", lease, data, 2.0)
+    assert uploads(coordinator) == 0 and bytes_in(coordinator) < len(data) // 10
+    assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == data
+    assert info.digest == hashlib.sha256(data).hexdigest() and w.cache.store.has(info.digest)
+
+
+def test_a_worker_whose_upload_breaks_sends_the_retry_over_grpc(coordinator, start_worker,
+                                                                monkeypatch):
+    """The coordinator's reading thread fails after a first piece: the
+    holder hears UNAVAILABLE from its worker and tries again, which the
+    worker sends over gRPC; later publishes take the data plane again."""
+    real = dataplane._receive
+    calls = []
+
+    def breaking(sock, n):
+        calls.append(n)
+        if len(calls) == 2:
+            raise ConnectionResetError("reset by a test")
+        return real(sock, n)
+
+    monkeypatch.setattr(dataplane, "_receive", breaking)
+    monkeypatch.setattr(client_mod, "PUBLISH_RETRY_S", (0.0, 0.0))
+    w, c, lease = through_worker(start_worker, coordinator)
+    assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+    assert uploads(coordinator, "broken") == 1 and uploads(coordinator) == 0
+    assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == DATA
+    monkeypatch.setattr(dataplane, "_receive", real)
+    resp = c.acquire("k2")
+    c.publish("k2", resp.lease, DATA[::-1], 2.0)
+    assert uploads(coordinator) == 1 and w.service.data_plane_uploads
+
+
+def test_an_upload_a_worker_sends_refused_is_the_holders_error(coordinator, start_worker):
+    """Refused after the ticket, while the worker is still sending: the
+    holder gets the coordinator's status through its worker, nothing is
+    published, and the worker keeps no copy."""
+    w, c, lease = through_worker(start_worker, coordinator)
+    real = coordinator.state.publish
+
+    async def over_the_limit(header, chunks, *, tenant):
+        coordinator.state.cfg.max_artifact_bytes = 1024
+        try:
+            return await real(header, chunks, tenant=tenant)
+        finally:
+            coordinator.state.cfg.max_artifact_bytes = 1 << 40
+
+    coordinator.state.publish = over_the_limit
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            c.publish("k", lease, DATA * 13, 2.0)
+    finally:
+        coordinator.state.publish = real
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "1024" in err.value.details()
+    assert uploads(coordinator, "refused") == 1 and bytes_in(coordinator) == 0
+    assert w.cache.store.count() == 0
+
+
+def test_a_worker_publishes_over_grpc_where_the_coordinator_takes_no_uploads(
+        start_coordinator, start_worker):
+    off = start_coordinator(data_listen="off")
+    w, c, lease = through_worker(start_worker, off)
+    assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+    assert bytes_in(off) == len(DATA)
+    assert not w.service.data_plane_uploads  # not asked again
+    resp = c.acquire("k2")
+    c.publish("k2", resp.lease, DATA[::-1], 2.0)
+    assert bytes_in(off) == 2 * len(DATA)

@@ -497,9 +497,7 @@ def _status(answers, where: str) -> bytes:
     plane upload, read from `answers` (its connection, as a file);
     UploadRefused for a status other than OK."""
     head = _read_exactly(answers, 5)
-    n = int.from_bytes(head[1:], "big") if len(head) == 5 else 0
-    if n > wire.STATUS_FRAME_MAX:
-        raise OSError(errno.EPROTO, f"{where} sent no status frame")
+    n = wire.status_length(head, where) if len(head) == 5 else 0
     payload = _read_exactly(answers, n)
     if len(head) < 5 or len(payload) < n:
         raise ConnectionError(f"{where} closed the connection")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -46,7 +47,8 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
-from .client import DATA_PLANE_CONNECT_S, data_plane_address
+from . import client
+from .client import DATA_PLANE_CONNECT_S, UploadRefused, data_plane_address
 from .decisions import HostDecisions
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
@@ -351,6 +353,58 @@ async def _recv_piece(loop, sock: socket.socket) -> memoryview:
     return piece[:n].toreadonly()
 
 
+async def _dial(ticket: pb.DataTicket, target: str) -> socket.socket:
+    """A non-blocking connection to the data plane of `ticket`;
+    _DataPlaneBroke (unreachable) when it cannot be made."""
+    loop = asyncio.get_running_loop()
+    sock = None
+    try:
+        host, port = data_plane_address(ticket, target)
+        family, kind, proto, _, address = (await loop.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM))[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        await asyncio.wait_for(loop.sock_connect(sock, address), DATA_PLANE_CONNECT_S)
+    except (OSError, TimeoutError) as exc:
+        if sock is not None:
+            sock.close()
+        raise _DataPlaneBroke(f"cannot connect to its data plane: {exc!r}",
+                              unreachable=True) from None
+    return sock
+
+
+async def _recv_exactly(loop, sock: socket.socket, n: int) -> bytes:
+    """`n` bytes of the connection; fewer only where it ended."""
+    got = bytearray()
+    while len(got) < n and (more := await loop.sock_recv(sock, n - len(got))):
+        got += more
+    return bytes(got)
+
+
+async def _upload_status(loop, sock: socket.socket, where: str) -> bytes:
+    """The payload of an upload's next status frame (wire.status_frame);
+    UploadRefused for a status other than OK, OSError for no frame."""
+    head = await _recv_exactly(loop, sock, 5)
+    if len(head) < 5:
+        raise ConnectionError(f"{where} closed the connection")
+    n = wire.status_length(head, where)
+    payload = await _recv_exactly(loop, sock, n)
+    if len(payload) < n:
+        raise ConnectionError(f"{where} closed the connection")
+    if head[0]:
+        raise UploadRefused(head[0], payload.decode("utf-8", "replace"))
+    return payload
+
+
+def _answered(sock: socket.socket) -> bool:
+    """Whether the (non-blocking) connection has something to read now."""
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    return True  # a byte, or its end
+
+
 async def _with_data_plane(call, target: str, used: list) -> AsyncIterator:
     """A Fetch call's chunks, where a data ticket (the only message, next to
     the artifact) stands for the chunks its connection brings: the stored
@@ -365,20 +419,7 @@ async def _with_data_plane(call, target: str, used: list) -> AsyncIterator:
         yield pb.FetchChunk(artifact=info)
         used.append(True)
         loop = asyncio.get_running_loop()
-        sock = None
-        try:
-            host, port = data_plane_address(chunk.data_ticket, target)
-            family, kind, proto, _, address = (await loop.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM))[0]
-            sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
-            await asyncio.wait_for(loop.sock_connect(sock, address), DATA_PLANE_CONNECT_S)
-        except (OSError, TimeoutError) as exc:
-            if sock is not None:
-                sock.close()
-            raise _DataPlaneBroke(f"cannot connect to its data plane: {exc!r}",
-                                  unreachable=True) from None
-        with sock:
+        with await _dial(chunk.data_ticket, target) as sock:
             try:
                 await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
                 piece = await _recv_piece(loop, sock)
@@ -509,7 +550,7 @@ async def _following(fill: _Fill, available: int):
     yield pb.FetchChunk(artifact=info, local_available=info.size)
 
 
-def _relay(exc: grpc.aio.AioRpcError) -> UpstreamError:
+def _relay(exc: grpc.aio.AioRpcError | UploadRefused) -> UpstreamError:
     """The coordinator's status for our caller; a stream reset or an upstream
     bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
     code = exc.code()
@@ -548,6 +589,11 @@ class WorkerService(rpc.CompileCacheServicer):
         self.up = wire.stub(self.channel)
         self._fills: dict[tuple[str, str], _Fill] = {}
         self._publishing: dict[tuple[str, str], _Fill] = {}  # publishes through us
+        # Publishes go over the coordinator's data plane (with `data_plane`)
+        # until it offers no upload tickets; but not the next try of one whose
+        # upload broke off.
+        self.data_plane_uploads = True
+        self._upload_broke: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task] = set()
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self._retiring: set[Decider] = set()  # evicted, closed once their waits end
@@ -785,9 +831,11 @@ class WorkerService(rpc.CompileCacheServicer):
             pack = _Packer(writer) if header.lease.accepts_zstd else None
 
             later = not header.digest  # the holder sends it last: so does this worker
+            # As it came: publish_stream sets the digest sent last on `header`.
+            head = pb.PublishChunk(header=header)
 
-            async def forward() -> AsyncIterator[pb.PublishChunk]:
-                yield pb.PublishChunk(header=header)
+            async def outgoing() -> AsyncIterator[pb.PublishChunk]:
+                """The chunks to send on, each in our copy first."""
                 async for chunk in chunks:
                     moved[0] = time.monotonic()
                     if chunk.zstd_data:
@@ -805,19 +853,112 @@ class WorkerService(rpc.CompileCacheServicer):
                 if pack is not None:
                     for out in await asyncio.to_thread(pack.end):
                         yield out
+
+            sending = outgoing()
+            # The first chunk says whether the rest goes raw (a zstd-taking
+            # coordinator's gets packed here when it compresses): raw bytes of
+            # a big artifact may go over the coordinator's data plane.
+            first = await anext(sending, None) if self._uploads(ns, header) else None
+            resp = None
+            if first is not None and not first.zstd_data:
+                resp = await self._upload(ns, md, head.header, header, first, sending, moved)
+
+            async def forward() -> AsyncIterator[pb.PublishChunk]:
+                yield head
+                if first is not None:
+                    yield first
+                async for chunk in sending:
+                    yield chunk
                 if later:  # set by the stream's last message, once every chunk was read
                     yield pb.PublishChunk(digest=header.digest)
 
-            try:
-                resp = await _unless_stalled(
-                    self.up.Publish(forward(), timeout=TRANSFER_S, metadata=md), moved,
-                    UPSTREAM_IDLE_S, f"the publish of {header.key}")
-            except grpc.aio.AioRpcError as exc:
-                raise _relay(exc) from None
+            if resp is None:
+                try:
+                    resp = await _unless_stalled(
+                        self.up.Publish(forward(), timeout=TRANSFER_S, metadata=md), moved,
+                        UPSTREAM_IDLE_S, f"the publish of {header.key}")
+                except grpc.aio.AioRpcError as exc:
+                    raise _relay(exc) from None
             await asyncio.to_thread(writer.commit, header.digest, header.size)
         await self._record(ns, resp.artifact, writer)
         self.metrics.bytes.labels("published").inc(header.size)
         return resp
+
+    def _uploads(self, ns: str, header: pb.PublishHeader) -> bool:
+        """Whether a publish through us may go over the coordinator's data
+        plane: a big one, where the coordinator takes uploads, unless its
+        last try here broke off (it goes over gRPC this time)."""
+        if (ns, header.key) in self._upload_broke:
+            self._upload_broke.discard((ns, header.key))
+            return False
+        return self.data_plane and self.data_plane_uploads \
+            and header.size >= client.DATA_PLANE_UPLOAD_FROM
+
+    async def _upload(self, ns: str, md: tuple, header: pb.PublishHeader,
+                      ending: pb.PublishHeader, first, rest: AsyncIterator,
+                      moved: list[float]) -> pb.PublishResponse | None:
+        """Send a publish's raw bytes (`first`, then `rest`) over the
+        coordinator's data plane, as a process's client does (cache.proto,
+        OpenUpload); None, with nothing of `rest` read, where they must go
+        over gRPC instead. `header` is the publish's header as it came, and
+        `ending` the same once `rest` has ended (with a digest sent last). A
+        refusal is the coordinator's status, as its Publish stream would have
+        ended with; an upload that broke off is UNAVAILABLE, and the holder's
+        next try goes over gRPC."""
+        try:
+            opened = await self.up.OpenUpload(pb.OpenUploadRequest(header=header),
+                                              timeout=self.rpc_timeout_s, metadata=md)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return None  # too many tickets out (or too large: its Publish says so)
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise _relay(exc) from None
+            opened = pb.OpenUploadResponse()  # an older coordinator
+        if not opened.HasField("ticket"):
+            self.data_plane_uploads = False
+            log.info("%s takes publishes over gRPC only", self.coordinator)
+            return None
+        try:
+            sock = await _dial(opened.ticket, self.coordinator)
+        except _DataPlaneBroke as exc:
+            self.data_plane = False
+            log.info("cannot reach the coordinator's data plane (%s); artifacts go over "
+                     "gRPC from now on", exc, extra={"key": header.key})
+            return None
+        where = "the coordinator's data plane"
+        later = not header.digest  # known once `rest` has ended: sent after the bytes
+        loop = asyncio.get_running_loop()
+
+        async def send() -> pb.PublishResponse:
+            await loop.sock_sendall(sock, wire.DATA_PLANE_UPLOAD + opened.ticket.token)
+            await _upload_status(loop, sock, where)  # go
+            chunk = first
+            while chunk is not None:
+                if _answered(sock):  # refused before the end
+                    await _upload_status(loop, sock, where)
+                    raise OSError(errno.EPROTO, f"{where} answered before the last byte")
+                await loop.sock_sendall(sock, chunk.data)
+                moved[0] = time.monotonic()
+                chunk = await anext(rest, None)
+            if later:
+                await loop.sock_sendall(sock, ending.digest.encode("ascii"))
+            return pb.PublishResponse.FromString(await _upload_status(loop, sock, where))
+
+        with sock:
+            try:
+                try:
+                    return await _unless_stalled(asyncio.ensure_future(send()), moved,
+                                                 UPSTREAM_IDLE_S, f"the upload of {header.key}")
+                except OSError as exc:
+                    with contextlib.suppress(OSError, TimeoutError):  # a refusal sent before?
+                        await asyncio.wait_for(_upload_status(loop, sock, where), 1.0)
+                    if len(self._upload_broke) >= 1024:
+                        self._upload_broke.clear()
+                    self._upload_broke.add((ns, header.key))
+                    raise Unavailable(f"the upload of {header.key} to {where} broke off "
+                                      f"({exc})") from None
+            except UploadRefused as exc:
+                raise _relay(exc) from None
 
     async def _forward(self, method: str, request, context):
         """A unary call passed to the coordinator as is, under the caller's credential."""
