@@ -26,6 +26,9 @@ DATA_PLANE_TOKEN_BYTES = 32
 # ... or, for an upload (a ticket from OpenUpload), with these 8 bytes and
 # the token; status frames then tell the client to send, and how it ended.
 DATA_PLANE_UPLOAD = b"CCPUT01\n"
+# ... and on a worker's handoff socket (worker/handoff.py), a process hands a
+# sealed file with these 8 bytes and the token.
+DATA_PLANE_HANDOFF = b"CCFDS01\n"
 
 
 def status_frame(code: int, payload: bytes = b"") -> bytes:

@@ -278,8 +278,9 @@ def start_worker(tmp_path, started):
 
     def start(coordinator_addr: str, name: str = "w", **kw) -> Worker:
         sock = Path("/tmp") / f"cc-{uuid.uuid4().hex[:8]}.sock"
-        cfg = WorkerConfig(listen=f"unix://{sock}", coordinator=coordinator_addr,
-                           cache_dir=str(tmp_path / f"hostcache-{name}"), metrics_port=0, **kw)
+        cfg = WorkerConfig(**{"listen": f"unix://{sock}", "coordinator": coordinator_addr,
+                              "cache_dir": str(tmp_path / f"hostcache-{name}"),
+                              "metrics_port": 0, **kw})
         return started(Worker(cfg))
 
     return start

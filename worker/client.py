@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import hashlib
 import logging
@@ -34,6 +35,8 @@ from compilecast.errors import CorruptBlob
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
+
+from . import handoff
 
 log = logging.getLogger(__name__)
 
@@ -481,6 +484,57 @@ def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTic
         return pb.PublishResponse.FromString(_status(answers, where)).artifact
 
 
+HANDOFF_PIECE = 8 << 20  # bytes written into a handed file per call
+
+
+class _NoFile(OSError):
+    """A publish's memory file could not be made: it goes over gRPC."""
+
+
+def _hand_off(data: bytes, ticket: pb.DataTicket, stall_s: float) -> pb.ArtifactInfo:
+    """Publish `data` by handing it to this host's worker as a sealed memory
+    file (worker/handoff.py): written once, sealed, passed over the
+    ticket's unix socket. _Unreachable when its socket cannot be connected
+    to, _NoFile when the file cannot be made (both before anything was
+    handed); UploadRefused as its Publish stream would have been refused;
+    OSError when the connection broke or stalled after the handoff."""
+    try:
+        fd = os.memfd_create("compilecast-publish", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        raise _NoFile(exc.errno, f"cannot make a memory file: {exc.strerror or exc}") from None
+    try:
+        try:
+            os.ftruncate(fd, len(data))
+            view = memoryview(data)
+            written = 0
+            while written < len(data):
+                written += os.pwrite(fd, view[written:written + HANDOFF_PIECE], written)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, handoff.SEALS | fcntl.F_SEAL_SEAL)
+        except OSError as exc:  # no memory for it, say
+            raise _NoFile(exc.errno, f"cannot fill a memory file: {exc.strerror or exc}") from None
+        path = ticket.address.removeprefix("unix:")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(min(stall_s, DATA_PLANE_CONNECT_S))
+            sock.connect(path)
+        except OSError as exc:
+            sock.close()
+            raise _Unreachable(exc.errno, f"cannot connect to {path}: "
+                                          f"{exc.strerror or exc}") from None
+        sock.settimeout(stall_s)  # the worker sends an empty frame every 10 s meanwhile
+        where = f"the worker's handoff socket {path}"
+        with sock, sock.makefile("rb", buffering=0) as answers:
+            socket.send_fds(sock, [wire.DATA_PLANE_HANDOFF + ticket.token], [fd])
+            os.close(fd)  # the worker holds it now: its memory goes when the worker is done
+            fd = -1
+            while not (payload := _status(answers, where)):
+                pass  # a heartbeat
+            return pb.PublishResponse.FromString(payload).artifact
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 def _readable(sock: socket.socket) -> Callable[[], bool]:
     """Whether `sock` has something to read now, without waiting (poll, not
     select: a process with a thousand files open has descriptors select cannot
@@ -558,7 +612,12 @@ class CacheClient:
             "COMPILECAST_DATA_PLANE", "1") != "0"
         # ... and publishes may go over it (OpenUpload); off once the
         # coordinator offered no ticket (one older, or without a data plane).
+        # To this host's worker, a publish is handed over as a sealed memory
+        # file instead (worker/handoff.py); off once its socket could not be
+        # connected to.
         self.data_plane_uploads = True
+        self.handoffs = target.startswith("unix:") and handoff.supported() and os.environ.get(
+            "COMPILECAST_HANDOFF", "1") != "0"
 
     def close(self) -> None:
         for stop in self._keepers.values():
@@ -873,11 +932,11 @@ class CacheClient:
         return info if info.digest == digest else None
 
     def _upload(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo | None:
-        """Publish over the coordinator's data plane, where it takes uploads;
-        None where the bytes must go over gRPC instead. The OpenUpload call
-        refuses what a Publish would refuse before its first byte, as the
-        same error."""
-        if not (self.data_plane and self.data_plane_uploads) \
+        """Publish over the coordinator's data plane, where it takes uploads,
+        or by handing the bytes to this host's worker; None where they must
+        go over gRPC instead. The OpenUpload call refuses what a Publish would
+        refuse before its first byte, as the same error."""
+        if not ((self.data_plane or self.handoffs) and self.data_plane_uploads) \
                 or len(data) < DATA_PLANE_UPLOAD_FROM:
             return None
         try:
@@ -895,12 +954,23 @@ class CacheClient:
             self.data_plane_uploads = False
             log.info("%s takes publishes over gRPC only", self.target)
             return None
+        handed = resp.ticket.address.startswith("unix:")
         try:
+            if handed:
+                return _hand_off(data, resp.ticket, self.stall_s)
             return _upload_data_plane(header, data, resp.ticket, self.target, self.stall_s)
         except _Unreachable as exc:
-            self.data_plane = False
-            log.info("cannot reach the coordinator's data plane (%s); artifacts go over gRPC "
-                     "from now on", exc, extra={"key": header.key})
+            if handed:
+                self.handoffs = False
+            else:
+                self.data_plane = False
+            log.info("cannot reach %s (%s); artifacts go over gRPC from now on",
+                     "the worker's handoff socket" if handed else "the coordinator's data plane",
+                     exc, extra={"key": header.key})
+            return None
+        except _NoFile as exc:
+            log.info("%s; the publish of %s goes over gRPC", exc, header.key,
+                     extra={"key": header.key})
             return None
         except OSError as exc:
             raise _UploadBroken(f"the data plane upload of {header.key} broke off "

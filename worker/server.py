@@ -14,6 +14,8 @@ from compilecast.config import WorkerConfig
 from compilecast.grpcutil import channel_credentials, server_credentials
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
+from . import handoff
+from .handoff import Handoffs
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
 from .service import RelayService, WorkerService
@@ -83,6 +85,10 @@ class Worker(Role):
                      relay_address)
         if address.startswith("unix://"):
             os.chmod(address.removeprefix("unix://"), 0o660)
+            if handoff.supported():  # this host's processes hand their publishes over
+                self.service.handoffs = Handoffs(f"{address.removeprefix('unix://')}.handoff",
+                                                 self.service.publish_handoff)
+                await self.service.handoffs.start()
         await set_serving(self.health, True)
         log.info("worker listening on %s (coordinator %s, host cache %s)", address,
                  self.cfg.coordinator, self.cfg.cache_dir)
@@ -104,6 +110,8 @@ class Worker(Role):
         for task in (self._revocations, self._keep_free):
             if task is not None:
                 task.cancel()
+        if self.service.handoffs is not None:
+            await self.service.handoffs.stop()
         if self.relay_server is not None:
             await self.relay_server.stop(2.0)
         await self.service.close()

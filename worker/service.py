@@ -41,7 +41,13 @@ from compilecast.blobstore import (
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.decide import Decider
-from compilecast.errors import CorruptBlob, InvalidRequest, Unavailable, UpstreamError
+from compilecast.errors import (
+    CorruptBlob,
+    InvalidRequest,
+    TooMany,
+    Unavailable,
+    UpstreamError,
+)
 from compilecast.grpcutil import aio_channel, bearer, rpc_errors, unreachable
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -50,6 +56,7 @@ from compilecast.wire import DataChunk
 from . import client
 from .client import DATA_PLANE_CONNECT_S, UploadRefused, data_plane_address
 from .decisions import HostDecisions
+from .handoff import Handoffs
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
 from .waits import HostWaits
@@ -594,6 +601,7 @@ class WorkerService(rpc.CompileCacheServicer):
         # upload broke off.
         self.data_plane_uploads = True
         self._upload_broke: set[tuple[str, str]] = set()
+        self.handoffs: Handoffs | None = None  # publishes handed over as files (server.py)
         self._tasks: set[asyncio.Task] = set()
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self._retiring: set[Decider] = set()  # evicted, closed once their waits end
@@ -794,6 +802,29 @@ class WorkerService(rpc.CompileCacheServicer):
         # Refuse bad headers here: a coordinator that aborts a stream the worker
         # is still sending can surface as a reset (INTERNAL) instead of its status.
         validate.publish_header(header, self.cache.store.max_blob_size)
+        return await self._published(ns, md, header, chunks)
+
+    @rpc_errors
+    async def OpenUpload(self, request, context):
+        """A ticket to hand a publish over as a sealed file (worker/handoff.py);
+        none where this worker takes no handoffs (not on a unix socket)."""
+        if self.handoffs is None:
+            return pb.OpenUploadResponse()
+        ns, md = self._credential(context)
+        validate.publish_header(request.header, self.cache.store.max_blob_size)
+        ticket = self.handoffs.ticket(ns, md, request.header)
+        if ticket is None:
+            raise TooMany("too many handoff tickets are out; publish over gRPC")
+        return pb.OpenUploadResponse(ticket=ticket)
+
+    async def publish_handoff(self, ns: str, md: tuple, header: pb.PublishHeader,
+                              chunks: AsyncIterator[DataChunk]) -> pb.PublishResponse:
+        """A publish handed over as a file: its chunks, and no digest sent
+        last (a header without one gets the digest of the bytes handed)."""
+        return await self._published(ns, md, header, chunks, digest_here=True)
+
+    async def _published(self, ns: str, md: tuple, header: pb.PublishHeader, chunks,
+                         digest_here: bool = False) -> pb.PublishResponse:
         # This host's processes that fetch it meanwhile read our copy: they
         # follow its file as it is written (stored raw), or read it when done.
         # (The digest may come last: they learn it at the end.)
@@ -806,7 +837,7 @@ class WorkerService(rpc.CompileCacheServicer):
         error: BaseException | None = None
         resp = None
         try:
-            resp = await self._publish(ns, md, header, chunks, copy)
+            resp = await self._publish(ns, md, header, chunks, copy, digest_here)
             return resp
         except BaseException as exc:
             error = Unavailable(f"the publish of {header.key} on this host failed: "
@@ -818,7 +849,7 @@ class WorkerService(rpc.CompileCacheServicer):
             await copy.finish(resp.artifact if resp is not None else None, error)
 
     async def _publish(self, ns: str, md: tuple, header: pb.PublishHeader,
-                       chunks, copy: _Fill) -> pb.PublishResponse:
+                       chunks, copy: _Fill, digest_here: bool = False) -> pb.PublishResponse:
         writer = copy.writer = self.cache.store.writer(discard_when_unwritable=True)
         with writer:
             await self._make_room(writer, header.size)
@@ -853,6 +884,8 @@ class WorkerService(rpc.CompileCacheServicer):
                 if pack is not None:
                     for out in await asyncio.to_thread(pack.end):
                         yield out
+                if digest_here and later:  # what our copy hashed to, every byte written
+                    header.digest = await asyncio.to_thread(writer.hexdigest)
 
             sending = outgoing()
             # The first chunk says whether the rest goes raw (a zstd-taking

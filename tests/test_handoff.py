@@ -1,0 +1,205 @@
+"""Publishes handed to the host's worker as sealed memory files
+(worker/handoff.py): the holder asks its worker for a ticket (OpenUpload),
+writes the bytes into a memfd, seals it and passes it over the worker's
+handoff socket; the worker publishes it as a Publish stream's chunks. A file
+that could still change, or of another size, is refused; a ticket serves one
+handoff; refusals upstream reach the holder; anything that fails before the
+handoff ends in a publish over gRPC. Real worker, coordinator and etcd; the
+handoff's frames also tested at the socket."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import socket
+
+import grpc
+import pytest
+
+from compilecast import wire
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker import client as client_mod
+from compilecast.worker import handoff
+from compilecast.worker.client import CacheClient, Identity
+
+from .conftest import sample
+
+pytestmark = pytest.mark.skipif(not handoff.supported(), reason="no memfd seals here")
+
+DATA = os.urandom(5 << 20)
+DIGEST = hashlib.sha256(DATA).hexdigest()
+
+
+@pytest.fixture(autouse=True)
+def handoffs_of_any_size(monkeypatch):
+    """DATA is below the size from which publishes are handed over."""
+    monkeypatch.setattr(client_mod, "DATA_PLANE_UPLOAD_FROM", 0)
+
+
+@pytest.fixture
+def no_grpc_publish(monkeypatch):
+    """A client whose publish over gRPC fails the test: it must hand over."""
+    def refused(self, header, data):
+        raise AssertionError("published over gRPC")
+
+    monkeypatch.setattr(CacheClient, "_publish_once", refused)
+
+
+def holder(worker, key: str = "k") -> tuple[CacheClient, pb.Lease]:
+    c = CacheClient(worker.target, timeout_s=10, identity=Identity(job="j"))
+    resp = c.acquire(key)
+    assert resp.decision == pb.COMPILE, resp
+    return c, resp.lease
+
+
+def ticket(c: CacheClient, lease: pb.Lease, key: str = "k", size: int = len(DATA)):
+    h = pb.PublishHeader(key=key, lease=lease, size=size, compile_time_seconds=1.0,
+                         requester=c.identity.requester())
+    resp = c.stub.OpenUpload(pb.OpenUploadRequest(header=h), timeout=10)
+    assert resp.HasField("ticket") and resp.ticket.address.startswith("unix:")
+    return resp.ticket
+
+
+def hand(t: pb.DataTicket, fd: int, token: bytes | None = None) -> tuple[int, bytes]:
+    """Hand `fd` over with the ticket's token: the first frame that is not a heartbeat."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(t.address.removeprefix("unix:"))
+        socket.send_fds(s, [wire.DATA_PLANE_HANDOFF + (token or t.token)], [fd])
+        while True:
+            head = recv_exactly(s, 5)
+            payload = recv_exactly(s, int.from_bytes(head[1:], "big"))
+            if head[0] or payload:
+                return head[0], payload
+
+
+def recv_exactly(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        piece = s.recv(n - len(out))
+        assert piece, f"closed after {len(out)} of {n} bytes"
+        out += piece
+    return out
+
+
+def memfd(data: bytes, seals: int = handoff.SEALS) -> int:
+    fd = os.memfd_create("test", os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+@pytest.mark.parametrize("digest_first", [False, True])
+def test_a_publish_is_handed_to_the_worker(coordinator, start_worker, no_grpc_publish,
+                                           digest_first):
+    w = start_worker(coordinator.cfg.listen)
+    c, lease = holder(w)
+    c._digest_first = digest_first
+    info = c.publish("k", lease, DATA, 2.0)
+    assert info.digest == DIGEST and info.size == len(DATA)
+    assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == DATA
+    assert w.cache.store.has(DIGEST)  # the worker's copy
+    assert CacheClient(w.target).fetch("k")[1] == DATA
+    # ... and the worker sent it on over the coordinator's data plane
+    assert sample(coordinator, "compilecast_coordinator_data_plane_uploads_total",
+                  result="published") == 1
+
+
+def test_a_file_that_can_still_change_is_refused(coordinator, start_worker):
+    w = start_worker(coordinator.cfg.listen)
+    c, lease = holder(w)
+    for seals in (0, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
+        fd = memfd(DATA, seals)
+        try:
+            code, msg = hand(ticket(c, lease), fd)
+        finally:
+            os.close(fd)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert b"not sealed" in msg
+    assert not w.cache.store.has(DIGEST)
+    assert c.publish("k", lease, DATA, 2.0).digest == DIGEST  # the lease still holds
+
+
+def test_a_file_of_another_size_than_its_header_is_refused(coordinator, start_worker):
+    w = start_worker(coordinator.cfg.listen)
+    c, lease = holder(w)
+    fd = memfd(DATA)
+    try:
+        code, msg = hand(ticket(c, lease, size=len(DATA) + 1), fd)
+    finally:
+        os.close(fd)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"header says" in msg
+
+
+def test_a_ticket_serves_one_handoff_and_only_its_token(coordinator, start_worker):
+    w = start_worker(coordinator.cfg.listen)
+    c, lease = holder(w)
+    t = ticket(c, lease)
+    fd = memfd(DATA)
+    try:
+        code, _ = hand(t, fd, token=bytes(len(t.token)))
+        assert code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        code, payload = hand(t, fd)
+        assert code == 0 and pb.PublishResponse.FromString(payload).artifact.digest == DIGEST
+        code, _ = hand(t, fd)  # again
+        assert code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    finally:
+        os.close(fd)
+
+
+def test_a_refusal_upstream_reaches_the_holder(coordinator, start_worker):
+    """The coordinator refuses (here: the key was published meanwhile by
+    another holder's lease): the holder hears its status through the worker,
+    and the worker keeps no copy."""
+    w = start_worker(coordinator.cfg.listen)
+    c, lease = holder(w)
+    stale = pb.Lease()
+    stale.CopyFrom(lease)
+    stale.id += 1  # not a lease the coordinator granted
+    with pytest.raises(grpc.RpcError) as err:
+        c.publish("k", stale, DATA, 2.0)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    assert not w.cache.store.has(DIGEST)
+    assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+
+
+def test_heartbeats_keep_a_slow_publish_waiting(coordinator, start_worker, monkeypatch,
+                                                no_grpc_publish):
+    """The holder reads with a stall limit shorter than the publish takes:
+    the worker's empty frames meanwhile keep it from giving up."""
+    monkeypatch.setattr(handoff, "HEARTBEAT_S", 0.05)
+    w = start_worker(coordinator.cfg.listen)
+    real = w.service.publish_handoff
+
+    async def slow(*args):
+        import asyncio
+        await asyncio.sleep(1.0)
+        return await real(*args)
+
+    w.service.handoffs._publish = slow
+    c, lease = holder(w)
+    c.stall_s = 0.5
+    assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+
+
+def test_without_the_handoff_socket_a_publish_goes_over_grpc(coordinator, start_worker):
+    w = start_worker(coordinator.cfg.listen)
+    c, lease = holder(w)
+    os.unlink(w.service.handoffs.path)  # a container that does not see it, say
+    assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+    assert not c.handoffs  # not tried again
+    assert w.cache.store.has(DIGEST)
+
+
+def test_a_worker_on_tcp_takes_no_handoffs(coordinator, start_worker):
+    from .conftest import free_port
+
+    w = start_worker(coordinator.cfg.listen, listen=f"127.0.0.1:{free_port()}")
+    assert w.service.handoffs is None
+    c = CacheClient(w.target, timeout_s=10, identity=Identity(job="j"))
+    assert not c.handoffs
+    resp = c.stub.OpenUpload(pb.OpenUploadRequest(header=pb.PublishHeader(key="k")),
+                             timeout=10)
+    assert not resp.HasField("ticket")
