@@ -46,6 +46,10 @@ def no_grpc_publish(monkeypatch):
     monkeypatch.setattr(CacheClient, "_publish_once", refused)
 
 
+def handoffs(worker, result: str = "published") -> float:
+    return sample(worker, "compilecast_worker_handoffs_total", result=result)
+
+
 def holder(worker, key: str = "k") -> tuple[CacheClient, pb.Lease]:
     c = CacheClient(worker.target, timeout_s=10, identity=Identity(job="j"))
     resp = c.acquire(key)
@@ -105,6 +109,7 @@ def test_a_publish_is_handed_to_the_worker(coordinator, start_worker, no_grpc_pu
     # ... and the worker sent it on over the coordinator's data plane
     assert sample(coordinator, "compilecast_coordinator_data_plane_uploads_total",
                   result="published") == 1
+    assert handoffs(w) == 1
 
 
 def test_a_file_that_can_still_change_is_refused(coordinator, start_worker):
@@ -118,7 +123,7 @@ def test_a_file_that_can_still_change_is_refused(coordinator, start_worker):
             os.close(fd)
         assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert b"not sealed" in msg
-    assert not w.cache.store.has(DIGEST)
+    assert not w.cache.store.has(DIGEST) and handoffs(w, "refused") == 2
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST  # the lease still holds
 
 
@@ -147,6 +152,7 @@ def test_a_ticket_serves_one_handoff_and_only_its_token(coordinator, start_worke
         assert code == grpc.StatusCode.PERMISSION_DENIED.value[0]
     finally:
         os.close(fd)
+    assert handoffs(w, "unknown_ticket") == 2 and handoffs(w) == 1
 
 
 def test_a_refusal_upstream_reaches_the_holder(coordinator, start_worker):

@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import Counter
 
 from compilecast.blobstore import CHUNK
 from compilecast.errors import CompilecastError, InvalidRequest
@@ -82,9 +83,10 @@ class _Ticket:
 class Handoffs:
     """The worker's handoff socket at `path` and its tickets."""
 
-    def __init__(self, path: str, publish: Publish) -> None:
+    def __init__(self, path: str, publish: Publish, counted: Counter) -> None:
         self.path = path
         self._publish = publish
+        self._counted = counted  # handoffs by result
         self._tickets: dict[bytes, _Ticket] = {}
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -150,10 +152,12 @@ class Handoffs:
             with contextlib.closing(_Fd(fd)):
                 ticket = self._tickets.pop(token, None)
                 if ticket is None or ticket.expires < time.monotonic():
+                    self._counted.labels("unknown_ticket").inc()
                     await _reply(loop, conn, status_frame(
                         grpc.StatusCode.PERMISSION_DENIED.value[0], b"no such upload ticket"))
                     return
                 reply = await self._published(loop, conn, ticket, fd)
+                self._counted.labels("refused" if reply[0] else "published").inc()
             with contextlib.suppress(OSError):  # the client gone: the publish stands
                 await _reply(loop, conn, reply)
 

@@ -29,6 +29,13 @@ class WorkerMetrics:
             "way), fallback (it failed, and the rest came over gRPC)",
             ["result"], registry=registry,
         )
+        self.handoffs = Counter(
+            "compilecast_worker_handoffs",
+            "Publishes this host's processes handed over as sealed memory files, by result: "
+            "published, refused (the status a Publish would have ended with, or a file not "
+            "sealed or of another size), unknown_ticket",
+            ["result"], registry=registry,
+        )
         self.local_files = Counter(
             "compilecast_worker_local_files",
             "Host cache hits answered with the file's path: the process on this host read and "

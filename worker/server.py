@@ -87,7 +87,8 @@ class Worker(Role):
             os.chmod(address.removeprefix("unix://"), 0o660)
             if handoff.supported():  # this host's processes hand their publishes over
                 self.service.handoffs = Handoffs(f"{address.removeprefix('unix://')}.handoff",
-                                                 self.service.publish_handoff)
+                                                 self.service.publish_handoff,
+                                                 self.metrics.handoffs)
                 await self.service.handoffs.start()
         await set_serving(self.health, True)
         log.info("worker listening on %s (coordinator %s, host cache %s)", address,
