@@ -14,9 +14,11 @@ and the coordinator's CPU, the medians of each way, and the coordinator's
 peak RSS (it streams every publish to its store, never holding it whole).
 
 With --through-worker the process publishes through a worker on its host, as
-a pod's holders do, and the worker sends the bytes on: through one worker
-that takes the data plane, and one started with `--data-plane false`. The
-worker's CPU is printed too.
+a pod's holders do, three ways, each with a worker of its own: handed over
+as a sealed memory file and sent on over the data plane (the default);
+through the worker's gRPC socket and sent on over the data plane; through
+gRPC both hops (a worker started with `--data-plane false`, a client that
+does not hand over). The worker's CPU is printed too.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from compilecast.worker.client import CacheClient, Identity
 client_mod.DATA_PLANE_UPLOAD_FROM = 0
 
 WAYS = ("data plane", "gRPC")
+# Through a worker: how the process hands the bytes to its worker, and how the
+# worker sends them on.
+WORKER_WAYS = ("handoff, data plane", "gRPC, data plane", "gRPC, gRPC")
 
 
 def own_cpu() -> float:
@@ -52,27 +57,29 @@ def own_cpu() -> float:
 def run(mb: float, pairs: int, through_worker: bool) -> None:
     root = Path(tempfile.mkdtemp(prefix="cc-publish-"))
     stack = Stack(root)
+    ways = WORKER_WAYS if through_worker else WAYS
     try:
         target, proc = stack.coordinator()
-        client = CacheClient(target, timeout_s=30, identity=Identity(job="bench-publish"))
-        # Through a worker: each way has a worker of its own.
-        workers = {way: stack.worker(target, f"w{i}", () if way == "data plane" else
-                                     ("--data-plane", "false"))
-                   for i, way in enumerate(WAYS)} if through_worker else {}
-        clients = {way: CacheClient(w, timeout_s=30, identity=Identity(job="bench-publish"))
-                   for way, (w, _) in workers.items()}
+        clients, workers = {}, {}
+        for i, way in enumerate(ways):
+            if through_worker:  # a worker of its own for each way
+                workers[way] = stack.worker(target, f"w{i}", () if way.endswith("data plane")
+                                            else ("--data-plane", "false"))
+            c = clients[way] = CacheClient(workers[way][0] if through_worker else target,
+                                           timeout_s=30, identity=Identity(job="bench-publish"))
+            c.data_plane = way == "data plane"
+            c.handoffs = c.handoffs and way.startswith("handoff")
         data = os.urandom(int(mb * 1e6))
-        got: dict[str, list[tuple[float, ...]]] = {w: [] for w in WAYS}
+        got: dict[str, list[tuple[float, ...]]] = {w: [] for w in ways}
         n = 0
         for pair in range(pairs):
-            for way in (WAYS if pair % 2 == 0 else WAYS[::-1]):
+            for way in (ways if pair % 2 == 0 else ways[::-1]):
                 data = data[1:] + data[:1]
                 key = f"publish-{n}"
                 n += 1
-                c = clients.get(way, client)
+                c = clients[way]
                 resp = c.acquire(key)
                 assert resp.decision == pb.COMPILE, resp
-                c.data_plane = way == "data plane"
                 wpid = workers[way][1].pid if workers else None
                 cpu, coord, start = own_cpu(), cpu_seconds(proc.pid), time.monotonic()
                 wcpu = cpu_seconds(wpid) if wpid else 0.0
@@ -80,24 +87,28 @@ def run(mb: float, pairs: int, through_worker: bool) -> None:
                 row = (time.monotonic() - start, own_cpu() - cpu, cpu_seconds(proc.pid) - coord,
                        cpu_seconds(wpid) - wcpu if wpid else 0.0)
                 got[way].append(row)
-                print(f"  {mb:g} MB {way:10s} wall {row[0]:.3f}s  client CPU {row[1]:.3f}s  "
+                print(f"  {mb:g} MB {way:19s} wall {row[0]:.3f}s  client CPU {row[1]:.3f}s  "
                       f"coordinator CPU {row[2]:.3f}s"
                       + (f"  worker CPU {row[3]:.3f}s" if workers else ""), flush=True)
                 stack.blob_path(info.digest).unlink()
                 for copy in root.glob(f"cache-*/**/{info.digest}*"):  # the worker's
                     copy.unlink()
-        if not client.data_plane_uploads:
-            print("  (the coordinator offered no upload ticket: both ways went over gRPC)")
+        if not clients[ways[0]].data_plane_uploads:
+            print("  (no upload ticket was offered: every way went over gRPC)")
         medians = {w: [median(r[i] for r in rows) for i in range(4)] for w, rows in got.items()}
-        plane, grpc_ = medians["data plane"], medians["gRPC"]
-        print(f"{mb:g} MB, {pairs} pairs{', through a worker' if workers else ''}, medians: "
-              f"data plane wall {plane[0]:.3f}s / client {plane[1]:.3f}s / coordinator "
-              f"{plane[2]:.3f}s{f' / worker {plane[3]:.3f}s' if workers else ''}; gRPC "
-              f"{grpc_[0]:.3f}s / {grpc_[1]:.3f}s / {grpc_[2]:.3f}s"
-              f"{f' / {grpc_[3]:.3f}s' if workers else ''}; wall {plane[0] / grpc_[0]:.2f}x, "
-              f"coordinator CPU {plane[2] / grpc_[2]:.2f}x ({mb / plane[0]:.0f} against "
-              f"{mb / grpc_[0]:.0f} MB/s); the coordinator's peak RSS {peak_rss_mb(proc.pid):.0f} MB",
-              flush=True)
+        last = medians[ways[-1]]
+        print(f"{mb:g} MB, {pairs} rounds{', through a worker' if workers else ''}, medians "
+              "(wall / client CPU / coordinator CPU" + (" / worker CPU" if workers else "")
+              + "):", flush=True)
+        for way in ways:
+            m = medians[way]
+            print(f"  {way:19s} {m[0]:.3f}s / {m[1]:.3f}s / {m[2]:.3f}s"
+                  + (f" / {m[3]:.3f}s" if workers else "")
+                  + (f"; wall {m[0] / last[0]:.2f}x, coordinator CPU {m[2] / last[2]:.2f}x"
+                     + (f", worker CPU {m[3] / last[3]:.2f}x" if workers else "")
+                     + f" the last way's ({mb / m[0]:.0f} against {mb / last[0]:.0f} MB/s)"
+                     if way != ways[-1] else ""), flush=True)
+        print(f"  the coordinator's peak RSS {peak_rss_mb(proc.pid):.0f} MB", flush=True)
     finally:
         stack.close()
 
