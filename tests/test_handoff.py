@@ -209,3 +209,49 @@ def test_a_worker_on_tcp_takes_no_handoffs(coordinator, start_worker):
     resp = c.stub.OpenUpload(pb.OpenUploadRequest(header=pb.PublishHeader(key="k")),
                              timeout=10)
     assert not resp.HasField("ticket")
+
+
+def test_near_a_memory_limit_a_publish_goes_over_grpc(coordinator, start_worker, monkeypatch):
+    """A handed file holds the bytes a second time: with less memory left
+    than that (and a margin), the holder sends them in pieces instead."""
+    w = start_worker(coordinator.cfg.listen)
+    c, lease = holder(w)
+    monkeypatch.setattr(client_mod, "memory_headroom", lambda: len(DATA) * 2)
+    assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+    assert handoffs(w) == 0 and w.cache.store.has(DIGEST)
+    assert c.handoffs  # asked again next time
+    monkeypatch.setattr(client_mod, "memory_headroom", lambda: None)  # unknown: hand over
+    resp = c.acquire("k2")
+    c.publish("k2", resp.lease, DATA[::-1], 2.0)
+    assert handoffs(w) == 1
+
+
+def fake_system(tmp_path, cgroup_line: str, files: dict[str, str], available_kb: int):
+    proc, cg = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemAvailable: {available_kb} kB\n")
+    (proc / "self" / "cgroup").write_text(cgroup_line + "\n")
+    for name, text in files.items():
+        (cg / name).parent.mkdir(parents=True, exist_ok=True)
+        (cg / name).write_text(text)
+    return str(proc), str(cg)
+
+
+def test_memory_headroom_reads_cgroup_v2_and_v1(tmp_path):
+    mib = 1 << 20
+    v2 = fake_system(tmp_path / "v2", "0::/pod/c1", {
+        "pod/c1/memory.max": f"{1024 * mib}\n", "pod/c1/memory.current": f"{900 * mib}\n",
+        "pod/c1/memory.stat": f"anon 1\ninactive_file {100 * mib}\nactive_file 5\n"},
+        available_kb=8 << 20)
+    assert client_mod.memory_headroom(*v2) == 224 * mib  # 1024 - (900 - 100)
+    v1 = fake_system(tmp_path / "v1", "4:memory:/job", {
+        "memory/job/memory.limit_in_bytes": f"{2048 * mib}\n",
+        "memory/job/memory.usage_in_bytes": f"{1024 * mib}\n",
+        "memory/job/memory.stat": f"cache 7\ntotal_inactive_file {24 * mib}\n"},
+        available_kb=512 << 10)  # the host has less left than the cgroup: it decides
+    assert client_mod.memory_headroom(*v1) == 512 * mib
+    unlimited = fake_system(tmp_path / "none", "0::/", {
+        "memory.max": "max\n", "memory.current": "5\n", "memory.stat": ""},
+        available_kb=3 << 20)
+    assert client_mod.memory_headroom(*unlimited) == 3 << 30
+    assert client_mod.memory_headroom(str(tmp_path / "absent"), str(tmp_path)) is None

@@ -485,6 +485,52 @@ def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTic
 
 
 HANDOFF_PIECE = 8 << 20  # bytes written into a handed file per call
+HANDOFF_SPARE = 256 << 20  # memory a handoff leaves free beside its file, at least
+
+
+def memory_headroom(proc: str = "/proc", cgroups: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process may still take before the host's available memory
+    runs out or its memory cgroup (v2 or v1) reaches its limit, counting the
+    cgroup's inactive file cache as free (as the kernel would reclaim it);
+    None when neither can be read."""
+    room = None
+    with contextlib.suppress(OSError, ValueError):
+        with open(f"{proc}/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    room = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError):
+        with open(f"{proc}/self/cgroup") as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            hier, controllers, path = line.split(":", 2)
+            if hier == "0" and not controllers:  # v2
+                files = (f"{cgroups}{path}", "memory.max", "memory.current", "inactive_file")
+            elif "memory" in controllers.split(","):  # v1
+                files = (f"{cgroups}/memory{path}", "memory.limit_in_bytes",
+                         "memory.usage_in_bytes", "total_inactive_file")
+            else:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                left = _cgroup_room(*files)
+                if left is not None:
+                    room = left if room is None else min(room, left)
+    return room
+
+
+def _cgroup_room(where: str, limit_file: str, usage_file: str, inactive: str) -> int | None:
+    with open(f"{where}/{limit_file}") as f:
+        limit = f.read().strip()
+    if limit == "max" or int(limit) >= 1 << 60:  # no limit
+        return None
+    with open(f"{where}/{usage_file}") as f:
+        used = int(f.read())
+    with open(f"{where}/memory.stat") as f:
+        for line in f:
+            name, _, value = line.partition(" ")
+            if name == inactive:
+                used -= int(value)
+    return int(limit) - max(used, 0)
 
 
 class _NoFile(OSError):
@@ -955,6 +1001,13 @@ class CacheClient:
             log.info("%s takes publishes over gRPC only", self.target)
             return None
         handed = resp.ticket.address.startswith("unix:")
+        if handed and (room := memory_headroom()) is not None \
+                and room < len(data) + HANDOFF_SPARE:
+            # The file would hold the bytes a second time: near a memory limit,
+            # send them in pieces instead (the unused ticket expires).
+            log.info("%d MB of memory left: the publish of %s goes over gRPC",
+                     room >> 20, header.key, extra={"key": header.key})
+            return None
         try:
             if handed:
                 return _hand_off(data, resp.ticket, self.stall_s)
