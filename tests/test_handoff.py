@@ -255,3 +255,19 @@ def test_memory_headroom_reads_cgroup_v2_and_v1(tmp_path):
         available_kb=3 << 20)
     assert client_mod.memory_headroom(*unlimited) == 3 << 30
     assert client_mod.memory_headroom(str(tmp_path / "absent"), str(tmp_path)) is None
+
+
+def test_a_worker_whose_handoff_socket_cannot_be_made_serves_publishes_over_grpc(
+        coordinator, start_worker):
+    """A socket path with no room for `.handoff` (108 bytes at most): the
+    worker starts all the same, and offers no handoffs."""
+    path = f"/tmp/cc-{os.getpid()}-" + "x" * 80
+    path += "y" * (95 - len(path)) + ".sock"  # 100 bytes: 108 with .handoff
+    w = start_worker(coordinator.cfg.listen, listen=f"unix://{path}")
+    try:
+        assert w.service.handoffs is None
+        c, lease = holder(w)
+        assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+        assert not c.data_plane_uploads  # no ticket offered: not asked again
+    finally:
+        w.stop()

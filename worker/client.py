@@ -983,7 +983,7 @@ class CacheClient:
         go over gRPC instead. The OpenUpload call refuses what a Publish would
         refuse before its first byte, as the same error."""
         if not ((self.data_plane or self.handoffs) and self.data_plane_uploads) \
-                or len(data) < DATA_PLANE_UPLOAD_FROM:
+                or len(data) < max(DATA_PLANE_UPLOAD_FROM, 1):
             return None
         try:
             resp = self.stub.OpenUpload(pb.OpenUploadRequest(header=header),

@@ -59,6 +59,7 @@ TICKET_S = 30.0  # a ticket not redeemed by then is dropped
 MAX_TICKETS = 256  # outstanding; past it, a publish goes over gRPC
 REQUEST_S = 10.0  # a connection that has not handed its file over by then is closed
 HEARTBEAT_S = 10.0  # an empty OK frame this often while the publish goes on
+STOP_GRACE_S = 5.0  # a stopping worker gives the handoffs in progress this long
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(
     fcntl, "F_SEAL_WRITE") else 0
 
@@ -89,7 +90,8 @@ class Handoffs:
         self._counted = counted  # handoffs by result
         self._tickets: dict[bytes, _Ticket] = {}
         self._sock: socket.socket | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._accepting: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # handoffs in progress
 
     @property
     def address(self) -> str:
@@ -99,21 +101,30 @@ class Handoffs:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a stale socket of an earlier run
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(self.path)
-        os.chmod(self.path, 0o660)  # as the worker's gRPC socket
-        sock.listen(128)
-        sock.setblocking(False)
+        try:
+            sock.bind(self.path)
+            os.chmod(self.path, 0o660)  # as the worker's gRPC socket
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
         self._sock = sock
-        self._spawn(self._accept())
+        self._accepting = asyncio.create_task(self._accept())
 
-    async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Take no more handoffs; give those in progress `grace_s` to end."""
+        if self._accepting is not None:
+            self._accepting.cancel()
         if self._sock is not None:
             self._sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def ticket(self, ns: str, md: tuple, header: pb.PublishHeader) -> pb.DataTicket | None:
         """A one-time ticket to hand over the bytes of the publish `header`
@@ -149,7 +160,8 @@ class Handoffs:
             except (OSError, TimeoutError, ValueError) as exc:
                 log.info("handoff: a connection sent no ticket and file (%s)", exc)
                 return
-            with contextlib.closing(_Fd(fd)):
+            with contextlib.ExitStack() as held:
+                held.callback(os.close, fd)
                 ticket = self._tickets.pop(token, None)
                 if ticket is None or ticket.expires < time.monotonic():
                     self._counted.labels("unknown_ticket").inc()
@@ -190,14 +202,6 @@ class Handoffs:
             with contextlib.suppress(BufferError):  # else when the last view goes
                 mapped.close()
         return status_frame(0, resp.SerializeToString())
-
-
-class _Fd:
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 async def _handed(loop, conn: socket.socket) -> tuple[bytes, int]:

@@ -86,10 +86,14 @@ class Worker(Role):
         if address.startswith("unix://"):
             os.chmod(address.removeprefix("unix://"), 0o660)
             if handoff.supported():  # this host's processes hand their publishes over
-                self.service.handoffs = Handoffs(f"{address.removeprefix('unix://')}.handoff",
-                                                 self.service.publish_handoff,
-                                                 self.metrics.handoffs)
-                await self.service.handoffs.start()
+                handoffs = Handoffs(f"{address.removeprefix('unix://')}.handoff",
+                                    self.service.publish_handoff, self.metrics.handoffs)
+                try:
+                    await handoffs.start()
+                    self.service.handoffs = handoffs
+                except OSError as exc:  # a path too long for a socket, say: gRPC serves
+                    log.warning("publishes are not handed over: cannot listen on %s (%s)",
+                                handoffs.path, exc)
         await set_serving(self.health, True)
         log.info("worker listening on %s (coordinator %s, host cache %s)", address,
                  self.cfg.coordinator, self.cfg.cache_dir)
