@@ -149,7 +149,12 @@ class Handoffs:
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # out of descriptors, say: its client goes over gRPC
+                log.warning("handoff: cannot accept a connection (%s)", exc)
+                await asyncio.sleep(0.1)
+                continue
             self._spawn(self._serve(conn))
 
     async def _serve(self, conn: socket.socket) -> None:
@@ -165,11 +170,11 @@ class Handoffs:
                 ticket = self._tickets.pop(token, None)
                 if ticket is None or ticket.expires < time.monotonic():
                     self._counted.labels("unknown_ticket").inc()
-                    await _reply(loop, conn, status_frame(
-                        grpc.StatusCode.PERMISSION_DENIED.value[0], b"no such upload ticket"))
-                    return
-                reply = await self._published(loop, conn, ticket, fd)
-                self._counted.labels("refused" if reply[0] else "published").inc()
+                    reply = status_frame(grpc.StatusCode.PERMISSION_DENIED.value[0],
+                                         b"no such upload ticket")
+                else:
+                    reply = await self._published(loop, conn, ticket, fd)
+                    self._counted.labels("refused" if reply[0] else "published").inc()
             with contextlib.suppress(OSError):  # the client gone: the publish stands
                 await _reply(loop, conn, reply)
 
@@ -209,7 +214,7 @@ async def _handed(loop, conn: socket.socket) -> tuple[bytes, int]:
     want = len(MAGIC) + TOKEN_BYTES
     while True:
         try:
-            msg, fds, _, _ = socket.recv_fds(conn, want, 1)
+            msg, fds, _, _ = socket.recv_fds(conn, want, 1, socket.MSG_CMSG_CLOEXEC)
             break
         except BlockingIOError:
             await _readable(loop, conn)
