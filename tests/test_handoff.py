@@ -65,13 +65,16 @@ def ticket(c: CacheClient, lease: pb.Lease, key: str = "k", size: int = len(DATA
     return resp.ticket
 
 
-def hand(t: pb.DataTicket, fd: int, token: bytes | None = None) -> tuple[int, bytes]:
-    """Hand `fd` over with the ticket's token: the first frame that is not a heartbeat."""
+def hand(t: pb.DataTicket, fd: int, token: bytes | None = None) -> tuple[int, bytes] | None:
+    """Hand `fd` over with the ticket's token: the first frame that is not a
+    heartbeat; None when the worker closed the connection without one."""
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(10)
         s.connect(t.address.removeprefix("unix:"))
         socket.send_fds(s, [wire.DATA_PLANE_HANDOFF + (token or t.token)], [fd])
         while True:
+            if not s.recv(1, socket.MSG_PEEK):
+                return None
             head = recv_exactly(s, 5)
             payload = recv_exactly(s, int.from_bytes(head[1:], "big"))
             if head[0] or payload:
@@ -144,12 +147,10 @@ def test_a_ticket_serves_one_handoff_and_only_its_token(coordinator, start_worke
     t = ticket(c, lease)
     fd = memfd(DATA)
     try:
-        code, _ = hand(t, fd, token=bytes(len(t.token)))
-        assert code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        assert hand(t, fd, token=bytes(len(t.token))) is None  # closed without a byte
         code, payload = hand(t, fd)
         assert code == 0 and pb.PublishResponse.FromString(payload).artifact.digest == DIGEST
-        code, _ = hand(t, fd)  # again
-        assert code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        assert hand(t, fd) is None  # again
     finally:
         os.close(fd)
     assert handoffs(w, "unknown_ticket") == 2 and handoffs(w) == 1
@@ -169,6 +170,19 @@ def test_a_refusal_upstream_reaches_the_holder(coordinator, start_worker):
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
     assert not w.cache.store.has(DIGEST)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+
+
+def test_an_expired_ticket_ends_in_a_publish_over_grpc(coordinator, start_worker,
+                                                      monkeypatch):
+    """The worker closes the connection of a ticket it no longer holds: the
+    holder tries again over gRPC, under the same lease."""
+    monkeypatch.setattr(handoff, "TICKET_S", -1.0)
+    monkeypatch.setattr(client_mod, "PUBLISH_RETRY_S", (0.0, 0.0))
+    w = start_worker(coordinator.cfg.listen)
+    c, lease = holder(w)
+    assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
+    assert handoffs(w, "unknown_ticket") == 1 and handoffs(w) == 0
+    assert w.cache.store.has(DIGEST)
 
 
 def test_heartbeats_keep_a_slow_publish_waiting(coordinator, start_worker, monkeypatch,

@@ -22,10 +22,11 @@ the moment the worker holds them: what it hashes, keeps and sends is one
 thing. The process writes the bytes once into memory instead of sending them
 through gRPC, and the worker reads them from the mapping without a copy.
 
-A token is good for one connection within TICKET_S of the ticket. Any
+A token is good for one connection within TICKET_S of the ticket; an
+unknown, used or expired one gets the connection closed without a byte. Any
 failure before the bytes are handed over leaves the client to publish over
-gRPC; a worker that goes away after it are a broken publish (UNAVAILABLE),
-which the client tries again over gRPC.
+gRPC; a connection closed or broken after it is a broken publish
+(UNAVAILABLE), which the client tries again over gRPC.
 """
 
 from __future__ import annotations
@@ -169,12 +170,12 @@ class Handoffs:
                 held.callback(os.close, fd)
                 ticket = self._tickets.pop(token, None)
                 if ticket is None or ticket.expires < time.monotonic():
+                    # Closed without a byte, as the coordinator's data plane does: the
+                    # client publishes again over gRPC.
                     self._counted.labels("unknown_ticket").inc()
-                    reply = status_frame(grpc.StatusCode.PERMISSION_DENIED.value[0],
-                                         b"no such upload ticket")
-                else:
-                    reply = await self._published(loop, conn, ticket, fd)
-                    self._counted.labels("refused" if reply[0] else "published").inc()
+                    return
+                reply = await self._published(loop, conn, ticket, fd)
+                self._counted.labels("refused" if reply[0] else "published").inc()
             with contextlib.suppress(OSError):  # the client gone: the publish stands
                 await _reply(loop, conn, reply)
 
