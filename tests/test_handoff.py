@@ -285,3 +285,30 @@ def test_a_worker_whose_handoff_socket_cannot_be_made_serves_publishes_over_grpc
         assert not c.data_plane_uploads  # no ticket offered: not asked again
     finally:
         w.stop()
+
+
+def test_a_worker_that_stops_mid_publish_leaves_the_holder_an_error(coordinator,
+                                                                    start_worker,
+                                                                    monkeypatch):
+    """The worker stops while it publishes a handed file: the holder hears
+    the connection close, tries again (over gRPC, to a worker that is gone)
+    and gets UNAVAILABLE: an error, not a hang."""
+    import asyncio
+    import threading
+
+    monkeypatch.setattr(handoff, "STOP_GRACE_S", 0.1)
+    monkeypatch.setattr(client_mod, "PUBLISH_RETRY_S", (0.0, 0.0))
+    w = start_worker(coordinator.cfg.listen)
+    began = threading.Event()
+
+    async def stuck(*args):
+        began.set()
+        await asyncio.sleep(3600)
+
+    w.service.handoffs._publish = stuck
+    c, lease = holder(w)
+    threading.Thread(target=lambda: began.wait(10) and w.stop(), daemon=True).start()
+    with pytest.raises(grpc.RpcError) as err:
+        c.publish("k", lease, DATA, 2.0)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert began.is_set()
