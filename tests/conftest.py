@@ -59,6 +59,16 @@ def publish(client, key: str, data: bytes, **acquire_kw):
     return client.publish(key, resp.lease, data, 3.0)
 
 
+def recv_exactly(s, n: int) -> bytes:
+    """`n` bytes from socket `s`; fails the test when it closes first."""
+    out = b""
+    while len(out) < n:
+        piece = s.recv(n - len(out))
+        assert piece, f"closed after {len(out)} of {n} bytes"
+        out += piece
+    return out
+
+
 def sample(server, name: str, **labels) -> float:
     """A metric of a server started in this process (0 when never counted)."""
     return server.registry.get_sample_value(name, labels) or 0.0

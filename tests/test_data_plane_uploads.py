@@ -22,7 +22,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker import client as client_mod
 from compilecast.worker.client import CacheClient, Identity
 
-from .conftest import free_port, sample
+from .conftest import free_port, recv_exactly, sample
 
 DATA = os.urandom(5 << 20)  # several CHUNKs, stored raw
 DIGEST = hashlib.sha256(DATA).hexdigest()
@@ -66,15 +66,6 @@ def frame(s: socket.socket) -> tuple[int, bytes]:
     return head[0], recv_exactly(s, int.from_bytes(head[1:], "big"))
 
 
-def recv_exactly(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        piece = s.recv(n - len(out))
-        assert piece, f"closed after {len(out)} of {n} bytes"
-        out += piece
-    return out
-
-
 def connect(coordinator, token: bytes) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", coordinator.data_plane.port), timeout=10)
     s.sendall(wire.DATA_PLANE_UPLOAD + token)
@@ -86,6 +77,41 @@ def still_held(coordinator, c: CacheClient, key: str, lease: pb.Lease) -> bool:
 
 
 @pytest.mark.parametrize("digest_first", [False, True])
+def refused_while_sending(coordinator, c: CacheClient, lease: pb.Lease) -> grpc.RpcError:
+    """The error of `c`'s publish of more than the socket buffers take,
+    which the coordinator refuses after its first piece (over its limit)."""
+    real = coordinator.state.publish
+
+    async def over_the_limit(header, chunks, *, tenant):
+        coordinator.state.cfg.max_artifact_bytes = 1024
+        try:
+            return await real(header, chunks, tenant=tenant)
+        finally:
+            coordinator.state.cfg.max_artifact_bytes = 1 << 40
+
+    coordinator.state.publish = over_the_limit
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            c.publish("k", lease, DATA * 13, 2.0)
+    finally:
+        coordinator.state.publish = real
+    return err.value
+
+
+def breaking_after_a_piece(monkeypatch) -> None:
+    """The coordinator's reading thread of an upload fails after a first piece."""
+    real = dataplane._receive
+    calls = []
+
+    def breaking(sock, n):
+        calls.append(n)
+        if len(calls) == 2:
+            raise ConnectionResetError("reset by a test")
+        return real(sock, n)
+
+    monkeypatch.setattr(dataplane, "_receive", breaking)
+
+
 def test_a_publish_goes_over_the_data_plane(coordinator, digest_first):
     c, lease = holder(coordinator)
     c._digest_first = digest_first  # the digest in the header, not after the bytes
@@ -197,15 +223,7 @@ def test_a_client_whose_upload_breaks_publishes_over_grpc(coordinator, monkeypat
     fails after a first piece): the client publishes the same bytes again
     over gRPC under the same lease, and keeps the data plane for later."""
     real = dataplane._receive
-    calls = []
-
-    def breaking(sock, n):
-        calls.append(n)
-        if len(calls) == 2:
-            raise ConnectionResetError("reset by a test")
-        return real(sock, n)
-
-    monkeypatch.setattr(dataplane, "_receive", breaking)
+    breaking_after_a_piece(monkeypatch)
     monkeypatch.setattr(client_mod, "PUBLISH_RETRY_S", (0.0, 0.0))
     c, lease = holder(coordinator)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
@@ -223,23 +241,8 @@ def test_a_refused_upload_is_the_error_a_publish_would_raise(coordinator):
     status of the refusal, as a Publish stream's would be, and does not
     publish over gRPC instead."""
     c, lease = holder(coordinator)
-    real = coordinator.state.publish
-
-    async def over_the_limit(header, chunks, *, tenant):
-        coordinator.state.cfg.max_artifact_bytes = 1024
-        try:
-            return await real(header, chunks, tenant=tenant)
-        finally:
-            coordinator.state.cfg.max_artifact_bytes = 1 << 40
-
-    coordinator.state.publish = over_the_limit
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            # More than the socket buffers take: refused while it is still sending.
-            c.publish("k", lease, DATA * 13, 2.0)
-    finally:
-        coordinator.state.publish = real
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    err = refused_while_sending(coordinator, c, lease)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert uploads(coordinator, "refused") == 1 and bytes_in(coordinator) == 0
 
 
@@ -373,15 +376,7 @@ def test_a_worker_whose_upload_breaks_sends_the_retry_over_grpc(coordinator, sta
     holder hears UNAVAILABLE from its worker and tries again, which the
     worker sends over gRPC; later publishes take the data plane again."""
     real = dataplane._receive
-    calls = []
-
-    def breaking(sock, n):
-        calls.append(n)
-        if len(calls) == 2:
-            raise ConnectionResetError("reset by a test")
-        return real(sock, n)
-
-    monkeypatch.setattr(dataplane, "_receive", breaking)
+    breaking_after_a_piece(monkeypatch)
     monkeypatch.setattr(client_mod, "PUBLISH_RETRY_S", (0.0, 0.0))
     w, c, lease = through_worker(start_worker, coordinator)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
@@ -398,23 +393,8 @@ def test_an_upload_a_worker_sends_refused_is_the_holders_error(coordinator, star
     holder gets the coordinator's status through its worker, nothing is
     published, and the worker keeps no copy."""
     w, c, lease = through_worker(start_worker, coordinator)
-    real = coordinator.state.publish
-
-    async def over_the_limit(header, chunks, *, tenant):
-        coordinator.state.cfg.max_artifact_bytes = 1024
-        try:
-            return await real(header, chunks, tenant=tenant)
-        finally:
-            coordinator.state.cfg.max_artifact_bytes = 1 << 40
-
-    coordinator.state.publish = over_the_limit
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            c.publish("k", lease, DATA * 13, 2.0)
-    finally:
-        coordinator.state.publish = real
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "1024" in err.value.details()
+    err = refused_while_sending(coordinator, c, lease)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "1024" in err.details()
     assert uploads(coordinator, "refused") == 1 and bytes_in(coordinator) == 0
     assert w.cache.store.count() == 0
 

@@ -23,7 +23,7 @@ from compilecast.worker import client as client_mod
 from compilecast.worker import handoff
 from compilecast.worker.client import CacheClient, Identity
 
-from .conftest import sample
+from .conftest import recv_exactly, sample
 
 pytestmark = pytest.mark.skipif(not handoff.supported(), reason="no memfd seals here")
 
@@ -79,15 +79,6 @@ def hand(t: pb.DataTicket, fd: int, token: bytes | None = None) -> tuple[int, by
             payload = recv_exactly(s, int.from_bytes(head[1:], "big"))
             if head[0] or payload:
                 return head[0], payload
-
-
-def recv_exactly(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        piece = s.recv(n - len(out))
-        assert piece, f"closed after {len(out)} of {n} bytes"
-        out += piece
-    return out
 
 
 def memfd(data: bytes, seals: int = handoff.SEALS) -> int:
