@@ -76,7 +76,6 @@ def still_held(coordinator, c: CacheClient, key: str, lease: pb.Lease) -> bool:
     return c.keepalive(key, lease) > 0
 
 
-@pytest.mark.parametrize("digest_first", [False, True])
 def refused_while_sending(coordinator, c: CacheClient, lease: pb.Lease) -> grpc.RpcError:
     """The error of `c`'s publish of more than the socket buffers take,
     which the coordinator refuses after its first piece (over its limit)."""
@@ -112,6 +111,7 @@ def breaking_after_a_piece(monkeypatch) -> None:
     monkeypatch.setattr(dataplane, "_receive", breaking)
 
 
+@pytest.mark.parametrize("digest_first", [False, True])
 def test_a_publish_goes_over_the_data_plane(coordinator, digest_first):
     c, lease = holder(coordinator)
     c._digest_first = digest_first  # the digest in the header, not after the bytes
