@@ -303,3 +303,32 @@ def test_a_worker_that_stops_mid_publish_leaves_the_holder_an_error(coordinator,
         c.publish("k", lease, DATA, 2.0)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert began.is_set()
+
+
+def test_a_hosts_waiters_follow_a_handed_publish(coordinator, start_worker):
+    """With wake_on_host_publish, a publish handed over wakes the host's
+    waiters as it begins, as a Publish stream through the worker does, and
+    they take the worker's copy: nothing comes from the coordinator."""
+    import asyncio
+
+    from .test_streaming_publish import HostWaiting
+
+    host = HostWaiting(coordinator, start_worker, wake_on_host_publish=True)
+    w = host.worker
+    real = w.service.publish_handoff
+
+    async def slowly(ns, md, header, chunks):
+        async def paced():
+            async for chunk in chunks:
+                yield chunk
+                await asyncio.sleep(0.1)
+
+        return await real(ns, md, header, paced())
+
+    w.service.handoffs._publish = slowly
+    assert host.holder.publish("k", host.lease, DATA, 2.0).digest == DIGEST
+    event, got = host.result()
+    assert event.decision == pb.HIT and got == DATA
+    assert handoffs(w) == 1
+    assert sample(w, "compilecast_worker_woken_by_host_publish_total") == 1
+    assert sample(w, "compilecast_worker_fetches_total", source="coordinator") == 0
