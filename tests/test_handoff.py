@@ -224,6 +224,7 @@ def test_near_a_memory_limit_a_publish_goes_over_grpc(coordinator, start_worker,
     monkeypatch.setattr(client_mod, "memory_headroom", lambda: len(DATA) * 2)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert handoffs(w) == 0 and w.cache.store.has(DIGEST)
+    assert not w.service.handoffs._tickets  # none asked for
     assert c.handoffs  # asked again next time
     monkeypatch.setattr(client_mod, "memory_headroom", lambda: None)  # unknown: hand over
     resp = c.acquire("k2")

@@ -985,6 +985,13 @@ class CacheClient:
         if not ((self.data_plane or self.handoffs) and self.data_plane_uploads) \
                 or len(data) < max(DATA_PLANE_UPLOAD_FROM, 1):
             return None
+        if self.handoffs and (room := memory_headroom()) is not None \
+                and room < len(data) + HANDOFF_SPARE:
+            # A handed file would hold the bytes a second time: near a memory
+            # limit, they go to the worker in pieces instead.
+            log.info("%d MB of memory left: the publish of %s goes over gRPC",
+                     room >> 20, header.key, extra={"key": header.key})
+            return None
         try:
             resp = self.stub.OpenUpload(pb.OpenUploadRequest(header=header),
                                         timeout=self.timeout_s)
@@ -1001,13 +1008,6 @@ class CacheClient:
             log.info("%s takes publishes over gRPC only", self.target)
             return None
         handed = resp.ticket.address.startswith("unix:")
-        if handed and (room := memory_headroom()) is not None \
-                and room < len(data) + HANDOFF_SPARE:
-            # The file would hold the bytes a second time: near a memory limit,
-            # send them in pieces instead (the unused ticket expires).
-            log.info("%d MB of memory left: the publish of %s goes over gRPC",
-                     room >> 20, header.key, extra={"key": header.key})
-            return None
         try:
             if handed:
                 return _hand_off(data, resp.ticket, self.stall_s)
@@ -1026,7 +1026,8 @@ class CacheClient:
                      extra={"key": header.key})
             return None
         except OSError as exc:
-            raise _UploadBroken(f"the data plane upload of {header.key} broke off "
+            raise _UploadBroken(f"the {'handoff' if handed else 'data plane upload'} of "
+                                f"{header.key} broke off "
                                 f"({exc})") from None
 
     def _publish_once(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo:
