@@ -174,7 +174,12 @@ class Handoffs:
                     # client publishes again over gRPC.
                     self._counted.labels("unknown_ticket").inc()
                     return
-                reply = await self._published(loop, conn, ticket, fd)
+                try:
+                    reply = await self._published(loop, conn, ticket, fd)
+                except OSError as exc:  # not mapped: closed without a byte, gRPC next
+                    log.warning("handoff: cannot map the file of %s (%s)", ticket.header.key,
+                                exc)
+                    return
                 self._counted.labels("refused" if reply[0] else "published").inc()
             with contextlib.suppress(OSError):  # the client gone: the publish stands
                 await _reply(loop, conn, reply)
