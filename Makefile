@@ -59,6 +59,8 @@ bench: install
 	$(PY) bench/warm_start.py
 	$(PY) bench/fetch.py
 	$(PY) bench/publish.py
+	$(PY) bench/publish.py --through-worker
+	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --n 4 --tpu-pairs 2 --tpu-host-workers
 	$(PY) bench/fetch.py --sizes-mb 100 1024 --compressible
 	$(PY) bench/cold_fetch.py --mb 1024 --pairs 4
 	$(PY) bench/cold_fetch.py --mb 256 --pairs 3 --processes 8
