@@ -20,7 +20,6 @@ import errno
 import hashlib
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -32,7 +31,6 @@ from compilecast import decide, validate, wire
 from compilecast.blobstore import (
     OUT_OF_SPACE,
     PROBE,
-    RAW_MAGIC,
     Inflate,
     amake_room,
     aread,
@@ -54,7 +52,8 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
 from . import client
-from .client import DATA_PLANE_CONNECT_S, UploadRefused, data_plane_address
+from .client import UploadRefused
+from .dataplane import DataPlaneBroke, answered, dial, upload_status, with_data_plane
 from .decisions import HostDecisions
 from .handoff import Handoffs
 from .hostcache import HostCache
@@ -335,112 +334,8 @@ PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for t
 UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats every 10 s) failed
 HEARTBEAT_S = 10.0  # readers waiting on a download get an empty chunk this often
 TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
-DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
 RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
 WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait the coordinator cut off is sent again after these
-
-
-class _DataPlaneBroke(Exception):
-    """A download over the coordinator's data plane failed: the rest comes
-    over gRPC. `unreachable`: it could not even connect (not asked again)."""
-
-    def __init__(self, why: str, unreachable: bool = False) -> None:
-        super().__init__(why)
-        self.unreachable = unreachable
-
-
-async def _recv_piece(loop, sock: socket.socket) -> memoryview:
-    """The next DATA_PLANE_PIECE bytes of the connection, received straight
-    into a buffer of their own (read-only: hashed without a copy); fewer
-    only at its end."""
-    piece = memoryview(bytearray(DATA_PLANE_PIECE))
-    n = 0
-    while n < len(piece) and (k := await loop.sock_recv_into(sock, piece[n:])):
-        n += k
-    return piece[:n].toreadonly()
-
-
-async def _dial(ticket: pb.DataTicket, target: str) -> socket.socket:
-    """A non-blocking connection to the data plane of `ticket`;
-    _DataPlaneBroke (unreachable) when it cannot be made."""
-    loop = asyncio.get_running_loop()
-    sock = None
-    try:
-        host, port = data_plane_address(ticket, target)
-        family, kind, proto, _, address = (await loop.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM))[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
-        await asyncio.wait_for(loop.sock_connect(sock, address), DATA_PLANE_CONNECT_S)
-    except (OSError, TimeoutError) as exc:
-        if sock is not None:
-            sock.close()
-        raise _DataPlaneBroke(f"cannot connect to its data plane: {exc!r}",
-                              unreachable=True) from None
-    return sock
-
-
-async def _recv_exactly(loop, sock: socket.socket, n: int) -> bytes:
-    """`n` bytes of the connection; fewer only where it ended."""
-    got = bytearray()
-    while len(got) < n and (more := await loop.sock_recv(sock, n - len(got))):
-        got += more
-    return bytes(got)
-
-
-async def _upload_status(loop, sock: socket.socket, where: str) -> bytes:
-    """The payload of an upload's next status frame (wire.status_frame);
-    UploadRefused for a status other than OK, OSError for no frame."""
-    head = await _recv_exactly(loop, sock, 5)
-    if len(head) < 5:
-        raise ConnectionError(f"{where} closed the connection")
-    n = wire.status_length(head, where)
-    payload = await _recv_exactly(loop, sock, n)
-    if len(payload) < n:
-        raise ConnectionError(f"{where} closed the connection")
-    if head[0]:
-        raise UploadRefused(head[0], payload.decode("utf-8", "replace"))
-    return payload
-
-
-def _answered(sock: socket.socket) -> bool:
-    """Whether the (non-blocking) connection has something to read now."""
-    try:
-        sock.recv(1, socket.MSG_PEEK)
-    except BlockingIOError:
-        return False
-    return True  # a byte, or its end
-
-
-async def _with_data_plane(call, target: str, used: list) -> AsyncIterator:
-    """A Fetch call's chunks, where a data ticket (the only message, next to
-    the artifact) stands for the chunks its connection brings: the stored
-    blob, raw after RAW_MAGIC (data) or one zstd stream (zstd_data), as a
-    gRPC fetch would send it. Appends to `used` once the ticket is taken;
-    _DataPlaneBroke when the connection fails or ends short of a raw blob."""
-    async for chunk in call:
-        if not (chunk.HasField("artifact") and chunk.HasField("data_ticket")):
-            yield chunk
-            continue
-        info = chunk.artifact
-        yield pb.FetchChunk(artifact=info)
-        used.append(True)
-        loop = asyncio.get_running_loop()
-        with await _dial(chunk.data_ticket, target) as sock:
-            try:
-                await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
-                piece = await _recv_piece(loop, sock)
-                raw = piece[:len(RAW_MAGIC)] == RAW_MAGIC  # else the zstd stream's first bytes
-                got, piece = 0, piece[len(RAW_MAGIC):] if raw else piece
-                while len(piece):
-                    got += len(piece)
-                    yield DataChunk(piece) if raw else DataChunk(b"", piece)
-                    piece = await _recv_piece(loop, sock)
-            except OSError as exc:
-                raise _DataPlaneBroke(f"its data plane broke off: {exc}") from None
-            if raw and got != info.size:
-                raise _DataPlaneBroke(f"its data plane sent {got} of {info.size} bytes")
-        return
 
 
 async def _idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
@@ -952,8 +847,8 @@ class WorkerService(rpc.CompileCacheServicer):
             log.info("%s takes publishes over gRPC only", self.coordinator)
             return None
         try:
-            sock = await _dial(opened.ticket, self.coordinator)
-        except _DataPlaneBroke as exc:
+            sock = await dial(opened.ticket, self.coordinator)
+        except DataPlaneBroke as exc:
             self.data_plane = False
             log.info("cannot reach the coordinator's data plane (%s); artifacts go over "
                      "gRPC from now on", exc, extra={"key": header.key})
@@ -964,18 +859,18 @@ class WorkerService(rpc.CompileCacheServicer):
 
         async def send() -> pb.PublishResponse:
             await loop.sock_sendall(sock, wire.DATA_PLANE_UPLOAD + opened.ticket.token)
-            await _upload_status(loop, sock, where)  # go
+            await upload_status(loop, sock, where)  # go
             chunk = first
             while chunk is not None:
-                if _answered(sock):  # refused before the end
-                    await _upload_status(loop, sock, where)
+                if answered(sock):  # refused before the end
+                    await upload_status(loop, sock, where)
                     raise OSError(errno.EPROTO, f"{where} answered before the last byte")
                 await loop.sock_sendall(sock, chunk.data)
                 moved[0] = time.monotonic()
                 chunk = await anext(rest, None)
             if later:
                 await loop.sock_sendall(sock, ending.digest.encode("ascii"))
-            return pb.PublishResponse.FromString(await _upload_status(loop, sock, where))
+            return pb.PublishResponse.FromString(await upload_status(loop, sock, where))
 
         with sock:
             try:
@@ -984,7 +879,7 @@ class WorkerService(rpc.CompileCacheServicer):
                                                  UPSTREAM_IDLE_S, f"the upload of {header.key}")
                 except OSError as exc:
                     with contextlib.suppress(OSError, TimeoutError):  # a refusal sent before?
-                        await asyncio.wait_for(_upload_status(loop, sock, where), 1.0)
+                        await asyncio.wait_for(upload_status(loop, sock, where), 1.0)
                     if len(self._upload_broke) >= 1024:
                         self._upload_broke.clear()
                     self._upload_broke.add((ns, header.key))
@@ -1109,7 +1004,7 @@ class WorkerService(rpc.CompileCacheServicer):
                         redirect = ""
                         chunks = stub.Fetch(request, timeout=TRANSFER_S, metadata=md)
                         if request.accept_data_ticket:  # (every other chunk passes straight on)
-                            chunks = _with_data_plane(chunks, self.coordinator, used)
+                            chunks = with_data_plane(chunks, self.coordinator, used)
                         async for chunk in _idle_timeout(
                                 chunks, PEER_IDLE_S if peer else UPSTREAM_IDLE_S):
                             if chunk.HasField("artifact") and info is None:
@@ -1143,11 +1038,11 @@ class WorkerService(rpc.CompileCacheServicer):
                             elif not chunk.HasField("artifact"):
                                 await fill.send(chunk)  # a heartbeat: pass it on
                         if used and not linked and writer.size != info.size:
-                            raise _DataPlaneBroke(f"its data plane's stream ended at byte "
+                            raise DataPlaneBroke(f"its data plane's stream ended at byte "
                                                   f"{writer.size} of {info.size}")
                         if used and not linked:
                             self.metrics.data_plane.labels("taken").inc()
-                    except _DataPlaneBroke as exc:
+                    except DataPlaneBroke as exc:
                         # The rest (or all) over gRPC, from where the download is.
                         ticket, relay = False, ""
                         if exc.unreachable:  # from here: never asked for again

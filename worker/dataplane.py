@@ -1,0 +1,122 @@
+"""The worker's end of the coordinator's data plane (coordinator/dataplane.py):
+downloads whose bytes a Fetch call's ticket stands for, and the connection
+and status frames of an upload (worker/service.py, WorkerService._upload)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+from compilecast import wire
+from compilecast.blobstore import RAW_MAGIC
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.wire import DataChunk
+
+from .client import DATA_PLANE_CONNECT_S, UploadRefused, data_plane_address
+
+DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
+
+
+class DataPlaneBroke(Exception):
+    """A download over the coordinator's data plane failed: the rest comes
+    over gRPC (an upload whose connection could not be made: all of it).
+    `unreachable`: it could not even connect (not asked again)."""
+
+    def __init__(self, why: str, unreachable: bool = False) -> None:
+        super().__init__(why)
+        self.unreachable = unreachable
+
+
+async def _recv_piece(loop, sock: socket.socket) -> memoryview:
+    """The next DATA_PLANE_PIECE bytes of the connection, received straight
+    into a buffer of their own (read-only: hashed without a copy); fewer
+    only at its end."""
+    piece = memoryview(bytearray(DATA_PLANE_PIECE))
+    n = 0
+    while n < len(piece) and (k := await loop.sock_recv_into(sock, piece[n:])):
+        n += k
+    return piece[:n].toreadonly()
+
+
+async def dial(ticket: pb.DataTicket, target: str) -> socket.socket:
+    """A non-blocking connection to the data plane of `ticket`;
+    DataPlaneBroke (unreachable) when it cannot be made."""
+    loop = asyncio.get_running_loop()
+    sock = None
+    try:
+        host, port = data_plane_address(ticket, target)
+        family, kind, proto, _, address = (await loop.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM))[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        await asyncio.wait_for(loop.sock_connect(sock, address), DATA_PLANE_CONNECT_S)
+    except (OSError, TimeoutError) as exc:
+        if sock is not None:
+            sock.close()
+        raise DataPlaneBroke(f"cannot connect to its data plane: {exc!r}",
+                              unreachable=True) from None
+    return sock
+
+
+async def _recv_exactly(loop, sock: socket.socket, n: int) -> bytes:
+    """`n` bytes of the connection; fewer only where it ended."""
+    got = bytearray()
+    while len(got) < n and (more := await loop.sock_recv(sock, n - len(got))):
+        got += more
+    return bytes(got)
+
+
+async def upload_status(loop, sock: socket.socket, where: str) -> bytes:
+    """The payload of an upload's next status frame (wire.status_frame);
+    UploadRefused for a status other than OK, OSError for no frame."""
+    head = await _recv_exactly(loop, sock, 5)
+    if len(head) < 5:
+        raise ConnectionError(f"{where} closed the connection")
+    n = wire.status_length(head, where)
+    payload = await _recv_exactly(loop, sock, n)
+    if len(payload) < n:
+        raise ConnectionError(f"{where} closed the connection")
+    if head[0]:
+        raise UploadRefused(head[0], payload.decode("utf-8", "replace"))
+    return payload
+
+
+def answered(sock: socket.socket) -> bool:
+    """Whether the (non-blocking) connection has something to read now."""
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    return True  # a byte, or its end
+
+
+async def with_data_plane(call, target: str, used: list) -> AsyncIterator:
+    """A Fetch call's chunks, where a data ticket (the only message, next to
+    the artifact) stands for the chunks its connection brings: the stored
+    blob, raw after RAW_MAGIC (data) or one zstd stream (zstd_data), as a
+    gRPC fetch would send it. Appends to `used` once the ticket is taken;
+    DataPlaneBroke when the connection fails or ends short of a raw blob."""
+    async for chunk in call:
+        if not (chunk.HasField("artifact") and chunk.HasField("data_ticket")):
+            yield chunk
+            continue
+        info = chunk.artifact
+        yield pb.FetchChunk(artifact=info)
+        used.append(True)
+        loop = asyncio.get_running_loop()
+        with await dial(chunk.data_ticket, target) as sock:
+            try:
+                await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
+                piece = await _recv_piece(loop, sock)
+                raw = piece[:len(RAW_MAGIC)] == RAW_MAGIC  # else the zstd stream's first bytes
+                got, piece = 0, piece[len(RAW_MAGIC):] if raw else piece
+                while len(piece):
+                    got += len(piece)
+                    yield DataChunk(piece) if raw else DataChunk(b"", piece)
+                    piece = await _recv_piece(loop, sock)
+            except OSError as exc:
+                raise DataPlaneBroke(f"its data plane broke off: {exc}") from None
+            if raw and got != info.size:
+                raise DataPlaneBroke(f"its data plane sent {got} of {info.size} bytes")
+        return
