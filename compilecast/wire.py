@@ -48,6 +48,7 @@ def status_length(head: bytes, where: str) -> int:
         raise OSError(errno.EPROTO, f"{where} sent no status frame")
     return n
 
+
 DATA_TAG = 0x12  # field 2, length-delimited: `data` in both FetchChunk and PublishChunk
 ZSTD_TAG = 0x22  # field 4, length-delimited: `zstd_data` in both
 assert pb.FetchChunk.DESCRIPTOR.fields_by_name["data"].number == 2
