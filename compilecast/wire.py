@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import errno
 
+import grpc
+
+from compilecast.errors import CompilecastError
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
@@ -38,6 +41,15 @@ def status_frame(code: int, payload: bytes = b"") -> bytes:
 
 
 STATUS_FRAME_MAX = 1 << 20  # a longer payload is not a status frame
+
+
+def refusal_frame(exc: BaseException, where: str) -> bytes:
+    """The status frame of an upload that failed with `exc`: a
+    CompilecastError's status and message, anything else (a bug, logged by
+    the caller) INTERNAL without its details."""
+    if isinstance(exc, CompilecastError):
+        return status_frame(exc.code.value[0], str(exc).encode()[:4096])
+    return status_frame(grpc.StatusCode.INTERNAL.value[0], f"{where}: internal error".encode())
 
 
 def status_length(head: bytes, where: str) -> int:

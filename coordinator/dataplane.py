@@ -54,8 +54,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
 from compilecast import validate
 from compilecast.blobstore import CHUNK, RAW_MAGIC, DiskBlobStore
 from compilecast.errors import CompilecastError
@@ -63,7 +61,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_REQUEST as REQUEST_MAGIC
 from compilecast.wire import DATA_PLANE_TOKEN_BYTES as TOKEN_BYTES
 from compilecast.wire import DATA_PLANE_UPLOAD as UPLOAD_MAGIC
-from compilecast.wire import DataChunk, status_frame
+from compilecast.wire import DataChunk, refusal_frame, status_frame
 
 from .metrics import CoordinatorMetrics
 
@@ -243,16 +241,13 @@ class DataPlane:
             await writer.drain()
             try:
                 info = await upload.publish(header, chunks())
-            except CompilecastError as exc:
-                self.metrics.data_uploads.labels("refused").inc()
-                reply = status_frame(exc.code.value[0], str(exc).encode()[:4096])
             except OSError:
                 raise
-            except Exception:
-                log.exception("data plane: the upload of %s failed", header.key)
+            except Exception as exc:
+                if not isinstance(exc, CompilecastError):
+                    log.exception("data plane: the upload of %s failed", header.key)
                 self.metrics.data_uploads.labels("refused").inc()
-                reply = status_frame(grpc.StatusCode.INTERNAL.value[0],
-                                     b"OpenUpload: internal error")
+                reply = refusal_frame(exc, "OpenUpload")
             else:
                 self.metrics.data_uploads.labels("published").inc()
                 reply = status_frame(0, pb.PublishResponse(artifact=info).SerializeToString())

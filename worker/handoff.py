@@ -44,7 +44,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-import grpc
 from prometheus_client import Counter
 
 from compilecast.blobstore import CHUNK
@@ -52,7 +51,7 @@ from compilecast.errors import CompilecastError, InvalidRequest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_HANDOFF as MAGIC
 from compilecast.wire import DATA_PLANE_TOKEN_BYTES as TOKEN_BYTES
-from compilecast.wire import DataChunk, status_frame
+from compilecast.wire import DataChunk, refusal_frame, status_frame
 
 log = logging.getLogger(__name__)
 
@@ -175,23 +174,23 @@ class Handoffs:
                     self._counted.labels("unknown_ticket").inc()
                     return
                 try:
-                    reply = await self._published(loop, conn, ticket, fd)
+                    reply = await self._publish_file(loop, conn, ticket, fd)
                 except OSError as exc:  # not mapped: closed without a byte, gRPC next
                     log.warning("handoff: cannot map the file of %s (%s)", ticket.header.key,
                                 exc)
                     return
                 self._counted.labels("refused" if reply[0] else "published").inc()
             with contextlib.suppress(OSError):  # the client gone: the publish stands
-                await _reply(loop, conn, reply)
+                await loop.sock_sendall(conn, reply)
 
-    async def _published(self, loop, conn: socket.socket, ticket: _Ticket, fd: int) -> bytes:
+    async def _publish_file(self, loop, conn: socket.socket, ticket: _Ticket, fd: int) -> bytes:
         """The publish of the file `fd` under `ticket`, as the frame to answer
         with; heartbeats to `conn` meanwhile."""
         header = ticket.header
         try:
             mapped = _mapped(fd, header.size)
         except CompilecastError as exc:
-            return status_frame(exc.code.value[0], str(exc).encode()[:4096])
+            return refusal_frame(exc, "handoff")
         task = asyncio.ensure_future(self._publish(ticket.ns, ticket.md, header,
                                                    _chunks(mapped)))
         try:
@@ -200,13 +199,12 @@ class Handoffs:
                 if done:
                     break
                 with contextlib.suppress(OSError):  # its client gone: the publish goes on
-                    await _reply(loop, conn, status_frame(0))
+                    await loop.sock_sendall(conn, status_frame(0))
             resp = task.result()
-        except CompilecastError as exc:
-            return status_frame(exc.code.value[0], str(exc).encode()[:4096])
-        except Exception:
-            log.exception("handoff: the publish of %s failed", header.key)
-            return status_frame(grpc.StatusCode.INTERNAL.value[0], b"handoff: internal error")
+        except Exception as exc:
+            if not isinstance(exc, CompilecastError):
+                log.exception("handoff: the publish of %s failed", header.key)
+            return refusal_frame(exc, "handoff")
         finally:
             if not task.done():  # cancelled (a stop): so is the publish
                 task.cancel()
@@ -243,10 +241,6 @@ async def _readable(loop, conn: socket.socket) -> None:
         await ready
     finally:
         loop.remove_reader(conn.fileno())
-
-
-async def _reply(loop, conn: socket.socket, frame: bytes) -> None:
-    await loop.sock_sendall(conn, frame)
 
 
 def _mapped(fd: int, size: int) -> mmap.mmap:
