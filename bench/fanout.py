@@ -1,6 +1,7 @@
 """Fan-out: N workers fetch the same artifact at once.
 
     python bench/fanout.py [--mb 256] [--workers 16] [--compressible]
+    python bench/fanout.py --fanouts 2 --relay-data-plane on off --repeat 2
     sudo python bench/fanout.py --link-mbps 200 --fanouts 0 1 2   # hosts with NICs of their own
 
 For relay fan-out 0 (every worker fetches from the coordinator) and 2 (the
@@ -21,6 +22,11 @@ this machine's 2 cores, bound what moves, and the time target (all N within
 2x one fetch) can be read. The clients reach their worker over its unix
 socket, as a host's JAX processes do. The cores every process used meanwhile
 are printed, to show the CPU was not the limit.
+
+With --relay-data-plane on off, each fan-out runs with the workers' relay
+data plane (peers take what a worker relays over plain TCP with sendfile,
+worker/relayplane.py; the default) and without it (relays over gRPC), in
+turn, --repeat times: the workers' CPU for the whole fan-out is printed too.
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
 
 
 def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0,
-        host_cpus: float = 0, kill_after: float = 0, chain_bytes: str = "") -> dict:
+        host_cpus: float = 0, kill_after: float = 0, chain_bytes: str = "",
+        relay_plane: str = "on") -> dict:
     root = Path(tempfile.mkdtemp(prefix="cc-fanout-"))
     net = Network(link_mbps, host_cpus) if link_mbps or host_cpus else None
     host = (lambda name: net.host(name)) if net else (lambda name: None)
@@ -78,7 +85,8 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
             h = host(f"w{i}")
             addr = f"{h.ip if h else '127.0.0.1'}:{free_port()}"
             target, proc = stack.worker(coord, f"w{i}", host=h, extra=(
-                "--relay-listen", addr, "--relay-advertise", addr))
+                "--relay-listen", addr, "--relay-advertise", addr,
+                "--relay-data-listen", "auto" if relay_plane == "on" else "off"))
             workers.append((target, h))
             procs.append(proc)
         # --kill-after: one worker (SIGKILL) while the others relay through it.
@@ -86,6 +94,7 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
         killer = threading.Timer(kill_after, procs[n // 2].kill) if kill_after else None
         before = egress(mport, stack.ip)
         cpu0 = sum(cpu_seconds(p.pid) for p in stack.procs) + own_cpu_seconds()
+        workers_cpu0 = sum(cpu_seconds(p.pid) for p in procs)
         errors: list = []
 
         def one(t: str, h) -> None:
@@ -107,9 +116,10 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
             t.join()
         wall = time.perf_counter() - t0
         cores = (sum(cpu_seconds(p.pid) for p in stack.procs) + own_cpu_seconds() - cpu0) / wall
+        workers_cpu = sum(cpu_seconds(p.pid) for p in procs if p.poll() is None) - workers_cpu0
         if errors:
             raise RuntimeError(errors[0])
-        return {"single_s": single, "all_s": wall, "cores": cores,
+        return {"single_s": single, "all_s": wall, "cores": cores, "workers_cpu_s": workers_cpu,
                 "egress_x": (egress(mport, stack.ip) - before) / (mb << 20)}
     finally:
         if stack:
@@ -155,6 +165,10 @@ def main() -> None:
     ap.add_argument("--kill-after", type=float, default=0,
                     help="SIGKILL one worker this many seconds into the fetch: what the others "
                          "pay for a relay that dies (times are then of the other N-1)")
+    ap.add_argument("--relay-data-plane", nargs="+", choices=("on", "off"), default=["on"],
+                    help="the workers' relay data plane (on: peers take relays over plain TCP "
+                         "with sendfile, the default; off: over gRPC), each in turn")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each setting, alternating")
     args = ap.parse_args()
     if (args.link_mbps or args.host_cpus) and (why := available(args.host_cpus)):
         sys.exit(f"fanout: emulated hosts: {why}")
@@ -171,13 +185,17 @@ def main() -> None:
           f"{'compressible ' if args.compressible else ''}artifact at once, {where}"
           + (f"; one worker killed {args.kill_after:g}s in" if args.kill_after else ""))
     for fanout in args.fanouts:
-        r = run(fanout, args.mb, args.workers, args.compressible, args.link_mbps,
-                args.host_cpus, args.kill_after, args.relay_chain_bytes)
-        ready = f"the other {args.workers - 1}" if args.kill_after else f"all {args.workers}"
-        print(f"relay fan-out {fanout}: {ready} hold it in {r['all_s']:6.1f}s "
-              f"({r['all_s'] / r['single_s']:.2f}x one fetch alone, {r['single_s']:.2f}s); "
-              f"coordinator egress {r['egress_x']:.1f}x the artifact; "
-              f"cores used {r['cores']:.2f} (of {os.cpu_count()})", flush=True)
+        for _ in range(args.repeat):
+            for plane in args.relay_data_plane:
+                r = run(fanout, args.mb, args.workers, args.compressible, args.link_mbps,
+                        args.host_cpus, args.kill_after, args.relay_chain_bytes, plane)
+                ready = f"the other {args.workers - 1}" if args.kill_after \
+                    else f"all {args.workers}"
+                print(f"relay fan-out {fanout}, relay data plane {plane}: {ready} hold it in "
+                      f"{r['all_s']:6.1f}s ({r['all_s'] / r['single_s']:.2f}x one fetch alone, "
+                      f"{r['single_s']:.2f}s); coordinator egress {r['egress_x']:.1f}x the "
+                      f"artifact; workers' CPU {r['workers_cpu_s']:.1f}s; cores used "
+                      f"{r['cores']:.2f} (of {os.cpu_count()})", flush=True)
 
 
 if __name__ == "__main__":

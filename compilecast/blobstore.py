@@ -820,6 +820,22 @@ class DiskBlobStore:
         f.close()
         return None
 
+    def open_sendable(self, digest: str, zstd_ok: bool):
+        """open_trusted, for a sender whose reader takes the file as it is
+        stored: None for a zstd blob unless `zstd_ok` (that reader must get
+        decoded bytes, over gRPC)."""
+        f = self.open_trusted(digest)
+        if f is None:
+            return None
+        try:
+            if zstd_ok or f.read(len(RAW_MAGIC)) == RAW_MAGIC:
+                f.seek(0)
+                return f
+        except OSError:
+            pass
+        f.close()
+        return None
+
     def read_bytes(self, digest: str) -> bytes:
         return b"".join(self.read(digest))
 

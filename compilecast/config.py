@@ -256,6 +256,12 @@ class WorkerConfig:
     relay_advertise: str = field(
         default="", metadata=_help("host:port other workers dial for relayed artifacts "
                                    "(default: this host's name and relay_listen's port)"))
+    relay_data_listen: str = field(
+        default="auto", metadata=_help(
+            "host:port where this worker sends what it relays to peer workers over plain "
+            "TCP with sendfile, when they ask (peers dial it on the host they reach the relay "
+            "at; auto: relay_listen's host, any free port; off: relays over gRPC only; "
+            "always off with TLS)"))
 
     def validate(self) -> None:
         _positive(self, "cache_max_bytes", "rpc_timeout_s", "revocation_poll_s",
@@ -264,6 +270,8 @@ class WorkerConfig:
             _hostport(self.relay_listen, "relay_listen")
         if self.relay_advertise:
             _hostport(self.relay_advertise, "relay_advertise")
+        if self.relay_data_listen not in ("auto", "off"):
+            _hostport(self.relay_data_listen, "relay_data_listen")
         _not_negative(self, "share_binary_between_hosts_timeout_ms", "store_reverify_s",
                       "cache_min_free_bytes", "decide_gap_ms")
         _pair(self, "coordinator_cert_file", "coordinator_key_file")

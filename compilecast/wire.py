@@ -14,7 +14,10 @@ anything else go through protobuf.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
+import socket
 
 import grpc
 
@@ -32,6 +35,23 @@ DATA_PLANE_UPLOAD = b"CCPUT01\n"
 # ... and on a worker's handoff socket (worker/handoff.py), a process hands a
 # sealed file with these 8 bytes and the token.
 DATA_PLANE_HANDOFF = b"CCFDS01\n"
+
+
+async def data_plane_request(reader, writer, timeout_s: float,
+                             unacked_s: float) -> tuple[bytes, bytes] | None:
+    """The 8 magic bytes and the token a data plane connection (asyncio's
+    `reader` and `writer`) begins with; None when they do not come within
+    `timeout_s`. A peer that takes nothing sent for `unacked_s` is dropped
+    from then on (TCP_USER_TIMEOUT)."""
+    with contextlib.suppress(OSError, AttributeError):
+        writer.get_extra_info("socket").setsockopt(
+            socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(unacked_s * 1000))
+    try:
+        request = await asyncio.wait_for(
+            reader.readexactly(len(DATA_PLANE_REQUEST) + DATA_PLANE_TOKEN_BYTES), timeout_s)
+    except (TimeoutError, asyncio.IncompleteReadError, OSError):
+        return None
+    return request[:len(DATA_PLANE_REQUEST)], request[len(DATA_PLANE_REQUEST):]
 
 
 def status_frame(code: int, payload: bytes = b"") -> bytes:

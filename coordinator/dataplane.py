@@ -55,13 +55,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from compilecast import validate
-from compilecast.blobstore import CHUNK, RAW_MAGIC, DiskBlobStore
+from compilecast.blobstore import CHUNK, DiskBlobStore
 from compilecast.errors import CompilecastError
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_REQUEST as REQUEST_MAGIC
 from compilecast.wire import DATA_PLANE_TOKEN_BYTES as TOKEN_BYTES
 from compilecast.wire import DATA_PLANE_UPLOAD as UPLOAD_MAGIC
-from compilecast.wire import DataChunk, refusal_frame, status_frame
+from compilecast.wire import DataChunk, data_plane_request, refusal_frame, status_frame
 
 from .metrics import CoordinatorMetrics
 
@@ -132,25 +132,12 @@ class DataPlane:
         self._expire()
         if len(self._tickets) >= MAX_TICKETS:
             return None
-        f = await asyncio.to_thread(self._open, info.digest, zstd_ok)
+        f = await asyncio.to_thread(self.store.open_sendable, info.digest, zstd_ok)
         if f is None:
             return None
         token = secrets.token_bytes(TOKEN_BYTES)
         self._tickets[token] = _Ticket(f, time.monotonic() + TICKET_S)
         return pb.DataTicket(address=self.address, token=token)
-
-    def _open(self, digest: str, zstd_ok: bool):
-        f = self.store.open_trusted(digest)
-        if f is None:
-            return None
-        try:
-            if zstd_ok or f.read(len(RAW_MAGIC)) == RAW_MAGIC:
-                f.seek(0)
-                return f
-        except OSError:
-            pass
-        f.close()
-        return None
 
     def upload_ticket(self, header: pb.PublishHeader, publish: Publish) -> pb.DataTicket | None:
         """A ticket for one upload of the artifact `header` describes (a
@@ -180,17 +167,12 @@ class DataPlane:
             if len(self._sends) > MAX_CONNECTIONS:  # a flood of connections without tokens
                 self.metrics.data_plane.labels("refused").inc()
                 return
-            sock = writer.get_extra_info("socket")
-            with contextlib.suppress(OSError, AttributeError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, UNACKED_S * 1000)
-            try:
-                request = await asyncio.wait_for(
-                    reader.readexactly(len(REQUEST_MAGIC) + TOKEN_BYTES), REQUEST_S)
-            except (TimeoutError, asyncio.IncompleteReadError, OSError):
+            request = await data_plane_request(reader, writer, REQUEST_S, UNACKED_S)
+            if request is None:
                 self.metrics.data_plane.labels("refused").inc()
                 return
             self._expire()
-            magic, token = request[:len(REQUEST_MAGIC)], request[len(REQUEST_MAGIC):]
+            magic, token = request
             if magic == UPLOAD_MAGIC and (upload := self._uploads.pop(token, None)) is not None:
                 await self._take_upload(upload, writer)
                 return

@@ -123,6 +123,19 @@ def test_tls_coordinator_refuses_plaintext_and_serves_tls_clients(start_coordina
     assert tls.fetch("k")[1] == DATA
 
 
+def test_no_relay_data_plane_where_the_relay_serves_tls(start_coordinator, start_worker, pki):
+    """A worker whose relay port serves TLS sends no relay over its plain
+    TCP data plane: its tickets would travel in the clear."""
+    from compilecast.launch import free_port
+
+    coordinator = start_coordinator()
+    port = free_port()
+    worker = start_worker(coordinator.cfg.listen, tls_cert_file=str(pki / "server.pem"),
+                          tls_key_file=str(pki / "server.key"),
+                          relay_listen=f"127.0.0.1:{port}", relay_advertise=f"127.0.0.1:{port}")
+    assert worker.relay_server is not None and worker.service.relay_plane is None
+
+
 def test_mtls_requires_a_client_certificate(start_coordinator, pki, start_worker):
     c = start_coordinator(tls_cert_file=str(pki / "server.pem"),
                           tls_key_file=str(pki / "server.key"),

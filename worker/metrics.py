@@ -104,10 +104,18 @@ class WorkerMetrics:
             "Artifacts dropped from the host cache because an operator purged them",
             registry=registry,
         )
+        self.relay_data_plane = Counter(
+            "compilecast_worker_relay_data_plane",
+            "Relays to peer workers over this worker's relay data plane: offered (a ticket "
+            "given), sent (the whole artifact), short (the download it followed failed, or "
+            "the peer left), refused (a connection without a valid ticket)",
+            ["result"], registry=registry,
+        )
         self.relays = Counter(
             "compilecast_worker_relays",
-            "Downloads the coordinator pointed at a peer worker (redirected), and those that "
-            "went back to the coordinator because the peer failed (fallback)",
+            "Downloads the coordinator pointed at a peer worker (redirected), those that came "
+            "whole over the peer's relay data plane (data_plane), and those that went back to "
+            "the coordinator because the peer failed (fallback)",
             ["event"], registry=registry,
         )
         self.uncached = Counter(

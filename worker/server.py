@@ -18,6 +18,7 @@ from . import handoff
 from .handoff import Handoffs
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
+from .relayplane import RelayPlane
 from .service import RelayService, WorkerService
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class Worker(Role):
             await self.relay_server.start()
             log.info("relaying artifacts to peer workers on %s (as %s)", cfg.relay_listen,
                      relay_address)
+            await self._relay_plane(creds)
         if address.startswith("unix://"):
             os.chmod(address.removeprefix("unix://"), 0o660)
             if handoff.supported():  # this host's processes hand their publishes over
@@ -100,6 +102,21 @@ class Worker(Role):
         self._revocations = asyncio.create_task(
             self.service.sync_revocations(self.cfg.revocation_poll_s))
         self._keep_free = asyncio.create_task(self._give_way())
+
+    async def _relay_plane(self, creds) -> None:
+        """The relay's data plane (worker/relayplane.py), unless it is off."""
+        cfg = self.cfg
+        if cfg.relay_data_listen == "off":
+            return
+        if creds is not None:  # its tokens would cross the network in the clear
+            log.info("relay data plane off: the relay serves TLS, so relays go over gRPC")
+            return
+        address = cfg.relay_data_listen
+        if address == "auto":
+            address = cfg.relay_listen.rpartition(":")[0] + ":0"
+        plane = RelayPlane(address, self.metrics.relay_data_plane)
+        await plane.start()
+        self.service.relay_plane = plane
 
     async def _give_way(self) -> None:
         """The host's jobs come first: while their files leave the disk with
@@ -119,6 +136,8 @@ class Worker(Role):
             await self.service.handoffs.stop()
         if self.relay_server is not None:
             await self.relay_server.stop(2.0)
+        if self.service.relay_plane is not None:
+            await self.service.relay_plane.stop()
         await self.service.close()
 
 

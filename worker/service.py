@@ -31,6 +31,7 @@ from compilecast import decide, validate, wire
 from compilecast.blobstore import (
     OUT_OF_SPACE,
     PROBE,
+    RAW_MAGIC,
     Inflate,
     amake_room,
     aread,
@@ -58,12 +59,14 @@ from .decisions import HostDecisions
 from .handoff import Handoffs
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
+from .relayplane import RelayPlane
 from .waits import HostWaits
 
 log = logging.getLogger(__name__)
 
 DEGRADED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 MAX_DECIDERS = 64  # upstream Decide streams kept open (one per caller credential)
+MAX_PEERS_NOTED = 4096  # peers remembered for a relay data plane that could not be reached
 
 
 class _Backlog:
@@ -383,10 +386,15 @@ class RelayService(rpc.CompileCacheServicer):
     def __init__(self, worker: WorkerService) -> None:
         self.worker = worker
 
+    @rpc_errors
     async def Fetch(self, request, context):
         if self.worker.token and not token_from(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "relay fetches need a token")
+        head = await self.worker.relay_ticket(request, context)
+        if head is not None:
+            yield head
+            return
         async for chunk in self.worker.Fetch(request, context):
             for piece in relay_pieces(chunk):
                 yield piece
@@ -452,6 +460,11 @@ async def _following(fill: _Fill, available: int):
     yield pb.FetchChunk(artifact=info, local_available=info.size)
 
 
+def _matches(info: pb.ArtifactInfo | None, digest: str) -> bool:
+    """Whether `info` is the artifact a fetch asking for `digest` (or any) wants."""
+    return info is not None and (not digest or info.digest == digest)
+
+
 def _relay(exc: grpc.aio.AioRpcError | UploadRefused) -> UpstreamError:
     """The coordinator's status for our caller; a stream reset or an upstream
     bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
@@ -497,6 +510,9 @@ class WorkerService(rpc.CompileCacheServicer):
         self.data_plane_uploads = True
         self._upload_broke: set[tuple[str, str]] = set()
         self.handoffs: Handoffs | None = None  # publishes handed over as files (server.py)
+        self.relay_plane: RelayPlane | None = None  # relays sent with sendfile (server.py)
+        # Peers whose relay data plane could not be connected to: relayed over gRPC.
+        self._no_relay_plane: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self._retiring: set[Decider] = set()  # evicted, closed once their waits end
@@ -996,15 +1012,16 @@ class WorkerService(rpc.CompileCacheServicer):
                                               relay_address="" if peer else relay,
                                               offset=0 if peer else writer.size,
                                               accept_zstd=not writer.size,
-                                              accept_data_ticket=(ticket and not peer
-                                                                  and not writer.size))
+                                              accept_data_ticket=not writer.size and (
+                                                  peer not in self._no_relay_plane if peer
+                                                  else ticket))
                     stub = self._peer(peer) if peer else self.up
                     used: list = []
                     try:
                         redirect = ""
                         chunks = stub.Fetch(request, timeout=TRANSFER_S, metadata=md)
                         if request.accept_data_ticket:  # (every other chunk passes straight on)
-                            chunks = with_data_plane(chunks, self.coordinator, used)
+                            chunks = with_data_plane(chunks, peer or self.coordinator, used)
                         async for chunk in _idle_timeout(
                                 chunks, PEER_IDLE_S if peer else UPSTREAM_IDLE_S):
                             if chunk.HasField("artifact") and info is None:
@@ -1041,19 +1058,30 @@ class WorkerService(rpc.CompileCacheServicer):
                             raise DataPlaneBroke(f"its data plane's stream ended at byte "
                                                   f"{writer.size} of {info.size}")
                         if used and not linked:
-                            self.metrics.data_plane.labels("taken").inc()
+                            (self.metrics.relays.labels("data_plane") if peer
+                             else self.metrics.data_plane.labels("taken")).inc()
                     except DataPlaneBroke as exc:
-                        # The rest (or all) over gRPC, from where the download is.
-                        ticket, relay = False, ""
-                        if exc.unreachable:  # from here: never asked for again
-                            self.data_plane = False
                         if inflate is not None:
                             await inflate.cut(key, "its zstd stream from the data plane was "
                                                    "cut off")
-                        self.metrics.data_plane.labels("fallback").inc()
-                        log.warning("download of %s: %s; fetching %s over gRPC", key,
-                                    exc, "the rest" if writer.size else "it",
-                                    extra={"key": key})
+                        if peer and exc.unreachable:  # that peer over gRPC, from here on
+                            if len(self._no_relay_plane) < MAX_PEERS_NOTED:
+                                self._no_relay_plane.add(peer)
+                            log.warning("download of %s: %s's relay data plane: %s; relayed "
+                                        "over gRPC", key, peer, exc, extra={"key": key})
+                        elif peer:  # as for a failed relay: the rest from the coordinator
+                            self.metrics.relays.labels("fallback").inc()
+                            log.warning("relay of %s from %s: %s; fetching the rest from the "
+                                        "coordinator", key, peer, exc, extra={"key": key})
+                            peer, relay = "", ""
+                        else:  # the rest (or all) over gRPC, from where the download is
+                            ticket, relay = False, ""
+                            if exc.unreachable:  # from here: never asked for again
+                                self.data_plane = False
+                            self.metrics.data_plane.labels("fallback").inc()
+                            log.warning("download of %s: %s; fetching %s over gRPC", key,
+                                        exc, "the rest" if writer.size else "it",
+                                        extra={"key": key})
                         continue
                     except (grpc.aio.AioRpcError, TimeoutError) as exc:
                         if not peer:
@@ -1243,6 +1271,45 @@ class WorkerService(rpc.CompileCacheServicer):
             fill.leave(reader)
         async for chunk in self._following(fill, available):
             yield chunk
+
+    async def relay_ticket(self, request, context) -> pb.FetchChunk | None:
+        """For a peer's relay Fetch that takes a data ticket: the artifact's
+        header with a ticket of this worker's relay data plane, where its
+        bytes are in a file sent as it stands (worker/relayplane.py): the
+        host cache file of a download under way, once it is stored raw, or
+        the committed blob. None: the fetch goes on over gRPC."""
+        if self.relay_plane is None or not request.accept_data_ticket:
+            return None
+        validate.key(request.key)
+        if request.digest:
+            validate.digest(request.digest)
+        ns, _ = self._credential(context)
+        fill = self._fills.get((ns, request.key))
+        if fill is not None:
+            # Its header and first raw write come within moments of its start.
+            deadline = time.monotonic() + HEARTBEAT_S
+            while not fill.finished and fill.readable() is None and fill.zstd is not True \
+                    and await fill.changed(deadline - time.monotonic()):
+                pass
+            info = fill.info
+            if fill.readable() is not None and _matches(info, request.digest):
+                try:
+                    f = await asyncio.to_thread(open, fill.writer.path, "rb")
+                except OSError:  # committed (renamed) meanwhile: the gRPC path reads the blob
+                    return None
+                ticket = self.relay_plane.offer(f, len(RAW_MAGIC) + info.size, fill)
+                return pb.FetchChunk(artifact=info, data_ticket=ticket) if ticket else None
+            if not fill.finished:  # a zstd stream, or not kept: the peer follows it over gRPC
+                return None
+        info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
+        if info is None or not _matches(info, request.digest):
+            return None
+        f = await asyncio.to_thread(self.cache.store.open_sendable, info.digest,
+                                    request.accept_zstd)
+        if f is None:
+            return None
+        ticket = self.relay_plane.offer(f, os.fstat(f.fileno()).st_size)
+        return pb.FetchChunk(artifact=info, data_ticket=ticket) if ticket else None
 
     def _following(self, fill: _Fill, available: int):
         self.metrics.growing_files.inc()
