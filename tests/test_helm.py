@@ -95,6 +95,24 @@ def test_share_binary_timeout_and_lease_ttl_reach_the_processes():
     assert env_from[0]["configMapRef"]["name"] == cm["metadata"]["name"]
 
 
+def test_the_relay_data_plane_port_reaches_the_worker():
+    def worker(*sets: str) -> tuple[list[str], set[int]]:
+        (ds,) = by_kind(render(None, *sets), "DaemonSet")
+        (c,) = ds["spec"]["template"]["spec"]["containers"]
+        return c["args"], {p["containerPort"] for p in c["ports"]}
+
+    args, ports = worker()
+    assert "--relay-data-listen=0.0.0.0:7644" in args and 7644 in ports
+    args, ports = worker("worker.relay.dataPort=0")
+    assert "--relay-data-listen=off" in args and 7644 not in ports
+    # The flags parse as the worker's settings.
+    from compilecast.cli import build_parser
+
+    flags = [a for a in worker("worker.relay.dataPort=7777")[0] if a.startswith("--relay")]
+    parsed = build_parser().parse_args(["worker", "--coordinator", "c:1", *flags])
+    assert parsed.relay_data_listen == "0.0.0.0:7777"
+
+
 def test_the_relay_fanout_reaches_the_coordinator_as_a_setting_it_reads():
     from compilecast.config import CoordinatorConfig, load
 

@@ -28,14 +28,30 @@ class DataPlaneBroke(Exception):
         self.unreachable = unreachable
 
 
-async def _recv_piece(loop, sock: socket.socket) -> memoryview:
-    """The next DATA_PLANE_PIECE bytes of the connection, received straight
-    into a buffer of their own (read-only: hashed without a copy); fewer
-    only at its end."""
+RELAY_LEAST = 64 << 10  # from a peer, bytes go on once this many have come (see _recv_piece)
+
+
+async def _recv_piece(loop, sock: socket.socket, least: int = DATA_PLANE_PIECE) -> memoryview:
+    """The next bytes of the connection, received straight into a buffer of
+    their own (read-only: hashed without a copy): DATA_PLANE_PIECE, or as
+    many as have come once there are `least` and no more wait to be read;
+    fewer only at its end. A relay passes on only what it holds, so each hop
+    of a chain delays the stream by a piece's time on its link: from a peer,
+    what came, not a whole piece (on a fast link the pieces fill anyway)."""
     piece = memoryview(bytearray(DATA_PLANE_PIECE))
     n = 0
-    while n < len(piece) and (k := await loop.sock_recv_into(sock, piece[n:])):
+    while n < len(piece):
+        try:
+            k = sock.recv_into(piece[n:])
+        except BlockingIOError:
+            if n >= least:
+                break
+            k = await loop.sock_recv_into(sock, piece[n:])
+        if not k:
+            break
         n += k
+    if n <= len(piece) // 4:  # a few of these would hold many whole buffers
+        return memoryview(bytes(piece[:n]))
     return piece[:n].toreadonly()
 
 
@@ -91,12 +107,14 @@ def answered(sock: socket.socket) -> bool:
     return True  # a byte, or its end
 
 
-async def with_data_plane(call, target: str, used: list) -> AsyncIterator:
+async def with_data_plane(call, target: str, used: list,
+                          least: int = DATA_PLANE_PIECE) -> AsyncIterator:
     """A Fetch call's chunks, where a data ticket (the only message, next to
     the artifact) stands for the chunks its connection brings: the stored
     blob, raw after RAW_MAGIC (data) or one zstd stream (zstd_data), as a
     gRPC fetch would send it. Appends to `used` once the ticket is taken;
-    DataPlaneBroke when the connection fails or ends short of a raw blob."""
+    DataPlaneBroke when the connection fails or ends short of a raw blob.
+    `least`: see _recv_piece."""
     async for chunk in call:
         if not (chunk.HasField("artifact") and chunk.HasField("data_ticket")):
             yield chunk
@@ -108,13 +126,13 @@ async def with_data_plane(call, target: str, used: list) -> AsyncIterator:
         with await dial(chunk.data_ticket, target) as sock:
             try:
                 await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
-                piece = await _recv_piece(loop, sock)
+                piece = await _recv_piece(loop, sock, least)
                 raw = piece[:len(RAW_MAGIC)] == RAW_MAGIC  # else the zstd stream's first bytes
                 got, piece = 0, piece[len(RAW_MAGIC):] if raw else piece
                 while len(piece):
                     got += len(piece)
                     yield DataChunk(piece) if raw else DataChunk(b"", piece)
-                    piece = await _recv_piece(loop, sock)
+                    piece = await _recv_piece(loop, sock, least)
             except OSError as exc:
                 raise DataPlaneBroke(f"its data plane broke off: {exc}") from None
             if raw and got != info.size:

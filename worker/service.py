@@ -54,7 +54,15 @@ from compilecast.wire import DataChunk
 
 from . import client
 from .client import UploadRefused
-from .dataplane import DataPlaneBroke, answered, dial, upload_status, with_data_plane
+from .dataplane import (
+    DATA_PLANE_PIECE,
+    RELAY_LEAST,
+    DataPlaneBroke,
+    answered,
+    dial,
+    upload_status,
+    with_data_plane,
+)
 from .decisions import HostDecisions
 from .handoff import Handoffs
 from .hostcache import HostCache
@@ -1021,7 +1029,8 @@ class WorkerService(rpc.CompileCacheServicer):
                         redirect = ""
                         chunks = stub.Fetch(request, timeout=TRANSFER_S, metadata=md)
                         if request.accept_data_ticket:  # (every other chunk passes straight on)
-                            chunks = with_data_plane(chunks, peer or self.coordinator, used)
+                            chunks = with_data_plane(chunks, peer or self.coordinator, used,
+                                                     RELAY_LEAST if peer else DATA_PLANE_PIECE)
                         async for chunk in _idle_timeout(
                                 chunks, PEER_IDLE_S if peer else UPSTREAM_IDLE_S):
                             if chunk.HasField("artifact") and info is None:
