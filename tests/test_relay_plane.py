@@ -15,13 +15,14 @@ import grpc
 import pytest
 
 from compilecast.blobstore import RAW_MAGIC
+from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DATA_PLANE_REQUEST
 from compilecast.worker.client import CacheClient
 from compilecast.worker.relayplane import RelayPlane
 
-from .test_relay import SIZE, egress, fetch_all, publish, relaying_worker
+from .test_relay import SIZE, egress, fetch_all, publish
 
 
 def sample(worker, name: str, label: str, value: str) -> float:
@@ -36,10 +37,8 @@ def test_peers_take_relays_over_the_relay_data_plane(start_coordinator, start_wo
     coordinator = start_coordinator(relay_fanout=2)
     data = os.urandom(SIZE)
     publish(coordinator, "big", data)
-    workers = [relaying_worker(start_worker, coordinator, f"w{i}") if plane == "auto" else
-               start_worker(coordinator.cfg.listen, f"w{i}", relay_data_listen="off",
-                            **relaying_worker_config())
-               for i in range(6)]
+    workers = [start_worker(coordinator.cfg.listen, f"w{i}", relay_data_listen=plane,
+                            **relaying_worker_config()) for i in range(6)]
     before = egress(coordinator)
     assert fetch_all([w.target for w in workers], "big") == [data] * 6
     assert egress(coordinator) - before <= 2 * SIZE
@@ -60,10 +59,14 @@ def test_peers_take_relays_over_the_relay_data_plane(start_coordinator, start_wo
 
 
 def relaying_worker_config() -> dict:
-    from compilecast.launch import free_port
-
     port = free_port()
     return {"relay_listen": f"127.0.0.1:{port}", "relay_advertise": f"127.0.0.1:{port}"}
+
+
+def plane_worker(start_worker, coordinator, name: str):
+    """A relaying worker with its relay data plane on (off by default)."""
+    return start_worker(coordinator.cfg.listen, name, relay_data_listen="auto",
+                        **relaying_worker_config())
 
 
 def test_a_relay_plane_that_cannot_be_reached_relays_over_grpc(start_coordinator,
@@ -74,10 +77,10 @@ def test_a_relay_plane_that_cannot_be_reached_relays_over_grpc(start_coordinator
     coordinator = start_coordinator(relay_fanout=2)
     data = os.urandom(4 << 20)
     publish(coordinator, "k", data)
-    first = relaying_worker(start_worker, coordinator, "first")
+    first = plane_worker(start_worker, coordinator, "first")
     assert CacheClient(first.target).fetch("k")[1] == data
     first.lt.run(_close_server(first.service.relay_plane))
-    second = relaying_worker(start_worker, coordinator, "second")
+    second = plane_worker(start_worker, coordinator, "second")
     before = egress(coordinator)
     assert CacheClient(second.target).fetch("k")[1] == data
     assert egress(coordinator) == before  # relayed, over gRPC
@@ -126,7 +129,7 @@ def test_a_relay_plane_that_breaks_off_costs_the_rest_from_the_coordinator(
         # The peer asks first, so the coordinator points later fetchers at it.
         list(CacheClient(coordinator.cfg.listen).stub.Fetch(
             pb.FetchRequest(key="cut", relay_address=f"127.0.0.1:{port}")))
-        worker = relaying_worker(start_worker, coordinator, "w")
+        worker = plane_worker(start_worker, coordinator, "w")
         before = egress(coordinator)
         assert CacheClient(worker.target, timeout_s=60).fetch("cut")[1] == data
         assert asked == [True]
@@ -141,7 +144,7 @@ def test_a_relay_plane_that_breaks_off_costs_the_rest_from_the_coordinator(
 def test_a_relay_plane_connection_without_a_valid_ticket_gets_nothing(
         start_coordinator, start_worker):
     coordinator = start_coordinator(relay_fanout=2)
-    worker = relaying_worker(start_worker, coordinator, "w")
+    worker = plane_worker(start_worker, coordinator, "w")
     port = worker.service.relay_plane.port
     for hello in (DATA_PLANE_REQUEST + b"x" * 32, b"CCPUT01\n" + b"x" * 32):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:

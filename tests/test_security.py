@@ -132,7 +132,8 @@ def test_no_relay_data_plane_where_the_relay_serves_tls(start_coordinator, start
     port = free_port()
     worker = start_worker(coordinator.cfg.listen, tls_cert_file=str(pki / "server.pem"),
                           tls_key_file=str(pki / "server.key"),
-                          relay_listen=f"127.0.0.1:{port}", relay_advertise=f"127.0.0.1:{port}")
+                          relay_listen=f"127.0.0.1:{port}", relay_advertise=f"127.0.0.1:{port}",
+                          relay_data_listen="auto")
     assert worker.relay_server is not None and worker.service.relay_plane is None
 
 
