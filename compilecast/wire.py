@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import socket
 
 import grpc
@@ -24,6 +25,8 @@ import grpc
 from compilecast.errors import CompilecastError
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
+
+log = logging.getLogger(__name__)
 
 # A data plane connection (coordinator/dataplane.py) begins with these 8
 # bytes and a ticket's token; then the blob comes back as stored.
@@ -52,6 +55,39 @@ async def data_plane_request(reader, writer, timeout_s: float,
     except (TimeoutError, asyncio.IncompleteReadError, OSError):
         return None
     return request[:len(DATA_PLANE_REQUEST)], request[len(DATA_PLANE_REQUEST):]
+
+
+class TicketServer:
+    """The listener both data planes share (coordinator/dataplane.py,
+    worker/relayplane.py): connections served by `self._serve` as tasks,
+    one-time tickets each holding an open file."""
+
+    name = "data plane"
+
+    def __init__(self, listen: str) -> None:
+        self.listen = listen
+        self.port = 0
+        self._tickets: dict = {}  # token -> a ticket with an open `file`
+        self._server: asyncio.Server | None = None
+        self._sends: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        host, _, port = self.listen.rpartition(":")
+        self._server = await asyncio.start_server(self._serve, host.strip("[]"), int(port))
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("%s listening on %s:%d", self.name, host, self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._sends):
+            task.cancel()
+        for ticket in self._tickets.values():
+            ticket.file.close()
+        self._tickets.clear()
+
+    async def _serve(self, reader, writer) -> None:
+        raise NotImplementedError
 
 
 def status_frame(code: int, payload: bytes = b"") -> bytes:

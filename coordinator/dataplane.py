@@ -61,7 +61,13 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_REQUEST as REQUEST_MAGIC
 from compilecast.wire import DATA_PLANE_TOKEN_BYTES as TOKEN_BYTES
 from compilecast.wire import DATA_PLANE_UPLOAD as UPLOAD_MAGIC
-from compilecast.wire import DataChunk, data_plane_request, refusal_frame, status_frame
+from compilecast.wire import (
+    DataChunk,
+    TicketServer,
+    data_plane_request,
+    refusal_frame,
+    status_frame,
+)
 
 from .metrics import CoordinatorMetrics
 
@@ -92,33 +98,17 @@ class _Upload:
     expires: float
 
 
-class DataPlane:
+class DataPlane(TicketServer):
     def __init__(self, store: DiskBlobStore, metrics: CoordinatorMetrics, listen: str,
                  advertise: str = "") -> None:
+        super().__init__(listen)
         self.store = store
         self.metrics = metrics
-        self.listen = listen
         self.advertise = advertise
-        self.port = 0
-        self._tickets: dict[bytes, _Ticket] = {}
         self._uploads: dict[bytes, _Upload] = {}
-        self._server: asyncio.Server | None = None
-        self._sends: set[asyncio.Task] = set()
-
-    async def start(self) -> None:
-        host, _, port = self.listen.rpartition(":")
-        self._server = await asyncio.start_server(self._serve, host.strip("[]"), int(port))
-        self.port = self._server.sockets[0].getsockname()[1]
-        log.info("data plane listening on %s:%d", host, self.port)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._sends):
-            task.cancel()
-        for ticket in self._tickets.values():
-            ticket.file.close()
-        self._tickets.clear()
+        await super().stop()
         self._uploads.clear()
 
     @property

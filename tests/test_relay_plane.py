@@ -21,6 +21,7 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DATA_PLANE_REQUEST
 from compilecast.worker.client import CacheClient
 from compilecast.worker.relayplane import RelayPlane
+from compilecast.worker.service import _Fill
 
 from .test_relay import SIZE, egress, fetch_all, publish
 
@@ -174,12 +175,7 @@ class FakeFill:
     def readable(self):
         return None if self.finished else self.written
 
-    async def changed(self, timeout_s: float) -> bool:
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
+    changed = _Fill.changed  # waits on self._changed, as the real one
 
     def write(self, data: bytes) -> None:
         self.file.write(data)

@@ -39,7 +39,12 @@ from prometheus_client import Counter
 
 from compilecast.blobstore import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.wire import DATA_PLANE_REQUEST, DATA_PLANE_TOKEN_BYTES, data_plane_request
+from compilecast.wire import (
+    DATA_PLANE_REQUEST,
+    DATA_PLANE_TOKEN_BYTES,
+    TicketServer,
+    data_plane_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,29 +64,12 @@ class _Ticket:
     expires: float
 
 
-class RelayPlane:
+class RelayPlane(TicketServer):
+    name = "relay data plane"
+
     def __init__(self, listen: str, counter: Counter) -> None:
-        self.listen = listen
+        super().__init__(listen)
         self.counter = counter  # by result: offered, sent, short, refused
-        self.port = 0
-        self._tickets: dict[bytes, _Ticket] = {}
-        self._server: asyncio.Server | None = None
-        self._sends: set[asyncio.Task] = set()
-
-    async def start(self) -> None:
-        host, _, port = self.listen.rpartition(":")
-        self._server = await asyncio.start_server(self._serve, host.strip("[]"), int(port))
-        self.port = self._server.sockets[0].getsockname()[1]
-        log.info("relay data plane listening on %s:%d", host, self.port)
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._sends):
-            task.cancel()
-        for ticket in self._tickets.values():
-            ticket.file.close()
-        self._tickets.clear()
 
     def offer(self, file, size: int, fill=None) -> pb.DataTicket | None:
         """A ticket for `file` (whole at `size` bytes; with `fill`, growing
