@@ -353,6 +353,20 @@ class BlobWriter:
             self._zw, self._probe, self._raw = None, [], False
             self._remove()
 
+    def store_raw(self) -> None:
+        """Store the blob raw from its first byte, without the probe: for
+        bytes their sender stored raw (its own probe of the same first MiB
+        said no). Readers may follow the file from the first write on."""
+        if self.size or self._probed or self._zw is not None or self._as_sent:
+            raise ValueError("a blob is stored raw without the probe from its first byte")
+        if self._raw or self.discarded:
+            return
+        self._raw = True
+        try:
+            self._file.write(RAW_MAGIC)
+        except OSError as exc:
+            self._write_failed(exc)
+
     def _decide(self) -> None:
         """Compress or not, from the first PROBE bytes; then write them."""
         head = b"".join(self._probe)

@@ -1059,6 +1059,11 @@ class WorkerService(rpc.CompileCacheServicer):
                                     raise CorruptBlob(f"{key}: zstd_data and data in one stream")
                                 # Readers first: they hash it while this worker does.
                                 await fill.send(chunk)
+                                if not writer.size and request.accept_zstd:
+                                    # Sent raw where zstd was welcome: stored raw there, so
+                                    # stored raw here, and followed from the first byte
+                                    # (host processes, relay peers), not after a probe's MiB.
+                                    writer.store_raw()
                                 await asyncio.to_thread(writer.write, chunk.data)
                                 fill.advance()
                             elif not chunk.HasField("artifact"):
@@ -1224,7 +1229,8 @@ class WorkerService(rpc.CompileCacheServicer):
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         publishing = self._publishing.get((ns, request.key))
         # A process on this host follows the host cache's file instead, from
-        # the byte it has, once the fill stores the bytes raw (after its first MiB).
+        # the byte it has, once the fill stores the bytes raw (from the first byte
+        # when they came raw, else after the first MiB's probe).
         follow = request.accept_growing_file and request.accept_local_file and self.local_files
         if info is None and publishing is not None:
             # A process of this host is publishing it through us: the one asking
