@@ -25,7 +25,7 @@ are printed, to show the CPU was not the limit.
 
 With --relay-data-plane on off, each fan-out runs with the workers' relay
 data plane (peers take what a worker relays over plain TCP with sendfile,
-worker/relayplane.py) and without it (relays over gRPC, the default), in
+worker/relayplane.py; the default) and without it (relays over gRPC), in
 turn, --repeat times: the workers' CPU for the whole fan-out is printed too.
 """
 
@@ -61,7 +61,7 @@ def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
 
 def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0,
         host_cpus: float = 0, kill_after: float = 0, chain_bytes: str = "",
-        relay_plane: str = "off") -> dict:
+        relay_plane: str = "on") -> dict:
     root = Path(tempfile.mkdtemp(prefix="cc-fanout-"))
     net = Network(link_mbps, host_cpus) if link_mbps or host_cpus else None
     host = (lambda name: net.host(name)) if net else (lambda name: None)
@@ -165,9 +165,9 @@ def main() -> None:
     ap.add_argument("--kill-after", type=float, default=0,
                     help="SIGKILL one worker this many seconds into the fetch: what the others "
                          "pay for a relay that dies (times are then of the other N-1)")
-    ap.add_argument("--relay-data-plane", nargs="+", choices=("on", "off"), default=["off"],
+    ap.add_argument("--relay-data-plane", nargs="+", choices=("on", "off"), default=["on"],
                     help="the workers' relay data plane (on: peers take relays over plain TCP "
-                         "with sendfile; off: over gRPC, the default), each in turn")
+                         "with sendfile, the default; off: over gRPC), each in turn")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each setting, alternating")
     args = ap.parse_args()
     if (args.link_mbps or args.host_cpus) and (why := available(args.host_cpus)):

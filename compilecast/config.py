@@ -257,11 +257,10 @@ class WorkerConfig:
         default="", metadata=_help("host:port other workers dial for relayed artifacts "
                                    "(default: this host's name and relay_listen's port)"))
     relay_data_listen: str = field(
-        default="off", metadata=_help(
+        default="auto", metadata=_help(
             "host:port where this worker sends what it relays to peer workers over plain "
             "TCP with sendfile, when they ask (peers dial it on the host they reach the relay "
-            "at; auto: relay_listen's host, any free port; off, the default: relays over "
-            "gRPC only, which kept chains shorter where links are the limit, BENCHMARKS.md; "
+            "at; auto: relay_listen's host, any free port; off: relays over gRPC only; "
             "always off with TLS)"))
 
     def validate(self) -> None:

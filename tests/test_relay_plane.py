@@ -65,7 +65,7 @@ def relaying_worker_config() -> dict:
 
 
 def plane_worker(start_worker, coordinator, name: str):
-    """A relaying worker with its relay data plane on (off by default)."""
+    """A relaying worker with its relay data plane on (as by default)."""
     return start_worker(coordinator.cfg.listen, name, relay_data_listen="auto",
                         **relaying_worker_config())
 

@@ -650,7 +650,7 @@ class CacheClient:
         self.local_files = target.startswith("unix:") and os.environ.get(
             "COMPILECAST_LOCAL_FILES", "1") != "0"
         # With local files: a download the worker is still writing may be read
-        # from its file as it grows, after the first MiB (docs/architecture.md).
+        # from its file as it grows, once it is stored raw (docs/architecture.md).
         self.follow_files = True
         # From a coordinator (plaintext TCP), whole artifacts may come over its
         # data plane; off once its address could not be connected to.

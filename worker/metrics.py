@@ -51,7 +51,7 @@ class WorkerMetrics:
         self.growing_files = Counter(
             "compilecast_worker_growing_files",
             "Downloads that a process on this host followed in the host cache's file as this "
-            "worker wrote it (after the first MiB), instead of taking their bytes over the socket",
+            "worker wrote it, instead of taking their bytes over the socket",
             registry=registry,
         )
         self.fetch_seconds = Histogram(
