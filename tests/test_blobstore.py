@@ -50,6 +50,32 @@ def test_incompressible_blobs_are_stored_raw_and_still_verified(tmp_path):
     assert store.quarantined == 1 and not store.has(digest)
 
 
+def test_a_blob_stored_raw_from_its_first_byte_skips_the_probe(tmp_path):
+    """store_raw: bytes their sender stored raw are written raw at once,
+    readable from the first write (a relay peer or a host process follows
+    the file), whatever a probe would say; it must come before any byte."""
+    from compilecast.blobstore import RAW_MAGIC
+
+    store = DiskBlobStore(tmp_path)
+    data = b"compressible " * 100_000  # a probe would compress this
+    with store.writer() as w:
+        w.store_raw()
+        w.write(data[:1000])
+        assert w.readable() == 1000  # not held back for the probe's first MiB
+        assert w.path.read_bytes() == RAW_MAGIC + data[:1000]
+        w.write(data[1000:])
+        w.commit(hashlib.sha256(data).hexdigest(), len(data))
+    digest = hashlib.sha256(data).hexdigest()
+    assert store.path_of(digest).read_bytes() == RAW_MAGIC + data
+    assert store.read_bytes(digest) == data
+    with store.writer() as w:
+        assert w.readable() is None  # probing: nothing to follow yet
+        w.write(b"x")
+        with pytest.raises(ValueError):
+            w.store_raw()
+        w.abort()
+
+
 def test_wrong_digest_stores_nothing(tmp_path):
     store = DiskBlobStore(tmp_path)
     with pytest.raises(DigestMismatch), store.writer() as w:

@@ -102,9 +102,10 @@ def test_the_relay_data_plane_port_reaches_the_worker():
         return c["args"], {p["containerPort"] for p in c["ports"]}
 
     args, ports = worker()
-    assert "--relay-data-listen=0.0.0.0:7644" in args and 7644 in ports
-    args, ports = worker("worker.relay.dataPort=0")
-    assert "--relay-data-listen=off" in args and 7644 not in ports
+    assert "--relay-data-listen=0.0.0.0:7645" in args and 7645 in ports
+    for off in ("worker.relay.dataPort=0", "tls.secretName=certs"):
+        args, ports = worker(off)
+        assert "--relay-data-listen=off" in args and 7645 not in ports, off
     # The flags parse as the worker's settings.
     from compilecast.cli import build_parser
 
