@@ -30,7 +30,6 @@ class DataPlaneBroke(Exception):
 
 
 RELAY_LEAST = 256 << 10  # from a peer, bytes go on once this many have come (see _recv_piece)
-LOWAT_MAX = 256 << 10  # the most a connection's reader waits to have come before it wakes
 
 
 async def _recv_piece(loop, sock: socket.socket, least: int = DATA_PLANE_PIECE) -> memoryview:
@@ -126,8 +125,9 @@ async def with_data_plane(call, target: str, used: list,
         used.append(True)
         loop = asyncio.get_running_loop()
         with await dial(chunk.data_ticket, target) as sock:
-            with contextlib.suppress(OSError):  # woken for `least` bytes, not each packet
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(least, LOWAT_MAX))
+            if least < DATA_PLANE_PIECE:  # a peer on a slow link: woken for `least`, not a packet
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, least)
             try:
                 await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
                 piece = await _recv_piece(loop, sock, least)
