@@ -18,7 +18,9 @@ import asyncio
 import contextlib
 import errno
 import logging
+import secrets
 import socket
+import time
 
 import grpc
 
@@ -85,6 +87,27 @@ class TicketServer:
         for ticket in self._tickets.values():
             ticket.file.close()
         self._tickets.clear()
+
+    @property
+    def address(self) -> str:
+        """Where a ticket says its bytes are: ":port", on the host the client dialed."""
+        return f":{self.port}"
+
+    def _issue(self, tickets: dict, ticket) -> pb.DataTicket:
+        """Keep `ticket` in `tickets` under a fresh one-time token; the
+        client's DataTicket for it."""
+        token = secrets.token_bytes(DATA_PLANE_TOKEN_BYTES)
+        tickets[token] = ticket
+        return pb.DataTicket(address=self.address, token=token)
+
+    def _expire_tickets(self) -> int:
+        """Drop the tickets whose `expires` has passed, closing their files;
+        how many went."""
+        now = time.monotonic()
+        gone = [t for t, v in self._tickets.items() if v.expires < now]
+        for token in gone:
+            self._tickets.pop(token).file.close()
+        return len(gone)
 
     async def _serve(self, reader, writer) -> None:
         raise NotImplementedError

@@ -47,7 +47,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -59,7 +58,6 @@ from compilecast.blobstore import CHUNK, DiskBlobStore
 from compilecast.errors import CompilecastError
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_REQUEST as REQUEST_MAGIC
-from compilecast.wire import DATA_PLANE_TOKEN_BYTES as TOKEN_BYTES
 from compilecast.wire import DATA_PLANE_UPLOAD as UPLOAD_MAGIC
 from compilecast.wire import (
     DataChunk,
@@ -113,7 +111,7 @@ class DataPlane(TicketServer):
 
     @property
     def address(self) -> str:
-        return self.advertise or f":{self.port}"
+        return self.advertise or super().address
 
     async def ticket(self, info: pb.ArtifactInfo, *, zstd_ok: bool) -> pb.DataTicket | None:
         """A ticket for the artifact's stored blob, or None where its bytes
@@ -125,9 +123,7 @@ class DataPlane(TicketServer):
         f = await asyncio.to_thread(self.store.open_sendable, info.digest, zstd_ok)
         if f is None:
             return None
-        token = secrets.token_bytes(TOKEN_BYTES)
-        self._tickets[token] = _Ticket(f, time.monotonic() + TICKET_S)
-        return pb.DataTicket(address=self.address, token=token)
+        return self._issue(self._tickets, _Ticket(f, time.monotonic() + TICKET_S))
 
     def upload_ticket(self, header: pb.PublishHeader, publish: Publish) -> pb.DataTicket | None:
         """A ticket for one upload of the artifact `header` describes (a
@@ -136,15 +132,12 @@ class DataPlane(TicketServer):
         self._expire()
         if len(self._tickets) + len(self._uploads) >= MAX_TICKETS:
             return None
-        token = secrets.token_bytes(TOKEN_BYTES)
-        self._uploads[token] = _Upload(header, publish, time.monotonic() + TICKET_S)
-        return pb.DataTicket(address=self.address, token=token)
+        return self._issue(self._uploads, _Upload(header, publish, time.monotonic() + TICKET_S))
 
     def _expire(self) -> None:
+        if expired := self._expire_tickets():
+            self.metrics.data_plane.labels("expired").inc(expired)
         now = time.monotonic()
-        for token in [t for t, v in self._tickets.items() if v.expires < now]:
-            self._tickets.pop(token).file.close()
-            self.metrics.data_plane.labels("expired").inc()
         for token in [t for t, v in self._uploads.items() if v.expires < now]:
             del self._uploads[token]
             self.metrics.data_uploads.labels("expired").inc()

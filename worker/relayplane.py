@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,6 @@ from compilecast.blobstore import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import (
     DATA_PLANE_REQUEST,
-    DATA_PLANE_TOKEN_BYTES,
     TicketServer,
     data_plane_request,
 )
@@ -76,19 +74,12 @@ class RelayPlane(TicketServer):
         as that download writes it), or None when too many are out (the
         file is closed then: the fetch goes over gRPC). The ticket owns the
         file from here."""
-        self._expire()
+        self._expire_tickets()
         if len(self._tickets) >= MAX_TICKETS:
             file.close()
             return None
-        token = secrets.token_bytes(DATA_PLANE_TOKEN_BYTES)
-        self._tickets[token] = _Ticket(file, size, fill, time.monotonic() + TICKET_S)
         self.counter.labels("offered").inc()
-        return pb.DataTicket(address=f":{self.port}", token=token)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for token in [t for t, v in self._tickets.items() if v.expires < now]:
-            self._tickets.pop(token).file.close()
+        return self._issue(self._tickets, _Ticket(file, size, fill, time.monotonic() + TICKET_S))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -98,7 +89,7 @@ class RelayPlane(TicketServer):
             request = None
             if len(self._sends) <= MAX_CONNECTIONS:
                 request = await data_plane_request(reader, writer, REQUEST_S, UNACKED_S)
-            self._expire()
+            self._expire_tickets()
             if request is not None and request[0] == DATA_PLANE_REQUEST:
                 ticket = self._tickets.pop(request[1], None)
             if ticket is None:

@@ -473,6 +473,11 @@ def _matches(info: pb.ArtifactInfo | None, digest: str) -> bool:
     return info is not None and (not digest or info.digest == digest)
 
 
+def _ticketed(info: pb.ArtifactInfo, ticket: pb.DataTicket | None) -> pb.FetchChunk | None:
+    """A relay's answer with a data ticket: the header and the ticket; None without one."""
+    return pb.FetchChunk(artifact=info, data_ticket=ticket) if ticket else None
+
+
 def _relay(exc: grpc.aio.AioRpcError | UploadRefused) -> UpstreamError:
     """The coordinator's status for our caller; a stream reset or an upstream
     bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
@@ -1312,8 +1317,8 @@ class WorkerService(rpc.CompileCacheServicer):
                     f = await asyncio.to_thread(open, fill.writer.path, "rb")
                 except OSError:  # committed (renamed) meanwhile: the gRPC path reads the blob
                     return None
-                ticket = self.relay_plane.offer(f, len(RAW_MAGIC) + info.size, fill)
-                return pb.FetchChunk(artifact=info, data_ticket=ticket) if ticket else None
+                return _ticketed(info, self.relay_plane.offer(f, len(RAW_MAGIC) + info.size,
+                                                              fill))
             if not fill.finished:  # a zstd stream, or not kept: the peer follows it over gRPC
                 return None
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
@@ -1323,8 +1328,7 @@ class WorkerService(rpc.CompileCacheServicer):
                                     request.accept_zstd)
         if f is None:
             return None
-        ticket = self.relay_plane.offer(f, os.fstat(f.fileno()).st_size)
-        return pb.FetchChunk(artifact=info, data_ticket=ticket) if ticket else None
+        return _ticketed(info, self.relay_plane.offer(f, os.fstat(f.fileno()).st_size))
 
     def _following(self, fill: _Fill, available: int):
         self.metrics.growing_files.inc()
