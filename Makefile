@@ -52,6 +52,7 @@ bench: install
 	$(PY) bench/keys.py --side-by-side-layers 29 240 2400 14400
 	$(PY) bench/time_to_executable.py
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4
+	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --n 32 64 --tpu-baseline-max 0 --tpu-pairs 2
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --tpu-after
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --n 4 --tpu-pairs 3
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --n 4 --tpu-pairs 2 --tpu-one-host
