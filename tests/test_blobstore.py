@@ -400,9 +400,20 @@ def _hash_threads() -> int:
     return sum(t.name == "compilecast-sha256" for t in threading.enumerate())
 
 
+def test_sha256_batches_keep_their_order_through_a_full_queue():
+    """Many batches through a queue one deep (each update may wait for the
+    thread): the digest is hashlib's over the pieces in order."""
+    pieces = [os.urandom(n) for n in range(1, 3000, 7)]
+    h = Sha256(inline=1, depth=1, batch=1000)
+    for p in pieces:
+        h.update(p)
+    assert h.hexdigest() == hashlib.sha256(b"".join(pieces)).hexdigest()
+
+
 def test_sha256_on_a_thread_gives_hashlibs_digest():
     """Below its threshold it hashes inline (no thread); past it, on a thread,
-    with the same digest, also for a buffer the caller reuses at once."""
+    in batches, with the same digest, also for a buffer the caller reuses at
+    once."""
     pieces = [os.urandom(n) for n in (5, 100, 3, 64 << 10, 1, 7000)]
     expect = hashlib.sha256(b"".join(pieces)).hexdigest()
     small = Sha256(inline=1 << 30)
@@ -410,7 +421,7 @@ def test_sha256_on_a_thread_gives_hashlibs_digest():
         small.update(p)
     assert _hash_threads() == 0 and small.hexdigest() == expect
     before = _hash_threads()
-    big = Sha256(inline=10, depth=2)
+    big = Sha256(inline=10, depth=2, batch=4096)
     reused = bytearray(7000)
     for p in pieces:
         if len(p) == 7000:  # handed over, then overwritten before it is hashed
