@@ -141,6 +141,7 @@ def worth_compressing(sample: bytes, level: int) -> bool:
 
 HASH_THREAD_AFTER = 16 << 20  # bytes hashed inline before hashing moves to a thread
 HASH_BATCH = 4 << 20  # bytes handed to the hashing thread at a time
+HASH_BATCH_PIECES = 4  # or this many pieces: a small piece may hold a whole buffer
 HASH_QUEUE = 2  # batches waiting for the hashing thread, at most
 
 
@@ -167,11 +168,14 @@ class Sha256:
     buffers), so a verified transfer is bound by the slowest of them rather
     than their sum: sha256 alone runs at ~1.4 GB/s on one core here.
     Small blobs never start a thread. The pieces go to the thread `batch`
-    bytes at a time: each hand-over wakes it, and on a VM a wake-up costs
-    ~0.1 ms, a tenth of a MiB's hashing. At most `depth` batches wait, and a
-    full queue makes `update` wait, so memory stays bounded and a caller is
-    never slower than hashing inline would be. `hexdigest()` waits for what
-    is queued; `close()` ends the thread of one that is given up."""
+    bytes, or HASH_BATCH_PIECES pieces, at a time: each hand-over wakes it,
+    and on a VM a wake-up costs ~0.1 ms, a tenth of a MiB's hashing. (A
+    piece may be a view of a bigger buffer, a short receive: counting the
+    pieces bounds the buffers held to (depth + 2) x HASH_BATCH_PIECES.) At
+    most `depth` batches wait, and a full queue makes `update` wait, so
+    memory stays bounded and a caller is never slower than hashing inline
+    would be. `hexdigest()` waits for what is queued; `close()` ends the
+    thread of one that is given up."""
 
     def __init__(self, inline: int = HASH_THREAD_AFTER, depth: int = HASH_QUEUE,
                  batch: int = HASH_BATCH) -> None:
@@ -192,7 +196,7 @@ class Sha256:
                 data = bytes(data)  # the caller may reuse its buffer
             self._batch.append(data)
             self._batched += len(data)
-            if self._batched >= self._batch_bytes:
+            if self._batched >= self._batch_bytes or len(self._batch) >= HASH_BATCH_PIECES:
                 self._hand_over()
             return
         self._h.update(data)
