@@ -292,3 +292,48 @@ def test_a_coordinator_on_all_addresses_serves_a_data_plane_only_where_told(
     assert CacheClient(target).fetch("k")[1] == RANDOM
     assert sends(told) == 1
 
+
+
+def test_a_worker_receives_what_has_come_from_least_up_to_a_piece():
+    """The worker's reader (worker/dataplane._recv_piece): with more than
+    `least` waiting it takes what has come, up to `size`, and a piece short
+    of `least` (the end) is copied out of its buffer."""
+    import asyncio
+
+    from compilecast.worker.dataplane import _recv_piece
+
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.setblocking(False)
+        for opt in ("SO_SNDBUFFORCE", "SO_RCVBUFFORCE"):  # root: past wmem_max
+            try:
+                s.setsockopt(socket.SOL_SOCKET, getattr(socket, opt), 8 << 20)
+            except (AttributeError, OSError):
+                s.setsockopt(socket.SOL_SOCKET, getattr(socket, opt[:-5]), 8 << 20)
+    if a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 6 << 20:
+        a.close()
+        b.close()
+        pytest.skip("cannot queue 4 MiB on a socket pair here (wmem_max)")
+    data = os.urandom((7 << 20) + 1000)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        got = []
+        a.sendall(data[:3 << 20])  # all of it waits in the socket
+        got.append(await _recv_piece(loop, b, 1 << 20, 4 << 20))
+        a.sendall(data[3 << 20:])
+        a.shutdown(socket.SHUT_WR)
+        while piece := await _recv_piece(loop, b, 1 << 20, 4 << 20):
+            got.append(piece)
+        return got
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        a.close()
+        b.close()
+    assert b"".join(got) == data
+    # What had come (3 MiB), not a 1 MiB piece; then whole 4 MiB pieces; then the end.
+    assert [len(p) for p in got] == [3 << 20, 4 << 20, 1000]
+    assert got[-1].obj is not None and len(got[-1].obj) == 1000  # copied: holds only itself
+    assert len(got[1].obj) == 4 << 20 and got[1].readonly  # hashed in place, not copied
