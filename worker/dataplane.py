@@ -17,11 +17,6 @@ from compilecast.wire import DataChunk
 from .client import DATA_PLANE_CONNECT_S, UploadRefused, data_plane_address
 
 DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
-# ... and one from the coordinator in pieces of up to this size, once a
-# DATA_PLANE_PIECE has come: each piece is a round of the worker's fill (its
-# write on a thread, its readers woken), and on a VM a quarter of the rounds
-# took a third off a cold 1 GB fill (BENCHMARKS.md, "Thirty-first session").
-DOWNLOAD_PIECE = 4 << 20
 
 
 class DataPlaneBroke(Exception):
@@ -37,15 +32,14 @@ class DataPlaneBroke(Exception):
 RELAY_LEAST = 256 << 10  # from a peer, bytes go on once this many have come (see _recv_piece)
 
 
-async def _recv_piece(loop, sock: socket.socket, least: int = DATA_PLANE_PIECE,
-                      size: int = DATA_PLANE_PIECE) -> memoryview:
+async def _recv_piece(loop, sock: socket.socket, least: int = DATA_PLANE_PIECE) -> memoryview:
     """The next bytes of the connection, received straight into a buffer of
-    their own (read-only: hashed without a copy): `size`, or as many as have
-    come once there are `least` and no more wait to be read; fewer only at
-    its end. A relay passes on only what it holds, so each hop
+    their own (read-only: hashed without a copy): DATA_PLANE_PIECE, or as
+    many as have come once there are `least` and no more wait to be read;
+    fewer only at its end. A relay passes on only what it holds, so each hop
     of a chain delays the stream by a piece's time on its link: from a peer,
     what came, not a whole piece (on a fast link the pieces fill anyway)."""
-    piece = memoryview(bytearray(size))
+    piece = memoryview(bytearray(DATA_PLANE_PIECE))
     n = 0
     while n < len(piece):
         try:
@@ -57,7 +51,7 @@ async def _recv_piece(loop, sock: socket.socket, least: int = DATA_PLANE_PIECE,
         if not k:
             break
         n += k
-    if n < min(least, len(piece) // 4):  # a few of these would hold many whole buffers
+    if n <= len(piece) // 4:  # a few of these would hold many whole buffers
         return memoryview(bytes(piece[:n]))
     return piece[:n].toreadonly()
 
@@ -115,14 +109,13 @@ def answered(sock: socket.socket) -> bool:
 
 
 async def with_data_plane(call, target: str, used: list,
-                          least: int = DATA_PLANE_PIECE,
-                          size: int = DATA_PLANE_PIECE) -> AsyncIterator:
+                          least: int = DATA_PLANE_PIECE) -> AsyncIterator:
     """A Fetch call's chunks, where a data ticket (the only message, next to
     the artifact) stands for the chunks its connection brings: the stored
     blob, raw after RAW_MAGIC (data) or one zstd stream (zstd_data), as a
     gRPC fetch would send it. Appends to `used` once the ticket is taken;
     DataPlaneBroke when the connection fails or ends short of a raw blob.
-    `least`, `size`: see _recv_piece."""
+    `least`: see _recv_piece."""
     async for chunk in call:
         if not (chunk.HasField("artifact") and chunk.HasField("data_ticket")):
             yield chunk
@@ -137,13 +130,13 @@ async def with_data_plane(call, target: str, used: list,
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, least)
             try:
                 await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
-                piece = await _recv_piece(loop, sock, least, size)
+                piece = await _recv_piece(loop, sock, least)
                 raw = piece[:len(RAW_MAGIC)] == RAW_MAGIC  # else the zstd stream's first bytes
                 got, piece = 0, piece[len(RAW_MAGIC):] if raw else piece
                 while len(piece):
                     got += len(piece)
                     yield DataChunk(piece) if raw else DataChunk(b"", piece)
-                    piece = await _recv_piece(loop, sock, least, size)
+                    piece = await _recv_piece(loop, sock, least)
             except OSError as exc:
                 raise DataPlaneBroke(f"its data plane broke off: {exc}") from None
             if raw and got != info.size:

@@ -29,7 +29,6 @@ import zstandard
 
 from compilecast import decide, validate, wire
 from compilecast.blobstore import (
-    CHUNK,
     OUT_OF_SPACE,
     PROBE,
     RAW_MAGIC,
@@ -57,7 +56,6 @@ from . import client
 from .client import UploadRefused
 from .dataplane import (
     DATA_PLANE_PIECE,
-    DOWNLOAD_PIECE,
     RELAY_LEAST,
     DataPlaneBroke,
     answered,
@@ -370,22 +368,19 @@ async def _idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
 RELAY_PIECE = 512 << 10  # bytes of a message to a peer (chunks arrive 2 MiB at a time)
 
 
-def relay_pieces(chunk, most: int = RELAY_PIECE):
-    """`chunk` as messages of at most `most` bytes of data (or of zstd
+def relay_pieces(chunk):
+    """`chunk` as messages of at most RELAY_PIECE bytes of data (or of zstd
     stream). A peer can pass bytes on only once it holds a whole message, so
     at every hop of a relay a chunk waits for the time its message takes on
     the link: pieces make that wait a quarter of a chunk's, at the price of
-    one copy (a chunk otherwise goes on as it was received). To a reader on
-    this host, a download's pieces (up to DOWNLOAD_PIECE) go as messages of
-    at most CHUNK: within gRPC's default 4 MiB limit, which a client may
-    keep."""
-    if type(chunk) is not DataChunk or chunk.size <= most:
+    one copy (a chunk otherwise goes on as it was received)."""
+    if type(chunk) is not DataChunk or chunk.size <= RELAY_PIECE:
         yield chunk
         return
     zstd = len(chunk.zstd_data) > 0
     view = memoryview(chunk.zstd_data if zstd else chunk.data)
-    for at in range(0, len(view), most):
-        piece = view[at:at + most]
+    for at in range(0, len(view), RELAY_PIECE):
+        piece = view[at:at + RELAY_PIECE]
         yield DataChunk(b"", piece) if zstd else DataChunk(piece)
 
 
@@ -1040,8 +1035,7 @@ class WorkerService(rpc.CompileCacheServicer):
                         chunks = stub.Fetch(request, timeout=TRANSFER_S, metadata=md)
                         if request.accept_data_ticket:  # (every other chunk passes straight on)
                             chunks = with_data_plane(chunks, peer or self.coordinator, used,
-                                                     RELAY_LEAST if peer else DATA_PLANE_PIECE,
-                                                     DATA_PLANE_PIECE if peer else DOWNLOAD_PIECE)
+                                                     RELAY_LEAST if peer else DATA_PLANE_PIECE)
                         async for chunk in _idle_timeout(
                                 chunks, PEER_IDLE_S if peer else UPSTREAM_IDLE_S):
                             if chunk.HasField("artifact") and info is None:
@@ -1292,8 +1286,7 @@ class WorkerService(rpc.CompileCacheServicer):
                 if isinstance(item, BaseException):
                     raise item
                 self.metrics.bytes.labels("served").inc(len(item.data) + len(item.zstd_data))
-                for piece in relay_pieces(item, CHUNK):
-                    yield piece
+                yield item
         finally:
             fill.leave(reader)
         async for chunk in self._following(fill, available):
