@@ -100,13 +100,19 @@ class TicketServer:
         tickets[token] = ticket
         return pb.DataTicket(address=self.address, token=token)
 
+    @staticmethod
+    def _take_expired(tickets: dict) -> list:
+        """Take the entries of `tickets` whose `expires` has passed out of
+        it; those entries."""
+        now = time.monotonic()
+        return [tickets.pop(t) for t in [t for t, v in tickets.items() if v.expires < now]]
+
     def _expire_tickets(self) -> int:
         """Drop the tickets whose `expires` has passed, closing their files;
         how many went."""
-        now = time.monotonic()
-        gone = [t for t, v in self._tickets.items() if v.expires < now]
-        for token in gone:
-            self._tickets.pop(token).file.close()
+        gone = self._take_expired(self._tickets)
+        for ticket in gone:
+            ticket.file.close()
         return len(gone)
 
     async def _serve(self, reader, writer) -> None:

@@ -137,10 +137,8 @@ class DataPlane(TicketServer):
     def _expire(self) -> None:
         if expired := self._expire_tickets():
             self.metrics.data_plane.labels("expired").inc(expired)
-        now = time.monotonic()
-        for token in [t for t, v in self._uploads.items() if v.expires < now]:
-            del self._uploads[token]
-            self.metrics.data_uploads.labels("expired").inc()
+        if expired := len(self._take_expired(self._uploads)):
+            self.metrics.data_uploads.labels("expired").inc(expired)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
