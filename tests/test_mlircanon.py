@@ -358,6 +358,25 @@ def test_a_use_before_its_definition_numbers_both_as_the_reference_does(defs, be
     assert digest_native(other) == digest_py(other) != digest_py(module)
 
 
+def test_installed_hash_is_the_one_jaxlibs_record_gives_the_file(tmp_path):
+    """What importlib.metadata's parsed RECORD says for each library file
+    (None for one it does not list), and None for a same-named file elsewhere."""
+    from importlib import metadata
+
+    by_name = {f.name: f for f in metadata.files("jaxlib") or [] if f.name.endswith(".so")}
+    libs = [lib for lib in mlircanon.library_candidates() if lib.exists()]
+    if not libs:
+        pytest.skip("no jaxlib library file here")
+    for lib in libs:
+        listed = by_name.get(lib.name)
+        want = listed.hash.value if listed is not None and listed.hash is not None else None
+        assert mlircanon.installed_hash(lib) == want
+    assert any(mlircanon.installed_hash(lib) for lib in libs), "jaxlib's RECORD lists none"
+    elsewhere = tmp_path / libs[0].name
+    elsewhere.write_bytes(b"not the library")
+    assert mlircanon.installed_hash(elsewhere) is None
+
+
 def installed_build() -> str:
     lib = mlircanon.library_candidates()[0]
     digest = mlircanon.installed_hash(lib)
