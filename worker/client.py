@@ -440,8 +440,13 @@ def _connect_data_plane(ticket: pb.DataTicket, target: str,
     given up after `stall_s`, and what to call it; _Unreachable when it
     cannot be made."""
     address = data_plane_address(ticket, target)
+    # An ASCII host goes to getaddrinfo as bytes: the same name, without the
+    # idna codec a str is encoded with, whose first use in a process imports
+    # 2-5 CPU-ms of modules on a waiter's way to its bytes.
+    host = address[0].encode("ascii") if address[0].isascii() else address[0]
     try:
-        sock = socket.create_connection(address, timeout=min(stall_s, DATA_PLANE_CONNECT_S))
+        sock = socket.create_connection((host, address[1]),
+                                        timeout=min(stall_s, DATA_PLANE_CONNECT_S))
         sock.settimeout(stall_s)
     except OSError as exc:
         raise _Unreachable(exc.errno, f"cannot connect to {address[0]}:{address[1]}: "
