@@ -221,7 +221,7 @@ def test_a_data_plane_is_dialed_by_name_and_an_unresolvable_one_is_unreachable()
 
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        sock, where = _connect_data_plane(pb.DataTicket(address=":%d" % port),
+        sock, where = _connect_data_plane(pb.DataTicket(address=f":{port}"),
                                           "dns:///localhost:7640", 5.0)
         with sock:
             assert sock.getpeername() == ("127.0.0.1", port)
