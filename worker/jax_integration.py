@@ -18,7 +18,9 @@ The decision read before a compile (see jax_adapter) goes:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -46,6 +48,68 @@ UNREACHABLE_BACKOFF_S = 30.0
 # the job asks for in the next 30 s locally.
 REFUSED_RETRY_S = (1.0, 2.0)
 REASONS_KEPT = 100
+# Releases still queued when the process exits (or compilecast is disabled)
+# are sent for at most this long; a lease not released lapses in its TTL.
+RELEASE_FLUSH_S = 2.0
+
+
+class _Releases:
+    """Releases nobody in this process waits for (a program under JAX's
+    caching thresholds), sent in order by a daemon thread of their own: the
+    compile returns to JAX without a round trip to the worker. Every JAX op
+    run outside jit compiles such a program, and each release cost it ~12 ms
+    here (40 small programs: 55 against 42 ms each without compilecast).
+    `flush` waits for those queued, bounded."""
+
+    def __init__(self) -> None:
+        self._pid = -1  # whose thread serves the queue: none yet
+
+    def _fresh(self) -> None:
+        # First use, or a forked child: the parent's thread (and any lock it
+        # held, and the releases it had queued) are not this process's.
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._busy = False
+        threading.Thread(target=self._run, name="compilecast-release", daemon=True).start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._pid != os.getpid():
+            self._fresh()
+        with self._cond:
+            self._jobs.append(job)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        cond, jobs = self._cond, self._jobs
+        while True:
+            with cond:
+                while not jobs:
+                    cond.wait()
+                job = jobs.popleft()
+                self._busy = True
+            try:
+                job()
+            except Exception:  # (a release logs its own RPC errors)
+                log.exception("compilecast: a release failed")
+            finally:
+                with cond:
+                    self._busy = False
+                    cond.notify_all()
+
+    def flush(self, timeout_s: float = RELEASE_FLUSH_S) -> bool:
+        """Wait until every release queued has been sent, for at most
+        `timeout_s`; whether they all were."""
+        if self._pid != os.getpid():
+            return True  # none queued in this process
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._jobs or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
 
 @dataclass
@@ -97,6 +161,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self._local = threading.local()
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._releases = _Releases()
 
     # -- identity and settings --------------------------------------------
     def _identity(self) -> Identity:
@@ -266,7 +331,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
                     raise
                 # A coordinator that predates PUBLISH_REFUSED: a waiter is promoted.
                 self.client.release(key, held.lease, pb.ABANDONED, detail)
-            self.stats.released += 1
+            with self._lock:
+                self.stats.released += 1
         except grpc.RpcError as exc:
             log.warning("compilecast: release of %s failed (%s); the lease lapses in %ss",
                         key, exc.code().name, held.lease.ttl_seconds)
@@ -382,7 +448,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
         held = self._take(key)
         if held is not None:
             log.info("compilecast: not caching %s (%s)", module_name, why)
-            self._release(key, held, pb.BELOW_THRESHOLD, why or "")
+            self._releases.submit(functools.partial(self._release, key, held,
+                                                    pb.BELOW_THRESHOLD, why or ""))
 
 
 _active: CompilecastCache | None = None
@@ -417,9 +484,21 @@ def disable() -> None:
     global _active
     jax_adapter.uninstall()
     if _active is not None:
+        _active._releases.flush()
         _active.client.close()
     _active = None
 
 
 def stats() -> dict[str, Any]:
-    return _active.stats.as_dict() if _active is not None else {}
+    """This process's counts, with the releases still queued sent first
+    (waiting for them at most RELEASE_FLUSH_S)."""
+    if _active is None:
+        return {}
+    _active._releases.flush()
+    return _active.stats.as_dict()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    if _active is not None:
+        _active._releases.flush()
