@@ -58,6 +58,8 @@ bench: install
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --n 4 --tpu-pairs 2 --tpu-one-host
 	$(PY) bench/publish_overlap.py --upload-mbps 0 50
 	$(PY) bench/warm_start.py
+	$(PY) bench/small_compiles.py --pairs 3
+	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --n 16 --tpu-baseline-max 0 --tpu-pairs 2 --tpu-host-workers
 	$(PY) bench/fetch.py
 	$(PY) bench/publish.py
 	$(PY) bench/publish.py --through-worker
