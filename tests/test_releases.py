@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
@@ -66,7 +67,9 @@ def test_a_forked_child_sends_its_own_releases_not_its_parents():
     releases.submit(lambda: block.wait(10))
     releases.submit(lambda: parents.append(os.getpid()))  # queued behind the block at the fork
     read, write = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():  # JAX warns any fork, once its backends are up
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        pid = os.fork()
     if pid == 0:  # the child: a thread of its own, and none of the parent's releases
         try:
             releases.submit(lambda: os.write(write, b"child"))
