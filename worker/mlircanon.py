@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import hashlib
 import importlib.util
 import itertools
@@ -562,18 +563,28 @@ def _api_signature() -> str:
     return hashlib.sha256("\n".join(_native.api_names()).encode()).hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
+def _jaxlib_record() -> tuple[Any, str] | None:
+    """jaxlib's installed distribution and its RECORD, read once per process
+    (each library candidate is looked up in it)."""
+    from importlib import metadata
+    try:
+        dist = metadata.distribution("jaxlib")
+        return dist, dist.read_text("RECORD") or ""
+    except (metadata.PackageNotFoundError, OSError):
+        return None
+
+
 def installed_hash(lib: Path) -> str | None:
     """The sha256 jaxlib's RECORD gives `lib`, when the file still has the
     size pip installed it with. Only RECORD's lines that name the file are
     parsed: every JAX process asks this at its first compile, and building
     a path object for each of its 200-odd entries (importlib.metadata.files)
     took ~2 ms there, against ~0.7 ms now."""
-    from importlib import metadata
-    try:
-        dist = metadata.distribution("jaxlib")
-        record = dist.read_text("RECORD") or ""
-    except (metadata.PackageNotFoundError, OSError):
+    found = _jaxlib_record()
+    if found is None:
         return None
+    dist, record = found
     lines = [line for line in record.splitlines() if lib.name in line]
     for path, digest, size in (row for row in csv.reader(lines) if len(row) == 3):
         mode, _, value = digest.partition("=")
