@@ -37,6 +37,9 @@ DATA_PLANE_TOKEN_BYTES = 32
 # ... or, for an upload (a ticket from OpenUpload), with these 8 bytes and
 # the token; status frames then tell the client to send, and how it ended.
 DATA_PLANE_UPLOAD = b"CCPUT01\n"
+# ... or, for a wait (a ticket from Wait), with these 8 bytes and the token;
+# one status frame answers when the wait ends, and the blob may follow it.
+DATA_PLANE_WAIT = b"CCWAT01\n"
 # ... and on a worker's handoff socket (worker/handoff.py), a process hands a
 # sealed file with these 8 bytes and the token.
 DATA_PLANE_HANDOFF = b"CCFDS01\n"

@@ -36,9 +36,21 @@ saying go, sends the bytes (and the digest after them, when the header has
 none). A thread reads them in CHUNK pieces off the socket, and they are
 published exactly as a Publish stream with that header would be
 (CoordinatorState.publish: the lease, the digest, the store and the index
-are all checked again). The last status frame says how it ended: the
+with). The last status frame says how it ended: the
 PublishResponse, or the status code and message a Publish would have ended
 with.
+
+Waits may go on here too (Wait with accept_data_wait). A waiting process
+blocked in a plain socket's recv costs nothing while it waits, where an open
+Wait stream costs it gRPC's wake-ups (~3 CPU-ms a second; 63 waiters beside
+one compile on 2 cores slowed it by a tenth: BENCHMARKS.md). And a HIT is
+followed by the blob on the same connection: no Fetch call, no second
+connection, for every waiter at the moment of the publish. The ticket,
+issued over the authenticated Wait call, holds the wait as that call would
+have made it (key, requester, tenant, rights, deadline); the connection runs
+it, sends the status frame with the event that ends it, and after a HIT the
+blob as a "CCGET01" ticket would (only a trusted one; else the client
+fetches). The client closing the connection ends the wait.
 """
 
 from __future__ import annotations
@@ -55,10 +67,12 @@ from typing import Any
 
 from compilecast import validate
 from compilecast.blobstore import CHUNK, DiskBlobStore
+from compilecast.decide import ending_event
 from compilecast.errors import CompilecastError
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_REQUEST as REQUEST_MAGIC
 from compilecast.wire import DATA_PLANE_UPLOAD as UPLOAD_MAGIC
+from compilecast.wire import DATA_PLANE_WAIT as WAIT_MAGIC
 from compilecast.wire import (
     DataChunk,
     TicketServer,
@@ -79,8 +93,10 @@ MAX_CONNECTIONS = 1024  # open at once; past it a connection is closed at once (
 UPLOAD_STALL_S = 60.0  # an upload that sends nothing for this long is given up
 DIGEST_HEX = 64  # an upload's digest, when it comes after the bytes
 DRAIN_S = 5.0  # after a refusal, what the client still sends is dropped for at most this long
+MAX_WAITS = MAX_CONNECTIONS // 2  # waits held here at once (each a connection); past it, gRPC
 
 Publish = Callable[[pb.PublishHeader, AsyncIterator[DataChunk]], Awaitable[pb.ArtifactInfo]]
+Waiting = Callable[[int], AsyncIterator[pb.WaitEvent]]  # a wait's events, given its ms left
 
 
 @dataclass
@@ -96,6 +112,13 @@ class _Upload:
     expires: float
 
 
+@dataclass
+class _Wait:
+    events: Waiting  # the caller's wait (CoordinatorState.wait, with its request)
+    deadline: float  # monotonic: when it ends, as its Wait call set it
+    expires: float
+
+
 class DataPlane(TicketServer):
     def __init__(self, store: DiskBlobStore, metrics: CoordinatorMetrics, listen: str,
                  advertise: str = "") -> None:
@@ -104,10 +127,13 @@ class DataPlane(TicketServer):
         self.metrics = metrics
         self.advertise = advertise
         self._uploads: dict[bytes, _Upload] = {}
+        self._waits: dict[bytes, _Wait] = {}
+        self.waiting = 0  # waits held on connections now
 
     async def stop(self) -> None:
         await super().stop()
         self._uploads.clear()
+        self._waits.clear()
 
     @property
     def address(self) -> str:
@@ -134,11 +160,24 @@ class DataPlane(TicketServer):
             return None
         return self._issue(self._uploads, _Upload(header, publish, time.monotonic() + TICKET_S))
 
+    def wait_ticket(self, events: Waiting, deadline: float) -> pb.DataTicket | None:
+        """A ticket to go on with a wait here: `events` (given the ms left
+        until `deadline`, monotonic) when its connection comes; None when
+        MAX_WAITS are held or promised, or too many tickets are out (the
+        wait then stays on its gRPC stream)."""
+        self._expire()
+        if self.waiting + len(self._waits) >= MAX_WAITS or \
+                len(self._tickets) + len(self._uploads) + len(self._waits) >= MAX_TICKETS:
+            return None
+        return self._issue(self._waits, _Wait(events, deadline, time.monotonic() + TICKET_S))
+
     def _expire(self) -> None:
         if expired := self._expire_tickets():
             self.metrics.data_plane.labels("expired").inc(expired)
         if expired := len(self._take_expired(self._uploads)):
             self.metrics.data_uploads.labels("expired").inc(expired)
+        if expired := len(self._take_expired(self._waits)):
+            self.metrics.data_waits.labels("expired").inc(expired)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -156,6 +195,9 @@ class DataPlane(TicketServer):
             magic, token = request
             if magic == UPLOAD_MAGIC and (upload := self._uploads.pop(token, None)) is not None:
                 await self._take_upload(upload, writer)
+                return
+            if magic == WAIT_MAGIC and (wait := self._waits.pop(token, None)) is not None:
+                await self._hold_wait(wait, reader, writer)
                 return
             ticket = self._tickets.pop(token, None) if magic == REQUEST_MAGIC else None
             if ticket is None:
@@ -179,6 +221,58 @@ class DataPlane(TicketServer):
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
             self._sends.discard(task)
+
+    async def _hold_wait(self, wait: _Wait, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        """Wait on the client's behalf until the wait ends or the client
+        closes the connection (it sends nothing after its token); answer
+        with the ending event's status frame, and after a HIT with the blob
+        when this replica may send it."""
+        self.waiting += 1
+        try:
+            left_ms = max(1, int((wait.deadline - time.monotonic()) * 1000))
+            ending = asyncio.ensure_future(ending_event(wait.events(left_ms), True))
+            gone = asyncio.ensure_future(reader.read(1))  # b"" (or a byte: no client of ours)
+            try:
+                await asyncio.wait({ending, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (ending, gone):
+                    task.cancel()
+                await asyncio.gather(ending, gone, return_exceptions=True)
+            if ending.cancelled():
+                self.metrics.data_waits.labels("left").inc()
+                return
+            blob = None
+            if (exc := ending.exception()) is not None:
+                if not isinstance(exc, CompilecastError):
+                    log.error("data plane: a wait failed", exc_info=exc)
+                frame = refusal_frame(exc, "Wait")
+            else:
+                event = ending.result()
+                if event.decision == pb.HIT:
+                    blob = await asyncio.to_thread(self.store.open_sendable,
+                                                   event.artifact.digest, True)
+                event.data_follows = blob is not None
+                frame = status_frame(0, event.SerializeToString())
+            try:
+                writer.write(frame)
+                if blob is None:
+                    await writer.drain()
+                    self.metrics.data_waits.labels("answered").inc()
+                    return
+                size = os.fstat(blob.fileno()).st_size
+                sent = await asyncio.get_running_loop().sendfile(writer.transport, blob)
+            except (OSError, RuntimeError) as exc:
+                log.info("data plane: the answer to a wait broke off (%s)", exc)
+                self.metrics.data_waits.labels("broken").inc()
+                return
+            finally:
+                if blob is not None:
+                    blob.close()
+            self.metrics.bytes.labels("out").inc(sent)
+            self.metrics.data_waits.labels("hit_sent" if sent == size else "broken").inc()
+        finally:
+            self.waiting -= 1
 
     async def _take_upload(self, upload: _Upload, writer: asyncio.StreamWriter) -> None:
         """Receive an upload's bytes and publish them. The event loop stops

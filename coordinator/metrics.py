@@ -104,6 +104,14 @@ class CoordinatorMetrics:
             "or stalled midway), expired (a ticket never used)",
             ["result"], registry=registry,
         )
+        self.data_waits = Counter(
+            "compilecast_coordinator_data_plane_waits",
+            "Waits carried on over the data plane by result: hit_sent (the HIT and the "
+            "blob after it), answered (the event that ended the wait, without bytes), left "
+            "(the client closed first), broken (the answer's send broke off), expired (a "
+            "ticket never used)",
+            ["result"], registry=registry,
+        )
         self.data_tickets = Counter(
             "compilecast_coordinator_data_tickets",
             "Fetches answered with a data plane ticket instead of the bytes over gRPC",

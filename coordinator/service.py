@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import AsyncIterator
 
 from compilecast import decide, validate
@@ -124,13 +125,26 @@ class CoordinatorService(rpc.CompileCacheServicer):
         finally:
             self.state.metrics.decide_streams.dec()
 
-    def _wait(self, request: pb.WaitRequest, who) -> AsyncIterator[pb.WaitEvent]:
-        return self.state.wait(request.key, request.requester, request.timeout_ms,
+    def _wait(self, request: pb.WaitRequest, who,
+              timeout_ms: int | None = None) -> AsyncIterator[pb.WaitEvent]:
+        return self.state.wait(request.key, request.requester,
+                               request.timeout_ms if timeout_ms is None else timeout_ms,
                                tenant=who.tenant, may_publish=who.can_publish)
 
     @rpc_errors
     async def Wait(self, request, context):
         who = self.auth.identify(context)
+        if request.accept_data_wait and self.data_plane is not None:
+            # The wait goes on over the data plane (coordinator/dataplane.py):
+            # the caller blocks in a socket's recv, and a HIT brings the bytes.
+            deadline = time.monotonic() + self.state.wait_timeout_s(
+                request.key, request.requester, request.timeout_ms)
+            ticket = self.data_plane.wait_ticket(
+                functools.partial(self._wait, request, who), deadline)
+            if ticket is not None:
+                yield pb.WaitEvent(decision=pb.WAIT, data_ticket=ticket,
+                                   reason="the wait goes on over the data plane")
+                return
         async for event in self._wait(request, who):
             yield event
 

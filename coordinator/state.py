@@ -568,13 +568,18 @@ class CoordinatorState:
         return pb.AcquireResponse(decision=pb.COMPILE, lease=lease)
 
     # -- Wait ------------------------------------------------------------
-    async def wait(self, key: str, req: pb.Requester, timeout_ms: int, *,
-                   tenant: str = DEFAULT_TENANT, may_publish: bool = True) -> AsyncIterator[pb.WaitEvent]:
+    def wait_timeout_s(self, key: str, req: pb.Requester, timeout_ms: int) -> float:
+        """How long a wait with these arguments lasts; InvalidRequest when
+        they cannot be waited with."""
         validate.key(key)
         validate.requester(req)
         if timeout_ms < 0:
             raise InvalidRequest("timeout_ms must be >= 0")
-        timeout = (timeout_ms or self.cfg.share_binary_between_hosts_timeout_ms) / 1000.0
+        return (timeout_ms or self.cfg.share_binary_between_hosts_timeout_ms) / 1000.0
+
+    async def wait(self, key: str, req: pb.Requester, timeout_ms: int, *,
+                   tenant: str = DEFAULT_TENANT, may_publish: bool = True) -> AsyncIterator[pb.WaitEvent]:
+        timeout = self.wait_timeout_s(key, req, timeout_ms)
         start = time.monotonic()
         deadline = start + timeout
         rank = f"{req.process_id:010d}" if req.job else f"9{time.time_ns():019d}"

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 import zstandard
+from google.protobuf.message import DecodeError
 
 from compilecast import wire
 from compilecast.blobstore import RAW_MAGIC, Inflate, Sha256
@@ -599,7 +600,7 @@ def _readable(sock: socket.socket) -> Callable[[], bool]:
 
 def _status(answers, where: str) -> bytes:
     """The payload of the next status frame (wire.status_frame) of a data
-    plane upload, read from `answers` (its connection, as a file);
+    plane upload or wait, read from `answers` (its connection, as a file);
     UploadRefused for a status other than OK."""
     head = _read_exactly(answers, 5)
     n = wire.status_length(head, where) if len(head) == 5 else 0
@@ -723,11 +724,18 @@ class CacheClient:
         wait that ran and then broke (UNAVAILABLE: the worker restarting) is
         sent again within `timeout_s`; one refused at once is not.
         """
+        return self._wait(key, timeout_s, publishing, False)[0]
+
+    def _wait(self, key: str, timeout_s: float, publishing: bool,
+              data_wait: bool) -> tuple[pb.WaitEvent, bytes | None]:
+        """`wait`; with `data_wait`, over the coordinator's data plane where it
+        offers that, and then with the verified bytes after a HIT when they
+        came along (else None)."""
         deadline = time.monotonic() + timeout_s
         for pause in (*WAIT_RETRY_S, None):
             began = time.monotonic()
             try:
-                return self._wait_once(key, max(0.001, deadline - began), publishing)
+                return self._wait_once(key, deadline, publishing, data_wait)
             except grpc.RpcError as exc:
                 now = time.monotonic()
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or pause is None \
@@ -738,17 +746,66 @@ class CacheClient:
                 time.sleep(pause)
         raise AssertionError("unreachable")
 
-    def _wait_once(self, key: str, timeout_s: float, publishing: bool) -> pb.WaitEvent:
+    def _wait_once(self, key: str, deadline: float, publishing: bool,
+                   data_wait: bool) -> tuple[pb.WaitEvent, bytes | None]:
+        timeout_s = max(0.001, deadline - time.monotonic())
         call = self.stub.Wait(
             pb.WaitRequest(key=key, requester=self.identity.requester(),
-                           timeout_ms=max(1, int(timeout_s * 1000))),
+                           timeout_ms=max(1, int(timeout_s * 1000)),
+                           accept_data_wait=data_wait and self.data_plane),
             timeout=timeout_s + self.timeout_s,
         )
         for event in call:
+            if event.HasField("data_ticket"):  # (the stream's only message)
+                call.cancel()
+                try:
+                    return self._wait_data_plane(key, event.data_ticket, deadline)
+                except OSError as exc:
+                    if isinstance(exc, _Unreachable):
+                        self.data_plane = False
+                    log.info("the wait for %s over the data plane broke off (%s); waiting "
+                             "over gRPC", key, exc, extra={"key": key})
+                if deadline <= time.monotonic():
+                    return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
+                                        reason="share-binary timeout passed; compile "
+                                               "locally"), None
+                return self._wait_once(key, deadline, publishing, False)
             if ends_wait(event, publishing):
                 call.cancel()
-                return event
-        return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="wait stream ended early")
+                return event, None
+        return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="wait stream ended early"), None
+
+    def _wait_data_plane(self, key: str, ticket: pb.DataTicket,
+                         deadline: float) -> tuple[pb.WaitEvent, bytes | None]:
+        """Go on with a wait over the coordinator's data plane (cache.proto,
+        DataTicket): blocked in recv until the event that ends it, which may
+        be the WAIT of a publish that started, and after a HIT the verified
+        bytes when they follow (None when they did not, or did not arrive
+        whole and verified: the caller fetches). OSError (_Unreachable, or
+        a connection that broke or went silent before the event) decided
+        nothing; a refusal is raised as the status a Wait call would have
+        ended with."""
+        sock, where = _connect_data_plane(ticket, self.target, self.stall_s)
+        with sock, sock.makefile("rb", buffering=0) as answers:
+            sock.sendall(wire.DATA_PLANE_WAIT + ticket.token)
+            # The coordinator answers by the deadline (COMPILE_LOCALLY at worst).
+            sock.settimeout(max(0.001, deadline - time.monotonic()) + self.timeout_s)
+            try:
+                event = pb.WaitEvent.FromString(_status(answers, where))
+            except UploadRefused as exc:
+                raise _Status(exc.code(), exc.details()) from None
+            except DecodeError as exc:
+                raise OSError(errno.EPROTO, f"{where} answered a wait with no WaitEvent: "
+                                            f"{exc}") from None
+            if not event.data_follows:
+                return event, None
+            sock.settimeout(self.stall_s)
+            try:
+                return event, _read_stored(key, event.artifact, answers, where)
+            except (OSError, CorruptBlob) as exc:
+                log.info("the bytes of %s after the wait did not arrive whole and verified "
+                         "(%s); fetching them", key, exc, extra={"key": key})
+                return event, None
 
     def wait_and_fetch(self, key: str, timeout_s: float) -> tuple[pb.WaitEvent, bytes | None]:
         """Wait as `wait` does and fetch the artifact as soon as its holder
@@ -764,7 +821,10 @@ class CacheClient:
             if left <= 0:
                 return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                     reason=f"share-binary timeout of {timeout_s:.1f}s passed"), None
-            event = self.wait(key, left, publishing=early)
+            # The first wait may go over the data plane, and bring the bytes.
+            event, data = self._wait(key, left, early, early)
+            if data is not None:
+                return event, data
             if event.decision not in (pb.HIT, pb.WAIT):
                 return event, None
             try:

@@ -181,28 +181,34 @@ class DecideResponse(_message.Message):
     def __init__(self, id: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., event: _Optional[_Union[WaitEvent, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., more: _Optional[_Iterable[_Union[DecideResponse, _Mapping]]] = ..., gap_ms: _Optional[int] = ...) -> None: ...
 
 class WaitRequest(_message.Message):
-    __slots__ = ("key", "requester", "timeout_ms")
+    __slots__ = ("key", "requester", "timeout_ms", "accept_data_wait")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_DATA_WAIT_FIELD_NUMBER: _ClassVar[int]
     key: str
     requester: Requester
     timeout_ms: int
-    def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    accept_data_wait: bool
+    def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., accept_data_wait: _Optional[bool] = ...) -> None: ...
 
 class WaitEvent(_message.Message):
-    __slots__ = ("decision", "artifact", "lease", "reason", "local_cause")
+    __slots__ = ("decision", "artifact", "lease", "reason", "local_cause", "data_ticket", "data_follows")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     artifact: ArtifactInfo
     lease: Lease
     reason: str
     local_cause: LocalCause
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ..., local_cause: _Optional[_Union[LocalCause, str]] = ...) -> None: ...
+    data_ticket: DataTicket
+    data_follows: bool
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ..., local_cause: _Optional[_Union[LocalCause, str]] = ..., data_ticket: _Optional[_Union[DataTicket, _Mapping]] = ..., data_follows: _Optional[bool] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
     __slots__ = ("key", "lease", "digest", "size", "compile_time_seconds", "requester", "recipe")
