@@ -227,3 +227,17 @@ def test_without_a_data_plane_the_wait_stays_on_its_stream(start_coordinator, mo
     assert on.data_plane.waiting == 0
     holder.publish("k2", lease, os.urandom(1000), 1.0)
     assert waiter.join()[0].decision == pb.HIT
+
+
+def test_a_process_told_not_to_waits_on_its_stream(coordinator, monkeypatch):
+    monkeypatch.setenv("COMPILECAST_DATA_WAITS", "0")
+    holder, lease = holding(coordinator, "k")
+    client = CacheClient(coordinator.cfg.listen, timeout_s=10)
+    waiter = Waiter(client, "k")
+    eventually(lambda: sample(coordinator, "compilecast_coordinator_waiters") == 1, "waiting")
+    assert coordinator.data_plane.waiting == 0
+    holder.publish("k", lease, RANDOM, 1.0)
+    event, got = waiter.join()
+    assert event.decision == pb.HIT and got == RANDOM
+    assert client.data_plane and tickets(coordinator) == 1  # fetched: over the data plane
+    assert waits(coordinator, "hit_sent") == 0

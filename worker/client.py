@@ -662,6 +662,8 @@ class CacheClient:
         # data plane; off once its address could not be connected to.
         self.data_plane = not target.startswith("unix:") and creds is None and os.environ.get(
             "COMPILECAST_DATA_PLANE", "1") != "0"
+        # ... and a wait that wants the bytes may go on there (docs/architecture.md).
+        self.data_waits = os.environ.get("COMPILECAST_DATA_WAITS", "1") != "0"
         # ... and publishes may go over it (OpenUpload); off once the
         # coordinator offered no ticket (one older, or without a data plane).
         # To this host's worker, a publish is handed over as a sealed memory
@@ -752,7 +754,7 @@ class CacheClient:
         call = self.stub.Wait(
             pb.WaitRequest(key=key, requester=self.identity.requester(),
                            timeout_ms=max(1, int(timeout_s * 1000)),
-                           accept_data_wait=data_wait and self.data_plane),
+                           accept_data_wait=data_wait and self.data_plane and self.data_waits),
             timeout=timeout_s + self.timeout_s,
         )
         for event in call:
