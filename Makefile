@@ -59,6 +59,7 @@ bench: install
 	$(PY) bench/publish_overlap.py --upload-mbps 0 50
 	$(PY) bench/warm_start.py
 	$(PY) bench/small_compiles.py --pairs 3
+	$(PY) bench/waiters.py --n 63 --rounds 2
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --n 16 --tpu-baseline-max 0 --tpu-pairs 2 --tpu-host-workers
 	$(PY) bench/fetch.py
 	$(PY) bench/publish.py

@@ -78,7 +78,7 @@ def main() -> None:
 
 
 def _timed(client, phases: dict[str, float], t0: float,
-           names: tuple[str, ...] = ("publish", "fetch")) -> None:
+           names: tuple[str, ...] = ("publish", "fetch", "wait_and_fetch")) -> None:
     """Record when each of the client's calls (or a module's functions)
     began and ended (seconds from T0, the last call of each kind), and the
     process's CPU seconds meanwhile: where a process's time went."""

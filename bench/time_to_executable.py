@@ -72,23 +72,29 @@ def timeline(phases: list[dict[str, float]]) -> str:
     (seconds from the common start): the holder's compile and publish, then
     when the last waiter was woken and when the last one held the bytes."""
     holder = next((p for p in phases if "publish began" in p), {})
-    waiters = [p for p in phases if p is not holder and "fetch ended" in p]
+    # A waiter holds the bytes when its fetch ends, or its wait, when they
+    # came over the wait's connection (a data plane wait: no fetch).
+    waiters = [p for p in phases if p is not holder and
+               ("fetch ended" in p or "wait_and_fetch ended" in p)]
     if not holder or not waiters:
         return "(no holder and waiters to time)"
     compiled, published = holder["publish began"], holder["publish ended"]
-    woken = max(p["fetch began"] for p in waiters)
-    done = max(p["fetch ended"] for p in waiters)
+    fetched = [p for p in waiters if "fetch began" in p]
+    woken = (f"last woken {max(p['fetch began'] for p in fetched):.2f}s, " if fetched else
+             "woken with the bytes (data plane waits), ")
+    done = max(max(p.get("fetch ended", 0.0), p.get("wait_and_fetch ended", 0.0))
+               for p in waiters)
     compiling = ""
     if "compile_entry began" in holder:  # JAX's compile and its serialization, in the holder
         began, ended = holder["compile_entry began"], holder["compile_entry ended"]
         compiling = f"compile {began:.2f}-{ended:.2f}s ({ended - began:.2f}), "
     cpu = ""
-    if all("fetch cpu" in p for p in waiters):  # each waiter process's CPU while it fetched
+    if fetched and len(fetched) == len(waiters):  # each waiter process's CPU while it fetched
         spent = sorted(p["fetch cpu"] for p in waiters)
         cpu = (f"; a fetch's process CPU {spent[0]:.2f}-{spent[-1]:.2f}s, median "
                f"{statistics.median(spent):.2f}s")
     return (f"holder: {compiling}compiled {compiled:.2f}s, published {published:.2f}s "
-            f"(+{published - compiled:.2f}); waiters: last woken {woken:.2f}s, last holds the "
+            f"(+{published - compiled:.2f}); waiters: {woken}last holds the "
             f"bytes {done:.2f}s (+{done - published:.2f} after the publish; "
             f"{done / compiled:.2f}x the holder's own time to its executable){cpu}")
 

@@ -241,3 +241,17 @@ def test_a_process_told_not_to_waits_on_its_stream(coordinator, monkeypatch):
     assert event.decision == pb.HIT and got == RANDOM
     assert client.data_plane and tickets(coordinator) == 1  # fetched: over the data plane
     assert waits(coordinator, "hit_sent") == 0
+
+
+def test_past_the_limit_a_wait_stays_on_its_stream(coordinator, monkeypatch):
+    from compilecast.coordinator import dataplane
+
+    monkeypatch.setattr(dataplane, "MAX_WAITS", 1)
+    holder, lease = holding(coordinator, "k")
+    first = waiting(coordinator, "k")
+    second = Waiter(CacheClient(coordinator.cfg.listen, timeout_s=10), "k")
+    eventually(lambda: sample(coordinator, "compilecast_coordinator_waiters") == 2, "both wait")
+    assert coordinator.data_plane.waiting == 1
+    holder.publish("k", lease, RANDOM, 1.0)
+    assert first.join()[1] == RANDOM and second.join()[1] == RANDOM
+    assert waits(coordinator, "hit_sent") == 1 and tickets(coordinator) == 1  # the second fetched
