@@ -36,6 +36,13 @@ def eventually(check, what: str, limit_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def answered(coordinator, result: str, n: int = 1) -> None:
+    """The coordinator counts an answer once it is sent, after the client
+    may have read it: wait for the count, and for the wait to be let go."""
+    eventually(lambda: waits(coordinator, result) == n and coordinator.data_plane.waiting == 0,
+               f"{n} wait(s) counted {result}")
+
+
 class Waiter:
     """`wait_and_fetch` on a thread of its own, as a JAX process's waiter."""
 
@@ -83,9 +90,8 @@ def test_a_waiter_gets_the_bytes_on_its_wait_connection(coordinator, kind):
     holder.publish("k", lease, data, 1.0)
     event, got = waiter.join()
     assert event.decision == pb.HIT and got == data
-    assert waits(coordinator, "hit_sent") == 1
+    answered(coordinator, "hit_sent")
     assert tickets(coordinator) == 0  # no Fetch call: the bytes came after the HIT
-    assert coordinator.data_plane.waiting == 0
 
 
 def test_a_wait_for_a_key_published_meanwhile_is_answered_at_once(coordinator):
@@ -108,7 +114,7 @@ def test_a_wait_for_a_key_published_meanwhile_is_answered_at_once(coordinator):
         assert event.artifact.size == len(RANDOM)
         assert recv_exactly(s, 8 + len(RANDOM)) == b"CCRAW01\n" + RANDOM
         assert s.recv(1) == b""  # and then the end
-    assert waits(coordinator, "hit_sent") == 1
+    answered(coordinator, "hit_sent")
 
 
 def test_a_wait_ticket_is_good_for_one_connection(coordinator):
@@ -130,7 +136,7 @@ def test_a_wait_ticket_is_good_for_one_connection(coordinator):
     with socket.create_connection(("127.0.0.1", coordinator.data_plane.port), timeout=10) as s:
         s.sendall(wire.DATA_PLANE_WAIT + ticket.token)  # used
         assert s.recv(1) == b""
-    assert waits(coordinator, "answered") == 1
+    answered(coordinator, "answered")
 
 
 def test_a_wait_ends_at_its_timeout_with_compile_locally(coordinator):
@@ -139,7 +145,7 @@ def test_a_wait_ends_at_its_timeout_with_compile_locally(coordinator):
     event, got = waiter.join()
     assert event.decision == pb.COMPILE_LOCALLY and got is None
     assert "share-binary timeout" in event.reason
-    assert waits(coordinator, "answered") == 1 and coordinator.data_plane.waiting == 0
+    answered(coordinator, "answered")
 
 
 def test_a_waiter_is_promoted_on_its_wait_connection_and_publishes(coordinator):
@@ -193,7 +199,7 @@ def test_bytes_that_do_not_verify_after_the_wait_are_fetched(coordinator, tmp_pa
     holder.publish("k", lease, RANDOM, 1.0)
     event, got = waiter.join()
     assert event.decision == pb.HIT and got == RANDOM
-    assert waits(coordinator, "hit_sent") == 1  # the bad bytes went out, and were refused
+    answered(coordinator, "hit_sent")  # the bad bytes went out, and were refused
 
 
 def test_an_unreachable_data_plane_waits_and_fetches_over_grpc(start_coordinator):
@@ -254,4 +260,5 @@ def test_past_the_limit_a_wait_stays_on_its_stream(coordinator, monkeypatch):
     assert coordinator.data_plane.waiting == 1
     holder.publish("k", lease, RANDOM, 1.0)
     assert first.join()[1] == RANDOM and second.join()[1] == RANDOM
-    assert waits(coordinator, "hit_sent") == 1 and tickets(coordinator) == 1  # the second fetched
+    answered(coordinator, "hit_sent")
+    assert tickets(coordinator) == 1  # the second fetched
