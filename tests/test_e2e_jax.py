@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .e2e import run_procs
+from .e2e import LAYERS, run_procs
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +39,34 @@ def test_four_processes_compile_once_then_a_second_wave_hits(up, reference_diges
         f"http://127.0.0.1:{up.ports['worker-metrics-port']}/metrics").read().decode()
     # Every process reported how long its canonical key took.
     assert "compilecast_worker_key_seconds_count 8.0" in worker_metrics
+
+
+def test_processes_on_the_coordinators_address_wait_over_its_data_plane(up):
+    """No worker: JAX processes that ask the coordinator itself wait on its
+    data plane, and each waiter's executable comes on its wait's connection."""
+    import re
+    import time
+    import urllib.request
+
+    def hits_sent() -> float:
+        metrics = urllib.request.urlopen(
+            f"http://127.0.0.1:{up.ports['coordinator-metrics-port']}/metrics").read().decode()
+        found = re.search(r'^compilecast_coordinator_data_plane_waits_total\{result="hit_sent"\}'
+                          r" (\S+)$", metrics, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = hits_sent()
+    (ref,) = run_procs(1, "unix:///nonexistent", no_compilecast=True, layers=LAYERS - 1)
+    reports = run_procs(3, f"127.0.0.1:{up.ports['coordinator-port']}", layers=LAYERS - 1)
+    assert sum(r["xla_compiles"] for r in reports) == 1, reports
+    assert all(r["digest"] == ref["digest"] for r in reports)
+    loaders = [r for r in reports if r["compilecast"]["hits"] == 1]
+    waited = sum(r["compilecast"]["waits"] for r in loaders)
+    assert len(loaders) == 2 and waited >= 1, [r["compilecast"] for r in reports]
+    end = time.monotonic() + 10  # counted once sent, maybe after the process read it
+    while hits_sent() - before < waited and time.monotonic() < end:
+        time.sleep(0.1)
+    assert hits_sent() - before == waited
 
 
 def test_restart_with_the_same_data_directory_loses_nothing(up, reference_digest):
