@@ -36,7 +36,7 @@ saying go, sends the bytes (and the digest after them, when the header has
 none). A thread reads them in CHUNK pieces off the socket, and they are
 published exactly as a Publish stream with that header would be
 (CoordinatorState.publish: the lease, the digest, the store and the index
-with). The last status frame says how it ended: the
+are all checked again). The last status frame says how it ended: the
 PublishResponse, or the status code and message a Publish would have ended
 with.
 
