@@ -205,15 +205,7 @@ class DataPlane(TicketServer):
                          writer.get_extra_info("peername"))
                 self.metrics.data_plane.labels("refused").inc()
                 return
-            size = os.fstat(ticket.file.fileno()).st_size
-            try:
-                sent = await asyncio.get_running_loop().sendfile(writer.transport, ticket.file)
-            except (OSError, RuntimeError) as exc:
-                log.info("data plane: a send broke off (%s)", exc)
-                self.metrics.data_plane.labels("broken").inc()
-                return
-            self.metrics.bytes.labels("out").inc(sent)
-            self.metrics.data_plane.labels("sent" if sent == size else "broken").inc()
+            await self._send_blob(writer, ticket.file, self.metrics.data_plane, "sent")
         finally:
             if ticket is not None:
                 ticket.file.close()
@@ -254,25 +246,34 @@ class DataPlane(TicketServer):
                                                    event.artifact.digest, True)
                 event.data_follows = blob is not None
                 frame = status_frame(0, event.SerializeToString())
+            if blob is not None:
+                with blob:
+                    writer.write(frame)  # (sendfile sends what is buffered first)
+                    await self._send_blob(writer, blob, self.metrics.data_waits, "hit_sent")
+                return
+            writer.write(frame)
             try:
-                writer.write(frame)
-                if blob is None:
-                    await writer.drain()
-                    self.metrics.data_waits.labels("answered").inc()
-                    return
-                size = os.fstat(blob.fileno()).st_size
-                sent = await asyncio.get_running_loop().sendfile(writer.transport, blob)
+                await writer.drain()
             except (OSError, RuntimeError) as exc:
                 log.info("data plane: the answer to a wait broke off (%s)", exc)
                 self.metrics.data_waits.labels("broken").inc()
                 return
-            finally:
-                if blob is not None:
-                    blob.close()
-            self.metrics.bytes.labels("out").inc(sent)
-            self.metrics.data_waits.labels("hit_sent" if sent == size else "broken").inc()
+            self.metrics.data_waits.labels("answered").inc()
         finally:
             self.waiting -= 1
+
+    async def _send_blob(self, writer: asyncio.StreamWriter, f, counted, sent: str) -> None:
+        """Send the open blob file `f` whole with sendfile, counted in
+        `counted` by result: `sent`, or broken (the client went away midway)."""
+        size = os.fstat(f.fileno()).st_size
+        try:
+            n = await asyncio.get_running_loop().sendfile(writer.transport, f)
+        except (OSError, RuntimeError) as exc:
+            log.info("data plane: a send broke off (%s)", exc)
+            counted.labels("broken").inc()
+            return
+        self.metrics.bytes.labels("out").inc(n)
+        counted.labels(sent if n == size else "broken").inc()
 
     async def _take_upload(self, upload: _Upload, writer: asyncio.StreamWriter) -> None:
         """Receive an upload's bytes and publish them. The event loop stops
