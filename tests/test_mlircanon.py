@@ -411,6 +411,22 @@ def test_a_shipped_build_binds_without_a_self_test(tmp_path, monkeypatch):
 
 
 @native
+@pytest.mark.parametrize("how", ["keys.prepare", "enable"])
+def test_a_process_settles_the_c_walk_at_start_not_at_its_first_key(tmp_path, monkeypatch, how):
+    installed_build()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(mlircanon, "_state", {"native": None, "testing": False, "next_try": 0.0})
+    if how == "keys.prepare":
+        keys.prepare()
+    else:
+        import compilecast.jax
+
+        assert compilecast.jax.enable(f"unix://{tmp_path}/none.sock") is not None
+        compilecast.jax.disable()
+    assert mlircanon._state["native"] is True
+
+
+@native
 def test_a_shipped_verdict_for_another_api_or_stream_is_not_used(tmp_path, monkeypatch):
     digest = installed_build()
     entry = json.loads(mlircanon.KNOWN_BUILDS.read_text())[digest]

@@ -109,6 +109,14 @@ def _installed() -> _AotHooks:
         return _hooks
 
 
+def prepare() -> None:
+    """What `compilecast.enable()` does before a process's first compile:
+    JAX's hooks installed and the key path settled (keys.prepare), so that
+    the first probe costs what a later one does."""
+    _installed()
+    keys.prepare()
+
+
 @dataclass
 class Probe:
     key: keys.Key

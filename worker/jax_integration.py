@@ -481,6 +481,10 @@ def enable(target: str | None = None, *, timeout_ms: int | None = None,
             timeout_ms = int(os.environ["COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"])
         cache = CompilecastCache(target, timeout_ms=timeout_ms, job=job)
         jax_adapter.install(cache, cache)
+        try:
+            keys.prepare()  # the first key's once-per-process work, off the compile's path
+        except Exception as exc:  # the first key tries again (and falls back) itself
+            log.warning("compilecast: could not prepare keys at start: %s", exc)
     except (jax_adapter.AdapterError, ValueError) as exc:  # ValueError: bad configuration
         log.warning("compilecast disabled: %s", exc)
         return None

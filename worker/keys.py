@@ -477,6 +477,16 @@ def _read_cpuinfo() -> str:
         return ""
 
 
+def prepare() -> None:
+    """Do at a process's start what its first key would otherwise do once:
+    settle the C walk for this jaxlib build (its verdict read and bound, or
+    its self-test started in the background) and build the default key
+    settings. A pod's processes all key their first program at the same
+    moment, the lowest-id one on the way to its compile."""
+    mlircanon.native_ready()
+    _default_config()
+
+
 def jax_key(module: Any, devices: Any, compile_options: Any, backend: Any,
             cfg: KeyConfig | None = None) -> Key:
     """The key of a program JAX is about to compile.
