@@ -82,8 +82,9 @@ def timeline(phases: list[dict[str, float]]) -> str:
     fetched = [p for p in waiters if "fetch began" in p]
     woken = (f"last woken {max(p['fetch began'] for p in fetched):.2f}s, " if fetched else
              "woken with the bytes (data plane waits), ")
-    done = max(max(p.get("fetch ended", 0.0), p.get("wait_and_fetch ended", 0.0))
-               for p in waiters)
+    held = sorted(max(p.get("fetch ended", 0.0), p.get("wait_and_fetch ended", 0.0))
+                  for p in waiters)
+    done = held[-1]
     compiling = ""
     if "compile_entry began" in holder:  # JAX's compile and its serialization, in the holder
         began, ended = holder["compile_entry began"], holder["compile_entry ended"]
@@ -94,8 +95,9 @@ def timeline(phases: list[dict[str, float]]) -> str:
         cpu = (f"; a fetch's process CPU {spent[0]:.2f}-{spent[-1]:.2f}s, median "
                f"{statistics.median(spent):.2f}s")
     return (f"holder: {compiling}compiled {compiled:.2f}s, published {published:.2f}s "
-            f"(+{published - compiled:.2f}); waiters: {woken}last holds the "
-            f"bytes {done:.2f}s (+{done - published:.2f} after the publish; "
+            f"(+{published - compiled:.2f}); waiters: {woken}the first holds the bytes "
+            f"+{held[0] - published:.2f}, the median +{statistics.median(held) - published:.2f}, "
+            f"the last {done:.2f}s (+{done - published:.2f} after the publish; "
             f"{done / compiled:.2f}x the holder's own time to its executable){cpu}")
 
 
