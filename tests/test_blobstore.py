@@ -524,3 +524,46 @@ def test_a_durable_writer_has_its_bytes_written_out_as_it_goes(tmp_path, monkeyp
         assert len(asked) == 1  # refused the first time: never asked again
         w.write(os.urandom(4 << 20))
         assert len(asked) == 1
+
+
+@pytest.mark.parametrize("remove", ["delete", "quarantine", "evict"])
+def test_a_blob_this_store_removes_is_gone_at_once_though_it_was_just_found(tmp_path, remove):
+    store = DiskBlobStore(tmp_path, max_bytes=250_000, level=1)
+    digest = store.put_bytes(os.urandom(100_000))
+    assert store.has(digest)  # found: remembered for PRESENT_MEMO_S
+    if remove == "delete":
+        assert store.delete(digest)
+    elif remove == "quarantine":
+        store.quarantine(digest, "the test")
+    else:
+        os.utime(store.path_of(digest), (10, 10))  # the least recently read
+        store.put_bytes(os.urandom(100_000))
+        store.put_bytes(os.urandom(100_000))  # over the bound: the first goes
+    assert not store.has(digest)
+
+
+def test_a_blob_another_process_removed_is_seen_gone_within_the_memo(tmp_path, monkeypatch):
+    import time
+
+    from compilecast import blobstore
+
+    monkeypatch.setattr(blobstore, "PRESENT_MEMO_S", 0.3)
+    store = DiskBlobStore(tmp_path, level=1)
+    digest = store.put_bytes(os.urandom(100_000))
+    assert store.has(digest)
+    store.path_of(digest).unlink()  # a replica sharing the volume evicted it
+    found_at = time.monotonic()
+    while store.has(digest):
+        assert time.monotonic() - found_at < 0.3 + 5, "still found long after the memo"
+        time.sleep(0.01)
+    assert not store.has(digest)
+
+
+def test_a_read_that_finds_the_blob_gone_forgets_it_was_found(tmp_path):
+    store = DiskBlobStore(tmp_path, level=1)
+    digest = store.put_bytes(os.urandom(100_000))
+    assert store.has(digest)
+    store.path_of(digest).unlink()  # a replica sharing the volume evicted it
+    with pytest.raises(NotFound):
+        store.read_bytes(digest)
+    assert not store.has(digest)
