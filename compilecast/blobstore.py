@@ -74,10 +74,6 @@ RAW_MAGIC = b"CCRAW01\n"  # a stored blob that is not zstd (zstd frames begin 28
 PROBE = 1 << 20  # bytes whose compressibility decides how a blob is stored
 MIN_SAVING = 0.05  # store raw unless zstd saves at least this fraction of the probe
 OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT}
-# A blob `has` found stays found this long without another stat (every HIT
-# asks; ~5 % of the coordinator's busy CPU under a hit load was that stat).
-PRESENT_MEMO_S = 1.0
-PRESENT_MEMO_MAX = 4096  # digests remembered so; beyond, the memo starts over
 ROOM_SLACK = 64 << 10  # what a blob may take beyond its bytes: marker, zstd frames, blocks
 
 
@@ -536,7 +532,6 @@ class DiskBlobStore:
         self.durable = durable
         self.min_free = min_free  # bytes of the volume make_room keeps free
         self._verified: dict[str, tuple[tuple[int, ...], float]] = {}
-        self._present: dict[str, float] = {}  # digest -> when `has` last found it
         self._lock = threading.Lock()
         self.on_evict = on_evict  # called with each evicted blob's stored size
         self._total = sum(size for _, size, _ in self._scan())
@@ -568,24 +563,10 @@ class DiskBlobStore:
             self._account(dst.stat().st_size)
         return True
 
-    def has(self, digest: str, *, fresh: bool = False) -> bool:
-        """Whether the blob is stored. Every HIT asks: a blob seen within
-        PRESENT_MEMO_S is taken as still there (this store's own removals
-        forget it at once) unless `fresh` (a reader about to open it); else
-        one stat on a string path (pathlib's Path objects cost more than the
-        stat). A blob another process removed is seen gone at most
-        PRESENT_MEMO_S late, by its reader at the latest, as one removed
-        between a HIT and its read always was."""
-        now = time.monotonic()
-        if not fresh and now - self._present.get(digest, -PRESENT_MEMO_S) < PRESENT_MEMO_S:
-            return True
-        if not os.path.exists(f"{self._blob_prefix}{digest[:2]}/{digest}.zst"):
-            self._present.pop(digest, None)
-            return False
-        if len(self._present) >= PRESENT_MEMO_MAX:
-            self._present.clear()
-        self._present[digest] = now
-        return True
+    def has(self, digest: str) -> bool:
+        # One stat on a string path: every HIT asks (pathlib's Path objects cost
+        # more than the stat; 12 % of the coordinator's CPU under a hit load).
+        return os.path.exists(f"{self._blob_prefix}{digest[:2]}/{digest}.zst")
 
     @property
     def stored_bytes(self) -> int:
@@ -712,7 +693,6 @@ class DiskBlobStore:
         with self._lock:
             self._total -= size
             self._verified.pop(p.stem, None)
-            self._present.pop(p.stem, None)
         return gone
 
     def delete(self, digest: str) -> bool:
@@ -759,7 +739,6 @@ class DiskBlobStore:
     def _distrust(self, digest: str) -> None:
         with self._lock:
             self._verified.pop(digest, None)
-            self._present.pop(digest, None)
 
     def _touch(self, digest: str, path: Path, stat: Callable[[], os.stat_result]) -> bool:
         """Whether the blob is trusted (below); in a bounded store, its mtime
@@ -795,7 +774,6 @@ class DiskBlobStore:
         try:
             f = open(path, "rb")
         except FileNotFoundError:
-            self._present.pop(digest, None)
             raise NotFound(f"blob {digest} is not in the store") from None
         h = Sha256()  # a big blob's hashing overlaps its reading and decoding
         try:
@@ -854,7 +832,6 @@ class DiskBlobStore:
                 os.chmod(path, self.file_mode)  # written before, under another mode
             self._touch(digest, path, lambda: os.stat(path))
         except FileNotFoundError:
-            self._present.pop(digest, None)
             return None
         return str(path)
 
@@ -869,7 +846,6 @@ class DiskBlobStore:
         try:
             f = open(path, "rb")
         except FileNotFoundError:
-            self._present.pop(digest, None)
             return None
         try:
             if self._touch(digest, path, lambda: os.fstat(f.fileno())):

@@ -1029,7 +1029,7 @@ class CoordinatorState:
             self._remember_artifact(sk, info, rec.mod_revision)
         if digest and info.digest != digest:
             raise NotFound(f"key {key} holds digest {info.digest}, not {digest}")
-        if not self.store.has(info.digest, fresh=True):
+        if not self.store.has(info.digest):
             entry = await self.etcd.get(self._k("a", sk))
             if entry is not None:
                 await self._usable_artifact(sk, KeyState(info, entry.mod_revision, None, 0, None))
