@@ -5,6 +5,7 @@ for new keys (COMPILE: a lease grant and a txn in etcd).
     python bench/decisions.py [--clients 1000] [--seconds 15] [--hit-ratio 0.5]
     python bench/decisions.py --ceiling   # the same load on a trivial grpc.aio server
     python bench/decisions.py --loadgen go --rate 5000 --hit-ratio 0.9 --pin
+    python bench/decisions.py --loadgen go ... --components 11 [--components-hits-every 8]
 
 Prints decisions per second, latency percentiles and where the CPU went
 (cores used by the load generator, the coordinator(s) and etcd). The load
@@ -234,7 +235,8 @@ def go_load(binary: Path, targets: list[str], args, hit_keys: list[str]) -> dict
            "-streams", str(args.streams or 8), "-rate", str(args.rate),
            "-seconds", str(args.seconds), "-hit-ratio", str(args.hit_ratio),
            "-hit-keys", ",".join(hit_keys), f"-bundles={str(not args.no_bundles).lower()}",
-           f"-gap={args.gap_ms}ms", "-components", str(args.components)]
+           f"-gap={args.gap_ms}ms", "-components", str(args.components),
+           "-components-hits-every", str(args.components_hits_every)]
     pinned = (lambda: os.sched_setaffinity(0, {1})) if args.pin else None
     done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pinned)
     if done.returncode != 0:
@@ -310,6 +312,10 @@ def main() -> None:
                     help="with --loadgen go: key components (and a program name) each request "
                          "carries, as the JAX integration's do (11 there); the coordinator "
                          "records them on a miss")
+    ap.add_argument("--components-hits-every", type=int, default=1, metavar="K",
+                    help="with --components: a HIT request carries them from one client in K "
+                         "(a job's lowest-id process; the JAX integration's other processes "
+                         "leave them out); misses always carry them (default 1: every request)")
     ap.add_argument("--loadgen", choices=("python", "go"), default="python",
                     help="go: the open-loop Decide load from bench/loadgen (needs --rate)")
     ap.add_argument("--repeat", type=int, default=1,
@@ -323,6 +329,8 @@ def main() -> None:
     if args.loadgen == "go" and (args.rate <= 0 or args.pod or args.batch != 1):
         ap.error("--loadgen go offers open-loop single-key Decide load: give --rate, "
                  "and no --pod or --batch")
+    if args.components_hits_every < 1:
+        ap.error("--components-hits-every must be at least 1")
     binary = go_loadgen() if args.loadgen == "go" else None
     if args.ceiling:
         port = free_port()

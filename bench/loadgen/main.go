@@ -62,6 +62,7 @@ var decideDesc = &grpc.StreamDesc{StreamName: "Decide", ServerStreams: true, Cli
 type request struct {
 	key, client string
 	t0          time.Time
+	plain       bool // sent without key components (a job's other processes' HITs)
 }
 
 type sent struct {
@@ -123,12 +124,18 @@ var bundles = true // the requests say the client takes bundled answers
 // JAX integration's requests do; the coordinator records them on a miss).
 var components = 0
 
+// hitsEvery: a HIT request carries the components only from one client in
+// this many (a job's lowest-id process; its other processes leave them out,
+// as the JAX integration's do). A miss stands for that process's COMPILE and
+// always carries them.
+var hitsEvery = 1
+
 // appendComponents adds `components` key_components entries and a program
 // name, as a worker sends them: the first ("program") a digest of the key,
 // the others of the client (its platform, flags and so on), so that two keys
 // of one client differ in their program alone.
 func appendComponents(acq []byte, r request) []byte {
-	if components == 0 {
+	if components == 0 || r.plain {
 		return acq
 	}
 	for i := 0; i < components; i++ {
@@ -402,11 +409,12 @@ func main() {
 	hitKeys := flag.String("hit-keys", "", "the published keys, comma-separated")
 	flag.DurationVar(&gap, "gap", gap, "at least this long between two messages of a stream (what arrives meanwhile coalesces), as the Decider's gap")
 	flag.BoolVar(&bundles, "bundles", true, "take answers bundled (DecideRequest.takes_bundles)")
+	flag.IntVar(&hitsEvery, "components-hits-every", hitsEvery, "with -components: a HIT request carries them from one client in this many (a job's lowest-id process); misses always do")
 	flag.IntVar(&components, "components", components, "key components each request carries, with a program name (as the JAX integration sends; the coordinator records them on a miss)")
 	flag.Parse()
 	hits := strings.Split(*hitKeys, ",")
-	if *hitKeys == "" || *streams < 1 || *channels < 1 || *rate <= 0 {
-		fmt.Fprintln(os.Stderr, "loadgen: -hit-keys, -streams >= 1, -channels >= 1 and -rate > 0 are required")
+	if *hitKeys == "" || *streams < 1 || *channels < 1 || *rate <= 0 || hitsEvery < 1 {
+		fmt.Fprintln(os.Stderr, "loadgen: -hit-keys, -streams >= 1, -channels >= 1, -rate > 0 and -components-hits-every >= 1 are required")
 		os.Exit(2)
 	}
 	targets := strings.Split(*target, ",")
@@ -462,13 +470,16 @@ func main() {
 		}
 		i := rng.Intn(*clients)
 		var key string
+		plain := false
 		if rng.Float64() < *hitRatio {
 			key = hits[rng.Intn(len(hits))]
+			plain = i%hitsEvery != 0
 		} else {
 			counter++
 			key = fmt.Sprintf("miss-%s-%d-%d", run, i, counter)
 		}
-		ss[i%len(ss)].enqueue(request{key: key, client: fmt.Sprintf("bench:%d", i), t0: time.Now()})
+		ss[i%len(ss)].enqueue(request{key: key, client: fmt.Sprintf("bench:%d", i), t0: time.Now(),
+			plain: plain})
 	}
 	finished := make(chan struct{})
 	go func() {

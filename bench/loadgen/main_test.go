@@ -103,3 +103,42 @@ func TestTheServersGapAdviceIsFollowedCappedAndForgotten(t *testing.T) {
 		t.Fatalf("advice withdrawn: gap %v (want %v), longest seen %v", got, gap, s.adviceMax)
 	}
 }
+
+// countComponents is how many key_components (field 3) the first
+// AcquireRequest (field 2) of an encoded DecideRequest holds.
+func countComponents(t *testing.T, b []byte) int {
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		b = b[n:]
+		if num == 2 && typ == protowire.BytesType {
+			acq, _ := protowire.ConsumeBytes(b)
+			count := 0
+			for len(acq) > 0 {
+				f, ft, m := protowire.ConsumeTag(acq)
+				acq = acq[m:]
+				if f == 3 {
+					count++
+				}
+				acq = acq[protowire.ConsumeFieldValue(f, ft, acq):]
+			}
+			return count
+		}
+		b = b[protowire.ConsumeFieldValue(num, typ, b):]
+	}
+	t.Fatal("no AcquireRequest in the encoded request")
+	return 0
+}
+
+func TestAPlainRequestLeavesTheComponentsOut(t *testing.T) {
+	saved := components
+	defer func() { components = saved }()
+	components = 11
+	full := encodeRequest(1, []request{{key: "k", client: "bench:3"}})
+	plain := encodeRequest(2, []request{{key: "k", client: "bench:3", plain: true}})
+	if got := countComponents(t, full); got != 11 {
+		t.Fatalf("a request with components carries %d, want 11", got)
+	}
+	if got := countComponents(t, plain); got != 0 {
+		t.Fatalf("a plain request carries %d components, want 0", got)
+	}
+}
