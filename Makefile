@@ -77,6 +77,7 @@ bench: install
 	$(PY) bench/decisions.py --loadgen go --streams 8 --rate 5000 --hit-ratio 0.9 --pin --repeat 3
 	$(PY) bench/decisions.py --loadgen go --streams 8 --rate 5000 --hit-ratio 0.9 --pin --repeat 3 --busy-gap-ms 0
 	$(PY) bench/decisions.py --loadgen go --streams 8 --rate 5000 --hit-ratio 0.9 --pin --repeat 3 --components 11
+	$(PY) bench/decisions.py --loadgen go --streams 8 --rate 5000 --hit-ratio 0.9 --pin --repeat 3 --components 11 --components-hits-every 8
 	$(PY) bench/miss_storm.py
 	$(PY) bench/records.py
 	$(PY) bench/lease_takes.py
