@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 
 import grpc
 import pytest
@@ -19,7 +18,7 @@ from compilecast import wire
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 
-from .conftest import free_port, recv_exactly, sample
+from .conftest import eventually, free_port, recv_exactly, sample
 from .test_data_plane import KINDS, RANDOM, tickets
 
 DATA_WAITS = "compilecast_coordinator_data_plane_waits_total"
@@ -27,13 +26,6 @@ DATA_WAITS = "compilecast_coordinator_data_plane_waits_total"
 
 def waits(coordinator, result: str) -> float:
     return sample(coordinator, DATA_WAITS, result=result)
-
-
-def eventually(check, what: str, limit_s: float = 10.0) -> None:
-    end = time.monotonic() + limit_s
-    while not check():
-        assert time.monotonic() < end, f"never: {what}"
-        time.sleep(0.01)
 
 
 def answered(coordinator, result: str, n: int = 1) -> None:

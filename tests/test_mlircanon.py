@@ -399,11 +399,18 @@ def test_the_verdict_shipped_for_this_jaxlib_build_is_still_right():
     assert shipped["symbol_locations"] == api[1]
 
 
-@native
-def test_a_shipped_build_binds_without_a_self_test(tmp_path, monkeypatch):
+@pytest.fixture
+def shipped_gate(tmp_path, monkeypatch):
+    """This build's shipped verdict, no cached one, and nothing settled yet
+    in this process."""
     installed_build()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(mlircanon, "_state", {"native": None, "testing": False, "next_try": 0.0})
+    return tmp_path
+
+
+@native
+def test_a_shipped_build_binds_without_a_self_test(shipped_gate, monkeypatch):
     monkeypatch.setattr(mlircanon, "_run_selftest", lambda: pytest.fail("self-test started"))
     assert mlircanon.native_ready()
     assert mlircanon.warm_up() is None
@@ -412,16 +419,13 @@ def test_a_shipped_build_binds_without_a_self_test(tmp_path, monkeypatch):
 
 @native
 @pytest.mark.parametrize("how", ["keys.prepare", "enable"])
-def test_a_process_settles_the_c_walk_at_start_not_at_its_first_key(tmp_path, monkeypatch, how):
-    installed_build()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(mlircanon, "_state", {"native": None, "testing": False, "next_try": 0.0})
+def test_a_process_settles_the_c_walk_at_start_not_at_its_first_key(shipped_gate, how):
     if how == "keys.prepare":
         keys.prepare()
     else:
         import compilecast.jax
 
-        assert compilecast.jax.enable(f"unix://{tmp_path}/none.sock") is not None
+        assert compilecast.jax.enable(f"unix://{shipped_gate}/none.sock") is not None
         compilecast.jax.disable()
     assert mlircanon._state["native"] is True
 
