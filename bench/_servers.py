@@ -140,6 +140,38 @@ def scraped(port: int, name: str, host: str = "127.0.0.1", labels: str = "") -> 
     return total
 
 
+def histogram(port: int, name: str, host: str = "127.0.0.1") -> dict[tuple[str, float], float]:
+    """A histogram's cumulative bucket counts on a server's /metrics:
+    {(its other labels, le): count}."""
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    out: dict[tuple[str, float], float] = {}
+    for m in re.finditer(rf"^{re.escape(name)}_bucket{{([^}}]*)}} (\S+)$", text, re.M):
+        labels = m.group(1)
+        le = re.search(r'(?:^|,)le="([^"]+)"', labels)
+        rest = re.sub(r'(?:^|,)le="[^"]+"', "", labels).strip(",")
+        out[(rest, float(le.group(1)))] = float(m.group(2))
+    return out
+
+
+def histogram_quantile(q: float, before: dict, after: dict, labels: str) -> float | None:
+    """Prometheus' histogram_quantile over what the series `labels` (e.g.
+    'method="Txn"') counted between two `histogram` scrapes: linear within
+    its bucket, so only as fine as the buckets. None when it counted nothing."""
+    les = sorted(le for (rest, le) in after if rest == labels)
+    counts = [after[(labels, le)] - before.get((labels, le), 0.0) for le in les]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank = q * counts[-1]
+    lower, below = 0.0, 0.0
+    for le, count in zip(les, counts, strict=True):
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = le, count
+    return None
+
+
 def own_cpu_seconds() -> float:
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime

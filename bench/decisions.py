@@ -33,7 +33,15 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, cpu_seconds, free_port, own_cpu_seconds, wait_port
+from _servers import (
+    Stack,
+    cpu_seconds,
+    free_port,
+    histogram,
+    histogram_quantile,
+    own_cpu_seconds,
+    wait_port,
+)
 
 from compilecast.config import CoordinatorConfig
 from compilecast.decide import GAP_S, Decider
@@ -261,9 +269,53 @@ def go_report(what: str, row: dict, used: dict[str, float], args) -> None:
           + (f"; the coordinator asked for gaps up to {row['advised_gap_ms_max']:.0f} ms"
              if row.get("advised_gap_ms_max") else ""))
     print_by_decision(row["p50_p99_ms_by_decision"])
+    print_etcd_side(row.get("coordinator_etcd_side_ms", {}))
     if "etcd_wal_fsync" in row:
         print("  " + fmt_fsyncs(row["etcd_wal_fsync"]))
     print(json.dumps(row))
+
+
+# The coordinator's own histograms (docs/operations.md): decisions it could
+# not answer from memory, and its etcd requests by method.
+_ETCD_SIDE = (("compilecast_coordinator_etcd_decision_seconds", "decided via etcd"),
+              ("compilecast_coordinator_etcd_request_seconds", "etcd"))
+
+
+def etcd_scrape(ports: list[int]) -> dict:
+    """The coordinators' etcd-side histograms now (bucket counts summed over
+    the replicas), for etcd_side."""
+    out: dict = {}
+    for name, _ in _ETCD_SIDE:
+        summed: dict = {}
+        for port in ports:
+            for k, v in histogram(port, name).items():
+                summed[k] = summed.get(k, 0.0) + v
+        out[name] = summed
+    return out
+
+
+def etcd_side(before: dict, after: dict) -> dict[str, list[float | None]]:
+    """p50 and p99 (ms, as fine as the buckets) of what the coordinators'
+    etcd-side histograms counted between two scrapes: 'decided via etcd
+    compile', 'etcd Txn' and so on, with how many they counted."""
+    out = {}
+    for name, what in _ETCD_SIDE:
+        series = sorted({rest for rest, _ in after[name]})
+        for rest in series:
+            inf = (rest, float("inf"))
+            n = after[name].get(inf, 0.0) - before[name].get(inf, 0.0)
+            if n <= 0:
+                continue
+            value = rest.split("=", 1)[1].strip('"')
+            qs = [histogram_quantile(q, before[name], after[name], rest) for q in (0.5, 0.99)]
+            out[f"{what} {value}"] = [*(None if v is None else v * 1e3 for v in qs), n]
+    return out
+
+
+def print_etcd_side(side: dict[str, list[float | None]]) -> None:
+    if side:
+        print("  coordinator side, p50 / p99 from its histograms (bucket-interpolated): " +
+              ", ".join(f"{k} {a:.1f} / {b:.1f} ms ({n:.0f})" for k, (a, b, n) in side.items()))
 
 
 def print_by_decision(quantiles: dict[str, tuple[float, float]]) -> None:
@@ -373,7 +425,9 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
     try:
         store = root / "shared-store"
         extra = ("--decide-busy-gap-ms", str(args.busy_gap_ms))
-        started = [stack.coordinator(f"c{i}", store=store, extra=extra)
+        mports = [free_port() for _ in range(args.replicas)]
+        started = [stack.coordinator(f"c{i}", store=store,
+                                     extra=(*extra, "--metrics-port", str(mports[i])))
                    for i in range(args.replicas)]
         targets = [t for t, _ in started]
         pids = {"etcd": stack.procs[0].pid}
@@ -390,9 +444,11 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
             hit_keys.append(key)
         c.close()
         fsyncs_before = wal_fsyncs(stack.etcd)
+        etcd_before = etcd_scrape(mports)
         if binary is not None:
             row, used = cores(pids, lambda: go_load(binary, targets, args, hit_keys))
             row["replicas"] = args.replicas
+            row["coordinator_etcd_side_ms"] = etcd_side(etcd_before, etcd_scrape(mports))
             row["etcd_wal_fsync"] = fsync_summary(fsyncs_before, wal_fsyncs(stack.etcd))
             go_report(f"{args.replicas} replica(s)", row, used, args)
             return row
@@ -402,6 +458,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
             load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch,
                  args.streams, args.rate, args.pod, args.gap_ms / 1000)))
         fsyncs = fsync_summary(fsyncs_before, wal_fsyncs(stack.etcd))
+        side = etcd_side(etcd_before, etcd_scrape(mports))
         n = len(lat)
         p50, p99 = quantiles_ms(lat)
         total = sum(decisions.values())
@@ -411,7 +468,8 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
                "per_second": total / wall, "p50_ms": p50, "p99_ms": p99, "errors": errors,
                "by_decision": decisions, "cores": used, "etcd_wal_fsync": fsyncs,
                "coordinator_us_per_decision": coordinator_us_per_decision(used, total / wall),
-               "p50_p99_ms_by_decision": {k: quantiles_ms(v) for k, v in by_decision.items()}}
+               "p50_p99_ms_by_decision": {k: quantiles_ms(v) for k, v in by_decision.items()},
+               "coordinator_etcd_side_ms": side}
         how = ("one job, same programs, " if args.pod else "") + (
             f"{args.streams} Decide stream(s)" if args.streams else "unary calls") + (
             f", offered {args.rate:.0f}/s" if args.rate else ", closed loop")
@@ -423,6 +481,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
               (f"; {messages / max(n, 1):.2f} stream messages per request" if messages else ""))
         if by_decision:
             print_by_decision(row["p50_p99_ms_by_decision"])
+        print_etcd_side(side)
         print("  " + fmt_fsyncs(fsyncs))
         print(json.dumps(row))
         return row

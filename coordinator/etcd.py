@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -109,6 +110,9 @@ class Etcd:
         self.timeout = timeout
         self._use(0)
         self._keepalives: _KeepAlives | None = None
+        # Told each unary request's method and seconds (the coordinator's
+        # metrics); the watch and renewal streams are not requests.
+        self.observe: Callable[[str, float], None] | None = None
 
     def _use(self, index: int) -> None:
         self._current = index % len(self._channels)
@@ -131,9 +135,20 @@ class Etcd:
         for ch in self._channels:
             await ch.close()
 
-    async def _call(self, service: str, method: str, request, *, retries: int = 3):
+    async def _call(self, service: str, method: str, request, *, retries: int = 3,
+                    label: str = ""):
         """One unary call with a deadline; on a transport failure, retry with
-        backoff on the next member."""
+        backoff on the next member. Observed under `label` (default: the
+        method's name)."""
+        if self.observe is None:
+            return await self._call_retrying(service, method, request, retries)
+        start = time.perf_counter()
+        try:
+            return await self._call_retrying(service, method, request, retries)
+        finally:
+            self.observe(label or method, time.perf_counter() - start)
+
+    async def _call_retrying(self, service: str, method: str, request, retries: int):
         delay = 0.05
         for attempt in range(retries + 1):
             member = self._current
@@ -213,7 +228,8 @@ class Etcd:
     async def delete(self, key: bytes) -> None:
         await self._call("kv", "DeleteRange", pb.DeleteRangeRequest(key=key))
 
-    async def txn(self, compare, success, failure=()) -> tuple[bool, int, list]:
+    async def txn(self, compare, success, failure=(), *,
+                  label: str = "Txn") -> tuple[bool, int, list]:
         """Run a transaction; returns (succeeded, revision, responses).
 
         Retried on UNAVAILABLE/DEADLINE_EXCEEDED like every call, although a
@@ -224,12 +240,12 @@ class Etcd:
         """
         resp = await self._call("kv", "Txn",
             pb.TxnRequest(compare=list(compare), success=list(success), failure=list(failure)),
-        )
+            label=label)
         return bool(resp.succeeded), int(resp.header.revision), list(resp.responses)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[KV | None]:
         """Read several keys at one revision in one round trip."""
-        _, _, responses = await self.txn([], [op_get(k) for k in keys])
+        _, _, responses = await self.txn([], [op_get(k) for k in keys], label="Txn/read")
         return ranged(responses)
 
     # -- leases --------------------------------------------------------------

@@ -7,6 +7,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from compilecast.v1 import cache_pb2 as pb
 
+# Latency buckets for etcd round trips and the decisions that wait on them:
+# a healthy member answers in a millisecond or two, a slow disk's fsync in
+# tens, and the client's deadline is seconds.
+ETCD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
 
 class CoordinatorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -157,12 +162,40 @@ class CoordinatorMetrics:
             "Fetches sent to a peer worker that is downloading or holds the artifact",
             registry=registry,
         )
+        self.etcd_seconds = Histogram(
+            "compilecast_coordinator_etcd_request_seconds",
+            "etcd requests this replica made, by etcd method (Txn, Range, Put, LeaseGrant, "
+            "...), from the call until its answer or failure, retries included",
+            ["method"], buckets=ETCD_BUCKETS, registry=registry,
+        )
+        self.etcd_decision_seconds = Histogram(
+            "compilecast_coordinator_etcd_decision_seconds",
+            "Acquire decisions this replica could not answer from memory (a miss's claim, "
+            "or a read of the key's state in etcd), from the request to the answer, by "
+            "decision",
+            ["decision"], buckets=ETCD_BUCKETS, registry=registry,
+        )
+        self._etcd_children: dict[str, object] = {}
         # Every Acquire counts twice; the labelled children are looked up once.
         self._by_decision = {
             d: (self.lookups.labels("hit" if d == pb.HIT else "miss"),
                 self.decisions.labels(pb.Decision.Name(d).lower()))
             for d in pb.Decision.values() if d != pb.DECISION_UNSPECIFIED
         }
+        self._etcd_decided = {
+            d: self.etcd_decision_seconds.labels(pb.Decision.Name(d).lower())
+            for d in pb.Decision.values() if d != pb.DECISION_UNSPECIFIED
+        }
+
+    def observe_etcd(self, method: str, seconds: float) -> None:
+        """One etcd request's time (the Etcd client's `observe` hook)."""
+        child = self._etcd_children.get(method)
+        if child is None:
+            child = self._etcd_children[method] = self.etcd_seconds.labels(method)
+        child.observe(seconds)
+
+    def observe_etcd_decision(self, decision: int, seconds: float) -> None:
+        self._etcd_decided[decision].observe(seconds)
 
     def count_decision(self, decision: int, n: int = 1) -> None:
         """`n` Acquires answered with `decision`."""

@@ -50,6 +50,7 @@ class Coordinator(Role):
         cfg = self.cfg
         self.etcd = Etcd(cfg.etcd_endpoints.split(","), credentials=channel_credentials(
             cfg.etcd_ca_file, cfg.etcd_cert_file, cfg.etcd_key_file))
+        self.etcd.observe = self.metrics.observe_etcd
         self.state = CoordinatorState(cfg, self.etcd, self.store, self.metrics)
         auth = Authenticator.from_file(cfg.auth_tokens_file, cfg.allow_unauthenticated)
         self.data_plane = self._data_plane()

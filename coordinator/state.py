@@ -487,13 +487,21 @@ class CoordinatorState:
                       may_publish: bool = True) -> pb.AcquireResponse:
         # The caller has checked the request (validate.acquire_request): the
         # service does, once per request, before any of a batch is decided.
-        try:
-            resp = await self._decide(scope(tenant, key), req, may_publish, program_name)
-        except Unavailable as exc:
-            resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, reason=self._etcd_down(exc))
+        sk = scope(tenant, key)
+        if (resp := self._known(sk)) is not None:
+            if resp.decision == pb.HIT:
+                self._hit(resp.artifact)
+        else:
+            start = time.perf_counter()
+            try:
+                resp = await self._decide(sk, req, may_publish, program_name)
+            except Unavailable as exc:
+                resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
+                                          reason=self._etcd_down(exc))
+            self.metrics.observe_etcd_decision(resp.decision, time.perf_counter() - start)
         self.metrics.count_decision(resp.decision)
         if resp.decision == pb.COMPILE and components:
-            self.records.record(scope(tenant, key), program_name, dict(components))
+            self.records.record(sk, program_name, dict(components))
         return resp
 
     def decided_now(self, keys: Sequence[str], *, tenant: str = DEFAULT_TENANT,
@@ -529,10 +537,7 @@ class CoordinatorState:
         return None
 
     async def _decide(self, sk: str, req: pb.Requester, may_publish: bool, program: str) -> pb.AcquireResponse:
-        if (known := self._known(sk)) is not None:
-            if known.decision == pb.HIT:
-                self._hit(known.artifact)
-            return known
+        """What etcd says of a key this replica does not know (_known is None)."""
         # A process that may claim the key tries to at once; the others read.
         claims = may_publish and (not req.job or req.process_id == req.designated_process)
         for _ in range(3):
