@@ -63,6 +63,14 @@ class WorkerMetrics:
             "Time processes on this host spent computing canonical keys",
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10), registry=registry,
         )
+        self.upstream_decision_seconds = Histogram(
+            "compilecast_worker_upstream_decision_seconds",
+            "Requests of this host's processes that the host cache did not answer: seconds "
+            "until the coordinator's answer (or until it was found unreachable), one sample "
+            "a batch, by result",
+            ["result"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                 2.5, 5, 10), registry=registry,
+        )
         self.bytes = Counter(
             "compilecast_worker_artifact_bytes",
             "Artifact bytes moved (served: as sent, zstd as stored to processes that decode it)",

@@ -532,6 +532,8 @@ class WorkerService(rpc.CompileCacheServicer):
         self.waits = HostWaits(metrics.waits)  # this host's waits for one key go upstream as one
         self.decisions = HostDecisions(metrics.decisions)  # and its requests for one key
         self._joined = [0, 0]  # answers shared from another's request: misses, hits
+        self._upstream_answered = metrics.upstream_decision_seconds.labels("answered")
+        self._upstream_unreachable = metrics.upstream_decision_seconds.labels("unreachable")
         self.metrics.waiting.set_function(lambda: self.waits.waiting)
         self.streams = decide.Streams()  # local processes' Decide streams
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
@@ -606,11 +608,14 @@ class WorkerService(rpc.CompileCacheServicer):
         ask = [r for r, a in zip(requests, answers, strict=True) if a is None]
         upstream: list[tuple[pb.AcquireResponse, bool]] = []
         if ask:
+            start = time.perf_counter()
             try:  # shared with this host's other requests for the key (worker/decisions.py)
                 upstream = await self.decisions.decide(md, ask, self._decider(md).decide)
+                self._upstream_answered.observe(time.perf_counter() - start)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in DEGRADED:
                     raise _relay(exc) from None
+                self._upstream_unreachable.observe(time.perf_counter() - start)
                 why = self._local("acquire", exc)
                 upstream = [(pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, reason=why), False)
                             for _ in ask]

@@ -1,5 +1,6 @@
-"""The coordinator's etcd latency metrics: every etcd request it makes, by
-method, and the Acquire decisions that had to ask etcd (real etcd, real gRPC)."""
+"""Latency metrics: the coordinator's etcd requests by method and the Acquire
+decisions that had to ask etcd; a worker's decisions sent to the coordinator
+(real etcd, real gRPC)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,31 @@ def test_every_etcd_request_is_observed_by_method_failures_too(etcd):
     assert all(s >= 0 for _, s in seen)
     # The failed request is observed once, its retries included.
     assert seen[-1][1] > 0.05
+
+
+def upstream(worker, result: str) -> float:
+    return sample(worker, "compilecast_worker_upstream_decision_seconds_count", result=result)
+
+
+def test_a_worker_times_what_it_asks_the_coordinator(coordinator, start_worker):
+    w = start_worker(coordinator.cfg.listen)
+    proc = CacheClient(w.cfg.listen, identity=Identity(client="p0"))
+    try:
+        assert proc.acquire(os.urandom(32).hex()).decision == pb.COMPILE
+        assert upstream(w, "answered") == 1
+        assert sample(w, "compilecast_worker_upstream_decision_seconds_sum",
+                      result="answered") > 0
+        assert upstream(w, "unreachable") == 0
+    finally:
+        proc.close()
+
+
+def test_a_worker_times_a_coordinator_it_cannot_reach_apart(start_worker):
+    w = start_worker(f"127.0.0.1:{free_port()}")  # nothing listens there
+    proc = CacheClient(w.cfg.listen, identity=Identity(client="p0"))
+    try:
+        assert proc.acquire(os.urandom(32).hex()).decision == pb.COMPILE_LOCALLY
+        assert upstream(w, "unreachable") == 1
+        assert upstream(w, "answered") == 0
+    finally:
+        proc.close()
