@@ -143,6 +143,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                    if st.decide_gap_ms else "")
             print(f"load         the coordinator's event loop used "
                   f"{100 * st.coordinator_loop_busy:.0f}% of a core lately{gap}")
+        if st.etcd_writes_sampled:  # 0: an older coordinator, or none written yet
+            print(f"etcd         the coordinator's latest {st.etcd_writes_sampled} write "
+                  f"transactions took p50 {st.etcd_write_p50_ms:.1f} ms, "
+                  f"p99 {st.etcd_write_p99_ms:.1f} ms")
         print(f"saved        {st.compile_seconds_saved:.1f} s of compile time")
         for f in st.in_flight:
             print(f"  compiling  {f.key}  by {f.holder}  for {f.age_seconds:.0f}s, "

@@ -3,6 +3,8 @@ injected registry (never the global one)."""
 
 from __future__ import annotations
 
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from compilecast.v1 import cache_pb2 as pb
@@ -11,6 +13,7 @@ from compilecast.v1 import cache_pb2 as pb
 # a healthy member answers in a millisecond or two, a slow disk's fsync in
 # tens, and the client's deadline is seconds.
 ETCD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+RECENT_WRITES = 1024  # etcd write txns `compilecast status` takes its figures from
 
 
 class CoordinatorMetrics:
@@ -176,6 +179,7 @@ class CoordinatorMetrics:
             ["decision"], buckets=ETCD_BUCKETS, registry=registry,
         )
         self._etcd_children: dict[str, object] = {}
+        self._recent_writes: deque[float] = deque(maxlen=RECENT_WRITES)  # seconds each
         # Every Acquire counts twice; the labelled children are looked up once.
         self._by_decision = {
             d: (self.lookups.labels("hit" if d == pb.HIT else "miss"),
@@ -193,6 +197,17 @@ class CoordinatorMetrics:
         if child is None:
             child = self._etcd_children[method] = self.etcd_seconds.labels(method)
         child.observe(seconds)
+        if method == "Txn":
+            self._recent_writes.append(seconds)
+
+    def recent_etcd_writes(self) -> tuple[int, float, float]:
+        """How many of the latest etcd write txns there are (at most
+        RECENT_WRITES), and their p50 and p99 in seconds (0 without any)."""
+        times = sorted(self._recent_writes)
+        if not times:
+            return 0, 0.0, 0.0
+        return len(times), times[len(times) // 2], times[min(len(times) - 1,
+                                                              int(len(times) * 0.99))]
 
     def observe_etcd_decision(self, decision: int, seconds: float) -> None:
         self._etcd_decided[decision].observe(seconds)

@@ -228,6 +228,9 @@ class CoordinatorService(rpc.CompileCacheServicer):
         if self.advice is not None:
             resp.coordinator_loop_busy = self.advice.busy
             resp.decide_gap_ms = self.advice.gap_ms
+        n, p50, p99 = self.state.metrics.recent_etcd_writes()
+        resp.etcd_writes_sampled, resp.etcd_write_p50_ms, resp.etcd_write_p99_ms = (
+            n, p50 * 1e3, p99 * 1e3)
         return resp
 
     @rpc_errors

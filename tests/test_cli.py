@@ -58,6 +58,26 @@ def test_status_is_zero_against_a_healthy_worker(coordinator, start_worker):
         cc("status", "--worker", worker.target).stdout
 
 
+def test_status_shows_how_long_the_coordinators_etcd_writes_take(coordinator, start_worker):
+    from compilecast.v1 import cache_pb2 as pb
+    from compilecast.worker.client import CacheClient, Identity
+
+    worker = start_worker(coordinator.cfg.listen)
+    before = json.loads(cc("status", "--worker", worker.target, "--json").stdout)
+    client = CacheClient(worker.target, identity=Identity(client="p0"))
+    try:
+        for i in range(3):  # each miss claims its key in an etcd write txn
+            assert client.acquire(f"etcd-latency-{i}").decision == pb.COMPILE
+    finally:
+        client.close()
+    st = json.loads(cc("status", "--worker", worker.target, "--json").stdout)
+    assert st["etcdWritesSampled"] >= before.get("etcdWritesSampled", 0) + 3, st
+    assert 0 < st["etcdWriteP50Ms"] <= st["etcdWriteP99Ms"], st
+    out = cc("status", "--worker", worker.target).stdout
+    assert f"etcd         the coordinator's latest {st['etcdWritesSampled']} write " \
+           "transactions took p50 " in out, out
+
+
 def test_status_is_nonzero_when_the_coordinator_is_down(coordinator, start_worker):
     worker = start_worker(coordinator.cfg.listen)
     coordinator.stop()
