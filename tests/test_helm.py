@@ -297,6 +297,9 @@ def test_external_etcd_renders_no_etcd():
     (["auth.tokensSecret="], "allowUnauthenticated=true explicitly"),
     (["tls.requireClientCerts=true"], "needs tls.secretName"),
     (["coordinator.storage.maxBytes=lots"], "maxBytes"),
+    (["metrics.alerts.etcdWriteSeconds=250ms"], "etcdWriteSeconds"),
+    (["metrics.alerts.coordinatorBusy=80"], "coordinatorBusy"),
+    (["metrics.serviceMonitor.interval=often"], "interval"),
 ])
 def test_bad_value_combinations_fail_with_a_clear_message(sets, message):
     args = ["template", "rel", str(CHART)]
@@ -413,6 +416,17 @@ def test_the_alerts_are_valid_promql_over_metrics_that_exist():
         assert selectors and all('namespace="default"' in s for s in selectors), a["alert"]
         assert a["labels"]["severity"] in ("critical", "warning") and a["annotations"]["summary"]
     assert by_kind(render(None), "PrometheusRule") == []  # off by default
+
+
+def test_alert_thresholds_given_with_set_reach_the_rules():
+    """`--set` passes a decimal as a string: the schema takes it, and the rule
+    compares with it."""
+    (rule,) = by_kind(render(None, "metrics.alerts.enabled=true",
+                             "metrics.alerts.etcdWriteSeconds=0.5",
+                             "metrics.alerts.coordinatorBusy=0.9"), "PrometheusRule")
+    exprs = {a["alert"]: a["expr"].strip() for a in rule["spec"]["groups"][0]["rules"]}
+    assert exprs["CompilecastEtcdSlow"].endswith("> 0.5")
+    assert exprs["CompilecastCoordinatorBusy"].endswith("> 0.9")
 
 
 def test_the_dashboard_queries_are_valid_promql_over_metrics_that_exist():
