@@ -109,7 +109,7 @@ class WatchHub:
             try:
                 if start == 0:
                     # Resume "from now": state is re-read by every woken waiter.
-                    _, revision, _ = await self.etcd.txn([], [])
+                    _, revision, _ = await self.etcd.txn([], [], label="Txn/read")
                     start = revision + 1
                 self.ready.set()
                 async for _revision, events in self.etcd.watch_prefix(self.prefix + b"/", start):
