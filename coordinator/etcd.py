@@ -348,9 +348,12 @@ class WriteBatcher:
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
         await self._submit(key, op_put(key, value, lease))
 
-    async def delete(self, key: bytes) -> None:
+    async def delete(self, key: bytes, *, written_before: bool = False) -> None:
+        """Delete `key`. Unless it may have been written before (by an
+        earlier txn of this batcher or anyone), a put of it still queued and
+        the delete cancel out, and nothing is sent."""
         queued = self._queue.get(key)
-        if queued is not None and queued[0].HasField("request_put"):
+        if not written_before and queued is not None and queued[0].HasField("request_put"):
             # Never sent: the put and its delete cancel out (etcd refuses a
             # txn that names one key twice).
             del self._queue[key]

@@ -10,7 +10,8 @@ see each other's records:
     P/h/KEY              hedge lease record: a second compiler for a holder far past
                          the program's expected compile time, attached to its etcd lease
     P/x/KEY              "compile locally" verdict, attached to a short etcd lease
-    P/w/KEY/RANK/ID      a registered waiter, attached to this replica's session lease
+    P/w/KEY/REPLICA      this replica's waiters of KEY (JSON: how many, the lowest rank,
+                         how many of each job), attached to its session lease
     P/k/..., P/n/...     what each key was made of: see records.py
 
 Lease rules (the invariants everything else leans on):
@@ -94,6 +95,9 @@ HEARTBEAT_S = 2.0
 # Published entries each replica keeps in memory (~0.5 KB each), oldest out first.
 INDEX_MAX = 200_000
 PROMOTION_STAGGER_S = 0.5
+# How long a change of a replica's waiters of a key waits to be written with
+# the changes after it (a pod's job start brings a thousand in a few tenths).
+WAITER_FLUSH_S = 0.02
 
 
 @dataclass
@@ -162,6 +166,69 @@ def _holder_name(rec: dict) -> str:
     return rec.get("client") or "an independent process"
 
 
+class _Waiters:
+    """A replica's waiters of one key: how many wait under each rank (the
+    process id in a job, else the arrival time: the lowest goes first) and
+    of each job, and the lowest rank."""
+
+    __slots__ = ("count", "jobs", "lowest", "ranks")
+
+    def __init__(self) -> None:
+        self.ranks: collections.Counter[str] = collections.Counter()
+        self.jobs: collections.Counter[str] = collections.Counter()
+        self.count = 0
+        self.lowest = ""
+
+    def add(self, rank: str, job: str) -> None:
+        self.ranks[rank] += 1
+        self.jobs[job] += 1
+        self.count += 1
+        if self.count == 1 or rank < self.lowest:
+            self.lowest = rank
+
+    def remove(self, rank: str, job: str) -> None:
+        self.count -= 1
+        for counter, name in ((self.ranks, rank), (self.jobs, job)):
+            counter[name] -= 1
+            if not counter[name]:
+                del counter[name]
+        if rank == self.lowest and rank not in self.ranks:
+            # Each leave of the lowest scans once: a burst of n leaves in any
+            # order meets the lowest about ln(n) times.
+            self.lowest = min(self.ranks, default="")
+
+    def below(self, rank: str) -> int:
+        """How many wait here under a lower rank."""
+        return sum(n for r, n in self.ranks.items() if r < rank)
+
+    def record(self) -> bytes:
+        return json.dumps({"count": self.count, "lowest": self.lowest,
+                           "jobs": dict(self.jobs)}).encode()
+
+
+def _lowest_rank(kv: KV) -> str | None:
+    """The lowest rank a P/w record names: a replica's record of its waiters,
+    or an older replica's record of one waiter (P/w/KEY/RANK/ID, during a
+    rolling upgrade)."""
+    d = json_dict(kv.value) or {}
+    if "count" in d:
+        return d.get("lowest") if isinstance(d.get("lowest"), str) and d["lowest"] else None
+    parts = kv.key.rsplit(b"/", 2)
+    return parts[1].decode(errors="replace") if len(parts) == 3 else None
+
+
+def _waiters_by_job(kv: KV) -> dict[str, int]:
+    """How many waiters of each job a P/w record counts (an older replica's
+    record: one)."""
+    d = json_dict(kv.value) or {}
+    if "count" not in d:
+        return {str(d.get("job", "")): 1}
+    jobs = d.get("jobs")
+    if not isinstance(jobs, dict):
+        return {}
+    return {str(j): n for j, n in jobs.items() if isinstance(n, int) and n > 0}
+
+
 class CoordinatorState:
     def __init__(
         self,
@@ -206,6 +273,14 @@ class CoordinatorState:
         # etcd reads in flight, by key, with the watch's event count at their start.
         self._reads: dict[str, tuple[asyncio.Future, int]] = {}
         self._waiter_writes = WriteBatcher(etcd)  # waiter records, put and deleted together
+        # This replica's waiters, by key: one P/w record per key and replica
+        # says how many there are (a pod's job start writes a few per key, not
+        # two per waiter). Its id names that record.
+        self._waiting: dict[str, _Waiters] = {}
+        self._replica = uuid.uuid4().hex[:16]
+        # Writes of those records waiting to start, by key: the changes that
+        # arrive meanwhile go with them (done once the write has landed).
+        self._waiter_flushes: dict[str, asyncio.Future] = {}
         self._claims = GuardedBatcher(etcd)  # the claims of concurrent misses, together
         self.hub.on_claim.append(self._note_claim)
         self.hub.on_gap.append(self._claimed.clear)
@@ -589,7 +664,6 @@ class CoordinatorState:
         deadline = start + timeout
         rank = f"{req.process_id:010d}" if req.job else f"9{time.time_ns():019d}"
         sk = scope(tenant, key)
-        wkey = self._k("w", sk) + f"/{rank}/{uuid.uuid4().hex[:12]}".encode()
         sub = self.hub.subscribe(sk)
         self.metrics.waiters.inc()
         outcome = "compile_locally"
@@ -601,11 +675,10 @@ class CoordinatorState:
                 outcome = "hit"
                 yield pb.WaitEvent(decision=pb.HIT, artifact=cached)
                 return
-            registered = True  # from here on the record may exist: it is deleted at the end
+            registered = True  # counted here from now on: no longer at the end
+            self._waiting.setdefault(sk, _Waiters()).add(rank, req.job)
             try:
-                await self._waiter_writes.put(
-                    wkey, json.dumps({"job": req.job, "process_id": req.process_id}).encode(),
-                    lease=await self._session())
+                await self._write_waiters(sk)
             except Unavailable as exc:
                 yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._etcd_down(exc))
                 return
@@ -637,7 +710,7 @@ class CoordinatorState:
                     now = time.monotonic()
                     if st.lease or st.hedge:
                         seen_holder, free_since = True, None
-                        lease = await self._maybe_hedge(sk, wkey, req, st, may_publish,
+                        lease = await self._maybe_hedge(sk, rank, req, st, may_publish,
                                                         expected)
                         if lease is not None:
                             outcome = "hedged"
@@ -649,7 +722,7 @@ class CoordinatorState:
                     elif may_publish and (not req.job or seen_holder or req.process_id == req.designated_process
                           or now - start >= self.cfg.designated_grace_s):
                         free_since = free_since or now
-                        position = await self._waiter_position(sk, wkey)
+                        position = await self._waiter_position(sk, rank)
                         if now - free_since >= PROMOTION_STAGGER_S * position:
                             lease = await self._try_take(sk, req)
                             if lease is not None:
@@ -683,9 +756,13 @@ class CoordinatorState:
             self.metrics.waits.labels(outcome).inc()
             self.metrics.wait_seconds.observe(time.monotonic() - start)
             if registered:
-                self._spawn(self._forget(wkey))
+                here = self._waiting[sk]
+                here.remove(rank, req.job)
+                if not here.count:
+                    del self._waiting[sk]
+                self._spawn(self._forget(sk))
 
-    async def _maybe_hedge(self, sk: str, wkey: bytes, req: pb.Requester, st: KeyState,
+    async def _maybe_hedge(self, sk: str, rank: str, req: pb.Requester, st: KeyState,
                            may_publish: bool, expected: list[float | None]) -> pb.Lease | None:
         """Hedge a holder that runs far past the program's expected compile
         time: the lowest waiter gets a hedge lease (P/h) and compiles too."""
@@ -700,7 +777,7 @@ class CoordinatorState:
         age = time.time() - st.lease.get("granted", time.time())
         if age < max(self.cfg.hedge_min_s, factor * expected[0]):
             return None
-        if await self._waiter_position(sk, wkey) != 0:
+        if await self._waiter_position(sk, rank) != 0:
             return None
         lease = await self._try_take(sk, req, st.lease.get("program", ""),
                                      hedge_of=st.lease_rev)
@@ -710,16 +787,59 @@ class CoordinatorState:
                         _holder_name(st.lease), age, expected[0])
         return lease
 
-    async def _forget(self, wkey: bytes) -> None:
-        with contextlib.suppress(Exception):
-            await self._waiter_writes.delete(wkey)
+    def _waiters_key(self, sk: str) -> bytes:
+        return self._k("w", sk) + f"/{self._replica}".encode()
 
-    async def _waiter_position(self, sk: str, wkey: bytes) -> int:
-        waiters = await self.etcd.get_prefix(self._k("w", sk) + b"/")
-        for i, kv in enumerate(waiters):
-            if kv.key == wkey:
-                return i
-        return len(waiters)
+    def _write_waiters(self, sk: str) -> asyncio.Future:
+        """Write this replica's P/w record of `sk` as its waiters will be in
+        WAITER_FLUSH_S (deleted when none are left); done once written (or
+        failed with Unavailable). The changes that arrive before that write
+        starts go with it: a thousand waiters arriving (or leaving) together
+        cost a few writes, not two each."""
+        flush = self._waiter_flushes.get(sk)
+        if flush is None:
+            flush = self._waiter_flushes[sk] = asyncio.get_running_loop().create_future()
+            self._spawn(self._flush_waiters(sk, flush))
+        return asyncio.shield(flush)  # one waiter cancelled does not cancel it for all
+
+    async def _flush_waiters(self, sk: str, flush: asyncio.Future) -> None:
+        try:
+            await asyncio.sleep(WAITER_FLUSH_S)
+            lease = await self._session()
+            if self._waiter_flushes.get(sk) is flush:  # later changes make a write of their own
+                del self._waiter_flushes[sk]
+            here = self._waiting.get(sk)
+            if here is None:
+                await self._waiter_writes.delete(self._waiters_key(sk), written_before=True)
+            else:
+                await self._waiter_writes.put(self._waiters_key(sk), here.record(), lease=lease)
+        except Exception as exc:  # Unavailable (or a bug): the waiters hear of it
+            if not flush.done():
+                flush.set_exception(exc)
+                flush.exception()  # retrieved: the waiters that left do not await it
+        else:
+            if not flush.done():
+                flush.set_result(None)
+        finally:
+            if self._waiter_flushes.get(sk) is flush:
+                del self._waiter_flushes[sk]
+
+    async def _forget(self, sk: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._write_waiters(sk)
+
+    async def _waiter_position(self, sk: str, rank: str) -> int:
+        """How many waiters go before a waiter of this replica with `rank`
+        when the key is free: those here with a lower rank, and each other
+        replica whose lowest waiter's rank is lower. The lowest waiter of all
+        gets 0 (it alone goes first; the others follow it, staggered)."""
+        here = self._waiting.get(sk)
+        position = here.below(rank) if here is not None else 0
+        mine = self._waiters_key(sk)
+        for kv in await self.etcd.get_prefix(self._k("w", sk) + b"/"):
+            if kv.key != mine and (lowest := _lowest_rank(kv)) is not None and lowest < rank:
+                position += 1
+        return position
 
     # -- Publish ---------------------------------------------------------
     async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[DataChunk], *,
@@ -1087,13 +1207,15 @@ class CoordinatorState:
         resp.revoked = await self.etcd.count_prefix(self.prefix + b"/v" + tenant_path)
         leases = await self.etcd.get_prefix(self.prefix + b"/l" + tenant_path, limit=100)
         resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l" + tenant_path)
-        resp.waiters = await self.etcd.count_prefix(self.prefix + b"/w" + tenant_path)
+        waiting = await self.etcd.get_prefix(self.prefix + b"/w" + tenant_path, limit=5000)
         now = time.time()
         jobs: dict[str, list[int]] = {}
         for kv in leases:
             jobs.setdefault(str((json_dict(kv.value) or {}).get("job", "")), [0, 0])[0] += 1
-        for kv in await self.etcd.get_prefix(self.prefix + b"/w" + tenant_path, limit=5000):
-            jobs.setdefault(str((json_dict(kv.value) or {}).get("job", "")), [0, 0])[1] += 1
+        for kv in waiting:
+            for job, n in _waiters_by_job(kv).items():
+                resp.waiters += n
+                jobs.setdefault(job, [0, 0])[1] += n
         for job, (compiling, waiting) in sorted(jobs.items()):
             resp.jobs.append(pb.JobStatus(job=job, compiles_in_flight=compiling, waiters=waiting))
         for sk, name, differing, when in self.records.recent:
@@ -1104,7 +1226,8 @@ class CoordinatorState:
         for kv in leases:
             key = kv.key[len(self.prefix) + 3 + len(tenant_path) - 1:].decode()
             rec = json_dict(kv.value) or {}
-            nwait = await self.etcd.count_prefix(self._k("w", scope(tenant, key)) + b"/")
+            nwait = sum(sum(_waiters_by_job(w).values()) for w in
+                        await self.etcd.get_prefix(self._k("w", scope(tenant, key)) + b"/"))
             resp.in_flight.append(pb.InFlight(key=key, holder=_holder_name(rec),
                                               age_seconds=now - rec.get("granted", now),
                                               waiters=nwait))
