@@ -214,7 +214,7 @@ def _lowest_rank(kv: KV) -> str | None:
     if "count" in d:
         return d.get("lowest") if isinstance(d.get("lowest"), str) and d["lowest"] else None
     parts = kv.key.rsplit(b"/", 2)
-    return parts[1].decode(errors="replace") if len(parts) == 3 else None
+    return parts[1].decode() if len(parts) == 3 and parts[1].isdigit() else None
 
 
 def _waiters_by_job(kv: KV) -> dict[str, int]:
@@ -821,6 +821,8 @@ class CoordinatorState:
             if not flush.done():
                 flush.set_result(None)
         finally:
+            if not flush.done():  # cancelled (a stop): its waiters are ending too
+                flush.cancel()
             if self._waiter_flushes.get(sk) is flush:
                 del self._waiter_flushes[sk]
 
@@ -1207,12 +1209,12 @@ class CoordinatorState:
         resp.revoked = await self.etcd.count_prefix(self.prefix + b"/v" + tenant_path)
         leases = await self.etcd.get_prefix(self.prefix + b"/l" + tenant_path, limit=100)
         resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l" + tenant_path)
-        waiting = await self.etcd.get_prefix(self.prefix + b"/w" + tenant_path, limit=5000)
+        wait_records = await self.etcd.get_prefix(self.prefix + b"/w" + tenant_path, limit=5000)
         now = time.time()
         jobs: dict[str, list[int]] = {}
         for kv in leases:
             jobs.setdefault(str((json_dict(kv.value) or {}).get("job", "")), [0, 0])[0] += 1
-        for kv in waiting:
+        for kv in wait_records:
             for job, n in _waiters_by_job(kv).items():
                 resp.waiters += n
                 jobs.setdefault(job, [0, 0])[1] += n

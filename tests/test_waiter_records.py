@@ -54,6 +54,7 @@ def test_records_of_both_layouts_are_read():
     assert _lowest_rank(old) == "0000000004" and _waiters_by_job(old) == {"job-1": 1}
     damaged = KV(b"/p/w/default/k/3f2a", b"not json", 1, 1, 0)
     assert _waiters_by_job(damaged) == {"": 1}  # counted as one, never fails a status
+    assert _lowest_rank(damaged) is None  # and names no rank: it never goes first
 
 
 def _records(coordinator, loop_thread, key: str) -> list[KV]:
