@@ -129,10 +129,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def metrics_text(port: int, host: str = "127.0.0.1") -> str:
+    """A server's /metrics page."""
+    return urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+
+
 def scraped(port: int, name: str, host: str = "127.0.0.1", labels: str = "") -> float:
     """The sum of a metric's samples on a server's /metrics (those whose
     label set contains `labels`, e.g. 'direction="out"'); 0 when none."""
-    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    text = metrics_text(port, host)
     total = 0.0
     for m in re.finditer(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
         if labels in (m.group(1) or ""):
@@ -140,10 +145,9 @@ def scraped(port: int, name: str, host: str = "127.0.0.1", labels: str = "") -> 
     return total
 
 
-def histogram(port: int, name: str, host: str = "127.0.0.1") -> dict[tuple[str, float], float]:
-    """A histogram's cumulative bucket counts on a server's /metrics:
+def histogram(text: str, name: str) -> dict[tuple[str, float], float]:
+    """A histogram's cumulative bucket counts on a /metrics page (metrics_text):
     {(its other labels, le): count}."""
-    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
     out: dict[tuple[str, float], float] = {}
     for m in re.finditer(rf"^{re.escape(name)}_bucket{{([^}}]*)}} (\S+)$", text, re.M):
         labels = m.group(1)

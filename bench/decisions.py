@@ -39,6 +39,7 @@ from _servers import (
     free_port,
     histogram,
     histogram_quantile,
+    metrics_text,
     own_cpu_seconds,
     wait_port,
 )
@@ -284,13 +285,11 @@ _ETCD_SIDE = (("compilecast_coordinator_etcd_decision_seconds", "decided via etc
 def etcd_scrape(ports: list[int]) -> dict:
     """The coordinators' etcd-side histograms now (bucket counts summed over
     the replicas), for etcd_side."""
-    out: dict = {}
-    for name, _ in _ETCD_SIDE:
-        summed: dict = {}
-        for port in ports:
-            for k, v in histogram(port, name).items():
+    out: dict = {name: {} for name, _ in _ETCD_SIDE}
+    for text in map(metrics_text, ports):  # each replica's page, once
+        for name, summed in out.items():
+            for k, v in histogram(text, name).items():
                 summed[k] = summed.get(k, 0.0) + v
-        out[name] = summed
     return out
 
 

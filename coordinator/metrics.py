@@ -180,14 +180,12 @@ class CoordinatorMetrics:
         )
         self._etcd_children: dict[str, object] = {}
         self._recent_writes: deque[float] = deque(maxlen=RECENT_WRITES)  # seconds each
-        # Every Acquire counts twice; the labelled children are looked up once.
+        # Every Acquire counts twice (and one that asked etcd is timed); the
+        # labelled children are looked up once.
         self._by_decision = {
             d: (self.lookups.labels("hit" if d == pb.HIT else "miss"),
-                self.decisions.labels(pb.Decision.Name(d).lower()))
-            for d in pb.Decision.values() if d != pb.DECISION_UNSPECIFIED
-        }
-        self._etcd_decided = {
-            d: self.etcd_decision_seconds.labels(pb.Decision.Name(d).lower())
+                self.decisions.labels(pb.Decision.Name(d).lower()),
+                self.etcd_decision_seconds.labels(pb.Decision.Name(d).lower()))
             for d in pb.Decision.values() if d != pb.DECISION_UNSPECIFIED
         }
 
@@ -210,10 +208,10 @@ class CoordinatorMetrics:
                                                               int(len(times) * 0.99))]
 
     def observe_etcd_decision(self, decision: int, seconds: float) -> None:
-        self._etcd_decided[decision].observe(seconds)
+        self._by_decision[decision][2].observe(seconds)
 
     def count_decision(self, decision: int, n: int = 1) -> None:
         """`n` Acquires answered with `decision`."""
-        lookup, decided = self._by_decision[decision]
+        lookup, decided, _ = self._by_decision[decision]
         lookup.inc(n)
         decided.inc(n)

@@ -1214,10 +1214,13 @@ class CoordinatorState:
         jobs: dict[str, list[int]] = {}
         for kv in leases:
             jobs.setdefault(str((json_dict(kv.value) or {}).get("job", "")), [0, 0])[0] += 1
+        by_key: collections.Counter[str] = collections.Counter()  # waiters of each key
+        head = len(self.prefix + b"/w" + tenant_path)
         for kv in wait_records:
             for job, n in _waiters_by_job(kv).items():
                 resp.waiters += n
                 jobs.setdefault(job, [0, 0])[1] += n
+                by_key[kv.key[head:].split(b"/", 1)[0].decode()] += n
         for job, (compiling, waiting) in sorted(jobs.items()):
             resp.jobs.append(pb.JobStatus(job=job, compiles_in_flight=compiling, waiters=waiting))
         for sk, name, differing, when in self.records.recent:
@@ -1228,10 +1231,8 @@ class CoordinatorState:
         for kv in leases:
             key = kv.key[len(self.prefix) + 3 + len(tenant_path) - 1:].decode()
             rec = json_dict(kv.value) or {}
-            nwait = sum(sum(_waiters_by_job(w).values()) for w in
-                        await self.etcd.get_prefix(self._k("w", scope(tenant, key)) + b"/"))
             resp.in_flight.append(pb.InFlight(key=key, holder=_holder_name(rec),
                                               age_seconds=now - rec.get("granted", now),
-                                              waiters=nwait))
+                                              waiters=by_key[key]))
         return resp
 
