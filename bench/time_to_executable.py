@@ -12,7 +12,7 @@ so these runs show the protocol's overhead and compile counts, not TPU savings.
 
     python bench/time_to_executable.py --tpu v5e:4x4 [--n 4 16] [--layers 64] [--width 1024]
                                        [--tpu-weights] [--tpu-after] [--tpu-pairs K]
-                                       [--tpu-one-host]
+                                       [--tpu-one-host] [--drop-caches]
 
 does the same with a real TPU program: each of N processes (one jax.distributed
 job, as the hosts of a pod) lowers the training step for TOPOLOGY with libtpu's
@@ -30,7 +30,9 @@ COMPILECAST_LOCAL_FILES=0 makes them take the bytes over its socket instead of
 reading its host cache's file. With --tpu-host-workers each process goes
 through a worker of its own, as on a pod's hosts: the holder publishes through
 its worker, and each waiter's worker downloads the executable while the
-process follows its host cache's file.
+process follows its host cache's file. --drop-caches (root) drops the page
+cache before each run: where the N processes fill the machine's memory, the
+waiters' fresh memory otherwise comes from reclaiming the cache.
 """
 
 from __future__ import annotations
@@ -101,27 +103,54 @@ def timeline(phases: list[dict[str, float]]) -> str:
             f"{done / compiled:.2f}x the holder's own time to its executable){cpu}")
 
 
+def page_cache_mb() -> int:
+    """The page cache's size now (Cached in /proc/meminfo), in MB."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) // 1024
+    return 0
+
+
+def drop_page_cache() -> None:
+    """Write back and drop the clean page cache, so that a run's fresh
+    memory comes from free pages rather than from reclaiming the cache
+    (which costs the allocating process system time). Needs root."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError as exc:
+        raise SystemExit(f"--drop-caches: cannot write /proc/sys/vm/drop_caches ({exc}); "
+                         "run as root or leave the option out") from None
+
+
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
         weights: bool, after: bool = False, pairs: int = 1, one_host: bool = False,
-        alone_job: bool = False, host_workers: bool = False) -> None:
+        alone_job: bool = False, host_workers: bool = False, drop_caches: bool = False) -> None:
     import aot_farm
 
     aot_farm.ENV.update(BENCH_LAYERS=str(layers), BENCH_WIDTH=str(width))
     entry = "aot_job:step_with_weights" if weights else "aot_job:step"
     what = "with its weights as constants" if weights else "weights as arguments"
     print(f"# the training step of {layers} layers x {width} ({what}) for {topology} "
-          f"(compile-only), {os.cpu_count()} cores", flush=True)
+          f"(compile-only), {os.cpu_count()} cores, page cache "
+          f"{'dropped before each run' if drop_caches else f'{page_cache_mb()} MB at the start'}",
+          flush=True)
     rows = []
 
     def run(mode: str, n: int) -> dict:
         # "share" streams uploads to the waiters (publish_stream_readers, off by default).
         flags = ("--publish-stream-readers", "4") if mode == "share" and after else ()
+        if drop_caches:
+            drop_page_cache()
+        cache_at_start = page_cache_mb()
         with aot_farm.fresh_coordinator(*flags, one_host=one_host,
                                         host_workers=n if host_workers else 0) as coordinator:
             # Start-up, JAX import and lowering take ~2 s a process on 2 cores.
             r = aot_farm.pod(mode, coordinator, topology, n, entry=entry,
                              go_after_s=10.0 + 2.5 * n)
-        rows.append(dict(r, mode=mode, n=n))
+        rows.append(dict(r, mode=mode, n=n, page_cache_mb_at_start=cache_at_start))
         return r
 
     if pairs > 1:
@@ -210,11 +239,16 @@ def main() -> None:
                          "hosts)")
     ap.add_argument("--tpu-weights", action="store_true",
                     help="with --tpu, bake the weights into the program (a large executable)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="with --tpu, drop the page cache before each run (root): on a machine "
+                         "whose memory the N processes fill, the waiters' fresh memory otherwise "
+                         "comes from reclaiming it (BENCHMARKS.md, \"Thirty-sixth session\")")
     args = ap.parse_args()
     if args.tpu:
         tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
             args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
-            args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job, args.tpu_host_workers)
+            args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job, args.tpu_host_workers,
+            args.drop_caches)
         return
     args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"
