@@ -1216,11 +1216,20 @@ class CoordinatorState:
             jobs.setdefault(str((json_dict(kv.value) or {}).get("job", "")), [0, 0])[0] += 1
         by_key: collections.Counter[str] = collections.Counter()  # waiters of each key
         head = len(self.prefix + b"/w" + tenant_path)
+        # This replica's waiters as they are now (its records land up to
+        # WAITER_FLUSH_S later); the other replicas' as their records say.
+        counted = [(plain(sk), here.jobs) for sk, here in self._waiting.items()
+                   if tenant_of(sk) == tenant]
+        mine = self._replica.encode()
         for kv in wait_records:
-            for job, n in _waiters_by_job(kv).items():
+            key, _, who = kv.key[head:].partition(b"/")
+            if who != mine:
+                counted.append((key.decode(), _waiters_by_job(kv)))
+        for key, by_job in counted:
+            for job, n in by_job.items():
                 resp.waiters += n
                 jobs.setdefault(job, [0, 0])[1] += n
-                by_key[kv.key[head:].split(b"/", 1)[0].decode()] += n
+                by_key[key] += n
         for job, (compiling, waiting) in sorted(jobs.items()):
             resp.jobs.append(pb.JobStatus(job=job, compiles_in_flight=compiling, waiters=waiting))
         for sk, name, differing, when in self.records.recent:

@@ -10,6 +10,7 @@ import threading
 import time
 
 from compilecast.coordinator.etcd import KV
+from compilecast.coordinator import state as state_mod
 from compilecast.coordinator.records import scope
 from compilecast.coordinator.state import _lowest_rank, _Waiters, _waiters_by_job
 from compilecast.v1 import cache_pb2 as pb
@@ -98,6 +99,32 @@ def test_a_replicas_waiters_of_a_key_share_one_record(coordinator, loop_thread):
     eventually(lambda: not _records(coordinator, loop_thread, "shared"),
                "the record deleted once no waiter is left")
     assert holder.status().waiters == 0
+
+
+def test_status_counts_its_own_waiters_before_their_record_lands(coordinator, loop_thread,
+                                                                monkeypatch):
+    """A replica's record of its waiters lands WAITER_FLUSH_S after they
+    come; its `status` counts them from the moment they wait, and once."""
+    monkeypatch.setattr(state_mod, "WAITER_FLUSH_S", 2.0)
+    target = coordinator.cfg.listen
+    holder = CacheClient(target, identity=Identity(job="j", process_id=0))
+    lease = holder.acquire("slow").lease
+    waiter = CacheClient(target, identity=Identity(job="j", process_id=1))
+    got: list[pb.WaitEvent] = []
+    t = threading.Thread(target=lambda: got.append(waiter.wait("slow", 60)))
+    t.start()
+    eventually(lambda: coordinator.registry.get_sample_value(
+        "compilecast_coordinator_waiters") == 1, "the process waiting")
+    assert _records(coordinator, loop_thread, "slow") == []  # not written yet
+    st = holder.status()
+    assert (st.waiters, [(f.key, f.waiters) for f in st.in_flight]) == (1, [("slow", 1)])
+    assert [(j.job, j.compiles_in_flight, j.waiters) for j in st.jobs] == [("j", 1, 1)]
+    eventually(lambda: len(_records(coordinator, loop_thread, "slow")) == 1, "the record")
+    assert holder.status().waiters == 1  # the replica's own record is not counted again
+    holder.publish("slow", lease, DATA, 1.0)
+    t.join(20)
+    waiter.close()
+    assert [e.decision for e in got] == [pb.HIT]
 
 
 def test_the_lowest_waiter_of_all_replicas_is_promoted_first(start_coordinator, tmp_path):
