@@ -96,6 +96,10 @@ def timeline(phases: list[dict[str, float]]) -> str:
         spent = sorted(p["fetch cpu"] for p in waiters)
         cpu = (f"; a fetch's process CPU {spent[0]:.2f}-{spent[-1]:.2f}s, median "
                f"{statistics.median(spent):.2f}s")
+    elif all("wait_and_fetch cpu" in p for p in waiters):  # data plane waits: one call
+        spent = sorted(p["wait_and_fetch cpu"] for p in waiters)
+        cpu = (f"; a waiter's process CPU, waiting and fetching, {spent[0]:.2f}-{spent[-1]:.2f}s, "
+               f"{sum(spent):.1f} CPU-s for all {len(spent)}")
     return (f"holder: {compiling}compiled {compiled:.2f}s, published {published:.2f}s "
             f"(+{published - compiled:.2f}); waiters: {woken}the first holds the bytes "
             f"+{held[0] - published:.2f}, the median +{statistics.median(held) - published:.2f}, "
