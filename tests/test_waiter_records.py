@@ -9,8 +9,8 @@ import json
 import threading
 import time
 
-from compilecast.coordinator.etcd import KV
 from compilecast.coordinator import state as state_mod
+from compilecast.coordinator.etcd import KV
 from compilecast.coordinator.records import scope
 from compilecast.coordinator.state import _lowest_rank, _Waiters, _waiters_by_job
 from compilecast.v1 import cache_pb2 as pb
