@@ -31,8 +31,8 @@ reading its host cache's file. With --tpu-host-workers each process goes
 through a worker of its own, as on a pod's hosts: the holder publishes through
 its worker, and each waiter's worker downloads the executable while the
 process follows its host cache's file. --drop-caches (root) drops the page
-cache before each run: where the N processes fill the machine's memory, the
-waiters' fresh memory otherwise comes from reclaiming the cache.
+cache before each run, so that runs start alike (each run's JSON records the
+page cache at its start).
 """
 
 from __future__ import annotations
@@ -117,9 +117,8 @@ def page_cache_mb() -> int:
 
 
 def drop_page_cache() -> None:
-    """Write back and drop the clean page cache, so that a run's fresh
-    memory comes from free pages rather than from reclaiming the cache
-    (which costs the allocating process system time). Needs root."""
+    """Write back and drop the clean page cache, so that every run starts
+    with the machine's memory free. Needs root."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -244,9 +243,8 @@ def main() -> None:
     ap.add_argument("--tpu-weights", action="store_true",
                     help="with --tpu, bake the weights into the program (a large executable)")
     ap.add_argument("--drop-caches", action="store_true",
-                    help="with --tpu, drop the page cache before each run (root): on a machine "
-                         "whose memory the N processes fill, the waiters' fresh memory otherwise "
-                         "comes from reclaiming it (BENCHMARKS.md, \"Thirty-sixth session\")")
+                    help="with --tpu, drop the page cache before each run (root), so that "
+                         "runs start alike (BENCHMARKS.md, \"Thirty-sixth session\")")
     args = ap.parse_args()
     if args.tpu:
         tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
