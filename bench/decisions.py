@@ -270,7 +270,7 @@ def go_report(what: str, row: dict, used: dict[str, float], args) -> None:
           + (f"; the coordinator asked for gaps up to {row['advised_gap_ms_max']:.0f} ms"
              if row.get("advised_gap_ms_max") else ""))
     print_by_decision(row["p50_p99_ms_by_decision"])
-    print_etcd_side(row.get("coordinator_etcd_side_ms", {}))
+    print_side(row.get("coordinator_side_ms", {}))
     if "etcd_wal_fsync" in row:
         print("  " + fmt_fsyncs(row["etcd_wal_fsync"]))
     print(json.dumps(row))
@@ -278,14 +278,16 @@ def go_report(what: str, row: dict, used: dict[str, float], args) -> None:
 
 # The coordinator's own histograms (docs/operations.md): decisions it could
 # not answer from memory, and its etcd requests by method.
-_ETCD_SIDE = (("compilecast_coordinator_etcd_decision_seconds", "decided via etcd"),
-              ("compilecast_coordinator_etcd_request_seconds", "etcd"))
+# The coordinators' own histograms the report reads (and how it names them).
+_COORDINATOR_SIDE = (("compilecast_coordinator_etcd_decision_seconds", "decided via etcd"),
+                     ("compilecast_coordinator_etcd_request_seconds", "etcd"),
+                     ("compilecast_coordinator_gc_pause_seconds", "GC pause, generation"))
 
 
-def etcd_scrape(ports: list[int]) -> dict:
-    """The coordinators' etcd-side histograms now (bucket counts summed over
-    the replicas), for etcd_side."""
-    out: dict = {name: {} for name, _ in _ETCD_SIDE}
+def side_scrape(ports: list[int]) -> dict:
+    """The coordinators' histograms of _COORDINATOR_SIDE now (bucket counts
+    summed over the replicas), for coordinator_side."""
+    out: dict = {name: {} for name, _ in _COORDINATOR_SIDE}
     for text in map(metrics_text, ports):  # each replica's page, once
         for name, summed in out.items():
             for k, v in histogram(text, name).items():
@@ -293,12 +295,12 @@ def etcd_scrape(ports: list[int]) -> dict:
     return out
 
 
-def etcd_side(before: dict, after: dict) -> dict[str, list[float | None]]:
+def coordinator_side(before: dict, after: dict) -> dict[str, list[float | None]]:
     """p50 and p99 (ms, as fine as the buckets) of what the coordinators'
-    etcd-side histograms counted between two scrapes: 'decided via etcd
-    compile', 'etcd Txn' and so on, with how many they counted."""
+    histograms counted between two scrapes: 'decided via etcd compile',
+    'etcd Txn', 'GC pause, generation 2' and so on, with how many they counted."""
     out = {}
-    for name, what in _ETCD_SIDE:
+    for name, what in _COORDINATOR_SIDE:
         series = sorted({rest for rest, _ in after[name]})
         for rest in series:
             inf = (rest, float("inf"))
@@ -311,7 +313,7 @@ def etcd_side(before: dict, after: dict) -> dict[str, list[float | None]]:
     return out
 
 
-def print_etcd_side(side: dict[str, list[float | None]]) -> None:
+def print_side(side: dict[str, list[float | None]]) -> None:
     if side:
         print("  coordinator side, p50 / p99 from its histograms (bucket-interpolated): " +
               ", ".join(f"{k} {a:.1f} / {b:.1f} ms ({n:.0f})" for k, (a, b, n) in side.items()))
@@ -443,11 +445,11 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
             hit_keys.append(key)
         c.close()
         fsyncs_before = wal_fsyncs(stack.etcd)
-        etcd_before = etcd_scrape(mports)
+        side_before = side_scrape(mports)
         if binary is not None:
             row, used = cores(pids, lambda: go_load(binary, targets, args, hit_keys))
             row["replicas"] = args.replicas
-            row["coordinator_etcd_side_ms"] = etcd_side(etcd_before, etcd_scrape(mports))
+            row["coordinator_side_ms"] = coordinator_side(side_before, side_scrape(mports))
             row["etcd_wal_fsync"] = fsync_summary(fsyncs_before, wal_fsyncs(stack.etcd))
             go_report(f"{args.replicas} replica(s)", row, used, args)
             return row
@@ -457,7 +459,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
             load(target, args.clients, args.seconds, args.hit_ratio, hit_keys, args.batch,
                  args.streams, args.rate, args.pod, args.gap_ms / 1000)))
         fsyncs = fsync_summary(fsyncs_before, wal_fsyncs(stack.etcd))
-        side = etcd_side(etcd_before, etcd_scrape(mports))
+        side = coordinator_side(side_before, side_scrape(mports))
         n = len(lat)
         p50, p99 = quantiles_ms(lat)
         total = sum(decisions.values())
@@ -468,7 +470,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
                "by_decision": decisions, "cores": used, "etcd_wal_fsync": fsyncs,
                "coordinator_us_per_decision": coordinator_us_per_decision(used, total / wall),
                "p50_p99_ms_by_decision": {k: quantiles_ms(v) for k, v in by_decision.items()},
-               "coordinator_etcd_side_ms": side}
+               "coordinator_side_ms": side}
         how = ("one job, same programs, " if args.pod else "") + (
             f"{args.streams} Decide stream(s)" if args.streams else "unary calls") + (
             f", offered {args.rate:.0f}/s" if args.rate else ", closed loop")
@@ -480,7 +482,7 @@ def on_a_fresh_stack(args, binary: Path | None) -> dict:
               (f"; {messages / max(n, 1):.2f} stream messages per request" if messages else ""))
         if by_decision:
             print_by_decision(row["p50_p99_ms_by_decision"])
-        print_etcd_side(side)
+        print_side(side)
         print("  " + fmt_fsyncs(fsyncs))
         print(json.dumps(row))
         return row

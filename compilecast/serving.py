@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
 from compilecast.decide import Streams
 from compilecast.grpcutil import MESSAGE_OPTIONS, add_service
@@ -157,11 +159,59 @@ async def serve_until_signal(
             signal.signal(sig, handler)
 
 
+# A full collection walks every tracked object: 15-25 ms of a loaded
+# coordinator's loop, whose start-up heap (modules, protobuf descriptors,
+# grpc) is nearly all it walks (BENCHMARKS.md, thirty-seventh session).
+GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class HeapWatch:
+    """A serving process's garbage collector, settled and watched. At
+    start-up, once everything is imported and listening, what survives a
+    collection is frozen (gc.freeze): it lives as long as the process, and
+    later collections no longer walk it. Then every collection's pause is
+    observed in `compilecast_<role>_gc_pause_seconds` (by generation) of
+    each role's registry (`up` serves both roles in one process), until
+    close(). Objects frozen that later become cyclic garbage are never
+    collected; at start-up there are none to speak of."""
+
+    def __init__(self, roles: dict[str, CollectorRegistry]) -> None:
+        gc.collect()
+        gc.freeze()
+        self._pauses = []
+        for role, registry in roles.items():
+            pauses = Histogram(
+                f"compilecast_{role}_gc_pause_seconds",
+                "How long each garbage collection of this process held it (all of its "
+                "threads), by generation", ["generation"], buckets=GC_PAUSE_BUCKETS,
+                registry=registry)
+            self._pauses.append([pauses.labels(str(g)) for g in range(3)])
+            Gauge(f"compilecast_{role}_gc_frozen_objects",
+                  "Objects frozen after start-up, which collections no longer walk",
+                  registry=registry).set_function(gc.get_freeze_count)
+        self._began = 0.0
+        gc.callbacks.append(self._collected)
+
+    def _collected(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        took = time.perf_counter() - self._began
+        for by_generation in self._pauses:
+            by_generation[info["generation"]].observe(took)
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._collected)
+
+
 class Role:
     """Lifecycle shared by the coordinator and the worker: subclasses build
     `server`, `health` and `_metrics_server` in start() and release their
     own resources in _release()."""
 
+    ROLE: str  # its metrics' prefix: compilecast_<ROLE>_...
+    registry: CollectorRegistry
     server: grpc.aio.Server
     server_streams: Streams | None = None  # the service's Decide streams
     health: health.aio.HealthServicer
@@ -191,5 +241,9 @@ class Role:
 
     async def serve(self, stop_event: asyncio.Event | None = None) -> None:
         await self.start()
-        await serve_until_signal(self.server, on_stop=self._close, stop_event=stop_event,
-                                 on_drain=self.drain)
+        heap = HeapWatch({self.ROLE: self.registry})
+        try:
+            await serve_until_signal(self.server, on_stop=self._close, stop_event=stop_event,
+                                     on_drain=self.drain)
+        finally:
+            heap.close()

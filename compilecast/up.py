@@ -191,7 +191,7 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str,
                  etcd: LocalEtcd) -> None:
     from compilecast.coordinator.server import Coordinator
-    from compilecast.serving import serve_until_signal
+    from compilecast.serving import HeapWatch, serve_until_signal
     from compilecast.worker import mlircanon
     from compilecast.worker.server import Worker
 
@@ -204,6 +204,7 @@ async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str,
     except BaseException:  # nothing of the worker listens yet: stop the coordinator
         await coordinator.stop(0.0)
         raise
+    heap = HeapWatch({"coordinator": coordinator.registry, "worker": worker.registry})
     print(ready_msg, flush=True)
     supervisor = asyncio.create_task(etcd.supervise())
 
@@ -212,7 +213,10 @@ async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str,
         await worker._close()
         await coordinator.stop(10.0)  # finishes in-flight publishes
 
-    await serve_until_signal(worker.server, on_stop=stop_coordinator)
+    try:
+        await serve_until_signal(worker.server, on_stop=stop_coordinator)
+    finally:
+        heap.close()
 
 
 # On one machine the store shares the user's disk: bounded like the host cache,

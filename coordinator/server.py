@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 class Coordinator(Role):
     """A running coordinator replica (start/stop for tests and `up`)."""
 
+    ROLE = "coordinator"
+
     def __init__(self, cfg: CoordinatorConfig, registry: CollectorRegistry | None = None) -> None:
         cfg.validate()
         self.cfg = cfg

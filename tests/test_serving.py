@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
-from compilecast.serving import ListenError, listen, make_server
+from compilecast.serving import HeapWatch, ListenError, listen, make_server
 from compilecast.v1 import cache_pb2_grpc as rpc
 
 
@@ -103,3 +106,52 @@ def test_a_new_client_of_a_coordinator_restarted_on_its_address_is_served(start_
     assert new.acquire("other").decision == pb.COMPILE
     old.close()
     new.close()
+
+
+@pytest.fixture
+def unfrozen():
+    """Whatever a test freezes is unfrozen after it (this process goes on)."""
+    yield
+    gc.unfreeze()
+
+
+def test_a_serving_process_freezes_its_start_up_heap_and_counts_its_gc_pauses(unfrozen):
+    """After start-up the heap is frozen, so that collections stop walking it;
+    each collection's pause lands in every role's registry, by generation,
+    until the watch is closed."""
+    gc.unfreeze()
+    roles = {"coordinator": CollectorRegistry(), "worker": CollectorRegistry()}
+
+    def pauses(role: str, generation: str) -> float:
+        return roles[role].get_sample_value(f"compilecast_{role}_gc_pause_seconds_count",
+                                            {"generation": generation})
+
+    heap = HeapWatch(roles)
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # this process's modules, at the least
+        assert roles["worker"].get_sample_value("compilecast_worker_gc_frozen_objects") == frozen
+        assert pauses("coordinator", "2") == pauses("worker", "2") == 0
+        gc.collect()
+        gc.collect(0)
+        for role in roles:
+            assert pauses(role, "2") == 1 and pauses(role, "0") >= 1, role
+        assert roles["coordinator"].get_sample_value(
+            "compilecast_coordinator_gc_pause_seconds_sum", {"generation": "2"}) > 0
+    finally:
+        heap.close()
+    gc.collect()
+    assert pauses("coordinator", "2") == 1  # closed: no longer counted
+    heap.close()  # twice is harmless
+
+
+def test_up_serves_with_its_heap_frozen_and_reports_gc_pauses(up):
+    """`compilecast up` (both roles in one process) settles its heap once both
+    listen, and both roles' metrics say so."""
+    for role in ("coordinator", "worker"):
+        port = up.ports[f"{role}-metrics-port"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        lines = dict(line.rsplit(" ", 1) for line in text.decode().splitlines()
+                     if line and not line.startswith("#"))
+        assert float(lines[f"compilecast_{role}_gc_frozen_objects"]) > 1000, role
+        assert f'compilecast_{role}_gc_pause_seconds_count{{generation="2"}}' in lines, role

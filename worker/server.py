@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class Worker(Role):
+    ROLE = "worker"
+
     def __init__(self, cfg: WorkerConfig, registry: CollectorRegistry | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
