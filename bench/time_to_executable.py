@@ -13,6 +13,7 @@ so these runs show the protocol's overhead and compile counts, not TPU savings.
     python bench/time_to_executable.py --tpu v5e:4x4 [--n 4 16] [--layers 64] [--width 1024]
                                        [--tpu-weights] [--tpu-after] [--tpu-pairs K]
                                        [--tpu-one-host] [--drop-caches]
+                                       [--hold-page-reporting]
 
 does the same with a real TPU program: each of N processes (one jax.distributed
 job, as the hosts of a pod) lowers the training step for TOPOLOGY with libtpu's
@@ -32,18 +33,25 @@ through a worker of its own, as on a pod's hosts: the holder publishes through
 its worker, and each waiter's worker downloads the executable while the
 process follows its host cache's file. --drop-caches (root) drops the page
 cache before each run, so that runs start alike (each run's JSON records the
-page cache at its start).
+page cache at its start). --hold-page-reporting (root, a VM whose balloon
+reports free pages) stops the guest's free page reporting for the runs and
+backs its free memory again first: fresh memory then costs what it costs on a
+host without it (BENCHMARKS.md, "Thirty-seventh session").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -128,6 +136,66 @@ def drop_page_cache() -> None:
                          "run as root or leave the option out") from None
 
 
+# Free page reporting (virtio-balloon): the guest hands free blocks of at least
+# 2^order pages to the host, which takes their memory back; the next touch of
+# each page faults to the host (~2.7 s a GB here, against ~0.4 s a GB for
+# memory the host still backs). Orders run up to 10 (MAX_PAGE_ORDER): 11 reports
+# nothing.
+PAGE_REPORTING = "/sys/module/page_reporting/parameters/page_reporting_order"
+_MADV_POPULATE_WRITE = 23
+
+
+def page_reporting_order() -> int | None:
+    """The guest's free page reporting order now (None: it reports none)."""
+    try:
+        with open(PAGE_REPORTING) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@contextlib.contextmanager
+def page_reporting_held(margin: int = 2 << 30):
+    """While it is open, this VM's guest reports no free pages to its host,
+    and the memory it had reported (all but `margin` of what is available)
+    has been touched once, so that the host backs it again. The setting is
+    restored at the end. Needs root."""
+    try:
+        with open(PAGE_REPORTING) as f:
+            was = f.read().strip()
+        with open(PAGE_REPORTING, "w") as f:
+            f.write("11\n")
+    except OSError as exc:
+        raise SystemExit(f"--hold-page-reporting: cannot set {PAGE_REPORTING} ({exc}); run as "
+                         "root on a VM that reports free pages, or leave the option out") from None
+    try:
+        size = max(0, _available_bytes() - margin) // (1 << 21) * (1 << 21)
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        began = time.perf_counter()
+        with mmap.mmap(-1, size) as m:  # touched once, then freed (not reported now)
+            base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            if size and madvise(base, size, _MADV_POPULATE_WRITE) != 0:
+                raise SystemExit("--hold-page-reporting: madvise(MADV_POPULATE_WRITE) "
+                                 f"failed (errno {ctypes.get_errno()})")
+        took = time.perf_counter() - began
+        print(f"# free page reporting held (order {was} -> 11); {size / 2**30:.1f} GB of free "
+              f"memory backed again in {took:.1f}s ({took / max(size / 2**30, 1e-9):.2f} s a GB)",
+              flush=True)
+        yield
+    finally:
+        with open(PAGE_REPORTING, "w") as f:
+            f.write(was + "\n")
+
+
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
         weights: bool, after: bool = False, pairs: int = 1, one_host: bool = False,
         alone_job: bool = False, host_workers: bool = False, drop_caches: bool = False) -> None:
@@ -153,7 +221,8 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
             # Start-up, JAX import and lowering take ~2 s a process on 2 cores.
             r = aot_farm.pod(mode, coordinator, topology, n, entry=entry,
                              go_after_s=10.0 + 2.5 * n)
-        rows.append(dict(r, mode=mode, n=n, page_cache_mb_at_start=cache_at_start))
+        rows.append(dict(r, mode=mode, n=n, page_cache_mb_at_start=cache_at_start,
+                         page_reporting_order=page_reporting_order()))
         return r
 
     if pairs > 1:
@@ -242,15 +311,22 @@ def main() -> None:
                          "hosts)")
     ap.add_argument("--tpu-weights", action="store_true",
                     help="with --tpu, bake the weights into the program (a large executable)")
+    ap.add_argument("--hold-page-reporting", action="store_true",
+                    help="with --tpu, stop this VM's free page reporting for the runs and back "
+                         "its free memory first (root; restored after): fresh memory then "
+                         "costs what it does on a host without it (BENCHMARKS.md, "
+                         "\"Thirty-seventh session\")")
     ap.add_argument("--drop-caches", action="store_true",
                     help="with --tpu, drop the page cache before each run (root), so that "
                          "runs start alike (BENCHMARKS.md, \"Thirty-sixth session\")")
     args = ap.parse_args()
     if args.tpu:
-        tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
-            args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
-            args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job, args.tpu_host_workers,
-            args.drop_caches)
+        held = page_reporting_held() if args.hold_page_reporting else contextlib.nullcontext()
+        with held:
+            tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
+                args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
+                args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job, args.tpu_host_workers,
+                args.drop_caches)
         return
     args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"
