@@ -1,7 +1,7 @@
 """Fan-out: N workers fetch the same artifact at once.
 
     python bench/fanout.py [--mb 256] [--workers 16] [--compressible]
-    python bench/fanout.py --fanouts 2 --relay-data-plane on off --repeat 2
+    python bench/fanout.py --fanouts 2 --relay-data-plane on off --repeat 2 [--hold-page-reporting]
     sudo python bench/fanout.py --link-mbps 200 --fanouts 0 1 2   # hosts with NICs of their own
 
 For relay fan-out 0 (every worker fetches from the coordinator) and 2 (the
@@ -32,6 +32,7 @@ turn, --repeat times: the workers' CPU for the whole fan-out is printed too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from _servers import (
     cpu_seconds,
     free_port,
     own_cpu_seconds,
+    page_reporting_held,
     random_file,
     scraped,
     wait_port,
@@ -169,7 +171,16 @@ def main() -> None:
                     help="the workers' relay data plane (on: peers take relays over plain TCP "
                          "with sendfile, the default; off: over gRPC), each in turn")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each setting, alternating")
+    ap.add_argument("--hold-page-reporting", action="store_true",
+                    help="stop this VM's free page reporting for the runs and back its free "
+                         "memory first (root; restored after): fresh memory then costs what it "
+                         "does on a host without it (BENCHMARKS.md, \"Thirty-seventh session\")")
     args = ap.parse_args()
+    with page_reporting_held() if args.hold_page_reporting else contextlib.nullcontext():
+        fan_out(args)
+
+
+def fan_out(args: argparse.Namespace) -> None:
     if (args.link_mbps or args.host_cpus) and (why := available(args.host_cpus)):
         sys.exit(f"fanout: emulated hosts: {why}")
     if args.host_cpus * (args.workers + 2) > (os.cpu_count() or 1):
