@@ -254,15 +254,16 @@ def page_reporting_held(margin: int = 2 << 30):
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         began = time.perf_counter()
-        with mmap.mmap(-1, size) as m:  # touched once, then freed (not reported now)
-            base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-            if size and madvise(base, size, _MADV_POPULATE_WRITE) != 0:
-                raise SystemExit("--hold-page-reporting: madvise(MADV_POPULATE_WRITE) "
-                                 f"failed (errno {ctypes.get_errno()})")
+        if size:
+            with mmap.mmap(-1, size) as m:  # touched once, then freed (not reported now)
+                base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+                if madvise(base, size, _MADV_POPULATE_WRITE) != 0:
+                    raise SystemExit("--hold-page-reporting: madvise(MADV_POPULATE_WRITE) "
+                                     f"failed (errno {ctypes.get_errno()})")
         took = time.perf_counter() - began
+        rate = f" ({took / (size / 2**30):.2f} s a GB)" if size else ""
         print(f"# free page reporting held (order {was} -> 11); {size / 2**30:.1f} GB of free "
-              f"memory backed again in {took:.1f}s ({took / max(size / 2**30, 1e-9):.2f} s a GB)",
-              flush=True)
+              f"memory backed again in {took:.1f}s{rate}", flush=True)
         yield
     finally:
         with open(PAGE_REPORTING, "w") as f:
