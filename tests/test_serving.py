@@ -128,9 +128,9 @@ def test_a_serving_process_freezes_its_start_up_heap_and_counts_its_gc_pauses(un
 
     heap = HeapWatch(roles)
     try:
-        frozen = gc.get_freeze_count()
-        assert frozen > 1000  # this process's modules, at the least
-        assert roles["worker"].get_sample_value("compilecast_worker_gc_frozen_objects") == frozen
+        # This process's modules, at the least (frozen objects freed since leave the count).
+        assert gc.get_freeze_count() > 1000
+        assert roles["worker"].get_sample_value("compilecast_worker_gc_frozen_objects") > 1000
         assert pauses("coordinator", "2") == pauses("worker", "2") == 0
         gc.collect()
         gc.collect(0)
@@ -143,6 +143,8 @@ def test_a_serving_process_freezes_its_start_up_heap_and_counts_its_gc_pauses(un
     gc.collect()
     assert pauses("coordinator", "2") == 1  # closed: no longer counted
     heap.close()  # twice is harmless
+    gc.unfreeze()
+    assert roles["worker"].get_sample_value("compilecast_worker_gc_frozen_objects") == 0
 
 
 def test_up_serves_with_its_heap_frozen_and_reports_gc_pauses(up):
