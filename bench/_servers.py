@@ -20,7 +20,7 @@ from pathlib import Path
 
 from compilecast.blobstore import blob_path
 from compilecast.launch import free_port
-from compilecast.worker.client import wait_until_healthy
+from compilecast.worker.client import memory_headroom, wait_until_healthy
 
 __all__ = ["Stack", "free_port", "page_reporting_held", "page_reporting_order", "peak_rss_mb",
            "random_file", "wait_port"]
@@ -227,14 +227,6 @@ def page_reporting_order() -> int | None:
         return None
 
 
-def _available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 @contextlib.contextmanager
 def page_reporting_held(margin: int = 2 << 30):
     """While it is open, this VM's guest reports no free pages to its host,
@@ -250,7 +242,7 @@ def page_reporting_held(margin: int = 2 << 30):
         raise SystemExit(f"--hold-page-reporting: cannot set {PAGE_REPORTING} ({exc}); run as "
                          "root on a VM that reports free pages, or leave the option out") from None
     try:
-        size = max(0, _available_bytes() - margin) // (1 << 21) * (1 << 21)
+        size = max(0, (memory_headroom() or 0) - margin) // (1 << 21) * (1 << 21)
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         began = time.perf_counter()

@@ -204,7 +204,7 @@ async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str,
     except BaseException:  # nothing of the worker listens yet: stop the coordinator
         await coordinator.stop(0.0)
         raise
-    heap = HeapWatch({"coordinator": coordinator.registry, "worker": worker.registry})
+    heap = HeapWatch({role.ROLE: role.registry for role in (coordinator, worker)})
     print(ready_msg, flush=True)
     supervisor = asyncio.create_task(etcd.supervise())
 
