@@ -2,13 +2,14 @@
 training step and prints a JSON report on its last line.
 
 Usage: python -m compilecast.demo_proc LAYERS WIDTH [--no-compilecast] [--start-at T]
-Environment: COMPILECAST_WORKER (the worker), JAX_* as usual.
+Environment: COMPILECAST_WORKER (the worker), JAX_* as usual (JAX_PLATFORMS: cpu unless set).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 ap = argparse.ArgumentParser()
@@ -21,7 +22,7 @@ args = ap.parse_args()
 
 import jax  # noqa: E402
 
-jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
 if args.distributed:
     addr, n, pid = args.distributed.split(",")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

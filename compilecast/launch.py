@@ -110,7 +110,9 @@ def start_wave(n: int, target: str, layers: int, width: int, *, baseline: bool =
                ) -> list[subprocess.Popen]:
     """Start n JAX processes (compilecast.demo_proc) that all begin the
     training step at the same moment, `delay_s` from now."""
-    base_env = dict(os.environ, COMPILECAST_WORKER=target, JAX_PLATFORMS="cpu", **(env or {}))
+    # CPU unless the caller's environment names JAX's platforms (a GPU host's benches).
+    base_env = dict(os.environ, COMPILECAST_WORKER=target,
+                    JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS") or "cpu", **(env or {}))
     base_env.pop("COMPILECAST_ENABLE", None)
     cmd = [sys.executable, "-m", "compilecast.demo_proc", str(layers), str(width),
            "--start-at", str(time.time() + delay_s)]

@@ -1,0 +1,56 @@
+#!/bin/bash
+# The checks that need a GPU, for a GPU machine without network access (the
+# project's lent device machine): run from the repository root there after
+# scripts/gpu_prepare.sh has filled .gpu/ here (wheels for that machine's
+# Python, and etcd). Writes its logs under $OUT (default: .gpu/out).
+#
+#   1. the JAX adapter's check against that machine's JAX release;
+#   2. tests/test_gpu_pgle.py: PGLE end to end on two processes (issue 4);
+#   3. bench/time_to_executable.py and bench/warm_start.py on the GPU (issue 6).
+#
+# CHECKS=pgle (or adapter) runs only the first steps.
+set -u
+OUT=${OUT:-.gpu/out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+CHECKS=${CHECKS:-all}
+step() { echo "== $(date +%T) $*"; }
+
+step setup
+if [ -d .gpu/whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/cc-site .gpu/whl/*.whl || exit 1
+fi
+# The package's import namespace over the top-level folders (as pyproject maps it).
+rm -rf /tmp/cc-pkg && mkdir -p /tmp/cc-pkg && cp -r compilecast /tmp/cc-pkg/ || exit 1
+ln -s "$PWD/coordinator" /tmp/cc-pkg/compilecast/coordinator
+ln -s "$PWD/worker" /tmp/cc-pkg/compilecast/worker
+ln -s "$PWD/protos/compilecast/v1" /tmp/cc-pkg/compilecast/v1
+export PYTHONPATH=/tmp/cc-pkg:/tmp/cc-site PATH="$PWD/.gpu/bin:$PATH" PYTHONUNBUFFERED=1
+# Several processes share the one GPU: none takes most of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi -L
+$PY -c "import sys, jax, jaxlib, grpc, google.protobuf as p
+print(sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__,
+      'grpcio', grpc.__version__, 'protobuf', p.__version__, jax.devices())"
+
+step adapter
+if ! $PY -c "from compilecast.worker import jax_adapter as a; a.check(); a.check_optional()
+print('jax adapter: ok')" 2>&1 | tee "$OUT/adapter.log"; then
+  timeout 120 $PY -m pytest -p no:cacheprovider -q tests/test_jax_adapter.py 2>&1 \
+    | tail -40 | tee -a "$OUT/adapter.log"
+fi
+[ "$CHECKS" = adapter ] && exit 0
+
+step pgle
+timeout 200 $PY -m pytest -p no:cacheprovider -v -s -x tests/test_gpu_pgle.py \
+  2>&1 | tee "$OUT/pgle.log" | tail -60
+[ "$CHECKS" = pgle ] && exit 0
+
+step time-to-executable
+JAX_PLATFORMS=cuda timeout 170 $PY bench/time_to_executable.py --n 8 --distributed 0 \
+  2>&1 | tee "$OUT/time_to_executable.log" | grep -v "^\[" | tail -12
+step warm-start
+JAX_PLATFORMS=cuda timeout 120 $PY bench/warm_start.py --repeat 2 \
+  2>&1 | tee "$OUT/warm_start.log" | tail -8
+step done
