@@ -21,12 +21,12 @@ if [ -d .gpu/whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/cc-site .gpu/whl/*.whl || exit 1
 fi
-# The package's import namespace over the top-level folders (as pyproject maps it).
-rm -rf /tmp/cc-pkg && mkdir -p /tmp/cc-pkg && cp -r compilecast /tmp/cc-pkg/ || exit 1
-ln -s "$PWD/coordinator" /tmp/cc-pkg/compilecast/coordinator
-ln -s "$PWD/worker" /tmp/cc-pkg/compilecast/worker
-ln -s "$PWD/protos/compilecast/v1" /tmp/cc-pkg/compilecast/v1
-export PYTHONPATH=/tmp/cc-pkg:/tmp/cc-site PATH="$PWD/.gpu/bin:$PATH" PYTHONUNBUFFERED=1
+# The package's import namespace over the top-level folders (as pyproject maps
+# it), made in this copy of the tree: Python and pytest put the tree's root
+# first on sys.path, so its compilecast/ is the one imported.
+for d in coordinator worker; do [ -e "compilecast/$d" ] || ln -s "../$d" "compilecast/$d"; done
+[ -e compilecast/v1 ] || ln -s ../protos/compilecast/v1 compilecast/v1
+export PYTHONPATH=$PWD:/tmp/cc-site PATH="$PWD/.gpu/bin:$PATH" PYTHONUNBUFFERED=1
 # Several processes share the one GPU: none takes most of its memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi -L

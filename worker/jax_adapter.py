@@ -67,7 +67,9 @@ class AdapterError(RuntimeError):
     """JAX's private API moved; compilecast cannot hook this JAX release."""
 
 
-_EXPECTED: list[tuple[Any, str, tuple[str, ...] | None]] = [
+# (module, name, its parameters: None (not checked), a tuple of names, or a
+# tuple of such tuples where JAX releases differ and the hook takes either).
+_EXPECTED: list[tuple[Any, str, tuple | None]] = [
     (_cc, "_cache", None),
     (_cc, "_cache_initialized", None),
     (_cc, "_cache_checked", None),
@@ -75,8 +77,12 @@ _EXPECTED: list[tuple[Any, str, tuple[str, ...] | None]] = [
     (_cc, "_cache_initialized_mutex", None),
     (_cc, "combine_executable_and_time", ("serialized_executable", "compile_time")),
     (_cc, "compress_executable", ("executable",)),
-    (_cc, "get_cache_key", ("module", "devices", "compile_options", "backend",
-                            "ignore_callbacks")),
+    # JAX 0.11 names its last parameter ignore_custom_partitioning; compilecast's
+    # key replaces the function whole, so either is fine.
+    (_cc, "get_cache_key", (("module", "devices", "compile_options", "backend",
+                             "ignore_callbacks"),
+                            ("module", "devices", "compile_options", "backend",
+                             "ignore_custom_partitioning"))),
     (_mlir, "make_ir_context", ()),
     (_ck, "_hash_serialized_compile_options",
      ("hash_obj", "compile_options_obj", "strip_device_assignment")),
@@ -86,8 +92,11 @@ _EXPECTED: list[tuple[Any, str, tuple[str, ...] | None]] = [
     (_jax.mlir, "hlo_to_stablehlo", None),
     (_passmanager.PassManager, "enable_verifier", None),
     (ir.SymbolTable, "replace_all_symbol_uses", None),
+    # JAX 0.11 adds host_callbacks (passed through).
     (_compiler, "_cache_read",
-     ("module_name", "cache_key", "compile_options", "backend", "executable_devices")),
+     (("module_name", "cache_key", "compile_options", "backend", "executable_devices"),
+      ("module_name", "cache_key", "compile_options", "backend", "executable_devices",
+       "host_callbacks"))),
     (_compiler, "_compile_and_write_cache",
      ("backend", "computation", "executable_devices", "compile_options", "host_callbacks",
       "module_name", "cache_key")),
@@ -110,8 +119,10 @@ def check() -> None:
             continue
         if params is not None:
             got = tuple(inspect.signature(getattr(mod, name)).parameters)
-            if got != params:
-                problems.append(f"{mod.__name__}.{name}{got} != expected {params}")
+            accepted = params if params and isinstance(params[0], tuple) else (params,)
+            if got not in accepted:
+                problems.append(f"{mod.__name__}.{name}{got} != expected "
+                                f"{' or '.join(map(str, accepted))}")
     for name in ("share_binary_between_hosts_timeout_ms", "persistent_cache_min_compile_time_secs",
                  "persistent_cache_min_entry_size_bytes", "share_binary_between_hosts"):
         if not hasattr(_config, name):
@@ -194,10 +205,11 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
         orig_share = _originals["_share_fdo_profiles"]
         orig_compile = _originals["_compile_and_write_cache"]
 
-        def _cache_read(module_name, cache_key, compile_options, backend, executable_devices):
+        def _cache_read(module_name, cache_key, compile_options, backend, executable_devices,
+                        *rest):  # rest: JAX 0.11's host_callbacks
             with hooks.acquiring(cache_key):
                 return orig_read(module_name, cache_key, compile_options, backend,
-                                 executable_devices)
+                                 executable_devices, *rest)
 
         def _compile_and_write_cache(backend, computation, executable_devices, compile_options,
                                      host_callbacks, module_name, cache_key):
@@ -208,7 +220,8 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
                 serialize,
             )
 
-        def get_cache_key(module, devices, compile_options, backend, ignore_callbacks=None):
+        def get_cache_key(module, devices, compile_options, backend, *_ignore, **_ignore_kw):
+            # (_ignore: JAX 0.10's ignore_callbacks or 0.11's ignore_custom_partitioning)
             return hooks.cache_key(module, devices, compile_options, backend)
 
         def _share_fdo_profiles(computation, devices, compile_options, backend, global_client,
