@@ -45,12 +45,14 @@ fi
 step pgle
 timeout 200 $PY -m pytest -p no:cacheprovider -v -s -x tests/test_gpu_pgle.py \
   2>&1 | tee "$OUT/pgle.log" | tail -60
-[ "$CHECKS" = pgle ] && exit 0
+pgle=${PIPESTATUS[0]}
+[ "$CHECKS" = pgle ] && exit "$pgle"
+[ "$pgle" = 0 ] || { echo "PGLE check failed: benches skipped"; exit "$pgle"; }
 
 step time-to-executable
-JAX_PLATFORMS=cuda timeout 170 $PY bench/time_to_executable.py --n 8 --distributed 0 \
+JAX_PLATFORMS=cuda timeout 200 $PY bench/time_to_executable.py --n 8 --distributed 0 \
   2>&1 | tee "$OUT/time_to_executable.log" | grep -v "^\[" | tail -12
 step warm-start
-JAX_PLATFORMS=cuda timeout 120 $PY bench/warm_start.py --repeat 2 \
+JAX_PLATFORMS=cuda timeout 150 $PY bench/warm_start.py --layers 96 --repeat 2 \
   2>&1 | tee "$OUT/warm_start.log" | tail -8
 step done
