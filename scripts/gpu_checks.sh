@@ -43,7 +43,7 @@ fi
 [ "$CHECKS" = adapter ] && exit 0
 
 step pgle
-timeout 200 $PY -m pytest -p no:cacheprovider -v -s -x tests/test_gpu_pgle.py \
+PGLE_LOG_DIR="$OUT" timeout 330 $PY -m pytest -p no:cacheprovider -v -s -x tests/test_gpu_pgle.py \
   2>&1 | tee "$OUT/pgle.log" | tail -60
 pgle=${PIPESTATUS[0]}
 [ "$CHECKS" = pgle ] && exit "$pgle"

@@ -26,17 +26,34 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(bytes(data)).hexdigest()
 
 
+def _progress(what: str) -> None:
+    print(f"pgle_proc: {what}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     target, pid, n, dist, job = sys.argv[1:6]
+    import faulthandler
+    import logging
+    import os
+
+    # A process stuck past this prints every thread's stack to stderr.
+    faulthandler.dump_traceback_later(float(os.environ.get("PGLE_PROC_STACKS_AFTER_S", "90")))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     import jax
     import numpy as np
 
-    jax.config.update("jax_enable_pgle", True)
+    plain = os.environ.get("PGLE_PROC_PLAIN") == "1"  # no compilecast, no PGLE: a probe
+    jax.config.update("jax_enable_pgle", not plain)
     jax.config.update("jax_pgle_profiling_runs", 2)
     jax.distributed.initialize(dist, num_processes=int(n), process_id=int(pid))
+    _progress(f"initialized: {jax.devices()}")
+    if plain:
+        _probe(jax, np, int(n))
+        return
     import compilecast.jax as cc
 
     cache = cc.enable(target, job=job)
+    _progress("compilecast enabled")
     # Observers on JAX's private compile path (test-only), around compilecast's.
     from jax._src import compiler
 
@@ -82,19 +99,7 @@ def main() -> None:
     jax_adapter.serialize = observed_serialize
     cache.get, cache.put = observed_get, observed_put
 
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    # Rows split across the processes, weights replicated: the partitioned
-    # program needs no collective (two processes may share one GPU here).
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    rows = NamedSharding(mesh, PartitionSpec("d"))
-    whole = NamedSharding(mesh, PartitionSpec())
-    rng = np.random.default_rng(0)
-    width = 1024
-    x_np = rng.standard_normal((512 * int(n), width), np.float32)
-    ws_np = [rng.standard_normal((width, width), np.float32) / np.sqrt(width) for _ in range(4)]
-    x = jax.make_array_from_callback(x_np.shape, rows, lambda i: x_np[i])
-    ws = [jax.make_array_from_callback(w.shape, whole, lambda i, w=w: w[i]) for w in ws_np]
+    x, ws, x_np, ws_np = _inputs(jax, np, int(n))
 
     @jax.jit
     def step(x, ws):
@@ -102,8 +107,10 @@ def main() -> None:
             x = jax.numpy.tanh(x @ w) + x
         return x
 
-    for _ in range(5):  # 2 profiled runs, then the PGLE recompile
+    for i in range(5):  # 2 profiled runs, then the PGLE recompile
         out = step(x, ws)
+        out.block_until_ready()
+        _progress(f"call {i} done")
     shard = out.addressable_shards[0]
     expected = x_np[shard.index]
     for w in ws_np:
@@ -115,6 +122,32 @@ def main() -> None:
                       "max_error": error, "stats": cache.stats.as_dict()}), flush=True)
     jax.distributed.shutdown()
 
+
+def _inputs(jax, np, n: int):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    # Rows split across the processes, weights replicated: the partitioned
+    # program needs no collective (two processes may share one GPU here).
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    rows = NamedSharding(mesh, PartitionSpec("d"))
+    whole = NamedSharding(mesh, PartitionSpec())
+    rng = np.random.default_rng(0)
+    width = 1024
+    x_np = rng.standard_normal((512 * n, width), np.float32)
+    ws_np = [rng.standard_normal((width, width), np.float32) / np.sqrt(width) for _ in range(4)]
+    x = jax.make_array_from_callback(x_np.shape, rows, lambda i: x_np[i])
+    ws = [jax.make_array_from_callback(w.shape, whole, lambda i, w=w: w[i]) for w in ws_np]
+    return x, ws, x_np, ws_np
+
+
+def _probe(jax, np, n: int) -> None:
+    """The same kind of program without compilecast or PGLE."""
+    x, ws, _, _ = _inputs(jax, np, n)
+    out = jax.jit(lambda x, ws: sum(jax.numpy.tanh(x @ w) for w in ws))(x, ws)
+    out.block_until_ready()
+    _progress("probe ran")
+    print(json.dumps({"probe": "ok"}), flush=True)
+    jax.distributed.shutdown()
 
 if __name__ == "__main__":
     main()

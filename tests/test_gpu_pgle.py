@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from compilecast.launch import collect, free_port
+from compilecast.launch import free_port
 
 
 def _jax_has_gpu() -> bool:
@@ -31,25 +31,61 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not _jax_has_gpu(), reason="needs JAX with a GPU")]
 
 ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+       # A wait that goes wrong ends (and says why) well inside the test's time.
+       "COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS": "60000"}
 
 
-def _job(target: str, n: int = 2) -> list[dict]:
+def _job(target: str, name: str, logs: Path, n: int = 2, env: dict | None = None) -> list[dict]:
+    """Each process's report; their stderr goes to logs/pgle-NAME-I.log
+    (PGLE_LOG_DIR keeps them past the test)."""
+    import json
     import os
 
     dist = f"127.0.0.1:{free_port()}"
     script = Path(__file__).resolve().parent / "pgle_proc.py"
-    env = dict(os.environ, **ENV)
-    procs = [subprocess.Popen([sys.executable, str(script), target, str(i), str(n), dist,
-                               "pgle-job"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for i in range(n)]
-    return collect(procs, timeout_s=300)
+    penv = dict(os.environ, **ENV, **(env or {}))
+    procs = []
+    for i in range(n):
+        with open(logs / f"pgle-{name}-{i}.log", "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(script), target, str(i), str(n), dist, "pgle-job"],
+                stdout=subprocess.PIPE, stderr=err, text=True, env=penv))
+    reports = []
+    for i, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+                q.wait()
+            out = ""
+        tail = (logs / f"pgle-{name}-{i}.log").read_text(errors="replace")[-4000:]
+        assert p.returncode == 0, f"process {i} of {name} failed (rc {p.returncode}):\n{tail}"
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
 
 
-def test_pgle_job_compiles_with_one_profile_and_a_restart_starts_from_the_store(up):
-    first = _job(up.target)
+@pytest.fixture
+def logs(tmp_path) -> Path:
+    import os
+
+    path = Path(os.environ.get("PGLE_LOG_DIR") or tmp_path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def test_two_processes_of_a_job_run_a_partitioned_program_on_the_gpu(logs):
+    """The setting the PGLE test needs (a probe, without compilecast): a
+    2-process jax.distributed job whose processes may share one GPU."""
+    assert _job("unix:///nonexistent", "probe", logs, env={"PGLE_PROC_PLAIN": "1"}) == \
+        [{"probe": "ok"}] * 2
+
+
+def test_pgle_job_compiles_with_one_profile_and_a_restart_starts_from_the_store(up, logs):
+    first = _job(up.target, "first", logs)
     for r in first:
-        print({k: v for k, v in r.items() if k != "stderr"})
+        print(r)
         assert r["platform"] == "gpu" and r["max_error"] < 1e-3, r
         assert not r["stats"]["fallbacks"], r["stats"]["reasons"]
     # Each process collected its own profile; both compiled with process 0's.
@@ -69,9 +105,9 @@ def test_pgle_job_compiles_with_one_profile_and_a_restart_starts_from_the_store(
 
     # A restarted job finds the PGLE-optimized executable stored under JAX's
     # PGLE key: no profiling runs, no exchange, no compile, the same executable.
-    again = _job(up.target)
+    again = _job(up.target, "again", logs)
     for r in again:
-        print({k: v for k, v in r.items() if k != "stderr"})
+        print(r)
         assert r["max_error"] < 1e-3, r
         assert r["exchanges"] == [] and r["stats"]["compiles"] == 0, r
         assert r["executables"] == [optimized], (r["executables"], optimized)
