@@ -39,8 +39,11 @@ def main() -> None:
     # A process stuck past this prints every thread's stack to stderr.
     faulthandler.dump_traceback_later(float(os.environ.get("PGLE_PROC_STACKS_AFTER_S", "90")))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    logging.getLogger("compilecast.jax").setLevel(logging.DEBUG)  # each key's components
     import jax
     import numpy as np
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # checked against numpy
 
     plain = os.environ.get("PGLE_PROC_PLAIN") == "1"  # no compilecast, no PGLE: a probe
     jax.config.update("jax_enable_pgle", not plain)
@@ -88,7 +91,18 @@ def main() -> None:
                           "got_bytes": len(got)})
         return got
 
+    import base64
+    import inspect
+
+    compile_params = inspect.signature(compile_or_get)
+
     def observed_compile(*args, **kw):
+        if os.environ.get("PGLE_PROC_DUMP") == "1":  # what went into the key, to compare
+            bound = compile_params.bind(*args, **kw).arguments
+            options = jax_adapter.compile_options_bytes(bound["compile_options"])
+            _progress(f"compile {len(executables)}: options {_sha(options)} "
+                      f"{base64.b64encode(options).decode()}")
+            _progress(f"compile {len(executables)}: program\n{bound['computation']}")
         entry.clear()
         executable = compile_or_get(*args, **kw)
         executables.append(entry[-1] if entry else None)

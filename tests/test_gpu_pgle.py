@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow,
 ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
        # A wait that goes wrong ends (and says why) well inside the test's time.
-       "COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS": "60000"}
+       "COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS": "30000"}
 
 
 def _job(target: str, name: str, logs: Path, n: int = 2, env: dict | None = None) -> list[dict]:
