@@ -81,3 +81,77 @@ def test_install_and_uninstall_restore_jax(tmp_path):
         compilecast.jax.disable()
     assert compiler._cache_read is original
     assert compilation_cache._cache is None
+
+
+class _Backend:
+    def __init__(self, platform: str) -> None:
+        self.platform = platform
+
+
+def _options():
+    from jax._src import compiler
+
+    return compiler.get_compile_options(num_replicas=1, num_partitions=1)
+
+
+def test_a_gpu_job_of_several_processes_compiles_without_sharded_autotuning(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    opts = _options()
+    alone = jax_adapter.compile_alone(_Backend("cuda"), opts)
+    assert (jax_adapter.SHARD_AUTOTUNING, False) in alone.env_option_overrides
+    assert opts.env_option_overrides == []  # JAX's own options are left as they were
+    assert jax_adapter.compile_alone(_Backend("cuda"), alone) is alone  # once
+    # Left alone: other platforms, one process, a setting the user made.
+    assert jax_adapter.compile_alone(_Backend("cpu"), opts) is opts
+    asked = _options()
+    asked.env_option_overrides = [(jax_adapter.SHARD_AUTOTUNING, True)]
+    assert jax_adapter.compile_alone(_Backend("rocm"), asked) is asked
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    assert jax_adapter.compile_alone(_Backend("cuda"), opts) is opts
+
+
+def test_this_xla_knows_the_sharded_autotuning_option():
+    """XLA refuses an override it does not know (or of the wrong type): if it
+    renames the option, this fails here rather than every GPU compile."""
+    import jax.numpy as jnp
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    opts = _options()
+    opts.env_option_overrides = [(jax_adapter.SHARD_AUTOTUNING, False)]
+    module = jax.jit(lambda x: x @ x).lower(jnp.ones((4, 4))).compiler_ir("stablehlo")
+    executable = compiler.backend_compile_and_load(
+        jax.devices()[0].client, module, xla_client.DeviceList(tuple(jax.devices()[:1])), opts, [])
+    assert executable is not None
+    opts.env_option_overrides = [("xla_gpu_no_such_option", False)]
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+        compiler.backend_compile_and_load(
+            jax.devices()[0].client, module, xla_client.DeviceList(tuple(jax.devices()[:1])),
+            opts, [])
+
+
+def test_the_hooked_compile_gets_the_options_without_sharded_autotuning(monkeypatch, tmp_path):
+    """The wiring: what compilecast's compile hook hands XLA (this CPU standing
+    in for a GPU of a 2-process job; no worker: the compile falls back)."""
+    import jax.numpy as jnp
+    from jax._src import compiler
+
+    import compilecast.jax
+
+    monkeypatch.setattr(jax_adapter, "GPU_PLATFORMS", frozenset({"cpu"}))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    seen = []
+    compile_and_load = compiler.backend_compile_and_load
+
+    def recording(backend, module, devices, options, host_callbacks):
+        seen.append(list(options.env_option_overrides))
+        return compile_and_load(backend, module, devices, options, host_callbacks)
+
+    monkeypatch.setattr(compiler, "backend_compile_and_load", recording)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    assert compilecast.jax.enable(f"unix://{tmp_path}/none.sock") is not None
+    try:
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0)).block_until_ready()
+    finally:
+        compilecast.jax.disable()
+    assert seen and all((jax_adapter.SHARD_AUTOTUNING, False) in s for s in seen), seen

@@ -10,7 +10,8 @@ JAX's persistent compilation cache has no public plugin hook. We use:
 - `jax._src.compiler._compile_and_write_cache`, wrapped so that a lease is
   always settled after the compile: published (even on processes other than
   0, where JAX never calls put), or released when the compile raised or the
-  entry is under JAX's thresholds;
+  entry is under JAX's thresholds; on a GPU job of several processes the
+  compile autotunes alone (`compile_alone`);
 - `jax._src.compiler._share_fdo_profiles`, wrapped so that the FDO (PGLE)
   profile the lowest-id process hands to the others goes through compilecast:
   one writer, the others wait for it, and it is stored, so a restarted job
@@ -160,6 +161,32 @@ class Hooks(Protocol):
     # (None: use JAX's own exchange).
 
 
+# XLA's GPU compiler shards autotuning across a job's processes and joins the
+# results over the job's key-value store (`xla_gpu_shard_autotuning`, on by
+# default): each process's compile then waits until every other process
+# compiles the same program. Under compilecast one process compiles while the
+# others wait for its executable, so it would wait for them until their
+# share-binary timeout (seen on a 2-process GPU job: 23 s for a program that
+# compiles in well under one, the waiter's timeout being 20 s). A process that
+# compiles through compilecast autotunes alone.
+GPU_PLATFORMS = frozenset({"cuda", "rocm", "gpu"})
+SHARD_AUTOTUNING = "xla_gpu_shard_autotuning"
+
+
+def compile_alone(backend: Any, compile_options: Any) -> Any:
+    """`compile_options` for a compile that waits for no other process: a
+    copy without sharded autotuning for a GPU job of several processes, else
+    the options themselves."""
+    if getattr(backend, "platform", "") not in GPU_PLATFORMS or jax.process_count() < 2:
+        return compile_options
+    overrides = list(compile_options.env_option_overrides)
+    if any(name == SHARD_AUTOTUNING for name, _ in overrides):
+        return compile_options
+    opts = copy.deepcopy(compile_options)
+    opts.env_option_overrides = [*overrides, (SHARD_AUTOTUNING, False)]
+    return opts
+
+
 def serialize(executable: Any, compile_time_s: float) -> bytes:
     """An entry in JAX's own cache format (what put_executable_and_time writes)."""
     data = _cc.combine_executable_and_time(executable.serialize(), int(compile_time_s))
@@ -213,9 +240,10 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
 
         def _compile_and_write_cache(backend, computation, executable_devices, compile_options,
                                      host_callbacks, module_name, cache_key):
+            alone = compile_alone(backend, compile_options)
             return hooks.compile(
                 cache_key, module_name, bool(host_callbacks),
-                lambda: orig_compile(backend, computation, executable_devices, compile_options,
+                lambda: orig_compile(backend, computation, executable_devices, alone,
                                      host_callbacks, module_name, cache_key),
                 serialize,
             )
