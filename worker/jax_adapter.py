@@ -61,7 +61,7 @@ from jax._src.lib import xla_client as _xc
 from jax._src.lib.mlir import ir  # also used by worker/keys.py
 from jax._src.lib.mlir import passmanager as _passmanager
 
-TESTED_JAX = ("0.10",)
+TESTED_JAX = ("0.10", "0.11")  # 0.11: on a GPU machine (docs/jax.md)
 
 
 class AdapterError(RuntimeError):
