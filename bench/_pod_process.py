@@ -33,6 +33,7 @@ def main() -> None:
     # Every process brings up its CPU backend now, together, as a real job
     # does at start (JAX's compile path would otherwise do it later, alone).
     jax.devices()
+    from compilecast.launch import time_calls
     from compilecast.worker import aot
     from compilecast.worker.client import CacheClient, Identity
 
@@ -52,7 +53,7 @@ def main() -> None:
         t0 = go
     compiles, nbytes = 0, 0
     phases: dict[str, float] = {}
-    _timed(aot, phases, t0, ("compile_entry",))
+    time_calls(aot, phases, t0, ("compile_entry",))
     if mode == "one" and pid != 0:
         pass  # in the job, idle: process 0 compiles alone (the baseline for this job's programs)
     elif mode in ("local", "one"):
@@ -60,7 +61,7 @@ def main() -> None:
             _, data, _ = aot.compile_entry(p.trigger)
             compiles, nbytes = compiles + 1, nbytes + len(data)
     else:
-        _timed(client, phases, t0)
+        time_calls(client, phases, t0)
         if mode in ("share", "share-after"):
             for p in programs:
                 # share: waiters fetch (and verify) as the holder starts publishing.
@@ -78,26 +79,6 @@ def main() -> None:
                       "phases": phases}),
           flush=True)
     jax.distributed.shutdown()
-
-
-def _timed(client, phases: dict[str, float], t0: float,
-           names: tuple[str, ...] = ("publish", "fetch", "wait_and_fetch")) -> None:
-    """Record when each of the client's calls (or a module's functions)
-    began and ended (seconds from T0, the last call of each kind), and the
-    process's CPU seconds meanwhile: where a process's time went."""
-    for name in names:  # what time_to_executable's timeline reads
-        call = getattr(client, name)
-
-        def timed(*args, _call=call, _name=name, **kwargs):
-            phases[f"{_name} began"] = time.time() - t0
-            cpu = time.process_time()
-            try:
-                return _call(*args, **kwargs)
-            finally:
-                phases[f"{_name} ended"] = time.time() - t0
-                phases[f"{_name} cpu"] = time.process_time() - cpu  # the process's, all threads
-
-        setattr(client, name, timed)
 
 
 if __name__ == "__main__":

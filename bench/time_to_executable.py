@@ -63,7 +63,7 @@ def wave(n: int, target: str, layers: int, width: int, *, baseline: bool,
     # Every process imports JAX before the common start (2 cores: ~1.5 s of import each).
     reports = collect(start_wave(n, target, layers, width, baseline=baseline,
                                  distributed=distributed, delay_s=max(8.0, 1.5 * n),
-                                 env=SHARE_ANY_COMPILE),
+                                 env=SHARE_ANY_COMPILE, phases=not baseline),
                       timeout_s=1800)
     # Each process measured from the common start moment to its executable.
     return {
@@ -73,6 +73,7 @@ def wave(n: int, target: str, layers: int, width: int, *, baseline: bool,
         "wall_s": max(r["seconds"] for r in reports),
         "median_s": sorted(r["seconds"] for r in reports)[n // 2],
         "latest_start_s": max(r.get("late_s", 0.0) for r in reports),
+        **({} if baseline else {"timeline": timeline([r["phases"] for r in reports])}),
     }
 
 
@@ -95,8 +96,11 @@ def timeline(phases: list[dict[str, float]]) -> str:
                   for p in waiters)
     done = held[-1]
     compiling = ""
-    if "compile_entry began" in holder:  # JAX's compile and its serialization, in the holder
-        began, ended = holder["compile_entry began"], holder["compile_entry ended"]
+    # The holder's compile: JAX's compile and its serialization (--tpu), or the
+    # compile under the lease (the demo step's processes).
+    entry = next((n for n in ("compile_entry", "compile") if f"{n} began" in holder), None)
+    if entry is not None:
+        began, ended = holder[f"{entry} began"], holder[f"{entry} ended"]
         compiling = f"compile {began:.2f}-{ended:.2f}s ({ended - began:.2f}), "
     cpu = ""
     if fetched and len(fetched) == len(waiters):  # each waiter process's CPU while it fetched
@@ -289,6 +293,8 @@ def main() -> None:
                   f"vs one compile alone {cc['wall_s'] / one['wall_s']:.2f}x | last process "
                   f"late by {max(base['latest_start_s'], cc['latest_start_s']):.1f}s",
                   flush=True)
+            print(f"       compilecast's {cc['timeline']}; every step done "
+                  f"{cc['wall_s']:.2f}s", flush=True)
         if args.distributed:
             n, layers = args.distributed, args.layers + 50
             base = wave(n, target, layers, args.width, baseline=True, distributed=True)

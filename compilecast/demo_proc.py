@@ -1,7 +1,7 @@
 """One JAX process of the demo and the end-to-end tests: runs the demo
 training step and prints a JSON report on its last line.
 
-Usage: python -m compilecast.demo_proc LAYERS WIDTH [--no-compilecast] [--start-at T]
+Usage: python -m compilecast.demo_proc LAYERS WIDTH [--no-compilecast] [--start-at T] [--phases]
 Environment: COMPILECAST_WORKER (the worker), JAX_* as usual (JAX_PLATFORMS: cpu unless set).
 """
 
@@ -18,6 +18,8 @@ ap.add_argument("width", type=int)
 ap.add_argument("--no-compilecast", action="store_true")
 ap.add_argument("--start-at", type=float, default=0.0, help="unix time to start compiling")
 ap.add_argument("--distributed", default="", help="coordinator_address,num_processes,process_id")
+ap.add_argument("--phases", action="store_true",
+                help="report when compilecast's calls began and ended (from the start)")
 args = ap.parse_args()
 
 import jax  # noqa: E402
@@ -35,10 +37,19 @@ from compilecast.demo_step import make_inputs, make_step, result_digest  # noqa:
 events: dict[str, int] = {}
 monitoring.register_event_listener(lambda name, **kw: events.__setitem__(name, events.get(name, 0) + 1))
 
+phases: dict[str, float] = {}
 if not args.no_compilecast:
     import compilecast.jax
 
-    assert compilecast.jax.enable() is not None
+    cache = compilecast.jax.enable()
+    assert cache is not None
+    if args.phases:
+        from compilecast.launch import time_calls
+
+        start = args.start_at or time.time()
+        time_calls(cache, phases, start, ("compile",))  # the compile under a lease
+        time_calls(cache.client, phases, start, ("acquire", "wait", "fetch", "wait_and_fetch",
+                                                 "publish"))
 
 params, x, y = make_inputs(args.layers, args.width)
 step = make_step()
@@ -81,5 +92,6 @@ report = {
     "xla_compiles": requests - hits if not args.no_compilecast else 1,
     "jax_cache_hits": hits,
     "compilecast": compilecast.jax.stats() if not args.no_compilecast else {},
+    **({"phases": phases} if args.phases else {}),
 }
 print(json.dumps(report))

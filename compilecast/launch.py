@@ -98,6 +98,28 @@ class Up:
         return [line for line in r.stdout.splitlines() if "pgrep" not in line]
 
 
+def time_calls(obj, phases: dict[str, float], t0: float,
+               names: tuple[str, ...] = ("publish", "fetch", "wait_and_fetch")) -> None:
+    """Record in `phases` when each of `obj`'s calls `names` (a client's
+    methods, a module's functions) began and ended, in seconds from the wall
+    clock time T0 (the last call of each kind), and the process's CPU seconds
+    meanwhile: where a benchmarked process's time went
+    (bench/time_to_executable.py prints it as a timeline)."""
+    for name in names:
+        call = getattr(obj, name)
+
+        def timed(*args, _call=call, _name=name, **kwargs):
+            phases[f"{_name} began"] = time.time() - t0
+            cpu = time.process_time()
+            try:
+                return _call(*args, **kwargs)
+            finally:
+                phases[f"{_name} ended"] = time.time() - t0
+                phases[f"{_name} cpu"] = time.process_time() - cpu  # the process's, all threads
+
+        setattr(obj, name, timed)
+
+
 # The demo's and the benches' steps compile in about a second on a quiet CPU,
 # which is JAX's default min compile time: below it JAX (and compilecast, which
 # honours it) keeps nothing. Their processes share whatever the machine's speed.
@@ -106,10 +128,11 @@ SHARE_ANY_COMPILE = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 def start_wave(n: int, target: str, layers: int, width: int, *, baseline: bool = False,
                distributed: bool = False, env: dict | None = None,
-               per_process: list[dict] | None = None, delay_s: float = 6.0
-               ) -> list[subprocess.Popen]:
+               per_process: list[dict] | None = None, delay_s: float = 6.0,
+               phases: bool = False) -> list[subprocess.Popen]:
     """Start n JAX processes (compilecast.demo_proc) that all begin the
-    training step at the same moment, `delay_s` from now."""
+    training step at the same moment, `delay_s` from now (with `phases`, each
+    reports when its compilecast calls began and ended)."""
     # CPU unless the caller's environment names JAX's platforms (a GPU host's benches).
     base_env = dict(os.environ, COMPILECAST_WORKER=target,
                     JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS") or "cpu", **(env or {}))
@@ -118,6 +141,8 @@ def start_wave(n: int, target: str, layers: int, width: int, *, baseline: bool =
            "--start-at", str(time.time() + delay_s)]
     if baseline:
         cmd.append("--no-compilecast")
+    elif phases:
+        cmd.append("--phases")
     addr = f"127.0.0.1:{free_port()}"
     procs = []
     for i in range(n):
