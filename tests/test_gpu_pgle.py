@@ -86,8 +86,6 @@ def test_two_processes_of_a_job_run_a_partitioned_program_on_the_gpu(logs):
 def up_kept(up, logs):
     """`compilecast up`, its log copied next to the processes' at the end."""
     yield up
-    import shutil
-
     shutil.copy(up.log_path, logs / "up.log")
 
 
@@ -98,6 +96,9 @@ def test_pgle_job_compiles_with_one_profile_and_a_restart_starts_from_the_store(
         print(r)
         assert r["platform"] == "gpu" and r["max_error"] < 1e-3, r
         assert not r["stats"]["fallbacks"], r["stats"]["reasons"]
+        # Nobody waited out the share-binary timeout: the compiling process does
+        # not wait for the waiting one (XLA's sharded autotuning, docs/jax.md).
+        assert not r["stats"]["local_compiles"], r["stats"]["reasons"]
     # Each process collected its own profile; both compiled with process 0's.
     assert [len(r["exchanges"]) for r in first] == [1, 1], first
     (p0,), (p1,) = (r["exchanges"] for r in first)
