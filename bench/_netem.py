@@ -89,9 +89,10 @@ class Host:
 
 
 class Network:
-    def __init__(self, mbps: float = 0, cpus: float = 0) -> None:
+    def __init__(self, mbps: float = 0, cpus: float = 0, cpu_period_ms: float = 0) -> None:
         self.mbps = mbps
         self.cpus = cpus
+        self.cpu_period_ms = cpu_period_ms  # CFS period of a host's quota (0: the kernel's)
         self.hosts: list[Host] = []
         self._lock = open(LOCK, "w")
         try:
@@ -125,6 +126,8 @@ class Network:
         if self.cpus:
             h.cgroup = CGROUPS / h.ns
             h.cgroup.mkdir()
+            if self.cpu_period_ms:
+                (h.cgroup / "cpu.cfs_period_us").write_text(str(int(self.cpu_period_ms * 1000)))
             period = int((h.cgroup / "cpu.cfs_period_us").read_text())
             (h.cgroup / "cpu.cfs_quota_us").write_text(str(int(period * self.cpus)))
         return h

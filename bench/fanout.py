@@ -63,9 +63,9 @@ def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
 
 def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0,
         host_cpus: float = 0, kill_after: float = 0, chain_bytes: str = "",
-        relay_plane: str = "on") -> dict:
+        relay_plane: str = "on", cpu_period_ms: float = 0) -> dict:
     root = Path(tempfile.mkdtemp(prefix="cc-fanout-"))
-    net = Network(link_mbps, host_cpus) if link_mbps or host_cpus else None
+    net = Network(link_mbps, host_cpus, cpu_period_ms) if link_mbps or host_cpus else None
     host = (lambda name: net.host(name)) if net else (lambda name: None)
     stack = None
     try:
@@ -162,6 +162,10 @@ def main() -> None:
     ap.add_argument("--host-cpus", type=float, default=0,
                     help="every host (its servers and its clients) limited to this many "
                          "cores of its own (0: all share this machine's)")
+    ap.add_argument("--host-cpu-period-ms", type=float, default=0,
+                    help="the CFS period of each host's quota (0: the kernel's, 100 ms): a host "
+                         "of 0.11 cores runs 11 ms of every 100 ms in bursts; a short period "
+                         "makes it a slow host rather than a bursty one")
     ap.add_argument("--relay-chain-bytes", default="",
                     help="the coordinator's --relay-chain-bytes (default: its own default)")
     ap.add_argument("--kill-after", type=float, default=0,
@@ -190,7 +194,9 @@ def fan_out(args: argparse.Namespace) -> None:
         print(f"# coordinator --relay-chain-bytes {args.relay_chain_bytes}")
     where = ", ".join(w for w in (
         f"each on a {args.link_mbps:g} Mbit/s link of its own" if args.link_mbps else "",
-        f"each with {args.host_cpus:g} cores of its own" if args.host_cpus else "") if w) \
+        f"each with {args.host_cpus:g} cores of its own" if args.host_cpus else "",
+        f"a CFS period of {args.host_cpu_period_ms:g} ms" if args.host_cpu_period_ms else "")
+        if w) \
         or "all on this machine's loopback"
     print(f"# {args.workers} workers fetch one {args.mb} MB "
           f"{'compressible ' if args.compressible else ''}artifact at once, {where}"
@@ -199,7 +205,8 @@ def fan_out(args: argparse.Namespace) -> None:
         for _ in range(args.repeat):
             for plane in args.relay_data_plane:
                 r = run(fanout, args.mb, args.workers, args.compressible, args.link_mbps,
-                        args.host_cpus, args.kill_after, args.relay_chain_bytes, plane)
+                        args.host_cpus, args.kill_after, args.relay_chain_bytes, plane,
+                        args.host_cpu_period_ms)
                 ready = f"the other {args.workers - 1}" if args.kill_after \
                     else f"all {args.workers}"
                 print(f"relay fan-out {fanout}, relay data plane {plane}: {ready} hold it in "
