@@ -55,6 +55,63 @@ from _servers import (
 )
 from fetch import fetch, publish_file
 
+# A host's client as a process of its own: started (and its imports done)
+# before the clock starts, it fetches when told to on stdin.
+CLIENT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from fetch import fetch
+print("ready", flush=True)
+sys.stdin.readline()
+fetch(sys.argv[2], "art", sys.argv[3], zstd=sys.argv[4] == "1")
+print("done", flush=True)
+"""
+
+
+class ProcessClients:
+    """One client process per (worker target, host), each in its host's CPU
+    quota from its start, as a host's JAX process is. Threads of this process
+    in the hosts' quotas share one GIL: a thread throttled while it holds it
+    stops every other host's client until its next period."""
+
+    def __init__(self, workers: list, digest: str, zstd: bool) -> None:
+        import subprocess
+
+        self.procs = []
+        for target, h in workers:
+            cgroup = getattr(h, "cgroup", None)
+
+            def join_quota(cgroup=cgroup) -> None:
+                if cgroup is not None:
+                    (cgroup / "tasks").write_text(str(os.getpid()))
+
+            self.procs.append((target, subprocess.Popen(
+                [sys.executable, "-c", CLIENT, str(Path(__file__).parent), target, digest,
+                 "1" if zstd else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True, preexec_fn=join_quota)))
+        for _, proc in self.procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a client did not start: {proc.stderr.read()[-2000:]}")
+
+    def go(self) -> None:
+        for _, proc in self.procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+
+    def wait(self, spare: str | None = None) -> None:
+        """All done; raises for a client that failed, but the one of `spare`."""
+        for target, proc in self.procs:
+            _, err = proc.communicate(timeout=1800)
+            if proc.returncode and target != spare:
+                raise RuntimeError(f"a client failed: {err[-2000:]}")
+
+
+def _reaped_cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
 
 def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
     return scraped(metrics_port, "compilecast_coordinator_artifact_bytes_total", host,
@@ -63,7 +120,7 @@ def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
 
 def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0,
         host_cpus: float = 0, kill_after: float = 0, chain_bytes: str = "",
-        relay_plane: str = "on", cpu_period_ms: float = 0) -> dict:
+        relay_plane: str = "on", cpu_period_ms: float = 0, clients: str = "thread") -> dict:
     root = Path(tempfile.mkdtemp(prefix="cc-fanout-"))
     net = Network(link_mbps, host_cpus, cpu_period_ms) if link_mbps or host_cpus else None
     host = (lambda name: net.host(name)) if net else (lambda name: None)
@@ -81,7 +138,14 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
         path.unlink()
         ahost = host("alone")
         alone, _ = stack.worker(coord, "alone", host=ahost)
-        single = on_host(ahost, lambda: fetch(alone, "art", digest, zstd=compressible))
+        if clients == "process":
+            one_client = ProcessClients([(alone, ahost)], digest, compressible)
+            t0 = time.perf_counter()
+            one_client.go()
+            one_client.wait()
+            single = time.perf_counter() - t0
+        else:
+            single = on_host(ahost, lambda: fetch(alone, "art", digest, zstd=compressible))
         workers, procs = [], []
         for i in range(n):
             h = host(f"w{i}")
@@ -109,15 +173,24 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
                     errors.append(exc)
 
         threads = [threading.Thread(target=one, args=w) for w in workers]
+        client_procs = ProcessClients(workers, digest, compressible) \
+            if clients == "process" else None
+        reaped0 = _reaped_cpu_seconds()  # the client processes' CPU, once they are waited for
         t0 = time.perf_counter()
         if killer:
             killer.start()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if client_procs is not None:
+            client_procs.go()
+            client_procs.wait(spare=victim)
+        else:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         wall = time.perf_counter() - t0
-        cores = (sum(cpu_seconds(p.pid) for p in stack.procs) + own_cpu_seconds() - cpu0) / wall
+        clients_cpu = _reaped_cpu_seconds() - reaped0
+        cores = (sum(cpu_seconds(p.pid) for p in stack.procs) + own_cpu_seconds() + clients_cpu
+                 - cpu0) / wall
         workers_cpu = sum(cpu_seconds(p.pid) for p in procs if p.poll() is None) - workers_cpu0
         if errors:
             raise RuntimeError(errors[0])
@@ -166,6 +239,10 @@ def main() -> None:
                     help="the CFS period of each host's quota (0: the kernel's, 100 ms): a host "
                          "of 0.11 cores runs 11 ms of every 100 ms in bursts; a short period "
                          "makes it a slow host rather than a bursty one")
+    ap.add_argument("--clients", choices=("thread", "process"), default=None,
+                    help="each host's client as a thread of this process or as a process of "
+                         "its own (default: a process where hosts have CPU quotas, whose "
+                         "threads would share one GIL across hosts; a thread otherwise)")
     ap.add_argument("--relay-chain-bytes", default="",
                     help="the coordinator's --relay-chain-bytes (default: its own default)")
     ap.add_argument("--kill-after", type=float, default=0,
@@ -201,12 +278,14 @@ def fan_out(args: argparse.Namespace) -> None:
     print(f"# {args.workers} workers fetch one {args.mb} MB "
           f"{'compressible ' if args.compressible else ''}artifact at once, {where}"
           + (f"; one worker killed {args.kill_after:g}s in" if args.kill_after else ""))
+    clients = args.clients or ("process" if args.host_cpus else "thread")
+    print(f"# each host's client: a {clients}")
     for fanout in args.fanouts:
         for _ in range(args.repeat):
             for plane in args.relay_data_plane:
                 r = run(fanout, args.mb, args.workers, args.compressible, args.link_mbps,
                         args.host_cpus, args.kill_after, args.relay_chain_bytes, plane,
-                        args.host_cpu_period_ms)
+                        args.host_cpu_period_ms, clients)
                 ready = f"the other {args.workers - 1}" if args.kill_after \
                     else f"all {args.workers}"
                 print(f"relay fan-out {fanout}, relay data plane {plane}: {ready} hold it in "
