@@ -11,7 +11,10 @@ With `cpus`, every host also gets that many cores of this machine's (a cgroup
 v1 CPU quota, CFS): its processes, and any thread of this one that calls
 Host.enter(), share that much CPU, whatever the other hosts use, as a pod
 host's processes share its own cores. Hosts times `cpus` should stay within
-this machine's cores.
+this machine's cores. Threads of one Python process on different hosts still
+share its GIL: one throttled while it holds the GIL stops the others until its
+next period, so a host's client belongs in a process of its own
+(bench/fanout.py's ProcessClients; BENCHMARKS.md, "Thirty-eighth session").
 
 Needs root (CAP_NET_ADMIN) and iproute2 (`ip`, `tc`); `cpus` needs the
 cgroup v1 cpu controller at /sys/fs/cgroup/cpu. Everything made is named

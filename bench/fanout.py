@@ -23,6 +23,11 @@ this machine's 2 cores, bound what moves, and the time target (all N within
 socket, as a host's JAX processes do. The cores every process used meanwhile
 are printed, to show the CPU was not the limit.
 
+With --host-cpus C each host's processes share C cores of this machine's (a
+CFS quota; --host-cpu-period-ms sets its period), and each host's client is a
+process of its own there (--clients thread puts them in threads of this
+process instead, which then share one GIL across the hosts' quotas).
+
 With --relay-data-plane on off, each fan-out runs with the workers' relay
 data plane (peers take what a worker relays over plain TCP with sendfile,
 worker/relayplane.py; the default) and without it (relays over gRPC), in
