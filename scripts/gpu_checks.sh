@@ -2,7 +2,9 @@
 # The checks that need a GPU, for a GPU machine without network access (the
 # project's lent device machine): run from the repository root there after
 # scripts/gpu_prepare.sh has filled .gpu/ here (wheels for that machine's
-# Python, and etcd). Writes its logs under $OUT (default: .gpu/out).
+# Python, and etcd). Every log (each step's, each test process's, the
+# `compilecast up` log) goes into one archive, $OUT/gpu-logs.tgz (OUT default:
+# .gpu/out), written however the script ends.
 #
 #   1. the JAX adapter's check against that machine's JAX release;
 #   2. tests/test_gpu_pgle.py: PGLE end to end on two processes (issue 4);
@@ -12,7 +14,9 @@
 # benches even when the PGLE check failed.
 set -u
 OUT=${OUT:-.gpu/out}
+LOGS=$(mktemp -d /tmp/gpu-logs.XXXX)
 mkdir -p "$OUT"
+trap 'tar -czf "$OUT/gpu-logs.tgz" -C "$LOGS" .' EXIT
 PY=${PY:-python3}
 CHECKS=${CHECKS:-all}
 step() { echo "== $(date +%T) $*"; }
@@ -36,24 +40,25 @@ print(sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version
       'grpcio', grpc.__version__, 'protobuf', p.__version__, jax.devices())"
 
 step adapter
-if ! $PY -c "from compilecast.worker import jax_adapter as a; a.check(); a.check_optional()
-print('jax adapter: ok')" 2>&1 | tee "$OUT/adapter.log"; then
+$PY -c "from compilecast.worker import jax_adapter as a; a.check(); a.check_optional()
+print('jax adapter: ok')" 2>&1 | tee "$LOGS/adapter.log"
+if [ "${PIPESTATUS[0]}" != 0 ]; then
   timeout 120 $PY -m pytest -p no:cacheprovider -q tests/test_jax_adapter.py 2>&1 \
-    | tail -40 | tee -a "$OUT/adapter.log"
+    | tail -40 | tee -a "$LOGS/adapter.log"
 fi
 [ "$CHECKS" = adapter ] && exit 0
 
 step pgle
-PGLE_LOG_DIR="$OUT" timeout ${PGLE_TIMEOUT:-330} $PY -m pytest -p no:cacheprovider -v -s -x tests/test_gpu_pgle.py ${PGLE_SELECT:+-k "$PGLE_SELECT"} \
-  2>&1 | tee "$OUT/pgle.log" | tail -60
+PGLE_LOG_DIR="$LOGS" timeout ${PGLE_TIMEOUT:-330} $PY -m pytest -p no:cacheprovider -v -s -x tests/test_gpu_pgle.py ${PGLE_SELECT:+-k "$PGLE_SELECT"} \
+  2>&1 | tee "$LOGS/pgle.log" | tail -60
 pgle=${PIPESTATUS[0]}
 [ "$CHECKS" = pgle ] && exit "$pgle"
 [ "$pgle" = 0 ] || [ "$CHECKS" = all-anyway ] || { echo "PGLE check failed: benches skipped"; exit "$pgle"; }
 
 step time-to-executable
 JAX_PLATFORMS=cuda timeout ${TTE_TIMEOUT:-200} $PY bench/time_to_executable.py --n 8 --distributed 0 \
-  2>&1 | tee "$OUT/time_to_executable.log" | grep -v "^\[" | tail -12
+  2>&1 | tee "$LOGS/time_to_executable.log" | grep -v "^\[" | tail -12
 step warm-start
 JAX_PLATFORMS=cuda timeout ${WARM_TIMEOUT:-150} $PY bench/warm_start.py --layers 96 --repeat 2 \
-  2>&1 | tee "$OUT/warm_start.log" | tail -8
+  2>&1 | tee "$LOGS/warm_start.log" | tail -8
 step done
