@@ -39,6 +39,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
+import subprocess
 import sys
 import tempfile
 import threading
@@ -80,8 +82,6 @@ class ProcessClients:
     stops every other host's client until its next period."""
 
     def __init__(self, workers: list, digest: str, zstd: bool) -> None:
-        import subprocess
-
         self.procs = []
         for target, h in workers:
             cgroup = getattr(h, "cgroup", None)
@@ -112,8 +112,6 @@ class ProcessClients:
 
 
 def _reaped_cpu_seconds() -> float:
-    import resource
-
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
