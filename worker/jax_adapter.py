@@ -166,9 +166,9 @@ class Hooks(Protocol):
 # default): each process's compile then waits until every other process
 # compiles the same program. Under compilecast one process compiles while the
 # others wait for its executable, so it would wait for them until their
-# share-binary timeout (seen on a 2-process GPU job: 23 s for a program that
-# compiles in well under one, the waiter's timeout being 20 s). A process that
-# compiles through compilecast autotunes alone.
+# share-binary timeout (seen on a 2-process GPU job: the holder's compile ended
+# 23 s after it began, 3 s after the waiter's 20 s timeout made the waiter
+# compile too). A process that compiles through compilecast autotunes alone.
 GPU_PLATFORMS = frozenset({"cuda", "rocm", "gpu"})
 SHARD_AUTOTUNING = "xla_gpu_shard_autotuning"
 
