@@ -99,13 +99,17 @@ def test_pgle_job_compiles_with_one_profile_and_a_restart_starts_from_the_store(
         # Nobody waited out the share-binary timeout: the compiling process does
         # not wait for the waiting one (XLA's sharded autotuning, docs/jax.md).
         assert not r["stats"]["local_compiles"], r["stats"]["reasons"]
-    # Each process collected its own profile; both compiled with process 0's.
-    assert [len(r["exchanges"]) for r in first] == [1, 1], first
-    (p0,), (p1,) = (r["exchanges"] for r in first)
-    assert p0["own_bytes"] > 0 and p1["own_bytes"] > 0
-    assert p0["got"] == p1["got"] == p0["own"], (p0, p1)
+    # Process 0 compiled with the profile it collected and stored it. Process 1
+    # collected its own too and compiled with process 0's, or, when it came to
+    # its recompile after process 0 had published the PGLE-optimized
+    # executable, took that executable as it is (JAX checks for it first).
+    (p0,) = first[0]["exchanges"]
+    assert p0["own_bytes"] > 0 and p0["got"] == p0["own"], p0
+    assert len(first[1]["exchanges"]) <= 1, first[1]
+    for p1 in first[1]["exchanges"]:
+        assert p1["own_bytes"] > 0 and p1["got"] == p0["own"], (p0, p1)
     assert [r["stats"]["profiles_published"] for r in first] == [1, 0]
-    assert [r["stats"]["profiles_received"] for r in first] == [0, 1]
+    assert first[1]["stats"]["profiles_received"] == len(first[1]["exchanges"])
     # Two programs each (before and after PGLE): process 0 compiled both under
     # the lease, process 1 loaded them: identical executables.
     assert [r["stats"]["compiles"] for r in first] == [2, 0], first
