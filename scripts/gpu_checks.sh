@@ -56,7 +56,7 @@ pgle=${PIPESTATUS[0]}
 [ "$pgle" = 0 ] || [ "$CHECKS" = all-anyway ] || { echo "PGLE check failed: benches skipped"; exit "$pgle"; }
 
 step time-to-executable
-JAX_PLATFORMS=cuda timeout ${TTE_TIMEOUT:-200} $PY bench/time_to_executable.py --n 8 --distributed 0 \
+JAX_PLATFORMS=cuda timeout ${TTE_TIMEOUT:-200} $PY bench/time_to_executable.py --n 4 8 --distributed 0 \
   2>&1 | tee "$LOGS/time_to_executable.log" | grep -v "^\[" | tail -12
 step warm-start
 JAX_PLATFORMS=cuda timeout ${WARM_TIMEOUT:-150} $PY bench/warm_start.py --layers 96 --repeat 2 \
