@@ -14,7 +14,10 @@ compilecast wraps). The process records, without changing anything:
 - its local shard of the result, checked against numpy.
 
 Usage: pgle_proc.py TARGET PROCESS_ID NUM_PROCESSES DIST_ADDR JOB
-Prints one JSON line.
+Prints one JSON line. Environment: PGLE_PROC_PLAIN=1 runs a probe of the job
+instead (no compilecast, no PGLE); PGLE_PROC_DUMP=1 prints what went into each
+key (compile options, program); PGLE_PROC_STACKS_AFTER_S (90) when to print
+every thread's stack if still running.
 """
 
 import hashlib
