@@ -22,7 +22,7 @@ from compilecast.blobstore import blob_path
 from compilecast.launch import free_port
 from compilecast.worker.client import memory_headroom, wait_until_healthy
 
-__all__ = ["Stack", "free_port", "page_reporting_held", "page_reporting_order", "peak_rss_mb",
+__all__ = ["HOLD_PAGE_REPORTING_HELP", "Stack", "free_port", "page_reporting_held", "page_reporting_order", "peak_rss_mb",
            "random_file", "wait_port"]
 
 
@@ -225,6 +225,12 @@ def page_reporting_order() -> int | None:
             return int(f.read())
     except (OSError, ValueError):
         return None
+
+
+HOLD_PAGE_REPORTING_HELP = (
+    "stop this VM's free page reporting for the runs and back its free memory first (root; "
+    "restored after): fresh memory then costs what it does on a host without it "
+    "(BENCHMARKS.md, \"Thirty-seventh session\")")
 
 
 @contextlib.contextmanager

@@ -50,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _netem import Network, available
 from _servers import (
+    HOLD_PAGE_REPORTING_HELP,
     Stack,
     compressible_file,
     cpu_seconds,
@@ -75,11 +76,59 @@ print("done", flush=True)
 """
 
 
-class ProcessClients:
-    """One client process per (worker target, host), each in its host's CPU
-    quota from its start, as a host's JAX process is. Threads of this process
-    in the hosts' quotas share one GIL: a thread throttled while it holds it
-    stops every other host's client until its next period."""
+class Clients:
+    """The clients of (worker target, host) pairs, each fetching the artifact
+    in its host's CPU quota; `timed` runs them all and returns the seconds."""
+
+    def go(self) -> None:
+        raise NotImplementedError
+
+    def wait(self, spare: str | None = None) -> None:
+        """All done; raises for a client that failed, but the one of `spare`."""
+        raise NotImplementedError
+
+    def timed(self, spare: str | None = None, at_start=None) -> float:
+        t0 = time.perf_counter()
+        if at_start is not None:
+            at_start()
+        self.go()
+        self.wait(spare)
+        return time.perf_counter() - t0
+
+
+class ThreadClients(Clients):
+    """Each client a thread of this process: on hosts with CPU quotas they
+    share one GIL, and a thread throttled while it holds it stops every other
+    host's client until its next period."""
+
+    def __init__(self, workers: list, digest: str, zstd: bool) -> None:
+        self.errors: list = []
+
+        def one(target: str, h) -> None:
+            try:
+                if h:
+                    h.enter()  # the client is a process of that host
+                fetch(target, "art", digest, zstd=zstd)
+            except Exception as exc:  # reported by wait()
+                self.errors.append((target, exc))
+
+        self.threads = [threading.Thread(target=one, args=w) for w in workers]
+
+    def go(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def wait(self, spare: str | None = None) -> None:
+        for t in self.threads:
+            t.join()
+        for target, exc in self.errors:
+            if target != spare:
+                raise RuntimeError(f"a client failed: {exc}") from exc
+
+
+class ProcessClients(Clients):
+    """Each client a process of its own, in its host's CPU quota from its
+    start, as a host's JAX process is; its imports are done before go()."""
 
     def __init__(self, workers: list, digest: str, zstd: bool) -> None:
         self.procs = []
@@ -104,7 +153,6 @@ class ProcessClients:
             proc.stdin.flush()
 
     def wait(self, spare: str | None = None) -> None:
-        """All done; raises for a client that failed, but the one of `spare`."""
         for target, proc in self.procs:
             _, err = proc.communicate(timeout=1800)
             if proc.returncode and target != spare:
@@ -123,7 +171,8 @@ def egress(metrics_port: int, host: str = "127.0.0.1") -> float:
 
 def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: float = 0,
         host_cpus: float = 0, kill_after: float = 0, chain_bytes: str = "",
-        relay_plane: str = "on", cpu_period_ms: float = 0, clients: str = "thread") -> dict:
+        relay_plane: str = "on", cpu_period_ms: float = 0,
+        clients: type[Clients] = ThreadClients) -> dict:
     root = Path(tempfile.mkdtemp(prefix="cc-fanout-"))
     net = Network(link_mbps, host_cpus, cpu_period_ms) if link_mbps or host_cpus else None
     host = (lambda name: net.host(name)) if net else (lambda name: None)
@@ -141,14 +190,7 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
         path.unlink()
         ahost = host("alone")
         alone, _ = stack.worker(coord, "alone", host=ahost)
-        if clients == "process":
-            one_client = ProcessClients([(alone, ahost)], digest, compressible)
-            t0 = time.perf_counter()
-            one_client.go()
-            one_client.wait()
-            single = time.perf_counter() - t0
-        else:
-            single = on_host(ahost, lambda: fetch(alone, "art", digest, zstd=compressible))
+        single = clients([(alone, ahost)], digest, compressible).timed()
         workers, procs = [], []
         for i in range(n):
             h = host(f"w{i}")
@@ -164,39 +206,13 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
         before = egress(mport, stack.ip)
         cpu0 = sum(cpu_seconds(p.pid) for p in stack.procs) + own_cpu_seconds()
         workers_cpu0 = sum(cpu_seconds(p.pid) for p in procs)
-        errors: list = []
-
-        def one(t: str, h) -> None:
-            try:
-                if h:
-                    h.enter()  # the client is a process of that host
-                fetch(t, "art", digest, zstd=compressible)
-            except Exception as exc:  # reported below
-                if t != victim:
-                    errors.append(exc)
-
-        threads = [threading.Thread(target=one, args=w) for w in workers]
-        client_procs = ProcessClients(workers, digest, compressible) \
-            if clients == "process" else None
+        fetchers = clients(workers, digest, compressible)
         reaped0 = _reaped_cpu_seconds()  # the client processes' CPU, once they are waited for
-        t0 = time.perf_counter()
-        if killer:
-            killer.start()
-        if client_procs is not None:
-            client_procs.go()
-            client_procs.wait(spare=victim)
-        else:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        wall = time.perf_counter() - t0
+        wall = fetchers.timed(spare=victim, at_start=killer.start if killer else None)
         clients_cpu = _reaped_cpu_seconds() - reaped0
         cores = (sum(cpu_seconds(p.pid) for p in stack.procs) + own_cpu_seconds() + clients_cpu
                  - cpu0) / wall
         workers_cpu = sum(cpu_seconds(p.pid) for p in procs if p.poll() is None) - workers_cpu0
-        if errors:
-            raise RuntimeError(errors[0])
         return {"single_s": single, "all_s": wall, "cores": cores, "workers_cpu_s": workers_cpu,
                 "egress_x": (egress(mport, stack.ip) - before) / (mb << 20)}
     finally:
@@ -204,24 +220,6 @@ def run(fanout: int, mb: int, n: int, compressible: bool = False, link_mbps: flo
             stack.close()
         if net:
             net.close()
-
-
-def on_host(h, fn):
-    """fn() on a thread of host `h` (its CPU quota), when there is one."""
-    if h is None:
-        return fn()
-    out: list = []
-
-    def body():
-        h.enter()
-        out.append(fn())
-
-    t = threading.Thread(target=body)
-    t.start()
-    t.join()
-    if not out:
-        raise RuntimeError("the fetch on the host failed")
-    return out[0]
 
 
 def main() -> None:
@@ -255,10 +253,7 @@ def main() -> None:
                     help="the workers' relay data plane (on: peers take relays over plain TCP "
                          "with sendfile, the default; off: over gRPC), each in turn")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each setting, alternating")
-    ap.add_argument("--hold-page-reporting", action="store_true",
-                    help="stop this VM's free page reporting for the runs and back its free "
-                         "memory first (root; restored after): fresh memory then costs what it "
-                         "does on a host without it (BENCHMARKS.md, \"Thirty-seventh session\")")
+    ap.add_argument("--hold-page-reporting", action="store_true", help=HOLD_PAGE_REPORTING_HELP)
     args = ap.parse_args()
     with page_reporting_held() if args.hold_page_reporting else contextlib.nullcontext():
         fan_out(args)
@@ -281,8 +276,9 @@ def fan_out(args: argparse.Namespace) -> None:
     print(f"# {args.workers} workers fetch one {args.mb} MB "
           f"{'compressible ' if args.compressible else ''}artifact at once, {where}"
           + (f"; one worker killed {args.kill_after:g}s in" if args.kill_after else ""))
-    clients = args.clients or ("process" if args.host_cpus else "thread")
-    print(f"# each host's client: a {clients}")
+    kind = args.clients or ("process" if args.host_cpus else "thread")
+    clients = ProcessClients if kind == "process" else ThreadClients
+    print(f"# each host's client: a {kind}")
     for fanout in args.fanouts:
         for _ in range(args.repeat):
             for plane in args.relay_data_plane:

@@ -53,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _servers import page_reporting_held, page_reporting_order
+from _servers import HOLD_PAGE_REPORTING_HELP, page_reporting_held, page_reporting_order
 
 from compilecast.launch import SHARE_ANY_COMPILE, Up, collect, start_wave
 
@@ -255,10 +255,7 @@ def main() -> None:
     ap.add_argument("--tpu-weights", action="store_true",
                     help="with --tpu, bake the weights into the program (a large executable)")
     ap.add_argument("--hold-page-reporting", action="store_true",
-                    help="with --tpu, stop this VM's free page reporting for the runs and back "
-                         "its free memory first (root; restored after): fresh memory then "
-                         "costs what it does on a host without it (BENCHMARKS.md, "
-                         "\"Thirty-seventh session\")")
+                    help="with --tpu, " + HOLD_PAGE_REPORTING_HELP)
     ap.add_argument("--drop-caches", action="store_true",
                     help="with --tpu, drop the page cache before each run (root), so that "
                          "runs start alike (BENCHMARKS.md, \"Thirty-sixth session\")")
