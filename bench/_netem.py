@@ -15,6 +15,8 @@ this machine's cores. Threads of one Python process on different hosts still
 share its GIL: one throttled while it holds the GIL stops the others until its
 next period, so a host's client belongs in a process of its own
 (bench/fanout.py's ProcessClients; BENCHMARKS.md, "Thirty-eighth session").
+Quotas gives hosts of CPU only, on this machine's network (a process joins
+its host by writing its pid to the quota's cgroup.procs).
 
 Needs root (CAP_NET_ADMIN) and iproute2 (`ip`, `tc`); `cpus` needs the
 cgroup v1 cpu controller at /sys/fs/cgroup/cpu. Everything made is named
@@ -51,12 +53,21 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return _run(["ip", *args], check)
 
 
+def quotas_available() -> str | None:
+    """None when CPU quotas can be made here, else why not."""
+    if not (CGROUPS / "cpu.cfs_quota_us").exists():
+        return f"no cgroup v1 cpu controller at {CGROUPS}"
+    if not os.access(CGROUPS, os.W_OK):
+        return f"cannot make cgroups in {CGROUPS} (needs root)"
+    return None
+
+
 def available(cpus: float = 0) -> str | None:
     """None when hosts can be emulated here, else why not."""
     if not (shutil.which("ip") and shutil.which("tc")):
         return "iproute2 (ip, tc) is not installed"
-    if cpus and not (CGROUPS / "cpu.cfs_quota_us").exists():
-        return f"no cgroup v1 cpu controller at {CGROUPS}"
+    if cpus and (why := quotas_available()):
+        return why
     probe = f"{PREFIX}-probe"
     r = _ip("netns", "add", probe, check=False)
     if r.returncode:
@@ -91,12 +102,27 @@ class Host:
             (self.cgroup / "tasks").write_text(str(threading.get_native_id()))
 
 
-class Network:
-    def __init__(self, mbps: float = 0, cpus: float = 0, cpu_period_ms: float = 0) -> None:
-        self.mbps = mbps
+def quota(name: str, cpus: float, period_ms: float = 0) -> Path:
+    """A cgroup (v1 cpu controller) of `cpus` cores, PREFIX-name: what its
+    processes and threads use together, whatever the rest of the machine
+    does. Network.close() or Quotas.close() removes it."""
+    cgroup = CGROUPS / f"{PREFIX}-{name}"
+    cgroup.mkdir()
+    if period_ms:
+        (cgroup / "cpu.cfs_period_us").write_text(str(int(period_ms * 1000)))
+    period = int((cgroup / "cpu.cfs_period_us").read_text())
+    (cgroup / "cpu.cfs_quota_us").write_text(str(int(period * cpus)))
+    return cgroup
+
+
+class Quotas:
+    """Hosts of CPU only: a quota each (see quota()), with this machine's
+    network. One emulation at a time (LOCK); what an earlier run that was
+    killed left is removed first."""
+
+    def __init__(self, cpus: float = 0, cpu_period_ms: float = 0) -> None:
         self.cpus = cpus
         self.cpu_period_ms = cpu_period_ms  # CFS period of a host's quota (0: the kernel's)
-        self.hosts: list[Host] = []
         self._lock = open(LOCK, "w")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -104,6 +130,42 @@ class Network:
             self._lock.close()
             raise RuntimeError(f"another run is using the emulated network ({LOCK})") from None
         self._cleanup()
+
+    def quota(self, name: str) -> Path:
+        return quota(name, self.cpus, self.cpu_period_ms)
+
+    def close(self) -> None:
+        self._cleanup()
+        self._lock.close()  # and with it the lock
+
+    @staticmethod
+    def _cleanup() -> None:
+        ip = shutil.which("ip") is not None  # CPU quotas alone do without iproute2
+        for line in _ip("netns", "list", check=False).stdout.splitlines() if ip else ():
+            ns = line.split()[0] if line.strip() else ""
+            if ns.startswith(f"{PREFIX}-"):
+                _ip("netns", "del", ns, check=False)  # its veth ends go with it
+        for line in _ip("-o", "link", "show", check=False).stdout.splitlines() if ip else ():
+            name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+            if name.startswith(PREFIX):  # the bridge, and veths a killed run left
+                _ip("link", "del", name, check=False)
+        for cg in CGROUPS.glob(f"{PREFIX}-*") if CGROUPS.exists() else ():
+            for tid in (cg / "tasks").read_text().split():  # threads of ours still in it
+                try:
+                    (CGROUPS / "tasks").write_text(tid)
+                except OSError:
+                    pass
+            try:
+                os.rmdir(cg)
+            except OSError:
+                pass  # a process of a killed run still in it
+
+
+class Network(Quotas):
+    def __init__(self, mbps: float = 0, cpus: float = 0, cpu_period_ms: float = 0) -> None:
+        super().__init__(cpus, cpu_period_ms)
+        self.mbps = mbps
+        self.hosts: list[Host] = []
         _ip("link", "add", BRIDGE, "type", "bridge")
         _ip("link", "set", BRIDGE, "mtu", str(MTU))
         _ip("addr", "add", f"{SUBNET}.0.1/16", "dev", BRIDGE)
@@ -127,12 +189,7 @@ class Network:
         if self.mbps:
             self._limit(h)
         if self.cpus:
-            h.cgroup = CGROUPS / h.ns
-            h.cgroup.mkdir()
-            if self.cpu_period_ms:
-                (h.cgroup / "cpu.cfs_period_us").write_text(str(int(self.cpu_period_ms * 1000)))
-            period = int((h.cgroup / "cpu.cfs_period_us").read_text())
-            (h.cgroup / "cpu.cfs_quota_us").write_text(str(int(period * self.cpus)))
+            h.cgroup = self.quota(str(i))
         return h
 
     def _limit(self, h: Host) -> None:
@@ -147,27 +204,5 @@ class Network:
         _ip("netns", "exec", h.ns, "tc", "qdisc", "add", "dev", "eth0", *tbf)
 
     def close(self) -> None:
-        self._cleanup()
+        super().close()
         self.hosts.clear()
-        self._lock.close()  # and with it the lock
-
-    @staticmethod
-    def _cleanup() -> None:
-        for line in _ip("netns", "list", check=False).stdout.splitlines():
-            ns = line.split()[0] if line.strip() else ""
-            if ns.startswith(f"{PREFIX}-"):
-                _ip("netns", "del", ns, check=False)  # its veth ends go with it
-        for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
-            name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
-            if name.startswith(PREFIX):  # the bridge, and veths a killed run left
-                _ip("link", "del", name, check=False)
-        for cg in CGROUPS.glob(f"{PREFIX}-*") if CGROUPS.exists() else ():
-            for tid in (cg / "tasks").read_text().split():  # threads of ours still in it
-                try:
-                    (CGROUPS / "tasks").write_text(tid)
-                except OSError:
-                    pass
-            try:
-                os.rmdir(cg)
-            except OSError:
-                pass  # a process of a killed run still in it

@@ -36,17 +36,20 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
 
 
 def pod(mode: str, coordinator: str, topology: str, n: int, *,
-        entry: str = "aot_job:programs", go_after_s: float | None = None) -> dict:
+        entry: str = "aot_job:programs", go_after_s: float | None = None,
+        cgroups: list[Path] | None = None) -> dict:
     """Run the n processes of a pod; with go_after_s, they start compiling or
     fetching together that many seconds after launch (after their start-up
-    and lowering), and `ready` counts from then."""
+    and lowering), and `ready` counts from then. With cgroups (CPU quotas, one
+    per process), each process joins its own at that moment."""
     dist, t0 = f"127.0.0.1:{free_port()}", time.time()
     extra = [entry] + ([str(t0 + go_after_s)] if go_after_s is not None else [])
     # A list: each process its own worker (a pod's hosts), in turn.
     targets = coordinator if isinstance(coordinator, list) else [coordinator]
     procs = [subprocess.Popen([sys.executable, str(HERE / "_pod_process.py"), mode,
                                targets[i % len(targets)], topology, str(i), str(n), dist,
-                               str(t0), *extra], env=ENV,
+                               str(t0), *extra],
+                              env=dict(ENV, BENCH_HOST_CGROUP=str(cgroups[i])) if cgroups else ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(n)]
     rows = collect(procs, timeout_s=3600)

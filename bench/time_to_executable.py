@@ -13,7 +13,7 @@ so these runs show the protocol's overhead and compile counts, not TPU savings.
     python bench/time_to_executable.py --tpu v5e:4x4 [--n 4 16] [--layers 64] [--width 1024]
                                        [--tpu-weights] [--tpu-after] [--tpu-pairs K]
                                        [--tpu-one-host] [--drop-caches]
-                                       [--hold-page-reporting]
+                                       [--hold-page-reporting] [--host-cpus C]
 
 does the same with a real TPU program: each of N processes (one jax.distributed
 job, as the hosts of a pod) lowers the training step for TOPOLOGY with libtpu's
@@ -36,7 +36,11 @@ cache before each run, so that runs start alike (each run's JSON records the
 page cache at its start). --hold-page-reporting (root, a VM whose balloon
 reports free pages) stops the guest's free page reporting for the runs and
 backs its free memory again first: fresh memory then costs what it costs on a
-host without it (BENCHMARKS.md, "Thirty-seventh session").
+host without it (BENCHMARKS.md, "Thirty-seventh session"). --host-cpus C (root,
+cgroup v1) gives every process C cores of its own from the common start on (a
+CPU quota each, bench/_netem.py), as each host of a pod has its own cores,
+scaled down so that N hosts fit in this machine's: the compile alone runs on
+one such host too. The coordinator and etcd take what is left.
 """
 
 from __future__ import annotations
@@ -141,7 +145,8 @@ def drop_page_cache() -> None:
 
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
         weights: bool, after: bool = False, pairs: int = 1, one_host: bool = False,
-        alone_job: bool = False, host_workers: bool = False, drop_caches: bool = False) -> None:
+        alone_job: bool = False, host_workers: bool = False, drop_caches: bool = False,
+        cgroups: list[Path] | None = None) -> None:
     import aot_farm
 
     aot_farm.ENV.update(BENCH_LAYERS=str(layers), BENCH_WIDTH=str(width))
@@ -151,6 +156,12 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
           f"(compile-only), {os.cpu_count()} cores, page cache "
           f"{'dropped before each run' if drop_caches else f'{page_cache_mb()} MB at the start'}",
           flush=True)
+    if cgroups:
+        cpus = int((cgroups[0] / "cpu.cfs_quota_us").read_text()) / int(
+            (cgroups[0] / "cpu.cfs_period_us").read_text())
+        print(f"# every process a host of {cpus:g} cores of its own from the common start "
+              f"(N = {max(ns)}: {cpus * max(ns):g} of this machine's {os.cpu_count()} cores; the "
+              "coordinator and etcd take the rest)", flush=True)
     rows = []
 
     def run(mode: str, n: int) -> dict:
@@ -163,7 +174,7 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
                                         host_workers=n if host_workers else 0) as coordinator:
             # Start-up, JAX import and lowering take ~2 s a process on 2 cores.
             r = aot_farm.pod(mode, coordinator, topology, n, entry=entry,
-                             go_after_s=10.0 + 2.5 * n)
+                             go_after_s=10.0 + 2.5 * n, cgroups=cgroups and cgroups[:n])
         rows.append(dict(r, mode=mode, n=n, page_cache_mb_at_start=cache_at_start,
                          page_reporting_order=page_reporting_order()))
         return r
@@ -225,6 +236,17 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
     print(json.dumps(rows))
 
 
+def host_quotas(stack: contextlib.ExitStack, cpus: float, n: int) -> list[Path]:
+    """n CPU quotas of `cpus` cores each, removed when `stack` closes."""
+    from _netem import Quotas, quotas_available
+
+    if why := quotas_available():
+        raise SystemExit(f"--host-cpus: {why}")
+    quotas = Quotas(cpus)
+    stack.callback(quotas.close)
+    return [quotas.quota(f"tte-{i}") for i in range(n)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, nargs="+", default=[4, 16])
@@ -256,17 +278,21 @@ def main() -> None:
                     help="with --tpu, bake the weights into the program (a large executable)")
     ap.add_argument("--hold-page-reporting", action="store_true",
                     help="with --tpu, " + HOLD_PAGE_REPORTING_HELP)
+    ap.add_argument("--host-cpus", type=float, default=0, metavar="C",
+                    help="with --tpu, every process a host of C cores of its own from the "
+                         "common start on (a CPU quota each; root, cgroup v1)")
     ap.add_argument("--drop-caches", action="store_true",
                     help="with --tpu, drop the page cache before each run (root), so that "
                          "runs start alike (BENCHMARKS.md, \"Thirty-sixth session\")")
     args = ap.parse_args()
     if args.tpu:
         held = page_reporting_held() if args.hold_page_reporting else contextlib.nullcontext()
-        with held:
+        with held, contextlib.ExitStack() as quotas:
+            cgroups = host_quotas(quotas, args.host_cpus, max(args.n)) if args.host_cpus else None
             tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
                 args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
                 args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job, args.tpu_host_workers,
-                args.drop_caches)
+                args.drop_caches, cgroups)
         return
     args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"
