@@ -241,3 +241,18 @@ def test_a_moved_pallas_kernel_is_a_hit_and_a_changed_one_compiles(up):
     changed = precompile(PALLAS_KERNEL_LINE="40", PALLAS_KERNEL_SCALE="3.0")
     assert changed.count("published") == 1, changed
     assert CacheClient(coord).status().artifacts == 2
+
+
+@pytest.mark.parametrize("min_compile_time, serialized", [(0.0, 0), (1e9, 1)])
+def test_an_ahead_of_time_entry_is_serialized_once(min_compile_time, serialized):
+    """The entry JAX writes while compiling is the one published; only when
+    JAX writes none (a compile under its time threshold) does compilecast
+    serialize the executable itself (a 187 MB TPU executable: ~0.8 s)."""
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "aot_entry_proc.py"),
+                          str(min_compile_time)], env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["key"].startswith("cc")
+    assert got["serialized_by_compilecast"] == serialized
+    assert got["executable_bytes"] > 1000  # a real executable in JAX's entry format
