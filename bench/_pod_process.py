@@ -33,7 +33,11 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(dist, num_processes=n, process_id=pid)
+    # The processes that only wait reach the job's shutdown barrier long before
+    # one compiling on a host of a fraction of a core (BENCH_HOST_CGROUP) is done:
+    # JAX's default of 5 minutes there would fail the job.
+    jax.distributed.initialize(dist, num_processes=n, process_id=pid,
+                               shutdown_timeout_seconds=3600)
     # Every process brings up its CPU backend now, together, as a real job
     # does at start (JAX's compile path would otherwise do it later, alone).
     jax.devices()
