@@ -40,7 +40,8 @@ host without it (BENCHMARKS.md, "Thirty-seventh session"). --host-cpus C (root,
 cgroup v1) gives every process C cores of its own from the common start on (a
 CPU quota each, bench/_netem.py), as each host of a pod has its own cores,
 scaled down so that N hosts fit in this machine's: the compile alone runs on
-one such host too. The coordinator and etcd take what is left.
+one such host too, and the compile lease's TTL (10 s) grows by as much as the
+cores shrink. The coordinator and etcd take what is left.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
           f"(compile-only), {os.cpu_count()} cores, page cache "
           f"{'dropped before each run' if drop_caches else f'{page_cache_mb()} MB at the start'}",
           flush=True)
+    cpus = 1.0
     if cgroups:
         cpus = int((cgroups[0] / "cpu.cfs_quota_us").read_text()) / int(
             (cgroups[0] / "cpu.cfs_period_us").read_text())
@@ -167,6 +169,12 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
     def run(mode: str, n: int) -> dict:
         # "share" streams uploads to the waiters (publish_stream_readers, off by default).
         flags = ("--publish-stream-readers", "4") if mode == "share" and after else ()
+        if cgroups:
+            # Time on a host of a fraction of a core runs slower by that
+            # fraction: so does the lease's TTL (10 s on a whole core), or a
+            # holder whose JAX holds the GIL for a second (serializing a big
+            # executable) loses its lease midway.
+            flags += ("--lease-ttl-s", str(round(10 / min(1.0, cpus))))
         if drop_caches:
             drop_page_cache()
         cache_at_start = page_cache_mb()
