@@ -92,8 +92,9 @@ bench: install
 	@if [ "$$(id -u)" = 0 ]; then \
 	  $(PY) bench/fanout.py --mb 64 --link-mbps 50 --fanouts 1 2 && \
 	  $(PY) bench/fanout.py --mb 64 --link-mbps 50 --fanouts 2 --workers 24 && \
-	  $(PY) bench/fanout.py --mb 128 --host-cpus 0.11 --fanouts 2 1; \
-	else echo "bench/fanout.py --link-mbps/--host-cpus: skipped (needs root)"; fi
+	  $(PY) bench/fanout.py --mb 128 --host-cpus 0.11 --fanouts 2 1 && \
+	  $(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --n 8 --host-cpus 0.2 --tpu-pairs 3 --tpu-baseline-max 0; \
+	else echo "bench/fanout.py --link-mbps/--host-cpus, time_to_executable.py --host-cpus: skipped (needs root)"; fi
 	$(PY) bench/aot_farm.py --layers 64
 	$(PY) bench/sweep.py --records
 
