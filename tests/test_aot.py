@@ -256,3 +256,24 @@ def test_an_ahead_of_time_entry_is_serialized_once(min_compile_time, serialized)
     assert got["key"].startswith("cc")
     assert got["serialized_by_compilecast"] == serialized
     assert got["executable_bytes"] > 1000  # a real executable in JAX's entry format
+
+
+@pytest.mark.parametrize("other", [False, True])
+def test_a_holder_whose_lease_lapsed_while_compiling_asks_again(start_up, other):
+    """A holder that missed its renewals (a host starved of CPU) finds its
+    lease gone at publish: it takes the key again and publishes, or finds
+    that another process published it meanwhile. It never throws its
+    executable away or fails the program."""
+    u = start_up({"COMPILECAST_LEASE_TTL_S": "2"})
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "aot_lapse_proc.py"),
+                          coordinator_of(u), "2", *(["other"] if other else [])],
+                         env=ENV, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "asking for" in out.stderr  # the lapse was seen, not missed
+    if other:
+        assert got["status"] == "published-by-another"
+        assert got["published"] != got["compiled"]  # the rival's bytes stand
+    else:
+        assert got["status"] == "published"
+        assert got["published"] == got["compiled"]

@@ -363,36 +363,47 @@ def compile_and_share(client: CacheClient, program: Program, *,
     key = p.key.value
     # The recipe (the whole program serialized) is only needed to publish: a
     # process that finds the executable, or waits for it, never builds one.
-    resp = client.acquire(key, components=p.key.components,
-                          program_name=program_name(program.recipe, p.module))
-    lease = None
+    ask = {"components": p.key.components, "program_name": program_name(program.recipe, p.module)}
+    resp = client.acquire(key, **ask)
     if resp.decision == pb.HIT:
         data = client.fetch(key, resp.artifact.digest)[1] if fetch else None
         return Outcome(program.name, key, "cached", size=resp.artifact.size, data=data)
-    if resp.decision == pb.WAIT:
-        if fetch:
-            event, data = client.wait_and_fetch(key, wait_timeout_s)
-        else:
-            event, data = client.wait(key, wait_timeout_s), None
-        if event.decision == pb.HIT:
-            return Outcome(program.name, key, "published-by-another", size=event.artifact.size,
-                           data=data)
-        if event.decision != pb.COMPILE:
-            raise AotError(f"{program.name}: waited for {key}, then told "
-                           f"{pb.Decision.Name(event.decision)}: {event.reason}")
-        lease = event.lease
-    elif resp.decision == pb.COMPILE:
-        lease = resp.lease
-    else:
-        raise AotError(f"{program.name}: the coordinator cannot share {key} now "
-                       f"({pb.Decision.Name(resp.decision)}: {resp.reason})")
+    lease = _lease_or_outcome(client, program, key, resp, wait_timeout_s, fetch)
+    if isinstance(lease, Outcome):
+        return lease
     client.keep_lease(key, lease)
     try:
         recipe = complete_recipe(program.recipe, p)
         got, data, seconds = compile_entry(program.trigger)
         if got != key:
             raise AotError(f"{program.name}: the compile computed key {got}, the probe {key}")
-        client.publish(key, lease, data, seconds, recipe=recipe)
+        for _ in range(3):
+            try:
+                client.publish(key, lease, data, seconds, recipe=recipe)
+                break
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION,
+                                      grpc.StatusCode.ALREADY_EXISTS):
+                    raise
+                # The lease lapsed while this process compiled (three renewals
+                # missed: a host starved of CPU): ask again rather than throw
+                # the executable away. Another holder may have published it
+                # (ALREADY_EXISTS), or be compiling it; or the key is free and
+                # this one publishes.
+                log.warning("%s: %s; asking for %s again", program.name, exc.details(), key)
+                client.stop_lease(key, lease)
+                resp = client.acquire(key, **ask)
+                if resp.decision == pb.HIT:
+                    return Outcome(program.name, key, "published-by-another", seconds,
+                                   resp.artifact.size, data=data if fetch else None)
+                lease = _lease_or_outcome(client, program, key, resp, wait_timeout_s, False)
+                if isinstance(lease, Outcome):
+                    lease.data = data if fetch else None  # the same program, compiled here
+                    return lease
+                client.keep_lease(key, lease)
+        else:
+            raise AotError(f"{program.name}: the compile lease for {key} lapsed three times "
+                           "before the executable could be published")
     except BaseException as exc:
         client.stop_lease(key, lease)
         with contextlib.suppress(grpc.RpcError):
@@ -401,6 +412,30 @@ def compile_and_share(client: CacheClient, program: Program, *,
     client.stop_lease(key, lease)
     log.info("published %s (%s) in %.1fs, %d bytes", program.name, key, seconds, len(data))
     return Outcome(program.name, key, "published", seconds, len(data))
+
+
+def _lease_or_outcome(client: CacheClient, program: Program, key: str,
+                      resp: pb.AcquireResponse, wait_timeout_s: float,
+                      fetch: bool) -> pb.Lease | Outcome:
+    """What an Acquire that did not HIT leads to: the lease to compile under
+    (told COMPILE, at once or after waiting), or the outcome of waiting for
+    another holder's publish."""
+    if resp.decision == pb.COMPILE:
+        return resp.lease
+    if resp.decision != pb.WAIT:
+        raise AotError(f"{program.name}: the coordinator cannot share {key} now "
+                       f"({pb.Decision.Name(resp.decision)}: {resp.reason})")
+    if fetch:
+        event, data = client.wait_and_fetch(key, wait_timeout_s)
+    else:
+        event, data = client.wait(key, wait_timeout_s), None
+    if event.decision == pb.HIT:
+        return Outcome(program.name, key, "published-by-another", size=event.artifact.size,
+                       data=data)
+    if event.decision != pb.COMPILE:
+        raise AotError(f"{program.name}: waited for {key}, then told "
+                       f"{pb.Decision.Name(event.decision)}: {event.reason}")
+    return event.lease
 
 
 @dataclass
