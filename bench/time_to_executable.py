@@ -147,7 +147,7 @@ def drop_page_cache() -> None:
 def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int,
         weights: bool, after: bool = False, pairs: int = 1, one_host: bool = False,
         alone_job: bool = False, host_workers: bool = False, drop_caches: bool = False,
-        cgroups: list[Path] | None = None) -> None:
+        cgroups: list[Path] | None = None, host_cpus: float = 0.0) -> None:
     import aot_farm
 
     aot_farm.ENV.update(BENCH_LAYERS=str(layers), BENCH_WIDTH=str(width))
@@ -157,12 +157,9 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
           f"(compile-only), {os.cpu_count()} cores, page cache "
           f"{'dropped before each run' if drop_caches else f'{page_cache_mb()} MB at the start'}",
           flush=True)
-    cpus = 1.0
     if cgroups:
-        cpus = int((cgroups[0] / "cpu.cfs_quota_us").read_text()) / int(
-            (cgroups[0] / "cpu.cfs_period_us").read_text())
-        print(f"# every process a host of {cpus:g} cores of its own from the common start "
-              f"(N = {max(ns)}: {cpus * max(ns):g} of this machine's {os.cpu_count()} cores; the "
+        print(f"# every process a host of {host_cpus:g} cores of its own from the common start "
+              f"(N = {max(ns)}: {host_cpus * max(ns):g} of this machine's {os.cpu_count()} cores; the "
               "coordinator and etcd take the rest)", flush=True)
     rows = []
 
@@ -174,7 +171,7 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
             # fraction: so does the lease's TTL (10 s on a whole core), or a
             # holder whose JAX holds the GIL for a second (serializing a big
             # executable) loses its lease midway.
-            flags += ("--lease-ttl-s", str(round(10 / min(1.0, cpus))))
+            flags += ("--lease-ttl-s", str(round(10 / min(1.0, host_cpus))))
         if drop_caches:
             drop_page_cache()
         cache_at_start = page_cache_mb()
@@ -300,7 +297,7 @@ def main() -> None:
             tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
                 args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
                 args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job, args.tpu_host_workers,
-                args.drop_caches, cgroups)
+                args.drop_caches, cgroups, args.host_cpus)
         return
     args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"

@@ -392,11 +392,7 @@ def compile_and_share(client: CacheClient, program: Program, *,
                 # this one publishes.
                 log.warning("%s: %s; asking for %s again", program.name, exc.details(), key)
                 client.stop_lease(key, lease)
-                resp = client.acquire(key, **ask)
-                if resp.decision == pb.HIT:
-                    return Outcome(program.name, key, "published-by-another", seconds,
-                                   resp.artifact.size, data=data if fetch else None)
-                lease = _lease_or_outcome(client, program, key, resp, wait_timeout_s, False)
+                lease = _ask_again(client, program, key, ask, wait_timeout_s, seconds)
                 if isinstance(lease, Outcome):
                     lease.data = data if fetch else None  # the same program, compiled here
                     return lease
@@ -412,6 +408,16 @@ def compile_and_share(client: CacheClient, program: Program, *,
     client.stop_lease(key, lease)
     log.info("published %s (%s) in %.1fs, %d bytes", program.name, key, seconds, len(data))
     return Outcome(program.name, key, "published", seconds, len(data))
+
+
+def _ask_again(client: CacheClient, program: Program, key: str, ask: dict,
+               wait_timeout_s: float, seconds: float) -> pb.Lease | Outcome:
+    """After a lease lapsed: the lease to publish under now, or the outcome
+    of another holder's publish (already done, or waited for)."""
+    resp = client.acquire(key, **ask)
+    if resp.decision == pb.HIT:
+        return Outcome(program.name, key, "published-by-another", seconds, resp.artifact.size)
+    return _lease_or_outcome(client, program, key, resp, wait_timeout_s, False)
 
 
 def _lease_or_outcome(client: CacheClient, program: Program, key: str,
