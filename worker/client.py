@@ -680,8 +680,10 @@ class CacheClient:
 
     # -- decisions -------------------------------------------------------
     def acquire(self, key: str, *, components: dict[str, str] | None = None,
-                program_name: str = "", key_seconds: float = 0.0) -> pb.AcquireResponse:
-        ident = self.identity
+                program_name: str = "", key_seconds: float = 0.0,
+                identity: Identity | None = None) -> pb.AcquireResponse:
+        """`identity`: who asks for this program (default: the client's)."""
+        ident = identity or self.identity
         if ident.job and ident.process_id != ident.designated_process:
             # Acquire never tells a job's other processes to compile, and the
             # coordinator records a key's components only with a COMPILE: they
@@ -716,7 +718,8 @@ class CacheClient:
                 return
             after = resp.next_after
 
-    def wait(self, key: str, timeout_s: float, *, publishing: bool = False) -> pb.WaitEvent:
+    def wait(self, key: str, timeout_s: float, *, publishing: bool = False,
+             identity: Identity | None = None) -> pb.WaitEvent:
         """Wait until HIT, promotion (COMPILE) or COMPILE_LOCALLY; with
         `publishing`, also return the WAIT event that says the holder has
         started to publish (it carries the artifact: a fetch streams it).
@@ -726,10 +729,10 @@ class CacheClient:
         wait that ran and then broke (UNAVAILABLE: the worker restarting) is
         sent again within `timeout_s`; one refused at once is not.
         """
-        return self._wait(key, timeout_s, publishing, False)[0]
+        return self._wait(key, timeout_s, publishing, False, identity)[0]
 
     def _wait(self, key: str, timeout_s: float, publishing: bool,
-              data_wait: bool) -> tuple[pb.WaitEvent, bytes | None]:
+              data_wait: bool, identity: Identity | None) -> tuple[pb.WaitEvent, bytes | None]:
         """`wait`; with `data_wait`, over the coordinator's data plane where it
         offers that, and then with the verified bytes after a HIT when they
         came along (else None)."""
@@ -737,7 +740,7 @@ class CacheClient:
         for pause in (*WAIT_RETRY_S, None):
             began = time.monotonic()
             try:
-                return self._wait_once(key, deadline, publishing, data_wait)
+                return self._wait_once(key, deadline, publishing, data_wait, identity)
             except grpc.RpcError as exc:
                 now = time.monotonic()
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or pause is None \
@@ -748,11 +751,11 @@ class CacheClient:
                 time.sleep(pause)
         raise AssertionError("unreachable")
 
-    def _wait_once(self, key: str, deadline: float, publishing: bool,
-                   data_wait: bool) -> tuple[pb.WaitEvent, bytes | None]:
+    def _wait_once(self, key: str, deadline: float, publishing: bool, data_wait: bool,
+                   identity: Identity | None) -> tuple[pb.WaitEvent, bytes | None]:
         timeout_s = max(0.001, deadline - time.monotonic())
         call = self.stub.Wait(
-            pb.WaitRequest(key=key, requester=self.identity.requester(),
+            pb.WaitRequest(key=key, requester=(identity or self.identity).requester(),
                            timeout_ms=max(1, int(timeout_s * 1000)),
                            accept_data_wait=data_wait and self.data_plane and self.data_waits),
             timeout=timeout_s + self.timeout_s,
@@ -771,7 +774,7 @@ class CacheClient:
                     return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                         reason="share-binary timeout passed; compile "
                                                "locally"), None
-                return self._wait_once(key, deadline, publishing, False)
+                return self._wait_once(key, deadline, publishing, False, identity)
             if ends_wait(event, publishing):
                 call.cancel()
                 return event, None
@@ -809,7 +812,8 @@ class CacheClient:
                          "(%s); fetching them", key, exc, extra={"key": key})
                 return event, None
 
-    def wait_and_fetch(self, key: str, timeout_s: float) -> tuple[pb.WaitEvent, bytes | None]:
+    def wait_and_fetch(self, key: str, timeout_s: float, *,
+                       identity: Identity | None = None) -> tuple[pb.WaitEvent, bytes | None]:
         """Wait as `wait` does and fetch the artifact as soon as its holder
         starts to publish it, so the download overlaps the upload. Returns a
         HIT event and the verified bytes, or the event that ended the wait
@@ -824,7 +828,7 @@ class CacheClient:
                 return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                     reason=f"share-binary timeout of {timeout_s:.1f}s passed"), None
             # The first wait may go over the data plane, and bring the bytes.
-            event, data = self._wait(key, left, early, early)
+            event, data = self._wait(key, left, early, early, identity)
             if data is not None:
                 return event, data
             if event.decision not in (pb.HIT, pb.WAIT):
@@ -1001,13 +1005,16 @@ class CacheClient:
                                  timeout=self.timeout_s)
 
     def publish(self, key: str, lease: pb.Lease, data: bytes,
-                compile_time_s: float, recipe: pb.Recipe | None = None) -> pb.ArtifactInfo:
+                compile_time_s: float, recipe: pb.Recipe | None = None, *,
+                identity: Identity | None = None) -> pb.ArtifactInfo:
+        """`identity`: the one the lease was taken with (default: the client's)."""
         # The digest goes last (hashed as the bytes are sent, not before the
         # first: 0.14 s for 187 MB here) where the lease says the coordinator
         # takes it so, unless a server on the way (an older worker) refused it.
         header = pb.PublishHeader(key=key, lease=lease, size=len(data),
                                   compile_time_seconds=compile_time_s,
-                                  requester=self.identity.requester(), recipe=recipe)
+                                  requester=(identity or self.identity).requester(),
+                                  recipe=recipe)
         if not lease.takes_digest_last or self._digest_first:
             header.digest = hashlib.sha256(data).hexdigest()
         self._publishing.add((key, lease.id))

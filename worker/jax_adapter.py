@@ -4,6 +4,9 @@ JAX's persistent compilation cache has no public plugin hook. We use:
 
 - `jax._src.compilation_cache._cache` (a `CacheInterface` with get/put) and
   its initialization flags, to route JAX's cache reads and writes to us;
+- `jax._src.compiler.compile_or_get_cached`, wrapped to learn who compiles
+  each program by JAX's own rule (`Program`: the processes its devices
+  span, the one owning its lowest device id, whether it has host callbacks);
 - `jax._src.compiler._cache_read`, wrapped to tell a *decision* read (the
   one before a compile: it may take a compile lease) from a mere presence
   check (`is_executable_in_cache`, used by the PGLE path);
@@ -45,6 +48,7 @@ import copy
 import inspect
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
@@ -125,7 +129,8 @@ def check() -> None:
                 problems.append(f"{mod.__name__}.{name}{got} != expected "
                                 f"{' or '.join(map(str, accepted))}")
     for name in ("share_binary_between_hosts_timeout_ms", "persistent_cache_min_compile_time_secs",
-                 "persistent_cache_min_entry_size_bytes", "share_binary_between_hosts"):
+                 "persistent_cache_min_entry_size_bytes", "share_binary_between_hosts",
+                 "raise_persistent_cache_errors"):
         if not hasattr(_config, name):
             problems.append(f"jax._src.config.{name} is gone")
     if problems:
@@ -149,16 +154,56 @@ def check_optional() -> list[str]:
     return []
 
 
+@dataclass(frozen=True)
+class Program:
+    """Who compiles a program, by JAX's rule (`compile_or_get_cached`): a
+    program is shared in flight only when its devices span several processes
+    and it has no host callbacks, and then the process that owns its lowest
+    device id compiles. Any other program is compiled (or found) by each
+    process on its own, waiting for nobody."""
+
+    processes: frozenset[int]
+    designated: int  # the process owning the program's lowest device id
+    host_callbacks: bool = False
+
+    @property
+    def shared_in_flight(self) -> bool:
+        return len(self.processes) > 1 and not self.host_callbacks
+
+
+def program_of(devices: Any, host_callbacks: Any = ()) -> Program:
+    """The Program of a compile over `devices` (any iterable of JAX devices,
+    or an array of them)."""
+    flat = list(getattr(devices, "flat", devices))
+    lowest = min(flat, key=lambda d: d.id)
+    return Program(frozenset(int(d.process_index) for d in flat), int(lowest.process_index),
+                   bool(host_callbacks))
+
+
+_compiling = threading.local()  # .program: the Program compile_or_get_cached is deciding
+
+
+def current_program() -> Program | None:
+    """The program this thread's compile_or_get_cached is deciding, if known."""
+    return getattr(_compiling, "program", None)
+
+
 class Hooks(Protocol):
     def cache_key(self, module: Any, devices: Any, compile_options: Any, backend: Any) -> str: ...
 
-    def acquiring(self, key: str) -> contextlib.AbstractContextManager[None]: ...
+    def acquiring(self, key: str,
+                  program: Program | None) -> contextlib.AbstractContextManager[None]: ...
 
     def compile(self, key: str, module_name: str, has_host_callbacks: bool,
                 run: Callable[[], Any], serialize: Callable[[Any, float], bytes]) -> Any: ...
 
-    # Optional: share_profile(profile_key, profile) -> bytes | None
+    # Optional: share_profile(profile_key, profile, designated) -> bytes | None
     # (None: use JAX's own exchange).
+
+    def failed(self, where: str, exc: BaseException) -> None:
+        """An error in a hook's own work (never the user's compile): logged
+        as a warning, or raised where the user asked for cache errors to be
+        (`jax_raise_persistent_cache_errors`)."""
 
 
 # XLA's GPU compiler shards autotuning across a job's processes and joins the
@@ -202,6 +247,12 @@ def settings() -> dict[str, Any]:
     }
 
 
+def raise_cache_errors() -> bool:
+    """Whether the user asked JAX to raise its cache's errors
+    (`jax_raise_persistent_cache_errors`) instead of warning."""
+    return bool(_config.raise_persistent_cache_errors.value)
+
+
 def process_identity() -> tuple[int, int] | None:
     """(process_id, process_count) of a jax.distributed job, else None."""
     state = _distributed.global_state
@@ -228,13 +279,30 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
             _originals["share_binary"] = _config.share_binary_between_hosts.value
             _originals["get_cache_key"] = _cc.get_cache_key
             _originals["_share_fdo_profiles"] = _compiler._share_fdo_profiles
+            _originals["compile_or_get_cached"] = _compiler.compile_or_get_cached
         orig_read = _originals["_cache_read"]
+        orig_compile_or_get = _originals["compile_or_get_cached"]
         orig_share = _originals["_share_fdo_profiles"]
         orig_compile = _originals["_compile_and_write_cache"]
 
+        def compile_or_get_cached(backend, computation, devices, compile_options,
+                                  host_callbacks, executable_devices, pgle_profiler=None):
+            before = current_program()
+            try:
+                program = program_of(devices, host_callbacks)
+            except Exception as exc:  # unknown: the program waits for nobody
+                program = None
+                hooks.failed("who compiles the program", exc)
+            _compiling.program = program
+            try:
+                return orig_compile_or_get(backend, computation, devices, compile_options,
+                                           host_callbacks, executable_devices, pgle_profiler)
+            finally:
+                _compiling.program = before
+
         def _cache_read(module_name, cache_key, compile_options, backend, executable_devices,
                         *rest):  # rest: JAX 0.11's host_callbacks
-            with hooks.acquiring(cache_key):
+            with hooks.acquiring(cache_key, current_program()):
                 return orig_read(module_name, cache_key, compile_options, backend,
                                  executable_devices, *rest)
 
@@ -254,22 +322,40 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
 
         def _share_fdo_profiles(computation, devices, compile_options, backend, global_client,
                                 min_process_id):
-            share = getattr(hooks, "share_profile", None)
             profile = compile_options.executable_build_options.fdo_profile
-            got = None
-            if share is not None and profile is not None and len(profile):
+            if profile is None or not len(profile):
+                return orig_share(computation, devices, compile_options, backend, global_client,
+                                  min_process_id)
+            got, key = None, None
+            try:
                 # Keyed as JAX keys it: the program's key without the profile + "_fdo_sync".
                 opts = copy.deepcopy(compile_options)
                 opts.executable_build_options.fdo_profile = b""
                 key = hooks.cache_key(computation, devices, opts, backend)
-                if key:  # the coordinator picks the writer (the job's designated process)
-                    got = share(f"{key}_fdo_sync", bytes(profile))
+                share = getattr(hooks, "share_profile", None)
+                if key and share is not None:  # the program's designated process writes
+                    got = share(f"{key}_fdo_sync", bytes(profile), int(min_process_id))
+            except Exception as exc:
+                hooks.failed("the FDO profile exchange", exc)
+            if got is None and not key:
+                # No key to exchange under (JAX does the same when its own key
+                # fails): this process compiles with its own profile.
+                return profile
             if got is None:
                 return orig_share(computation, devices, compile_options, backend, global_client,
                                   min_process_id)
+            if _distributed.global_state.process_id == min_process_id:
+                # Also where JAX's own exchange looks: a process whose
+                # compilecast failed falls back to it and finds this profile.
+                with contextlib.suppress(Exception):
+                    global_client.key_value_set_bytes(f"{key}_fdo_sync", got)
             compile_options.executable_build_options.fdo_profile = b""  # as JAX's does
             return got
 
+        # JAX's own exchange keeps its profiles on the function it calls by
+        # name (`_share_fdo_profiles.modules_profiles`): the wrapper carries them.
+        _share_fdo_profiles.__dict__.update(orig_share.__dict__)
+        _compiler.compile_or_get_cached = compile_or_get_cached
         _compiler._cache_read = _cache_read
         _compiler._share_fdo_profiles = _share_fdo_profiles
         _cc.get_cache_key = get_cache_key
@@ -284,6 +370,7 @@ def uninstall() -> None:
         if not _originals:
             return
         _compiler._cache_read = _originals.pop("_cache_read")
+        _compiler.compile_or_get_cached = _originals.pop("compile_or_get_cached")
         _compiler._compile_and_write_cache = _originals.pop("_compile_and_write_cache")
         jax.config.update("jax_share_binary_between_hosts", _originals.pop("share_binary"))
         _cc.get_cache_key = _originals.pop("get_cache_key")

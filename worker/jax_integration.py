@@ -147,6 +147,7 @@ class Stats:
 class _Held:
     lease: pb.Lease
     started: float
+    identity: Identity
     # (module, devices, compile_options, backend, Key.program_bytes), for the recipe
     inputs: tuple = ()
 
@@ -173,18 +174,25 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self._releases = _Releases()
 
     # -- identity and settings --------------------------------------------
-    def _identity(self) -> Identity:
+    def _identity(self, program: jax_adapter.Program | None) -> Identity:
+        """Who asks for `program`. Only a program whose devices span several
+        processes of a jax.distributed job is asked for as the job's: its
+        designated process (the owner of its lowest device id) compiles and
+        the other members wait. Any other program waits for no process of the
+        job: it is asked for first come, first served, as outside any job
+        (it hits, or this process compiles it, or it waits only for a
+        compile another holder really runs)."""
         ident = jax_adapter.process_identity()
-        if ident is None and not self.job:
+        if ident is None or program is None or not program.shared_in_flight:
             return Identity()
-        if ident is not None:
-            pid = ident[0]
-        else:  # a job declared by configuration, outside jax.distributed
-            pid = int(os.environ.get("COMPILECAST_PROCESS_ID", "0") or 0)
-        job = self.job or f"jaxdist-{jax_adapter.coordinator_address()}"
-        designated = int(os.environ.get("COMPILECAST_DESIGNATED_PROCESS", "0") or 0)
-        # The designated compiler is the lowest process id (JAX's rule).
-        return Identity(job=job[:128], process_id=pid, designated_process=designated)
+        return Identity(job=self._job(), process_id=ident[0],
+                        designated_process=program.designated)
+
+    def _job(self) -> str:
+        """The job's name, for its recipes and shared programs."""
+        job = self.job or (f"jaxdist-{jax_adapter.coordinator_address()}"
+                           if jax_adapter.process_identity() is not None else "")
+        return job[:128]
 
     def _wait_timeout_s(self) -> float:
         ms = self.timeout_ms or jax_adapter.settings()["share_binary_between_hosts_timeout_ms"]
@@ -200,6 +208,15 @@ class CompilecastCache(jax_adapter.CacheInterface):
         else:
             log.warning("compilecast: compiling %s locally: %s", key, why, extra={"key": key})
 
+    def failed(self, where: str, exc: BaseException, key: str = "?", *,
+               compiled: bool = False) -> None:
+        """An error of compilecast's own work: raised where the user asked
+        for cache errors to be (`jax_raise_persistent_cache_errors`), else a
+        warning, and the program is compiled (or kept) locally."""
+        if jax_adapter.raise_cache_errors():
+            raise exc
+        self._fallback(key, f"{where} failed: {type(exc).__name__}: {exc}", compiled=compiled)
+
     def _unreachable(self, key: str, exc: grpc.RpcError) -> None:
         self._down_until = time.monotonic() + UNREACHABLE_BACKOFF_S
         self._fallback(key, f"worker {self.target} {unreachable(exc)}; "
@@ -211,8 +228,9 @@ class CompilecastCache(jax_adapter.CacheInterface):
             return None
         for pause in (*REFUSED_RETRY_S, None):
             try:
-                if getattr(self._local, "acquiring", None) == key:
-                    return self._decide(key)
+                asking = getattr(self._local, "acquiring", None)
+                if asking is not None and asking[0] == key:
+                    return self._decide(key, asking[1])
                 return self._lookup(key)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and pause is not None:
@@ -220,13 +238,15 @@ class CompilecastCache(jax_adapter.CacheInterface):
                              self.target, exc.details(), pause)
                     time.sleep(pause)
                     continue
+                if jax_adapter.raise_cache_errors():
+                    raise
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE,
                                   grpc.StatusCode.DEADLINE_EXCEEDED):
                     self._unreachable(key, exc)
                 else:
                     self._fallback(key, f"{exc.code().name}: {exc.details()}")
-            except Exception as exc:  # never raise into JAX
-                self._fallback(key, f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # never raise into JAX, unless asked to
+                self.failed("the cache read", exc, key)
             return None
         return None
 
@@ -244,29 +264,34 @@ class CompilecastCache(jax_adapter.CacheInterface):
             raise
         return data
 
-    def _decide(self, key: str) -> bytes | None:
-        self.client.identity = self._identity()
+    def _decide(self, key: str, program: jax_adapter.Program | None) -> bytes | None:
         with self._lock:
             name, components, key_s, inputs = self._described.pop(key, ("", {}, 0.0, ()))
+        if program is not None and program.host_callbacks:
+            # Never shared (JAX bakes the callbacks into the executable): no ask, no wait.
+            self._compile_locally(key, "the program uses host callbacks",
+                                  pb.LOCAL_CAUSE_BELOW_THRESHOLD)
+            return None
+        ident = self._identity(program)
         resp = self.client.acquire(key, components=components, program_name=name,
-                                   key_seconds=key_s)
+                                   key_seconds=key_s, identity=ident)
         if resp.decision == pb.HIT:
             return self._fetch_hit(key, resp.artifact)
         if resp.decision == pb.COMPILE:
-            self._hold(key, resp.lease, inputs)
+            self._hold(key, resp.lease, ident, inputs)
             return None
         if resp.decision == pb.WAIT:
             self.stats.waits += 1
             log.info("compilecast: waiting for %s (%s)", key, resp.reason)
             # Fetched as soon as the holder starts publishing: the bytes
             # stream to us while they upload.
-            event, data = self.client.wait_and_fetch(key, self._wait_timeout_s())
+            event, data = self.client.wait_and_fetch(key, self._wait_timeout_s(), identity=ident)
             if data is not None:
                 self.stats.hits += 1
                 return data
             if event.decision == pb.COMPILE:
                 self.stats.promotions += 1
-                self._hold(key, event.lease, inputs)
+                self._hold(key, event.lease, ident, inputs)
                 return None
             self._compile_locally(key, event.reason, event.local_cause)
             return None
@@ -286,9 +311,9 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self.stats.hits += 1
         return data
 
-    def _hold(self, key: str, lease: pb.Lease, inputs: tuple = ()) -> None:
+    def _hold(self, key: str, lease: pb.Lease, identity: Identity, inputs: tuple = ()) -> None:
         with self._lock:
-            self._held[key] = _Held(lease, time.monotonic(), inputs)
+            self._held[key] = _Held(lease, time.monotonic(), identity, inputs)
         self.client.keep_lease(key, lease)
         self.stats.compiles += 1
 
@@ -306,7 +331,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
             return  # compiled without the lease: nothing to share
         try:
             self.client.publish(key, held.lease, value, time.monotonic() - held.started,
-                                recipe=self._recipe(key, held))
+                                recipe=self._recipe(key, held), identity=held.identity)
             self.stats.published += 1
         except grpc.RpcError as exc:
             problem = f"{exc.code().name}: {exc.details()}"
@@ -317,6 +342,9 @@ class CompilecastCache(jax_adapter.CacheInterface):
             refused = exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      grpc.StatusCode.INVALID_ARGUMENT)
             self._release(key, held, pb.PUBLISH_REFUSED if refused else pb.ABANDONED, problem)
+        except Exception as exc:  # the executable is compiled: the user's program goes on
+            self._release(key, held, pb.ABANDONED, f"{type(exc).__name__}: {exc}")
+            self.failed("the publish", exc, key, compiled=True)
 
     def _recipe(self, key: str, held: _Held) -> pb.Recipe | None:
         """How to compile the program again (for replays onto other targets)."""
@@ -325,7 +353,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         try:
             from .aot import fill_recipe
 
-            recipe = fill_recipe(pb.Recipe(key=key, job=self._identity().job), *held.inputs)
+            recipe = fill_recipe(pb.Recipe(key=key, job=self._job()), *held.inputs)
         except Exception as exc:  # the artifact matters more than its recipe
             log.info("compilecast: no recipe for %s: %s: %s", key, type(exc).__name__, exc)
             return None
@@ -342,43 +370,53 @@ class CompilecastCache(jax_adapter.CacheInterface):
                 self.client.release(key, held.lease, pb.ABANDONED, detail)
             with self._lock:
                 self.stats.released += 1
-        except grpc.RpcError as exc:
+        except Exception as exc:  # (a release runs after the compile: never raise)
+            why = exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__
             log.warning("compilecast: release of %s failed (%s); the lease lapses in %ss",
-                        key, exc.code().name, held.lease.ttl_seconds)
+                        key, why, held.lease.ttl_seconds)
 
     # -- FDO / PGLE profiles --------------------------------------------------
-    def share_profile(self, key: str, profile: bytes) -> bytes | None:
-        """The profile every process of the job compiles with: the first one
-        stored under `key` (a restarted job finds the stored one), else the
-        designated process's. None: use JAX's own exchange."""
+    def share_profile(self, key: str, profile: bytes, designated: int) -> bytes | None:
+        """The profile every process of the program compiles with: the first
+        one stored under `key` (a restarted job finds the stored one), else
+        the one of `designated`, the process that compiles the program. None:
+        use JAX's own exchange."""
         if time.monotonic() < self._down_until:
             return None
+        ident = jax_adapter.process_identity()
+        me = Identity(job=self._job(), process_id=ident[0], designated_process=designated) \
+            if ident is not None else Identity()
         try:
             with self._lock:
                 if key in self._profiles:
                     return self._profiles[key]
-            self.client.identity = self._identity()
-            resp = self.client.acquire(key, program_name="fdo_profile")
+            resp = self.client.acquire(key, program_name="fdo_profile", identity=me)
             decision, artifact, lease = resp.decision, resp.artifact, resp.lease
             if decision == pb.WAIT:
-                event = self.client.wait(key, self._wait_timeout_s())
+                event = self.client.wait(key, self._wait_timeout_s(), identity=me)
                 decision, artifact, lease = event.decision, event.artifact, event.lease
             if decision == pb.HIT:
                 _, got = self.client.fetch(key, artifact.digest)  # verified
                 self.stats.profiles_received += 1
-            elif decision == pb.COMPILE:  # the designated process, or promoted
-                self.client.publish(key, lease, profile, 0.0)
+            elif decision == pb.COMPILE and (ident is None or ident[0] == designated):
+                self.client.publish(key, lease, profile, 0.0, identity=me)
                 self.stats.profiles_published += 1
                 got = profile
             else:
+                if decision == pb.COMPILE:
+                    # Promoted: the designated process never came through
+                    # compilecast. Only its profile may be used (JAX's rule:
+                    # different profiles, different executables), so this
+                    # process takes it from JAX's exchange, as JAX would.
+                    self.client.release(key, lease, pb.ABANDONED, "not the profile's writer")
                 self._fallback(key, f"profile not shared through compilecast "
                                     f"({pb.Decision.Name(decision)}); using JAX's exchange")
                 return None
         except grpc.RpcError as exc:
             self._fallback(key, f"profile exchange failed ({exc.code().name}); using JAX's")
             return None
-        except Exception as exc:  # never raise into JAX
-            self._fallback(key, f"profile exchange failed ({type(exc).__name__}: {exc})")
+        except Exception as exc:  # never raise into JAX, unless asked to
+            self.failed("the profile exchange", exc, key)
             return None
         with self._lock:
             self._profiles[key] = got
@@ -393,8 +431,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
         start = time.monotonic()
         try:
             key = keys.jax_key(module, devices, compile_options, backend, self.key_config)
-        except Exception as exc:  # never raise into JAX
-            self._fallback("?", f"cannot compute the cache key: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # never raise into JAX, unless asked to
+            self.failed("the cache key", exc)
             return None
         name = str(jax_adapter.ir.StringAttr(module.operation.attributes["sym_name"]).value) \
             if "sym_name" in module.operation.attributes else ""
@@ -409,8 +447,9 @@ class CompilecastCache(jax_adapter.CacheInterface):
         return key.value
 
     @contextlib.contextmanager
-    def acquiring(self, key: str) -> Iterator[None]:
-        self._local.acquiring = key
+    def acquiring(self, key: str,
+                  program: jax_adapter.Program | None = None) -> Iterator[None]:
+        self._local.acquiring = (key, program)
         try:
             yield
         finally:
@@ -429,8 +468,14 @@ class CompilecastCache(jax_adapter.CacheInterface):
         with self._lock:
             still_held = key in self._held
         if still_held:  # JAX did not call put: not process 0, or under a threshold
-            self._settle_after_compile(key, module_name, has_host_callbacks, executable,
-                                       time.monotonic() - start, serialize)
+            try:
+                self._settle_after_compile(key, module_name, has_host_callbacks, executable,
+                                           time.monotonic() - start, serialize)
+            except Exception as exc:  # the executable is the user's, whatever happened here
+                held = self._take(key)
+                if held is not None:
+                    self._release(key, held, pb.ABANDONED, f"{type(exc).__name__}: {exc}")
+                self.failed("settling the compile lease", exc, key, compiled=True)
         return executable
 
     def _settle_after_compile(self, key: str, module_name: str, has_host_callbacks: bool,
