@@ -66,7 +66,8 @@ class CoordinatorConfig:
     )
     designated_grace_s: float = field(
         default=10.0,
-        metadata=_help("how long job waiters wait for the designated process to take the lease"),
+        metadata=_help("how long the waiters of a program shared by a job's processes wait for "
+                       "its designated process to take the lease (a slow or dead one)"),
     )
     local_marker_ttl_s: int = field(
         default=30, metadata=_help("how long a 'compile locally' verdict for a key lasts")

@@ -4,6 +4,8 @@ afterwards."""
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -74,19 +76,20 @@ publish_streams = st.lists(
 )
 
 
-def call(channel: grpc.Channel, method: str, request: bytes | list[bytes], kind: str):
+def call(channel: grpc.Channel, method: str, request: bytes | list[bytes], kind: str,
+         timeout: float = 10):
     """Send raw bytes; return the status code."""
     ident = lambda b: b  # noqa: E731
     try:
         if kind == "unary":
             channel.unary_unary(SERVICE + method, request_serializer=ident,
-                                response_deserializer=ident)(request, timeout=10)
+                                response_deserializer=ident)(request, timeout=timeout)
         elif kind == "stream":
             list(channel.unary_stream(SERVICE + method, request_serializer=ident,
-                                      response_deserializer=ident)(request, timeout=10))
+                                      response_deserializer=ident)(request, timeout=timeout))
         else:
             channel.stream_unary(SERVICE + method, request_serializer=ident,
-                                 response_deserializer=ident)(iter(request), timeout=10)
+                                 response_deserializer=ident)(iter(request), timeout=timeout)
     except grpc.RpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
@@ -129,3 +132,117 @@ def test_random_bytes_never_break_the_server(channel, method, blobs):
     kind = "unary" if method in UNARY else "stream" if method in STREAMING else "client-stream"
     code = call(channel, method, blobs if kind == "client-stream" else blobs[0], kind)
     assert code not in BAD, (method, code)
+
+
+# -- stream-shaped inputs under a real lease -----------------------------------
+# A holder's Publish stream that is malformed in its shape (the digest
+# announced last that never comes, a second header, zstd_data, the digest
+# twice, data after the digest) is refused at once, on both servers: never
+# left open until the call's deadline.
+
+STREAM_TIMEOUT_S = 20.0
+DATA = b"x" * 5000
+
+
+def _header(key: str, lease: pb.Lease, digest: str = "") -> pb.PublishChunk:
+    return pb.PublishChunk(header=pb.PublishHeader(key=key, lease=lease, size=len(DATA),
+                                                   digest=digest, compile_time_seconds=1.0))
+
+
+def _digest() -> str:
+    import hashlib
+
+    return hashlib.sha256(DATA).hexdigest()
+
+
+SHAPES = {
+    "the digest announced last never comes": lambda h: [h(""), pb.PublishChunk(data=DATA)],
+    "a second header": lambda h: [h(""), pb.PublishChunk(data=DATA), h(""),
+                                  pb.PublishChunk(digest=_digest())],
+    "zstd_data": lambda h: [h(""), pb.PublishChunk(zstd_data=DATA),
+                            pb.PublishChunk(digest=_digest())],
+    "the digest in the header and last": lambda h: [h(_digest()), pb.PublishChunk(data=DATA),
+                                                   pb.PublishChunk(digest=_digest())],
+    "data after the digest": lambda h: [h(""), pb.PublishChunk(digest=_digest()),
+                                        pb.PublishChunk(data=DATA)],
+}
+
+
+def _publish_raw(target: str, msgs: list[pb.PublishChunk]) -> grpc.StatusCode:
+    ch = grpc.insecure_channel(target)
+    try:
+        return call(ch, "Publish", [m.SerializeToString() for m in msgs], "client-stream",
+                    timeout=STREAM_TIMEOUT_S)
+    finally:
+        ch.close()
+
+
+def _lease(target: str, key: str):
+    from compilecast.worker.client import CacheClient
+
+    client = CacheClient(target)
+    resp = client.acquire(key)
+    assert resp.decision == pb.COMPILE, resp
+    return client, resp.lease
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_malformed_publish_stream_is_refused_at_once(target, shape):
+    import uuid
+
+    key = f"malformed-{uuid.uuid4().hex[:12]}"
+    client, lease = _lease(target, key)
+    code = _publish_raw(target, SHAPES[shape](lambda d: _header(key, lease, d)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (shape, code)
+    # Nothing was left half-done: the holder publishes under its lease.
+    assert client.publish(key, lease, DATA, 1.0).digest == _digest()
+    client.close()
+
+
+stream_parts = st.lists(st.sampled_from(["data", "zstd", "header", "digest", "bad-digest"]),
+                        max_size=6)
+
+
+@FUZZ
+@given(parts=stream_parts)
+def test_random_publish_streams_under_a_real_lease_are_answered(target, parts):
+    """Any sequence after a valid header: answered OK or refused, never left
+    open until the deadline, never INTERNAL."""
+    import uuid
+
+    key = f"fuzzed-{uuid.uuid4().hex[:12]}"
+    client, lease = _lease(target, key)
+    make = {"data": lambda: pb.PublishChunk(data=DATA),
+            "zstd": lambda: pb.PublishChunk(zstd_data=DATA),
+            "header": lambda: _header(key, lease),
+            "digest": lambda: pb.PublishChunk(digest=_digest()),
+            "bad-digest": lambda: pb.PublishChunk(digest="0" * 64)}
+    code = _publish_raw(target, [_header(key, lease)] + [make[p]() for p in parts])
+    assert code not in BAD | {grpc.StatusCode.DEADLINE_EXCEEDED}, (parts, code)
+    client.close()
+
+
+def test_a_publish_stream_that_stops_without_closing_frees_the_server(target):
+    """A holder that sends its header and then nothing, never closing the
+    stream: its call ends at its own deadline, and the server is left able
+    to take the publish again under the same lease."""
+    import uuid
+
+    key = f"stalled-{uuid.uuid4().hex[:12]}"
+    client, lease = _lease(target, key)
+    ch = grpc.insecure_channel(target)
+    never = threading.Event()
+
+    def stalled():
+        yield _header(key, lease).SerializeToString()
+        never.wait(30)
+
+    ident = lambda b: b  # noqa: E731
+    with pytest.raises(grpc.RpcError) as err:
+        ch.stream_unary(SERVICE + "Publish", request_serializer=ident,
+                        response_deserializer=ident)(stalled(), timeout=2)
+    never.set()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    ch.close()
+    assert client.publish(key, lease, DATA, 1.0).digest == _digest()
+    client.close()

@@ -16,7 +16,7 @@ JAX's persistent compilation cache has no public plugin hook. We use:
   entry is under JAX's thresholds; on a GPU job of several processes the
   compile autotunes alone (`compile_alone`);
 - `jax._src.compiler._share_fdo_profiles`, wrapped so that the FDO (PGLE)
-  profile the lowest-id process hands to the others goes through compilecast:
+  profile the program's designated process hands to the others goes through compilecast:
   one writer, the others wait for it, and it is stored, so a restarted job
   compiles with the same profile (JAX's own exchange is the fallback);
 - `combine_executable_and_time` / `compress_executable`, to write entries in

@@ -430,6 +430,36 @@ async def _unless_stalled(call, moved: list[float], stall_s: float, what: str):
             call.cancel()
 
 
+async def _forward_publish(stub, chunks: AsyncIterator[pb.PublishChunk], md: tuple,
+                           moved: list[float], what: str) -> pb.PublishResponse:
+    """Send `chunks` upstream as one Publish. Where reading them fails (the
+    holder's stream was malformed: a second header, zstd_data, no digest at
+    its end), the call is cancelled and that error is raised: gRPC itself
+    would only log it and leave the call open until its deadline."""
+    broken: list[BaseException] = []
+    call = None
+
+    async def guarded() -> AsyncIterator[pb.PublishChunk]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as exc:
+            broken.append(exc)
+            if call is not None:
+                call.cancel()
+            raise
+
+    call = stub.Publish(guarded(), timeout=TRANSFER_S, metadata=md)
+    try:
+        return await _unless_stalled(call, moved, UPSTREAM_IDLE_S, what)
+    except (grpc.aio.AioRpcError, asyncio.CancelledError, UpstreamError) as exc:
+        if broken:
+            raise broken[0] from None
+        if isinstance(exc, grpc.aio.AioRpcError):
+            raise _relay(exc) from None
+        raise
+
+
 async def _heartbeats_until(done: asyncio.Future, beat=pb.FetchChunk):
     """`beat()` (an empty FetchChunk), one every HEARTBEAT_S, until `done`
     is: a fetch that waits for its bytes shows its reader it is alive."""
@@ -835,12 +865,8 @@ class WorkerService(rpc.CompileCacheServicer):
                     yield pb.PublishChunk(digest=header.digest)
 
             if resp is None:
-                try:
-                    resp = await _unless_stalled(
-                        self.up.Publish(forward(), timeout=TRANSFER_S, metadata=md), moved,
-                        UPSTREAM_IDLE_S, f"the publish of {header.key}")
-                except grpc.aio.AioRpcError as exc:
-                    raise _relay(exc) from None
+                resp = await _forward_publish(self.up, forward(), md, moved,
+                                              f"the publish of {header.key}")
             await asyncio.to_thread(writer.commit, header.digest, header.size)
         await self._record(ns, resp.artifact, writer)
         self.metrics.bytes.labels("published").inc(header.size)
