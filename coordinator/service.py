@@ -237,13 +237,17 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def Purge(self, request, context):
         who = self.auth.identify(context)
         who.require_admin()
-        return await self.state.purge(list(request.keys), list(request.digests), request.reason,
+        resp = await self.state.purge(list(request.keys), list(request.digests), request.reason,
                                       tenant=who.tenant, dry_run=request.dry_run)
+        resp.tenant = who.tenant
+        return resp
 
     @rpc_errors
     async def Revoked(self, request, context):
         who = self.auth.identify(context)
-        return await self.state.revoked(request.since_revision, tenant=who.tenant)
+        resp = await self.state.revoked(request.since_revision, tenant=who.tenant)
+        resp.tenant = who.tenant
+        return resp
 
     # -- ahead-of-time compiles -----------------------------------------
     @rpc_errors

@@ -166,6 +166,10 @@ def _holder_name(rec: dict) -> str:
     return rec.get("client") or "an independent process"
 
 
+# etcd revisions are int64; a revision to read from is one more than one seen.
+MAX_REVISION = 2**63 - 1
+
+
 class _Waiters:
     """A replica's waiters of one key: how many wait under each rank (the
     process id in a job, else the arrival time: the lowest goes first) and
@@ -1049,8 +1053,8 @@ class CoordinatorState:
 
     async def revoked(self, since_revision: int, *,
                       tenant: str = DEFAULT_TENANT) -> pb.RevokedResponse:
-        if since_revision < 0:
-            raise InvalidRequest("since_revision must be >= 0")
+        if not 0 <= since_revision < MAX_REVISION:
+            raise InvalidRequest(f"since_revision must be in [0, {MAX_REVISION})")
         head = self._k("v", scope(tenant, ""))
         kvs, revision = await self.etcd.changed_since(head, since_revision)
         resp = pb.RevokedResponse(revision=revision)

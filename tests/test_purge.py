@@ -74,6 +74,14 @@ def test_purge_by_digest_and_bad_requests(coordinator):
     assert code_of(lambda: c.purge(["bad/key"]))[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(lambda: c.purge([], ["not-a-digest"]))[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(lambda: c.revoked(-1))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: c.revoked(2**63 - 1))[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_out_of_range_revision_is_refused_through_a_worker(coordinator, start_worker):
+    worker = start_worker(coordinator.cfg.listen)
+    c = CacheClient(worker.target)
+    assert code_of(lambda: c.revoked(2**63 - 1))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert c.revoked(2**63 - 2).revocations == []  # the largest it takes
 
 
 def test_only_an_admin_purges_and_only_its_own_tenants_keys(start_coordinator, tokens_file):
@@ -141,6 +149,33 @@ def test_a_worker_applies_the_revocations_of_its_processes_tenants(start_coordin
         "compilecast_worker_revoked_total") == 1, "tenant b's revocation applied")
     assert not worker.cache.store.has(hashlib.sha256(BAD).hexdigest())
     assert b.acquire("k").decision == pb.COMPILE
+
+
+def test_a_purge_through_a_shared_worker_acts_within_its_tenant(start_coordinator, tokens_file,
+                                                                start_worker):
+    """Tenants a and b both have the same bytes in one worker's host cache.
+    Tenant b's admin purges them through that worker: b's entry goes, and
+    a's copy stays (a hits it on the host, without fetching it again)."""
+    secured = start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+    own = tokens_file.parent / "worker.token"
+    own.write_text("a-pub")
+    worker = start_worker(secured.cfg.listen, token_file=str(own), revocation_poll_s=3600)
+    a, b = CacheClient(worker.target, token="a-pub"), CacheClient(worker.target, token="b-pub")
+    for token in ("a-pub", "b-pub"):
+        publish(CacheClient(secured.cfg.listen, token=token), "k", BAD)
+    for c in (a, b):
+        assert c.fetch("k")[1] == BAD and c.acquire("k").decision == pb.HIT
+    digest = hashlib.sha256(BAD).hexdigest()
+    fetched = worker.registry.get_sample_value("compilecast_worker_artifact_bytes_total",
+                                               {"direction": "fetched"})
+    assert fetched
+    resp = CacheClient(worker.target, token="b-admin").purge(["k"], reason="bad")
+    assert list(resp.revoked) == [digest] and resp.tenant == "team-b"
+    assert worker.cache.store.has(digest)  # tenant a's copy stays
+    assert b.acquire("k").decision == pb.COMPILE  # tenant b's entry went
+    assert a.fetch("k")[1] == BAD and a.acquire("k").decision == pb.HIT
+    assert worker.registry.get_sample_value("compilecast_worker_artifact_bytes_total",
+                                            {"direction": "fetched"}) == fetched
 
 
 def test_the_purge_command(coordinator):

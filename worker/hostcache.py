@@ -1,7 +1,8 @@
 """The host cache: a size-bounded blob store plus a key index on local disk.
 
     ROOT/blobs/...             DiskBlobStore (LRU-evicted above max_bytes)
-    ROOT/keys/NS/KEY.json      ArtifactInfo of KEY (written atomically)
+    ROOT/keys/NS/KEY.json      ArtifactInfo of KEY (written atomically), signed
+    ROOT/entry.key             the worker's secret that signs entries (0600)
 
 NS is the namespace of the credential the entry was fetched or published
 with (see WorkerService), so a host-cache hit is only served to a caller
@@ -10,26 +11,61 @@ Blobs are content-addressed and shared. A key entry whose blob was evicted
 reads as a miss. Both the worker and a
 restarted worker see the same entries; processes on the host never read this
 directory themselves, they ask the worker.
+
+An executable is code, and the digest check only proves that a blob is the
+one its entry names: an entry rewritten to name another blob present here
+would hand a job the wrong program. So every entry carries an HMAC-SHA256,
+under a secret only the worker reads, over its namespace, key and info; an
+entry whose MAC does not match (tampered with, or not written by this
+worker) is removed, reported (`on_refused`) and read as a miss.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
+import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from compilecast.blobstore import DiskBlobStore
 from compilecast.v1 import cache_pb2 as pb
 
-MAX_ENTRY = 1 << 16  # an index entry is ~150 bytes; a bigger file is not one of ours
+MAX_ENTRY = 1 << 16  # an index entry is ~250 bytes; a bigger file is not one of ours
+SECRET_BYTES = 32
+
+log = logging.getLogger("compilecast.worker")
+
+
+def _secret(path: Path) -> bytes:
+    """The worker's entry-signing secret at `path`, made on first use (0600)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        secret = path.read_bytes()
+        if len(secret) != SECRET_BYTES:
+            raise ValueError(f"{path} is not a compilecast entry key ({len(secret)} bytes)")
+        return secret
+    secret = os.urandom(SECRET_BYTES)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+        f.flush()
+        os.fsync(f.fileno())
+    return secret
 
 
 class HostCache:
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int, min_free: int = 0,
-                 reverify_s: float = 600.0, readable: bool = False) -> None:
+                 reverify_s: float = 600.0, readable: bool = False,
+                 on_refused: Callable[[], None] | None = None) -> None:
         self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._secret = _secret(self.root / "entry.key")
+        self._on_refused = on_refused
         # Not fsynced: what a crash cuts short fails verification and is fetched again.
         # `readable`: the blobs are readable by the worker's group as well (0640),
         # whose processes read their hits from the files: the group that may
@@ -59,16 +95,32 @@ class HostCache:
         finally:
             os.close(fd)
         try:
-            info = pb.ArtifactInfo(key=key, **json.loads(raw))
-        except (ValueError, TypeError):
+            fields = json.loads(raw)
+            mac = fields.pop("mac", "")
+            info = pb.ArtifactInfo(key=key, **fields)
+        except (ValueError, TypeError, AttributeError):
             self.forget(ns, key)
             return None
+        if not hmac.compare_digest(str(mac), self._mac(ns, info)):
+            self.forget(ns, key)
+            log.warning("refused the host-cache entry of %s: it is not signed by this worker "
+                        "(tampered with, or written by another); removed", key,
+                        extra={"key": key})
+            if self._on_refused is not None:
+                self._on_refused()
+            return None
         return info if self.store.has(info.digest) else None
+
+    def _mac(self, ns: str, info: pb.ArtifactInfo) -> str:
+        signed = "\0".join([ns, info.key, info.digest, str(info.size),
+                             repr(info.compile_time_seconds), str(info.created_unix)])
+        return hmac.new(self._secret, signed.encode(), hashlib.sha256).hexdigest()
 
     def record(self, ns: str, info: pb.ArtifactInfo) -> None:
         body = json.dumps({"digest": info.digest, "size": info.size,
                            "compile_time_seconds": info.compile_time_seconds,
-                           "created_unix": info.created_unix}).encode()
+                           "created_unix": info.created_unix,
+                           "mac": self._mac(ns, info)}).encode()
         entry = self._entry(ns, info.key)
         entry.parent.mkdir(parents=True, exist_ok=True)  # (keys/ too, if it was removed)
         fd, tmp = tempfile.mkstemp(dir=entry.parent, suffix=".tmp")
@@ -82,6 +134,35 @@ class HostCache:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+
+    def naming(self, digests: set[str]) -> dict[str, list[tuple[str, str]]]:
+        """The entries that name one of `digests`: namespace -> [(key, digest)]."""
+        found: dict[str, list[tuple[str, str]]] = {}
+        for path in self.keys.glob("*/*.json"):
+            try:
+                digest = json.loads(path.read_bytes()[:MAX_ENTRY]).get("digest")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if digest in digests:
+                found.setdefault(path.parent.name, []).append((path.stem, digest))
+        return found
+
+    def revoke(self, digests: set[str], named: dict[str, list[tuple[str, str]]],
+               mine: set[str], others: set[str]) -> list[str]:
+        """A tenant's revocation of `digests` (`named`: what `naming` found):
+        the entries of its namespaces (`mine`) are forgotten, and a blob is
+        deleted unless a namespace known to be another tenant's (`others`)
+        names it: another tenant's copy of the same bytes is not theirs to
+        purge. A namespace of no known tenant keeps nothing. The digests
+        deleted."""
+        kept = set()
+        for ns, entries in named.items():
+            if ns in mine:
+                for key, _ in entries:
+                    self.forget(ns, key)
+            elif ns in others:
+                kept.update(digest for _, digest in entries)
+        return [d for d in sorted(digests - kept) if self.store.delete(d)]
 
     def forget(self, ns: str, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

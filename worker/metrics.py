@@ -87,6 +87,12 @@ class WorkerMetrics:
             "Host-cache blobs that failed digest verification and were quarantined",
             registry=registry,
         )
+        self.refused_entries = Counter(
+            "compilecast_worker_refused_entries",
+            "Host-cache key entries refused and removed: not signed by this worker "
+            "(tampered with, or written by another)",
+            registry=registry,
+        )
         self.cache_bytes = Gauge(
             "compilecast_worker_cache_bytes", "Bytes stored in the host cache", registry=registry,
         )

@@ -34,7 +34,8 @@ class Worker(Role):
         self.metrics = WorkerMetrics(self.registry)
         self.cache = HostCache(cfg.cache_dir, max_bytes=cfg.cache_max_bytes,
                                min_free=cfg.cache_min_free_bytes,
-                               reverify_s=cfg.store_reverify_s, readable=cfg.local_files)
+                               reverify_s=cfg.store_reverify_s, readable=cfg.local_files,
+                               on_refused=self.metrics.refused_entries.inc)
         self._metrics_server = None
         self.relay_server = None
         self._revocations: asyncio.Task | None = None

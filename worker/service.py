@@ -558,6 +558,8 @@ class WorkerService(rpc.CompileCacheServicer):
         self._no_relay_plane: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
+        self._namespaces: dict[tuple, str] = {}  # upstream metadata -> host-cache namespace
+        self._tenants: dict[str, str] = {}  # host-cache namespace -> its tenant, once known
         self._retiring: set[Decider] = set()  # evicted, closed once their waits end
         self.waits = HostWaits(metrics.waits)  # this host's waits for one key go upstream as one
         self.decisions = HostDecisions(metrics.decisions)  # and its requests for one key
@@ -592,7 +594,14 @@ class WorkerService(rpc.CompileCacheServicer):
             caller = ""
         token = caller or self.token
         ns = hashlib.sha256(f"caller:{caller}".encode()).hexdigest()[:16] if caller else "host"
+        if len(self._namespaces) >= MAX_DECIDERS * 4:
+            self._namespaces.pop(next(iter(self._namespaces)))
+        self._namespaces[bearer(token)] = ns
         return ns, bearer(token)
+
+    def _namespace(self, md: tuple) -> str:
+        """The host-cache namespace of upstream metadata `md`."""
+        return self._namespaces.get(md, "host")
 
     def _local(self, rpc_name: str, exc: grpc.aio.AioRpcError) -> str:
         self.metrics.fallbacks.labels(rpc_name).inc()
@@ -976,18 +985,48 @@ class WorkerService(rpc.CompileCacheServicer):
     async def Purge(self, request, context):
         resp = await self._forward("Purge", request, context)
         if not request.dry_run:
-            await self._drop_revoked(resp.revoked, "purged through this worker")
+            await self._drop_revoked(self._credential(context)[0], resp.tenant, resp.revoked,
+                                     "purged through this worker")
         return resp
 
     @rpc_errors
     async def Revoked(self, request, context):
         return await self._forward("Revoked", request, context)
 
-    async def _drop_revoked(self, digests, why: str) -> None:
-        for digest in digests:
-            if await asyncio.to_thread(self.cache.store.delete, digest):
-                self.metrics.revoked.inc()
-                log.warning("dropped revoked artifact %s from the host cache (%s)", digest, why)
+    async def _drop_revoked(self, ns: str, tenant: str, digests, why: str) -> None:
+        """Tenant `tenant`'s revocations, seen through namespace `ns`: its
+        entries go, and the bytes unless another tenant has them too."""
+        if not digests:
+            return
+        if tenant:
+            self._tenants[ns] = tenant
+        digests = set(digests)
+        named = await asyncio.to_thread(self.cache.naming, digests)
+        mine, others = {ns}, set()
+        for other in named:
+            known = await self._tenant_of(other)
+            if known is not None and tenant:
+                (mine if known == tenant else others).add(other)
+        for digest in await asyncio.to_thread(self.cache.revoke, digests, named, mine, others):
+            self.metrics.revoked.inc()
+            log.warning("dropped revoked artifact %s from the host cache (%s)", digest, why)
+
+    async def _tenant_of(self, ns: str) -> str | None:
+        """The tenant of host-cache namespace `ns`, asked of the coordinator
+        with its credential when not known yet; None when it cannot be."""
+        if ns in self._tenants:
+            return self._tenants[ns]
+        md = next((md for md, n in self._namespaces.items() if n == ns), None)
+        if md is None:
+            return None
+        try:
+            resp = await self.up.Revoked(pb.RevokedRequest(), timeout=self.rpc_timeout_s,
+                                         metadata=md)
+        except grpc.aio.AioRpcError:
+            return None
+        if resp.tenant:
+            self._tenants[ns] = resp.tenant
+        return resp.tenant or None
 
     async def sync_revocations(self, every_s: float) -> None:
         """Drop the digests the coordinator has revoked (purged artifacts) from
@@ -1003,8 +1042,10 @@ class WorkerService(rpc.CompileCacheServicer):
                     resp = await self.up.Revoked(
                         pb.RevokedRequest(since_revision=since[md]),
                         timeout=self.rpc_timeout_s, metadata=md)
-                    for r in resp.revocations:
-                        await self._drop_revoked([r.digest], r.reason)
+                    await self._drop_revoked(self._namespace(md), resp.tenant,
+                                             [r.digest for r in resp.revocations],
+                                             "; ".join(sorted({r.reason for r in
+                                                               resp.revocations}))[:200])
                     since[md] = resp.revision
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:

@@ -646,14 +646,16 @@ class PurgeRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., digests: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class PurgeResponse(_message.Message):
-    __slots__ = ("purged", "missing", "revoked")
+    __slots__ = ("purged", "missing", "revoked", "tenant")
     PURGED_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     REVOKED_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     purged: _containers.RepeatedScalarFieldContainer[str]
     missing: _containers.RepeatedScalarFieldContainer[str]
     revoked: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, purged: _Optional[_Iterable[str]] = ..., missing: _Optional[_Iterable[str]] = ..., revoked: _Optional[_Iterable[str]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, purged: _Optional[_Iterable[str]] = ..., missing: _Optional[_Iterable[str]] = ..., revoked: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Revocation(_message.Message):
     __slots__ = ("digest", "reason", "revoked_unix", "keys")
@@ -674,9 +676,11 @@ class RevokedRequest(_message.Message):
     def __init__(self, since_revision: _Optional[int] = ...) -> None: ...
 
 class RevokedResponse(_message.Message):
-    __slots__ = ("revocations", "revision")
+    __slots__ = ("revocations", "revision", "tenant")
     REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     revocations: _containers.RepeatedCompositeFieldContainer[Revocation]
     revision: int
-    def __init__(self, revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ..., revision: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
