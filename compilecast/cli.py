@@ -198,14 +198,21 @@ class _Unreadable(CliError):
 
 
 def cmd_key(args: argparse.Namespace) -> int:
-    """One line per file, like sha256sum: a file that cannot be read is said on
-    stderr and the others are still keyed; exit status 1 if any could not be."""
+    """One line per file, like sha256sum: a file that cannot be read, or is
+    not a program, is said on stderr and the others are still keyed; exit
+    status 1 if any could not be. With --raw, a file that is not a program
+    is keyed by its bytes instead (and marked so)."""
     failed = 0
     for path in args.files:
         try:
             key = _file_key(path, args.include_metadata)
         except _Unreadable as exc:
             print(f"compilecast: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        if key.unparsed and not args.raw:
+            print(f"compilecast: {path}: not a program ({key.unparsed}); --raw keys its bytes",
+                  file=sys.stderr)
             failed += 1
             continue
         note = f"  (unparsed, keyed by raw bytes: {key.unparsed})" if key.unparsed else ""
@@ -486,10 +493,22 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-file", default="", help="client key (mTLS)")
 
 
+def _port(raw: str) -> int:
+    """A port flag's value: 0-65535 (0: any free port)."""
+    try:
+        port = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port in 0-65535")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="compilecast", description=__doc__)
     ap.add_argument("--version", action="version", version=f"compilecast {__version__}")
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--log-level", default="info", type=str.lower,
+                    choices=("debug", "info", "warning", "error", "critical"))
     ap.add_argument("--log-format", choices=("text", "json"), default="text")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -497,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", help="data directory (default ~/.cache/compilecast)")
     for name in ("etcd_port", "etcd_peer_port", "coordinator_port",
                  "coordinator_metrics_port", "worker_metrics_port"):
-        p.add_argument(flag_name(name), dest=name, type=int, default=None)
+        p.add_argument(flag_name(name), dest=name, type=_port, default=None)
     p.add_argument("--etcd-compaction-retention", default=None,
                    help="history the local etcd keeps before compacting it (default 1h)")
     p.set_defaults(fn=cmd_up)
@@ -524,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HloProto/HloModuleProto, StableHLO text or MLIR bytecode (- for stdin)")
     p.add_argument("--include-metadata", action="store_true",
                    help="keep debug metadata and names in the key")
+    p.add_argument("--raw", action="store_true",
+                   help="key a file that is not a program by its raw bytes instead of failing")
     p.set_defaults(fn=cmd_key)
 
     p = sub.add_parser("explain", help="say which key components of two programs (files, or "
@@ -622,7 +643,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compilecast {args.command}: cannot use {exc.filename}: "
                   f"{exc.strerror or exc}", file=sys.stderr)
             return 1
-        raise
+        # Anything else is a bug of ours, not the user's input: one line, and
+        # the traceback where asked for.
+        logging.getLogger("compilecast").debug("compilecast %s failed", args.command,
+                                               exc_info=True)
+        print(f"compilecast {args.command}: failed: {type(exc).__name__}: {exc} "
+              "(--log-level debug shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ came from for `compilecast config`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -150,6 +151,9 @@ class CoordinatorConfig:
     def validate(self) -> None:
         _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
                   "local_marker_ttl_s", "max_artifact_bytes")
+        _at_most(self, MAX_LEASE_TTL_S, "lease_ttl_s", "local_marker_ttl_s")
+        _not_negative(self, "designated_grace_s", "hedge_factor", "hedge_min_s")
+        _port(self, "metrics_port")
         _not_negative(self, "store_max_bytes", "store_min_free_bytes")
         _positive(self, "store_scan_s")
         _not_negative(self, "index_sweep_s", "key_record_days")
@@ -267,6 +271,7 @@ class WorkerConfig:
     def validate(self) -> None:
         _positive(self, "cache_max_bytes", "rpc_timeout_s", "revocation_poll_s",
                   "cache_free_check_s")
+        _port(self, "metrics_port")
         if self.relay_listen:
             _hostport(self.relay_listen, "relay_listen")
         if self.relay_advertise:
@@ -282,6 +287,21 @@ class WorkerConfig:
         if not self.listen.startswith("unix://"):
             _hostport(self.listen, "listen")
         _hostport(self.coordinator, "coordinator")
+
+
+# etcd's longest lease (MaxLeaseTTL); a TTL beyond it is refused on every grant.
+MAX_LEASE_TTL_S = 9_000_000_000
+
+
+def _at_most(cfg: Any, limit: float, *names: str) -> None:
+    for n in names:
+        if getattr(cfg, n) > limit:
+            raise ConfigError(f"{n} must be at most {limit}, got {getattr(cfg, n)!r}")
+
+
+def _port(cfg: Any, name: str) -> None:
+    if not 0 <= getattr(cfg, name) <= 65535:
+        raise ConfigError(f"{name} must be a port in 0-65535, got {getattr(cfg, name)!r}")
 
 
 def _positive(cfg: Any, *names: str) -> None:
@@ -312,6 +332,8 @@ def _hostport(value: str, name: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ConfigError(f"{name} {value!r} is not host:port")
+    if int(port) > 65535:
+        raise ConfigError(f"{name} {value!r}: port {port} is not in 0-65535")
 
 
 def env_name(name: str) -> str:
@@ -358,10 +380,37 @@ def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
         if text in _TRUE | _FALSE:
             return text in _TRUE
         raise ConfigError(f"{f.name}={raw!r} from {source} is not a boolean (true/false)")
+    # A YAML file's values come typed: take them only as what they are (a map
+    # is no string, 2.7 no integer, true no number).
+    wrong = isinstance(raw, (bool, dict, list)) or raw is None \
+        or (typ is str and not isinstance(raw, (str, int))) \
+        or (typ is int and isinstance(raw, float))
     try:
-        return typ(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{f.name}={raw!r} from {source} is not a valid {typ.__name__}") from None
+        value = None if wrong else typ(raw)
+    except (TypeError, ValueError, OverflowError):
+        value = None
+    if value is None or (typ is float and not math.isfinite(value)) \
+            or (typ is int and not -2**63 <= value < 2**63):
+        kind = {int: "an integer", float: "a finite number", str: "a string"}.get(typ, typ.__name__)
+        raise ConfigError(f"{f.name}={raw!r} from {source} is not {kind}")
+    return value
+
+
+def read_yaml(path: str, what: str) -> Any:
+    """A YAML file's content; ConfigError naming `what` when it cannot be
+    read or is not UTF-8 YAML."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not UTF-8 text") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path} is not valid YAML: "
+                          f"{' '.join(str(exc).split())[:300]}") from None
 
 
 def load(cls: type, *, flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
@@ -373,17 +422,11 @@ def load(cls: type, *, flags: dict[str, Any] | None = None, env: dict[str, str] 
     env = os.environ if env is None else env
     file_values: dict[str, Any] = {}
     if file:
-        try:
-            with open(file) as fh:
-                file_values = yaml.safe_load(fh) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {file} is not valid YAML: {exc}") from None
+        file_values = read_yaml(file, "config file") or {}
         if not isinstance(file_values, dict):
             raise ConfigError(f"config file {file} must hold a mapping of settings")
     known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(file_values) - set(known)
+    unknown = {str(k) for k in file_values if k not in known}
     if unknown:
         raise ConfigError(f"unknown settings in {file}: {', '.join(sorted(unknown))}")
     values: dict[str, Any] = {}

@@ -26,9 +26,8 @@ import re
 from dataclasses import dataclass
 
 import grpc
-import yaml
 
-from compilecast.config import ConfigError
+from compilecast.config import ConfigError, read_yaml
 from compilecast.errors import PermissionDenied, Unauthenticated
 
 TENANT_RE = re.compile(r"^[a-z0-9-]{1,63}\Z")
@@ -77,23 +76,28 @@ class Authenticator:
                 raise ConfigError("no auth_tokens_file: set one, or allow_unauthenticated "
                                   "explicitly (loopback and tests only)")
             return cls({}, True)
-        try:
-            with open(path) as f:
-                doc = yaml.safe_load(f) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read auth_tokens_file {path}: {exc.strerror}") from None
+        doc = read_yaml(path, "auth_tokens_file") or {}
+        entries = doc.get("tokens") if isinstance(doc, dict) else None
+        if not isinstance(entries, list):
+            raise ConfigError(f"auth_tokens_file {path} must hold a mapping with a list "
+                              "'tokens' of {name, sha256, tenant, permissions}")
         by_digest: dict[str, Principal] = {}
-        for i, entry in enumerate(doc.get("tokens") or []):
+        for i, entry in enumerate(entries):
             where = f"{path}: tokens[{i}]"
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{where} must be a mapping of name, sha256, tenant, "
+                                  "permissions")
             digest = str(entry.get("sha256", "")).lower()
             if not re.fullmatch(r"[0-9a-f]{64}", digest):
                 raise ConfigError(f"{where}: sha256 must be 64 hex characters")
             tenant = str(entry.get("tenant", ""))
             if not TENANT_RE.match(tenant):
                 raise ConfigError(f"{where}: tenant {tenant!r} must match [a-z0-9-]{{1,63}}")
-            perms = set(entry.get("permissions") or [])
-            if not perms or perms - PERMISSIONS:
-                raise ConfigError(f"{where}: permissions must be a subset of {sorted(PERMISSIONS)}")
+            perms = entry.get("permissions")
+            if not isinstance(perms, list) or not perms \
+                    or not all(isinstance(p, str) for p in perms) or set(perms) - PERMISSIONS:
+                raise ConfigError(f"{where}: permissions must be a list, a subset of "
+                                  f"{sorted(PERMISSIONS)}")
             by_digest[digest] = Principal(str(entry.get("name", f"token-{i}")), tenant,
                                           can_publish="publish" in perms,
                                           can_admin="admin" in perms)

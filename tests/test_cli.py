@@ -7,6 +7,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from .conftest import eventually, key_recorded
 
 
@@ -279,23 +283,34 @@ def test_key_goes_on_past_a_file_it_cannot_read(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_key_says_when_a_file_is_not_a_program(tmp_path):
-    junk = tmp_path / "notes.txt"
-    junk.write_text("not a program\n")
-    r = cc("key", str(junk))
-    assert r.returncode == 0
-    assert f"  {junk}  (unparsed, keyed by raw bytes: not valid hlo-proto: " in r.stdout
+@pytest.mark.parametrize("content", [b"", b"not a program\n", bytes(range(256)) * 4])
+def test_key_refuses_a_file_that_is_not_a_program(tmp_path, content):
+    junk = tmp_path / "notes.bin"
+    junk.write_bytes(content)
+    good = _fixture("mlp.hlo.pb")
+    r = cc("key", str(junk), good)
+    assert r.returncode == 1
+    assert r.stdout.count("\n") == 1 and r.stdout.rstrip().endswith(f"  {good}")
+    assert r.stderr.startswith(f"compilecast: {junk}: not a program (") and \
+        r.stderr.rstrip().endswith("; --raw keys its bytes") and r.stderr.count("\n") == 1
+    raw = cc("key", "--raw", str(junk))
+    assert raw.returncode == 0 and f"  {junk}  (unparsed, keyed by raw bytes: " in raw.stdout
 
 
 def test_key_says_why_a_damaged_program_was_not_parsed(tmp_path):
-    """A dump cut short keys by its raw bytes, and says what the parser
-    found wrong; the whole dump is parsed and says nothing."""
+    """A dump cut short is not a program: it says what the parser found
+    wrong (with --raw, it is keyed by its raw bytes); the whole dump is
+    parsed and says nothing."""
     whole = _fixture("mlp.hlo.pb")
     with open(whole, "rb") as f:
         data = f.read()
     cut = tmp_path / "cut.hlo.pb"
     cut.write_bytes(data[:len(data) // 2])
     r = cc("key", whole, str(cut))
+    assert r.returncode == 1
+    assert r.stdout.rstrip().endswith(f"  {whole}")
+    assert "not valid hlo-proto: field runs past the end of its message" in r.stderr
+    r = cc("key", "--raw", whole, str(cut))
     assert r.returncode == 0, r.stderr
     first, second = r.stdout.splitlines()
     assert first.endswith(f"  {whole}")
@@ -305,13 +320,15 @@ def test_key_says_why_a_damaged_program_was_not_parsed(tmp_path):
 
 def test_key_of_hlo_text_says_to_dump_protos(tmp_path):
     """XLA's default dump is HLO text, whose printer elides large constants:
-    keyed by its raw bytes (never two programs on one key), and told how to
-    get a canonical key."""
+    not keyed canonically, and told how to get a canonical key (with --raw,
+    keyed by its raw bytes: never two programs on one key)."""
     text = tmp_path / "module_0001.jit_f.before_optimizations.txt"
     text.write_text("HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}\n\n"
                     "ENTRY main.3 {\n  Arg_0.1 = f32[4]{0} parameter(0)\n"
                     "  ROOT sine.2 = f32[4]{0} sine(Arg_0.1)\n}\n")
     r = cc("key", str(text))
+    assert r.returncode == 1 and "--xla_dump_hlo_as_proto" in r.stderr
+    r = cc("key", "--raw", str(text))
     assert r.returncode == 0, r.stderr
     assert r.stdout.endswith(f"  {text}  (unparsed, keyed by raw bytes: HLO text is not keyed "
                              "canonically (its printer elides large constants); dump with "
@@ -484,3 +501,108 @@ def test_a_server_that_answered_an_error_is_not_called_unreachable():
     late = Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
     assert str(_rpc_failed("w", late)) == \
         f"w: unreachable (DEADLINE_EXCEEDED: Deadline Exceeded); {SERVER_HINT}"
+
+
+# -- bad input: a one-line message, never a traceback ---------------------------
+
+def _bad_files(tmp_path) -> dict[str, str]:
+    files = {"int-keys": "1: 2\n", "not-yaml": "tokens: [\n", "a-list": "- a\n- b\n",
+             "strings": "tokens: [just-a-string]\n",
+             "perms-5": f"tokens: [{{sha256: '{'a' * 64}', tenant: a, permissions: 5}}]\n"}
+    out = {}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        out[name] = str(tmp_path / name)
+    (tmp_path / "binary").write_bytes(bytes(range(256)))
+    out["binary"] = str(tmp_path / "binary")
+    return out
+
+
+BAD_INPUTS = [
+    (["worker", "--metrics-port", "70000"], "metrics_port must be a port in 0-65535"),
+    (["coordinator", "--allow-unauthenticated", "1", "--metrics-port", "70000"],
+     "metrics_port must be a port in 0-65535"),
+    (["coordinator", "--allow-unauthenticated", "1", "--listen", "127.0.0.1:99999"],
+     "port 99999 is not in 0-65535"),
+    (["up", "--etcd-port", "99999"], "99999 is not a port in 0-65535"),
+    (["--log-level", "garbage", "status"], "invalid choice: 'garbage'"),
+    (["coordinator", "--config", "{int-keys}"], "unknown settings in"),
+    (["worker", "--config", "{binary}"], "is not UTF-8 text"),
+    (["coordinator", "--config", "{binary}"], "is not UTF-8 text"),
+    (["coordinator", "--etcd-endpoints", "127.0.0.1:9", "--auth-tokens-file", "{not-yaml}"],
+     "is not valid YAML"),
+    (["coordinator", "--etcd-endpoints", "127.0.0.1:9", "--auth-tokens-file", "{a-list}"],
+     "must hold a mapping with a list 'tokens'"),
+    (["coordinator", "--etcd-endpoints", "127.0.0.1:9", "--auth-tokens-file", "{strings}"],
+     "tokens[0] must be a mapping"),
+    (["coordinator", "--etcd-endpoints", "127.0.0.1:9", "--auth-tokens-file", "{perms-5}"],
+     "permissions must be a list"),
+    (["coordinator", "--etcd-endpoints", "127.0.0.1:9", "--auth-tokens-file", "{binary}"],
+     "is not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUTS)
+def test_bad_input_is_one_line_not_a_traceback(tmp_path, args, message):
+    files = _bad_files(tmp_path)
+    r = cc(*[a.format(**files) for a in args])
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and message in r.stderr.splitlines()[-1], r.stderr
+
+
+def _in_process(argv: list[str]) -> tuple[int, str]:
+    """compilecast's main in this process: its status and what it wrote."""
+    import contextlib
+    import io
+
+    from compilecast import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
+    return code, err.getvalue()
+
+
+config_values = st.one_of(st.text(max_size=30), st.integers(-2**70, 2**70).map(str),
+                          st.floats(allow_nan=True, allow_infinity=True).map(str),
+                          st.sampled_from(["nan", "-inf", "1e23", "99999", "0", "-1", "yes",
+                                           "127.0.0.1:99999", "[1]", "{a: 1}", ""]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(role=st.sampled_from(["coordinator", "worker"]), data=st.data())
+def test_any_setting_value_is_taken_or_refused_in_one_line(role, data):
+    """`compilecast config ROLE --SETTING VALUE` for any setting and any value:
+    printed, or refused as a configuration error; never an error of ours."""
+    import dataclasses
+
+    from compilecast.config import CoordinatorConfig, WorkerConfig, flag_name
+
+    cls = CoordinatorConfig if role == "coordinator" else WorkerConfig
+    name = data.draw(st.sampled_from([f.name for f in dataclasses.fields(cls)]))
+    value = data.draw(config_values)
+    argv = ["config", role, flag_name(name), value]
+    if role == "coordinator" and name != "allow_unauthenticated":
+        argv += ["--allow-unauthenticated", "true"]
+    code, err = _in_process(argv)
+    assert code in (0, 2), (argv, code, err)
+    assert "shows where" not in err and "Traceback" not in err, (argv, err)
+
+
+@settings(max_examples=150, deadline=None)
+@given(argv=st.lists(st.one_of(st.sampled_from(
+    ["key", "explain", "ls", "purge", "precompile", "status", "config", "--raw", "--json",
+     "--digest", "--timeout", "--worker", "--coordinator", "--topology", "--entry", "--replay",
+     "--sort", "--check", "-", "--log-level", "--log-format", "x:y", "0", "-1", "nan"]),
+    st.text(max_size=12)), max_size=6))
+def test_any_command_line_is_answered_without_a_traceback(argv):
+    """Random command lines against no server (status, ls and the like find
+    nothing listening): a status and a message, never an error of ours."""
+    argv = [a for a in argv if a != "-"]  # (stdin: the test's own)
+    argv = [*argv, "--timeout", "0.2"] if argv[:1] == ["status"] else argv
+    code, err = _in_process(["--log-level", "critical", *argv] if argv[:1] == ["up"] else argv)
+    assert isinstance(code, int), (argv, code)
+    assert "shows where" not in err and "Traceback" not in err, (argv, err)

@@ -33,6 +33,13 @@ def test_flag_beats_env_beats_file_beats_default(tmp_path):
     ({"COMPILECAST_STORE_MAX_BYTES": "1Gi"}, "store_max_bytes (1073741824) must be 0"),
     ({"COMPILECAST_INDEX_SWEEP_S": "-5"}, "index_sweep_s must be >= 0"),
     ({"COMPILECAST_KEY_RECORD_DAYS": "-1"}, "key_record_days must be >= 0"),
+    ({"COMPILECAST_LISTEN": "127.0.0.1:99999"}, "listen '127.0.0.1:99999': port 99999 is not"),
+    ({"COMPILECAST_METRICS_PORT": "70000"}, "metrics_port must be a port in 0-65535"),
+    ({"COMPILECAST_DESIGNATED_GRACE_S": "-1"}, "designated_grace_s must be >= 0"),
+    ({"COMPILECAST_DESIGNATED_GRACE_S": "nan"}, "designated_grace_s='nan' from env"),
+    ({"COMPILECAST_HEDGE_FACTOR": "inf"}, "HEDGE_FACTOR is not a finite number"),
+    ({"COMPILECAST_LEASE_TTL_S": "1e23"}, "LEASE_TTL_S is not an integer"),
+    ({"COMPILECAST_LEASE_TTL_S": "99999999999"}, "lease_ttl_s must be at most 9000000000"),
 ])
 def test_bad_values_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -97,9 +104,9 @@ GOOD_DIGEST = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
     ({"sha256": GOOD_DIGEST, "tenant": "team-a\n", "permissions": ["read"]},
      "tokens[0]: tenant 'team-a\\n' must match"),
     ({"sha256": GOOD_DIGEST, "tenant": "team-a", "permissions": []},
-     "tokens[0]: permissions must be a subset"),
+     "tokens[0]: permissions must be a list, a subset"),
     ({"sha256": GOOD_DIGEST, "tenant": "team-a", "permissions": ["read", "root"]},
-     "tokens[0]: permissions must be a subset"),
+     "tokens[0]: permissions must be a list, a subset"),
 ])
 def test_a_bad_tokens_file_is_a_readable_error(tmp_path, entry, message):
     from compilecast.coordinator.auth import Authenticator
@@ -107,6 +114,53 @@ def test_a_bad_tokens_file_is_a_readable_error(tmp_path, entry, message):
     path = tmp_path / "tokens.yaml"
     path.write_text(yaml.safe_dump({"tokens": [entry]}))
     with pytest.raises(ConfigError, match=re.escape(f"{path}: {message}")):
+        Authenticator.from_file(str(path), allow_unauthenticated=False)
+
+
+@pytest.mark.parametrize(("yaml_text", "message"), [
+    ("lease_ttl_s: 2.7\n", "lease_ttl_s=2.7 from file"),
+    ("lease_ttl_s: 100000000000000000000000\n", "lease_ttl_s=100000000000000000000000 from"),
+    ("lease_ttl_s: true\n", "lease_ttl_s=True from file"),
+    ("etcd_endpoints: {a: 1}\n", "etcd_endpoints={'a': 1} from file"),
+    ("etcd_prefix: [/a]\n", "etcd_prefix=['/a'] from file"),
+    ("designated_grace_s: .nan\n", "designated_grace_s=nan from file"),
+    ("1: 2\n", "unknown settings in"),
+    ("- a\n- b\n", "must hold a mapping of settings"),
+    ("a: [\n", "is not valid YAML"),
+])
+def test_a_config_file_value_is_taken_only_as_what_it_is(tmp_path, yaml_text, message):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1"}, file=str(f))
+
+
+def test_a_binary_config_file_is_a_readable_error(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load(WorkerConfig, env={}, file=str(f))
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("tokens: [\n", "is not valid YAML"),
+    ("- a\n- b\n", "must hold a mapping with a list 'tokens'"),
+    ("tokens: 5\n", "must hold a mapping with a list 'tokens'"),
+    ("tokens: [just-a-string]\n", "tokens[0] must be a mapping"),
+    (f"tokens: [{{sha256: {GOOD_DIGEST}, tenant: a, permissions: 5}}]\n",
+     "tokens[0]: permissions must be a list"),
+    (f"tokens: [{{sha256: {GOOD_DIGEST}, tenant: a, permissions: [[read]]}}]\n",
+     "tokens[0]: permissions must be a list"),
+])
+def test_a_malformed_tokens_file_is_a_readable_error(tmp_path, content, message):
+    from compilecast.coordinator.auth import Authenticator
+
+    path = tmp_path / "tokens.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Authenticator.from_file(str(path), allow_unauthenticated=False)
+    path.write_bytes(b"\xff\xfe" + bytes(range(200)))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
         Authenticator.from_file(str(path), allow_unauthenticated=False)
 
 
