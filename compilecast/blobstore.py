@@ -64,7 +64,14 @@ from typing import Any, TypeVar
 import zstandard
 
 from compilecast import validate
-from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, StoreFull, TooLarge
+from compilecast.errors import (
+    CorruptBlob,
+    DigestMismatch,
+    InvalidRequest,
+    NotFound,
+    StoreFull,
+    TooLarge,
+)
 from compilecast.wire import Zstd
 
 log = logging.getLogger(__name__)
@@ -752,8 +759,46 @@ class DiskBlobStore:
                 self._trust(digest, stat(), since)
         return since is not None
 
+    def verify(self, digest: str) -> bool:
+        """Hash a blob as a read does, without counting as a read (its place
+        in the eviction order stays): False when it proved corrupt (and is
+        quarantined now). NotFound when it is gone."""
+        try:
+            for _ in self.read(digest, scrub=True):
+                pass
+        except CorruptBlob:
+            return False
+        return True
+
+    def scrub(self, bytes_per_s: float, stop: threading.Event,
+              on_corrupt: Callable[[str], None] | None = None) -> tuple[int, int]:
+        """One pass over every blob, oldest read first, verifying each
+        (`verify`) at most `bytes_per_s` stored bytes a second: blobs nobody
+        reads are found corrupt too, not only when a reader finally asks.
+        Ends early when `stop` is set. (blobs verified, blobs quarantined)."""
+        checked = corrupt = 0
+        started, done = time.monotonic(), 0
+        for _, size, path in self._scan():
+            if stop.is_set():
+                break
+            digest = path.name.split(".")[0]
+            try:
+                ok = self.verify(digest)
+            except (NotFound, InvalidRequest, OSError):  # evicted meanwhile, or not one of ours
+                continue
+            checked += 1
+            if not ok:
+                corrupt += 1
+                if on_corrupt is not None:
+                    on_corrupt(digest)
+            done += size
+            ahead = done / bytes_per_s - (time.monotonic() - started)
+            if ahead > 0 and stop.wait(ahead):
+                break
+        return checked, corrupt
+
     def read(self, digest: str, chunk_size: int = CHUNK, *, offset: int = 0,
-             as_stored: bool = False) -> Iterator[bytes]:
+             as_stored: bool = False, scrub: bool = False) -> Iterator[bytes]:
         """Yield the uncompressed bytes of a blob from `offset` on, verifying its digest.
         With `as_stored` (and offset 0), a blob stored as zstd is yielded as
         it is stored, in Zstd chunks (which decode to the blob), and verified
@@ -768,6 +813,7 @@ class DiskBlobStore:
         changed since (inode, size, mtime, ctime), is not hashed again: its
         readers verify what they receive anyway, and on a busy coordinator
         the second hash of every byte costs a core's worth of throughput.
+        `scrub`: hash every byte, and leave the file's read time as it is.
         """
         validate.digest(digest)
         path = self.path_of(digest)
@@ -778,7 +824,8 @@ class DiskBlobStore:
         h = Sha256()  # a big blob's hashing overlaps its reading and decoding
         try:
             started = time.monotonic()
-            trusted = self._touch(digest, path, lambda: os.fstat(f.fileno()))
+            # A scrub hashes every byte and leaves the file as it was.
+            trusted = not scrub and self._touch(digest, path, lambda: os.fstat(f.fileno()))
             raw = f.read(len(RAW_MAGIC)) == RAW_MAGIC
             if raw and trusted and offset:
                 f.seek(len(RAW_MAGIC) + offset)

@@ -100,6 +100,11 @@ class CoordinatorConfig:
         metadata=_help("serve a blob this process wrote or verified, in an unchanged file, "
                        "without hashing it again for this many seconds (0: hash every read; "
                        "clients verify every byte either way)"))
+    scrub_bytes_per_s: int = field(
+        default=16 << 20,
+        metadata=_help("verify stored blobs nobody reads in the background at most this many "
+                       "stored bytes a second, quarantining the corrupt ones (e.g. 16Mi; 0: "
+                       "off); a pass over the store, then one every store_scan_s"))
     hedge_factor: float = field(
         default=3.0,
         metadata=_help("hedge a holder compiling longer than this many times the program's "
@@ -154,7 +159,7 @@ class CoordinatorConfig:
         _at_most(self, MAX_LEASE_TTL_S, "lease_ttl_s", "local_marker_ttl_s")
         _not_negative(self, "designated_grace_s", "hedge_factor", "hedge_min_s")
         _port(self, "metrics_port")
-        _not_negative(self, "store_max_bytes", "store_min_free_bytes")
+        _not_negative(self, "store_max_bytes", "store_min_free_bytes", "scrub_bytes_per_s")
         _positive(self, "store_scan_s")
         _not_negative(self, "index_sweep_s", "key_record_days")
         if 0 < self.store_max_bytes < self.max_artifact_bytes:

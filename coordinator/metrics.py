@@ -94,6 +94,11 @@ class CoordinatorMetrics:
             "Stored blobs that failed digest verification and were quarantined",
             registry=registry,
         )
+        self.scrubbed = Counter(
+            "compilecast_coordinator_scrubbed_blobs",
+            "Stored blobs the background scrub verified",
+            registry=registry,
+        )
         self.tasks = Counter(
             "compilecast_coordinator_farm_tasks",
             "Compile-farm tasks by event (submitted, claimed, done, failed)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 
 from prometheus_client import CollectorRegistry
 
@@ -44,6 +45,8 @@ class Coordinator(Role):
         self.port = 0
         self._metrics_server = None
         self._store_scans: asyncio.Task | None = None
+        self._scrubs: asyncio.Task | None = None
+        self._scrub_stop = threading.Event()
         self._sweeps: asyncio.Task | None = None
         self._advising: asyncio.Task | None = None
 
@@ -74,6 +77,8 @@ class Coordinator(Role):
         await self.server.start()
         await set_serving(self.health, True)
         self._store_scans = asyncio.create_task(self._scan_store())
+        if cfg.scrub_bytes_per_s:
+            self._scrubs = asyncio.create_task(self._scrub_store())
         self._sweeps = (asyncio.create_task(self._sweep_index()) if cfg.index_sweep_s > 0
                         else None)
         self._advising = asyncio.create_task(self.advice.run())
@@ -113,6 +118,25 @@ class Coordinator(Role):
             except OSError as exc:
                 log.warning("artifact store scan failed: %s", exc)
 
+    async def _scrub_store(self) -> None:
+        """Verify the store's blobs in the background, scrub_bytes_per_s at
+        most, a pass store_scan_s after the last: the corrupt ones are quarantined,
+        and their keys compile again when next asked for."""
+        loop = asyncio.get_running_loop()
+        stop = self._scrub_stop
+        while not stop.is_set():
+            await asyncio.sleep(self.cfg.store_scan_s)
+            try:
+                checked, corrupt = await loop.run_in_executor(
+                    None, self.store.scrub, self.cfg.scrub_bytes_per_s, stop,
+                    lambda digest: self.metrics.corrupt_blobs.inc())
+                self.metrics.scrubbed.inc(checked)
+                if corrupt:
+                    log.error("store scrub: %d of %d blobs were corrupt and are quarantined",
+                              corrupt, checked)
+            except Exception:  # a bug must not end the scrubs, nor the replica
+                log.exception("store scrub failed (the next pass tries again)")
+
     async def _sweep_index(self) -> None:
         """Sweep etcd's index every index_sweep_s (coordinator/sweep.py),
         replicas at staggered times. The first sweep comes at a random point
@@ -129,7 +153,8 @@ class Coordinator(Role):
             await asyncio.sleep(self.cfg.index_sweep_s * random.uniform(0.8, 1.2))
 
     async def _release(self) -> None:
-        for task in (self._store_scans, self._sweeps, self._advising):
+        self._scrub_stop.set()
+        for task in (self._store_scans, self._sweeps, self._advising, self._scrubs):
             if task is not None:
                 task.cancel()
         if self.data_plane is not None:

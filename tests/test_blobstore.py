@@ -524,3 +524,22 @@ def test_a_durable_writer_has_its_bytes_written_out_as_it_goes(tmp_path, monkeyp
         assert len(asked) == 1  # refused the first time: never asked again
         w.write(os.urandom(4 << 20))
         assert len(asked) == 1
+
+
+def test_a_scrub_quarantines_corrupt_blobs_nobody_reads_and_leaves_the_read_order(tmp_path):
+    import threading
+
+    from .conftest import flip_middle_byte
+
+    store = DiskBlobStore(tmp_path, max_bytes=1 << 30)
+    digests = [store.put_bytes(os.urandom(100_000)) for _ in range(3)]
+    flip_middle_byte(store.path_of(digests[1]))
+    before = {d: os.stat(store.path_of(d)).st_mtime_ns for d in (digests[0], digests[2])}
+    found = []
+    assert store.scrub(1e12, threading.Event(), found.append) == (3, 1)
+    assert found == [digests[1]] and not store.has(digests[1])
+    assert [p.name.split(".")[0] for p in store.quarantine_dir.iterdir()] == [digests[1]]
+    assert {d: os.stat(store.path_of(d)).st_mtime_ns for d in before} == before
+    stopped = threading.Event()
+    stopped.set()
+    assert store.scrub(1e12, stopped) == (0, 0)  # a stop ends the pass

@@ -237,6 +237,61 @@ def test_flipped_bytes_are_detected_never_served_and_counted(coordinator, start_
     assert via_worker.acquire("k").decision == pb.COMPILE
 
 
+def test_the_run_that_finds_both_copies_corrupt_compiles_and_republishes(coordinator,
+                                                                         start_worker):
+    """The host's copy and the coordinator's are both bad: the process that
+    finds them so is the one granted the compile, and its publish replaces
+    them; the next process hits the new bytes."""
+    import jax
+
+    from compilecast.worker.jax_integration import CompilecastCache
+
+    from .conftest import flip_middle_byte
+
+    worker = start_worker(coordinator.cfg.listen, store_reverify_s=0)
+    c = CacheClient(coordinator.cfg.listen)
+    data = os.urandom(1 << 20)
+    c.publish("k", c.acquire("k").lease, data, 1.0)
+    digest = hashlib.sha256(data).hexdigest()
+    assert CacheClient(worker.target).fetch("k")[1] == data  # now in the host cache too
+    flip_middle_byte(coordinator.store.path_of(digest))
+    flip_middle_byte(worker.cache.store.path_of(digest))
+    cache = CompilecastCache(worker.target)
+    with cache.acquiring("k"):
+        assert cache.get("k") is None  # a miss, under this process's lease
+    assert cache.stats.compiles == 1 and cache.stats.fallbacks == 0, cache.stats
+    fresh = os.urandom(1 << 20)
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        cache.compile("k", "jit_f", False, run=lambda: "executable",
+                      serialize=lambda executable, seconds: fresh)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+    assert cache.stats.published == 1, cache.stats
+    assert CacheClient(worker.target).fetch("k")[1] == fresh
+    cache.client.close()
+
+
+def test_the_scrub_finds_a_corrupt_blob_nobody_reads(start_coordinator):
+    """A blob nobody asks for (a stored recipe, a cold artifact) is verified
+    in the background: a corrupt one is quarantined and counted, and its key
+    compiles again when next asked for."""
+    from .conftest import eventually, flip_middle_byte
+
+    coordinator = start_coordinator(scrub_bytes_per_s=1 << 30, store_scan_s=0.2)
+    c = CacheClient(coordinator.cfg.listen)
+    data = os.urandom(1 << 20)
+    c.publish("k", c.acquire("k").lease, data, 1.0)
+    flip_middle_byte(coordinator.store.path_of(hashlib.sha256(data).hexdigest()))
+    eventually(lambda: coordinator.registry.get_sample_value(
+        "compilecast_coordinator_corrupt_blobs_total") == 1, "the scrub finds it", 30.0)
+    assert coordinator.registry.get_sample_value(
+        "compilecast_coordinator_scrubbed_blobs_total") >= 1
+    assert c.acquire("k").decision == pb.COMPILE
+    c.close()
+
+
 def test_a_host_cache_removed_under_a_running_worker_is_made_again(coordinator, start_worker):
     """`rm -rf` of the host cache while the worker runs (an operator freeing a
     disk): the next fetch downloads into a cache made again, at once, and

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from compilecast.config import default_worker_target
+from compilecast.errors import CorruptBlob
 from compilecast.grpcutil import unreachable
 from compilecast.v1 import cache_pb2 as pb
 
@@ -153,6 +154,9 @@ class _Held:
 
 
 MAX_DESCRIBED = 256
+# A HIT is asked for again after its copy proves bad: the host cache's, then
+# the coordinator's, then the answer is a COMPILE.
+CORRUPT_ASKS = 3
 
 
 class CompilecastCache(jax_adapter.CacheInterface):
@@ -273,10 +277,10 @@ class CompilecastCache(jax_adapter.CacheInterface):
                                   pb.LOCAL_CAUSE_BELOW_THRESHOLD)
             return None
         ident = self._identity(program)
-        resp = self.client.acquire(key, components=components, program_name=name,
-                                   key_seconds=key_s, identity=ident)
-        if resp.decision == pb.HIT:
-            return self._fetch_hit(key, resp.artifact)
+        data, resp = self._hit_or_answer(key, dict(components=components, program_name=name,
+                                                   key_seconds=key_s, identity=ident))
+        if data is not None:
+            return data
         if resp.decision == pb.COMPILE:
             self._hold(key, resp.lease, ident, inputs)
             return None
@@ -297,6 +301,27 @@ class CompilecastCache(jax_adapter.CacheInterface):
             return None
         self._compile_locally(key, resp.reason, resp.local_cause)
         return None
+
+    def _hit_or_answer(self, key: str, ask: dict) -> tuple[bytes | None, pb.AcquireResponse]:
+        """Ask for `key`: the verified bytes of a HIT, or the answer that is
+        not one. A HIT whose copy proves corrupt or gone (the host's, then
+        the coordinator's: each is dropped where it is found bad) is asked
+        again, so that this process, which found it, compiles the program in
+        its place rather than a later run."""
+        for attempt in range(CORRUPT_ASKS):
+            resp = self.client.acquire(key, **ask)
+            if resp.decision != pb.HIT:
+                return None, resp
+            try:
+                return self._fetch_hit(key, resp.artifact), resp
+            except (grpc.RpcError, CorruptBlob) as exc:
+                code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.DATA_LOSS
+                if code not in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND) \
+                        or attempt + 1 == CORRUPT_ASKS:
+                    raise
+                log.warning("compilecast: the stored copy of %s is bad or gone (%s); asking "
+                            "again", key, code.name, extra={"key": key})
+        raise AssertionError("unreachable")
 
     def _compile_locally(self, key: str, reason: str, cause: int) -> None:
         self.stats.local_compiles += 1
