@@ -73,8 +73,12 @@ class _AotHooks:
             raise _Probed()
         return key.value
 
-    def acquiring(self, key: str) -> contextlib.AbstractContextManager[None]:
+    def acquiring(self, key: str,
+                  program: jax_adapter.Program | None = None) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def failed(self, where: str, exc: BaseException) -> None:
+        raise exc  # ahead of time, a failure is the command's to report
 
     def compile(self, key: str, module_name: str, has_host_callbacks: bool,
                 run: Callable[[], Any], serialize: Callable[[Any, float], bytes]) -> Any:
