@@ -59,6 +59,7 @@ bench: install
 	$(PY) bench/publish_overlap.py --upload-mbps 0 50
 	$(PY) bench/warm_start.py
 	$(PY) bench/small_compiles.py --pairs 3
+	$(PY) bench/job_shapes.py --n 3 --rounds 3
 	$(PY) bench/waiters.py --n 63 --rounds 2
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --n 16 --tpu-baseline-max 0 --tpu-pairs 2 --tpu-host-workers
 	$(PY) bench/fetch.py
@@ -111,6 +112,7 @@ bench-smoke: install
 	$(PY) bench/cold_fetch.py --mb 8 --pairs 1 --processes 2
 	$(PY) bench/waiters.py --n 3 --mb 4 --rounds 1 --idle-s 1
 	$(PY) bench/small_compiles.py --programs 2 --pairs 1
+	$(PY) bench/job_shapes.py --n 2 --rounds 1
 	$(PY) bench/fanout.py --mb 8 --workers 3 --repeat 1
 	$(PY) bench/decisions.py --clients 20 --seconds 2 --streams 2
 	$(PY) bench/decisions.py --loadgen go --clients 50 --seconds 2 --streams 2 --rate 500 --components 11
