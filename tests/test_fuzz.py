@@ -246,3 +246,38 @@ def test_a_publish_stream_that_stops_without_closing_frees_the_server(target):
     ch.close()
     assert client.publish(key, lease, DATA, 1.0).digest == _digest()
     client.close()
+
+
+# -- the Decide stream: any sequence of messages, then the end ------------------
+
+decide_messages = st.one_of(
+    st.builds(pb.DecideRequest, id=st.integers(0, 5),
+              requests=st.lists(st.builds(pb.AcquireRequest, key=keys, requester=requesters),
+                                max_size=3),
+              answer_in_parts=st.booleans(), takes_bundles=st.booleans()),
+    st.builds(pb.DecideRequest, id=st.integers(0, 5),
+              wait=st.builds(pb.WaitRequest, key=keys, requester=requesters,
+                             timeout_ms=st.integers(-5, 300)),
+              until_publishing=st.booleans()),
+    st.builds(pb.DecideRequest, id=st.integers(0, 5), cancel=st.lists(st.integers(0, 5),
+                                                                      max_size=3)),
+)
+
+
+@FUZZ
+@given(msgs=st.lists(st.one_of(decide_messages.map(lambda m: m.SerializeToString()),
+                               st.binary(max_size=64)), max_size=6))
+def test_any_decide_stream_is_answered_and_ended(channel, msgs):
+    """Repeated ids, waits, cancels of unknown ids, undecodable messages, in
+    any order, then the client's end: the server answers and ends the
+    stream (an error status at worst), never INTERNAL, never left open."""
+    ident = lambda b: b  # noqa: E731
+    call = channel.stream_stream(SERVICE + "Decide", request_serializer=ident,
+                                 response_deserializer=ident)(iter(msgs), timeout=STREAM_TIMEOUT_S)
+    try:
+        for _ in call:
+            pass
+        code = grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        code = exc.code()
+    assert code not in BAD | {grpc.StatusCode.DEADLINE_EXCEEDED}, (msgs, code)
