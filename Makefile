@@ -32,6 +32,7 @@ demo: install
 	$(PY) -m compilecast.demo
 
 test: install
+	$(PY) -m ruff check .
 	$(HELM) lint --strict helm/compilecast
 	HELM=$(HELM) $(PY) -m pytest
 

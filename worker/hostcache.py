@@ -48,7 +48,8 @@ def _secret(path: Path) -> bytes:
     except FileExistsError:
         secret = path.read_bytes()
         if len(secret) != SECRET_BYTES:
-            raise ValueError(f"{path} is not a compilecast entry key ({len(secret)} bytes)")
+            raise ValueError(f"{path} is not a compilecast entry key ({len(secret)} bytes)") \
+                from None
         return secret
     secret = os.urandom(SECRET_BYTES)
     with os.fdopen(fd, "wb") as f:
