@@ -9,7 +9,7 @@ COPY compilecast ./compilecast
 COPY coordinator ./coordinator
 COPY worker ./worker
 COPY protos ./protos
-RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[jax]'
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[jax,s3]'
 
 FROM python:3.11-slim
 RUN useradd --uid 10001 --create-home compilecast

@@ -74,6 +74,17 @@ class CoordinatorConfig:
         default=30, metadata=_help("how long a 'compile locally' verdict for a key lasts")
     )
     max_artifact_bytes: int = field(default=4 << 30, metadata=_help("largest accepted artifact"))
+    store_type: str = field(
+        default="disk", metadata=_help(
+            "where artifact bytes live: disk (store_dir; replicas must share it) or s3 (a "
+            "bucket; store_dir is then each replica's own bounded cache in front of it)"))
+    s3_bucket: str = field(default="", metadata=_help("with store_type s3: the bucket"))
+    s3_prefix: str = field(default="compilecast", metadata=_help(
+        "with store_type s3: the key prefix under which objects go"))
+    s3_endpoint: str = field(default="", metadata=_help(
+        "with store_type s3: the endpoint URL (https://...; empty: AWS's); GCS through "
+        "https://storage.googleapis.com with HMAC keys, MinIO, Ceph RGW, SeaweedFS"))
+    s3_region: str = field(default="", metadata=_help("with store_type s3: the region"))
     store_max_bytes: int = field(
         default=0,
         metadata=_help("bound on the artifact store (e.g. 180Gi; keep it below the volume): "
@@ -162,6 +173,16 @@ class CoordinatorConfig:
         _not_negative(self, "store_max_bytes", "store_min_free_bytes", "scrub_bytes_per_s")
         _positive(self, "store_scan_s")
         _not_negative(self, "index_sweep_s", "key_record_days")
+        if self.store_type not in ("disk", "s3"):
+            raise ConfigError(f"store_type must be disk or s3, got {self.store_type!r}")
+        if self.store_type == "s3":
+            if not self.s3_bucket:
+                raise ConfigError("store_type s3 needs s3_bucket")
+            if not self.store_max_bytes:
+                raise ConfigError("store_type s3 needs store_max_bytes: the bound of this "
+                                  "replica's local cache in front of the bucket")
+            if self.s3_endpoint and not re.match(r"https?://[^/\s]+", self.s3_endpoint):
+                raise ConfigError(f"s3_endpoint {self.s3_endpoint!r} is not an http(s) URL")
         if 0 < self.store_max_bytes < self.max_artifact_bytes:
             raise ConfigError(f"store_max_bytes ({self.store_max_bytes}) must be 0 (unbounded) "
                               f"or at least max_artifact_bytes ({self.max_artifact_bytes})")

@@ -94,6 +94,28 @@ class CoordinatorMetrics:
             "Stored blobs that failed digest verification and were quarantined",
             registry=registry,
         )
+        self.bucket_seconds = Histogram(
+            "compilecast_coordinator_bucket_request_seconds",
+            "Requests to the object store's bucket, by operation",
+            ["op"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
+        )
+        self.bucket_errors = Counter(
+            "compilecast_coordinator_bucket_errors",
+            "Requests to the bucket that failed (refused, unreachable), by operation",
+            ["op"], registry=registry,
+        )
+        self.bucket_bytes = Counter(
+            "compilecast_coordinator_bucket_bytes",
+            "Artifact bytes moved to (upload) and from (get_bytes) the bucket",
+            ["op"], registry=registry,
+        )
+        self.bucket_local = Counter(
+            "compilecast_coordinator_bucket_local_reads",
+            "Reads of a bucket-backed store by whether this replica's local cache had the "
+            "blob (hit) or fetched it from the bucket (miss)",
+            ["result"], registry=registry,
+        )
         self.scrubbed = Counter(
             "compilecast_coordinator_scrubbed_blobs",
             "Stored blobs the background scrub verified",
@@ -193,6 +215,17 @@ class CoordinatorMetrics:
                 self.etcd_decision_seconds.labels(pb.Decision.Name(d).lower()))
             for d in pb.Decision.values() if d != pb.DECISION_UNSPECIFIED
         }
+
+    def observe_bucket(self, op: str, seconds: float, ok: bool, nbytes: int) -> None:
+        if op != "get_bytes":  # (a download's bytes, counted once it ends)
+            self.bucket_seconds.labels(op).observe(seconds)
+            if not ok:
+                self.bucket_errors.labels(op).inc()
+        if nbytes and op in ("upload", "get_bytes"):
+            self.bucket_bytes.labels(op).inc(nbytes)
+
+    def observe_local(self, hit: bool) -> None:
+        self.bucket_local.labels("hit" if hit else "miss").inc()
 
     def observe_etcd(self, method: str, seconds: float) -> None:
         """One etcd request's time (the Etcd client's `observe` hook)."""

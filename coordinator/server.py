@@ -41,6 +41,12 @@ class Coordinator(Role):
                                    max_bytes=cfg.store_max_bytes or None,
                                    min_free=cfg.store_min_free_bytes,
                                    on_evict=lambda _size: self.metrics.store_evictions.inc())
+        if cfg.store_type == "s3":
+            from compilecast.objectstore import Bucket, BucketStore
+
+            bucket = Bucket(cfg.s3_bucket, prefix=cfg.s3_prefix, endpoint=cfg.s3_endpoint,
+                            region=cfg.s3_region, observe=self.metrics.observe_bucket)
+            self.store = BucketStore(self.store, bucket, on_local=self.metrics.observe_local)
         self.metrics.store_bytes.set_function(lambda: self.store.stored_bytes)
         self.port = 0
         self._metrics_server = None
@@ -53,6 +59,9 @@ class Coordinator(Role):
     async def start(self) -> None:
         # grpc.aio objects bind to the running loop: build them here.
         cfg = self.cfg
+        bucket = getattr(self.store, "bucket", None)
+        if bucket is not None:  # a bucket that is missing or refuses us: say so, do not serve
+            await asyncio.to_thread(bucket.check)
         self.etcd = Etcd(cfg.etcd_endpoints.split(","), credentials=channel_credentials(
             cfg.etcd_ca_file, cfg.etcd_cert_file, cfg.etcd_key_file))
         self.etcd.observe = self.metrics.observe_etcd

@@ -1182,8 +1182,11 @@ class CoordinatorState:
             async for chunk in aread(self.store, info.digest, offset=offset,
                                      transform=DataChunk.framed, as_stored=as_stored):
                 yield chunk
-        except CorruptBlob:
-            self.metrics.corrupt_blobs.inc()
+        except (CorruptBlob, NotFound) as exc:
+            # Bytes that proved bad, or an object gone from a bucket behind
+            # our back: the entry goes, and the key compiles again.
+            if isinstance(exc, CorruptBlob):
+                self.metrics.corrupt_blobs.inc()
             self._index.pop(sk, None)
             with contextlib.suppress(Exception):
                 await self.etcd.delete(self._k("a", sk))

@@ -281,6 +281,22 @@ def test_service_monitor_is_off_by_default():
     assert by_kind(render(), "ServiceMonitor") == []
 
 
+def test_replicas_over_a_bucket_share_no_volume():
+    docs = render(CHART / "ci" / "s3-values.yaml")
+    assert by_kind(docs, "PersistentVolumeClaim") == []
+    (deploy,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith(
+        "-coordinator")]
+    assert deploy["spec"]["replicas"] == 3
+    pod = deploy["spec"]["template"]["spec"]
+    (store,) = [v for v in pod["volumes"] if v["name"] == "store"]
+    assert store == {"name": "store", "emptyDir": {"sizeLimit": "50Gi"}}
+    (container,) = pod["containers"]
+    for arg in ("--store-type=s3", "--s3-bucket=compilecast-artifacts",
+                "--s3-endpoint=https://storage.googleapis.com", "--store-max-bytes=45Gi"):
+        assert arg in container["args"], container["args"]
+    assert {"secretRef": {"name": "compilecast-s3"}} in container["envFrom"]
+
+
 def test_external_etcd_renders_no_etcd():
     docs = render(CHART / "ci" / "external-etcd-values.yaml")
     assert by_kind(docs, "StatefulSet") == []
@@ -300,6 +316,10 @@ def test_external_etcd_renders_no_etcd():
     (["metrics.alerts.etcdWriteSeconds=250ms"], "etcdWriteSeconds"),
     (["metrics.alerts.coordinatorBusy=80"], "coordinatorBusy"),
     (["metrics.serviceMonitor.interval=often"], "interval"),
+    (["store.type=s3"], "store.type s3 needs store.s3.bucket"),
+    (["store.type=gcs"], "/store/type"),
+    (["store.type=s3", "store.s3.bucket=b-1", "store.s3.cacheMaxBytes="], "cacheMaxBytes"),
+    (["store.type=s3", "store.s3.bucket=b-1", "store.s3.endpoint=ftp://x"], "endpoint"),
 ])
 def test_bad_value_combinations_fail_with_a_clear_message(sets, message):
     args = ["template", "rel", str(CHART)]

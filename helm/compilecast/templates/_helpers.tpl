@@ -60,7 +60,16 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{- if and .Values.tls.requireClientCerts (not .Values.tls.secretName) -}}
 {{- fail "tls.requireClientCerts needs tls.secretName" -}}
 {{- end -}}
-{{- if and (gt (int .Values.coordinator.replicas) 1) (not .Values.coordinator.storage.existingClaim) (not (has "ReadWriteMany" .Values.coordinator.storage.accessModes)) -}}
-{{- fail "coordinator.replicas > 1 needs a shared artifact store: accessModes [ReadWriteMany] or an existingClaim" -}}
+{{- if not (has .Values.store.type (list "disk" "s3")) -}}
+{{- fail (printf "store.type must be disk or s3, not %q" .Values.store.type) -}}
+{{- end -}}
+{{- if and (eq .Values.store.type "s3") (not .Values.store.s3.bucket) -}}
+{{- fail "store.type s3 needs store.s3.bucket" -}}
+{{- end -}}
+{{- if and (eq .Values.store.type "s3") (not .Values.store.s3.cacheMaxBytes) -}}
+{{- fail "store.type s3 needs store.s3.cacheMaxBytes (each replica's local cache, below store.s3.cacheSize)" -}}
+{{- end -}}
+{{- if and (eq .Values.store.type "disk") (gt (int .Values.coordinator.replicas) 1) (not .Values.coordinator.storage.existingClaim) (not (has "ReadWriteMany" .Values.coordinator.storage.accessModes)) -}}
+{{- fail "coordinator.replicas > 1 needs a shared artifact store: accessModes [ReadWriteMany], an existingClaim, or store.type s3" -}}
 {{- end -}}
 {{- end -}}

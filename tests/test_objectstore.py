@@ -1,0 +1,156 @@
+"""Artifacts in a real S3-compatible bucket (SeaweedFS on loopback): replicas
+that share no volume, and what the bucket's faults look like to a user."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+
+import grpc
+import pytest
+
+from compilecast.config import ConfigError, CoordinatorConfig, load
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker.client import CacheClient
+
+from .s3server import S3Server, restore, use_credentials
+
+pytestmark = pytest.mark.slow
+
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    before = use_credentials(server)
+    yield server
+    restore(before)
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3) -> str:
+    return s3.bucket(f"cc-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def replica(start_coordinator, s3, bucket, tmp_path):
+    """start(name): a coordinator replica over the bucket, with a local
+    cache of its own (tmp_path/name)."""
+    def start(name: str, **kw):
+        settings = dict(store_type="s3", s3_bucket=bucket, s3_endpoint=s3.endpoint,
+                        max_artifact_bytes=64 * MB, store_max_bytes=128 * MB)
+        return start_coordinator(tmp_path / name, **{**settings, **kw})
+    return start
+
+
+def _code(fn) -> grpc.StatusCode:
+    try:
+        fn()
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_replicas_with_disks_of_their_own_serve_what_either_published(replica, s3, bucket):
+    a, b = replica("a"), replica("b")
+    ca, cb = CacheClient(a.cfg.listen), CacheClient(b.cfg.listen)
+    data = os.urandom(70 * MB // 10)  # past a part, the multipart upload streams it
+    digest = hashlib.sha256(data).hexdigest()
+    ca.publish("k", ca.acquire("k").lease, data, 2.0)
+    head = s3.client().head_object(Bucket=bucket, Key=f"compilecast/blobs/{digest[:2]}/{digest}")
+    assert head["ContentLength"] == len(data)  # complete in the bucket before it was indexed
+    assert not b.store.local.has(digest)
+    assert cb.acquire("k").decision == pb.HIT
+    assert cb.fetch("k")[1] == data  # from the bucket into b's own cache, verified
+    assert b.store.local.has(digest)
+    local = b.registry.get_sample_value
+    assert local("compilecast_coordinator_bucket_local_reads_total", {"result": "miss"}) == 1
+    assert local("compilecast_coordinator_bucket_bytes_total", {"op": "get_bytes"}) == len(data)
+    assert a.registry.get_sample_value("compilecast_coordinator_bucket_bytes_total",
+                                       {"op": "upload"}) == len(data)
+    # A replica that starts on an empty disk loses nothing: the bucket is the truth.
+    c = replica("c")
+    cc = CacheClient(c.cfg.listen)
+    assert cc.acquire("k").decision == pb.HIT and cc.fetch("k")[1] == data
+    for client in (ca, cb, cc):
+        client.close()
+
+
+def test_a_publish_the_bucket_refuses_is_never_indexed(replica, monkeypatch):
+    from compilecast.objectstore import BucketError
+
+    a = replica("a")
+    c = CacheClient(a.cfg.listen)
+
+    def down(*args, **kwargs):
+        raise BucketError("bucket: upload failed: the endpoint went away")
+
+    monkeypatch.setattr(a.store.bucket, "upload", down)
+    lease = c.acquire("k").lease
+    assert _code(lambda: c.publish("k", lease, os.urandom(MB), 1.0)) == \
+        grpc.StatusCode.UNAVAILABLE
+    monkeypatch.undo()
+    other = CacheClient(a.cfg.listen)
+    assert other.acquire("k").decision == pb.WAIT  # still the holder's to publish, not a HIT
+    data = os.urandom(MB)
+    assert c.publish("k", lease, data, 1.0).digest == hashlib.sha256(data).hexdigest()
+    assert other.acquire("k").decision == pb.HIT
+    c.close()
+    other.close()
+
+
+def test_an_object_deleted_behind_our_back_is_a_miss(replica, s3, bucket):
+    a, b = replica("a"), replica("b")
+    ca, cb = CacheClient(a.cfg.listen), CacheClient(b.cfg.listen)
+    data = os.urandom(MB)
+    digest = hashlib.sha256(data).hexdigest()
+    ca.publish("k", ca.acquire("k").lease, data, 1.0)
+    s3.client().delete_object(Bucket=bucket, Key=f"compilecast/blobs/{digest[:2]}/{digest}")
+    assert _code(lambda: cb.fetch("k")) == grpc.StatusCode.NOT_FOUND
+    assert cb.acquire("k").decision == pb.COMPILE  # the entry went: the key compiles again
+    ca.close()
+    cb.close()
+
+
+def test_an_object_corrupted_behind_our_back_is_never_served(replica, s3, bucket):
+    a, b = replica("a"), replica("b")
+    ca, cb = CacheClient(a.cfg.listen), CacheClient(b.cfg.listen)
+    data = os.urandom(MB)
+    digest = hashlib.sha256(data).hexdigest()
+    ca.publish("k", ca.acquire("k").lease, data, 1.0)
+    key = f"compilecast/blobs/{digest[:2]}/{digest}"
+    s3.client().put_object(Bucket=bucket, Key=key, Body=os.urandom(MB))
+    assert _code(lambda: cb.fetch("k")) == grpc.StatusCode.DATA_LOSS
+    assert not b.store.local.has(digest)  # nothing half-written or wrong kept
+    assert b.registry.get_sample_value("compilecast_coordinator_corrupt_blobs_total") == 1
+    assert cb.acquire("k").decision == pb.COMPILE
+    assert "Contents" not in s3.client().list_objects_v2(Bucket=bucket, Prefix=key)
+    ca.close()
+    cb.close()
+
+
+def test_a_missing_bucket_or_wrong_credentials_stop_a_replica_at_start(replica, s3,
+                                                                        monkeypatch):
+    from compilecast.objectstore import BucketError
+
+    with pytest.raises(BucketError, match="nope-nothing-here"):
+        replica("x", s3_bucket="nope-nothing-here")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(BucketError, match="refused"):
+        replica("y")
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"COMPILECAST_STORE_TYPE": "gcs"}, "store_type must be disk or s3"),
+    ({"COMPILECAST_STORE_TYPE": "s3"}, "store_type s3 needs s3_bucket"),
+    ({"COMPILECAST_STORE_TYPE": "s3", "COMPILECAST_S3_BUCKET": "b"}, "needs store_max_bytes"),
+    ({"COMPILECAST_STORE_TYPE": "s3", "COMPILECAST_S3_BUCKET": "b",
+      "COMPILECAST_STORE_MAX_BYTES": "8Gi", "COMPILECAST_S3_ENDPOINT": "localhost:9000"},
+     "is not an http(s) URL"),
+])
+def test_incomplete_bucket_settings_are_refused(env, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1", **env})
