@@ -13,7 +13,6 @@ import subprocess
 import time
 from pathlib import Path
 
-
 WEED = Path(__file__).resolve().parent.parent / "bin" / "weed"
 ACCESS_KEY, SECRET_KEY = "compilecast-test", "compilecast-test-secret"
 
