@@ -129,6 +129,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         bound = f" of {_size(st.store_max_bytes)}" if st.store_max_bytes else ", unbounded"
         print(f"artifacts    {st.artifacts} ({_size(st.store_bytes)} stored{bound}; "
               f"{st.revoked} revoked)")
+        if st.store:
+            print(f"store        {st.store}")
+        if st.bucket_local_hits or st.bucket_local_misses or st.bucket_errors:
+            reads = st.bucket_local_hits + st.bucket_local_misses
+            print(f"bucket       {st.bucket_local_hits} of {reads} reads from the local cache, "
+                  f"{st.bucket_errors} failed requests")
         if st.host_cache_max_bytes:
             full = (f"; {st.host_uncached} passed on without a copy, the disk being full"
                     if st.host_uncached else "")

@@ -166,6 +166,14 @@ def _holder_name(rec: dict) -> str:
     return rec.get("client") or "an independent process"
 
 
+def describe_store(cfg: CoordinatorConfig) -> str:
+    """Where a replica's artifact bytes live, for `compilecast status`."""
+    if cfg.store_type == "s3":
+        return (f"s3://{cfg.s3_bucket}/{cfg.s3_prefix.strip('/')} at "
+                f"{cfg.s3_endpoint or 'AWS S3'} (cache {cfg.store_dir})")
+    return f"disk {cfg.store_dir}"
+
+
 # etcd revisions are int64; a revision to read from is one more than one seen.
 MAX_REVISION = 2**63 - 1
 
@@ -1206,6 +1214,14 @@ class CoordinatorState:
         resp.compile_seconds_saved = float(
             reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") or 0.0)
         resp.store_bytes, resp.store_max_bytes = self.store.stored_bytes, self.cfg.store_max_bytes
+        resp.store = describe_store(self.cfg)
+        if self.cfg.store_type == "s3":
+            resp.bucket_errors = int(sum(
+                s.value for m in reg.collect() if m.name == "compilecast_coordinator_bucket_errors"
+                for s in m.samples if s.name.endswith("_total")))
+            local = "compilecast_coordinator_bucket_local_reads_total"
+            resp.bucket_local_hits = int(reg.get_sample_value(local, {"result": "hit"}) or 0)
+            resp.bucket_local_misses = int(reg.get_sample_value(local, {"result": "miss"}) or 0)
         if not readable:
             return resp
         counts = await self.farm.counts(tenant)

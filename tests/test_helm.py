@@ -426,7 +426,8 @@ def test_the_alerts_are_valid_promql_over_metrics_that_exist():
         "CompilecastCoordinatorDown", "CompilecastEtcdUnavailable",
         "CompilecastWorkersFallingBack", "CompilecastCorruptArtifacts",
         "CompilecastStoreThrashing", "CompilecastStoreFull", "CompilecastHostCacheFull",
-        "CompilecastCoordinatorBusy", "CompilecastEtcdSlow", "CompilecastTamperedHostCacheEntries"}
+        "CompilecastCoordinatorBusy", "CompilecastEtcdSlow", "CompilecastTamperedHostCacheEntries",
+        "CompilecastBucketFailing"}
     exported = _metric_names()
     for a in alerts:
         promql_parser.parse(a["expr"])  # raises on a syntax error

@@ -71,6 +71,10 @@ def test_replicas_with_disks_of_their_own_serve_what_either_published(replica, s
     assert local("compilecast_coordinator_bucket_bytes_total", {"op": "get_bytes"}) == len(data)
     assert a.registry.get_sample_value("compilecast_coordinator_bucket_bytes_total",
                                        {"op": "upload"}) == len(data)
+    status = cb.status()
+    assert status.store == f"s3://{bucket}/compilecast at {s3.endpoint} (cache {b.cfg.store_dir})"
+    assert (status.bucket_local_hits, status.bucket_local_misses, status.bucket_errors) == \
+        (0, 1, 0)
     # A replica that starts on an empty disk loses nothing: the bucket is the truth.
     c = replica("c")
     cc = CacheClient(c.cfg.listen)
