@@ -158,3 +158,81 @@ def test_a_missing_bucket_or_wrong_credentials_stop_a_replica_at_start(replica, 
 def test_incomplete_bucket_settings_are_refused(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load(CoordinatorConfig, env={"COMPILECAST_ALLOW_UNAUTHENTICATED": "1", **env})
+
+
+def test_four_jax_processes_on_two_replicas_compile_once_and_rerun_hits(replica):
+    """A step compiled by whichever process asks first: the others, two on
+    each replica, load it (each replica serving its own from the bucket);
+    a second wave compiles nothing on either replica."""
+    from .e2e import collect, start_procs
+
+    a, b = replica("a"), replica("b")
+
+    def wave() -> list[dict]:
+        procs = start_procs(2, a.cfg.listen) + start_procs(2, b.cfg.listen)
+        return collect(procs, timeout_s=300)
+
+    first = wave()
+    assert sum(r["xla_compiles"] for r in first) == 1, first
+    assert len({r["digest"] for r in first}) == 1
+    again = wave()
+    assert sum(r["xla_compiles"] for r in again) == 0, again
+    assert {r["digest"] for r in again} == {r["digest"] for r in first}
+
+
+def test_a_replica_killed_mid_upload_leaves_nothing_half_written(etcd, prefix, s3, bucket,
+                                                                  replica, tmp_path):
+    """The holder's replica dies while it uploads to the bucket: no index
+    entry, no object; the waiter on the other replica is promoted when the
+    holder's lease lapses, and its publish is what everyone then reads."""
+    import subprocess
+    import sys
+    import threading
+
+    from compilecast.launch import free_port
+
+    from .conftest import eventually
+
+    port = free_port()
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "compilecast.cli", "coordinator", f"--listen=127.0.0.1:{port}",
+         f"--etcd-endpoints={etcd.endpoint}", f"--etcd-prefix={prefix}", "--metrics-port=0",
+         f"--store-dir={tmp_path / 'killed'}", "--allow-unauthenticated=true",
+         "--store-type=s3", f"--s3-bucket={bucket}", f"--s3-endpoint={s3.endpoint}",
+         "--max-artifact-bytes=512Mi", "--store-max-bytes=1Gi", "--lease-ttl-s=2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        holder = CacheClient(f"127.0.0.1:{port}", timeout_s=30)
+        eventually(lambda: _code(lambda: holder.status()) == grpc.StatusCode.OK,
+                   "the replica answers", 30.0)
+        b = replica("b", lease_ttl_s=2)
+        waiter = CacheClient(b.cfg.listen)
+        lease = holder.acquire("k").lease
+        assert waiter.acquire("k").decision == pb.WAIT
+        waited: list = []
+        threading.Thread(target=lambda: waited.append(waiter.wait("k", 120)), daemon=True).start()
+        big = os.urandom(256 * MB)
+        published: list = []
+        threading.Thread(target=lambda: published.append(
+            _code(lambda: holder.publish("k", lease, big, 1.0))), daemon=True).start()
+        s3c = s3.client()
+        # Its local copy committed, the replica uploads it (seconds for 256 MiB): kill it.
+        digest = hashlib.sha256(big).hexdigest()
+        committed = tmp_path / "killed" / "blobs" / digest[:2] / f"{digest}.zst"
+        eventually(committed.exists, "the replica's local copy is committed", 60.0)
+        killed.kill()
+        killed.wait(10)
+        eventually(lambda: waited, "the waiter hears", 60.0)
+        assert waited[0].decision == pb.COMPILE, waited  # promoted once the lease lapsed
+        waiter.keep_lease("k", waited[0].lease)
+        assert not published or published[0] != grpc.StatusCode.OK, published
+        assert "Contents" not in s3c.list_objects_v2(Bucket=bucket)  # nothing half-written
+        data = os.urandom(MB)
+        waiter.publish("k", waited[0].lease, data, 1.0)
+        fresh = CacheClient(replica("c").cfg.listen)
+        assert fresh.fetch("k")[1] == data
+        for c in (holder, waiter, fresh):
+            c.close()
+    finally:
+        killed.kill()
+        killed.wait(10)
