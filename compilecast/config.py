@@ -85,6 +85,10 @@ class CoordinatorConfig:
         "with store_type s3: the endpoint URL (https://...; empty: AWS's); GCS through "
         "https://storage.googleapis.com with HMAC keys, MinIO, Ceph RGW, SeaweedFS"))
     s3_region: str = field(default="", metadata=_help("with store_type s3: the region"))
+    s3_presign_s: int = field(default=60, metadata=_help(
+        "with store_type s3: a worker's fetch may be answered with a presigned GET of the "
+        "object, valid this long, and its bytes come from the bucket, not through this "
+        "replica (0: never)"))
     store_max_bytes: int = field(
         default=0,
         metadata=_help("bound on the artifact store (e.g. 180Gi; keep it below the volume): "
@@ -168,7 +172,8 @@ class CoordinatorConfig:
         _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
                   "local_marker_ttl_s", "max_artifact_bytes")
         _at_most(self, MAX_LEASE_TTL_S, "lease_ttl_s", "local_marker_ttl_s")
-        _not_negative(self, "designated_grace_s", "hedge_factor", "hedge_min_s")
+        _not_negative(self, "designated_grace_s", "hedge_factor", "hedge_min_s", "s3_presign_s")
+        _at_most(self, 7 * 86400, "s3_presign_s")  # S3's longest presigned URL
         _port(self, "metrics_port")
         _not_negative(self, "store_max_bytes", "store_min_free_bytes", "scrub_bytes_per_s")
         _positive(self, "store_scan_s")
@@ -281,6 +286,10 @@ class WorkerConfig:
         default=True, metadata=_help("take whole artifacts over the coordinator's data plane "
                                      "(plain TCP, sendfile) when it offers one; never with TLS "
                                      "to the coordinator"))
+    bucket_urls: bool = field(
+        default=True, metadata=_help("take a download straight from the object store's bucket "
+                                     "when a coordinator over one offers a presigned URL "
+                                     "(the bytes do not go through the coordinator)"))
     relay_listen: str = field(
         default="", metadata=_help("host:port where this worker relays artifacts it downloads "
                                    "to other workers (empty: no relaying)"))

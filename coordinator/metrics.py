@@ -116,6 +116,12 @@ class CoordinatorMetrics:
             "blob (hit) or fetched it from the bucket (miss)",
             ["result"], registry=registry,
         )
+        self.bucket_urls = Counter(
+            "compilecast_coordinator_bucket_urls",
+            "Fetches answered with a presigned URL of the bucket's object (the bytes "
+            "went from the bucket to the client, not through this replica)",
+            registry=registry,
+        )
         self.scrubbed = Counter(
             "compilecast_coordinator_scrubbed_blobs",
             "Stored blobs the background scrub verified",

@@ -192,8 +192,16 @@ class CoordinatorService(rpc.CompileCacheServicer):
                 return
         # Only a committed artifact: one still uploading (whose digest may be stored under
         # another key already) streams from its upload, and ends with it if it fails.
+        committed = self.state.uploads.get(scope(who.tenant, request.key)) is None
+        bucket = getattr(self.state.store, "bucket", None)
+        if request.accept_url and not request.offset and committed and bucket is not None \
+                and self.state.cfg.s3_presign_s > 0:
+            url = await asyncio.to_thread(bucket.presign, info.digest, self.state.cfg.s3_presign_s)
+            self.state.metrics.bucket_urls.inc()
+            yield pb.FetchChunk(artifact=info, url=url)
+            return
         if request.accept_data_ticket and not request.offset and self.data_plane is not None \
-                and self.state.uploads.get(scope(who.tenant, request.key)) is None:
+                and committed:
             ticket = await self.data_plane.ticket(info, zstd_ok=request.accept_zstd)
             if ticket is not None:
                 self.state.metrics.data_tickets.inc()

@@ -236,3 +236,42 @@ def test_a_replica_killed_mid_upload_leaves_nothing_half_written(etcd, prefix, s
     finally:
         killed.kill()
         killed.wait(10)
+
+
+def test_a_worker_reads_from_the_bucket_by_presigned_url(replica, start_worker, s3, bucket):
+    """The coordinator checks the worker's token and hands it a presigned
+    GET: the bytes come from the bucket, not through the replica (which
+    never downloads them); with URLs off, the same bytes come through it."""
+    a, b = replica("a"), replica("b")
+    ca = CacheClient(a.cfg.listen)
+    data = os.urandom(3 * MB)
+    ca.publish("k", ca.acquire("k").lease, data, 1.0)
+    worker = start_worker(b.cfg.listen)
+    assert CacheClient(worker.target).fetch("k")[1] == data
+    assert b.registry.get_sample_value("compilecast_coordinator_bucket_urls_total") == 1
+    assert not b.store.local.has(hashlib.sha256(data).hexdigest())  # not through b
+    plain = start_worker(b.cfg.listen, name="plain", bucket_urls=False)
+    assert CacheClient(plain.target).fetch("k")[1] == data
+    assert b.registry.get_sample_value("compilecast_coordinator_bucket_urls_total") == 1
+    assert b.store.local.has(hashlib.sha256(data).hexdigest())
+    ca.close()
+
+
+def test_a_presigned_get_that_fails_falls_back_to_the_replica(replica, start_worker, s3,
+                                                              bucket):
+    """An object the bucket no longer has: the worker's GET is refused, it
+    asks the replica for the bytes, and hears what the replica knows (gone:
+    NOT_FOUND, and the key compiles again)."""
+    a = replica("a")
+    ca = CacheClient(a.cfg.listen)
+    data = os.urandom(MB)
+    digest = hashlib.sha256(data).hexdigest()
+    ca.publish("k", ca.acquire("k").lease, data, 1.0)
+    s3.client().delete_object(Bucket=bucket, Key=f"compilecast/blobs/{digest[:2]}/{digest}")
+    a.store.local.delete(digest)
+    worker = start_worker(a.cfg.listen)
+    assert _code(lambda: CacheClient(worker.target).fetch("k")) == grpc.StatusCode.NOT_FOUND
+    assert worker.registry.get_sample_value("compilecast_worker_data_plane_downloads_total",
+                                            {"result": "fallback"}) == 1
+    assert ca.acquire("k").decision == pb.COMPILE
+    ca.close()

@@ -25,8 +25,9 @@ class WorkerMetrics:
         )
         self.data_plane = Counter(
             "compilecast_worker_data_plane_downloads",
-            "Downloads over the coordinator's data plane: taken (the whole artifact came that "
-            "way), fallback (it failed, and the rest came over gRPC)",
+            "Downloads over the coordinator's data plane, or from its bucket by a presigned URL: "
+            "taken (the whole artifact came that way), fallback (it failed, and the rest came "
+            "over gRPC)",
             ["result"], registry=registry,
         )
         self.handoffs = Counter(

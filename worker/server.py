@@ -62,6 +62,7 @@ class Worker(Role):
                                      local_files=cfg.local_files,
                                      wake_on_host_publish=cfg.wake_on_host_publish,
                                      data_plane=cfg.data_plane and upstream_creds is None,
+                                     bucket_urls=cfg.bucket_urls,
                                      # Peers serve with the same certificates as the
                                      # coordinator's CA signs (one PKI per release).
                                      peer_credentials=upstream_creds,

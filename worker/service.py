@@ -63,6 +63,7 @@ from .dataplane import (
     upload_status,
     with_data_plane,
 )
+from .bucketurl import with_bucket_url
 from .decisions import HostDecisions
 from .handoff import Handoffs
 from .hostcache import HostCache
@@ -524,7 +525,8 @@ class WorkerService(rpc.CompileCacheServicer):
                  token: str = "", credentials: grpc.ChannelCredentials | None = None,
                  relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None,
                  link_store: str = "", local_files: bool = True,
-                 data_plane: bool = False, wake_on_host_publish: bool = False) -> None:
+                 data_plane: bool = False, wake_on_host_publish: bool = False,
+                 bucket_urls: bool = True) -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
         # This host's waiters woken as a publish through us begins (they follow our copy).
         self.wake_on_host_publish = wake_on_host_publish
@@ -551,6 +553,9 @@ class WorkerService(rpc.CompileCacheServicer):
         # until it offers no upload tickets; but not the next try of one whose
         # upload broke off.
         self.data_plane_uploads = True
+        # A coordinator over a bucket may send this worker to the bucket for the
+        # bytes (worker/bucketurl.py); off once the bucket could not be reached.
+        self.bucket_urls = bucket_urls
         self._upload_broke: set[tuple[str, str]] = set()
         self.handoffs: Handoffs | None = None  # publishes handed over as files (server.py)
         self.relay_plane: RelayPlane | None = None  # relays sent with sendfile (server.py)
@@ -1085,6 +1090,7 @@ class WorkerService(rpc.CompileCacheServicer):
         resumes = list(RESUME_S)
         linked = False
         ticket = self.data_plane
+        urls = self.bucket_urls
         try:
             # (Inside the try: a fill that fails to start ends its readers too.)
             writer = fill.writer = self.cache.store.writer(discard_when_unwritable=True)
@@ -1099,7 +1105,8 @@ class WorkerService(rpc.CompileCacheServicer):
                                               accept_zstd=not writer.size,
                                               accept_data_ticket=not writer.size and (
                                                   peer not in self._no_relay_plane if peer
-                                                  else ticket))
+                                                  else ticket),
+                                              accept_url=not writer.size and not peer and urls)
                     stub = self._peer(peer) if peer else self.up
                     used: list = []
                     try:
@@ -1108,6 +1115,8 @@ class WorkerService(rpc.CompileCacheServicer):
                         if request.accept_data_ticket:  # (every other chunk passes straight on)
                             chunks = with_data_plane(chunks, peer or self.coordinator, used,
                                                      RELAY_LEAST if peer else DATA_PLANE_PIECE)
+                        if request.accept_url:
+                            chunks = with_bucket_url(chunks, used)
                         async for chunk in _idle_timeout(
                                 chunks, PEER_IDLE_S if peer else UPSTREAM_IDLE_S):
                             if chunk.HasField("artifact") and info is None:
@@ -1166,9 +1175,9 @@ class WorkerService(rpc.CompileCacheServicer):
                                         "coordinator", key, peer, exc, extra={"key": key})
                             peer, relay = "", ""
                         else:  # the rest (or all) over gRPC, from where the download is
-                            ticket, relay = False, ""
+                            ticket, urls, relay = False, False, ""
                             if exc.unreachable:  # from here: never asked for again
-                                self.data_plane = False
+                                self.data_plane = self.bucket_urls = False
                             self.metrics.data_plane.labels("fallback").inc()
                             log.warning("download of %s: %s; fetching %s over gRPC", key,
                                         exc, "the rest" if writer.size else "it",

@@ -275,7 +275,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("key", "digest", "relay_address", "offset", "accept_zstd", "accept_local_file", "accept_data_ticket", "accept_growing_file")
+    __slots__ = ("key", "digest", "relay_address", "offset", "accept_zstd", "accept_local_file", "accept_data_ticket", "accept_growing_file", "accept_url")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class FetchRequest(_message.Message):
     ACCEPT_LOCAL_FILE_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_GROWING_FILE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_URL_FIELD_NUMBER: _ClassVar[int]
     key: str
     digest: str
     relay_address: str
@@ -292,7 +293,8 @@ class FetchRequest(_message.Message):
     accept_local_file: bool
     accept_data_ticket: bool
     accept_growing_file: bool
-    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., relay_address: _Optional[str] = ..., offset: _Optional[int] = ..., accept_zstd: _Optional[bool] = ..., accept_local_file: _Optional[bool] = ..., accept_data_ticket: _Optional[bool] = ..., accept_growing_file: _Optional[bool] = ...) -> None: ...
+    accept_url: bool
+    def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., relay_address: _Optional[str] = ..., offset: _Optional[int] = ..., accept_zstd: _Optional[bool] = ..., accept_local_file: _Optional[bool] = ..., accept_data_ticket: _Optional[bool] = ..., accept_growing_file: _Optional[bool] = ..., accept_url: _Optional[bool] = ...) -> None: ...
 
 class DataTicket(_message.Message):
     __slots__ = ("address", "token")
@@ -303,7 +305,7 @@ class DataTicket(_message.Message):
     def __init__(self, address: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("artifact", "data", "relay_from", "zstd_data", "local_path", "data_ticket", "local_growing", "local_available")
+    __slots__ = ("artifact", "data", "relay_from", "zstd_data", "local_path", "data_ticket", "local_growing", "local_available", "url")
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     RELAY_FROM_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +314,7 @@ class FetchChunk(_message.Message):
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     LOCAL_GROWING_FIELD_NUMBER: _ClassVar[int]
     LOCAL_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
     artifact: ArtifactInfo
     data: bytes
     relay_from: str
@@ -320,7 +323,8 @@ class FetchChunk(_message.Message):
     data_ticket: DataTicket
     local_growing: bool
     local_available: int
-    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., relay_from: _Optional[str] = ..., zstd_data: _Optional[bytes] = ..., local_path: _Optional[str] = ..., data_ticket: _Optional[_Union[DataTicket, _Mapping]] = ..., local_growing: _Optional[bool] = ..., local_available: _Optional[int] = ...) -> None: ...
+    url: str
+    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., relay_from: _Optional[str] = ..., zstd_data: _Optional[bytes] = ..., local_path: _Optional[str] = ..., data_ticket: _Optional[_Union[DataTicket, _Mapping]] = ..., local_growing: _Optional[bool] = ..., local_available: _Optional[int] = ..., url: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("key", "lease")

@@ -1,0 +1,91 @@
+"""A worker's cold download of an artifact stored in an object-store bucket:
+by a presigned URL straight from the bucket, against through the coordinator
+replica (the replica's local cache cold: it fetches from the bucket and
+streams on; warm: it already holds the blob), and against a replica on the
+disk store. SeaweedFS on loopback is the bucket (`make install` builds
+bin/weed). Each download is a fresh worker's (an empty host cache); the
+three bucket ways alternate, --pairs rounds.
+
+Usage: python bench/bucket_fetch.py [--mb 256] [--pairs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _servers import Stack
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.s3server import S3Server  # noqa: E402
+
+from compilecast.worker.client import CacheClient  # noqa: E402
+
+
+def timed_fetch(stack: Stack, coordinator: str, name: str, urls: bool, data: bytes) -> float:
+    target, proc = stack.worker(coordinator, name, ("--bucket-urls", str(urls).lower()))
+    client = CacheClient(target, timeout_s=120)
+    start = time.perf_counter()
+    got = client.fetch("k")[1]
+    seconds = time.perf_counter() - start
+    assert got == data
+    client.close()
+    proc.terminate()
+    proc.wait(15)
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--pairs", type=int, default=3)
+    args = ap.parse_args()
+    data = os.urandom(args.mb << 20)
+    digest = hashlib.sha256(data).hexdigest()
+    runs: dict[str, list[float]] = {"presigned URL": [], "through the replica, cold": [],
+                                    "through the replica, warm": [], "disk store replica": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "s3").mkdir()
+        s3 = S3Server(root / "s3")
+        stack = Stack(root / "stack")
+        try:
+            s3.bucket("bench")
+            os.environ.update(s3.env())
+            s3_flags = ("--store-type", "s3", "--s3-bucket", "bench", "--s3-endpoint",
+                        s3.endpoint, "--store-max-bytes", "8Gi")
+            disk, _ = stack.coordinator("disk")
+            for target in (disk, stack.coordinator("pub", extra=s3_flags)[0]):
+                c = CacheClient(target, timeout_s=120)
+                c.publish("k", c.acquire("k").lease, data, 1.0)
+                c.close()
+            for i in range(args.pairs):
+                fresh, proc = stack.coordinator(f"r{i}", extra=s3_flags)  # an empty local cache
+                runs["presigned URL"].append(timed_fetch(stack, fresh, f"u{i}", True, data))
+                runs["through the replica, cold"].append(
+                    timed_fetch(stack, fresh, f"c{i}", False, data))
+                runs["through the replica, warm"].append(
+                    timed_fetch(stack, fresh, f"w{i}", False, data))
+                runs["disk store replica"].append(timed_fetch(stack, disk, f"d{i}", False, data))
+                proc.terminate()
+                proc.wait(15)
+        finally:
+            stack.close()
+            s3.stop()
+    print(f"a worker's cold download of {args.mb} MiB ({digest[:12]}), {args.pairs} rounds")
+    print(f"{'how':28} {'median s':>9} {'MB/s':>7}  runs")
+    for how, secs in runs.items():
+        med = statistics.median(secs)
+        print(f"{how:28} {med:9.2f} {args.mb / med:7.0f}  "
+              + ", ".join(f"{s:.2f}" for s in secs))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
