@@ -15,7 +15,6 @@ import argparse
 import hashlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,9 +23,8 @@ from pathlib import Path
 from _servers import Stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.s3server import S3Server  # noqa: E402
-
-from compilecast.worker.client import CacheClient  # noqa: E402
+from compilecast.worker.client import CacheClient
+from tests.s3server import S3Server
 
 
 def timed_fetch(stack: Stack, coordinator: str, name: str, urls: bool, data: bytes) -> float:

@@ -53,6 +53,7 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
 from . import client
+from .bucketurl import with_bucket_url
 from .client import UploadRefused
 from .dataplane import (
     DATA_PLANE_PIECE,
@@ -63,7 +64,6 @@ from .dataplane import (
     upload_status,
     with_data_plane,
 )
-from .bucketurl import with_bucket_url
 from .decisions import HostDecisions
 from .handoff import Handoffs
 from .hostcache import HostCache
