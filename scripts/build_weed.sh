@@ -4,7 +4,7 @@
 # directives, so `go install` refuses it.
 set -euo pipefail
 version=$1
-out=$2
+out=$(realpath -m "$2")
 dir=$(go mod download -json "github.com/seaweedfs/seaweedfs@${version}" |
       python3 -c "import json, sys; print(json.load(sys.stdin)['Dir'])")
 work=$(mktemp -d)
@@ -12,5 +12,5 @@ trap 'rm -rf "$work"' EXIT
 cp -r "$dir" "$work/src"
 chmod -R u+w "$work/src"
 mkdir -p "$(dirname "$out")"
-(cd "$work/src" && go build -o "$(realpath -m "$out")" ./weed)
+(cd "$work/src" && go build -o "$out" ./weed)
 echo "built $out"
