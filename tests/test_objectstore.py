@@ -106,13 +106,20 @@ def test_a_publish_the_bucket_refuses_is_never_indexed(replica, monkeypatch):
     other.close()
 
 
-def test_an_object_deleted_behind_our_back_is_a_miss(replica, s3, bucket):
+def _published_on_a(replica):
+    """Replicas a and b, their clients, and an artifact published through a
+    (in the bucket, not in b's cache): (a, b, ca, cb, digest, object key)."""
     a, b = replica("a"), replica("b")
     ca, cb = CacheClient(a.cfg.listen), CacheClient(b.cfg.listen)
     data = os.urandom(MB)
     digest = hashlib.sha256(data).hexdigest()
     ca.publish("k", ca.acquire("k").lease, data, 1.0)
-    s3.client().delete_object(Bucket=bucket, Key=f"compilecast/blobs/{digest[:2]}/{digest}")
+    return a, b, ca, cb, digest, f"compilecast/blobs/{digest[:2]}/{digest}"
+
+
+def test_an_object_deleted_behind_our_back_is_a_miss(replica, s3, bucket):
+    _, _, ca, cb, _, key = _published_on_a(replica)
+    s3.client().delete_object(Bucket=bucket, Key=key)
     assert _code(lambda: cb.fetch("k")) == grpc.StatusCode.NOT_FOUND
     assert cb.acquire("k").decision == pb.COMPILE  # the entry went: the key compiles again
     ca.close()
@@ -120,12 +127,7 @@ def test_an_object_deleted_behind_our_back_is_a_miss(replica, s3, bucket):
 
 
 def test_an_object_corrupted_behind_our_back_is_never_served(replica, s3, bucket):
-    a, b = replica("a"), replica("b")
-    ca, cb = CacheClient(a.cfg.listen), CacheClient(b.cfg.listen)
-    data = os.urandom(MB)
-    digest = hashlib.sha256(data).hexdigest()
-    ca.publish("k", ca.acquire("k").lease, data, 1.0)
-    key = f"compilecast/blobs/{digest[:2]}/{digest}"
+    _, b, ca, cb, digest, key = _published_on_a(replica)
     s3.client().put_object(Bucket=bucket, Key=key, Body=os.urandom(MB))
     assert _code(lambda: cb.fetch("k")) == grpc.StatusCode.DATA_LOSS
     assert not b.store.local.has(digest)  # nothing half-written or wrong kept

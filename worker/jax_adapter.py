@@ -269,6 +269,46 @@ _lock = threading.Lock()
 _originals: dict[str, Any] = {}
 
 
+def _profile_hook(hooks: Hooks, orig_share: Callable[..., Any]) -> Callable[..., Any]:
+    """JAX's `_share_fdo_profiles`, through compilecast: the profile under
+    JAX's own profile key, written by the program's designated process; JAX's
+    exchange where compilecast cannot deliver it."""
+
+    def _share_fdo_profiles(computation, devices, compile_options, backend, global_client,
+                            min_process_id):
+        profile = compile_options.executable_build_options.fdo_profile
+        if profile is None or not len(profile):
+            return orig_share(computation, devices, compile_options, backend, global_client,
+                              min_process_id)
+        got, key = None, None
+        try:
+            # Keyed as JAX keys it: the program's key without the profile + "_fdo_sync".
+            opts = copy.deepcopy(compile_options)
+            opts.executable_build_options.fdo_profile = b""
+            key = hooks.cache_key(computation, devices, opts, backend)
+            share = getattr(hooks, "share_profile", None)
+            if key and share is not None:  # the program's designated process writes
+                got = share(f"{key}_fdo_sync", bytes(profile), int(min_process_id))
+        except Exception as exc:
+            hooks.failed("the FDO profile exchange", exc)
+        if got is None and not key:
+            # No key to exchange under (JAX does the same when its own key
+            # fails): this process compiles with its own profile.
+            return profile
+        if got is None:
+            return orig_share(computation, devices, compile_options, backend, global_client,
+                              min_process_id)
+        if _distributed.global_state.process_id == min_process_id:
+            # Also where JAX's own exchange looks: a process whose
+            # compilecast failed falls back to it and finds this profile.
+            with contextlib.suppress(Exception):
+                global_client.key_value_set_bytes(f"{key}_fdo_sync", got)
+        compile_options.executable_build_options.fdo_profile = b""  # as JAX's does
+        return got
+
+    return _share_fdo_profiles
+
+
 def install(cache: CacheInterface, hooks: Hooks) -> None:
     """Make `cache` JAX's persistent cache and wrap the compile path."""
     check()
@@ -320,37 +360,7 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
             # (_ignore: JAX 0.10's ignore_callbacks or 0.11's ignore_custom_partitioning)
             return hooks.cache_key(module, devices, compile_options, backend)
 
-        def _share_fdo_profiles(computation, devices, compile_options, backend, global_client,
-                                min_process_id):
-            profile = compile_options.executable_build_options.fdo_profile
-            if profile is None or not len(profile):
-                return orig_share(computation, devices, compile_options, backend, global_client,
-                                  min_process_id)
-            got, key = None, None
-            try:
-                # Keyed as JAX keys it: the program's key without the profile + "_fdo_sync".
-                opts = copy.deepcopy(compile_options)
-                opts.executable_build_options.fdo_profile = b""
-                key = hooks.cache_key(computation, devices, opts, backend)
-                share = getattr(hooks, "share_profile", None)
-                if key and share is not None:  # the program's designated process writes
-                    got = share(f"{key}_fdo_sync", bytes(profile), int(min_process_id))
-            except Exception as exc:
-                hooks.failed("the FDO profile exchange", exc)
-            if got is None and not key:
-                # No key to exchange under (JAX does the same when its own key
-                # fails): this process compiles with its own profile.
-                return profile
-            if got is None:
-                return orig_share(computation, devices, compile_options, backend, global_client,
-                                  min_process_id)
-            if _distributed.global_state.process_id == min_process_id:
-                # Also where JAX's own exchange looks: a process whose
-                # compilecast failed falls back to it and finds this profile.
-                with contextlib.suppress(Exception):
-                    global_client.key_value_set_bytes(f"{key}_fdo_sync", got)
-            compile_options.executable_build_options.fdo_profile = b""  # as JAX's does
-            return got
+        _share_fdo_profiles = _profile_hook(hooks, orig_share)
 
         # JAX's own exchange keeps its profiles on the function it calls by
         # name (`_share_fdo_profiles.modules_profiles`): the wrapper carries them.
