@@ -174,6 +174,7 @@ def describe_store(cfg: CoordinatorConfig) -> str:
     return f"disk {cfg.store_dir}"
 
 
+RELEASED_KEPT = 100_000  # keys whose claim's end is remembered (for waiters)
 # etcd revisions are int64; a revision to read from is one more than one seen.
 MAX_REVISION = 2**63 - 1
 
@@ -282,6 +283,10 @@ class CoordinatorState:
         # etcd round trip; the view may lag etcd by the watch's delay, and an
         # answer from a stale entry is a WAIT whose Wait re-reads etcd at once.
         self._claimed: dict[str, str | bytes] = {}  # its reason, or the record unread
+        # When the watch last saw a claim of a key end (published, released or
+        # lapsed): a job's waiter that never saw the claim knows its
+        # designated process came and went, and does not sit out the grace.
+        self._released: collections.OrderedDict[str, float] = collections.OrderedDict()
         # etcd reads in flight, by key, with the watch's event count at their start.
         self._reads: dict[str, tuple[asyncio.Future, int]] = {}
         self._waiter_writes = WriteBatcher(etcd)  # waiter records, put and deleted together
@@ -296,6 +301,7 @@ class CoordinatorState:
         self._claims = GuardedBatcher(etcd)  # the claims of concurrent misses, together
         self.hub.on_claim.append(self._note_claim)
         self.hub.on_gap.append(self._claimed.clear)
+        self.hub.on_gap.append(self._released.clear)
         self._session_lease = 0
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -384,11 +390,22 @@ class CoordinatorState:
     def _note_claim(self, sk: str, record: bytes | None) -> None:
         if record is None:
             self._claimed.pop(sk, None)
+            self._released[sk] = time.monotonic()
+            self._released.move_to_end(sk)
+            if len(self._released) > RELEASED_KEPT:
+                self._released.popitem(last=False)
             return
         # Read when a WAIT first needs it: most claims end before anyone asks
         # (a miss's own claim), and reading each cost the watch ~2 % of the
         # coordinator's CPU at 5,000 decisions a second (BENCHMARKS.md).
         self._claimed[sk] = record
+
+    def _released_lately(self, sk: str, now: float) -> bool:
+        """Whether a claim of `sk` ended within the designated grace: its
+        designated process came and went (a failed publish, a release), and
+        nobody holds it now."""
+        ended = self._released.get(sk)
+        return ended is not None and now - ended < self.cfg.designated_grace_s
 
     def _claim_reason(self, sk: str) -> str | None:
         """The WAIT reason for a claim the watch reported, or None (none, or
@@ -732,7 +749,8 @@ class CoordinatorState:
                                                       "publish wins")
                             return
                     elif may_publish and (not req.job or seen_holder or req.process_id == req.designated_process
-                          or now - start >= self.cfg.designated_grace_s):
+                          or now - start >= self.cfg.designated_grace_s
+                          or self._released_lately(sk, now)):
                         free_since = free_since or now
                         position = await self._waiter_position(sk, rank)
                         if now - free_since >= PROMOTION_STAGGER_S * position:

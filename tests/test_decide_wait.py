@@ -268,3 +268,22 @@ def test_a_worker_retiring_a_stream_lets_its_waits_end(start_coordinator, tokens
     finally:
         for c in (holder, waiter, other):
             c.close()
+
+
+def test_a_designated_process_that_came_and_went_leaves_no_waiter_its_grace(start_coordinator):
+    """The job's designated process claimed the key and let it go (its
+    publish failed) before process 1 even asked: process 1 is promoted
+    instead of waiting out the designated grace for a process that will
+    not come back."""
+    coordinator = start_coordinator(designated_grace_s=600)
+    target = coordinator.cfg.listen
+    designated = CacheClient(target, identity=Identity(job="j", process_id=0,
+                                                       designated_process=0))
+    waiter = CacheClient(target, identity=Identity(job="j", process_id=1, designated_process=0))
+    lease = designated.acquire("k").lease
+    designated.release("k", lease, pb.ABANDONED, "its publish failed")
+    assert waiter.acquire("k").decision == pb.WAIT  # not the designated: it waits first
+    event = waiter.wait("k", 30)
+    assert event.decision == pb.COMPILE, event  # well before the 600 s grace, and its timeout
+    designated.close()
+    waiter.close()
