@@ -81,6 +81,7 @@ class Bucket:
         return f"{self.prefix}blobs/{digest[:2]}/{digest}"
 
     def _call(self, op: str, fn: Callable[[], Any], nbytes: int = 0) -> Any:
+        from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
         start = time.monotonic()
@@ -95,7 +96,7 @@ class Bucket:
                 ok = True  # an answer, not a failure of the bucket
                 raise NotFound(f"object {op} in bucket {self.name}: not found") from None
             raise BucketError(f"bucket {self.name}: {op} refused: {code or exc}") from None
-        except BotoCoreError as exc:
+        except (BotoCoreError, Boto3Error) as exc:  # (Boto3Error: a transfer that failed)
             raise BucketError(f"bucket {self.name} ({self.endpoint or 'AWS'}): {op} failed: "
                               f"{exc}") from None
         finally:

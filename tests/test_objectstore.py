@@ -279,3 +279,39 @@ def test_a_presigned_get_that_fails_falls_back_to_the_replica(replica, start_wor
                                             {"result": "fallback"}) == 1
     assert ca.acquire("k").decision == pb.COMPILE
     ca.close()
+
+
+def test_the_endpoint_down_mid_upload_fails_the_publish_and_indexes_nothing(
+        start_coordinator, tmp_path_factory, tmp_path):
+    """The bucket's server stops while a replica uploads to it: the holder
+    hears UNAVAILABLE (not an error of ours), and the key is not a HIT."""
+    import threading
+
+    from .conftest import eventually
+
+    server = S3Server(tmp_path_factory.mktemp("s3-down"))
+    before = use_credentials(server)
+    try:
+        server.bucket("going-away")
+        a = start_coordinator(tmp_path / "a", store_type="s3", s3_bucket="going-away",
+                              s3_endpoint=server.endpoint, max_artifact_bytes=512 * MB,
+                              store_max_bytes=1024 * MB)
+        c = CacheClient(a.cfg.listen, timeout_s=60)
+        lease = c.acquire("k").lease
+        c.keep_lease("k", lease)  # as a holder does while it publishes, and tries again
+        big = os.urandom(256 * MB)
+        digest = hashlib.sha256(big).hexdigest()
+        published: list = []
+        publishing = threading.Thread(target=lambda: published.append(
+            _code(lambda: c.publish("k", lease, big, 1.0))), daemon=True)
+        publishing.start()
+        eventually(lambda: a.store.local.has(digest), "the local copy is committed", 60.0)
+        server.stop()
+        publishing.join(180)
+        assert published == [grpc.StatusCode.UNAVAILABLE], published
+        assert CacheClient(a.cfg.listen).acquire("k").decision != pb.HIT
+        c.close()
+    finally:
+        restore(before)
+        if server.proc.poll() is None:
+            server.stop()
