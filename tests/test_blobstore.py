@@ -459,17 +459,17 @@ def test_the_kernel_starts_writeback_where_the_platform_allows(tmp_path):
     refused, and every durable commit would wait for its whole blob again)."""
     import sys
 
-    from compilecast import blobstore
+    from compilecast import blobwriter
 
     if not sys.platform.startswith("linux"):
-        assert not blobstore._start_writeback(0, 0, 1)
+        assert not blobwriter._start_writeback(0, 0, 1)
         return
     path = tmp_path / "f"
     path.write_bytes(os.urandom(1 << 20))
     fd = os.open(path, os.O_RDWR)
     try:
-        assert blobstore._start_writeback(fd, 0, 1 << 20)
-        assert not blobstore._start_writeback(-1, 0, 1 << 20)  # EBADF: refused, said so
+        assert blobwriter._start_writeback(fd, 0, 1 << 20)
+        assert not blobwriter._start_writeback(-1, 0, 1 << 20)  # EBADF: refused, said so
     finally:
         os.close(fd)
 
@@ -480,7 +480,7 @@ def test_a_durable_writer_has_its_bytes_written_out_as_it_goes(tmp_path, monkeyp
     asked to start writing them out, each range once and in order, before
     the commit; a cache's store (not durable) never asks; once refused, a
     writer stops asking and its commit still makes the blob."""
-    from compilecast import blobstore
+    from compilecast import blobwriter
 
     asked = []
 
@@ -488,8 +488,8 @@ def test_a_durable_writer_has_its_bytes_written_out_as_it_goes(tmp_path, monkeyp
         asked.append((offset, nbytes, os.fstat(fd).st_size))
         return len(asked) < 100
 
-    monkeypatch.setattr(blobstore, "_start_writeback", start)
-    monkeypatch.setattr(blobstore, "WRITEBACK_EVERY", 1 << 20)
+    monkeypatch.setattr(blobwriter, "_start_writeback", start)
+    monkeypatch.setattr(blobwriter, "WRITEBACK_EVERY", 1 << 20)
     data = os.urandom(5 << 19) * 4 if how != "raw" else os.urandom(10 << 20)  # 10 MiB
     import zstandard
 
@@ -517,7 +517,7 @@ def test_a_durable_writer_has_its_bytes_written_out_as_it_goes(tmp_path, monkeyp
         assert ends > store.path_of(hashlib.sha256(data).hexdigest()).stat().st_size - (1 << 20)
 
     asked.clear()
-    monkeypatch.setattr(blobstore, "_start_writeback", lambda *a: asked.append(a) and False)
+    monkeypatch.setattr(blobwriter, "_start_writeback", lambda *a: asked.append(a) and False)
     store = DiskBlobStore(tmp_path / "refused")
     with store.writer() as w:
         w.write(os.urandom(4 << 20))

@@ -28,15 +28,8 @@ import grpc
 import zstandard
 
 from compilecast import decide, validate, wire
-from compilecast.blobstore import (
-    OUT_OF_SPACE,
-    PROBE,
-    RAW_MAGIC,
-    Inflate,
-    amake_room,
-    aread,
-    worth_compressing,
-)
+from compilecast.blobstore import RAW_MAGIC, Inflate, amake_room, aread
+from compilecast.blobwriter import OUT_OF_SPACE, PROBE, worth_compressing
 from compilecast.coordinator.auth import token_from
 from compilecast.coordinator.service import publish_stream
 from compilecast.decide import Decider

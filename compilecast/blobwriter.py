@@ -1,0 +1,453 @@
+"""Writing a blob: hashing as the bytes come (Sha256), decoding a zstd stream (Inflate), and the BlobWriter that puts a verified blob into a DiskBlobStore atomically (temp file, fsync, rename). The store's layout and reads are compilecast/blobstore.py."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import hashlib
+import os
+import queue
+import sys
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import zstandard
+
+from compilecast import validate
+from compilecast.errors import (
+    CorruptBlob,
+    DigestMismatch,
+    StoreFull,
+    TooLarge,
+)
+
+CHUNK = 2 << 20
+RAW_MAGIC = b"CCRAW01\n"  # a stored blob that is not zstd (zstd frames begin 28 b5 2f fd)
+PROBE = 1 << 20  # bytes whose compressibility decides how a blob is stored
+MIN_SAVING = 0.05  # store raw unless zstd saves at least this fraction of the probe
+OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT}
+ROOM_SLACK = 64 << 10  # what a blob may take beyond its bytes: marker, zstd frames, blocks
+
+if TYPE_CHECKING:
+    from .blobstore import DiskBlobStore
+
+
+T = TypeVar("T")
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is replaced or written to."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _same(chunk: bytes) -> Any:
+    return chunk
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# A durable write asks the kernel to start writing its bytes out every
+# WRITEBACK_EVERY bytes, without waiting (Linux's sync_file_range): the fsync
+# at commit then waits for the last few MiB instead of the whole blob, and the
+# waiters of a publish are told sooner (187 MB on this machine's disk: the
+# commit from 0.11-0.13 s to 0.003 s, BENCHMARKS.md). Elsewhere, nothing.
+WRITEBACK_EVERY = 8 << 20
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's sync_file_range, bound on first use (never in a process that
+    writes no durable blob, such as a user's JAX process); None where there
+    is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Have the kernel start writing out a range of the file, without
+    waiting (SYNC_FILE_RANGE_WRITE); whether it took the request."""
+    call = _sync_file_range()
+    return call is not None and call(fd, offset, nbytes, 2) == 0
+
+
+def worth_compressing(sample: bytes, level: int) -> bool:
+    """Whether zstd at `level` saves at least MIN_SAVING of `sample` (a blob's
+    first PROBE bytes): else it is stored, and sent, raw."""
+    if not sample:
+        return True
+    return len(zstandard.ZstdCompressor(level=level).compress(sample)) <= (
+        len(sample) * (1 - MIN_SAVING))
+
+
+HASH_THREAD_AFTER = 16 << 20  # bytes hashed inline before hashing moves to a thread
+HASH_BATCH = 4 << 20  # bytes handed to the hashing thread at a time
+HASH_BATCH_PIECES = 4  # or this many pieces: a small piece may hold a whole buffer
+HASH_QUEUE = 2  # batches waiting for the hashing thread, at most
+
+
+def _hash_pieces(h, batches: queue.Queue, owner: weakref.ref) -> None:
+    """Sha256's thread: hash the batches of pieces until told to stop, or
+    until its owner is gone without saying so (a writer nobody closed)."""
+    while True:
+        try:
+            batch = batches.get(timeout=10)
+        except queue.Empty:
+            if owner() is None:
+                return
+            continue
+        if batch is None:
+            return
+        for data in batch:
+            h.update(data)
+
+
+class Sha256:
+    """hashlib's sha256 that moves to a thread of its own once `inline`
+    bytes have been hashed. For a big artifact, hashing then overlaps
+    receiving, decoding and writing (hashlib and zstd release the GIL on big
+    buffers), so a verified transfer is bound by the slowest of them rather
+    than their sum: sha256 alone runs at ~1.4 GB/s on one core here.
+    Small blobs never start a thread. The pieces go to the thread `batch`
+    bytes, or HASH_BATCH_PIECES pieces, at a time: each hand-over wakes it,
+    and on a VM a wake-up costs ~0.1 ms, a tenth of a MiB's hashing. (A
+    piece may be a view of a bigger buffer, a short receive: counting the
+    pieces bounds the buffers held to (depth + 2) x HASH_BATCH_PIECES.) At
+    most `depth` batches wait, and a full queue makes `update` wait, so
+    memory stays bounded and a caller is never slower than hashing inline
+    would be. `hexdigest()` waits for what is queued; `close()` ends the
+    thread of one that is given up."""
+
+    def __init__(self, inline: int = HASH_THREAD_AFTER, depth: int = HASH_QUEUE,
+                 batch: int = HASH_BATCH) -> None:
+        self._h = hashlib.sha256()
+        self._inline = inline
+        self._depth = depth
+        self._batch_bytes = batch
+        self._seen = 0
+        self._batch: list = []
+        self._batched = 0
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+
+    def update(self, data) -> None:
+        if self._queue is not None:
+            if isinstance(data, bytearray) or (isinstance(data, memoryview)
+                                               and not data.readonly):
+                data = bytes(data)  # the caller may reuse its buffer
+            self._batch.append(data)
+            self._batched += len(data)
+            if self._batched >= self._batch_bytes or len(self._batch) >= HASH_BATCH_PIECES:
+                self._hand_over()
+            return
+        self._h.update(data)
+        self._seen += len(data)
+        if self._seen >= self._inline and self._thread is None:
+            self._queue = queue.Queue(self._depth)
+            self._thread = threading.Thread(
+                target=_hash_pieces, args=(self._h, self._queue, weakref.ref(self)),
+                name="compilecast-sha256", daemon=True)
+            self._thread.start()
+
+    def _hand_over(self) -> None:
+        if self._batch:
+            self._queue.put(self._batch)
+            self._batch, self._batched = [], 0
+
+    def close(self) -> None:
+        """Hash what is queued and end the thread; later updates hash inline."""
+        if self._queue is not None:
+            self._hand_over()
+            self._queue.put(None)
+            self._thread.join()
+            self._queue = None
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self._h.hexdigest()
+
+
+class Inflate:
+    """A blob's zstd stream decoded as it arrives: `feed` it the stream's
+    bytes; `sink` gets the decoded bytes in pieces of at most `piece` bytes
+    (however well they compress: memory stays bounded). CorruptBlob for a
+    stream that does not decode, or decodes past `limit` bytes (the
+    artifact's size: a stream that decodes to more is not the artifact)."""
+
+    def __init__(self, sink: Callable[[bytes], object], limit: int, piece: int = CHUNK) -> None:
+        self.size = 0  # decoded so far
+        self._sink = sink
+        self._limit = limit
+        self._writer = zstandard.ZstdDecompressor().stream_writer(self._Out(self),
+                                                                  write_size=piece)
+
+    class _Out:
+        __slots__ = ("inflate",)
+
+        def __init__(self, inflate: Inflate) -> None:
+            self.inflate = inflate
+
+        def write(self, data: bytes) -> int:
+            inflate = self.inflate
+            inflate.size += len(data)
+            if inflate.size > inflate._limit:
+                raise CorruptBlob(f"the zstd stream decodes past {inflate._limit} bytes")
+            inflate._sink(data)
+            return len(data)
+
+    def feed(self, data) -> None:
+        try:
+            self._writer.write(data)
+        except zstandard.ZstdError as exc:
+            raise CorruptBlob(f"the zstd stream does not decode: {exc}") from None
+
+
+class BlobWriter:
+    """One blob being written. Use as a context manager: leaving the block
+    without `commit()` removes the temp file."""
+
+    def __init__(self, store: DiskBlobStore, max_size: int, *,
+                 discard_when_unwritable: bool = False) -> None:
+        self._store = store
+        self._max_size = max_size
+        self._discard = discard_when_unwritable
+        self.discarded = ""  # why the bytes are hashed but not kept
+        self._path: Path | None = None
+        self._file: Any = None
+        try:
+            try:
+                fd, name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".part")
+            except FileNotFoundError:  # removed under the running store
+                store.restore()
+                fd, name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".part")
+        except OSError as exc:
+            self._write_failed(exc)
+        else:
+            self._path = Path(name)
+            if store.file_mode is not None:
+                os.fchmod(fd, store.file_mode)
+            self._file = os.fdopen(fd, "wb")
+        self._level = store.level
+        self._zw = None  # a zstd stream writer, once the probe says compress
+        self._raw = False
+        self._as_sent = False  # storing a zstd stream as it came (write_zstd)
+        self._probe: list[bytes] = []
+        self._probed = 0
+        self._hash = Sha256()
+        self.size = 0
+        self._done = False
+        # Up to where the kernel was asked to write the file out (durable only).
+        self._written_back = 0 if store.durable else None
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > self._max_size:
+            raise TooLarge(f"artifact exceeds the limit of {self._max_size} bytes")
+        self._hash.update(data)
+        if self.discarded or self._as_sent:
+            return
+        try:
+            if self._zw is not None:
+                self._zw.write(data)
+            elif self._raw:
+                self._file.write(data)
+                self._file.flush()  # visible to readers of the file as it grows
+            else:
+                self._probe.append(bytes(data))
+                self._probed += len(data)
+                if self._probed >= PROBE:
+                    self._decide()
+            if self._written_back is not None:
+                self._write_back()
+        except OSError as exc:
+            self._write_failed(exc)
+
+    def _write_back(self) -> None:
+        """Have the kernel start writing out what this file holds beyond the
+        last request, once that is WRITEBACK_EVERY bytes. Best effort: the
+        fsync at commit is what makes the blob durable, and reports errors."""
+        end = self._file.tell()
+        if end - self._written_back < WRITEBACK_EVERY:
+            return
+        self._file.flush()
+        if _start_writeback(self._file.fileno(), self._written_back, end - self._written_back):
+            self._written_back = end
+        else:
+            self._written_back = None  # refused once: leave it all to the fsync
+
+    def write_zstd(self, stream) -> None:
+        """Store the blob as the zstd stream it came in (a blob another store
+        sent as stored), written as it is: nothing compressed again. The
+        decoded bytes still go to `write`, which then hashes and counts them."""
+        if not self._as_sent:
+            if self.size or self._probed or self._zw is not None or self._raw:
+                raise ValueError("a blob is stored as its zstd stream from its first byte")
+            self._as_sent = True
+        if self.discarded:
+            return
+        try:
+            self._file.write(stream)
+            if self._written_back is not None:
+                self._write_back()
+        except OSError as exc:
+            self._write_failed(exc)
+
+    def _write_failed(self, exc: OSError) -> None:
+        """A write failed. Opened with discard_when_unwritable, go on hashing
+        without keeping the bytes, whatever the failure; else raise StoreFull
+        for want of space, and anything else as it is."""
+        full = exc.errno in OUT_OF_SPACE
+        if full:
+            why = f"no space left on the volume under {self._store.root}"
+        else:
+            why = f"cannot write under {self._store.root}: {exc.strerror or exc}"
+        if not self._discard:
+            if not full:
+                raise exc
+            raise StoreFull(f"the blob store is full: {why}") from None
+        self.stop_keeping(why)
+
+    def stop_keeping(self, why: str) -> None:
+        """Hash the rest of the blob without keeping it: commit then verifies
+        the bytes and returns None."""
+        if not self.discarded:
+            self.discarded = why
+            self._zw, self._probe, self._raw = None, [], False
+            self._remove()
+
+    def store_raw(self) -> None:
+        """Store the blob raw from its first byte, without the probe: for
+        bytes their sender stored raw (its own probe of the same first MiB
+        said no). Readers may follow the file from the first write on."""
+        if self.size or self._probed or self._zw is not None or self._as_sent:
+            raise ValueError("a blob is stored raw without the probe from its first byte")
+        if self._raw or self.discarded:
+            return
+        self._raw = True
+        try:
+            self._file.write(RAW_MAGIC)
+        except OSError as exc:
+            self._write_failed(exc)
+
+    def _decide(self) -> None:
+        """Compress or not, from the first PROBE bytes; then write them."""
+        head = b"".join(self._probe)
+        self._probe = []
+        zc = zstandard.ZstdCompressor(level=self._level)
+        if not worth_compressing(head[:PROBE], self._level):
+            self._raw = True
+            self._file.write(RAW_MAGIC)
+            self._file.write(head)
+            self._file.flush()
+        else:
+            self._zw = zc.stream_writer(self._file, closefd=False)
+            self._zw.write(head)
+
+    @property
+    def level(self) -> int:
+        """The zstd level its store compresses at."""
+        return self._level
+
+    @property
+    def stored_raw(self) -> bool:
+        return self._raw
+
+    @property
+    def path(self) -> Path:
+        """The temp file being written (renamed into place by commit)."""
+        return self._path
+
+    def readable(self) -> int | None:
+        """How many bytes of the blob another reader may take from `path`,
+        after RAW_MAGIC, between writes; None unless stored raw (undecided
+        or compressed: wait for the committed blob). Raw writes are flushed
+        as they are made, so that is every byte written."""
+        return self.size if self._raw and not self.discarded else None
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    def _finish_file(self, parent: Path) -> None:
+        if self._zw is None and not self._raw and not self._as_sent:
+            self._decide()
+        if self._zw is not None:
+            self._zw.flush(zstandard.FLUSH_FRAME)
+        self._file.flush()
+        if self._store.durable:
+            os.fsync(self._file.fileno())
+        self._file.close()
+        parent.mkdir(parents=True, exist_ok=True)
+
+    def commit(self, digest: str, size: int) -> Path | None:
+        """Verify and move the blob into place; returns its path, or None when
+        the bytes were verified but not kept (`discarded`)."""
+        validate.digest(digest)
+        try:
+            final = self._store.path_of(digest)
+            if not self.discarded:
+                try:
+                    self._finish_file(final.parent)
+                except OSError as exc:
+                    self._write_failed(exc)
+            actual = self._hash.hexdigest()
+            if actual != digest:
+                raise DigestMismatch(
+                    f"digest mismatch: the publish says {digest}, its bytes hash to {actual}"
+                )
+            if self.size != size:
+                raise DigestMismatch(f"size mismatch: header says {size}, received {self.size}")
+            if self.discarded:
+                self._done = True
+                return None
+            stored = self._path.stat().st_size
+            existed = final.exists()
+            os.replace(self._path, final)
+            if self._store.durable:
+                _fsync_dir(final.parent)
+            self._done = True
+            self._store._trust(digest, final.stat())  # hashed on the way in
+            if not existed:
+                self._store._account(stored)
+            return final
+        finally:
+            if not self._done:
+                self.abort()
+
+    def _remove(self) -> None:
+        with contextlib.suppress(Exception):  # a full volume fails the close's flush too
+            if self._file is not None:
+                self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            if self._path is not None:
+                self._path.unlink()
+
+    def abort(self) -> None:
+        self._done = True
+        self._hash.close()
+        self._remove()
+
+    def __enter__(self) -> BlobWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._done:
+            self.abort()
