@@ -99,7 +99,7 @@ def test_a_fill_hands_each_reader_the_stream_it_takes(loop_thread):
     later zstd readers the decoded bytes."""
     from compilecast.errors import UpstreamError
     from compilecast.wire import DataChunk
-    from compilecast.worker.service import _Fill
+    from compilecast.worker.fill import _Fill
 
     async def drain(q):
         out = []
@@ -318,7 +318,7 @@ def test_a_bad_relay_address_is_refused(address):
 
 def test_relay_pieces_keep_the_bytes_and_their_kind():
     from compilecast.wire import DataChunk
-    from compilecast.worker.service import RELAY_PIECE, relay_pieces
+    from compilecast.worker.upstream import RELAY_PIECE, relay_pieces
 
     data = os.urandom(2 * RELAY_PIECE + 123)
     for zstd in (False, True):
@@ -341,7 +341,7 @@ def test_a_peer_gets_a_live_download_in_pieces(start_coordinator, start_worker, 
     import zstandard
 
     from compilecast import wire
-    from compilecast.worker.service import RELAY_PIECE
+    from compilecast.worker.upstream import RELAY_PIECE
 
     coordinator = start_coordinator(relay_fanout=2)
     data = (b"".join(os.urandom(64) + b"\x00" * 960 for _ in range(SIZE // 1024))

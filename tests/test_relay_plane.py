@@ -20,8 +20,8 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DATA_PLANE_REQUEST
 from compilecast.worker.client import CacheClient
+from compilecast.worker.fill import _Fill
 from compilecast.worker.relayplane import RelayPlane
-from compilecast.worker.service import _Fill
 
 from .test_relay import SIZE, egress, fetch_all, publish
 

@@ -19,7 +19,8 @@ from .handoff import Handoffs
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
 from .relayplane import RelayPlane
-from .service import RelayService, WorkerService
+from .service import WorkerService
+from .upstream import RelayService
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,172 @@
+"""The worker's calls upstream, to the coordinator and to peer workers: idle and stall deadlines on their streams, a holder's Publish forwarded, relayed chunks, and the status a coordinator's refusal is passed on with."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from compilecast.coordinator.auth import token_from
+from compilecast.errors import (
+    UpstreamError,
+)
+from compilecast.grpcutil import rpc_errors
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.wire import DataChunk
+
+from .client import UploadRefused
+
+PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for the coordinator
+UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats every 10 s) failed
+HEARTBEAT_S = 10.0  # readers waiting on a download get an empty chunk this often
+TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
+RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
+WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait the coordinator cut off is sent again after these
+
+if TYPE_CHECKING:
+    from .service import WorkerService
+
+
+async def _idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
+    """The stream's items; TimeoutError when none comes for `idle_s` (a stalled peer)."""
+    it = stream.__aiter__()
+    try:
+        while True:
+            try:
+                item = await (asyncio.wait_for(it.__anext__(), idle_s) if idle_s
+                              else it.__anext__())
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if hasattr(stream, "cancel"):
+            stream.cancel()
+
+
+RELAY_PIECE = 512 << 10  # bytes of a message to a peer (chunks arrive 2 MiB at a time)
+
+
+def relay_pieces(chunk):
+    """`chunk` as messages of at most RELAY_PIECE bytes of data (or of zstd
+    stream). A peer can pass bytes on only once it holds a whole message, so
+    at every hop of a relay a chunk waits for the time its message takes on
+    the link: pieces make that wait a quarter of a chunk's, at the price of
+    one copy (a chunk otherwise goes on as it was received)."""
+    if type(chunk) is not DataChunk or chunk.size <= RELAY_PIECE:
+        yield chunk
+        return
+    zstd = len(chunk.zstd_data) > 0
+    view = memoryview(chunk.zstd_data if zstd else chunk.data)
+    for at in range(0, len(view), RELAY_PIECE):
+        piece = view[at:at + RELAY_PIECE]
+        yield DataChunk(b"", piece) if zstd else DataChunk(piece)
+
+
+class RelayService(rpc.CompileCacheServicer):
+    """A worker's relay endpoint (TCP): Fetch only, for peer workers the
+    coordinator points here. Where workers hold a token, a peer must present
+    one: the workers' own (this host's namespace) or the per-job token its
+    process used, which reaches only what that token fetched here or what the
+    coordinator grants it."""
+
+    def __init__(self, worker: WorkerService) -> None:
+        self.worker = worker
+
+    @rpc_errors
+    async def Fetch(self, request, context):
+        if self.worker.token and not token_from(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "relay fetches need a token")
+        head = await self.worker.relay_ticket(request, context)
+        if head is not None:
+            yield head
+            return
+        async for chunk in self.worker.Fetch(request, context):
+            for piece in relay_pieces(chunk):
+                yield piece
+
+
+async def _unless_stalled(call, moved: list[float], stall_s: float, what: str):
+    """The result of a streaming `call`; cancelled, as DEADLINE_EXCEEDED, once
+    `moved[0]` (when it last moved bytes) is `stall_s` old: a big artifact
+    takes as long as it moves, a stuck one is given up."""
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=stall_s / 4)
+            if done:
+                return task.result()
+            if time.monotonic() - moved[0] > stall_s:
+                call.cancel()
+                await asyncio.wait({task})
+                if not task.cancelled():
+                    task.exception()  # retrieved: the stall is what the caller hears
+                raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"{what} moved nothing for {stall_s:g}s")
+    finally:
+        if not task.done():  # our caller went away: so does the call
+            call.cancel()
+
+
+async def _forward_publish(stub, chunks: AsyncIterator[pb.PublishChunk], md: tuple,
+                           moved: list[float], what: str) -> pb.PublishResponse:
+    """Send `chunks` upstream as one Publish. Where reading them fails (the
+    holder's stream was malformed: a second header, zstd_data, no digest at
+    its end), the call is cancelled and that error is raised: gRPC itself
+    would only log it and leave the call open until its deadline."""
+    broken: list[BaseException] = []
+    call = None
+
+    async def guarded() -> AsyncIterator[pb.PublishChunk]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as exc:
+            broken.append(exc)
+            if call is not None:
+                call.cancel()
+            raise
+
+    call = stub.Publish(guarded(), timeout=TRANSFER_S, metadata=md)
+    try:
+        return await _unless_stalled(call, moved, UPSTREAM_IDLE_S, what)
+    except (grpc.aio.AioRpcError, asyncio.CancelledError, UpstreamError) as exc:
+        if broken:
+            raise broken[0] from None
+        if isinstance(exc, grpc.aio.AioRpcError):
+            raise _relay(exc) from None
+        raise
+
+
+async def _heartbeats_until(done: asyncio.Future, beat=pb.FetchChunk):
+    """`beat()` (an empty FetchChunk), one every HEARTBEAT_S, until `done`
+    is: a fetch that waits for its bytes shows its reader it is alive."""
+    while not done.done():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(done), HEARTBEAT_S)
+        if not done.done():
+            yield beat()
+
+
+def _matches(info: pb.ArtifactInfo | None, digest: str) -> bool:
+    """Whether `info` is the artifact a fetch asking for `digest` (or any) wants."""
+    return info is not None and (not digest or info.digest == digest)
+
+
+def _ticketed(info: pb.ArtifactInfo, ticket: pb.DataTicket | None) -> pb.FetchChunk | None:
+    """A relay's answer with a data ticket: the header and the ticket; None without one."""
+    return pb.FetchChunk(artifact=info, data_ticket=ticket) if ticket else None
+
+
+def _relay(exc: grpc.aio.AioRpcError | UploadRefused) -> UpstreamError:
+    """The coordinator's status for our caller; a stream reset or an upstream
+    bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
+    code = exc.code()
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        code = grpc.StatusCode.UNAVAILABLE
+    return UpstreamError(code, f"coordinator: {exc.details()}")
