@@ -39,7 +39,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from compilecast import validate
@@ -70,8 +69,23 @@ from .etcd import (
     op_put,
 )
 from .farm import Farm
+from .keystate import (
+    _KINDS,
+    _RECORDS,
+    RELEASED_KEPT,
+    KeyState,
+    _holder_name,
+    _in_flight,
+    _lease_owner,
+    _lowest_rank,
+    _reason,
+    _store_zstd,
+    _verdict,
+    _Waiters,
+)
 from .leases import LeasePool
 from .metrics import CoordinatorMetrics
+from .operations import Operations
 from .records import (
     DEFAULT_TENANT,
     KeyRecords,
@@ -100,149 +114,8 @@ PROMOTION_STAGGER_S = 0.5
 WAITER_FLUSH_S = 0.02
 
 
-@dataclass
-class KeyState:
-    artifact: pb.ArtifactInfo | None
-    artifact_rev: int
-    lease: dict | None
-    lease_rev: int
-    local: dict | None
-    hedge: dict | None = None
 
-
-def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
-    """What fetchers of an upload in progress are told about it."""
-    return pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
-                           compile_time_seconds=header.compile_time_seconds)
-
-
-PURGE_TXN_KEYS = 60  # index entries one purge txn deletes (etcd allows 128 compares, 128 ops)
-
-
-def _store_zstd(writer, inflate: Inflate, stream) -> None:
-    """Store a publish sent as zstd as it came, its decoded bytes verified
-    (a stream that does not decode, or decodes past the declared size, is
-    the publisher's error)."""
-    writer.write_zstd(stream)
-    try:
-        inflate.feed(stream)
-    except CorruptBlob as exc:
-        raise InvalidRequest(f"zstd_data: {exc}") from None
-
-
-def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
-    """Whose claims may share an etcd lease (coordinator/leases.py): one
-    process, as the tenant, its job and process id and its own name
-    (host:pid, which every worker sends) tell it. A requester that does not
-    name itself gets a lease of its own per claim."""
-    if not req.client:
-        return None
-    return tenant_of(sk), req.job, req.process_id, req.client
-
-
-def _reason(kv: KV) -> str:
-    try:
-        return json.loads(kv.value)["reason"]
-    except (ValueError, KeyError, TypeError):
-        return "revoked"
-
-
-# A key's records, P/<kind>/<tenant>/<key>: what each kind is.
-_KINDS = {"a": "index", "l": "compile lease", "x": "compile-locally", "h": "hedge"}
-_RECORDS = "alxh"  # the ones a decision reads, in this order
-
-
-def _verdict(marker: dict) -> dict:
-    """The reason and cause of a COMPILE_LOCALLY from a key's "compile
-    locally" marker (one written before causes has none: a warning)."""
-    cause = marker.get("cause")
-    return {"reason": marker.get("reason", "not cached"),
-            "local_cause": cause if cause in pb.LocalCause.values() else 0}
-
-
-def _holder_name(rec: dict) -> str:
-    if rec.get("job"):
-        return f"job {rec['job']} process {rec.get('process', 0)} ({rec.get('client', '?')})"
-    return rec.get("client") or "an independent process"
-
-
-def describe_store(cfg: CoordinatorConfig) -> str:
-    """Where a replica's artifact bytes live, for `compilecast status`."""
-    if cfg.store_type == "s3":
-        return (f"s3://{cfg.s3_bucket}/{cfg.s3_prefix.strip('/')} at "
-                f"{cfg.s3_endpoint or 'AWS S3'} (cache {cfg.store_dir})")
-    return f"disk {cfg.store_dir}"
-
-
-RELEASED_KEPT = 100_000  # keys whose claim's end is remembered (for waiters)
-# etcd revisions are int64; a revision to read from is one more than one seen.
-MAX_REVISION = 2**63 - 1
-
-
-class _Waiters:
-    """A replica's waiters of one key: how many wait under each rank (the
-    process id in a job, else the arrival time: the lowest goes first) and
-    of each job, and the lowest rank."""
-
-    __slots__ = ("count", "jobs", "lowest", "ranks")
-
-    def __init__(self) -> None:
-        self.ranks: collections.Counter[str] = collections.Counter()
-        self.jobs: collections.Counter[str] = collections.Counter()
-        self.count = 0
-        self.lowest = ""
-
-    def add(self, rank: str, job: str) -> None:
-        self.ranks[rank] += 1
-        self.jobs[job] += 1
-        self.count += 1
-        if self.count == 1 or rank < self.lowest:
-            self.lowest = rank
-
-    def remove(self, rank: str, job: str) -> None:
-        self.count -= 1
-        for counter, name in ((self.ranks, rank), (self.jobs, job)):
-            counter[name] -= 1
-            if not counter[name]:
-                del counter[name]
-        if rank == self.lowest and rank not in self.ranks:
-            # Each leave of the lowest scans once: a burst of n leaves in any
-            # order meets the lowest about ln(n) times.
-            self.lowest = min(self.ranks, default="")
-
-    def below(self, rank: str) -> int:
-        """How many wait here under a lower rank."""
-        return sum(n for r, n in self.ranks.items() if r < rank)
-
-    def record(self) -> bytes:
-        return json.dumps({"count": self.count, "lowest": self.lowest,
-                           "jobs": dict(self.jobs)}).encode()
-
-
-def _lowest_rank(kv: KV) -> str | None:
-    """The lowest rank a P/w record names: a replica's record of its waiters,
-    or an older replica's record of one waiter (P/w/KEY/RANK/ID, during a
-    rolling upgrade)."""
-    d = json_dict(kv.value) or {}
-    if "count" in d:
-        return d.get("lowest") if isinstance(d.get("lowest"), str) and d["lowest"] else None
-    parts = kv.key.rsplit(b"/", 2)
-    return parts[1].decode() if len(parts) == 3 and parts[1].isdigit() else None
-
-
-def _waiters_by_job(kv: KV) -> dict[str, int]:
-    """How many waiters of each job a P/w record counts (an older replica's
-    record: one)."""
-    d = json_dict(kv.value) or {}
-    if "count" not in d:
-        return {str(d.get("job", "")): 1}
-    jobs = d.get("jobs")
-    if not isinstance(jobs, dict):
-        return {}
-    return {str(j): n for j, n in jobs.items() if isinstance(n, int) and n > 0}
-
-
-class CoordinatorState:
+class CoordinatorState(Operations):
     def __init__(
         self,
         cfg: CoordinatorConfig,
@@ -1005,92 +878,6 @@ class CoordinatorState:
                         "process_id": header.requester.process_id})
         return info
 
-    # -- Purge -----------------------------------------------------------
-    def _revocation(self, tenant: str, digest: str) -> bytes:
-        """P/v/TENANT/DIGEST: the tenant revoked these bytes."""
-        return self._k("v", scope(tenant, digest))
-
-    async def purge(self, keys: list[str], digests: list[str], reason: str, *,
-                    tenant: str = DEFAULT_TENANT, dry_run: bool = False) -> pb.PurgeResponse:
-        """Revoke the bytes of `keys`' artifacts and `digests` for the tenant,
-        then remove every index entry of the tenant that names them: no key
-        serves them, no publish brings them back (the revocation is written
-        first), and workers drop them from their host caches. The blobs stay
-        in the store (another tenant's entries may name the same bytes) until
-        evicted."""
-        for k in keys:
-            validate.key(k)
-        for d in digests:
-            validate.digest(d)
-        if not keys and not digests:
-            raise InvalidRequest("name the keys or digests to purge")
-        reason = reason[:validate.MAX_DETAIL_LEN] or "purged by an operator"
-        resp = pb.PurgeResponse()
-        wanted = set(digests)  # a key's bytes are revoked, so every key naming them goes
-        for k, kv in zip(keys, await self.etcd.get_many([self._k("a", scope(tenant, k))
-                                                         for k in keys]), strict=True):
-            if kv is None:
-                resp.missing.append(k)
-            else:
-                wanted.add(json.loads(kv.value)["digest"])
-        head = self._k("a", scope(tenant, ""))
-        naming: dict[str, list[str]] = {d: [] for d in sorted(wanted)}
-        if wanted:  # a tenant's whole index, a page at a time
-            async for kv in self.etcd.scan_prefix(head):
-                digest = json.loads(kv.value).get("digest")
-                if digest in naming:
-                    naming[digest].append(kv.key[len(head):].decode())
-        if dry_run:
-            for digest, named in naming.items():
-                resp.purged.extend(sorted(named))
-                resp.revoked.append(digest)
-            return resp
-        for digest, named in naming.items():
-            await self.etcd.put(self._revocation(tenant, digest), json.dumps(
-                {"reason": reason, "at": time.time(), "keys": sorted(named)}).encode())
-            for i in range(0, len(named), PURGE_TXN_KEYS):
-                resp.purged.extend(await self._unindex(tenant, digest,
-                                                       named[i:i + PURGE_TXN_KEYS]))
-            resp.revoked.append(digest)
-            log.warning("purged %s: revoked artifact %s (%s)", ", ".join(named) or "no key",
-                        digest, reason, extra={"key": scope(tenant, digest)})
-        self.metrics.purges.inc(len(resp.revoked))
-        return resp
-
-    async def _unindex(self, tenant: str, digest: str, keys: list[str]) -> list[str]:
-        """Delete the index entries of `keys` that still name `digest`, in
-        one txn (again, should one change meanwhile); the keys deleted."""
-        for _ in range(3):
-            records = [self._k("a", scope(tenant, k)) for k in keys]
-            current = [(k, rec, kv) for k, rec, kv in zip(keys, records,
-                                                         await self.etcd.get_many(records),
-                                                         strict=True)
-                       if kv is not None and json.loads(kv.value).get("digest") == digest]
-            if not current:
-                return []
-            ok, revision, _ = await self.etcd.txn(
-                [cmp_mod_revision(rec, kv.mod_revision) for _, rec, kv in current],
-                [op_delete(rec) for _, rec, _ in current])
-            if ok:
-                for k, _, _ in current:
-                    self._forget_artifact(scope(tenant, k), revision)
-                return sorted(k for k, _, _ in current)
-        raise Unavailable("the index entries to purge kept changing; try again")
-
-    async def revoked(self, since_revision: int, *,
-                      tenant: str = DEFAULT_TENANT) -> pb.RevokedResponse:
-        if not 0 <= since_revision < MAX_REVISION:
-            raise InvalidRequest(f"since_revision must be in [0, {MAX_REVISION})")
-        head = self._k("v", scope(tenant, ""))
-        kvs, revision = await self.etcd.changed_since(head, since_revision)
-        resp = pb.RevokedResponse(revision=revision)
-        for kv in kvs:  # (a record it cannot read still revokes its digest)
-            rec = json_dict(kv.value) or {}
-            resp.revocations.add(digest=kv.key[len(head):].decode(), reason=_reason(kv),
-                                 revoked_unix=float(rec.get("at", 0.0)),
-                                 keys=[str(k) for k in rec.get("keys", ())])
-        return resp
-
     # -- Release ---------------------------------------------------------
     async def release(self, key: str, lease: pb.Lease, reason: int, detail: str, *,
                       tenant: str = DEFAULT_TENANT) -> None:
@@ -1217,72 +1004,4 @@ class CoordinatorState:
             with contextlib.suppress(Exception):
                 await self.etcd.delete(self._k("a", sk))
             raise
-
-    # -- Status ----------------------------------------------------------
-    async def status(self, tenant: str = DEFAULT_TENANT) -> pb.StatusResponse:
-        readable, problem = await self.etcd.health()
-        resp = pb.StatusResponse(role="coordinator", upstream_healthy=not problem,
-                                 upstream_problem=problem,
-                                 upstream="etcd " + ",".join(self.etcd.endpoints))
-        reg = self.metrics.registry
-        resp.hits = int(reg.get_sample_value("compilecast_coordinator_lookups_total",
-                                             {"result": "hit"}) or 0)
-        resp.misses = int(reg.get_sample_value("compilecast_coordinator_lookups_total",
-                                               {"result": "miss"}) or 0)
-        resp.compile_seconds_saved = float(
-            reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") or 0.0)
-        resp.store_bytes, resp.store_max_bytes = self.store.stored_bytes, self.cfg.store_max_bytes
-        resp.store = describe_store(self.cfg)
-        if self.cfg.store_type == "s3":
-            resp.bucket_errors = int(sum(
-                s.value for m in reg.collect() if m.name == "compilecast_coordinator_bucket_errors"
-                for s in m.samples if s.name.endswith("_total")))
-            local = "compilecast_coordinator_bucket_local_reads_total"
-            resp.bucket_local_hits = int(reg.get_sample_value(local, {"result": "hit"}) or 0)
-            resp.bucket_local_misses = int(reg.get_sample_value(local, {"result": "miss"}) or 0)
-        if not readable:
-            return resp
-        counts = await self.farm.counts(tenant)
-        resp.tasks_queued, resp.tasks_running = counts["queued"], counts["running"]
-        resp.tasks_done, resp.tasks_failed = counts["done"], counts["failed"]
-        tenant_path = f"/{tenant}/".encode()
-        resp.artifacts = await self.etcd.count_prefix(self.prefix + b"/a" + tenant_path)
-        resp.revoked = await self.etcd.count_prefix(self.prefix + b"/v" + tenant_path)
-        leases = await self.etcd.get_prefix(self.prefix + b"/l" + tenant_path, limit=100)
-        resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l" + tenant_path)
-        wait_records = await self.etcd.get_prefix(self.prefix + b"/w" + tenant_path, limit=5000)
-        now = time.time()
-        jobs: dict[str, list[int]] = {}
-        for kv in leases:
-            jobs.setdefault(str((json_dict(kv.value) or {}).get("job", "")), [0, 0])[0] += 1
-        by_key: collections.Counter[str] = collections.Counter()  # waiters of each key
-        head = len(self.prefix + b"/w" + tenant_path)
-        # This replica's waiters as they are now (its records land up to
-        # WAITER_FLUSH_S later); the other replicas' as their records say.
-        counted = [(plain(sk), here.jobs) for sk, here in self._waiting.items()
-                   if tenant_of(sk) == tenant]
-        mine = self._replica.encode()
-        for kv in wait_records:
-            key, _, who = kv.key[head:].partition(b"/")
-            if who != mine:
-                counted.append((key.decode(), _waiters_by_job(kv)))
-        for key, by_job in counted:
-            for job, n in by_job.items():
-                resp.waiters += n
-                jobs.setdefault(job, [0, 0])[1] += n
-                by_key[key] += n
-        for job, (compiling, waiting) in sorted(jobs.items()):
-            resp.jobs.append(pb.JobStatus(job=job, compiles_in_flight=compiling, waiters=waiting))
-        for sk, name, differing, when in self.records.recent:
-            if tenant_of(sk) == tenant:
-                resp.recent_misses.append(pb.RecentMiss(key=plain(sk), program_name=name,
-                                                        differing=differing,
-                                                        age_seconds=now - when))
-        for kv in leases:
-            key = kv.key[len(self.prefix) + 3 + len(tenant_path) - 1:].decode()
-            rec = json_dict(kv.value) or {}
-            resp.in_flight.append(pb.InFlight(key=key, holder=_holder_name(rec),
-                                              age_seconds=now - rec.get("granted", now),
-                                              waiters=by_key[key]))
-        return resp
 

@@ -11,8 +11,8 @@ import time
 
 from compilecast.coordinator import state as state_mod
 from compilecast.coordinator.etcd import KV
+from compilecast.coordinator.keystate import _lowest_rank, _Waiters, _waiters_by_job
 from compilecast.coordinator.records import scope
-from compilecast.coordinator.state import _lowest_rank, _Waiters, _waiters_by_job
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 

@@ -1,0 +1,165 @@
+"""How a coordinator reads what etcd holds of a key: its state (artifact, claim, verdict, hedge), the holder and verdict it names, and a replica's waiters of a key as their record says."""
+
+from __future__ import annotations
+
+import collections
+import json
+from dataclasses import dataclass
+
+from compilecast.blobstore import Inflate
+from compilecast.config import CoordinatorConfig
+from compilecast.errors import (
+    CorruptBlob,
+    InvalidRequest,
+)
+from compilecast.v1 import cache_pb2 as pb
+
+from .etcd import (
+    KV,
+)
+from .records import (
+    json_dict,
+    tenant_of,
+)
+
+
+@dataclass
+class KeyState:
+    artifact: pb.ArtifactInfo | None
+    artifact_rev: int
+    lease: dict | None
+    lease_rev: int
+    local: dict | None
+    hedge: dict | None = None
+
+
+def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
+    """What fetchers of an upload in progress are told about it."""
+    return pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
+                           compile_time_seconds=header.compile_time_seconds)
+
+
+PURGE_TXN_KEYS = 60  # index entries one purge txn deletes (etcd allows 128 compares, 128 ops)
+
+
+def _store_zstd(writer, inflate: Inflate, stream) -> None:
+    """Store a publish sent as zstd as it came, its decoded bytes verified
+    (a stream that does not decode, or decodes past the declared size, is
+    the publisher's error)."""
+    writer.write_zstd(stream)
+    try:
+        inflate.feed(stream)
+    except CorruptBlob as exc:
+        raise InvalidRequest(f"zstd_data: {exc}") from None
+
+
+def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
+    """Whose claims may share an etcd lease (coordinator/leases.py): one
+    process, as the tenant, its job and process id and its own name
+    (host:pid, which every worker sends) tell it. A requester that does not
+    name itself gets a lease of its own per claim."""
+    if not req.client:
+        return None
+    return tenant_of(sk), req.job, req.process_id, req.client
+
+
+def _reason(kv: KV) -> str:
+    try:
+        return json.loads(kv.value)["reason"]
+    except (ValueError, KeyError, TypeError):
+        return "revoked"
+
+
+# A key's records, P/<kind>/<tenant>/<key>: what each kind is.
+_KINDS = {"a": "index", "l": "compile lease", "x": "compile-locally", "h": "hedge"}
+_RECORDS = "alxh"  # the ones a decision reads, in this order
+
+
+def _verdict(marker: dict) -> dict:
+    """The reason and cause of a COMPILE_LOCALLY from a key's "compile
+    locally" marker (one written before causes has none: a warning)."""
+    cause = marker.get("cause")
+    return {"reason": marker.get("reason", "not cached"),
+            "local_cause": cause if cause in pb.LocalCause.values() else 0}
+
+
+def _holder_name(rec: dict) -> str:
+    if rec.get("job"):
+        return f"job {rec['job']} process {rec.get('process', 0)} ({rec.get('client', '?')})"
+    return rec.get("client") or "an independent process"
+
+
+def describe_store(cfg: CoordinatorConfig) -> str:
+    """Where a replica's artifact bytes live, for `compilecast status`."""
+    if cfg.store_type == "s3":
+        return (f"s3://{cfg.s3_bucket}/{cfg.s3_prefix.strip('/')} at "
+                f"{cfg.s3_endpoint or 'AWS S3'} (cache {cfg.store_dir})")
+    return f"disk {cfg.store_dir}"
+
+
+RELEASED_KEPT = 100_000  # keys whose claim's end is remembered (for waiters)
+# etcd revisions are int64; a revision to read from is one more than one seen.
+MAX_REVISION = 2**63 - 1
+
+
+class _Waiters:
+    """A replica's waiters of one key: how many wait under each rank (the
+    process id in a job, else the arrival time: the lowest goes first) and
+    of each job, and the lowest rank."""
+
+    __slots__ = ("count", "jobs", "lowest", "ranks")
+
+    def __init__(self) -> None:
+        self.ranks: collections.Counter[str] = collections.Counter()
+        self.jobs: collections.Counter[str] = collections.Counter()
+        self.count = 0
+        self.lowest = ""
+
+    def add(self, rank: str, job: str) -> None:
+        self.ranks[rank] += 1
+        self.jobs[job] += 1
+        self.count += 1
+        if self.count == 1 or rank < self.lowest:
+            self.lowest = rank
+
+    def remove(self, rank: str, job: str) -> None:
+        self.count -= 1
+        for counter, name in ((self.ranks, rank), (self.jobs, job)):
+            counter[name] -= 1
+            if not counter[name]:
+                del counter[name]
+        if rank == self.lowest and rank not in self.ranks:
+            # Each leave of the lowest scans once: a burst of n leaves in any
+            # order meets the lowest about ln(n) times.
+            self.lowest = min(self.ranks, default="")
+
+    def below(self, rank: str) -> int:
+        """How many wait here under a lower rank."""
+        return sum(n for r, n in self.ranks.items() if r < rank)
+
+    def record(self) -> bytes:
+        return json.dumps({"count": self.count, "lowest": self.lowest,
+                           "jobs": dict(self.jobs)}).encode()
+
+
+def _lowest_rank(kv: KV) -> str | None:
+    """The lowest rank a P/w record names: a replica's record of its waiters,
+    or an older replica's record of one waiter (P/w/KEY/RANK/ID, during a
+    rolling upgrade)."""
+    d = json_dict(kv.value) or {}
+    if "count" in d:
+        return d.get("lowest") if isinstance(d.get("lowest"), str) and d["lowest"] else None
+    parts = kv.key.rsplit(b"/", 2)
+    return parts[1].decode() if len(parts) == 3 and parts[1].isdigit() else None
+
+
+def _waiters_by_job(kv: KV) -> dict[str, int]:
+    """How many waiters of each job a P/w record counts (an older replica's
+    record: one)."""
+    d = json_dict(kv.value) or {}
+    if "count" not in d:
+        return {str(d.get("job", "")): 1}
+    jobs = d.get("jobs")
+    if not isinstance(jobs, dict):
+        return {}
+    return {str(j): n for j, n in jobs.items() if isinstance(n, int) and n > 0}

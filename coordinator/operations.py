@@ -1,0 +1,195 @@
+"""What operators ask of a coordinator replica: purging artifacts and the tenant's revocations, and its status."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+
+from compilecast import validate
+from compilecast.errors import (
+    InvalidRequest,
+    Unavailable,
+)
+from compilecast.v1 import cache_pb2 as pb
+
+from .etcd import (
+    cmp_mod_revision,
+    op_delete,
+)
+from .keystate import (
+    MAX_REVISION,
+    PURGE_TXN_KEYS,
+    _holder_name,
+    _reason,
+    _waiters_by_job,
+    describe_store,
+)
+from .records import (
+    DEFAULT_TENANT,
+    json_dict,
+    plain,
+    scope,
+    tenant_of,
+)
+
+log = logging.getLogger("compilecast.coordinator.state")
+
+
+class Operations:
+    """Part of CoordinatorState (coordinator/state.py): see that class for its state."""
+
+    # -- Purge -----------------------------------------------------------
+    def _revocation(self, tenant: str, digest: str) -> bytes:
+        """P/v/TENANT/DIGEST: the tenant revoked these bytes."""
+        return self._k("v", scope(tenant, digest))
+
+    async def purge(self, keys: list[str], digests: list[str], reason: str, *,
+                    tenant: str = DEFAULT_TENANT, dry_run: bool = False) -> pb.PurgeResponse:
+        """Revoke the bytes of `keys`' artifacts and `digests` for the tenant,
+        then remove every index entry of the tenant that names them: no key
+        serves them, no publish brings them back (the revocation is written
+        first), and workers drop them from their host caches. The blobs stay
+        in the store (another tenant's entries may name the same bytes) until
+        evicted."""
+        for k in keys:
+            validate.key(k)
+        for d in digests:
+            validate.digest(d)
+        if not keys and not digests:
+            raise InvalidRequest("name the keys or digests to purge")
+        reason = reason[:validate.MAX_DETAIL_LEN] or "purged by an operator"
+        resp = pb.PurgeResponse()
+        wanted = set(digests)  # a key's bytes are revoked, so every key naming them goes
+        for k, kv in zip(keys, await self.etcd.get_many([self._k("a", scope(tenant, k))
+                                                         for k in keys]), strict=True):
+            if kv is None:
+                resp.missing.append(k)
+            else:
+                wanted.add(json.loads(kv.value)["digest"])
+        head = self._k("a", scope(tenant, ""))
+        naming: dict[str, list[str]] = {d: [] for d in sorted(wanted)}
+        if wanted:  # a tenant's whole index, a page at a time
+            async for kv in self.etcd.scan_prefix(head):
+                digest = json.loads(kv.value).get("digest")
+                if digest in naming:
+                    naming[digest].append(kv.key[len(head):].decode())
+        if dry_run:
+            for digest, named in naming.items():
+                resp.purged.extend(sorted(named))
+                resp.revoked.append(digest)
+            return resp
+        for digest, named in naming.items():
+            await self.etcd.put(self._revocation(tenant, digest), json.dumps(
+                {"reason": reason, "at": time.time(), "keys": sorted(named)}).encode())
+            for i in range(0, len(named), PURGE_TXN_KEYS):
+                resp.purged.extend(await self._unindex(tenant, digest,
+                                                       named[i:i + PURGE_TXN_KEYS]))
+            resp.revoked.append(digest)
+            log.warning("purged %s: revoked artifact %s (%s)", ", ".join(named) or "no key",
+                        digest, reason, extra={"key": scope(tenant, digest)})
+        self.metrics.purges.inc(len(resp.revoked))
+        return resp
+
+    async def _unindex(self, tenant: str, digest: str, keys: list[str]) -> list[str]:
+        """Delete the index entries of `keys` that still name `digest`, in
+        one txn (again, should one change meanwhile); the keys deleted."""
+        for _ in range(3):
+            records = [self._k("a", scope(tenant, k)) for k in keys]
+            current = [(k, rec, kv) for k, rec, kv in zip(keys, records,
+                                                         await self.etcd.get_many(records),
+                                                         strict=True)
+                       if kv is not None and json.loads(kv.value).get("digest") == digest]
+            if not current:
+                return []
+            ok, revision, _ = await self.etcd.txn(
+                [cmp_mod_revision(rec, kv.mod_revision) for _, rec, kv in current],
+                [op_delete(rec) for _, rec, _ in current])
+            if ok:
+                for k, _, _ in current:
+                    self._forget_artifact(scope(tenant, k), revision)
+                return sorted(k for k, _, _ in current)
+        raise Unavailable("the index entries to purge kept changing; try again")
+
+    async def revoked(self, since_revision: int, *,
+                      tenant: str = DEFAULT_TENANT) -> pb.RevokedResponse:
+        if not 0 <= since_revision < MAX_REVISION:
+            raise InvalidRequest(f"since_revision must be in [0, {MAX_REVISION})")
+        head = self._k("v", scope(tenant, ""))
+        kvs, revision = await self.etcd.changed_since(head, since_revision)
+        resp = pb.RevokedResponse(revision=revision)
+        for kv in kvs:  # (a record it cannot read still revokes its digest)
+            rec = json_dict(kv.value) or {}
+            resp.revocations.add(digest=kv.key[len(head):].decode(), reason=_reason(kv),
+                                 revoked_unix=float(rec.get("at", 0.0)),
+                                 keys=[str(k) for k in rec.get("keys", ())])
+        return resp
+
+    # -- Status ----------------------------------------------------------
+    async def status(self, tenant: str = DEFAULT_TENANT) -> pb.StatusResponse:
+        readable, problem = await self.etcd.health()
+        resp = pb.StatusResponse(role="coordinator", upstream_healthy=not problem,
+                                 upstream_problem=problem,
+                                 upstream="etcd " + ",".join(self.etcd.endpoints))
+        reg = self.metrics.registry
+        resp.hits = int(reg.get_sample_value("compilecast_coordinator_lookups_total",
+                                             {"result": "hit"}) or 0)
+        resp.misses = int(reg.get_sample_value("compilecast_coordinator_lookups_total",
+                                               {"result": "miss"}) or 0)
+        resp.compile_seconds_saved = float(
+            reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") or 0.0)
+        resp.store_bytes, resp.store_max_bytes = self.store.stored_bytes, self.cfg.store_max_bytes
+        resp.store = describe_store(self.cfg)
+        if self.cfg.store_type == "s3":
+            resp.bucket_errors = int(sum(
+                s.value for m in reg.collect() if m.name == "compilecast_coordinator_bucket_errors"
+                for s in m.samples if s.name.endswith("_total")))
+            local = "compilecast_coordinator_bucket_local_reads_total"
+            resp.bucket_local_hits = int(reg.get_sample_value(local, {"result": "hit"}) or 0)
+            resp.bucket_local_misses = int(reg.get_sample_value(local, {"result": "miss"}) or 0)
+        if not readable:
+            return resp
+        counts = await self.farm.counts(tenant)
+        resp.tasks_queued, resp.tasks_running = counts["queued"], counts["running"]
+        resp.tasks_done, resp.tasks_failed = counts["done"], counts["failed"]
+        tenant_path = f"/{tenant}/".encode()
+        resp.artifacts = await self.etcd.count_prefix(self.prefix + b"/a" + tenant_path)
+        resp.revoked = await self.etcd.count_prefix(self.prefix + b"/v" + tenant_path)
+        leases = await self.etcd.get_prefix(self.prefix + b"/l" + tenant_path, limit=100)
+        resp.compiles_in_flight = await self.etcd.count_prefix(self.prefix + b"/l" + tenant_path)
+        wait_records = await self.etcd.get_prefix(self.prefix + b"/w" + tenant_path, limit=5000)
+        now = time.time()
+        jobs: dict[str, list[int]] = {}
+        for kv in leases:
+            jobs.setdefault(str((json_dict(kv.value) or {}).get("job", "")), [0, 0])[0] += 1
+        by_key: collections.Counter[str] = collections.Counter()  # waiters of each key
+        head = len(self.prefix + b"/w" + tenant_path)
+        # This replica's waiters as they are now (its records land up to
+        # WAITER_FLUSH_S later); the other replicas' as their records say.
+        counted = [(plain(sk), here.jobs) for sk, here in self._waiting.items()
+                   if tenant_of(sk) == tenant]
+        mine = self._replica.encode()
+        for kv in wait_records:
+            key, _, who = kv.key[head:].partition(b"/")
+            if who != mine:
+                counted.append((key.decode(), _waiters_by_job(kv)))
+        for key, by_job in counted:
+            for job, n in by_job.items():
+                resp.waiters += n
+                jobs.setdefault(job, [0, 0])[1] += n
+                by_key[key] += n
+        for job, (compiling, waiting) in sorted(jobs.items()):
+            resp.jobs.append(pb.JobStatus(job=job, compiles_in_flight=compiling, waiters=waiting))
+        for sk, name, differing, when in self.records.recent:
+            if tenant_of(sk) == tenant:
+                resp.recent_misses.append(pb.RecentMiss(key=plain(sk), program_name=name,
+                                                        differing=differing,
+                                                        age_seconds=now - when))
+        for kv in leases:
+            key = kv.key[len(self.prefix) + 3 + len(tenant_path) - 1:].decode()
+            rec = json_dict(kv.value) or {}
+            resp.in_flight.append(pb.InFlight(key=key, holder=_holder_name(rec),
+                                              age_seconds=now - rec.get("granted", now),
+                                              waiters=by_key[key]))
+        return resp
