@@ -479,7 +479,7 @@ def test_a_server_that_answered_an_error_is_not_called_unreachable():
     error as UNAVAILABLE, an INTERNAL) is quoted."""
     import grpc
 
-    from compilecast.cli import SERVER_HINT, _rpc_failed
+    from compilecast.cli_inspect import SERVER_HINT, _rpc_failed
 
     class Failed(grpc.RpcError):
         def __init__(self, code, details):
