@@ -6,12 +6,6 @@ import collections
 import json
 from dataclasses import dataclass
 
-from compilecast.blobstore import Inflate
-from compilecast.config import CoordinatorConfig
-from compilecast.errors import (
-    CorruptBlob,
-    InvalidRequest,
-)
 from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import (
@@ -31,26 +25,6 @@ class KeyState:
     lease_rev: int
     local: dict | None
     hedge: dict | None = None
-
-
-def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
-    """What fetchers of an upload in progress are told about it."""
-    return pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
-                           compile_time_seconds=header.compile_time_seconds)
-
-
-PURGE_TXN_KEYS = 60  # index entries one purge txn deletes (etcd allows 128 compares, 128 ops)
-
-
-def _store_zstd(writer, inflate: Inflate, stream) -> None:
-    """Store a publish sent as zstd as it came, its decoded bytes verified
-    (a stream that does not decode, or decodes past the declared size, is
-    the publisher's error)."""
-    writer.write_zstd(stream)
-    try:
-        inflate.feed(stream)
-    except CorruptBlob as exc:
-        raise InvalidRequest(f"zstd_data: {exc}") from None
 
 
 def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
@@ -87,19 +61,6 @@ def _holder_name(rec: dict) -> str:
     if rec.get("job"):
         return f"job {rec['job']} process {rec.get('process', 0)} ({rec.get('client', '?')})"
     return rec.get("client") or "an independent process"
-
-
-def describe_store(cfg: CoordinatorConfig) -> str:
-    """Where a replica's artifact bytes live, for `compilecast status`."""
-    if cfg.store_type == "s3":
-        return (f"s3://{cfg.s3_bucket}/{cfg.s3_prefix.strip('/')} at "
-                f"{cfg.s3_endpoint or 'AWS S3'} (cache {cfg.store_dir})")
-    return f"disk {cfg.store_dir}"
-
-
-RELEASED_KEPT = 100_000  # keys whose claim's end is remembered (for waiters)
-# etcd revisions are int64; a revision to read from is one more than one seen.
-MAX_REVISION = 2**63 - 1
 
 
 class _Waiters:

@@ -8,6 +8,7 @@ import logging
 import time
 
 from compilecast import validate
+from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
     InvalidRequest,
     Unavailable,
@@ -19,12 +20,9 @@ from .etcd import (
     op_delete,
 )
 from .keystate import (
-    MAX_REVISION,
-    PURGE_TXN_KEYS,
     _holder_name,
     _reason,
     _waiters_by_job,
-    describe_store,
 )
 from .records import (
     DEFAULT_TENANT,
@@ -33,6 +31,20 @@ from .records import (
     scope,
     tenant_of,
 )
+
+PURGE_TXN_KEYS = 60  # index entries one purge txn deletes (etcd allows 128 compares, 128 ops)
+
+# etcd revisions are int64; a revision to read from is one more than one seen.
+MAX_REVISION = 2**63 - 1
+
+
+def describe_store(cfg: CoordinatorConfig) -> str:
+    """Where a replica's artifact bytes live, for `compilecast status`."""
+    if cfg.store_type == "s3":
+        return (f"s3://{cfg.s3_bucket}/{cfg.s3_prefix.strip('/')} at "
+                f"{cfg.s3_endpoint or 'AWS S3'} (cache {cfg.store_dir})")
+    return f"disk {cfg.store_dir}"
+
 
 log = logging.getLogger("compilecast.coordinator.state")
 

@@ -72,14 +72,11 @@ from .farm import Farm
 from .keystate import (
     _KINDS,
     _RECORDS,
-    RELEASED_KEPT,
     KeyState,
     _holder_name,
-    _in_flight,
     _lease_owner,
     _lowest_rank,
     _reason,
-    _store_zstd,
     _verdict,
     _Waiters,
 )
@@ -113,6 +110,24 @@ PROMOTION_STAGGER_S = 0.5
 # the changes after it (a pod's job start brings a thousand in a few tenths).
 WAITER_FLUSH_S = 0.02
 
+
+
+RELEASED_KEPT = 100_000  # keys whose claim's end is remembered (for waiters)
+
+def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
+    """What fetchers of an upload in progress are told about it."""
+    return pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
+                           compile_time_seconds=header.compile_time_seconds)
+
+def _store_zstd(writer, inflate: Inflate, stream) -> None:
+    """Store a publish sent as zstd as it came, its decoded bytes verified
+    (a stream that does not decode, or decodes past the declared size, is
+    the publisher's error)."""
+    writer.write_zstd(stream)
+    try:
+        inflate.feed(stream)
+    except CorruptBlob as exc:
+        raise InvalidRequest(f"zstd_data: {exc}") from None
 
 
 class CoordinatorState(Operations):
