@@ -302,10 +302,23 @@ class WorkerConfig:
             "TCP with sendfile, when they ask (peers dial it on the host they reach the relay "
             "at; auto: relay_listen's host, any free port; off: relays over gRPC only; "
             "always off with TLS)"))
+    dir_sync_s: float = field(
+        default=10.0, metadata=_help("how often each directory this worker keeps in sync "
+                                     "(XLA's autotune results, PyTorch/XLA's cache) publishes "
+                                     "its new files and installs other hosts' (a process can "
+                                     "ask for a pass at once)"))
+    dir_settle_s: float = field(
+        default=5.0, metadata=_help("a file in a synced directory is published once its size "
+                                    "and time stayed unchanged over a pass and it is this many "
+                                    "seconds old (0: at first sight, for writers that rename "
+                                    "finished files into place)"))
+    dir_max_entry_bytes: int = field(
+        default=256 << 20, metadata=_help("largest file a synced directory publishes or "
+                                          "installs"))
 
     def validate(self) -> None:
-        _positive(self, "cache_max_bytes", "rpc_timeout_s", "revocation_poll_s",
-                  "cache_free_check_s")
+        _positive(self, "cache_max_bytes", "rpc_timeout_s", "revocation_poll_s", "dir_sync_s",
+                  "dir_max_entry_bytes", "cache_free_check_s")
         _port(self, "metrics_port")
         if self.relay_listen:
             _hostport(self.relay_listen, "relay_listen")
@@ -314,7 +327,7 @@ class WorkerConfig:
         if self.relay_data_listen not in ("auto", "off"):
             _hostport(self.relay_data_listen, "relay_data_listen")
         _not_negative(self, "share_binary_between_hosts_timeout_ms", "store_reverify_s",
-                      "cache_min_free_bytes", "decide_gap_ms")
+                      "cache_min_free_bytes", "decide_gap_ms", "dir_settle_s")
         _pair(self, "coordinator_cert_file", "coordinator_key_file")
         _pair(self, "tls_cert_file", "tls_key_file")
         _readable(self, "token_file", "coordinator_ca_file", "coordinator_cert_file",

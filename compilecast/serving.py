@@ -34,12 +34,14 @@ SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CompileCache"].full_name
 
 
-def make_server(servicer) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """A grpc.aio server with the CompileCache `servicer`, health and reflection."""
+def make_server(servicer, **more) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A grpc.aio server with the CompileCache `servicer`, the servicers of
+    `more` (service name: servicer), health and reflection."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     classes = {d.full_name: getattr(cache_pb2, d.name)
                for d in cache_pb2.DESCRIPTOR.message_types_by_name.values()}
-    add_service(server, servicer, cache_pb2.DESCRIPTOR.services_by_name["CompileCache"], classes)
+    for name, impl in {"CompileCache": servicer, **more}.items():
+        add_service(server, impl, cache_pb2.DESCRIPTOR.services_by_name[name], classes)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

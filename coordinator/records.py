@@ -389,18 +389,21 @@ class KeyRecords:
         return [_Components({str(k): str(v) for k, v in c.items()})
                 for c in comps if isinstance(c, dict)]
 
-    async def list_artifacts(self, after: str, limit: int,
-                             tenant: str = DEFAULT_TENANT) -> pb.ListArtifactsResponse:
-        """A page of the tenant's index (key order, after `after`) with each
-        key's program name, read in one round trip per page."""
-        if after:
-            validate.key(after)
+    async def list_artifacts(self, after: str, limit: int, tenant: str = DEFAULT_TENANT,
+                             prefix: str = "") -> pb.ListArtifactsResponse:
+        """A page of the tenant's index (key order, after `after`, keys that
+        start with `prefix`) with each key's program name, read in one round
+        trip per page."""
+        for value in (after, prefix):
+            if value:
+                validate.key(value)
         if not 0 <= limit <= MAX_LIST:
             raise InvalidRequest(f"limit must be between 0 and {MAX_LIST}, got {limit}")
         head = self._k("a", scope(tenant, ""))
-        start = head + after.encode() + b"\x00" if after else None
+        under = head + prefix.encode()
+        start = max(under, head + after.encode() + b"\x00") if after else None
         resp = pb.ListArtifactsResponse()
-        page = await self.etcd.page(head, start, limit or DEFAULT_LIST)
+        page = await self.etcd.page(under, start, limit or DEFAULT_LIST)
         keys = [kv.key[len(head):].decode() for kv in page.kvs]
         records = await self.etcd.get_many([self._k("k", scope(tenant, k)) for k in keys])
         for key, kv, rec in zip(keys, page.kvs, records, strict=True):

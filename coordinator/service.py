@@ -227,7 +227,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def ListArtifacts(self, request, context):
         who = self.auth.identify(context)
         return await self.state.records.list_artifacts(request.after, request.limit,
-                                                       tenant=who.tenant)
+                                                       tenant=who.tenant, prefix=request.prefix)
 
     @rpc_errors
     async def Status(self, request, context):

@@ -30,6 +30,7 @@ from compilecast.decide import ends_wait
 from compilecast.errors import CorruptBlob
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
 from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
 from . import handoff
@@ -360,17 +361,34 @@ class CacheClient:
     def describe(self, key: str) -> pb.DescribeKeyResponse:
         return self.stub.DescribeKey(pb.DescribeKeyRequest(key=key), timeout=self.timeout_s)
 
-    def list_artifacts(self, *, page: int = 0) -> Iterator[pb.ListedArtifact]:
-        """Every published artifact of the caller's tenant, in key order,
-        asked for `page` at a time (0: the coordinator's default)."""
+    def list_artifacts(self, *, page: int = 0, prefix: str = "") -> Iterator[pb.ListedArtifact]:
+        """Every published artifact of the caller's tenant whose key starts
+        with `prefix`, in key order, asked for `page` at a time (0: the
+        coordinator's default)."""
         after = ""
         while True:
-            resp = self.stub.ListArtifacts(pb.ListArtifactsRequest(after=after, limit=page),
-                                           timeout=self.timeout_s)
+            resp = self.stub.ListArtifacts(
+                pb.ListArtifactsRequest(after=after, limit=page, prefix=prefix),
+                timeout=self.timeout_s)
             yield from resp.artifacts
             if not resp.next_after:
                 return
             after = resp.next_after
+
+    # -- synced directories (the host's worker only) ----------------------
+    def open_directory(self, kind: str, namespace: dict[str, str], *,
+                       publish_off: str = "") -> pb.SyncedDirectory:
+        """The host's directory of `kind` for `namespace`, which the worker
+        keeps in sync with the fleet's (worker/dirsync.py)."""
+        return rpc.HostDirectoriesStub(self._channel).OpenDirectory(
+            pb.OpenDirectoryRequest(kind=kind, namespace=namespace, publish_off=publish_off),
+            timeout=self.timeout_s).directory
+
+    def sync_directory(self, kind: str, namespace_id: str, *,
+                       timeout_s: float = 60.0) -> pb.SyncDirectoryResponse:
+        """One sync pass of an open directory, now."""
+        return rpc.HostDirectoriesStub(self._channel).SyncDirectory(
+            pb.SyncDirectoryRequest(kind=kind, namespace_id=namespace_id), timeout=timeout_s)
 
     def wait(self, key: str, timeout_s: float, *, publishing: bool = False,
              identity: Identity | None = None) -> pb.WaitEvent:

@@ -94,6 +94,19 @@ class WorkerMetrics:
             "(tampered with, or written by another)",
             registry=registry,
         )
+        self.dir_entries = Counter(
+            "compilecast_worker_dir_entries",
+            "Entries of the directories this worker keeps in sync, by directory kind and "
+            "event: published (a file of this host's sent to the fleet), installed (another "
+            "host's entry written here), refused (unverifiable, too large, or listed under "
+            "another namespace: never installed)",
+            ["kind", "event"], registry=registry,
+        )
+        self.dir_bytes = Counter(
+            "compilecast_worker_dir_bytes",
+            "Bytes of the synced directories' entries, by kind and event (published, installed)",
+            ["kind", "event"], registry=registry,
+        )
         self.cache_bytes = Gauge(
             "compilecast_worker_cache_bytes", "Bytes stored in the host cache", registry=registry,
         )

@@ -11,10 +11,12 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from compilecast.config import WorkerConfig
+from compilecast.coordinator.auth import token_from
 from compilecast.grpcutil import channel_credentials, server_credentials
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
 from . import handoff
+from .dirservice import DirectoriesService, make_dirsync
 from .handoff import Handoffs
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
@@ -41,6 +43,7 @@ class Worker(Role):
         self.relay_server = None
         self._revocations: asyncio.Task | None = None
         self._keep_free: asyncio.Task | None = None
+        self._dir_sync: asyncio.Task | None = None
 
     @property
     def target(self) -> str:
@@ -72,7 +75,10 @@ class Worker(Role):
                                      share_binary_timeout_ms=(
                                          self.cfg.share_binary_between_hosts_timeout_ms))
         self.server_streams = self.service.streams
-        self.server, self.health = make_server(self.service)
+        self.dirs = make_dirsync(cfg, token, self.metrics)
+        self.service.dirs = self.dirs
+        self.server, self.health = make_server(
+            self.service, HostDirectories=DirectoriesService(self.dirs, self._caller))
         address = self.cfg.listen
         creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
         # Metrics first: a taken port fails the start before anything listens.
@@ -107,6 +113,13 @@ class Worker(Role):
         self._revocations = asyncio.create_task(
             self.service.sync_revocations(self.cfg.revocation_poll_s))
         self._keep_free = asyncio.create_task(self._give_way())
+        self._dir_sync = asyncio.create_task(self.dirs.run(cfg.dir_sync_s))
+
+    def _caller(self, context) -> tuple[str, str]:
+        """A caller's token ("" : none, or this worker's) and host-cache namespace."""
+        scope, _ = self.service._credential(context)
+        token = token_from(context) or ""
+        return ("" if token == self.service.token else token), scope
 
     async def _relay_plane(self, creds) -> None:
         """The relay's data plane (worker/relayplane.py), unless it is off."""
@@ -134,7 +147,7 @@ class Worker(Role):
                 log.warning("could not check the host cache's free space: %s", exc)
 
     async def _release(self) -> None:
-        for task in (self._revocations, self._keep_free):
+        for task in (self._revocations, self._keep_free, self._dir_sync):
             if task is not None:
                 task.cancel()
         if self.service.handoffs is not None:

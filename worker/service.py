@@ -56,6 +56,7 @@ from .dataplane import (
     with_data_plane,
 )
 from .decisions import HostDecisions
+from .dirsync import DirSync
 from .fill import (
     _Fill,
     _following,
@@ -130,6 +131,7 @@ class WorkerService(rpc.CompileCacheServicer):
         self.bucket_urls = bucket_urls
         self._upload_broke: set[tuple[str, str]] = set()
         self.handoffs: Handoffs | None = None  # publishes handed over as files (server.py)
+        self.dirs: DirSync | None = None  # the host's synced directories (server.py)
         self.relay_plane: RelayPlane | None = None  # relays sent with sendfile (server.py)
         # Peers whose relay data plane could not be connected to: relayed over gRPC.
         self._no_relay_plane: set[str] = set()
@@ -1048,3 +1050,5 @@ class WorkerService(rpc.CompileCacheServicer):
         resp.host_cache_min_free_bytes = store.min_free
         resp.host_uncached = int(self.metrics.registry.get_sample_value(
             "compilecast_worker_uncached_total") or 0)
+        if self.dirs is not None:
+            resp.directories.extend(await asyncio.to_thread(self.dirs.status))

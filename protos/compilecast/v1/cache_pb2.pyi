@@ -368,12 +368,14 @@ class DescribeKeyResponse(_message.Message):
     def __init__(self, key: _Optional[str] = ..., program_name: _Optional[str] = ..., key_components: _Optional[_Mapping[str, str]] = ..., first_seen_unix: _Optional[float] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ...) -> None: ...
 
 class ListArtifactsRequest(_message.Message):
-    __slots__ = ("after", "limit")
+    __slots__ = ("after", "limit", "prefix")
     AFTER_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
     after: str
     limit: int
-    def __init__(self, after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+    prefix: str
+    def __init__(self, after: _Optional[str] = ..., limit: _Optional[int] = ..., prefix: _Optional[str] = ...) -> None: ...
 
 class ListedArtifact(_message.Message):
     __slots__ = ("artifact", "program_name")
@@ -430,7 +432,7 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("role", "artifacts", "compiles_in_flight", "waiters", "hits", "misses", "compile_seconds_saved", "in_flight", "upstream_healthy", "upstream", "recent_misses", "jobs", "tasks_queued", "tasks_running", "tasks_done", "tasks_failed", "waiting_here", "store_bytes", "store_max_bytes", "revoked", "upstream_problem", "host_cache_bytes", "host_cache_max_bytes", "host_disk_free_bytes", "host_cache_min_free_bytes", "host_uncached", "coordinator_loop_busy", "decide_gap_ms", "etcd_writes_sampled", "etcd_write_p50_ms", "etcd_write_p99_ms", "store", "bucket_errors", "bucket_local_hits", "bucket_local_misses")
+    __slots__ = ("role", "artifacts", "compiles_in_flight", "waiters", "hits", "misses", "compile_seconds_saved", "in_flight", "upstream_healthy", "upstream", "recent_misses", "jobs", "tasks_queued", "tasks_running", "tasks_done", "tasks_failed", "waiting_here", "store_bytes", "store_max_bytes", "revoked", "upstream_problem", "host_cache_bytes", "host_cache_max_bytes", "host_disk_free_bytes", "host_cache_min_free_bytes", "host_uncached", "coordinator_loop_busy", "decide_gap_ms", "etcd_writes_sampled", "etcd_write_p50_ms", "etcd_write_p99_ms", "store", "bucket_errors", "bucket_local_hits", "bucket_local_misses", "directories")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     COMPILES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -466,6 +468,7 @@ class StatusResponse(_message.Message):
     BUCKET_ERRORS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_LOCAL_HITS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_LOCAL_MISSES_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORIES_FIELD_NUMBER: _ClassVar[int]
     role: str
     artifacts: int
     compiles_in_flight: int
@@ -501,7 +504,32 @@ class StatusResponse(_message.Message):
     bucket_errors: int
     bucket_local_hits: int
     bucket_local_misses: int
-    def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ..., recent_misses: _Optional[_Iterable[_Union[RecentMiss, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_failed: _Optional[int] = ..., waiting_here: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_max_bytes: _Optional[int] = ..., revoked: _Optional[int] = ..., upstream_problem: _Optional[str] = ..., host_cache_bytes: _Optional[int] = ..., host_cache_max_bytes: _Optional[int] = ..., host_disk_free_bytes: _Optional[int] = ..., host_cache_min_free_bytes: _Optional[int] = ..., host_uncached: _Optional[int] = ..., coordinator_loop_busy: _Optional[float] = ..., decide_gap_ms: _Optional[int] = ..., etcd_writes_sampled: _Optional[int] = ..., etcd_write_p50_ms: _Optional[float] = ..., etcd_write_p99_ms: _Optional[float] = ..., store: _Optional[str] = ..., bucket_errors: _Optional[int] = ..., bucket_local_hits: _Optional[int] = ..., bucket_local_misses: _Optional[int] = ...) -> None: ...
+    directories: _containers.RepeatedCompositeFieldContainer[SyncedDirectory]
+    def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ..., recent_misses: _Optional[_Iterable[_Union[RecentMiss, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_failed: _Optional[int] = ..., waiting_here: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_max_bytes: _Optional[int] = ..., revoked: _Optional[int] = ..., upstream_problem: _Optional[str] = ..., host_cache_bytes: _Optional[int] = ..., host_cache_max_bytes: _Optional[int] = ..., host_disk_free_bytes: _Optional[int] = ..., host_cache_min_free_bytes: _Optional[int] = ..., host_uncached: _Optional[int] = ..., coordinator_loop_busy: _Optional[float] = ..., decide_gap_ms: _Optional[int] = ..., etcd_writes_sampled: _Optional[int] = ..., etcd_write_p50_ms: _Optional[float] = ..., etcd_write_p99_ms: _Optional[float] = ..., store: _Optional[str] = ..., bucket_errors: _Optional[int] = ..., bucket_local_hits: _Optional[int] = ..., bucket_local_misses: _Optional[int] = ..., directories: _Optional[_Iterable[_Union[SyncedDirectory, _Mapping]]] = ...) -> None: ...
+
+class SyncedDirectory(_message.Message):
+    __slots__ = ("kind", "namespace_id", "namespace", "path", "entries", "bytes", "published", "installed", "refused", "publish_off")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    INSTALLED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_OFF_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    namespace_id: str
+    namespace: str
+    path: str
+    entries: int
+    bytes: int
+    published: int
+    installed: int
+    refused: int
+    publish_off: str
+    def __init__(self, kind: _Optional[str] = ..., namespace_id: _Optional[str] = ..., namespace: _Optional[str] = ..., path: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., published: _Optional[int] = ..., installed: _Optional[int] = ..., refused: _Optional[int] = ..., publish_off: _Optional[str] = ...) -> None: ...
 
 class Target(_message.Message):
     __slots__ = ("platform", "topology", "platform_version", "jaxlib_version", "libtpu_version")
@@ -696,3 +724,44 @@ class RevokedResponse(_message.Message):
     revision: int
     tenant: str
     def __init__(self, revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ..., revision: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class OpenDirectoryRequest(_message.Message):
+    __slots__ = ("kind", "namespace", "publish_off")
+    class NamespaceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_OFF_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    namespace: _containers.ScalarMap[str, str]
+    publish_off: str
+    def __init__(self, kind: _Optional[str] = ..., namespace: _Optional[_Mapping[str, str]] = ..., publish_off: _Optional[str] = ...) -> None: ...
+
+class OpenDirectoryResponse(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: SyncedDirectory
+    def __init__(self, directory: _Optional[_Union[SyncedDirectory, _Mapping]] = ...) -> None: ...
+
+class SyncDirectoryRequest(_message.Message):
+    __slots__ = ("kind", "namespace_id")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    namespace_id: str
+    def __init__(self, kind: _Optional[str] = ..., namespace_id: _Optional[str] = ...) -> None: ...
+
+class SyncDirectoryResponse(_message.Message):
+    __slots__ = ("published", "installed", "directory")
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    INSTALLED_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    published: int
+    installed: int
+    directory: SyncedDirectory
+    def __init__(self, published: _Optional[int] = ..., installed: _Optional[int] = ..., directory: _Optional[_Union[SyncedDirectory, _Mapping]] = ...) -> None: ...

@@ -939,3 +939,122 @@ class CompileCache:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class HostDirectoriesStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.OpenDirectory = channel.unary_unary(
+                '/compilecast.v1.HostDirectories/OpenDirectory',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.OpenDirectoryRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.OpenDirectoryResponse.FromString,
+                _registered_method=True)
+        self.SyncDirectory = channel.unary_unary(
+                '/compilecast.v1.HostDirectories/SyncDirectory',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.SyncDirectoryRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.SyncDirectoryResponse.FromString,
+                _registered_method=True)
+
+
+class HostDirectoriesServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def OpenDirectory(self, request, context):
+        """Open (create, or find) the host's directory for a kind and namespace;
+        the worker syncs it from then on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SyncDirectory(self, request, context):
+        """One pass now: publish its settled new files, install what other hosts
+        published. NOT_FOUND for a directory not opened.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_HostDirectoriesServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'OpenDirectory': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenDirectory,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.OpenDirectoryRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.OpenDirectoryResponse.SerializeToString,
+            ),
+            'SyncDirectory': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncDirectory,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.SyncDirectoryRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.SyncDirectoryResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'compilecast.v1.HostDirectories', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('compilecast.v1.HostDirectories', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class HostDirectories:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def OpenDirectory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.HostDirectories/OpenDirectory',
+            compilecast_dot_v1_dot_cache__pb2.OpenDirectoryRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.OpenDirectoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncDirectory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.HostDirectories/SyncDirectory',
+            compilecast_dot_v1_dot_cache__pb2.SyncDirectoryRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.SyncDirectoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,68 @@
+"""The worker's HostDirectories service over worker/dirsync.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+
+from compilecast.config import WorkerConfig
+from compilecast.errors import Unavailable
+from compilecast.grpcutil import rpc_errors
+from compilecast.v1 import cache_pb2 as pb
+
+from .client import CacheClient
+from .dirsync import DirSync
+from .metrics import WorkerMetrics
+
+
+def make_dirsync(cfg: WorkerConfig, token: str, metrics: WorkerMetrics) -> DirSync:
+    """The host's synced directories, under the host cache directory, talking
+    to the coordinator as the process that opened each (its token), or as
+    this worker."""
+    clients: dict[str, CacheClient] = {}
+
+    def client_for(caller: str) -> CacheClient:
+        if caller not in clients:
+            clients[caller] = CacheClient(
+                cfg.coordinator, timeout_s=cfg.rpc_timeout_s, token=caller or token,
+                ca_file=cfg.coordinator_ca_file, cert_file=cfg.coordinator_cert_file,
+                key_file=cfg.coordinator_key_file)
+        return clients[caller]
+
+    def count(kind: str, event: str, size: int) -> None:
+        metrics.dir_entries.labels(kind, event).inc()
+        if size and event != "refused":
+            metrics.dir_bytes.labels(kind, event).inc(size)
+
+    return DirSync(f"{cfg.cache_dir}/dirs", client_for, settle_s=cfg.dir_settle_s,
+                   max_entry_bytes=cfg.dir_max_entry_bytes, count=count)
+
+
+class DirectoriesService:
+    """OpenDirectory and SyncDirectory. `caller(context)` gives the caller's
+    token ("" : none) and its scope (its host-cache namespace)."""
+
+    def __init__(self, dirsync: DirSync,
+                 caller: Callable[[grpc.aio.ServicerContext], tuple[str, str]]) -> None:
+        self.dirsync = dirsync
+        self.caller = caller
+
+    @rpc_errors
+    async def OpenDirectory(self, request, context):
+        token, scope = self.caller(context)
+        d = await asyncio.to_thread(self.dirsync.open, request.kind, dict(request.namespace),
+                                    token=token, scope=scope, publish_off=request.publish_off)
+        return pb.OpenDirectoryResponse(directory=await asyncio.to_thread(d.describe))
+
+    @rpc_errors
+    async def SyncDirectory(self, request, context):
+        _, scope = self.caller(context)
+        d = self.dirsync.find(scope, request.namespace_id)
+        try:
+            published, installed = await asyncio.to_thread(self.dirsync.sync, d)
+        except grpc.RpcError as exc:
+            raise Unavailable(f"coordinator: {exc.code().name}: {exc.details()}") from exc
+        return pb.SyncDirectoryResponse(published=published, installed=installed,
+                                        directory=await asyncio.to_thread(d.describe))
