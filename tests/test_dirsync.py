@@ -190,3 +190,43 @@ def test_a_prefix_lists_only_its_keys(coordinator):
     assert [i.artifact.key for i in c.list_artifacts(prefix="b.", page=1)] == ["b.1", "b.2"]
     resp = c.stub.ListArtifacts(pb.ListArtifactsRequest(prefix="b.", after="a.9"))
     assert [i.artifact.key for i in resp.artifacts] == ["b.1", "b.2"]
+
+
+def test_a_gpu_compile_reads_and_writes_the_hosts_synced_autotune_directory(
+        coordinator, start_worker, monkeypatch):
+    """This CPU stands in for a GPU: a process on host b compiles with XLA's
+    autotune directory set to b's synced directory, which already holds the
+    entry host a published."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src import compiler
+
+    import compilecast.jax
+    from compilecast.worker import jax_adapter
+
+    a, b = (host(start_worker, coordinator, n) for n in "ab")
+    ns = jax_adapter.autotune_namespace(jax.devices()[0].client, jax.devices()[0])
+    da = a.open_directory("xla-autotune", ns)
+    write_whole(da.path, "fusion-measured-on-a.textproto", b"results")
+    a.sync_directory("xla-autotune", da.namespace_id)
+    monkeypatch.setattr(jax_adapter, "GPU_PLATFORMS", frozenset({"cpu"}))
+    seen = []
+    compile_and_load = compiler.backend_compile_and_load
+
+    def recording(backend, module, devices, options, host_callbacks):
+        directory = options.executable_build_options.debug_options.\
+            xla_gpu_per_fusion_autotune_cache_dir
+        seen.append((directory, tuple(sorted(os.listdir(directory))) if directory else None))
+        return compile_and_load(backend, module, devices, options, host_callbacks)
+
+    monkeypatch.setattr(compiler, "backend_compile_and_load", recording)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    assert compilecast.jax.enable(b.target) is not None
+    try:
+        jax.jit(lambda x: x * 5 - 2)(jnp.arange(11.0)).block_until_ready()
+    finally:
+        compilecast.jax.disable()
+
+    [db] = b.status().directories
+    assert seen and set(seen) == {(db.path, ("fusion-measured-on-a.textproto",))}
+    assert db.namespace_id == da.namespace_id and db.path != da.path

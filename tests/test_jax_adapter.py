@@ -84,8 +84,9 @@ def test_install_and_uninstall_restore_jax(tmp_path):
 
 
 class _Backend:
-    def __init__(self, platform: str) -> None:
+    def __init__(self, platform: str, platform_version: str = "") -> None:
         self.platform = platform
+        self.platform_version = platform_version
 
 
 def _options():
@@ -155,3 +156,33 @@ def test_the_hooked_compile_gets_the_options_without_sharded_autotuning(monkeypa
     finally:
         compilecast.jax.disable()
     assert seen and all((jax_adapter.SHARD_AUTOTUNING, False) in s for s in seen), seen
+
+
+def test_a_gpu_compile_gets_the_hosts_autotune_directory_unless_jax_gave_one():
+    opts = _options()
+    mine = jax_adapter.with_autotune_dir(opts, "/hostcache/dirs/host/xla-autotune/ns")
+    debug = mine.executable_build_options.debug_options
+    assert debug.xla_gpu_per_fusion_autotune_cache_dir == "/hostcache/dirs/host/xla-autotune/ns"
+    assert debug.xla_gpu_experimental_autotune_cache_mode == \
+        jax_adapter._xc.AutotuneCacheMode.UPDATE
+    assert opts.executable_build_options.debug_options.xla_gpu_per_fusion_autotune_cache_dir == ""
+    # JAX's own (the user's compilation cache directory) stays; no directory: nothing changes.
+    assert jax_adapter.with_autotune_dir(mine, "/elsewhere") is mine
+    assert jax_adapter.with_autotune_dir(opts, "") is opts
+    # Where the results live never changes a key.
+    assert jax_adapter.compile_options_bytes(mine) != b""
+    debug.xla_gpu_experimental_autotune_cache_mode = \
+        opts.executable_build_options.debug_options.xla_gpu_experimental_autotune_cache_mode
+    assert jax_adapter.compile_options_bytes(mine) == jax_adapter.compile_options_bytes(opts)
+
+
+def test_the_autotune_namespace_names_the_gpu_and_the_software(monkeypatch):
+    class Device:
+        device_kind = "NVIDIA H200"
+        compute_capability = "9.0"
+
+    ns = jax_adapter.autotune_namespace(_Backend("cuda", "cuda 13000"), Device())
+    assert ns["device_kind"] == "NVIDIA H200" and ns["compute_capability"] == "9.0"
+    assert ns["platform_version"] == "cuda 13000"
+    assert ns["jaxlib"] == jax_adapter.jaxlib_version()
+    assert jax_adapter.autotune_namespace(_Backend("cuda", "cuda 12080"), Device()) != ns

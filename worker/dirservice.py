@@ -12,7 +12,7 @@ from compilecast.errors import Unavailable
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 
-from .client import CacheClient
+from .client import CacheClient, Identity, default_client_name
 from .dirsync import DirSync
 from .metrics import WorkerMetrics
 
@@ -22,11 +22,14 @@ def make_dirsync(cfg: WorkerConfig, token: str, metrics: WorkerMetrics) -> DirSy
     to the coordinator as the process that opened each (its token), or as
     this worker."""
     clients: dict[str, CacheClient] = {}
+    # Its own name: claims of one name may share a lease (coordinator/leases.py),
+    # and this worker's syncs are not the host's processes.
+    me = Identity(client=f"{default_client_name()} dirs {cfg.cache_dir}"[:200])
 
     def client_for(caller: str) -> CacheClient:
         if caller not in clients:
             clients[caller] = CacheClient(
-                cfg.coordinator, timeout_s=cfg.rpc_timeout_s, token=caller or token,
+                cfg.coordinator, timeout_s=cfg.rpc_timeout_s, token=caller or token, identity=me,
                 ca_file=cfg.coordinator_ca_file, cert_file=cfg.coordinator_cert_file,
                 key_file=cfg.coordinator_key_file)
         return clients[caller]

@@ -222,7 +222,8 @@ class DirSync:
                 raise OSError("the file became empty")
             client.publish(key, got.lease, data, 0.0)
         except BaseException as exc:
-            client.release(key, got.lease, pb.ABANDONED, f"not published: {exc}")
+            with contextlib.suppress(Exception):  # else the lease lapses
+                client.release(key, got.lease, pb.ABANDONED, f"not published: {exc}")
             if isinstance(exc, Exception):
                 log.warning("%s entry %s not published: %s", d.kind, entry.name, exc)
                 return False

@@ -199,6 +199,8 @@ class Hooks(Protocol):
 
     # Optional: share_profile(profile_key, profile, designated) -> bytes | None
     # (None: use JAX's own exchange).
+    # Optional: autotune_dir(namespace) -> str: the host's directory of XLA's
+    # GPU autotune results for that namespace ("" : none).
 
     def failed(self, where: str, exc: BaseException) -> None:
         """An error in a hook's own work (never the user's compile): logged
@@ -230,6 +232,46 @@ def compile_alone(backend: Any, compile_options: Any) -> Any:
     opts = copy.deepcopy(compile_options)
     opts.env_option_overrides = [*overrides, (SHARD_AUTOTUNING, False)]
     return opts
+
+
+AUTOTUNE_DIR_OPTION = "xla_gpu_per_fusion_autotune_cache_dir"
+
+
+def autotune_cache_on() -> bool:
+    """Whether JAX's settings ask for XLA's per-fusion autotune cache
+    (`jax_persistent_cache_enable_xla_caches`, on by default)."""
+    flags = _config.persistent_cache_enable_xla_caches.value or ""
+    return flags == "all" or AUTOTUNE_DIR_OPTION in flags
+
+
+def with_autotune_dir(compile_options: Any, directory: str) -> Any:
+    """A copy of `compile_options` that reads and writes XLA's GPU autotune
+    results in `directory`, or the options themselves where JAX already gave
+    the compile a directory of its own (the user's compilation cache)."""
+    debug = compile_options.executable_build_options.debug_options
+    if not directory or getattr(debug, AUTOTUNE_DIR_OPTION):
+        return compile_options
+    opts = copy.deepcopy(compile_options)
+    debug = opts.executable_build_options.debug_options
+    setattr(debug, AUTOTUNE_DIR_OPTION, directory)
+    # Every process that compiles writes what it measured: the files are
+    # write-once and XLA renames each into place.
+    debug.xla_gpu_experimental_autotune_cache_mode = _xc.AutotuneCacheMode.UPDATE
+    return opts
+
+
+def autotune_namespace(backend: Any, device: Any) -> dict[str, str]:
+    """What XLA's autotune results are valid for: the GPU model and its
+    compute capability, the CUDA or ROCm runtime and driver, jaxlib (XLA)."""
+    ns = {"platform": str(backend.platform),
+          "platform_version": str(getattr(backend, "platform_version", "")),
+          "device_kind": str(getattr(device, "device_kind", "")),
+          "compute_capability": str(getattr(device, "compute_capability", "")),
+          "jaxlib": str(_jaxlib_version)}
+    with contextlib.suppress(OSError):
+        with open("/proc/driver/nvidia/version") as f:  # the kernel driver's release
+            ns["driver"] = f.readline().strip()[:200]
+    return ns
 
 
 def serialize(executable: Any, compile_time_s: float) -> bytes:
@@ -309,6 +351,19 @@ def _profile_hook(hooks: Hooks, orig_share: Callable[..., Any]) -> Callable[...,
     return _share_fdo_profiles
 
 
+def _autotune_dir(hooks: Hooks, backend: Any, devices: Any) -> str:
+    """The host's synced autotune directory for a GPU compile ("" : none)."""
+    find = getattr(hooks, "autotune_dir", None)
+    if (find is None or getattr(backend, "platform", "") not in GPU_PLATFORMS
+            or not autotune_cache_on()):
+        return ""
+    try:
+        return find(autotune_namespace(backend, next(iter(devices)))) or ""
+    except Exception as exc:  # the compile goes on without it
+        hooks.failed("finding the autotune directory", exc)
+        return ""
+
+
 def install(cache: CacheInterface, hooks: Hooks) -> None:
     """Make `cache` JAX's persistent cache and wrap the compile path."""
     check()
@@ -348,7 +403,8 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
 
         def _compile_and_write_cache(backend, computation, executable_devices, compile_options,
                                      host_callbacks, module_name, cache_key):
-            alone = compile_alone(backend, compile_options)
+            alone = with_autotune_dir(compile_alone(backend, compile_options),
+                                      _autotune_dir(hooks, backend, executable_devices))
             return hooks.compile(
                 cache_key, module_name, bool(host_callbacks),
                 lambda: orig_compile(backend, computation, executable_devices, alone,

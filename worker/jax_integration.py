@@ -53,6 +53,10 @@ REASONS_KEPT = 100
 # Releases still queued when the process exits (or compilecast is disabled)
 # are sent for at most this long; a lease not released lapses in its TTL.
 RELEASE_FLUSH_S = 2.0
+# XLA's GPU autotune results: a synced directory of this kind per namespace,
+# brought up to date before a process's first GPU compile for this long at most.
+AUTOTUNE_KIND = "xla-autotune"
+AUTOTUNE_SYNC_S = 10.0
 
 
 class _Releases:
@@ -176,6 +180,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._releases = _Releases()
+        self._autotune_dirs: dict[tuple, str] = {}
 
     # -- identity and settings --------------------------------------------
     def _identity(self, program: jax_adapter.Program | None) -> Identity:
@@ -470,6 +475,28 @@ class CompilecastCache(jax_adapter.CacheInterface):
         log.debug("compilecast key %s of %s components %s", key.value, name, key.components,
                   extra={"key": key.value})
         return key.value
+
+    def autotune_dir(self, namespace: dict[str, str]) -> str:
+        """The host's synced directory of XLA's GPU autotune results for
+        `namespace` (worker/dirsync.py), opened once per process: the first
+        time, the entries other hosts published are installed before the
+        compile ("" : none, the worker could not be asked)."""
+        ident = tuple(sorted(namespace.items()))
+        with self._lock:
+            if ident in self._autotune_dirs:
+                return self._autotune_dirs[ident]
+            self._autotune_dirs[ident] = ""  # asked once, whatever the answer
+        d = self.client.open_directory(AUTOTUNE_KIND, namespace)
+        try:
+            d = self.client.sync_directory(AUTOTUNE_KIND, d.namespace_id,
+                                           timeout_s=AUTOTUNE_SYNC_S).directory
+        except grpc.RpcError as exc:  # the entries come with the worker's next pass
+            log.info("compilecast: autotune entries not installed before this compile: %s",
+                     unreachable(exc))
+        log.info("compilecast: XLA autotune results in %s (%d entries)", d.path, d.entries)
+        with self._lock:
+            self._autotune_dirs[ident] = d.path
+        return d.path
 
     @contextlib.contextmanager
     def acquiring(self, key: str,
