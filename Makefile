@@ -7,6 +7,10 @@ HELM    := $(GOBIN)/helm
 WEED_VERSION ?= v0.0.0-20261109003541-7506e5f91cd6
 WEED    := $(GOBIN)/weed
 STAMP   := .make-installed
+# PyTorch/XLA releases the tests run (CPU), each in a virtualenv of its own:
+# torch and torch-xla from PyPI (about 6-7 GB each with torch's CUDA wheels).
+TORCH_XLA := .venv/torch-xla
+TORCH_XLA_RELEASES := 2.7 2.9
 
 .PHONY: install demo test test-fast lint proto bench bench-smoke clean
 
@@ -28,9 +32,15 @@ $(HELM):
 $(WEED):
 	bash scripts/build_weed.sh $(WEED_VERSION) $(WEED)
 
+$(TORCH_XLA)-%/.installed:
+	rm -rf $(TORCH_XLA)-$*
+	$(PY) -m venv $(TORCH_XLA)-$*
+	$(TORCH_XLA)-$*/bin/python -m pip install -q torch==$*.0 torch-xla==$*.0
+	touch $@
+
 # The stamp stands for "installed from this checkout": an editable install that
 # points elsewhere (a moved or copied checkout) installs again.
-install: $(HELM) $(WEED)
+install: $(HELM) $(WEED) $(TORCH_XLA_RELEASES:%=$(TORCH_XLA)-%/.installed)
 	@$(PY) -c "import os, sys, compilecast.worker as w; \
 	  sys.exit(not os.path.realpath(w.__file__).startswith(os.path.realpath('worker') + os.sep))" \
 	  2>/dev/null || rm -f $(STAMP)

@@ -22,6 +22,7 @@ from compilecast.config import (
     load,
 )
 
+from . import cli_run
 from .cli_inspect import (
     CliError,
     _rpc_failed,
@@ -400,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="touched every loop (a liveness probe checks its age)")
     _add_client_flags(p)
     p.set_defaults(fn=cmd_farm)
+
+    cli_run.add_parser(sub)
 
     p = sub.add_parser("config", help="print the effective configuration and its sources")
     roles = p.add_subparsers(dest="role", required=True)

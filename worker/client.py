@@ -376,12 +376,13 @@ class CacheClient:
             after = resp.next_after
 
     # -- synced directories (the host's worker only) ----------------------
-    def open_directory(self, kind: str, namespace: dict[str, str], *,
-                       publish_off: str = "") -> pb.SyncedDirectory:
+    def open_directory(self, kind: str, namespace: dict[str, str], *, publish_off: str = "",
+                       install_off: str = "") -> pb.SyncedDirectory:
         """The host's directory of `kind` for `namespace`, which the worker
         keeps in sync with the fleet's (worker/dirsync.py)."""
         return rpc.HostDirectoriesStub(self._channel).OpenDirectory(
-            pb.OpenDirectoryRequest(kind=kind, namespace=namespace, publish_off=publish_off),
+            pb.OpenDirectoryRequest(kind=kind, namespace=namespace, publish_off=publish_off,
+                                    install_off=install_off),
             timeout=self.timeout_s).directory
 
     def sync_directory(self, kind: str, namespace_id: str, *,

@@ -56,7 +56,8 @@ class DirectoriesService:
     async def OpenDirectory(self, request, context):
         token, scope = self.caller(context)
         d = await asyncio.to_thread(self.dirsync.open, request.kind, dict(request.namespace),
-                                    token=token, scope=scope, publish_off=request.publish_off)
+                                    token=token, scope=scope, publish_off=request.publish_off,
+                                    install_off=request.install_off)
         return pb.OpenDirectoryResponse(directory=await asyncio.to_thread(d.describe))
 
     @rpc_errors

@@ -96,6 +96,7 @@ class Directory:
     path: Path
     token: str  # the opener's credential ("" : the worker's own)
     publish_off: str = ""
+    install_off: str = ""
     published: int = 0
     installed: int = 0
     refused: int = 0
@@ -119,7 +120,7 @@ class Directory:
             path=str(self.path), entries=len(files),
             bytes=sum(e.stat(follow_symlinks=False).st_size for e in files),
             published=self.published, installed=self.installed, refused=self.refused,
-            publish_off=self.publish_off)
+            publish_off=self.publish_off, install_off=self.install_off)
 
 
 class DirSync:
@@ -137,7 +138,7 @@ class DirSync:
         self._lock = threading.Lock()
 
     def open(self, kind: str, namespace: dict[str, str], *, token: str, scope: str,
-             publish_off: str = "") -> Directory:
+             publish_off: str = "", install_off: str = "") -> Directory:
         """The directory of `kind` and `namespace` for callers of `scope` (a
         credential's host-cache namespace: tenants never share a directory)."""
         check_request(kind, namespace)
@@ -149,12 +150,14 @@ class DirSync:
                 path.mkdir(parents=True, exist_ok=True)
                 (path.parent / f"{nsid}.json").write_text(
                     json.dumps({"kind": kind, "namespace": namespace}, sort_keys=True))
-                d = Directory(kind, dict(namespace), nsid, path, token, publish_off)
+                d = Directory(kind, dict(namespace), nsid, path, token, publish_off,
+                              install_off)
                 self.dirs[(scope, nsid)] = d
                 log.info("keeping %s directory %s in sync (%s)", kind, path,
                          d.describe().namespace)
-            elif publish_off and not d.publish_off:
-                d.publish_off = publish_off
+            else:  # a reason to stop, from any opener, stands
+                d.publish_off = d.publish_off or publish_off
+                d.install_off = d.install_off or install_off
             return d
 
     def find(self, scope: str, nsid: str) -> Directory:
@@ -170,7 +173,7 @@ class DirSync:
             listed = self._listed(d, client)
             d.known.update(listed)
             published = 0 if d.publish_off else self._publish_new(d, client)
-            installed = self._install_missing(d, client, listed)
+            installed = 0 if d.install_off else self._install_missing(d, client, listed)
             return published, installed
 
     def _listed(self, d: Directory, client: Client) -> dict[str, pb.ArtifactInfo]:

@@ -508,7 +508,7 @@ class StatusResponse(_message.Message):
     def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ..., recent_misses: _Optional[_Iterable[_Union[RecentMiss, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_failed: _Optional[int] = ..., waiting_here: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_max_bytes: _Optional[int] = ..., revoked: _Optional[int] = ..., upstream_problem: _Optional[str] = ..., host_cache_bytes: _Optional[int] = ..., host_cache_max_bytes: _Optional[int] = ..., host_disk_free_bytes: _Optional[int] = ..., host_cache_min_free_bytes: _Optional[int] = ..., host_uncached: _Optional[int] = ..., coordinator_loop_busy: _Optional[float] = ..., decide_gap_ms: _Optional[int] = ..., etcd_writes_sampled: _Optional[int] = ..., etcd_write_p50_ms: _Optional[float] = ..., etcd_write_p99_ms: _Optional[float] = ..., store: _Optional[str] = ..., bucket_errors: _Optional[int] = ..., bucket_local_hits: _Optional[int] = ..., bucket_local_misses: _Optional[int] = ..., directories: _Optional[_Iterable[_Union[SyncedDirectory, _Mapping]]] = ...) -> None: ...
 
 class SyncedDirectory(_message.Message):
-    __slots__ = ("kind", "namespace_id", "namespace", "path", "entries", "bytes", "published", "installed", "refused", "publish_off")
+    __slots__ = ("kind", "namespace_id", "namespace", "path", "entries", "bytes", "published", "installed", "refused", "publish_off", "install_off")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -519,6 +519,7 @@ class SyncedDirectory(_message.Message):
     INSTALLED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_OFF_FIELD_NUMBER: _ClassVar[int]
+    INSTALL_OFF_FIELD_NUMBER: _ClassVar[int]
     kind: str
     namespace_id: str
     namespace: str
@@ -529,7 +530,8 @@ class SyncedDirectory(_message.Message):
     installed: int
     refused: int
     publish_off: str
-    def __init__(self, kind: _Optional[str] = ..., namespace_id: _Optional[str] = ..., namespace: _Optional[str] = ..., path: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., published: _Optional[int] = ..., installed: _Optional[int] = ..., refused: _Optional[int] = ..., publish_off: _Optional[str] = ...) -> None: ...
+    install_off: str
+    def __init__(self, kind: _Optional[str] = ..., namespace_id: _Optional[str] = ..., namespace: _Optional[str] = ..., path: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., published: _Optional[int] = ..., installed: _Optional[int] = ..., refused: _Optional[int] = ..., publish_off: _Optional[str] = ..., install_off: _Optional[str] = ...) -> None: ...
 
 class Target(_message.Message):
     __slots__ = ("platform", "topology", "platform_version", "jaxlib_version", "libtpu_version")
@@ -726,7 +728,7 @@ class RevokedResponse(_message.Message):
     def __init__(self, revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ..., revision: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class OpenDirectoryRequest(_message.Message):
-    __slots__ = ("kind", "namespace", "publish_off")
+    __slots__ = ("kind", "namespace", "publish_off", "install_off")
     class NamespaceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -737,10 +739,12 @@ class OpenDirectoryRequest(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_OFF_FIELD_NUMBER: _ClassVar[int]
+    INSTALL_OFF_FIELD_NUMBER: _ClassVar[int]
     kind: str
     namespace: _containers.ScalarMap[str, str]
     publish_off: str
-    def __init__(self, kind: _Optional[str] = ..., namespace: _Optional[_Mapping[str, str]] = ..., publish_off: _Optional[str] = ...) -> None: ...
+    install_off: str
+    def __init__(self, kind: _Optional[str] = ..., namespace: _Optional[_Mapping[str, str]] = ..., publish_off: _Optional[str] = ..., install_off: _Optional[str] = ...) -> None: ...
 
 class OpenDirectoryResponse(_message.Message):
     __slots__ = ("directory",)

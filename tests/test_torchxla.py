@@ -1,0 +1,122 @@
+"""PyTorch/XLA's persistent cache shared across hosts by `compilecast run`
+(worker/torchxla.py): real torch-xla 2.7 and 2.9 processes on the CPU
+(`make install` puts them in .venv/torch-xla-*), a real coordinator, etcd and
+one worker per "host"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compilecast.worker.client import CacheClient
+
+from .conftest import eventually
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = Path(__file__).with_name("torchxla_train.py")
+QUIET = {"dir_sync_s": 3600.0, "dir_settle_s": 0.0}
+
+pytestmark = pytest.mark.slow
+
+
+def python_of(release: str) -> str:
+    python = ROOT / ".venv" / f"torch-xla-{release}" / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"{python} is missing: `make install` makes it (torch-xla {release})")
+    return str(python)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """COMPILECAST_HOME of every run: the probe of each build runs once."""
+    return tmp_path_factory.mktemp("home")
+
+
+def run(worker, release: str, home: Path, *args: str, wait: bool = True):
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "COMPILECAST_HOME": str(home)}
+    env.pop("XLA_PERSISTENT_CACHE_PATH", None)
+    cmd = [sys.executable, "-m", "compilecast.cli", "run", "--worker", worker, "--",
+           python_of(release), str(TRAIN), *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    if not wait:
+        return proc
+    return finished(proc)
+
+
+def finished(proc) -> tuple[dict, str]:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def synced(worker) -> CacheClient:
+    client = CacheClient(worker.target)
+    for d in client.status().directories:
+        client.sync_directory(d.kind, d.namespace_id)
+    return client
+
+
+def test_a_second_host_hits_what_the_first_compiled(coordinator, start_worker, home):
+    a = start_worker(coordinator.cfg.listen, "a", **QUIET)
+    b = start_worker(coordinator.cfg.listen, "b", **QUIET)
+
+    first, _ = run(a.target, "2.7", home)
+    [da] = synced(a).status().directories
+    second, err = run(b.target, "2.7", home)
+
+    assert first["UncachedCompile"] >= 1 and first["PersistentCacheHit"] == 0
+    assert da.kind == "torch-xla" and da.published >= 1 and not da.install_off
+    assert second["PersistentCacheHit"] >= 1 and second["UncachedCompile"] == 0, err[-2000:]
+    assert second["loss"] == first["loss"]
+    [db] = CacheClient(b.target).status().directories
+    assert db.namespace_id == da.namespace_id and db.installed == da.published
+    assert "release.torch_xla=2.7.0" in db.namespace and "env.PJRT_DEVICE=CPU" in db.namespace
+
+
+def test_a_host_that_started_first_hits_what_arrives_while_it_runs(
+        coordinator, start_worker, home, tmp_path):
+    a = start_worker(coordinator.cfg.listen, "a", **QUIET)
+    b = start_worker(coordinator.cfg.listen, "b", dir_sync_s=0.2, dir_settle_s=1.0)
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    early = run(b.target, "2.7", home, "--pause", str(pause), wait=False)
+    eventually(lambda: (pause / "ready").exists() or early.poll() is not None,
+               "host b at its pause", seconds=300)
+    assert early.poll() is None, early.communicate()[1][-2000:]
+
+    run(a.target, "2.7", home)
+    [da] = synced(a).status().directories
+    db_path = Path(CacheClient(b.target).status().directories[0].path)
+    eventually(lambda: {p.name for p in db_path.iterdir()} >= set(
+        n for n in os.listdir(da.path) if not n.startswith(".")), "a's entries on b")
+    (pause / "go").touch()
+    late, err = finished(early)
+
+    assert late["PersistentCacheHit"] >= 1, err[-2000:]
+    assert late["UncachedCompile"] == 1  # its own warm-up graph only
+
+
+def test_a_build_that_cannot_load_its_cache_publishes_only_and_says_why(
+        coordinator, start_worker, home):
+    a = start_worker(coordinator.cfg.listen, "a", **QUIET)
+
+    got, err = run(a.target, "2.9", home)
+
+    [d] = synced(a).status().directories
+    assert got["UncachedCompile"] >= 1
+    assert "torch_xla 2.9.0" in d.install_off and "deserializ" in d.install_off
+    assert "none is installed here" in err
+    assert "release.torch_xla=2.9.0" in d.namespace
+
+
+def test_without_a_worker_the_job_runs_as_it_was(tmp_path, home):
+    got, err = run(f"unix://{tmp_path}/no-worker.sock", "2.7", home)
+
+    assert got["UncachedCompile"] >= 1 and got["PersistentCacheHit"] == 0
+    assert "running without a shared cache" in err
