@@ -35,55 +35,71 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         print(json.dumps(MessageToDict(st, always_print_fields_with_no_presence=True), indent=2))
     else:
-        total = st.hits + st.misses
-        ratio = f"{100.0 * st.hits / total:.1f}%" if total else "n/a"
-        print(f"worker       {args.worker}: healthy")
-        health = "healthy" if st.upstream_healthy else "UNHEALTHY"
-        print(f"upstream     {st.upstream}: {health}"
-              + (f" ({st.upstream_problem})" if st.upstream_problem else ""))
-        bound = f" of {_size(st.store_max_bytes)}" if st.store_max_bytes else ", unbounded"
-        print(f"artifacts    {st.artifacts} ({_size(st.store_bytes)} stored{bound}; "
-              f"{st.revoked} revoked)")
-        if st.store:
-            print(f"store        {st.store}")
-        if st.bucket_local_hits or st.bucket_local_misses or st.bucket_errors:
-            reads = st.bucket_local_hits + st.bucket_local_misses
-            print(f"bucket       {st.bucket_local_hits} of {reads} reads from the local cache, "
-                  f"{st.bucket_errors} failed requests")
-        if st.host_cache_max_bytes:
-            full = (f"; {st.host_uncached} passed on without a copy, the disk being full"
-                    if st.host_uncached else "")
-            print(f"host cache   {_size(st.host_cache_bytes)} of {_size(st.host_cache_max_bytes)}"
-                  f" (disk: {_size(st.host_disk_free_bytes)} free, "
-                  f"{_size(st.host_cache_min_free_bytes)} kept free for jobs{full})")
-        print(f"in flight    {st.compiles_in_flight} compiles, {st.waiters} waiters "
-              f"(upstream: one per host and key); {st.waiting_here} processes waiting here")
-        print(f"lookups      {st.hits} hits, {st.misses} misses (hit ratio {ratio})")
-        if st.coordinator_loop_busy:  # 0: an older coordinator, or one just started
-            gap = (f"; asks workers for {st.decide_gap_ms} ms between Decide messages"
-                   if st.decide_gap_ms else "")
-            print(f"load         the coordinator's event loop used "
-                  f"{100 * st.coordinator_loop_busy:.0f}% of a core lately{gap}")
-        if st.etcd_writes_sampled:  # 0: an older coordinator, or none written yet
-            print(f"etcd         the coordinator's latest {st.etcd_writes_sampled} write "
-                  f"transactions took p50 {st.etcd_write_p50_ms:.1f} ms, "
-                  f"p99 {st.etcd_write_p99_ms:.1f} ms")
-        print(f"saved        {st.compile_seconds_saved:.1f} s of compile time")
-        for f in st.in_flight:
-            print(f"  compiling  {f.key}  by {f.holder}  for {f.age_seconds:.0f}s, "
-                  f"{f.waiters} waiting")
-        if st.tasks_queued or st.tasks_running or st.tasks_done or st.tasks_failed:
-            print(f"farm         {st.tasks_queued} queued, {st.tasks_running} running, "
-                  f"{st.tasks_done} done, {st.tasks_failed} failed")
-        for j in st.jobs:
-            print(f"job          {j.job or '(no job)'}: {j.compiles_in_flight} compiling, "
-                  f"{j.waiters} waiting")
-        for m in st.recent_misses:
-            why = ("new program" if list(m.differing) == ["new_program"]
-                   else f"{', '.join(m.differing)} changed")
-            print(f"miss         {m.key[:24]}  {m.program_name or '?'}  ({why})  "
-                  f"{m.age_seconds:.0f}s ago")
+        _print_status(st, args.worker)
     return 0 if st.upstream_healthy else 1
+
+
+def _print_status(st, worker: str) -> None:
+    total = st.hits + st.misses
+    ratio = f"{100.0 * st.hits / total:.1f}%" if total else "n/a"
+    print(f"worker       {worker}: healthy")
+    health = "healthy" if st.upstream_healthy else "UNHEALTHY"
+    print(f"upstream     {st.upstream}: {health}"
+          + (f" ({st.upstream_problem})" if st.upstream_problem else ""))
+    bound = f" of {_size(st.store_max_bytes)}" if st.store_max_bytes else ", unbounded"
+    print(f"artifacts    {st.artifacts} ({_size(st.store_bytes)} stored{bound}; "
+          f"{st.revoked} revoked)")
+    if st.store:
+        print(f"store        {st.store}")
+    if st.bucket_local_hits or st.bucket_local_misses or st.bucket_errors:
+        reads = st.bucket_local_hits + st.bucket_local_misses
+        print(f"bucket       {st.bucket_local_hits} of {reads} reads from the local cache, "
+              f"{st.bucket_errors} failed requests")
+    if st.host_cache_max_bytes:
+        full = (f"; {st.host_uncached} passed on without a copy, the disk being full"
+                if st.host_uncached else "")
+        print(f"host cache   {_size(st.host_cache_bytes)} of {_size(st.host_cache_max_bytes)}"
+              f" (disk: {_size(st.host_disk_free_bytes)} free, "
+              f"{_size(st.host_cache_min_free_bytes)} kept free for jobs{full})")
+    print(f"in flight    {st.compiles_in_flight} compiles, {st.waiters} waiters "
+          f"(upstream: one per host and key); {st.waiting_here} processes waiting here")
+    print(f"lookups      {st.hits} hits, {st.misses} misses (hit ratio {ratio})")
+    if st.coordinator_loop_busy:  # 0: an older coordinator, or one just started
+        gap = (f"; asks workers for {st.decide_gap_ms} ms between Decide messages"
+               if st.decide_gap_ms else "")
+        print(f"load         the coordinator's event loop used "
+              f"{100 * st.coordinator_loop_busy:.0f}% of a core lately{gap}")
+    if st.etcd_writes_sampled:  # 0: an older coordinator, or none written yet
+        print(f"etcd         the coordinator's latest {st.etcd_writes_sampled} write "
+              f"transactions took p50 {st.etcd_write_p50_ms:.1f} ms, "
+              f"p99 {st.etcd_write_p99_ms:.1f} ms")
+    print(f"saved        {st.compile_seconds_saved:.1f} s of compile time")
+    for f in st.in_flight:
+        print(f"  compiling  {f.key}  by {f.holder}  for {f.age_seconds:.0f}s, "
+              f"{f.waiters} waiting")
+    if st.tasks_queued or st.tasks_running or st.tasks_done or st.tasks_failed:
+        print(f"farm         {st.tasks_queued} queued, {st.tasks_running} running, "
+              f"{st.tasks_done} done, {st.tasks_failed} failed")
+    for j in st.jobs:
+        print(f"job          {j.job or '(no job)'}: {j.compiles_in_flight} compiling, "
+              f"{j.waiters} waiting")
+    for m in st.recent_misses:
+        why = ("new program" if list(m.differing) == ["new_program"]
+               else f"{', '.join(m.differing)} changed")
+        print(f"miss         {m.key[:24]}  {m.program_name or '?'}  ({why})  "
+              f"{m.age_seconds:.0f}s ago")
+    _print_directories(st)
+
+
+def _print_directories(st) -> None:
+    for d in st.directories:
+        off = "; ".join(f"{what} off: {why}" for what, why in
+                        (("publishes", d.publish_off), ("installs", d.install_off)) if why)
+        print(f"directory    {d.kind} {d.namespace_id}: {d.entries} entries, {_size(d.bytes)}; "
+              f"{d.published} published, {d.installed} installed, {d.refused} refused"
+              + (f" ({off})" if off else ""))
+        print(f"  namespace  {d.namespace}")
+        print(f"  path       {d.path}")
 
 
 def _file_key(path: str, include_metadata: bool, *, keep_text: bool = False):

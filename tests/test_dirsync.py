@@ -230,3 +230,20 @@ def test_a_gpu_compile_reads_and_writes_the_hosts_synced_autotune_directory(
     [db] = b.status().directories
     assert seen and set(seen) == {(db.path, ("fusion-measured-on-a.textproto",))}
     assert db.namespace_id == da.namespace_id and db.path != da.path
+
+
+def test_status_shows_each_directory_its_namespace_and_size(coordinator, start_worker, capsys):
+    from compilecast.cli import main
+
+    a = host(start_worker, coordinator, "a")
+    d = a.open_directory("torch-xla", {"release.torch_xla": "2.9.0"},
+                         install_off="torch_xla 2.9.0: it cannot load")
+    write_whole(d.path, "12345", b"x" * 2048)
+    a.sync_directory("torch-xla", d.namespace_id)
+
+    assert main(["status", "--worker", a.target]) == 0
+
+    out = capsys.readouterr().out
+    assert (f"directory    torch-xla {d.namespace_id}: 1 entries, 2.0 KiB; 1 published, "
+            "0 installed, 0 refused (installs off: torch_xla 2.9.0: it cannot load)") in out
+    assert "  namespace  release.torch_xla=2.9.0" in out and f"  path       {d.path}" in out
