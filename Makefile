@@ -143,6 +143,7 @@ bench-smoke: install
 	$(PY) bench/renewals.py --count 20
 	$(PY) bench/pod_start.py --processes 20 --programs 2 --compile-s 0.2
 	$(PY) bench/sweep.py --entries 100 --records
+	$(PY) bench/autotune_share.py --layers 2 --width 64 --pairs 1
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache

@@ -8,7 +8,9 @@
 #
 #   1. the JAX adapter's check against that machine's JAX release;
 #   2. tests/test_gpu_pgle.py: PGLE end to end on two processes (issue 4);
-#   3. bench/time_to_executable.py and bench/warm_start.py on the GPU (issue 6).
+#   3. bench/time_to_executable.py and bench/warm_start.py on the GPU (issue 6);
+#   4. bench/autotune_share.py: a changed program compiled on a second host with
+#      and without the first host's autotune results (docs/directories.md).
 #
 # CHECKS=pgle (or adapter) runs only the first steps; CHECKS=all-anyway runs the
 # benches even when the PGLE check failed.
@@ -61,4 +63,7 @@ JAX_PLATFORMS=cuda timeout ${TTE_TIMEOUT:-200} $PY bench/time_to_executable.py -
 step warm-start
 JAX_PLATFORMS=cuda timeout ${WARM_TIMEOUT:-150} $PY bench/warm_start.py --layers 96 --repeat 2 \
   2>&1 | tee "$LOGS/warm_start.log" | tail -8
+step autotune-share
+JAX_PLATFORMS=cuda timeout ${AUTOTUNE_TIMEOUT:-240} $PY bench/autotune_share.py --layers 24 --width 2048 --pairs 2 \
+  2>&1 | tee "$LOGS/autotune_share.log" | tail -10
 step done
