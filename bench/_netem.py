@@ -14,7 +14,7 @@ host's processes share its own cores. Hosts times `cpus` should stay within
 this machine's cores. Threads of one Python process on different hosts still
 share its GIL: one throttled while it holds the GIL stops the others until its
 next period, so a host's client belongs in a process of its own
-(bench/fanout.py's ProcessClients; BENCHMARKS.md, "Thirty-eighth session").
+(bench/fanout.py's ProcessClients; BENCHMARKS.md, "Fan-out: many workers fetch one artifact at once").
 Quotas gives hosts of CPU only, on this machine's network (a process joins
 its host by writing its pid to the quota's cgroup.procs).
 

@@ -230,7 +230,7 @@ def page_reporting_order() -> int | None:
 HOLD_PAGE_REPORTING_HELP = (
     "stop this VM's free page reporting for the runs and back its free memory first (root; "
     "restored after): fresh memory then costs what it does on a host without it "
-    "(BENCHMARKS.md, \"Thirty-seventh session\")")
+    "(BENCHMARKS.md, \"Machines\")")
 
 
 @contextlib.contextmanager

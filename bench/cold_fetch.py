@@ -2,7 +2,7 @@
 artifact into its host cache while the process reads it, either following
 the host cache's file as the worker writes it (after the first MiB; the
 default) or taking every byte over the worker's socket (as before the
-twenty-first session). Side by side, alternating, each fetch on a fresh
+"Artifact fetch throughput and memory"). Side by side, alternating, each fetch on a fresh
 worker (its host cache empty) of one coordinator.
 
     python bench/cold_fetch.py [--mb 512] [--pairs 3] [--processes P]

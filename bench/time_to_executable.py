@@ -23,7 +23,7 @@ bytes (a compile-only client cannot load an executable). Reported against one
 process compiling the program alone, from the same kind of common start: with
 --tpu-pairs, process 0 of the same N-process job compiling while the others
 idle (a job of one process, --tpu-alone-job, compiles the same program ~10 %
-faster here; BENCHMARKS.md, "Twentieth session"). With
+faster here; BENCHMARKS.md, "Time to executable on N processes"). With
 --tpu-weights the weights are baked in (default 16 layers: an ~80 MB executable
 that every waiter fetches). With --tpu-one-host the N processes are those of
 one host (a GPU host's 8) and go through one worker, as a host's processes do;
@@ -36,7 +36,7 @@ cache before each run, so that runs start alike (each run's JSON records the
 page cache at its start). --hold-page-reporting (root, a VM whose balloon
 reports free pages) stops the guest's free page reporting for the runs and
 backs its free memory again first: fresh memory then costs what it costs on a
-host without it (BENCHMARKS.md, "Thirty-seventh session"). --host-cpus C (root,
+host without it (BENCHMARKS.md, "Time to executable on N processes"). --host-cpus C (root,
 cgroup v1) gives every process C cores of its own from the common start on (a
 CPU quota each, bench/_netem.py), as each host of a pod has its own cores,
 scaled down so that N hosts fit in this machine's: the compile alone runs on
@@ -271,9 +271,9 @@ def main() -> None:
                     help="with --tpu, this many pairs per N of a compile alone and a compilecast "
                          "run next to it (order alternating), each pair's ratio and the median")
     ap.add_argument("--tpu-alone-job", action="store_true",
-                    help="with --tpu-pairs, the compile alone is a job of one process (before "
-                         "the twentieth session); by default it is process 0 of the same "
-                         "N-process job compiling while the others idle")
+                    help="with --tpu-pairs, the compile alone is a job of one process; by "
+                         "default it is process 0 of the same N-process job compiling while "
+                         "the others idle")
     ap.add_argument("--tpu-one-host", action="store_true",
                     help="with --tpu, the N processes share one worker (one host's processes)")
     ap.add_argument("--tpu-host-workers", action="store_true",
@@ -288,7 +288,7 @@ def main() -> None:
                          "common start on (a CPU quota each; root, cgroup v1)")
     ap.add_argument("--drop-caches", action="store_true",
                     help="with --tpu, drop the page cache before each run (root), so that "
-                         "runs start alike (BENCHMARKS.md, \"Thirty-sixth session\")")
+                         "runs start alike (BENCHMARKS.md, \"Time to executable on N processes\")")
     args = ap.parse_args()
     if args.tpu:
         held = page_reporting_held() if args.hold_page_reporting else contextlib.nullcontext()

@@ -58,11 +58,11 @@ MAX_BUNDLE = 64  # answers sent in one DecideResponse (takes_bundles)
 # floor), so under load holding requests a few milliseconds to share one
 # message halves the messages; at 5,000 mixed decisions a second over 8 streams
 # it gave back a tenth to a sixth of the coordinator's core (BENCHMARKS.md,
-# twenty-third session).
+# "Decisions per second").
 GAP_S = 0.005
 # A busy server asks for a longer gap (DecideResponse.gap_ms, GapAdvice): at
 # 5,000 mixed decisions a second it took the coordinator's CPU a decision from
-# a median of 168 to 140 us (BENCHMARKS.md, twenty-fifth session). A client
+# a median of 168 to 140 us (BENCHMARKS.md, "Decisions per second"). A client
 # follows the advice for ADVICE_S after the answer that carried it, and never
 # waits longer than MAX_ADVISED_GAP_S whatever a server asks.
 ADVICE_S = 1.0

@@ -163,7 +163,7 @@ async def serve_until_signal(
 
 # A full collection walks every tracked object: 15-25 ms of a loaded
 # coordinator's loop, whose start-up heap (modules, protobuf descriptors,
-# grpc) is nearly all it walks (BENCHMARKS.md, thirty-seventh session).
+# grpc) is nearly all it walks (BENCHMARKS.md, "Decisions per second").
 GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 

@@ -140,7 +140,7 @@ class Key:
     # Bytes of the program's canonical stream (what its digest hashed). Not
     # part of the key: it tells, before anything is serialized, roughly how
     # big the program's MLIR bytecode is (the stream is at most 1.21x the
-    # bytecode, 1.0x for constants; BENCHMARKS.md, "Fifteenth session").
+    # bytecode, 1.0x for constants; BENCHMARKS.md, "Key computation").
     program_bytes: int = 0
     # Why a program file was keyed by its raw bytes ("" when it was parsed).
     unparsed: str = ""

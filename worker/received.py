@@ -167,7 +167,7 @@ class _Received:
     IN_PLACE_FROM = 4 << 20
     # The result's pages are faulted in ahead of the bytes, this many at a
     # time, in one call (MADV_POPULATE_WRITE): one fault for every 4 KiB
-    # written cost a quarter of filling it (BENCHMARKS.md, twenty-seventh session).
+    # written cost a quarter of filling it (BENCHMARKS.md, "Artifact fetch throughput and memory").
     POPULATE_STEP = 16 << 20
 
     def __init__(self, key: str) -> None:
