@@ -1,5 +1,8 @@
-"""`compilecast run -- COMMAND`: run a training command with its framework's
+"""Commands for frameworks compilecast does not hook in Python.
+
+`compilecast run -- COMMAND`: run a training command with its framework's
 own cache directory kept in sync across the fleet by the host's worker.
+`compilecast pjrt-plugin`: the path of the PJRT interposer.
 
 Today this is PyTorch/XLA's persistent cache (worker/torchxla.py). The
 command runs whatever happens: where the worker cannot be asked, or the
@@ -19,7 +22,34 @@ from compilecast.config import default_home, default_worker_target
 log = logging.getLogger("compilecast.run")
 
 
+def interposer_path() -> str:
+    """Where the PJRT interposer (worker/_pjrt_interposer.c) was built."""
+    import glob
+
+    from compilecast import worker
+
+    found = sorted(glob.glob(os.path.join(os.path.dirname(worker.__file__),
+                                          "_pjrt_interposer*.so")))
+    if not found:
+        raise FileNotFoundError("the PJRT interposer was not built with this install "
+                                "(a C compiler was missing?): reinstall with gcc present")
+    return found[0]
+
+
+def cmd_pjrt_plugin(args: argparse.Namespace) -> int:
+    try:
+        print(interposer_path())
+    except FileNotFoundError as exc:
+        print(f"compilecast pjrt-plugin: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def add_parser(sub) -> None:
+    p = sub.add_parser("pjrt-plugin", help="print the path of the PJRT interposer, a PJRT "
+                                           "plugin that wraps another (docs/pjrt.md)")
+    p.set_defaults(fn=cmd_pjrt_plugin)
+
     p = sub.add_parser("run", help="run a PyTorch/XLA command with its persistent cache shared "
                                    "across the fleet (compilecast run -- python train.py)")
     p.add_argument("--worker", default=os.environ.get("COMPILECAST_WORKER")

@@ -527,6 +527,12 @@ def compile_options_bytes(compile_options: Any) -> bytes:
     return cap.data
 
 
+def canonical_compile_options(serialized: bytes) -> bytes:
+    """compile_options_bytes of a serialized CompileOptionsProto (as a PJRT
+    plugin receives it): the same bytes however its maps were ordered."""
+    return compile_options_bytes(_xc.CompileOptions.ParseFromString(serialized))
+
+
 def excluded_xla_flags() -> list[str]:
     return list(_ck.xla_flags_to_exclude_from_cache_key)
 

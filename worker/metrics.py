@@ -107,6 +107,13 @@ class WorkerMetrics:
             "Bytes of the synced directories' entries, by kind and event (published, installed)",
             ["kind", "event"], registry=registry,
         )
+        self.pjrt_compiles = Counter(
+            "compilecast_worker_pjrt_compiles",
+            "Compiles of frameworks on an interposed PJRT plugin (worker/pjrtgate.py), by "
+            "platform and outcome: hit (loaded a shared executable), compile (held the lease), "
+            "local (compiled without sharing), failed (the compile failed or was not published)",
+            ["platform", "outcome"], registry=registry,
+        )
         self.cache_bytes = Gauge(
             "compilecast_worker_cache_bytes", "Bytes stored in the host cache", registry=registry,
         )

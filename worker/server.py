@@ -20,6 +20,7 @@ from .dirservice import DirectoriesService, make_dirsync
 from .handoff import Handoffs
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
+from .pjrtgate import PjrtGate
 from .relayplane import RelayPlane
 from .service import WorkerService
 from .upstream import RelayService
@@ -44,6 +45,7 @@ class Worker(Role):
         self._revocations: asyncio.Task | None = None
         self._keep_free: asyncio.Task | None = None
         self._dir_sync: asyncio.Task | None = None
+        self.pjrt_gate: PjrtGate | None = None
 
     @property
     def target(self) -> str:
@@ -107,6 +109,7 @@ class Worker(Role):
                 except OSError as exc:  # a path too long for a socket, say: gRPC serves
                     log.warning("publishes are not handed over: cannot listen on %s (%s)",
                                 handoffs.path, exc)
+            await self._pjrt_gate(address)
         await set_serving(self.health, True)
         log.info("worker listening on %s (coordinator %s, host cache %s)", address,
                  self.cfg.coordinator, self.cfg.cache_dir)
@@ -120,6 +123,20 @@ class Worker(Role):
         scope, _ = self.service._credential(context)
         token = token_from(context) or ""
         return ("" if token == self.service.token else token), scope
+
+    async def _pjrt_gate(self, address: str) -> None:
+        """The socket of the host's interposed PJRT compiles (worker/pjrtgate.py)."""
+        timeout_ms = self.cfg.share_binary_between_hosts_timeout_ms or 20 * 60 * 1000
+        gate = PjrtGate(f"{address.removeprefix('unix://')}.pjrt", address,
+                        wait_timeout_s=timeout_ms / 1000,
+                        count=lambda platform, outcome: self.metrics.pjrt_compiles.labels(
+                            platform, outcome).inc())
+        try:
+            await gate.start()
+            self.pjrt_gate = gate
+        except OSError as exc:
+            log.warning("interposed PJRT compiles are not served: cannot listen on %s (%s)",
+                        gate.path, exc)
 
     async def _relay_plane(self, creds) -> None:
         """The relay's data plane (worker/relayplane.py), unless it is off."""
@@ -152,6 +169,8 @@ class Worker(Role):
                 task.cancel()
         if self.service.handoffs is not None:
             await self.service.handoffs.stop()
+        if self.pjrt_gate is not None:
+            await self.pjrt_gate.stop()
         if self.relay_server is not None:
             await self.relay_server.stop(2.0)
         if self.service.relay_plane is not None:

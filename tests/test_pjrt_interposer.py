@@ -1,0 +1,171 @@
+"""The PJRT interposer (worker/_pjrt_interposer.c, worker/pjrtgate.py): JAX
+on XLA's CPU PJRT C-API plugin (lammps-jax-pjrt-cpu), wrapped by the
+interposer, with compilecast.jax never imported. Real JAX processes, a real
+worker, coordinator and etcd."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compilecast.cli_run import interposer_path
+
+from .conftest import eventually, flip_middle_byte, sample
+
+PROC = Path(__file__).with_name("pjrt_proc.py")
+
+
+def real_plugin() -> str:
+    import lammps_jax_pjrt_cpu
+
+    return str(Path(lammps_jax_pjrt_cpu.__file__).with_name("pjrt_c_api_cpu_plugin.so"))
+
+
+def env_for(worker_target: str | None, *, interposed: bool = True) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPILECAST_", "JAX_"))}
+    env.update(PJRT_PLUGIN_PATH=interposer_path() if interposed else real_plugin(),
+               COMPILECAST_PJRT_PLUGIN=real_plugin(), COMPILECAST_PJRT_LOG="1")
+    if worker_target:
+        env["COMPILECAST_WORKER"] = worker_target
+    return env
+
+
+def wave(env: dict, n: int, tmp: Path) -> list[tuple[dict, str]]:
+    """`n` processes that start their training step together."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    go = tmp / "go"
+    procs = [subprocess.Popen([sys.executable, str(PROC), "--ready", str(tmp / f"ready{i}"),
+                               "--go", str(go)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(n)]
+    eventually(lambda: all((tmp / f"ready{i}").exists() or p.poll() is not None
+                           for i, p in enumerate(procs)), "the processes ready", seconds=120)
+    go.touch()
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append((json.loads(stdout.strip().splitlines()[-1]), stderr))
+    return out
+
+
+def decisions(stderr: str) -> list[tuple[str, str]]:
+    """(HIT or COMPILE, key) of each compile the interposer asked about."""
+    return re.findall(r"compilecast-pjrt\[\d+\]: worker: (HIT|COMPILE) (\S+)", stderr)
+
+
+def real_compiles(stderr: str) -> int:
+    return len(re.findall(r"compilecast-pjrt\[\d+\]: real compile", stderr))
+
+
+@pytest.fixture
+def worker(coordinator, start_worker):
+    return start_worker(coordinator.cfg.listen, "w")
+
+
+def test_four_processes_compile_each_program_once_and_a_second_wave_none(
+        worker, tmp_path):
+    baseline = wave(env_for(None, interposed=False), 1, tmp_path / "plain")[0][0]
+
+    first = wave(env_for(worker.target), 4, tmp_path / "first")
+
+    asked = [d for _, err in first for d in decisions(err)]
+    programs = {key for _, key in asked}
+    compiled = [key for decision, key in asked if decision == "COMPILE"]
+    assert programs and sorted(compiled) == sorted(programs)  # each program once
+    assert sum(real_compiles(err) for _, err in first) == len(programs)
+    assert [r["loss"] for r, _ in first] == [baseline["loss"]] * 4
+    assert all(r["platform"] == "cpu" and r["compilecast_jax"] == [] for r, _ in first)
+    assert sample(worker, "compilecast_worker_pjrt_compiles_total", platform="cpu",
+                  outcome="compile") == len(programs)
+
+    second = wave(env_for(worker.target), 2, tmp_path / "second")
+
+    assert sum(real_compiles(err) for _, err in second) == 0
+    assert {key for _, err in second for _, key in decisions(err)} == programs
+    assert [r["loss"] for r, _ in second] == [baseline["loss"]] * 2
+
+
+def test_without_a_worker_the_program_compiles_and_says_why(tmp_path):
+    [(got, err)] = wave(env_for(f"unix://{tmp_path}/none.sock"), 1, tmp_path / "w")
+
+    assert "compiling without compilecast" in err
+    assert got["loss"] == wave(env_for(None, interposed=False), 1, tmp_path / "p")[0][0]["loss"]
+
+
+def test_a_corrupt_shared_executable_is_compiled_again(coordinator, start_worker, tmp_path):
+    first = start_worker(coordinator.cfg.listen, "first")
+    [(good, _)] = wave(env_for(first.target), 1, tmp_path / "a")
+    for blob in Path(coordinator.cfg.store_dir, "blobs").rglob("*"):
+        if blob.is_file():
+            flip_middle_byte(blob)
+    fresh = start_worker(coordinator.cfg.listen, "fresh")  # its host cache is empty
+
+    [(got, err)] = wave(env_for(fresh.target), 1, tmp_path / "b")
+
+    assert got["loss"] == good["loss"]
+    assert real_compiles(err) >= 1 and not any(d == "HIT" for d, _ in decisions(err))
+
+
+def test_a_plugin_of_another_major_version_is_passed_through(tmp_path):
+    fake = tmp_path / "fake.c"
+    fake.write_text(
+        "#include <stddef.h>\n"
+        "struct v { size_t s; void *e; int major, minor; };\n"
+        "struct api { size_t s; void *e; struct v version; void *fns[100]; };\n"
+        "static struct api table = {sizeof table, 0, {sizeof(struct v), 0, 1, 7}, {0}};\n"
+        "const void *GetPjrtApi(void) { return &table; }\n")
+    so = tmp_path / "fake.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(so), str(fake)], check=True)
+    probe = (f"import ctypes; lib = ctypes.CDLL({interposer_path()!r}); "
+             f"fake = ctypes.CDLL({str(so)!r}); "
+             "lib.GetPjrtApi.restype = fake.GetPjrtApi.restype = ctypes.c_void_p; "
+             "print(lib.GetPjrtApi() == fake.GetPjrtApi())")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env={**os.environ, "COMPILECAST_PJRT_PLUGIN": str(so)}, check=True)
+
+    assert done.stdout.strip() == "True"  # the wrapped plugin's own table, untouched
+    assert "speaks PJRT C API 1.7" in done.stderr and "passed through untouched" in done.stderr
+
+
+def test_who_compiles_follows_the_program_devices():
+    import numpy as np
+    from jax._src.lib import xla_client
+
+    from compilecast.worker.pjrtgate import identity, program_devices
+
+    opts = xla_client.CompileOptions()
+    opts.device_assignment = xla_client.DeviceAssignment.create(np.array([[3, 5], [7, 1]]))
+    serialized = opts.SerializeAsString()
+    assert sorted(program_devices(serialized)) == [1, 3, 5, 7]
+    # Devices 0-3 on process 0, 4-7 on process 1: a program over both processes is
+    # the job's; the owner of its lowest device (1: process 0) compiles.
+    owners = ",".join(f"{d}:{d // 4}" for d in range(8))
+    shared = identity({"devices": owners, "process_index": 1, "pid": 7}, serialized)
+    assert shared.job.startswith("pjrt-") and shared.designated_process == 0
+    assert shared.process_id == 1
+    # A program on one process's devices waits for nobody.
+    one = xla_client.CompileOptions()
+    one.device_assignment = xla_client.DeviceAssignment.create(np.array([[5], [6]]))
+    alone = identity({"devices": owners, "process_index": 1, "pid": 7}, one.SerializeAsString())
+    assert alone.job == "" and alone.client.endswith(":7")
+    assert program_devices(b"") == [] and identity({}, b"\xff").job == ""
+
+
+def test_malformed_frames_are_refused_and_the_gate_goes_on(worker, tmp_path):
+    import socket as sk
+
+    path = worker.target.removeprefix("unix://") + ".pjrt"
+    for junk in (b"NOPE" + b"\0" * 20, b"CCP1" + (1 << 30).to_bytes(4, "little"), b"CCP1\x02"):
+        with sk.socket(sk.AF_UNIX) as s:
+            s.connect(path)
+            s.sendall(junk)
+            s.shutdown(sk.SHUT_WR)
+            assert s.recv(100) == b""  # closed, nothing answered
+    [(got, err)] = wave(env_for(worker.target), 1, tmp_path / "after")
+    assert decisions(err) and got["platform"] == "cpu"
