@@ -88,7 +88,14 @@ def _print_status(st, worker: str) -> None:
                else f"{', '.join(m.differing)} changed")
         print(f"miss         {m.key[:24]}  {m.program_name or '?'}  ({why})  "
               f"{m.age_seconds:.0f}s ago")
+    _print_pjrt(st)
     _print_directories(st)
+
+
+def _print_pjrt(st) -> None:
+    for p in st.pjrt_compiles:
+        print(f"pjrt         {p.platform}: {p.hits} hits, {p.compiles} compiled under the "
+              f"lease, {p.local} compiled without sharing, {p.failed} not published")
 
 
 def _print_directories(st) -> None:

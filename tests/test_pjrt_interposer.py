@@ -83,6 +83,11 @@ def test_four_processes_compile_each_program_once_and_a_second_wave_none(
     assert all(r["platform"] == "cpu" and r["compilecast_jax"] == [] for r, _ in first)
     assert sample(worker, "compilecast_worker_pjrt_compiles_total", platform="cpu",
                   outcome="compile") == len(programs)
+    from compilecast.worker.client import CacheClient
+
+    [counts] = CacheClient(worker.target).status().pjrt_compiles
+    assert (counts.platform, counts.compiles, counts.hits, counts.local) == (
+        "cpu", len(programs), len(asked) - len(programs), 0)
 
     second = wave(env_for(worker.target), 2, tmp_path / "second")
 
@@ -169,3 +174,50 @@ def test_malformed_frames_are_refused_and_the_gate_goes_on(worker, tmp_path):
             assert s.recv(100) == b""  # closed, nothing answered
     [(got, err)] = wave(env_for(worker.target), 1, tmp_path / "after")
     assert decisions(err) and got["platform"] == "cpu"
+
+
+class _ScriptedGate:
+    """A worker socket that answers every compile with `answer` (a reply
+    frame, or None: close at once), to see the interposer through what a
+    real worker can do at its worst: die while a process holds the lease, or
+    hand over bytes the plugin refuses."""
+
+    def __init__(self, path: str, answer: bytes | None) -> None:
+        import socket as sk
+        import threading
+
+        self.sock = sk.socket(sk.AF_UNIX)
+        self.sock.bind(path)
+        self.sock.listen(16)
+        self.answer = answer
+        self.asked = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1 << 20)
+                self.asked += 1
+                if self.answer is not None:
+                    conn.sendall(self.answer)
+
+
+@pytest.mark.parametrize("answer", ["COMPILE then gone", "HIT of bytes the plugin refuses"])
+def test_the_job_completes_whatever_the_worker_does(tmp_path, answer):
+    from compilecast.worker.pjrtgate import frame
+
+    reply = frame("COMPILE cc1-x") if answer.startswith("COMPILE") else \
+        frame("HIT cc1-x", b"not an executable")
+    gate = _ScriptedGate(str(tmp_path / "w.sock.pjrt"), reply)
+    baseline = wave(env_for(None, interposed=False), 1, tmp_path / "plain")[0][0]
+
+    [(got, err)] = wave(env_for(f"unix://{tmp_path}/w.sock"), 1, tmp_path / "run")
+
+    assert got["loss"] == baseline["loss"] and gate.asked >= 1
+    assert real_compiles(err) == gate.asked  # each compile fell back to the real plugin
+    if answer.startswith("HIT"):
+        assert "the plugin refused a shared executable" in err

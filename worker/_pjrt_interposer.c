@@ -409,11 +409,15 @@ static PJRT_Error *our_compile(void *raw) {
   const char *off = getenv("COMPILECAST_PJRT_ENABLE");
   if (off && strcmp(off, "0") == 0) return real_compile(args);
   int fd = connect_worker();
-  if (fd < 0) return real_compile(args);
+  if (fd < 0) {
+    note("real compile (no worker)");
+    return real_compile(args);
+  }
   reply r;
   PJRT_Error *e = NULL;
   if (ask(fd, args, &r) != 0) {
     close(fd);
+    note("real compile (the worker did not answer)");
     return real_compile(args);
   }
   note("worker: %s", r.header);

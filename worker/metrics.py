@@ -159,3 +159,19 @@ class WorkerMetrics:
             "above cache_min_free_bytes even after evicting its least recently read ones",
             registry=registry,
         )
+
+    def pjrt_status(self) -> list:
+        """compilecast_worker_pjrt_compiles_total per platform, for Status."""
+        from compilecast.v1 import cache_pb2 as pb
+
+        by: dict[str, pb.PjrtCompiles] = {}
+        for metric in self.pjrt_compiles.collect():
+            for s in metric.samples:
+                if not s.name.endswith("_total"):
+                    continue
+                row = by.setdefault(s.labels["platform"],
+                                    pb.PjrtCompiles(platform=s.labels["platform"]))
+                field = {"hit": "hits", "compile": "compiles"}.get(s.labels["outcome"],
+                                                                 s.labels["outcome"])
+                setattr(row, field, getattr(row, field) + int(s.value))
+        return list(by.values())

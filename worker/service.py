@@ -1052,3 +1052,4 @@ class WorkerService(rpc.CompileCacheServicer):
             "compilecast_worker_uncached_total") or 0)
         if self.dirs is not None:
             resp.directories.extend(await asyncio.to_thread(self.dirs.status))
+        resp.pjrt_compiles.extend(self.metrics.pjrt_status())

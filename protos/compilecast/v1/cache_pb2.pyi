@@ -432,7 +432,7 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("role", "artifacts", "compiles_in_flight", "waiters", "hits", "misses", "compile_seconds_saved", "in_flight", "upstream_healthy", "upstream", "recent_misses", "jobs", "tasks_queued", "tasks_running", "tasks_done", "tasks_failed", "waiting_here", "store_bytes", "store_max_bytes", "revoked", "upstream_problem", "host_cache_bytes", "host_cache_max_bytes", "host_disk_free_bytes", "host_cache_min_free_bytes", "host_uncached", "coordinator_loop_busy", "decide_gap_ms", "etcd_writes_sampled", "etcd_write_p50_ms", "etcd_write_p99_ms", "store", "bucket_errors", "bucket_local_hits", "bucket_local_misses", "directories")
+    __slots__ = ("role", "artifacts", "compiles_in_flight", "waiters", "hits", "misses", "compile_seconds_saved", "in_flight", "upstream_healthy", "upstream", "recent_misses", "jobs", "tasks_queued", "tasks_running", "tasks_done", "tasks_failed", "waiting_here", "store_bytes", "store_max_bytes", "revoked", "upstream_problem", "host_cache_bytes", "host_cache_max_bytes", "host_disk_free_bytes", "host_cache_min_free_bytes", "host_uncached", "coordinator_loop_busy", "decide_gap_ms", "etcd_writes_sampled", "etcd_write_p50_ms", "etcd_write_p99_ms", "store", "bucket_errors", "bucket_local_hits", "bucket_local_misses", "directories", "pjrt_compiles")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     COMPILES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +469,7 @@ class StatusResponse(_message.Message):
     BUCKET_LOCAL_HITS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_LOCAL_MISSES_FIELD_NUMBER: _ClassVar[int]
     DIRECTORIES_FIELD_NUMBER: _ClassVar[int]
+    PJRT_COMPILES_FIELD_NUMBER: _ClassVar[int]
     role: str
     artifacts: int
     compiles_in_flight: int
@@ -505,7 +506,22 @@ class StatusResponse(_message.Message):
     bucket_local_hits: int
     bucket_local_misses: int
     directories: _containers.RepeatedCompositeFieldContainer[SyncedDirectory]
-    def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ..., recent_misses: _Optional[_Iterable[_Union[RecentMiss, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_failed: _Optional[int] = ..., waiting_here: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_max_bytes: _Optional[int] = ..., revoked: _Optional[int] = ..., upstream_problem: _Optional[str] = ..., host_cache_bytes: _Optional[int] = ..., host_cache_max_bytes: _Optional[int] = ..., host_disk_free_bytes: _Optional[int] = ..., host_cache_min_free_bytes: _Optional[int] = ..., host_uncached: _Optional[int] = ..., coordinator_loop_busy: _Optional[float] = ..., decide_gap_ms: _Optional[int] = ..., etcd_writes_sampled: _Optional[int] = ..., etcd_write_p50_ms: _Optional[float] = ..., etcd_write_p99_ms: _Optional[float] = ..., store: _Optional[str] = ..., bucket_errors: _Optional[int] = ..., bucket_local_hits: _Optional[int] = ..., bucket_local_misses: _Optional[int] = ..., directories: _Optional[_Iterable[_Union[SyncedDirectory, _Mapping]]] = ...) -> None: ...
+    pjrt_compiles: _containers.RepeatedCompositeFieldContainer[PjrtCompiles]
+    def __init__(self, role: _Optional[str] = ..., artifacts: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., waiters: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., upstream_healthy: _Optional[bool] = ..., upstream: _Optional[str] = ..., recent_misses: _Optional[_Iterable[_Union[RecentMiss, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_failed: _Optional[int] = ..., waiting_here: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_max_bytes: _Optional[int] = ..., revoked: _Optional[int] = ..., upstream_problem: _Optional[str] = ..., host_cache_bytes: _Optional[int] = ..., host_cache_max_bytes: _Optional[int] = ..., host_disk_free_bytes: _Optional[int] = ..., host_cache_min_free_bytes: _Optional[int] = ..., host_uncached: _Optional[int] = ..., coordinator_loop_busy: _Optional[float] = ..., decide_gap_ms: _Optional[int] = ..., etcd_writes_sampled: _Optional[int] = ..., etcd_write_p50_ms: _Optional[float] = ..., etcd_write_p99_ms: _Optional[float] = ..., store: _Optional[str] = ..., bucket_errors: _Optional[int] = ..., bucket_local_hits: _Optional[int] = ..., bucket_local_misses: _Optional[int] = ..., directories: _Optional[_Iterable[_Union[SyncedDirectory, _Mapping]]] = ..., pjrt_compiles: _Optional[_Iterable[_Union[PjrtCompiles, _Mapping]]] = ...) -> None: ...
+
+class PjrtCompiles(_message.Message):
+    __slots__ = ("platform", "hits", "compiles", "local", "failed")
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    COMPILES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    platform: str
+    hits: int
+    compiles: int
+    local: int
+    failed: int
+    def __init__(self, platform: _Optional[str] = ..., hits: _Optional[int] = ..., compiles: _Optional[int] = ..., local: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
 
 class SyncedDirectory(_message.Message):
     __slots__ = ("kind", "namespace_id", "namespace", "path", "entries", "bytes", "published", "installed", "refused", "publish_off", "install_off")
