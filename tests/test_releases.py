@@ -1,5 +1,5 @@
 """A JAX process releases the lease of a program under JAX's caching
-thresholds behind the compile (worker/jax_integration.py, _Releases): the
+thresholds behind the compile (worker/releases.py): the
 compile returns to JAX at once, the release reaches a real coordinator
 after, and the process's waiters are told why. Flushes are bounded; a
 forked child serves its own queue."""
@@ -12,7 +12,8 @@ import warnings
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
-from compilecast.worker.jax_integration import CompilecastCache, _Releases
+from compilecast.worker.jax_integration import CompilecastCache
+from compilecast.worker.releases import Releases
 
 
 def test_a_program_under_the_thresholds_is_released_behind_the_compile(coordinator):
@@ -47,7 +48,7 @@ def test_a_program_under_the_thresholds_is_released_behind_the_compile(coordinat
 
 
 def test_a_flush_is_bounded_and_the_releases_go_in_order():
-    releases = _Releases()
+    releases = Releases()
     assert releases.flush(0.01)  # nothing queued
     block, order = threading.Event(), []
     releases.submit(lambda: block.wait(10))
@@ -61,7 +62,7 @@ def test_a_flush_is_bounded_and_the_releases_go_in_order():
 
 
 def test_a_forked_child_sends_its_own_releases_not_its_parents():
-    releases = _Releases()
+    releases = Releases()
     block = threading.Event()
     parents = []
     releases.submit(lambda: block.wait(10))

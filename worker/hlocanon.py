@@ -147,7 +147,7 @@ def fields(buf: bytes, i: int, end: int) -> Iterator[tuple[int, int, int, int, i
         yield number, wire, start, vs, i, value
 
 
-def _ids(buf: bytes, wire: int, vs: int, ve: int, value: int) -> list[int]:
+def repeated_ints(buf: bytes, wire: int, vs: int, ve: int, value: int) -> list[int]:
     """The integers of a (possibly packed) repeated int64 field occurrence."""
     if wire == VARINT:
         return [value]
@@ -254,7 +254,7 @@ def _emit(m: _Module, kind: int, vs: int, ve: int, out: bytearray,
             tail = (tail[0], value, tail[2])
         elif action in (IREF, CREF):
             table = instrs if action == IREF else m.comps
-            for raw in _ids(buf, wire, fvs, fve, value):
+            for raw in repeated_ints(buf, wire, fvs, fve, value):
                 _ref(out, f, raw, table)
         elif action == SEQUENCES:
             entries.append(_sequence(m, f, wire, fvs, fve))
@@ -307,7 +307,7 @@ def _sequence(m: _Module, f: int, wire: int, vs: int,
         for g, w3, _s, vs3, ve3, v3 in fields(buf, *seq):
             if g != 1:
                 raise ValueError("unexpected field in an instruction sequence")
-            for raw in _ids(buf, w3, vs3, ve3, v3):
+            for raw in repeated_ints(buf, w3, vs3, ve3, v3):
                 _ref(entry, 1, raw, table)
         entry += varint((2 << 3) | EGROUP)
     entry += varint((f << 3) | EGROUP)

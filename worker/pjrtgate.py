@@ -32,12 +32,11 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from compilecast.v1 import cache_pb2 as pb
 
-from . import keys
+from . import hlocanon, keys
 from .client import CacheClient, Identity
 
 log = logging.getLogger(__name__)
@@ -76,66 +75,26 @@ def frame(header: str, payload: bytes = b"") -> bytes:
 
 # -- what the compile options say ------------------------------------------------
 
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if i >= len(buf):
-            raise ValueError("truncated varint")
-        c = buf[i]
-        i += 1
-        value |= (c & 0x7F) << shift
-        shift += 7
-        if c < 0x80:
-            return value, i
-
-
-def _fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
-    """(field number, wire type, value) of a serialized protobuf message."""
-    i = 0
-    while i < len(buf):
-        tag, i = _varint(buf, i)
-        kind = tag & 7
-        if kind == 0:
-            value, i = _varint(buf, i)
-            yield tag >> 3, kind, value
-        elif kind == 2:
-            n, i = _varint(buf, i)
-            yield tag >> 3, kind, buf[i:i + n]
-            i += n
-        elif kind in (1, 5):
-            width = 8 if kind == 1 else 4
-            yield tag >> 3, kind, buf[i:i + width]
-            i += width
-        else:
-            raise ValueError(f"wire type {kind}")
-
-
 def _message(buf: bytes, number: int) -> bytes:
-    for f, kind, value in _fields(buf):
-        if f == number and kind == 2:
-            return bytes(value)  # type: ignore[arg-type]
+    """The first occurrence of message field `number` of `buf` (b"" if none)."""
+    for f, wire, _, vs, ve, _ in hlocanon.fields(buf, 0, len(buf)):
+        if f == number and wire == hlocanon.LEN:
+            return buf[vs:ve]
     return b""
 
 
 def program_devices(compile_options: bytes) -> list[int]:
     """The device ids of the compile options' device assignment
-    (CompileOptionsProto.executable_build_options.device_assignment), [] when
-    it has none."""
+    (CompileOptionsProto.executable_build_options.device_assignment:
+    computation_devices.replica_device_ids), [] when it has none."""
     assignment = _message(_message(compile_options, 3), 9)
     ids: list[int] = []
-    for f, kind, value in _fields(assignment):
-        if f != 3 or kind != 2:
+    for f, wire, _, vs, ve, _ in hlocanon.fields(assignment, 0, len(assignment)):
+        if f != 3 or wire != hlocanon.LEN:
             continue
-        for g, gkind, ids_value in _fields(value):  # type: ignore[arg-type]
-            if g != 1:
-                continue
-            if gkind == 0:
-                ids.append(int(ids_value))  # type: ignore[arg-type]
-            else:  # packed
-                i, packed = 0, bytes(ids_value)  # type: ignore[arg-type]
-                while i < len(packed):
-                    v, i = _varint(packed, i)
-                    ids.append(v)
+        for g, gwire, _, gs, ge, value in hlocanon.fields(assignment, vs, ve):
+            if g == 1:
+                ids.extend(hlocanon.repeated_ints(assignment, gwire, gs, ge, value))
     return ids
 
 
