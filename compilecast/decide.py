@@ -102,13 +102,13 @@ class GapAdvice:
         self.max_ms = max_ms
         self.low, self.high = low, high
         self.period_s = period_s
-        self._cpu, self._clock = cpu, clock
+        self.cpu, self.clock = cpu, clock
         self._last = (cpu(), clock())
         self.busy = 0.0  # smoothed share of a core the loop's thread used
         self.gap_ms = 0  # the advice now (0: none)
 
     def sample(self) -> None:
-        cpu, now = self._cpu(), self._clock()
+        cpu, now = self.cpu(), self.clock()
         spent, elapsed = cpu - self._last[0], now - self._last[1]
         self._last = (cpu, now)
         if elapsed <= 0:
@@ -119,7 +119,7 @@ class GapAdvice:
 
     async def run(self) -> None:
         """Sample every period_s, on the loop whose thread is measured."""
-        self._last = (self._cpu(), self._clock())
+        self._last = (self.cpu(), self.clock())
         while True:
             await asyncio.sleep(self.period_s)
             self.sample()
