@@ -56,6 +56,10 @@ def add_parser(sub) -> None:
                    or default_worker_target(), help="the host's worker (env COMPILECAST_WORKER)")
     p.add_argument("--token", default=os.environ.get("COMPILECAST_TOKEN", ""),
                    help="bearer token (env COMPILECAST_TOKEN)")
+    p.add_argument("--interpose-tpu", action="store_true",
+                   help="load the PJRT interposer as the TPU plugin (TPU_LIBRARY_PATH, which "
+                        "torch_xla and JAX read), wrapping the real libtpu: every compile of "
+                        "the job goes through the host's worker (docs/pjrt.md)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     p.set_defaults(fn=cmd_run)
 
@@ -78,6 +82,36 @@ def environment(command: list[str], worker: str, token: str) -> dict[str, str]:
     return dict(os.environ)
 
 
+def libtpu_of(command: list[str], env: dict[str, str]) -> str:
+    """The libtpu the command would load: TPU_LIBRARY_PATH, else the libtpu
+    package of the command's interpreter."""
+    if env.get("TPU_LIBRARY_PATH"):
+        return env["TPU_LIBRARY_PATH"]
+    import subprocess
+
+    from compilecast.worker import torchxla
+
+    done = subprocess.run([torchxla.interpreter(command), "-c",
+                           "import libtpu; print(libtpu.get_library_path())"],
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode != 0 or not done.stdout.strip():
+        raise FileNotFoundError("no libtpu: set TPU_LIBRARY_PATH to the real plugin")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def interpose_tpu(command: list[str], env: dict[str, str]) -> dict[str, str]:
+    """`env` with the interposer as the TPU plugin, wrapping the real one;
+    as it was (and why, logged) where either is missing."""
+    try:
+        real, ours = libtpu_of(command, env), interposer_path()
+    except (FileNotFoundError, OSError) as exc:
+        log.warning("running without the PJRT interposer: %s", exc)
+        return env
+    if real == ours:  # already interposed (a launcher inside a launcher)
+        return env
+    return {**env, "COMPILECAST_PJRT_PLUGIN": real, "TPU_LIBRARY_PATH": ours}
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -85,6 +119,8 @@ def cmd_run(args: argparse.Namespace) -> int:
               "compilecast run -- python train.py", file=sys.stderr)
         return 2
     env = environment(command, args.worker, args.token)
+    if args.interpose_tpu:
+        env = interpose_tpu(command, {**env, "COMPILECAST_WORKER": args.worker})
     sys.stdout.flush()
     sys.stderr.flush()
     try:

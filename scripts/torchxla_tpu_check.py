@@ -6,8 +6,9 @@
 Run on a TPU VM with torch_xla and libtpu installed and a compilecast worker
 on the host (`compilecast up &` on one VM is enough). It runs a small
 training step in a fresh process --runs times, each time with torch_xla on
-libtpu wrapped by the interposer (torch_xla's dynamic plugin registration; the
-training code is untouched), and prints per run what the interposer did
+libtpu wrapped by the interposer, set up by the environment alone as
+`compilecast run --interpose-tpu` does (the training code is untouched), and
+prints per run what the interposer did
 (COMPILE: compiled under the lease and published; HIT: loaded what an earlier
 run published) and the loss. It passes (exit 0) when the first run compiled,
 every later run compiled nothing, and the losses agree.
@@ -28,18 +29,10 @@ import sys
 import textwrap
 
 STEP = textwrap.dedent("""
-    import json, os
+    import json
     import torch
     import torch_xla.core.xla_model as xm
-    import torch_xla.experimental.plugins as plugins
 
-    class Interposed(plugins.DevicePlugin):
-        def library_path(self):
-            return os.environ["COMPILECAST_INTERPOSER"]
-
-    plugins.use_dynamic_plugins()
-    plugins.register_plugin("TPUCC", Interposed())
-    os.environ["PJRT_DEVICE"] = "TPUCC"
     dev = xm.xla_device()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
@@ -70,7 +63,9 @@ def main() -> int:
     args = ap.parse_args()
     from compilecast.cli_run import interposer_path
 
-    env = {**os.environ, "COMPILECAST_INTERPOSER": interposer_path(),
+    # What `compilecast run --interpose-tpu` sets: torch_xla loads its TPU plugin
+    # from TPU_LIBRARY_PATH, the interposer, which wraps the real libtpu.
+    env = {**os.environ, "PJRT_DEVICE": "TPU", "TPU_LIBRARY_PATH": interposer_path(),
            "COMPILECAST_PJRT_PLUGIN": libtpu_path(), "COMPILECAST_PJRT_LOG": "1"}
     env.pop("XLA_PERSISTENT_CACHE_PATH", None)
     if args.worker:

@@ -147,3 +147,25 @@ def test_torch_xla_compiles_through_the_interposer(coordinator, start_worker):
     assert "real compile" not in second
     for r in runs:  # the framework's own mismatch with this plugin, after the compile
         assert r.returncode != 0 and "PJRT_ExecuteOptions size" in r.stderr
+
+
+def test_compilecast_run_interposes_the_tpu_plugin_by_environment_alone(tmp_path):
+    """`compilecast run --interpose-tpu` makes torch_xla load the interposer
+    as its TPU plugin (TPU_LIBRARY_PATH), wrapping the one it would have
+    loaded, with no change to the script. Here the "TPU plugin" is XLA's CPU
+    plugin, which then refuses TPU's client options: the route is what this
+    shows; a TPU run is scripts/torchxla_tpu_check.py's."""
+    import lammps_jax_pjrt_cpu
+
+    stand_in = str(Path(lammps_jax_pjrt_cpu.__file__).with_name("pjrt_c_api_cpu_plugin.so"))
+    env = {**os.environ, "PJRT_DEVICE": "TPU", "TPU_LIBRARY_PATH": stand_in,
+           "COMPILECAST_PJRT_LOG": "1", "COMPILECAST_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "compilecast.cli", "run", "--interpose-tpu",
+         "--worker", f"unix://{tmp_path}/none.sock", "--", python_of("2.9"),
+         str(Path(__file__).with_name("torchxla_tpu_proc.py"))],
+        env=env, capture_output=True, text=True, timeout=300)
+
+    assert f"wrapping {stand_in}" in done.stderr, done.stderr[-2000:]
+    # torch_xla's TPU client options reached the wrapped plugin, which refused them.
+    assert "Unexpected option name passed to PJRT_Client_Create" in done.stderr

@@ -474,6 +474,8 @@ static void load(void) {
   if (!our_api) return;
   memcpy(our_api, real_api, real_api->struct_size);
   our_api->fns[SLOT_Client_Compile] = (cc_fn)our_compile;
+  note("wrapping %s (PJRT C API %d.%d)", path, real_api->pjrt_api_version.major_version,
+       real_api->pjrt_api_version.minor_version);
 }
 
 __attribute__((visibility("default"))) const void *GetPjrtApi(void) {
