@@ -551,7 +551,12 @@ class Decider:
             else:
                 clean = True
         except grpc.aio.AioRpcError as exc:
-            error = exc
+            # A write on a call the server already ended (an UNAUTHENTICATED stream,
+            # say) fails with a status of its own (INTERNAL, "execute_batch"): the
+            # call's own status is the one its reader ends with.
+            await asyncio.wait({reader}, timeout=1.0)
+            ended = reader.exception() if reader.done() and not reader.cancelled() else None
+            error = ended if isinstance(ended, grpc.aio.AioRpcError) else exc
         except Exception as exc:  # a write on a call that already ended
             await asyncio.wait({reader}, timeout=1.0)
             if reader.done() and not reader.cancelled() and reader.exception() is None:
