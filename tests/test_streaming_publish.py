@@ -292,10 +292,10 @@ def test_heartbeats_keep_a_fetcher_of_a_held_upload_from_giving_up(
     sends empty chunks, and the worker passes them on, so a fetcher that gives
     up on a transfer silent for 1 s waits through a 2.5 s upload."""
     from compilecast.coordinator import uploads
-    from compilecast.worker import service, upstream
+    from compilecast.worker import fetches, upstream
 
     monkeypatch.setattr(uploads, "HEARTBEAT_S", 0.2)
-    monkeypatch.setattr(service, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(fetches, "HEARTBEAT_S", 0.2)
     monkeypatch.setattr(upstream, "HEARTBEAT_S", 0.2)
     worker = start_worker(coordinator.cfg.listen)
     holder = CacheClient(coordinator.cfg.listen, identity=Identity(job="j", process_id=0))

@@ -173,9 +173,10 @@ def test_a_publish_the_server_stops_reading_is_given_up(serve):
 def test_a_worker_gives_up_an_upstream_transfer_that_stalls(serve, start_worker, monkeypatch):
     """The worker's own transfers to and from the coordinator: what stalls
     reaches its processes as DEADLINE_EXCEEDED, not as an internal error."""
-    from compilecast.worker import service, upstream
+    from compilecast.worker import fetches, publishes, upstream
 
-    monkeypatch.setattr(service, "UPSTREAM_IDLE_S", 0.5)
+    monkeypatch.setattr(publishes, "UPSTREAM_IDLE_S", 0.5)
+    monkeypatch.setattr(fetches, "UPSTREAM_IDLE_S", 0.5)
     monkeypatch.setattr(upstream, "UPSTREAM_IDLE_S", 0.5)
     upstream = serve(Trickle(chunks=4, every_s=0.0, stall_after=2))
     worker = start_worker(upstream)

@@ -1,0 +1,443 @@
+"""The worker's Fetch: a host cache hit served from disk, a miss downloaded
+once however many of the host's processes ask (a fill, worker/fill.py), from
+the coordinator, a peer worker it points to, its data plane or its bucket,
+and passed on to every reader as it arrives. WorkerService (worker/service.py)
+is made of this and the rest of the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from compilecast import validate
+from compilecast.blobstore import RAW_MAGIC, amake_room, aread
+from compilecast.blobwriter import OUT_OF_SPACE
+from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
+from compilecast.grpcutil import rpc_errors
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.wire import DataChunk
+
+from .bucketurl import with_bucket_url
+from .dataplane import DATA_PLANE_PIECE, RELAY_LEAST, DataPlaneBroke, with_data_plane
+from .fill import _Fill, _following, _Inflating
+from .upstream import (
+    HEARTBEAT_S,
+    PEER_IDLE_S,
+    RESUME_S,
+    TRANSFER_S,
+    UPSTREAM_IDLE_S,
+    _heartbeats_until,
+    _idle_timeout,
+    _matches,
+    _relay,
+    _ticketed,
+)
+
+log = logging.getLogger("compilecast.worker.service")
+
+MAX_PEERS_NOTED = 4096  # peers remembered for a relay data plane that could not be reached
+
+
+@dataclass
+class _Download:
+    """Where a fill's download comes from now, and what it has."""
+
+    key: str
+    digest: str
+    relay: str  # this worker's relay address, offered to the coordinator ("": none)
+    ticket: bool  # the coordinator's data plane may be asked for
+    urls: bool  # a bucket's presigned URL may be taken
+    resumes: list[float] = field(default_factory=lambda: list(RESUME_S))
+    info: pb.ArtifactInfo | None = None
+    peer: str = ""  # the peer worker relaying it ("": the coordinator)
+    linked: bool = False  # the blob came by a hard link: the download stopped
+    inflate: _Inflating | None = None  # decoding this attempt's zstd stream
+
+
+class Fetches:
+    """Fetch and the host cache's fills (a mixin of WorkerService)."""
+
+    async def _run_fill(self, fill: _Fill, ns: str, md: tuple, key: str, digest: str) -> None:
+        """Download `key` into the host cache once, however many ask, passing
+        each chunk on to the fill's readers. The coordinator may point us at a
+        peer worker that is downloading (or holds) the same artifact; if the
+        peer fails, the rest comes from the coordinator, from where we were."""
+        start = time.monotonic()
+        dl = _Download(key, digest, self.relay_address, self.data_plane, self.bucket_urls)
+        try:
+            # (Inside the try: a fill that fails to start ends its readers too.)
+            writer = fill.writer = self.cache.store.writer(discard_when_unwritable=True)
+            with writer:
+                while await self._attempt(dl, fill, md, writer):
+                    pass
+                if dl.info is None:
+                    raise CorruptBlob(f"coordinator sent no artifact header for {key}")
+                if dl.linked:
+                    writer.abort()
+                    await self._serve_linked(fill, dl.info)
+                    await self._record(ns, dl.info, writer)
+                    self.metrics.bytes.labels("linked").inc(dl.info.size)
+                    await fill.finish(dl.info, None)
+                    return
+                try:
+                    fill.kept = await asyncio.to_thread(writer.commit, dl.info.digest,
+                                                        dl.info.size) is not None
+                except InvalidRequest as exc:
+                    raise CorruptBlob(f"artifact {key} from {dl.peer or 'the coordinator'} "
+                                      f"failed verification: {exc}") from None
+            await self._record(ns, dl.info, writer)
+            self.metrics.fetch_seconds.observe(time.monotonic() - start)
+            self.metrics.bytes.labels("relayed_in" if dl.peer else "fetched").inc(dl.info.size)
+            await fill.finish(dl.info, None)
+        except BaseException as exc:
+            await fill.finish(None, exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._fills.pop((ns, key), None)
+
+    def _fetch_request(self, dl: _Download, writer) -> pb.FetchRequest:
+        """The next Fetch of `dl`: the rest, from where it is. A peer relays
+        from the first byte; only a first request takes zstd, a ticket or a URL."""
+        fresh = not writer.size
+        return pb.FetchRequest(
+            key=dl.key, digest=dl.info.digest if dl.info else dl.digest,
+            relay_address="" if dl.peer else dl.relay,
+            offset=0 if dl.peer else writer.size,
+            accept_zstd=fresh,
+            accept_data_ticket=fresh and (dl.peer not in self._no_relay_plane if dl.peer
+                                          else dl.ticket),
+            accept_url=fresh and not dl.peer and dl.urls)
+
+    async def _attempt(self, dl: _Download, fill: _Fill, md: tuple, writer) -> bool:
+        """One Fetch of what is missing, from the coordinator or a peer;
+        whether another should follow (a redirect, a resume, a fallback)."""
+        # The coordinator's stored zstd (or a peer's relay of it) is decoded
+        # here: a tenth of the bytes on the wire. A resumed download is decoded.
+        dl.inflate = None
+        request = self._fetch_request(dl, writer)
+        stub = self._peer(dl.peer) if dl.peer else self.up
+        used: list = []
+        try:
+            chunks = stub.Fetch(request, timeout=TRANSFER_S, metadata=md)
+            if request.accept_data_ticket:  # (every other chunk passes straight on)
+                chunks = with_data_plane(chunks, dl.peer or self.coordinator, used,
+                                         RELAY_LEAST if dl.peer else DATA_PLANE_PIECE)
+            if request.accept_url:
+                chunks = with_bucket_url(chunks, used)
+            redirect = await self._take(dl, fill, writer, request, chunks)
+            if used and not dl.linked and writer.size != dl.info.size:
+                raise DataPlaneBroke(f"its data plane's stream ended at byte "
+                                     f"{writer.size} of {dl.info.size}")
+            if used and not dl.linked:
+                (self.metrics.relays.labels("data_plane") if dl.peer
+                 else self.metrics.data_plane.labels("taken")).inc()
+        except DataPlaneBroke as exc:
+            await self._data_plane_broke(dl, writer, exc)
+            return True
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            await self._fetch_broke(dl, writer, exc)
+            return True
+        if redirect and not dl.peer and dl.relay:
+            dl.peer = redirect
+            self.metrics.relays.labels("redirected").inc()
+            return True
+        return False
+
+    async def _take(self, dl: _Download, fill: _Fill, writer, request: pb.FetchRequest,
+                    chunks) -> str:
+        """Pass one Fetch's chunks on to the readers and into the host cache;
+        the peer the coordinator redirected to ("": none)."""
+        async for chunk in _idle_timeout(chunks, PEER_IDLE_S if dl.peer else UPSTREAM_IDLE_S):
+            if chunk.HasField("artifact") and dl.info is None:
+                await self._make_room(writer, chunk.artifact.size)
+            if chunk.relay_from:
+                dl.info = chunk.artifact
+                return chunk.relay_from
+            if chunk.HasField("artifact") and await self._header(dl, fill, writer,
+                                                                 chunk.artifact):
+                return ""  # linked: the download is cancelled, the bytes are here
+            if chunk.zstd_data:
+                if dl.inflate is None:
+                    dl.inflate = _Inflating(dl.key, dl.info, fill, writer)
+                await fill.send_zstd(chunk)  # peers relay the stream as it came
+                await dl.inflate.feed(chunk.zstd_data)
+            elif chunk.data:
+                await self._take_data(dl, fill, writer, request, chunk)
+            elif not chunk.HasField("artifact"):
+                await fill.send(chunk)  # a heartbeat: pass it on
+        return ""
+
+    async def _header(self, dl: _Download, fill: _Fill, writer, artifact) -> bool:
+        """Take an artifact header; whether the blob was linked into the host
+        cache instead (the download then stops)."""
+        if dl.info is not None and artifact.digest != dl.info.digest:
+            raise CorruptBlob(f"{dl.key} changed digest mid-download")
+        if not fill.started:  # readers learn what to expect first
+            await fill.send(pb.FetchChunk(artifact=artifact))
+        dl.info = fill.info = artifact
+        if not dl.peer and not writer.size and await self._linked(artifact.digest):
+            dl.linked = True
+        return dl.linked
+
+    async def _take_data(self, dl: _Download, fill: _Fill, writer, request: pb.FetchRequest,
+                         chunk) -> None:
+        if dl.inflate is not None:
+            raise CorruptBlob(f"{dl.key}: zstd_data and data in one stream")
+        # Readers first: they hash it while this worker does.
+        await fill.send(chunk)
+        if not writer.size and request.accept_zstd:
+            # Sent raw where zstd was welcome: stored raw there, so stored raw
+            # here, and followed from the first byte (host processes, relay
+            # peers), not after a probe's MiB.
+            writer.store_raw()
+        await asyncio.to_thread(writer.write, chunk.data)
+        fill.advance()
+
+    async def _data_plane_broke(self, dl: _Download, writer, exc: DataPlaneBroke) -> None:
+        """A data plane's stream broke off: where the rest comes from."""
+        if dl.inflate is not None:
+            await dl.inflate.cut(dl.key, "its zstd stream from the data plane was cut off")
+        if dl.peer and exc.unreachable:  # that peer over gRPC, from here on
+            if len(self._no_relay_plane) < MAX_PEERS_NOTED:
+                self._no_relay_plane.add(dl.peer)
+            log.warning("download of %s: %s's relay data plane: %s; relayed over gRPC",
+                        dl.key, dl.peer, exc, extra={"key": dl.key})
+        elif dl.peer:  # as for a failed relay: the rest from the coordinator
+            self.metrics.relays.labels("fallback").inc()
+            log.warning("relay of %s from %s: %s; fetching the rest from the coordinator",
+                        dl.key, dl.peer, exc, extra={"key": dl.key})
+            dl.peer, dl.relay = "", ""
+        else:  # the rest (or all) over gRPC, from where the download is
+            dl.ticket, dl.urls, dl.relay = False, False, ""
+            if exc.unreachable:  # from here: never asked for again
+                self.data_plane = self.bucket_urls = False
+            self.metrics.data_plane.labels("fallback").inc()
+            log.warning("download of %s: %s; fetching %s over gRPC", dl.key, exc,
+                        "the rest" if writer.size else "it", extra={"key": dl.key})
+
+    async def _fetch_broke(self, dl: _Download, writer,
+                           exc: grpc.aio.AioRpcError | TimeoutError) -> None:
+        """A Fetch failed: resume from the coordinator (a peer's failure, or a
+        replica restarting), or raise what ends the fill."""
+        if not dl.peer:
+            if isinstance(exc, TimeoutError):
+                raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"coordinator: the fetch of {dl.key} moved nothing for "
+                                    f"{UPSTREAM_IDLE_S:g}s") from None
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or not dl.resumes:
+                raise _relay(exc) from None
+            # A replica restarting (a rolling update) or a reset connection: go
+            # on from the bytes already here (served, never redirected: a peer
+            # would start from the first byte).
+            pause, dl.relay = dl.resumes.pop(0), ""
+            if dl.inflate is not None:
+                await dl.inflate.cut(dl.key, "its zstd stream was cut off midway")
+            log.warning("download of %s was cut off at byte %d (%s); resuming in %.0fs",
+                        dl.key, writer.size, exc.details(), pause, extra={"key": dl.key})
+            await asyncio.sleep(pause)
+            return
+        why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "stalled"
+        log.warning("relay of %s from %s failed (%s) at byte %d; fetching the rest from the "
+                    "coordinator", dl.key, dl.peer, why, writer.size)
+        self.metrics.relays.labels("fallback").inc()
+        dl.peer, dl.relay = "", ""  # asking again: served, never redirected
+        if dl.inflate is not None:
+            await dl.inflate.cut(dl.key, "its zstd stream from a peer was cut off")
+
+    async def _make_room(self, writer, size: int) -> None:
+        """Evict from the host cache until an artifact of `size` fits on its
+        disk above cache_min_free_bytes; else pass it on without a copy."""
+        if not await amake_room(self.cache.store, size):
+            writer.stop_keeping(f"no room for {size} bytes above the free space kept on the "
+                                "host cache's disk")
+
+    async def _linked(self, digest: str) -> bool:
+        """Whether the blob is now in the host cache by a hard link from the
+        coordinator's store on this filesystem (`up`)."""
+        if not self.link_store or digest in self._unlinkable:
+            return False
+        return await asyncio.to_thread(self.cache.store.link, digest, self.link_store)
+
+    async def _serve_linked(self, fill: _Fill, info: pb.ArtifactInfo) -> None:
+        """Pass a linked blob to the fill's readers, verifying it as it is
+        read. One that does not verify is quarantined here and never linked
+        again: the next fill downloads it."""
+        try:
+            async for piece in aread(self.cache.store, info.digest):
+                await fill.send(DataChunk(piece))
+        except CorruptBlob:
+            self._unlinkable.add(info.digest)
+            raise
+
+    async def _record(self, ns: str, info: pb.ArtifactInfo, writer) -> None:
+        """Index a committed download or publish in the host cache; one the
+        disk had no room for was passed on without a copy (a warning says so)."""
+        if not writer.discarded:
+            try:
+                await asyncio.to_thread(self.cache.record, ns, info)
+                return
+            except OSError as exc:  # the blob is in place; without its entry it reads as a miss
+                if exc.errno not in OUT_OF_SPACE:
+                    raise
+        self.metrics.uncached.inc()
+        log.warning("kept no copy of %s in the host cache: %s", info.key,
+                    writer.discarded or "no space left for its entry", extra={"key": info.key})
+
+    async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str,
+                          request: pb.FetchRequest):
+        if request.accept_local_file and self.local_files:
+            # A process on this host reads the host cache's file itself (and
+            # verifies it); if the file went meanwhile, it asks again without.
+            path = self.cache.store.hand_out(info.digest)
+            if path is not None:
+                self.metrics.local_files.inc()
+                yield pb.FetchChunk(artifact=info, local_path=path)
+                return
+        yield pb.FetchChunk(artifact=info)
+        served = self.metrics.bytes.labels("served")
+        try:
+            async for chunk in aread(self.cache.store, info.digest, transform=DataChunk.framed,
+                                     as_stored=request.accept_zstd):
+                served.inc(chunk.size)
+                yield chunk
+        except CorruptBlob:
+            self.metrics.corrupt_blobs.inc()
+            self.cache.forget(ns, key)
+            raise
+
+    @rpc_errors
+    async def Fetch(self, request, context):
+        validate.key(request.key)
+        if request.digest:
+            validate.digest(request.digest)
+        if request.offset or request.relay_address:
+            raise InvalidRequest("offset and relay_address are for the coordinator")
+        ns, md = self._credential(context)
+        info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
+        publishing = self._publishing.get((ns, request.key))
+        # A process on this host follows the host cache's file instead, from
+        # the byte it has, once the fill stores the bytes raw (from the first byte
+        # when they came raw, else after the first MiB's probe).
+        follow = request.accept_growing_file and request.accept_local_file and self.local_files
+        if info is None and publishing is not None:
+            # A process of this host is publishing it through us: the one asking
+            # reads our copy (as it is written, or once it is in), instead of our
+            # downloading what we upload.
+            followed = False
+            async for chunk in self._join_late(publishing, follow):
+                followed = followed or chunk.HasField("artifact")
+                yield chunk
+            if followed:
+                return
+            info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
+        if info is not None and (not request.digest or info.digest == request.digest):
+            self.metrics.fetches.labels("host").inc()
+            async for chunk in self._serve_blob(info, ns, request.key, request):
+                yield chunk
+            return
+        self.metrics.fetches.labels("coordinator").inc()
+        while True:
+            fill = self._fills.get((ns, request.key))
+            if fill is None:
+                # Peers join a running download late: keep its head for them.
+                fill = self._fills[(ns, request.key)] = _Fill(
+                    _Fill.MAX_BACKLOG if self.relay_address else 0)
+                self._spawn(self._run_fill(fill, ns, md, request.key, request.digest))
+            reader = fill.join(request.accept_zstd)
+            if reader is not None:
+                break
+            # Joined late: the file from its first byte, as it is written, or
+            # wait for the blob (heartbeats meanwhile) and read it from disk;
+            # one the host cache had no room for is downloaded again.
+            followed = False
+            async for chunk in self._join_late(fill, follow):
+                followed = followed or chunk.HasField("artifact")
+                yield chunk
+            if followed:
+                return
+            info = fill.done.result()
+            if fill.kept:
+                async for chunk in self._serve_blob(info, ns, request.key, request):
+                    yield chunk
+                return
+        try:
+            while not follow or (available := fill.readable()) is None:
+                item = await reader.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                self.metrics.bytes.labels("served").inc(len(item.data) + len(item.zstd_data))
+                yield item
+        finally:
+            fill.leave(reader)
+        async for chunk in self._following(fill, available):
+            yield chunk
+
+    async def relay_ticket(self, request, context) -> pb.FetchChunk | None:
+        """For a peer's relay Fetch that takes a data ticket: the artifact's
+        header with a ticket of this worker's relay data plane, where its
+        bytes are in a file sent as it stands (worker/relayplane.py): the
+        host cache file of a download under way, once it is stored raw, or
+        the committed blob. None: the fetch goes on over gRPC."""
+        if self.relay_plane is None or not request.accept_data_ticket:
+            return None
+        validate.key(request.key)
+        if request.digest:
+            validate.digest(request.digest)
+        ns, _ = self._credential(context)
+        fill = self._fills.get((ns, request.key))
+        if fill is not None:
+            # Its header and first raw write come within moments of its start.
+            deadline = time.monotonic() + HEARTBEAT_S
+            while not fill.finished and fill.readable() is None and fill.zstd is not True \
+                    and await fill.changed(deadline - time.monotonic()):
+                pass
+            info = fill.info
+            if fill.readable() is not None and _matches(info, request.digest):
+                try:
+                    f = await asyncio.to_thread(open, fill.writer.path, "rb")
+                except OSError:  # committed (renamed) meanwhile: the gRPC path reads the blob
+                    return None
+                return _ticketed(info, self.relay_plane.offer(f, len(RAW_MAGIC) + info.size,
+                                                              fill))
+            if not fill.finished:  # a zstd stream, or not kept: the peer follows it over gRPC
+                return None
+        info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
+        if info is None or not _matches(info, request.digest):
+            return None
+        f = await asyncio.to_thread(self.cache.store.open_sendable, info.digest,
+                                    request.accept_zstd)
+        if f is None:
+            return None
+        return _ticketed(info, self.relay_plane.offer(f, os.fstat(f.fileno()).st_size))
+
+    def _following(self, fill: _Fill, available: int):
+        self.metrics.growing_files.inc()
+        return _following(fill, available)
+
+    async def _join_late(self, fill: _Fill, follow: bool):
+        """A fetch that joins `fill` after it began. With `follow`, it follows
+        the fill's file from its first byte, once it is one to follow
+        (heartbeats until then): the header, which carries the artifact, then
+        _following. Otherwise, or when the fill ends without such a file,
+        heartbeats until the fill is done (the caller reads the committed
+        blob then)."""
+        if follow:
+            while not fill.finished and fill.readable() is None:
+                if not await fill.changed(HEARTBEAT_S):
+                    yield pb.FetchChunk()
+            if (available := fill.readable()) is not None:
+                yield pb.FetchChunk(artifact=fill.info)
+                async for chunk in self._following(fill, available):
+                    yield chunk
+                return
+        async for beat in _heartbeats_until(fill.done):
+            yield beat

@@ -1,0 +1,247 @@
+"""The worker's publishes: a process's Publish stream (or the memory file it
+hands over, worker/handoff.py) forwarded to the coordinator, over its data
+plane where it offers one, while the worker keeps a copy in its host cache
+and this host's waiters may follow it. WorkerService (worker/service.py) is
+made of this and the rest of the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from compilecast import validate, wire
+from compilecast.coordinator.service import publish_stream
+from compilecast.errors import (
+    InvalidRequest,
+    TooMany,
+    Unavailable,
+)
+from compilecast.grpcutil import rpc_errors
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.wire import DataChunk
+
+from . import client
+from .client import UploadRefused
+from .dataplane import (
+    DataPlaneBroke,
+    answered,
+    dial,
+    upload_status,
+)
+from .fill import (
+    _Fill,
+    _Packer,
+)
+from .upstream import (
+    UPSTREAM_IDLE_S,
+    _forward_publish,
+    _relay,
+    _unless_stalled,
+)
+
+log = logging.getLogger("compilecast.worker.service")
+
+
+class Publishes:
+    """Publish, OpenUpload and the handed-over publishes (a mixin of WorkerService)."""
+
+    @rpc_errors
+    async def Publish(self, request_iterator, context):
+        ns, md = self._credential(context)
+        header, chunks = await publish_stream(request_iterator)
+        # Refuse bad headers here: a coordinator that aborts a stream the worker
+        # is still sending can surface as a reset (INTERNAL) instead of its status.
+        validate.publish_header(header, self.cache.store.max_blob_size)
+        return await self._published(ns, md, header, chunks)
+
+    @rpc_errors
+    async def OpenUpload(self, request, context):
+        """A ticket to hand a publish over as a sealed file (worker/handoff.py);
+        none where this worker takes no handoffs (not on a unix socket)."""
+        if self.handoffs is None:
+            return pb.OpenUploadResponse()
+        ns, md = self._credential(context)
+        validate.publish_header(request.header, self.cache.store.max_blob_size)
+        ticket = self.handoffs.ticket(ns, md, request.header)
+        if ticket is None:
+            raise TooMany("too many handoff tickets are out; publish over gRPC")
+        return pb.OpenUploadResponse(ticket=ticket)
+
+    async def publish_handoff(self, ns: str, md: tuple, header: pb.PublishHeader,
+                              chunks: AsyncIterator[DataChunk]) -> pb.PublishResponse:
+        """A publish handed over as a file: its chunks, and no digest sent
+        last (a header without one gets the digest of the bytes handed)."""
+        return await self._published(ns, md, header, chunks, digest_here=True)
+
+    async def _published(self, ns: str, md: tuple, header: pb.PublishHeader, chunks,
+                         digest_here: bool = False) -> pb.PublishResponse:
+        # This host's processes that fetch it meanwhile read our copy: they
+        # follow its file as it is written (stored raw), or read it when done.
+        # (The digest may come last: they learn it at the end.)
+        copy = _Fill(0)
+        copy.info = pb.ArtifactInfo(key=header.key, size=header.size, digest=header.digest)
+        ours = self._publishing.setdefault((ns, header.key), copy) is copy
+        if ours and self.wake_on_host_publish:  # they fetch now: they follow our copy
+            self.metrics.woken_here.inc(self.waits.publishing(
+                md, header.key, pb.WaitEvent(decision=pb.WAIT, artifact=copy.info)))
+        error: BaseException | None = None
+        resp = None
+        try:
+            resp = await self._publish(ns, md, header, chunks, copy, digest_here)
+            return resp
+        except BaseException as exc:
+            error = Unavailable(f"the publish of {header.key} on this host failed: "
+                                f"{exc or type(exc).__name__}")
+            raise
+        finally:
+            if ours:
+                del self._publishing[(ns, header.key)]
+            await copy.finish(resp.artifact if resp is not None else None, error)
+
+    async def _publish(self, ns: str, md: tuple, header: pb.PublishHeader,
+                       chunks, copy: _Fill, digest_here: bool = False) -> pb.PublishResponse:
+        writer = copy.writer = self.cache.store.writer(discard_when_unwritable=True)
+        with writer:
+            await self._make_room(writer, header.size)
+
+            moved = [time.monotonic()]
+
+            # A coordinator that takes zstd gets the publish compressed here, on the
+            # holder's host, once: it stores the stream as it comes, and so does
+            # the host cache.
+            pack = _Packer(writer) if header.lease.accepts_zstd else None
+
+            later = not header.digest  # the holder sends it last: so does this worker
+            # As it came: publish_stream sets the digest sent last on `header`.
+            head = pb.PublishChunk(header=header)
+
+            async def outgoing() -> AsyncIterator[pb.PublishChunk]:
+                """The chunks to send on, each in our copy first."""
+                async for chunk in chunks:
+                    moved[0] = time.monotonic()
+                    if chunk.zstd_data:
+                        raise InvalidRequest("a worker takes a publish as data (it compresses "
+                                             "for the coordinator itself)")
+                    if pack is None:
+                        await asyncio.to_thread(writer.write, chunk.data)
+                        copy.advance()
+                        yield chunk  # as received: its frame goes on without re-encoding
+                        continue
+                    sent = await asyncio.to_thread(pack.add, chunk)
+                    copy.advance()
+                    for out in sent:
+                        yield out
+                if pack is not None:
+                    for out in await asyncio.to_thread(pack.end):
+                        yield out
+                if digest_here and later:  # what our copy hashed to, every byte written
+                    header.digest = await asyncio.to_thread(writer.hexdigest)
+
+            sending = outgoing()
+            # The first chunk says whether the rest goes raw (a zstd-taking
+            # coordinator's gets packed here when it compresses): raw bytes of
+            # a big artifact may go over the coordinator's data plane.
+            first = await anext(sending, None) if self._uploads(ns, header) else None
+            resp = None
+            if first is not None and not first.zstd_data:
+                resp = await self._upload(ns, md, head.header, header, first, sending, moved)
+
+            async def forward() -> AsyncIterator[pb.PublishChunk]:
+                yield head
+                if first is not None:
+                    yield first
+                async for chunk in sending:
+                    yield chunk
+                if later:  # set by the stream's last message, once every chunk was read
+                    yield pb.PublishChunk(digest=header.digest)
+
+            if resp is None:
+                resp = await _forward_publish(self.up, forward(), md, moved,
+                                              f"the publish of {header.key}")
+            await asyncio.to_thread(writer.commit, header.digest, header.size)
+        await self._record(ns, resp.artifact, writer)
+        self.metrics.bytes.labels("published").inc(header.size)
+        return resp
+
+    def _uploads(self, ns: str, header: pb.PublishHeader) -> bool:
+        """Whether a publish through us may go over the coordinator's data
+        plane: a big one, where the coordinator takes uploads, unless its
+        last try here broke off (it goes over gRPC this time)."""
+        if (ns, header.key) in self._upload_broke:
+            self._upload_broke.discard((ns, header.key))
+            return False
+        return self.data_plane and self.data_plane_uploads \
+            and header.size >= client.DATA_PLANE_UPLOAD_FROM
+
+    async def _upload(self, ns: str, md: tuple, header: pb.PublishHeader,
+                      ending: pb.PublishHeader, first, rest: AsyncIterator,
+                      moved: list[float]) -> pb.PublishResponse | None:
+        """Send a publish's raw bytes (`first`, then `rest`) over the
+        coordinator's data plane, as a process's client does (cache.proto,
+        OpenUpload); None, with nothing of `rest` read, where they must go
+        over gRPC instead. `header` is the publish's header as it came, and
+        `ending` the same once `rest` has ended (with a digest sent last). A
+        refusal is the coordinator's status, as its Publish stream would have
+        ended with; an upload that broke off is UNAVAILABLE, and the holder's
+        next try goes over gRPC."""
+        try:
+            opened = await self.up.OpenUpload(pb.OpenUploadRequest(header=header),
+                                              timeout=self.rpc_timeout_s, metadata=md)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return None  # too many tickets out (or too large: its Publish says so)
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise _relay(exc) from None
+            opened = pb.OpenUploadResponse()  # an older coordinator
+        if not opened.HasField("ticket"):
+            self.data_plane_uploads = False
+            log.info("%s takes publishes over gRPC only", self.coordinator)
+            return None
+        try:
+            sock = await dial(opened.ticket, self.coordinator)
+        except DataPlaneBroke as exc:
+            self.data_plane = False
+            log.info("cannot reach the coordinator's data plane (%s); artifacts go over "
+                     "gRPC from now on", exc, extra={"key": header.key})
+            return None
+        where = "the coordinator's data plane"
+        later = not header.digest  # known once `rest` has ended: sent after the bytes
+        loop = asyncio.get_running_loop()
+
+        async def send() -> pb.PublishResponse:
+            await loop.sock_sendall(sock, wire.DATA_PLANE_UPLOAD + opened.ticket.token)
+            await upload_status(loop, sock, where)  # go
+            chunk = first
+            while chunk is not None:
+                if answered(sock):  # refused before the end
+                    await upload_status(loop, sock, where)
+                    raise OSError(errno.EPROTO, f"{where} answered before the last byte")
+                await loop.sock_sendall(sock, chunk.data)
+                moved[0] = time.monotonic()
+                chunk = await anext(rest, None)
+            if later:
+                await loop.sock_sendall(sock, ending.digest.encode("ascii"))
+            return pb.PublishResponse.FromString(await upload_status(loop, sock, where))
+
+        with sock:
+            try:
+                try:
+                    return await _unless_stalled(asyncio.ensure_future(send()), moved,
+                                                 UPSTREAM_IDLE_S, f"the upload of {header.key}")
+                except OSError as exc:
+                    with contextlib.suppress(OSError, TimeoutError):  # a refusal sent before?
+                        await asyncio.wait_for(upload_status(loop, sock, where), 1.0)
+                    if len(self._upload_broke) >= 1024:
+                        self._upload_broke.clear()
+                    self._upload_broke.add((ns, header.key))
+                    raise Unavailable(f"the upload of {header.key} to {where} broke off "
+                                      f"({exc})") from None
+            except UploadRefused as exc:
+                raise _relay(exc) from None
