@@ -37,27 +37,20 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from compilecast import validate
-from compilecast.blobstore import DiskBlobStore, Inflate, amake_room, aread
+from compilecast.blobstore import DiskBlobStore
 from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
-    AlreadyPublished,
-    CorruptBlob,
-    InvalidRequest,
     LeaseError,
-    NotFound,
-    Revoked,
-    StoreFull,
     Unavailable,
 )
 from compilecast.serving import cancel_all
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.wire import DataChunk
 
+from .artifacts import Artifacts
 from .etcd import (
     KV,
     Etcd,
@@ -75,8 +68,6 @@ from .keystate import (
     KeyState,
     _holder_name,
     _lease_owner,
-    _lowest_rank,
-    _reason,
     _verdict,
     _Waiters,
 )
@@ -86,51 +77,27 @@ from .operations import Operations
 from .records import (
     DEFAULT_TENANT,
     KeyRecords,
-    info_from,
-    info_json,
     json_dict,
     plain,
     read_info,
     scope,
-    tenant_of,
 )
 from .relay import RelayTrees
 from .sweep import IndexSweeper
 from .uploads import Uploads
-from .uploads import stream as stream_upload
+from .waiting import Waiting
 from .watch import WatchHub
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 2.0
 # Published entries each replica keeps in memory (~0.5 KB each), oldest out first.
 INDEX_MAX = 200_000
-PROMOTION_STAGGER_S = 0.5
-# How long a change of a replica's waiters of a key waits to be written with
-# the changes after it (a pod's job start brings a thousand in a few tenths).
-WAITER_FLUSH_S = 0.02
 
 
 
 RELEASED_KEPT = 100_000  # keys whose claim's end is remembered (for waiters)
 
-def _in_flight(key: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
-    """What fetchers of an upload in progress are told about it."""
-    return pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
-                           compile_time_seconds=header.compile_time_seconds)
-
-def _store_zstd(writer, inflate: Inflate, stream) -> None:
-    """Store a publish sent as zstd as it came, its decoded bytes verified
-    (a stream that does not decode, or decodes past the declared size, is
-    the publisher's error)."""
-    writer.write_zstd(stream)
-    try:
-        inflate.feed(stream)
-    except CorruptBlob as exc:
-        raise InvalidRequest(f"zstd_data: {exc}") from None
-
-
-class CoordinatorState(Operations):
+class CoordinatorState(Artifacts, Waiting, Operations):
     def __init__(
         self,
         cfg: CoordinatorConfig,
@@ -563,460 +530,3 @@ class CoordinatorState(Operations):
         log.info("compile lease for %s to %s", sk, req.client or req.job,
                  extra={"key": sk, "job": req.job, "process_id": req.process_id})
         return pb.AcquireResponse(decision=pb.COMPILE, lease=lease)
-
-    # -- Wait ------------------------------------------------------------
-    def wait_timeout_s(self, key: str, req: pb.Requester, timeout_ms: int) -> float:
-        """How long a wait with these arguments lasts; InvalidRequest when
-        they cannot be waited with."""
-        validate.key(key)
-        validate.requester(req)
-        if timeout_ms < 0:
-            raise InvalidRequest("timeout_ms must be >= 0")
-        return (timeout_ms or self.cfg.share_binary_between_hosts_timeout_ms) / 1000.0
-
-    async def wait(self, key: str, req: pb.Requester, timeout_ms: int, *,
-                   tenant: str = DEFAULT_TENANT, may_publish: bool = True) -> AsyncIterator[pb.WaitEvent]:
-        timeout = self.wait_timeout_s(key, req, timeout_ms)
-        start = time.monotonic()
-        deadline = start + timeout
-        rank = f"{req.process_id:010d}" if req.job else f"9{time.time_ns():019d}"
-        sk = scope(tenant, key)
-        sub = self.hub.subscribe(sk)
-        self.metrics.waiters.inc()
-        outcome = "compile_locally"
-        registered = False
-        try:
-            cached = self._cached_artifact(sk)
-            if cached is not None:  # published already: no registration, no read
-                self._hit(cached)
-                outcome = "hit"
-                yield pb.WaitEvent(decision=pb.HIT, artifact=cached)
-                return
-            registered = True  # counted here from now on: no longer at the end
-            self._waiting.setdefault(sk, _Waiters()).add(rank, req.job)
-            try:
-                await self._write_waiters(sk)
-            except Unavailable as exc:
-                yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._etcd_down(exc))
-                return
-            seen_holder = False
-            announced = None
-            expected: list[float | None] = []  # looked up once, when first needed
-            free_since: float | None = None
-            while True:
-                sub.clear()
-                try:
-                    # Woken by a publish: the watch has put the entry in memory.
-                    info = self._cached_artifact(sk)
-                    st = await self._read_shared(sk, fresh=True) if info is None else None
-                    info = info or await self._usable_artifact(sk, st)
-                    if info is not None:
-                        self._hit(info)
-                        outcome = "hit"
-                        yield pb.WaitEvent(decision=pb.HIT, artifact=info)
-                        return
-                    if st.local:
-                        yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, **_verdict(st.local))
-                        return
-                    upload = self.uploads.get(sk) if self.cfg.publish_stream_readers else None
-                    if upload is not None and upload is not announced:
-                        announced = upload  # once per upload: fetching it streams it
-                        yield pb.WaitEvent(decision=pb.WAIT, artifact=upload.info,
-                                           reason="publishing: a fetch streams the bytes "
-                                                  "as they upload")
-                    now = time.monotonic()
-                    if st.lease or st.hedge:
-                        seen_holder, free_since = True, None
-                        lease = await self._maybe_hedge(sk, rank, req, st, may_publish,
-                                                        expected)
-                        if lease is not None:
-                            outcome = "hedged"
-                            yield pb.WaitEvent(decision=pb.COMPILE, lease=lease,
-                                               reason="the holder is far past the expected "
-                                                      "compile time: compile too; the first "
-                                                      "publish wins")
-                            return
-                    elif may_publish and (not req.job or seen_holder or req.process_id == req.designated_process
-                          or now - start >= self.cfg.designated_grace_s
-                          or self._released_lately(sk, now)):
-                        free_since = free_since or now
-                        position = await self._waiter_position(sk, rank)
-                        if now - free_since >= PROMOTION_STAGGER_S * position:
-                            lease = await self._try_take(sk, req)
-                            if lease is not None:
-                                outcome = "promoted"
-                                self.metrics.compiles.labels("promoted").inc()
-                                log.info("promoted %s to compile %s", req.client or req.job, key,
-                                         extra={"key": sk, "job": req.job,
-                                                "process_id": req.process_id})
-                                yield pb.WaitEvent(decision=pb.COMPILE, lease=lease)
-                                return
-                            continue
-                except Unavailable as exc:
-                    yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._etcd_down(exc))
-                    return
-                now = time.monotonic()
-                if now >= deadline:
-                    outcome = "timeout"
-                    yield pb.WaitEvent(
-                        decision=pb.COMPILE_LOCALLY,
-                        reason=f"share-binary timeout of {timeout:.1f}s passed; compile locally",
-                    )
-                    return
-                nap = min(deadline - now, HEARTBEAT_S)
-                if free_since is not None:
-                    nap = min(nap, PROMOTION_STAGGER_S)
-                if not await sub.wait(nap):
-                    yield pb.WaitEvent(decision=pb.WAIT, reason="still compiling")
-        finally:
-            self.hub.unsubscribe(sk, sub)
-            self.metrics.waiters.dec()
-            self.metrics.waits.labels(outcome).inc()
-            self.metrics.wait_seconds.observe(time.monotonic() - start)
-            if registered:
-                here = self._waiting[sk]
-                here.remove(rank, req.job)
-                if not here.count:
-                    del self._waiting[sk]
-                self._spawn(self._forget(sk))
-
-    async def _maybe_hedge(self, sk: str, rank: str, req: pb.Requester, st: KeyState,
-                           may_publish: bool, expected: list[float | None]) -> pb.Lease | None:
-        """Hedge a holder that runs far past the program's expected compile
-        time: the lowest waiter gets a hedge lease (P/h) and compiles too."""
-        factor = self.cfg.hedge_factor
-        if factor <= 0 or not may_publish or st.lease is None or st.hedge is not None:
-            return None
-        if not expected:
-            expected.append(await self.records.expected_compile_s(tenant_of(sk),
-                                                           st.lease.get("program", "")))
-        if expected[0] is None:
-            return None  # never seen this program compile: nothing to compare with
-        age = time.time() - st.lease.get("granted", time.time())
-        if age < max(self.cfg.hedge_min_s, factor * expected[0]):
-            return None
-        if await self._waiter_position(sk, rank) != 0:
-            return None
-        lease = await self._try_take(sk, req, st.lease.get("program", ""),
-                                     hedge_of=st.lease_rev)
-        if lease is not None:
-            self.metrics.compiles.labels("hedge").inc()
-            log.warning("hedging %s: holder %s compiles for %.0fs, expected %.0fs", sk,
-                        _holder_name(st.lease), age, expected[0])
-        return lease
-
-    def _waiters_key(self, sk: str) -> bytes:
-        return self._k("w", sk) + f"/{self._replica}".encode()
-
-    def _write_waiters(self, sk: str) -> asyncio.Future:
-        """Write this replica's P/w record of `sk` as its waiters will be in
-        WAITER_FLUSH_S (deleted when none are left); done once written (or
-        failed with Unavailable). The changes that arrive before that write
-        starts go with it: a thousand waiters arriving (or leaving) together
-        cost a few writes, not two each."""
-        flush = self._waiter_flushes.get(sk)
-        if flush is None:
-            flush = self._waiter_flushes[sk] = asyncio.get_running_loop().create_future()
-            self._spawn(self._flush_waiters(sk, flush))
-        return asyncio.shield(flush)  # one waiter cancelled does not cancel it for all
-
-    async def _flush_waiters(self, sk: str, flush: asyncio.Future) -> None:
-        try:
-            await asyncio.sleep(WAITER_FLUSH_S)
-            lease = await self._session()
-            if self._waiter_flushes.get(sk) is flush:  # later changes make a write of their own
-                del self._waiter_flushes[sk]
-            here = self._waiting.get(sk)
-            if here is None:
-                await self._waiter_writes.delete(self._waiters_key(sk), written_before=True)
-            else:
-                await self._waiter_writes.put(self._waiters_key(sk), here.record(), lease=lease)
-        except Exception as exc:  # Unavailable (or a bug): the waiters hear of it
-            if not flush.done():
-                flush.set_exception(exc)
-                flush.exception()  # retrieved: the waiters that left do not await it
-        else:
-            if not flush.done():
-                flush.set_result(None)
-        finally:
-            if not flush.done():  # cancelled (a stop): its waiters are ending too
-                flush.cancel()
-            if self._waiter_flushes.get(sk) is flush:
-                del self._waiter_flushes[sk]
-
-    async def _forget(self, sk: str) -> None:
-        with contextlib.suppress(Exception):
-            await self._write_waiters(sk)
-
-    async def _waiter_position(self, sk: str, rank: str) -> int:
-        """How many waiters go before a waiter of this replica with `rank`
-        when the key is free: those here with a lower rank, and each other
-        replica whose lowest waiter's rank is lower. The lowest waiter of all
-        gets 0 (it alone goes first; the others follow it, staggered)."""
-        here = self._waiting.get(sk)
-        position = here.below(rank) if here is not None else 0
-        mine = self._waiters_key(sk)
-        for kv in await self.etcd.get_prefix(self._k("w", sk) + b"/"):
-            if kv.key != mine and (lowest := _lowest_rank(kv)) is not None and lowest < rank:
-                position += 1
-        return position
-
-    # -- Publish ---------------------------------------------------------
-    async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[DataChunk], *,
-                      tenant: str = DEFAULT_TENANT) -> pb.ArtifactInfo:
-        key = self._checked_header(header)
-        with self._counting_refusals(key):
-            return await self._publish(scope(tenant, key), header, chunks)
-
-    async def check_publish(self, header: pb.PublishHeader, *,
-                            tenant: str = DEFAULT_TENANT) -> None:
-        """Raise what a Publish with this header would be refused with before
-        its first byte (a bad header, a lease not held, a key published or a
-        digest purged); the upload's publish checks it all again."""
-        key = self._checked_header(header)
-        with self._counting_refusals(key):
-            await self._may_publish(scope(tenant, key), header)
-
-    @contextlib.contextmanager
-    def _counting_refusals(self, key: str) -> Iterator[None]:
-        """Count a publish that fails in the block by its exception (and log
-        a full store)."""
-        try:
-            yield
-        except Exception as exc:
-            self.metrics.publishes.labels(type(exc).__name__).inc()
-            if isinstance(exc, StoreFull):
-                log.error("refused the publish of %s: %s", key, exc, extra={"key": key})
-            raise
-
-    def _checked_header(self, header: pb.PublishHeader) -> str:
-        key = validate.publish_header(header, self.cfg.max_artifact_bytes)
-        if header.HasField("recipe"):
-            validate.recipe(header.recipe, need_target=False)
-        return key
-
-    async def _may_publish(self, sk: str, header: pb.PublishHeader) -> str:
-        """Which record the header's lease holds (see _check_holder), once
-        the key is not published and a digest sent first is not purged."""
-        kind = await self._check_holder(sk, header.lease, header.requester)
-        reads = [self._k("a", sk)]
-        if header.digest:  # else sent last: checked against revocations once known
-            reads.append(self._revocation(tenant_of(sk), header.digest))
-        entry, *revoked = await self.etcd.get_many(reads)
-        if entry is not None:
-            raise AlreadyPublished(f"key {plain(sk)} is already published")
-        if revoked and revoked[0] is not None:
-            raise await self._refuse_revoked(sk, kind, header, revoked[0], "was purged")
-        return kind
-
-    async def _publish(self, sk: str, header: pb.PublishHeader,
-                       chunks: AsyncIterator[DataChunk]) -> pb.ArtifactInfo:
-        key = plain(sk)
-        later = not header.digest  # sent last: checked against revocations once known
-        kind = await self._may_publish(sk, header)
-        if not await amake_room(self.store, header.size):
-            raise StoreFull(f"the artifact store has no room for {header.size} bytes, even "
-                            "after evicting what it could (its volume is full)")
-        writer = self.store.writer()
-        loop = asyncio.get_running_loop()
-        received = self.metrics.bytes.labels("in")
-        inflate: Inflate | None = None
-        with writer, self.uploads.track(sk, _in_flight(key, header), writer) as upload:
-            async for chunk in chunks:
-                received.inc(chunk.size)
-                if chunk.zstd_data:
-                    if inflate is None:
-                        if writer.size:
-                            raise InvalidRequest("a Publish sends data or zstd_data, not both")
-                        inflate = Inflate(writer.write, header.size)
-                    await loop.run_in_executor(self._publish_threads, _store_zstd, writer,
-                                               inflate, chunk.zstd_data)
-                    continue
-                data = chunk.data
-                if inflate is not None and data:
-                    raise InvalidRequest("a Publish sends data or zstd_data, not both")
-                if writer.size + len(data) > header.size:
-                    raise InvalidRequest(f"received more than the declared {header.size} bytes")
-                await loop.run_in_executor(self._publish_threads, writer.write, data)
-                upload.advance()  # fetchers of the upload may read this far
-            if later:  # the digest the last message carried: never a purged one's bytes
-                revoked, = await self.etcd.get_many([self._revocation(tenant_of(sk),
-                                                                      header.digest)])
-                if revoked is not None:
-                    raise await self._refuse_revoked(sk, kind, header, revoked, "was purged")
-            await loop.run_in_executor(self._publish_threads, writer.commit, header.digest,
-                                       header.size)
-            upload.finish(ok=True)
-            return await self._announce(sk, kind, header)
-
-    async def _announce(self, sk: str, kind: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
-        """Index a committed blob in etcd under the key, if the lease still holds."""
-        key = plain(sk)
-        revocation = self._revocation(tenant_of(sk), header.digest)
-        recipe = None
-        if header.HasField("recipe"):  # stored before the index entry that names it
-            recipe = pb.Recipe()
-            recipe.CopyFrom(header.recipe)
-            recipe.key = key
-            if not recipe.job:
-                recipe.job = header.requester.job
-        info = pb.ArtifactInfo(key=key, digest=header.digest, size=header.size,
-                               compile_time_seconds=header.compile_time_seconds,
-                               created_unix=time.time(),
-                               recipe_digest=await self.farm.store_recipe(recipe) if recipe else "")
-        ok, revision, _ = await self.etcd.txn(
-            [cmp_mod_revision(self._k(kind, sk), header.lease.revision),
-             cmp_absent(self._k("a", sk)), cmp_absent(revocation)],
-            # The first valid publish wins; it ends the lease and any hedge.
-            [op_put(self._k("a", sk), info_json(info)), op_delete(self._k("l", sk)),
-             op_delete(self._k("h", sk))],
-        )
-        if not ok:
-            # A retried txn (the first attempt's reply lost with an etcd member)
-            # fails its compares after succeeding: the entry is then ours.
-            entry, revoked = await self.etcd.get_many([self._k("a", sk), revocation])
-            if revoked is not None and entry is None:
-                raise await self._refuse_revoked(sk, kind, header, revoked,
-                                                 "was purged while it was being published")
-            if entry is None or json.loads(entry.value).get("digest") != header.digest:
-                raise LeaseError(f"the compile lease for key {key} was lost before the "
-                                 "publish completed (expired or taken over)")
-            info = info_from(key, entry.value)
-            revision = entry.mod_revision
-        self._remember_artifact(sk, info, revision)
-        if recipe is not None and info.recipe_digest:
-            await self.farm.record(tenant_of(sk), recipe, info.recipe_digest)
-        self.metrics.publishes.labels("ok").inc()
-        log.info("published %s digest=%s size=%d compile_time=%.2fs", key, header.digest,
-                 header.size, header.compile_time_seconds,
-                 extra={"key": sk, "job": header.requester.job,
-                        "process_id": header.requester.process_id})
-        return info
-
-    # -- Release ---------------------------------------------------------
-    async def release(self, key: str, lease: pb.Lease, reason: int, detail: str, *,
-                      tenant: str = DEFAULT_TENANT) -> None:
-        validate.key(key)
-        validate.lease(lease)
-        if reason not in pb.ReleaseReason.values() or reason == pb.RELEASE_REASON_UNSPECIFIED:
-            raise InvalidRequest("reason must be COMPILE_FAILED, BELOW_THRESHOLD, ABANDONED or "
-                                 "PUBLISH_REFUSED")
-        sk = scope(tenant, key)
-        kind = await self._check_holder(sk, lease)
-        name = pb.ReleaseReason.Name(reason)
-        why = {pb.COMPILE_FAILED: "the compile failed on the holder",
-               pb.BELOW_THRESHOLD: "the entry is below the caching thresholds",
-               pb.PUBLISH_REFUSED: "the coordinator refused the holder's executable"}.get(reason)
-        if reason == pb.PUBLISH_REFUSED and detail:
-            why += f" ({detail[:200]})"
-        cause = pb.LOCAL_CAUSE_BELOW_THRESHOLD if reason == pb.BELOW_THRESHOLD else 0
-        if not await self._give_up(sk, kind, lease, why, detail, cause):
-            raise LeaseError(f"the compile lease for key {key} is no longer held")
-        self.metrics.releases.labels(name.lower()).inc()
-        log.info("released %s (%s) %s", key, name, detail[:200], extra={"key": sk})
-
-    async def _give_up(self, sk: str, kind: str, lease: pb.Lease, why: str | None,
-                       detail: str, cause: int = pb.LOCAL_CAUSE_UNSPECIFIED) -> bool:
-        """End the claim P/kind that `lease` holds; with `why`, every waiter
-        compiles locally at once (a "compile locally" verdict for
-        local_marker_ttl_s) instead of one being promoted. False when the
-        claim was no longer held."""
-        ops = [op_delete(self._k(kind, sk))]
-        if why is not None:
-            marker_lease = await self.etcd.grant(self.cfg.local_marker_ttl_s)
-            body = json.dumps({"reason": f"{why}; compile locally", "cause": cause,
-                               "detail": detail[:validate.MAX_DETAIL_LEN]})
-            ops.append(op_put(self._k("x", sk), body.encode(), lease=marker_lease))
-        ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k(kind, sk), lease.revision)], ops)
-        return ok
-
-    async def _refuse_revoked(self, sk: str, kind: str, header: pb.PublishHeader,
-                              revoked: KV, what: str) -> Revoked:
-        """A publish of revoked bytes: its claim ends with a "compile locally"
-        verdict (a deterministic compile would give every promoted waiter the
-        same bytes again, one after another), and the error to raise."""
-        with contextlib.suppress(Unavailable):
-            await self._give_up(sk, kind, header.lease,
-                                "the compiled bytes were purged by an operator", _reason(revoked))
-        return Revoked(f"artifact {header.digest} {what} ({_reason(revoked)}); "
-                       "it may not be published again")
-
-    # -- KeepAlive -------------------------------------------------------
-    async def keepalive(self, key: str, lease: pb.Lease, *,
-                        tenant: str = DEFAULT_TENANT) -> int:
-        validate.key(key)
-        validate.lease(lease)
-        try:
-            await self._check_holder(scope(tenant, key), lease)
-        except LeaseError:
-            return 0
-        left = await self.etcd.keepalive_once(lease.id)
-        self.leases.renewed(lease.id, left)
-        return left
-
-    # -- Fetch -----------------------------------------------------------
-    async def fetch(self, key: str, digest: str, *, tenant: str = DEFAULT_TENANT,
-                    offset: int = 0, as_stored: bool = False
-                    ) -> tuple[pb.ArtifactInfo, AsyncIterator[DataChunk]]:
-        """The artifact of `key` and its bytes from `offset` on; `as_stored`:
-        a blob stored as zstd goes as it is stored (FetchChunk.zstd_data), for
-        a client that decodes it (an upload still in flight goes as data)."""
-        validate.key(key)
-        if digest:
-            validate.digest(digest)
-        if offset < 0:
-            raise InvalidRequest("offset must be >= 0")
-        sk = scope(tenant, key)
-        info = self._cached_artifact(sk)
-        if info is None:
-            rec = await self.etcd.get(self._k("a", sk))
-            if rec is None:
-                upload = self.uploads.get(sk)
-                if upload is None or (digest and upload.info.digest != digest):
-                    raise NotFound(f"no artifact is published under key {key}")
-                if offset > upload.info.size:
-                    raise InvalidRequest(f"offset {offset} is past the artifact's "
-                                         f"{upload.info.size} bytes")
-                self.metrics.streamed_while_publishing.inc()
-                return upload.info, self._counted(stream_upload(
-                    upload, offset, lambda at: self._stream(sk, upload.info, at),
-                    self.cfg.publish_stream_readers))
-            info = read_info(key, rec.value)
-            if info is None:
-                await self._drop_unreadable(sk, "a", rec)
-                raise NotFound(f"the index entry of key {key} could not be read; recompile")
-            self._remember_artifact(sk, info, rec.mod_revision)
-        if digest and info.digest != digest:
-            raise NotFound(f"key {key} holds digest {info.digest}, not {digest}")
-        if not self.store.has(info.digest):
-            entry = await self.etcd.get(self._k("a", sk))
-            if entry is not None:
-                await self._usable_artifact(sk, KeyState(info, entry.mod_revision, None, 0, None))
-            raise NotFound(f"the blob of key {key} is missing; recompile")
-        if offset > info.size:
-            raise InvalidRequest(f"offset {offset} is past the artifact's {info.size} bytes")
-        return info, self._counted(self._stream(sk, info, offset, as_stored))
-
-    async def _counted(self, chunks: AsyncIterator[DataChunk]) -> AsyncIterator[DataChunk]:
-        out = self.metrics.bytes.labels("out")
-        async for chunk in chunks:
-            out.inc(chunk.size)
-            yield chunk
-
-    async def _stream(self, sk: str, info: pb.ArtifactInfo, offset: int = 0,
-                      as_stored: bool = False) -> AsyncIterator[DataChunk]:
-        try:
-            # Resuming at `offset`: what the caller already has is not sent again.
-            async for chunk in aread(self.store, info.digest, offset=offset,
-                                     transform=DataChunk.framed, as_stored=as_stored):
-                yield chunk
-        except (CorruptBlob, NotFound) as exc:
-            # Bytes that proved bad, or an object gone from a bucket behind
-            # our back: the entry goes, and the key compiles again.
-            if isinstance(exc, CorruptBlob):
-                self.metrics.corrupt_blobs.inc()
-            self._index.pop(sk, None)
-            with contextlib.suppress(Exception):
-                await self.etcd.delete(self._k("a", sk))
-            raise
-

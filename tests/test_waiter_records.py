@@ -9,7 +9,7 @@ import json
 import threading
 import time
 
-from compilecast.coordinator import state as state_mod
+from compilecast.coordinator import waiting as waiting_mod
 from compilecast.coordinator.etcd import KV
 from compilecast.coordinator.keystate import _lowest_rank, _Waiters, _waiters_by_job
 from compilecast.coordinator.records import scope
@@ -105,7 +105,7 @@ def test_status_counts_its_own_waiters_before_their_record_lands(coordinator, lo
                                                                 monkeypatch):
     """A replica's record of its waiters lands WAITER_FLUSH_S after they
     come; its `status` counts them from the moment they wait, and once."""
-    monkeypatch.setattr(state_mod, "WAITER_FLUSH_S", 5.0)  # margin for a loaded machine
+    monkeypatch.setattr(waiting_mod, "WAITER_FLUSH_S", 5.0)  # margin for a loaded machine
     target = coordinator.cfg.listen
     holder = CacheClient(target, identity=Identity(job="j", process_id=0))
     lease = holder.acquire("slow").lease

@@ -6,9 +6,10 @@
   cannot be reached the answer is COMPILE_LOCALLY at once, so a process never
   waits on a dead service.
 - Fetch fills the host cache once per key (one download however many local
-  processes ask), then serves every local reader from disk.
+  processes ask), then serves every local reader from disk
+  (worker/fetches.py).
 - Publish forwards the stream and keeps a copy, so a restarted process on
-  this host hits locally.
+  this host hits locally (worker/publishes.py).
 """
 
 from __future__ import annotations
