@@ -307,7 +307,22 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=("debug", "info", "warning", "error", "critical"))
     ap.add_argument("--log-format", choices=("text", "json"), default="text")
     sub = ap.add_subparsers(dest="command", required=True)
+    _add_servers(sub)
+    _add_inspect(sub)
+    _add_ahead_of_time(sub)
+    _add_admin(sub)
+    cli_run.add_parser(sub)
+    p = sub.add_parser("config", help="print the effective configuration and its sources")
+    roles = p.add_subparsers(dest="role", required=True)
+    for role, cls in (("coordinator", CoordinatorConfig), ("worker", WorkerConfig)):
+        rp = roles.add_parser(role)
+        _add_config_flags(rp, cls)
+        rp.set_defaults(fn=cmd_config)
+    return ap
 
+
+def _add_servers(sub) -> None:
+    """up, coordinator, worker."""
     p = sub.add_parser("up", help="run etcd, a coordinator and a worker on this machine")
     p.add_argument("--home", help="data directory (default ~/.cache/compilecast)")
     for name in ("etcd_port", "etcd_peer_port", "coordinator_port",
@@ -325,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p, WorkerConfig)
     p.set_defaults(fn=cmd_worker)
 
+
+def _add_inspect(sub) -> None:
+    """status, key, explain, ls."""
     p = sub.add_parser("status", help="health and counters of the local worker and coordinator")
     p.add_argument("--worker", default=default_worker_target())
     p.add_argument("--timeout", type=float, default=3.0)
@@ -351,6 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", default=default_worker_target())
     p.set_defaults(fn=cmd_explain)
 
+    p = sub.add_parser("ls", help="list the published artifacts of your tenant")
+    p.add_argument("--sort", choices=sorted(LS_ORDER), default="key",
+                   help="key, size (largest first), age (oldest first) or compile "
+                        "(longest compile first)")
+    p.add_argument("--program", default="", help="only programs whose name starts with this")
+    p.add_argument("--json", action="store_true")
+    _add_client_flags(p)
+    p.set_defaults(fn=cmd_ls)
+
+
+def _add_ahead_of_time(sub) -> None:
+    """precompile, farm."""
     p = sub.add_parser("precompile", help="compile programs for a target ahead of time and "
                                           "publish them under the keys its processes compute")
     src = p.add_mutually_exclusive_group(required=True)
@@ -372,26 +402,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_flags(p)
     p.set_defaults(fn=cmd_precompile)
 
-    p = sub.add_parser("ls", help="list the published artifacts of your tenant")
-    p.add_argument("--sort", choices=sorted(LS_ORDER), default="key",
-                   help="key, size (largest first), age (oldest first) or compile "
-                        "(longest compile first)")
-    p.add_argument("--program", default="", help="only programs whose name starts with this")
-    p.add_argument("--json", action="store_true")
-    _add_client_flags(p)
-    p.set_defaults(fn=cmd_ls)
-
-    p = sub.add_parser("purge", help="take artifacts out of service: remove their keys and "
-                                     "revoke their bytes (admin permission)")
-    p.add_argument("keys", nargs="*", help="keys whose artifacts go")
-    p.add_argument("--digest", action="append", default=[],
-                   help="also every key whose artifact has this sha256 (repeatable)")
-    p.add_argument("--reason", default="", help="why (kept with the revocation)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="say which keys and digests would go; change nothing")
-    _add_client_flags(p)
-    p.set_defaults(fn=cmd_purge)
-
     p = sub.add_parser("farm", help="run a compile-farm worker (takes queued compiles)")
     p.add_argument("--concurrency", type=int, default=0,
                    help="concurrent compiles (default: cores, at most one per 4 GiB)")
@@ -402,15 +412,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_flags(p)
     p.set_defaults(fn=cmd_farm)
 
-    cli_run.add_parser(sub)
 
-    p = sub.add_parser("config", help="print the effective configuration and its sources")
-    roles = p.add_subparsers(dest="role", required=True)
-    for role, cls in (("coordinator", CoordinatorConfig), ("worker", WorkerConfig)):
-        rp = roles.add_parser(role)
-        _add_config_flags(rp, cls)
-        rp.set_defaults(fn=cmd_config)
-    return ap
+def _add_admin(sub) -> None:
+    """purge."""
+    p = sub.add_parser("purge", help="take artifacts out of service: remove their keys and "
+                                     "revoke their bytes (admin permission)")
+    p.add_argument("keys", nargs="*", help="keys whose artifacts go")
+    p.add_argument("--digest", action="append", default=[],
+                   help="also every key whose artifact has this sha256 (repeatable)")
+    p.add_argument("--reason", default="", help="why (kept with the revocation)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="say which keys and digests would go; change nothing")
+    _add_client_flags(p)
+    p.set_defaults(fn=cmd_purge)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -169,6 +169,7 @@ class CoordinatorConfig:
     etcd_key_file: str = field(default="", metadata=_help("client key for etcd (PEM)"))
 
     def validate(self) -> None:
+        _no_nul(self)
         _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
                   "local_marker_ttl_s", "max_artifact_bytes")
         _at_most(self, MAX_LEASE_TTL_S, "lease_ttl_s", "local_marker_ttl_s")
@@ -317,6 +318,7 @@ class WorkerConfig:
                                           "installs"))
 
     def validate(self) -> None:
+        _no_nul(self)
         _positive(self, "cache_max_bytes", "rpc_timeout_s", "revocation_poll_s", "dir_sync_s",
                   "dir_max_entry_bytes", "cache_free_check_s")
         _port(self, "metrics_port")
@@ -367,6 +369,14 @@ def _not_negative(cfg: Any, *names: str) -> None:
 def _pair(cfg: Any, a: str, b: str) -> None:
     if bool(getattr(cfg, a)) != bool(getattr(cfg, b)):
         raise ConfigError(f"{a} and {b} go together: set both or neither")
+
+
+def _no_nul(cfg: Any) -> None:
+    """No setting holds a NUL: no path, address or name can (the OS refuses them)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, str) and "\x00" in value:
+            raise ConfigError(f"{f.name} holds a NUL character")
 
 
 def _readable(cfg: Any, *names: str) -> None:

@@ -224,3 +224,13 @@ def test_defaults_given_to_load_lose_to_flags_env_and_file(tmp_path):
                                           "COMPILECAST_LEASE_TTL_S": "15"},
                   defaults=given, flags={"local_marker_ttl_s": 50})
     assert (cfg.lease_ttl_s, cfg.local_marker_ttl_s) == (15, 50)
+
+
+@pytest.mark.parametrize("role,name", [("worker", "token_file"), ("worker", "cache_dir"),
+                                       ("coordinator", "store_dir")])
+def test_a_setting_with_a_nul_is_a_configuration_error(role, name):
+    cfg = (WorkerConfig() if role == "worker"
+           else CoordinatorConfig(allow_unauthenticated=True))
+    setattr(cfg, name, "/tmp/a\x00b")
+    with pytest.raises(ConfigError, match=f"{name} holds a NUL character"):
+        cfg.validate()
