@@ -17,17 +17,18 @@ from pathlib import Path
 from compilecast.launch import SHARE_ANY_COMPILE, Up, collect, start_wave
 
 
-def describe(r: dict) -> str:
+def role(r: dict) -> str:
+    """What a process of a wave did."""
     cc = r["compilecast"]
+    if not cc:
+        return "compiled itself"
     if cc.get("published"):
-        role = "compiled and published"
-    elif cc.get("hits") and cc.get("waits"):
-        role = "waited, loaded the shared executable"
-    elif cc.get("hits"):
-        role = "hit the cache"
-    else:
-        role = "compiled locally"
-    return f"{role:40s} {r['seconds']:6.2f}s  XLA compiles: {r['xla_compiles']}"
+        return "compiled and published"
+    if cc.get("hits") and cc.get("waits"):
+        return "waited, loaded the shared executable"
+    if cc.get("hits"):
+        return "hit the cache"
+    return "compiled locally"
 
 
 def scrape(port: int, prefix: str) -> list[str]:
@@ -35,6 +36,37 @@ def scrape(port: int, prefix: str) -> list[str]:
     return [line for line in text.splitlines()
             if line.startswith(prefix) and "_bucket" not in line
             and "_created" not in line and not line.endswith(" 0.0")]
+
+
+def run_wave(label: str, n: int, target: str, args, ref: dict | None, **kw) -> list[dict]:
+    """`n` processes that start the step together; prints each and the total."""
+    print(f"\n[{label}] {n} JAX processes start the {args.layers}-layer width-{args.width} "
+          f"training step at once" + (" without compilecast" if kw.get("baseline") else ""))
+    reports = collect(start_wave(n, target, args.layers, args.width, **kw))
+    ref = ref or reports[0]
+    for i, r in enumerate(reports):
+        same = "identical" if r["digest"] == ref["digest"] else "DIFFERENT"
+        print(f"  process {i}: {role(r):40s} {r['seconds']:6.2f}s  XLA compiles: "
+              f"{r['xla_compiles']}  result {same}")
+    compiles = sum(r["xla_compiles"] for r in reports)
+    shared = sum(r["compilecast"].get("hits", 0) for r in reports)
+    alike = all(r["digest"] == ref["digest"] for r in reports)
+    print(f"  => {compiles} XLA compile(s), {shared} process(es) loaded a shared executable, "
+          f"slowest process {max(r['seconds'] for r in reports):.2f}s, results "
+          f"{'all identical' if alike else 'DIFFER'}")
+    return reports
+
+
+def summary(rounds: list[tuple[str, list[dict]]]) -> None:
+    print("\n[summary] the same measurement each time: from the common start to the first "
+          "step's result, slowest process")
+    for label, reports in rounds:
+        print(f"  {label:28s} {sum(r['xla_compiles'] for r in reports)} XLA compile(s)  "
+              f"{max(r['seconds'] for r in reports):6.2f}s")
+    print("On CPU, loading an executable costs nearly as much as compiling it, so the times "
+          "stay close:\nwhat to read here is the compile count. On TPU and GPU, where a "
+          "compile takes minutes\nand a load seconds, each compile saved is that time saved "
+          "on every host (BENCHMARKS.md).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,25 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"$ compilecast up --home {home}")
     up = Up(home)
     ports, target = up.ports, up.target
+    n = args.processes
     try:
         up.start()
-        step = f"{args.layers}-layer width-{args.width} training step"
-        print(f"\n[baseline] one JAX process without compilecast runs the {step}")
-        (ref,) = collect(start_wave(1, target, args.layers, args.width, baseline=True))
-        print(f"  compile + first step: {ref['seconds']:.2f}s")
-
-        for wave in (1, 2):
-            print(f"\n[wave {wave}] {args.processes} JAX processes start the {step} at once")
-            reports = collect(start_wave(args.processes, target, args.layers, args.width,
-                                         env=SHARE_ANY_COMPILE))
-            for i, r in enumerate(reports):
-                same = "identical" if r["digest"] == ref["digest"] else "DIFFERENT"
-                print(f"  process {i}: {describe(r)}  result {same}")
-            compiles = sum(r["xla_compiles"] for r in reports)
-            shared = sum(r["compilecast"].get("hits", 0) for r in reports)
-            print(f"  => {compiles} XLA compile(s), {shared} process(es) loaded a shared "
-                  f"executable, results {'all identical' if all(r['digest'] == ref['digest'] for r in reports) else 'DIFFER'}")
-
+        base = run_wave("baseline", n, target, args, None, baseline=True)
+        cold = run_wave("wave 1", n, target, args, base[0], env=SHARE_ANY_COMPILE)
+        warm = run_wave("wave 2", n, target, args, base[0], env=SHARE_ANY_COMPILE)
         print("\n[status] compilecast status")
         subprocess.run([sys.executable, "-m", "compilecast.cli", "status", "--worker", target],
                        check=False)
@@ -78,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         print("[metrics] worker")
         for line in scrape(ports["worker-metrics-port"], "compilecast_worker_"):
             print("  " + line)
-        print("\nOn CPU, loading an executable costs nearly as much as compiling it; the "
-              "demo proves the protocol. On TPU/GPU a hit saves the whole compile.")
+        summary([("without compilecast", base), ("compilecast, first run", cold),
+                 ("compilecast, a restart", warm)])
     finally:
         if up.proc is not None:
             up.stop()
