@@ -19,7 +19,8 @@ import pytest
 from compilecast import wire
 from compilecast.coordinator import dataplane
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, data_plane_address
+from compilecast.worker.client import CacheClient
+from compilecast.worker.routes import data_plane_address
 
 from .conftest import coordinator_config, free_port, publish, sample
 

@@ -14,7 +14,8 @@ from compilecast.blobstore import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
-from .client import DATA_PLANE_CONNECT_S, UploadRefused, data_plane_address
+from .received import UploadRefused
+from .routes import DATA_PLANE_CONNECT_S, data_plane_address
 
 DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
 
