@@ -33,6 +33,19 @@ fi
 # first on sys.path, so its compilecast/ is the one imported.
 for d in coordinator worker; do [ -e "compilecast/$d" ] || ln -s "../$d" "compilecast/$d"; done
 [ -e compilecast/v1 ] || ln -s ../protos/compilecast/v1 compilecast/v1
+# The C extensions and the PJRT interposer, built in place where this machine's
+# gcc and Python headers allow (else the Python paths run: same keys, slower).
+INC=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+EXT=$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+if command -v gcc >/dev/null && [ -f "$INC/Python.h" ]; then
+  gcc -O2 -std=c99 -shared -fPIC -I"$INC" worker/_hlocanon.c -o "worker/_hlocanon$EXT" &&
+  gcc -O2 -std=gnu99 -shared -fPIC -I"$INC" worker/_mlircanon.c -o "worker/_mlircanon$EXT" ||
+    echo "C extensions not built: the Python paths run"
+else
+  echo "no gcc or no Python headers: the C extensions are not built"
+fi
+command -v gcc >/dev/null && gcc -O2 -std=gnu99 -shared -fPIC -fvisibility=hidden \
+  worker/_pjrt_interposer.c -o "worker/_pjrt_interposer$EXT" -ldl -lpthread
 export PYTHONPATH=$PWD:/tmp/cc-site PATH="$PWD/.gpu/bin:$PATH" PYTHONUNBUFFERED=1
 # Several processes share the one GPU: none takes most of its memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
