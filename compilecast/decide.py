@@ -221,6 +221,109 @@ class Streams:
             reader.cancel()
 
 
+class _Serving:
+    """The server end of one Decide stream: what `serve` reads, runs and
+    answers."""
+
+    def __init__(self, decide: Decide, wait: WaitOnce | None, in_flight: int, max_waits: int,
+                 streams: Streams | None, decide_now: DecideNow | None) -> None:
+        self.decide, self.wait, self.decide_now = decide, wait, decide_now
+        self.max_waits, self.streams = max_waits, streams
+        self.answers: asyncio.Queue[pb.DecideResponse | None] = asyncio.Queue()
+        self.slots = asyncio.Semaphore(in_flight)
+        self.running: set[asyncio.Task] = set()
+        self.waiting: dict[int, asyncio.Task] = {}
+        self.bundles = False  # the client takes answers bundled
+
+    async def one(self, msg: pb.DecideRequest, checked: bool = False,
+                  positions: list[int] | None = None) -> None:
+        # positions: decide only those requests (the others were answered).
+        try:
+            if not checked:
+                check_batch(msg.requests)
+            requests = (msg.requests if positions is None
+                        else [msg.requests[i] for i in positions])
+            answer = pb.DecideResponse(id=msg.id, responses=await self.decide(requests),
+                                       positions=positions or ())
+        except Exception as exc:
+            answer = _refusal(msg.id, exc, positions or ())
+        finally:
+            self.slots.release()
+        self.answers.put_nowait(answer)
+
+    def answer_known(self, msg: pb.DecideRequest) -> list[int] | None:
+        """Answer what is known of a checked message at once: None when that
+        was all of it, else the positions still to decide."""
+        got = _decided_now(self.decide_now, msg.requests, msg.answer_in_parts)
+        known = [i for i, a in enumerate(got or ()) if a is not None]
+        if not known or (len(known) < len(got) and not msg.answer_in_parts):
+            return []
+        if len(known) == len(got):
+            self.answers.put_nowait(pb.DecideResponse(id=msg.id, responses=got))
+            return None
+        self.answers.put_nowait(pb.DecideResponse(
+            id=msg.id, responses=[got[i] for i in known], positions=known))
+        return [i for i, a in enumerate(got) if a is None]
+
+    async def wait_one(self, msg: pb.DecideRequest) -> None:
+        # Cancelled (by the client, or by a drain): no answer at all.
+        try:
+            if self.wait is None:
+                answer = pb.DecideResponse(id=msg.id)
+            else:
+                answer = pb.DecideResponse(id=msg.id,
+                                           event=await self.wait(msg.wait, msg.until_publishing))
+        except Exception as exc:
+            answer = _refusal(msg.id, exc)
+        finally:
+            if self.waiting.get(msg.id) is asyncio.current_task():
+                del self.waiting[msg.id]
+        self.answers.put_nowait(answer)
+
+    def start(self, coro, msg_id: int | None = None) -> None:
+        task = asyncio.create_task(coro)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+        if msg_id is not None:
+            self.waiting[msg_id] = task
+
+    async def take(self, msg: pb.DecideRequest) -> None:
+        """One message read: its cancels, its wait, or its decisions."""
+        self.bundles = msg.takes_bundles
+        for gone in msg.cancel:
+            if (task := self.waiting.pop(gone, None)) is not None:
+                task.cancel()
+        if msg.HasField("wait") and len(self.waiting) >= self.max_waits:
+            self.answers.put_nowait(_refusal(msg.id, TooMany(
+                f"at most {self.max_waits} waits per Decide stream; use Wait")))
+        elif msg.HasField("wait"):
+            self.start(self.wait_one(msg), msg.id)
+        elif msg.requests or not msg.cancel:
+            checked = self.decide_now is not None and _valid(msg.requests)
+            rest = self.answer_known(msg) if checked else []
+            if rest is None:
+                return
+            await self.slots.acquire()
+            # [] decides the whole message (answered whole, as a client that
+            # takes no parts expects).
+            self.start(self.one(msg, checked, rest or None))
+
+    async def read(self, messages: AsyncIterator[pb.DecideRequest]) -> None:
+        try:
+            try:
+                async for msg in messages:
+                    await self.take(msg)
+            except asyncio.CancelledError:
+                if self.streams is None or not self.streams.draining:
+                    raise
+                for task in self.waiting.values():  # cut short: the client sends them again
+                    task.cancel()
+            while self.running:  # the client finished writing, or a drain: answer what was read
+                await asyncio.wait(set(self.running))
+        finally:
+            self.answers.put_nowait(None)
+
+
 async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
                 wait: WaitOnce | None = None, in_flight: int = IN_FLIGHT,
                 max_waits: int = MAX_WAITS, streams: Streams | None = None,
@@ -236,113 +339,23 @@ async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
     decision read; the waits it cuts short go unanswered, so that the client
     sends them again. With `advice`, each answer message carries its gap
     (DecideResponse.gap_ms)."""
-    answers: asyncio.Queue[pb.DecideResponse | None] = asyncio.Queue()
-    slots = asyncio.Semaphore(in_flight)
-    running: set[asyncio.Task] = set()
-    waiting: dict[int, asyncio.Task] = {}
-    bundles = False  # the client takes answers bundled
-
-    async def one(msg: pb.DecideRequest, checked: bool = False,
-                  positions: list[int] | None = None) -> None:
-        # positions: decide only those requests (the others were answered).
-        try:
-            if not checked:
-                check_batch(msg.requests)
-            requests = (msg.requests if positions is None
-                        else [msg.requests[i] for i in positions])
-            answer = pb.DecideResponse(id=msg.id, responses=await decide(requests),
-                                       positions=positions or ())
-        except Exception as exc:
-            answer = _refusal(msg.id, exc, positions or ())
-        finally:
-            slots.release()
-        answers.put_nowait(answer)
-
-    def answer_known(msg: pb.DecideRequest) -> list[int] | None:
-        """Answer what is known of a checked message at once: None when that
-        was all of it, else the positions still to decide."""
-        got = _decided_now(decide_now, msg.requests, msg.answer_in_parts)
-        known = [i for i, a in enumerate(got or ()) if a is not None]
-        if not known or (len(known) < len(got) and not msg.answer_in_parts):
-            return []
-        if len(known) == len(got):
-            answers.put_nowait(pb.DecideResponse(id=msg.id, responses=got))
-            return None
-        answers.put_nowait(pb.DecideResponse(id=msg.id, responses=[got[i] for i in known],
-                                             positions=known))
-        return [i for i, a in enumerate(got) if a is None]
-
-    async def wait_one(msg: pb.DecideRequest) -> None:
-        # Cancelled (by the client, or by a drain): no answer at all.
-        try:
-            if wait is None:
-                answer = pb.DecideResponse(id=msg.id)
-            else:
-                answer = pb.DecideResponse(id=msg.id,
-                                           event=await wait(msg.wait, msg.until_publishing))
-        except Exception as exc:
-            answer = _refusal(msg.id, exc)
-        finally:
-            if waiting.get(msg.id) is asyncio.current_task():
-                del waiting[msg.id]
-        answers.put_nowait(answer)
-
-    def start(coro, msg_id: int | None = None) -> None:
-        task = asyncio.create_task(coro)
-        running.add(task)
-        task.add_done_callback(running.discard)
-        if msg_id is not None:
-            waiting[msg_id] = task
-
-    async def read() -> None:
-        nonlocal bundles
-        try:
-            try:
-                async for msg in messages:
-                    bundles = msg.takes_bundles
-                    for gone in msg.cancel:
-                        if (task := waiting.pop(gone, None)) is not None:
-                            task.cancel()
-                    if msg.HasField("wait") and len(waiting) >= max_waits:
-                        answers.put_nowait(_refusal(msg.id, TooMany(
-                            f"at most {max_waits} waits per Decide stream; use Wait")))
-                    elif msg.HasField("wait"):
-                        start(wait_one(msg), msg.id)
-                    elif msg.requests or not msg.cancel:
-                        checked = decide_now is not None and _valid(msg.requests)
-                        rest = answer_known(msg) if checked else []
-                        if rest is None:
-                            continue
-                        await slots.acquire()
-                        # [] decides the whole message (answered whole, as a
-                        # client that takes no parts expects).
-                        start(one(msg, checked, rest or None))
-            except asyncio.CancelledError:
-                if streams is None or not streams.draining:
-                    raise
-                for task in waiting.values():  # cut short: the client sends them again
-                    task.cancel()
-            while running:  # the client finished writing, or a drain: answer what was read
-                await asyncio.wait(set(running))
-        finally:
-            answers.put_nowait(None)
-
-    reader = asyncio.create_task(read())
+    s = _Serving(decide, wait, in_flight, max_waits, streams, decide_now)
+    reader = asyncio.create_task(s.read(messages))
     if streams is not None:
         streams._readers.add(reader)
         reader.add_done_callback(streams._readers.discard)
         if streams.draining:
             reader.cancel()
     try:
-        while (answer := await answers.get()) is not None:
-            out = _bundled(answer, answers) if bundles and not answers.empty() else answer
+        while (answer := await s.answers.get()) is not None:
+            out = _bundled(answer, s.answers) if s.bundles and not s.answers.empty() else answer
             if advice is not None and advice.gap_ms:
                 out.gap_ms = advice.gap_ms
             yield out
         await reader  # raises what ended the reading (an undecodable message)
     finally:
         reader.cancel()
-        for task in list(running):
+        for task in list(s.running):
             task.cancel()
 
 
