@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
-from compilecast.decide import Streams
+from compilecast.decideserve import Streams
 from compilecast.grpcutil import MESSAGE_OPTIONS, add_service
 from compilecast.v1 import cache_pb2
 

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from compilecast.blobstore import DiskBlobStore
 from compilecast.config import CoordinatorConfig
-from compilecast.decide import GapAdvice
+from compilecast.decideserve import GapAdvice
 from compilecast.errors import Unavailable
 from compilecast.grpcutil import channel_credentials, server_credentials
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics

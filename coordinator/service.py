@@ -8,7 +8,7 @@ import functools
 import time
 from collections.abc import AsyncIterator
 
-from compilecast import decide, validate
+from compilecast import decide, decideserve, validate
 from compilecast.errors import InvalidRequest, TooMany
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
@@ -72,11 +72,11 @@ class CoordinatorService(rpc.CompileCacheServicer):
 
     def __init__(self, state: CoordinatorState, auth: Authenticator,
                  data_plane: DataPlane | None = None,
-                 advice: decide.GapAdvice | None = None) -> None:
+                 advice: decideserve.GapAdvice | None = None) -> None:
         self.state = state
         self.auth = auth
         self.data_plane = data_plane
-        self.streams = decide.Streams()
+        self.streams = decideserve.Streams()
         self.advice = advice  # the gap asked of Decide clients while busy
 
     @rpc_errors
@@ -115,7 +115,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
         who = self.auth.identify(context)
         self.state.metrics.decide_streams.inc()
         try:
-            async for answer in decide.serve(
+            async for answer in decideserve.serve(
                     request_iterator, lambda rs: self._acquire_many(rs, who),
                     wait=lambda r, until: decide.ending_event(self._wait(r, who), until),
                     decide_now=lambda rs, partial: self.state.decided_now(

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from compilecast import decide
+from compilecast import decide, decideserve
 from compilecast.coordinator.server import Coordinator
 from compilecast.errors import InvalidRequest
 from compilecast.grpcutil import aio_channel, bearer
@@ -305,7 +305,7 @@ def test_serve_answers_each_message_when_it_is_decided(loop_thread):
 
     async def body():
         inbox, messages = fed()
-        answers = decide.serve(messages, fake_decide)
+        answers = decideserve.serve(messages, fake_decide)
         for i, key in enumerate(["slow", "fast", "faster"], 1):
             inbox.put_nowait(pb.DecideRequest(id=i, requests=[ask(key)]))
         order = [(await anext(answers)).id, (await anext(answers)).id]
@@ -343,7 +343,7 @@ def test_serve_answers_what_it_can_decide_at_once_as_it_reads(loop_thread):
 
     async def body():
         inbox, messages = fed()
-        answers = decide.serve(messages, fake_decide, decide_now=fake_now)
+        answers = decideserve.serve(messages, fake_decide, decide_now=fake_now)
         batches = [["held"], ["hit-a", "hit-b"], ["hit-c", "miss"], ["broken"], ["bad key!"]]
         for i, keys in enumerate(batches, 1):
             inbox.put_nowait(pb.DecideRequest(id=i, requests=[ask(k) for k in keys]))
@@ -425,7 +425,7 @@ def test_a_message_taken_in_parts_gets_what_is_known_at_once(loop_thread):
 
     async def body():
         inbox, messages = fed()
-        answers = decide.serve(messages, fake_decide, decide_now=fake_now)
+        answers = decideserve.serve(messages, fake_decide, decide_now=fake_now)
         for i, (keys, parts) in enumerate([(["hit-a", "miss", "hit-b"], True),
                                            (["hit-c", "miss"], False),
                                            (["hit-d", "boom"], True)], 1):
@@ -500,7 +500,7 @@ def test_a_hit_coalesced_with_a_miss_does_not_wait_for_etcd(tmp_path, prefix, st
 
 def test_a_drain_answers_what_was_read_and_reads_no_more(loop_thread):
     release = asyncio.Event()
-    streams = decide.Streams()
+    streams = decideserve.Streams()
 
     async def fake_decide(requests):
         await release.wait()
@@ -515,7 +515,7 @@ def test_a_drain_answers_what_was_read_and_reads_no_more(loop_thread):
                 read.append(msg.id)
                 yield msg
 
-        answers = decide.serve(messages(), fake_decide, streams=streams)
+        answers = decideserve.serve(messages(), fake_decide, streams=streams)
         inbox.put_nowait(pb.DecideRequest(id=1, requests=[ask("held")]))
         first = asyncio.ensure_future(anext(answers))
         await asyncio.sleep(0.05)  # message 1 is read and being decided
@@ -606,7 +606,7 @@ def test_answers_that_queue_leave_in_one_message(loop_thread):
     async def body(bundles: bool):
         release.append(asyncio.Event())
         inbox, messages = fed()
-        answers = decide.serve(messages, fake_decide, decide_now=fake_now)
+        answers = decideserve.serve(messages, fake_decide, decide_now=fake_now)
         keys = [["held"], ["bad key!"], ["hit-a", "miss"]] + [[f"hit-{i}"] for i in range(20)]
         for i, k in enumerate(keys, 1):
             inbox.put_nowait(pb.DecideRequest(id=i, requests=[ask(x) for x in k],

@@ -9,7 +9,7 @@ import threading
 
 import grpc
 
-from compilecast import decide
+from compilecast import decide, decideserve
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
@@ -148,7 +148,7 @@ class _NoWaitsOnTheStream(rpc.CompileCacheServicer):
         async def decided(requests):
             return [pb.AcquireResponse(decision=pb.WAIT) for _ in requests]
 
-        async for answer in decide.serve(request_iterator, decided):
+        async for answer in decideserve.serve(request_iterator, decided):
             yield answer
 
     async def Wait(self, request, context):
@@ -193,7 +193,7 @@ def test_serve_refuses_waits_past_its_limit_and_cancels_on_request(loop_thread):
 
     async def body():
         inbox, messages = await _inbox_stream()
-        answers = decide.serve(messages, no_decisions, wait=held_wait, max_waits=2)
+        answers = decideserve.serve(messages, no_decisions, wait=held_wait, max_waits=2)
         for i, key in enumerate(["a", "b", "c"], 1):
             inbox.put_nowait(pb.DecideRequest(id=i, wait=wait_for(key)))
         refused = await anext(answers)
@@ -212,7 +212,7 @@ def test_serve_refuses_waits_past_its_limit_and_cancels_on_request(loop_thread):
 
 
 def test_a_drain_cuts_waits_short_unanswered_and_answers_decisions(loop_thread):
-    streams = decide.Streams()
+    streams = decideserve.Streams()
     release = asyncio.Event()
 
     async def held_wait(request, until_publishing):
@@ -224,7 +224,7 @@ def test_a_drain_cuts_waits_short_unanswered_and_answers_decisions(loop_thread):
 
     async def body():
         inbox, messages = await _inbox_stream()
-        answers = decide.serve(messages, held_decide, wait=held_wait, streams=streams)
+        answers = decideserve.serve(messages, held_decide, wait=held_wait, streams=streams)
         inbox.put_nowait(pb.DecideRequest(id=1, wait=wait_for("w")))
         inbox.put_nowait(pb.DecideRequest(id=2, requests=[ask("d")]))
         first = asyncio.ensure_future(anext(answers))

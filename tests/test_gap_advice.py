@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from compilecast import decide
+from compilecast import decide, decideserve
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
@@ -25,10 +25,10 @@ class Thread:
         self.cpu = 0.0
         self.now = 0.0
 
-    def advice(self, max_ms: float, **kw) -> decide.GapAdvice:
-        return decide.GapAdvice(max_ms, cpu=lambda: self.cpu, clock=lambda: self.now, **kw)
+    def advice(self, max_ms: float, **kw) -> decideserve.GapAdvice:
+        return decideserve.GapAdvice(max_ms, cpu=lambda: self.cpu, clock=lambda: self.now, **kw)
 
-    def period(self, advice: decide.GapAdvice, used: float, seconds: float = 0.25) -> None:
+    def period(self, advice: decideserve.GapAdvice, used: float, seconds: float = 0.25) -> None:
         """`seconds` pass, of which the thread used `used`; then a sample."""
         self.now += seconds
         self.cpu += seconds * used
@@ -55,7 +55,7 @@ def test_the_advice_follows_how_busy_the_loop_is():
 
 def test_the_advice_needs_low_under_high():
     with pytest.raises(ValueError):
-        decide.GapAdvice(10, low=0.8, high=0.4)
+        decideserve.GapAdvice(10, low=0.8, high=0.4)
 
 
 def test_serve_carries_the_advice_in_each_answer(loop_thread):
@@ -69,7 +69,7 @@ def test_serve_carries_the_advice_in_each_answer(loop_thread):
 
     async def body(advice):
         inbox, messages = fed()
-        answers = decide.serve(messages, fake_decide, advice=advice)
+        answers = decideserve.serve(messages, fake_decide, advice=advice)
         inbox.put_nowait(pb.DecideRequest(id=1, requests=[ask("a")]))
         busy = await anext(answers)
         for _ in range(12):

@@ -22,7 +22,7 @@ import time
 
 import grpc
 
-from compilecast import decide, validate, wire
+from compilecast import decide, decideserve, validate, wire
 from compilecast.coordinator.auth import token_from
 from compilecast.decide import Decider
 from compilecast.grpcutil import aio_channel, bearer, rpc_errors, unreachable
@@ -107,7 +107,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         self._upstream_answered = metrics.upstream_decision_seconds.labels("answered")
         self._upstream_unreachable = metrics.upstream_decision_seconds.labels("unreachable")
         self.metrics.waiting.set_function(lambda: self.waits.waiting)
-        self.streams = decide.Streams()  # local processes' Decide streams
+        self.streams = decideserve.Streams()  # local processes' Decide streams
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
 
     async def close(self) -> None:
@@ -228,7 +228,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
     @rpc_errors
     async def Decide(self, request_iterator, context):
         ns, md = self._credential(context)
-        async for answer in decide.serve(
+        async for answer in decideserve.serve(
                 request_iterator, lambda rs: self._acquire_many(rs, ns, md),
                 wait=lambda r, until: self._wait_once(self._bounded(r), md, until),
                 streams=self.streams):
