@@ -20,7 +20,8 @@ from pathlib import Path
 
 from compilecast.blobstore import blob_path
 from compilecast.launch import free_port
-from compilecast.worker.client import memory_headroom, wait_until_healthy
+from compilecast.worker.client import wait_until_healthy
+from compilecast.worker.routes import memory_headroom
 
 __all__ = ["HOLD_PAGE_REPORTING_HELP", "Stack", "free_port", "page_reporting_held", "page_reporting_order", "peak_rss_mb",
            "random_file", "wait_port"]

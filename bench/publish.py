@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack, cpu_seconds, peak_rss_mb
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker import client as client_mod
+from compilecast.worker import clientpublish as client_mod
 from compilecast.worker.client import CacheClient, Identity
 
 # Both ways at every size: the client's own threshold (DATA_PLANE_UPLOAD_FROM)

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity, publish_messages
+from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.clientpublish import publish_messages
 
 WAITER = r"""
 import json, sys, time

@@ -19,7 +19,7 @@ import pytest
 
 from compilecast import wire
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker import client as client_mod
+from compilecast.worker import clientpublish as client_mod
 from compilecast.worker import handoff
 from compilecast.worker.client import CacheClient, Identity
 

@@ -13,7 +13,8 @@ import pytest
 from compilecast.errors import InvalidRequest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.client import CacheClient, Identity, publish_messages
+from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.clientpublish import publish_messages
 
 from .conftest import eventually, flip_middle_byte, key_recorded, publish
 

@@ -27,7 +27,7 @@ from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
-from . import client
+from . import clientpublish
 from .client import UploadRefused
 from .dataplane import (
     DataPlaneBroke,
@@ -178,7 +178,7 @@ class Publishes:
             self._upload_broke.discard((ns, header.key))
             return False
         return self.data_plane and self.data_plane_uploads \
-            and header.size >= client.DATA_PLANE_UPLOAD_FROM
+            and header.size >= clientpublish.DATA_PLANE_UPLOAD_FROM
 
     async def _upload(self, ns: str, md: tuple, header: pb.PublishHeader,
                       ending: pb.PublishHeader, first, rest: AsyncIterator,

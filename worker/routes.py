@@ -30,6 +30,7 @@ from .received import (
 log = logging.getLogger("compilecast.worker.client")
 
 CHUNK = 1 << 20
+TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 DATA_PLANE_CONNECT_S = 5.0  # a data plane that does not take the connection by then: gRPC
 
 

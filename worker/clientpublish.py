@@ -1,0 +1,235 @@
+"""A client's publishes: the holder's bytes to the coordinator or the host's
+worker (over gRPC, a data plane, or handed over as a sealed memory file),
+tried again when cut off, and its compile lease kept alive meanwhile. A mixin
+of worker/client.py's CacheClient.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from compilecast.blobstore import Sha256
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.wire import DataChunk
+
+from .received import (
+    Stalled,
+    _Unreachable,
+    _UploadBroken,
+    _Watchdog,
+)
+from .routes import (
+    CHUNK,
+    HANDOFF_SPARE,
+    TRANSFER_S,
+    _hand_off,
+    _NoFile,
+    _upload_data_plane,
+    memory_headroom,
+)
+
+if TYPE_CHECKING:
+    from .client import Identity
+
+log = logging.getLogger("compilecast.worker.client")
+
+# Smaller publishes go over gRPC: below this the upload's extra round trips (the
+# ticket, the connection, the go) cost more than its cheaper bytes save
+# (bench/publish.py: 0.1 MB 1.42x and 4 MB 1.22x the time, 16 MB 0.95x).
+DATA_PLANE_UPLOAD_FROM = 16 << 20
+PUBLISH_RETRY_S = (1.0, 4.0)  # a publish cut off (UNAVAILABLE) is tried again after these
+
+
+class Publishing:
+    """publish and the lease upkeep of a CacheClient."""
+
+    def publish(self, key: str, lease: pb.Lease, data: bytes,
+                compile_time_s: float, recipe: pb.Recipe | None = None, *,
+                identity: Identity | None = None) -> pb.ArtifactInfo:
+        """`identity`: the one the lease was taken with (default: the client's)."""
+        # The digest goes last (hashed as the bytes are sent, not before the
+        # first: 0.14 s for 187 MB here) where the lease says the coordinator
+        # takes it so, unless a server on the way (an older worker) refused it.
+        header = pb.PublishHeader(key=key, lease=lease, size=len(data),
+                                  compile_time_seconds=compile_time_s,
+                                  requester=(identity or self.identity).requester(),
+                                  recipe=recipe)
+        if not lease.takes_digest_last or self._digest_first:
+            header.digest = hashlib.sha256(data).hexdigest()
+        self._publishing.add((key, lease.id))
+        over_data_plane = True  # until an upload over it breaks: then gRPC
+        try:
+            for attempt, pause in enumerate((*PUBLISH_RETRY_S, None)):
+                try:
+                    if over_data_plane and (got := self._upload(header, data)) is not None:
+                        return got
+                    return self._publish_once(header, data)
+                except grpc.RpcError as exc:
+                    if isinstance(exc, _UploadBroken):
+                        over_data_plane = False
+                    if attempt and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                        mine = self._published_as(key, header.digest or
+                                                  hashlib.sha256(data).hexdigest())
+                        if mine is not None:  # an earlier attempt's answer was lost
+                            return mine
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or pause is None:
+                        raise
+                    # A replica restarting or gone (a rolling update): the lease
+                    # still holds and the bytes are here, so try again.
+                    log.warning("publish of %s was cut off (%s); trying again in %.0fs",
+                                key, exc.details(), pause, extra={"key": key})
+                    time.sleep(pause)
+            raise AssertionError("unreachable")
+        finally:
+            self._publishing.discard((key, lease.id))
+
+    def _published_as(self, key: str, digest: str) -> pb.ArtifactInfo | None:
+        try:
+            info = self.describe(key).artifact
+        except grpc.RpcError:
+            return None
+        return info if info.digest == digest else None
+
+    def _upload(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo | None:
+        """Publish over the coordinator's data plane, where it takes uploads,
+        or by handing the bytes to this host's worker; None where they must
+        go over gRPC instead. The OpenUpload call refuses what a Publish would
+        refuse before its first byte, as the same error."""
+        if not ((self.data_plane or self.handoffs) and self.data_plane_uploads) \
+                or len(data) < max(DATA_PLANE_UPLOAD_FROM, 1):
+            return None
+        if self.handoffs and (room := memory_headroom()) is not None \
+                and room < len(data) + HANDOFF_SPARE:
+            # A handed file would hold the bytes a second time: near a memory
+            # limit, they go to the worker in pieces instead.
+            log.info("%d MB of memory left: the publish of %s goes over gRPC",
+                     room >> 20, header.key, extra={"key": header.key})
+            return None
+        try:
+            resp = self.stub.OpenUpload(pb.OpenUploadRequest(header=header),
+                                        timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # Too many tickets out, or an artifact too large: either way the
+                # Publish stream says which (and refuses the latter as this would).
+                return None
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            resp = pb.OpenUploadResponse()  # an older coordinator, or not one
+        if not resp.HasField("ticket"):
+            self.data_plane_uploads = False
+            log.info("%s takes publishes over gRPC only", self.target)
+            return None
+        handed = resp.ticket.address.startswith("unix:")
+        try:
+            if handed:
+                return _hand_off(data, resp.ticket, self.stall_s)
+            return _upload_data_plane(header, data, resp.ticket, self.target, self.stall_s)
+        except _Unreachable as exc:
+            if handed:
+                self.handoffs = False
+            else:
+                self.data_plane = False
+            log.info("cannot reach %s (%s); artifacts go over gRPC from now on",
+                     "the worker's handoff socket" if handed else "the coordinator's data plane",
+                     exc, extra={"key": header.key})
+            return None
+        except _NoFile as exc:
+            log.info("%s; the publish of %s goes over gRPC", exc, header.key,
+                     extra={"key": header.key})
+            return None
+        except OSError as exc:
+            raise _UploadBroken(f"the {'handoff' if handed else 'data plane upload'} of "
+                                f"{header.key} broke off "
+                                f"({exc})") from None
+
+    def _publish_once(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo:
+        try:
+            return self._send(header, data)
+        except grpc.RpcError as exc:
+            if header.digest or exc.code() != grpc.StatusCode.INVALID_ARGUMENT \
+                    or "digest '' is invalid" not in (exc.details() or ""):
+                raise
+        # A server that predates digests sent last refused the header before
+        # any byte: from now on this client sends them first.
+        log.info("%s takes the digest of a publish only in its header; sending it there",
+                 self.target)
+        self._digest_first = True
+        header.digest = hashlib.sha256(data).hexdigest()
+        return self._send(header, data)
+
+    def _send(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo:
+        key = header.key
+        dog = _Watchdog(self.stall_s)
+
+        def ticking():
+            for message in publish_messages(header, data):
+                dog.tick()
+                yield message
+
+        call = self.stub.Publish.future(ticking(), timeout=TRANSFER_S)
+        with dog.watching(call.cancel):
+            try:
+                return call.result().artifact
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                if dog.fired:
+                    raise Stalled(f"publish of {key} to {self.target} moved nothing for "
+                                  f"{self.stall_s:g}s") from None
+                raise
+
+    def keep_lease(self, key: str, lease: pb.Lease) -> None:
+        """Keep the claim on `key` alive in the background until
+        stop_lease(key, lease)."""
+        stop = threading.Event()
+        previous = self._keepers.pop((key, lease.id), None)
+        if previous is not None:
+            previous.set()
+        self._keepers[(key, lease.id)] = stop
+        interval = max(lease.ttl_seconds / 3.0, 0.5)
+
+        def run() -> None:
+            while not stop.wait(interval):
+                try:
+                    if self.keepalive(key, lease) <= 0:
+                        # A publish that landed ends the claim too: only say
+                        # "lapsed" when nothing of ours ended it.
+                        if not stop.is_set() and (key, lease.id) not in self._publishing:
+                            log.warning("compile lease for %s lapsed", key)
+                        return
+                except grpc.RpcError as exc:
+                    log.debug("keepalive for %s failed: %s", key, exc.code())
+
+        threading.Thread(target=run, name=f"compilecast-keepalive-{lease.id}",
+                         daemon=True).start()
+
+    def stop_lease(self, key: str, lease: pb.Lease) -> None:
+        stop = self._keepers.pop((key, lease.id), None)
+        if stop is not None:
+            stop.set()
+
+
+def publish_messages(header: pb.PublishHeader, data: bytes) -> Iterator[pb.PublishChunk]:
+    """A Publish stream: the header, the chunks, and, when the header has no
+    digest, a last message with the digest of the bytes sent (hashed as they
+    go, on a thread of its own for a big artifact)."""
+    yield pb.PublishChunk(header=header)
+    view = memoryview(data)
+    h = None if header.digest else Sha256()
+    try:
+        for off in range(0, len(data), CHUNK):
+            piece = view[off:off + CHUNK]
+            if h is not None:
+                h.update(piece)
+            yield DataChunk(piece)
+        if h is not None:
+            yield pb.PublishChunk(digest=h.hexdigest())
+    finally:
+        if h is not None:
+            h.close()  # a publish cut short: its hashing thread ends too
