@@ -87,16 +87,13 @@ def libtpu_of(command: list[str], env: dict[str, str]) -> str:
     package of the command's interpreter."""
     if env.get("TPU_LIBRARY_PATH"):
         return env["TPU_LIBRARY_PATH"]
-    import subprocess
-
     from compilecast.worker import torchxla
 
-    done = subprocess.run([torchxla.interpreter(command), "-c",
-                           "import libtpu; print(libtpu.get_library_path())"],
-                          capture_output=True, text=True, timeout=60)
-    if done.returncode != 0 or not done.stdout.strip():
-        raise FileNotFoundError("no libtpu: set TPU_LIBRARY_PATH to the real plugin")
-    return done.stdout.strip().splitlines()[-1]
+    try:
+        return torchxla.probe(torchxla.interpreter(command), "libtpu", 60.0)["path"]
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise FileNotFoundError(f"no libtpu ({exc}): set TPU_LIBRARY_PATH to the real "
+                                "plugin") from None
 
 
 def interpose_tpu(command: list[str], env: dict[str, str]) -> dict[str, str]:

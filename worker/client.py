@@ -94,6 +94,7 @@ class CacheClient(Publishing):
         self._channel = grpc.intercept_channel(self._channel, _Metadata(bearer(token))) \
             if token else self._channel
         self.stub = wire.stub(self._channel)
+        self._directories = rpc.HostDirectoriesStub(self._channel)  # the host's worker only
         # (key, lease id) -> its keeper's stop: a process's claims share one
         # lease, and each claim is renewed (and stopped) on its own.
         self._keepers: dict[tuple[str, int], threading.Event] = {}
@@ -173,7 +174,7 @@ class CacheClient(Publishing):
                        install_off: str = "") -> pb.SyncedDirectory:
         """The host's directory of `kind` for `namespace`, which the worker
         keeps in sync with the fleet's (worker/dirsync.py)."""
-        return rpc.HostDirectoriesStub(self._channel).OpenDirectory(
+        return self._directories.OpenDirectory(
             pb.OpenDirectoryRequest(kind=kind, namespace=namespace, publish_off=publish_off,
                                     install_off=install_off),
             timeout=self.timeout_s).directory
@@ -181,7 +182,7 @@ class CacheClient(Publishing):
     def sync_directory(self, kind: str, namespace_id: str, *,
                        timeout_s: float = 60.0) -> pb.SyncDirectoryResponse:
         """One sync pass of an open directory, now."""
-        return rpc.HostDirectoriesStub(self._channel).SyncDirectory(
+        return self._directories.SyncDirectory(
             pb.SyncDirectoryRequest(kind=kind, namespace_id=namespace_id), timeout=timeout_s)
 
     def wait(self, key: str, timeout_s: float, *, publishing: bool = False,

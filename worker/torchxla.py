@@ -56,7 +56,8 @@ def interpreter(command: Sequence[str]) -> str:
     return shutil.which("python3") or sys.executable
 
 
-def _probe(python: str, what: str, timeout_s: float) -> dict:
+def probe(python: str, what: str, timeout_s: float) -> dict:
+    """What worker/torchxla_probe.py says of `python` (one JSON object)."""
     done = subprocess.run([python, str(PROBE), what], capture_output=True, text=True,
                           timeout=timeout_s, env={**os.environ, "PJRT_DEVICE": "CPU"})
     if done.returncode != 0:
@@ -66,7 +67,7 @@ def _probe(python: str, what: str, timeout_s: float) -> dict:
 
 
 def releases(python: str) -> dict[str, str]:
-    got = _probe(python, "versions", 60.0)
+    got = probe(python, "versions", 60.0)
     if not got.get("torch_xla"):
         raise NotTorchXla(f"{python} has no torch_xla")
     return {k: str(v) for k, v in got.items()}
@@ -85,7 +86,7 @@ def cache_loads(python: str, versions: Mapping[str, str], home: Path) -> tuple[b
     if ident not in known:
         log.info("probing whether torch_xla %s loads its persistent cache (once)",
                  versions["torch_xla"])
-        known[ident] = _probe(python, "loads", PROBE_TIMEOUT_S)
+        known[ident] = probe(python, "loads", PROBE_TIMEOUT_S)
         home.mkdir(parents=True, exist_ok=True)
         tmp = book.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(known, indent=1, sort_keys=True))

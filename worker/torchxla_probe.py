@@ -9,6 +9,7 @@ there). Prints one JSON object.
                                         on the CPU in one process, then looked
                                         up from a second
     python torchxla_probe.py step DIR   (the two processes of `loads`)
+    python torchxla_probe.py libtpu     the libtpu this interpreter would load
 """
 
 from __future__ import annotations
@@ -80,5 +81,9 @@ if __name__ == "__main__":
         print(json.dumps(loads()))
     elif what == "step":
         print(json.dumps(step()))
+    elif what == "libtpu":
+        import libtpu
+
+        print(json.dumps({"path": libtpu.get_library_path()}))
     else:
-        sys.exit(f"usage: {sys.argv[0]} versions|loads|step DIR")
+        sys.exit(f"usage: {sys.argv[0]} versions|loads|libtpu|step DIR")
