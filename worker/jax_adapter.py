@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import threading
 from collections.abc import Callable
@@ -268,10 +269,19 @@ def autotune_namespace(backend: Any, device: Any) -> dict[str, str]:
           "device_kind": str(getattr(device, "device_kind", "")),
           "compute_capability": str(getattr(device, "compute_capability", "")),
           "jaxlib": str(_jaxlib_version)}
-    with contextlib.suppress(OSError):
-        with open("/proc/driver/nvidia/version") as f:  # the kernel driver's release
-            ns["driver"] = f.readline().strip()[:200]
+    if driver := _driver_release():
+        ns["driver"] = driver
     return ns
+
+
+@functools.cache
+def _driver_release() -> str:
+    """The NVIDIA kernel driver's release line ("" : none), read once: it
+    cannot change under a running process."""
+    with contextlib.suppress(OSError):
+        with open("/proc/driver/nvidia/version") as f:
+            return f.readline().strip()[:200]
+    return ""
 
 
 def serialize(executable: Any, compile_time_s: float) -> bytes:
