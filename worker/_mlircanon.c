@@ -1,5 +1,5 @@
 /* The canonical program stream of an in-memory MLIR module, written by one
- * walk over MLIR's C API (the same bytes as worker/mlircanon.py, the
+ * walk over MLIR's C API (the same bytes as worker/mlirwalk.py, the
  * reference; tests/test_mlircanon.py holds them equal).
  *
  * jaxlib does not export MLIR's C API: its functions are in libjax_common.so
