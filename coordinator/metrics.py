@@ -19,6 +19,22 @@ RECENT_WRITES = 1024  # etcd write txns `compilecast status` takes its figures f
 class CoordinatorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._decisions(registry)
+        self._bytes(registry)
+        self._etcd(registry)
+        self._etcd_children: dict[str, object] = {}
+        self._recent_writes: deque[float] = deque(maxlen=RECENT_WRITES)  # seconds each
+        # Every Acquire counts twice (and one that asked etcd is timed); the
+        # labelled children are looked up once.
+        self._by_decision = {
+            d: (self.lookups.labels("hit" if d == pb.HIT else "miss"),
+                self.decisions.labels(pb.Decision.Name(d).lower()),
+                self.etcd_decision_seconds.labels(pb.Decision.Name(d).lower()))
+            for d in pb.Decision.values() if d != pb.DECISION_UNSPECIFIED
+        }
+
+    def _decisions(self, registry: CollectorRegistry) -> None:
+        """Acquires, waits and publishes, and the compile time they saved."""
         self.lookups = Counter(
             "compilecast_coordinator_lookups", "Acquire requests by result",
             ["result"], registry=registry,
@@ -52,11 +68,6 @@ class CoordinatorMetrics:
             "compilecast_coordinator_wait_seconds", "Time a waiter waited",
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200), registry=registry,
         )
-        self.bytes = Counter(
-            "compilecast_coordinator_artifact_bytes",
-            "Artifact bytes moved, as sent (zstd as stored, to clients that decode it)",
-            ["direction"], registry=registry,
-        )
         self.waiters = Gauge(
             "compilecast_coordinator_waiters", "Waits in progress on this replica",
             registry=registry,
@@ -88,6 +99,14 @@ class CoordinatorMetrics:
             "Compiles by the key component that differed from the nearest earlier key of "
             "the same program name (new_program: no earlier key)",
             ["component"], registry=registry,
+        )
+
+    def _bytes(self, registry: CollectorRegistry) -> None:
+        """Artifact bytes: the store, the bucket, the data plane and relays."""
+        self.bytes = Counter(
+            "compilecast_coordinator_artifact_bytes",
+            "Artifact bytes moved, as sent (zstd as stored, to clients that decode it)",
+            ["direction"], registry=registry,
         )
         self.corrupt_blobs = Counter(
             "compilecast_coordinator_corrupt_blobs",
@@ -126,11 +145,6 @@ class CoordinatorMetrics:
             "compilecast_coordinator_scrubbed_blobs",
             "Stored blobs the background scrub verified",
             registry=registry,
-        )
-        self.tasks = Counter(
-            "compilecast_coordinator_farm_tasks",
-            "Compile-farm tasks by event (submitted, claimed, done, failed)",
-            ["event"], registry=registry,
         )
         self.data_plane = Counter(
             "compilecast_coordinator_data_plane_sends",
@@ -176,6 +190,14 @@ class CoordinatorMetrics:
             "recompiles when next asked for",
             registry=registry,
         )
+        self.relays = Counter(
+            "compilecast_coordinator_relay_redirects",
+            "Fetches sent to a peer worker that is downloading or holds the artifact",
+            registry=registry,
+        )
+
+    def _etcd(self, registry: CollectorRegistry) -> None:
+        """etcd, the sweeps, operators' purges and farm tasks."""
         self.etcd_unavailable = Counter(
             "compilecast_coordinator_etcd_unavailable",
             "Decisions (Acquire, Wait) answered compile-locally because etcd could not be reached",
@@ -193,10 +215,10 @@ class CoordinatorMetrics:
             "Artifacts an operator took out of service (digests revoked by Purge)",
             registry=registry,
         )
-        self.relays = Counter(
-            "compilecast_coordinator_relay_redirects",
-            "Fetches sent to a peer worker that is downloading or holds the artifact",
-            registry=registry,
+        self.tasks = Counter(
+            "compilecast_coordinator_farm_tasks",
+            "Compile-farm tasks by event (submitted, claimed, done, failed)",
+            ["event"], registry=registry,
         )
         self.etcd_seconds = Histogram(
             "compilecast_coordinator_etcd_request_seconds",
@@ -211,16 +233,6 @@ class CoordinatorMetrics:
             "decision",
             ["decision"], buckets=ETCD_BUCKETS, registry=registry,
         )
-        self._etcd_children: dict[str, object] = {}
-        self._recent_writes: deque[float] = deque(maxlen=RECENT_WRITES)  # seconds each
-        # Every Acquire counts twice (and one that asked etcd is timed); the
-        # labelled children are looked up once.
-        self._by_decision = {
-            d: (self.lookups.labels("hit" if d == pb.HIT else "miss"),
-                self.decisions.labels(pb.Decision.Name(d).lower()),
-                self.etcd_decision_seconds.labels(pb.Decision.Name(d).lower()))
-            for d in pb.Decision.values() if d != pb.DECISION_UNSPECIFIED
-        }
 
     def observe_bucket(self, op: str, seconds: float, ok: bool, nbytes: int) -> None:
         if op != "get_bytes":  # (a download's bytes, counted once it ends)

@@ -8,6 +8,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._decisions(registry)
+        self._transfers(registry)
+        self._host_cache(registry)
+        self._frameworks(registry)
+
+    def _decisions(self, registry: CollectorRegistry) -> None:
+        """What this host's processes asked, and how it was answered."""
         self.lookups = Counter(
             "compilecast_worker_lookups",
             "Acquire requests by outcome: host_hit (served from the host cache), hit, "
@@ -19,6 +26,45 @@ class WorkerMetrics:
             "Requests answered 'compile locally' because the coordinator was unreachable",
             ["rpc"], registry=registry,
         )
+        self.key_seconds = Histogram(
+            "compilecast_worker_key_seconds",
+            "Time processes on this host spent computing canonical keys",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10), registry=registry,
+        )
+        self.upstream_decision_seconds = Histogram(
+            "compilecast_worker_upstream_decision_seconds",
+            "Requests of this host's processes that the host cache did not answer: seconds "
+            "until the coordinator's answer (or until it was found unreachable), one sample "
+            "a batch, by result",
+            ["result"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                 2.5, 5, 10), registry=registry,
+        )
+        self.waiting = Gauge(
+            "compilecast_worker_waiting",
+            "Processes on this host waiting for a compile on another host", registry=registry,
+        )
+        self.waits = Counter(
+            "compilecast_worker_waits",
+            "Waits of this host's processes: upstream (sent to the coordinator) or joined "
+            "(shared another local process's upstream wait for the same key)",
+            ["how"], registry=registry,
+        )
+        self.decisions = Counter(
+            "compilecast_worker_decisions",
+            "Requests of this host's processes that the host cache did not answer: upstream "
+            "(sent to the coordinator) or joined (answered by another local process's request "
+            "for the same key)",
+            ["how"], registry=registry,
+        )
+        self.compile_seconds_saved = Counter(
+            "compilecast_worker_saved_compile_seconds",
+            "Compile time avoided by hits the coordinator did not count: from the host "
+            "cache, or a coordinator's HIT shared with another local process's request",
+            registry=registry,
+        )
+
+    def _transfers(self, registry: CollectorRegistry) -> None:
+        """How the bytes came and went: fetches, downloads and the routes they took."""
         self.fetches = Counter(
             "compilecast_worker_fetches", "Fetches served, by where the bytes came from",
             ["source"], registry=registry,
@@ -59,29 +105,30 @@ class WorkerMetrics:
             "compilecast_worker_fetch_seconds", "Time to fill the host cache from the coordinator",
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=registry,
         )
-        self.key_seconds = Histogram(
-            "compilecast_worker_key_seconds",
-            "Time processes on this host spent computing canonical keys",
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10), registry=registry,
-        )
-        self.upstream_decision_seconds = Histogram(
-            "compilecast_worker_upstream_decision_seconds",
-            "Requests of this host's processes that the host cache did not answer: seconds "
-            "until the coordinator's answer (or until it was found unreachable), one sample "
-            "a batch, by result",
-            ["result"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                                 2.5, 5, 10), registry=registry,
-        )
         self.bytes = Counter(
             "compilecast_worker_artifact_bytes",
             "Artifact bytes moved (served: as sent, zstd as stored to processes that decode it)",
             ["direction"], registry=registry,
         )
-        self.compile_seconds_saved = Counter(
-            "compilecast_worker_saved_compile_seconds",
-            "Compile time avoided by hits the coordinator did not count: from the host "
-            "cache, or a coordinator's HIT shared with another local process's request",
-            registry=registry,
+        self.relay_data_plane = Counter(
+            "compilecast_worker_relay_data_plane",
+            "Relays to peer workers over this worker's relay data plane: offered (a ticket "
+            "given), sent (the whole artifact), short (the download it followed failed, or "
+            "the peer left), refused (a connection without a valid ticket)",
+            ["result"], registry=registry,
+        )
+        self.relays = Counter(
+            "compilecast_worker_relays",
+            "Downloads the coordinator pointed at a peer worker (redirected), those that came "
+            "whole over the peer's relay data plane (data_plane), and those that went back to "
+            "the coordinator because the peer failed (fallback)",
+            ["event"], registry=registry,
+        )
+
+    def _host_cache(self, registry: CollectorRegistry) -> None:
+        """The host cache and what it holds or refuses."""
+        self.cache_bytes = Gauge(
+            "compilecast_worker_cache_bytes", "Bytes stored in the host cache", registry=registry,
         )
         self.corrupt_blobs = Counter(
             "compilecast_worker_corrupt_blobs",
@@ -94,6 +141,20 @@ class WorkerMetrics:
             "(tampered with, or written by another)",
             registry=registry,
         )
+        self.revoked = Counter(
+            "compilecast_worker_revoked",
+            "Artifacts dropped from the host cache because an operator purged them",
+            registry=registry,
+        )
+        self.uncached = Counter(
+            "compilecast_worker_uncached",
+            "Artifacts this worker passed on without keeping a copy: its disk had no room "
+            "above cache_min_free_bytes even after evicting its least recently read ones",
+            registry=registry,
+        )
+
+    def _frameworks(self, registry: CollectorRegistry) -> None:
+        """Synced directories and the PJRT interposer's compiles."""
         self.dir_entries = Counter(
             "compilecast_worker_dir_entries",
             "Entries of the directories this worker keeps in sync, by directory kind and "
@@ -113,51 +174,6 @@ class WorkerMetrics:
             "platform and outcome: hit (loaded a shared executable), compile (held the lease), "
             "local (compiled without sharing), failed (the compile failed or was not published)",
             ["platform", "outcome"], registry=registry,
-        )
-        self.cache_bytes = Gauge(
-            "compilecast_worker_cache_bytes", "Bytes stored in the host cache", registry=registry,
-        )
-        self.waiting = Gauge(
-            "compilecast_worker_waiting",
-            "Processes on this host waiting for a compile on another host", registry=registry,
-        )
-        self.waits = Counter(
-            "compilecast_worker_waits",
-            "Waits of this host's processes: upstream (sent to the coordinator) or joined "
-            "(shared another local process's upstream wait for the same key)",
-            ["how"], registry=registry,
-        )
-        self.decisions = Counter(
-            "compilecast_worker_decisions",
-            "Requests of this host's processes that the host cache did not answer: upstream "
-            "(sent to the coordinator) or joined (answered by another local process's request "
-            "for the same key)",
-            ["how"], registry=registry,
-        )
-        self.revoked = Counter(
-            "compilecast_worker_revoked",
-            "Artifacts dropped from the host cache because an operator purged them",
-            registry=registry,
-        )
-        self.relay_data_plane = Counter(
-            "compilecast_worker_relay_data_plane",
-            "Relays to peer workers over this worker's relay data plane: offered (a ticket "
-            "given), sent (the whole artifact), short (the download it followed failed, or "
-            "the peer left), refused (a connection without a valid ticket)",
-            ["result"], registry=registry,
-        )
-        self.relays = Counter(
-            "compilecast_worker_relays",
-            "Downloads the coordinator pointed at a peer worker (redirected), those that came "
-            "whole over the peer's relay data plane (data_plane), and those that went back to "
-            "the coordinator because the peer failed (fallback)",
-            ["event"], registry=registry,
-        )
-        self.uncached = Counter(
-            "compilecast_worker_uncached",
-            "Artifacts this worker passed on without keeping a copy: its disk had no room "
-            "above cache_min_free_bytes even after evicting its least recently read ones",
-            registry=registry,
         )
 
     def pjrt_status(self) -> list:
