@@ -263,14 +263,15 @@ def test_a_file_the_process_cannot_follow_is_asked_for_again(coordinator, start_
     """Not visible here, or shorter than the worker said: the process asks
     again without following, and gets the artifact whole."""
     from compilecast.worker import client as client_mod
+    from compilecast.worker import received as received_mod
 
-    real = client_mod._Following
+    real = received_mod._Following
 
     def unopenable(key, path, received, h):
         raise PermissionError(13, "not readable here", path)
 
     worker, process = cold(coordinator, start_worker, BIG)
-    monkeypatch.setattr(client_mod, "_Following", unopenable)
+    monkeypatch.setattr(received_mod, "_Following", unopenable)
     assert process.fetch("k")[1] == BIG
     assert growing(worker) == 1 and process.local_files
 
@@ -281,7 +282,7 @@ def test_a_file_the_process_cannot_follow_is_asked_for_again(coordinator, start_
                 raise client_mod.CorruptBlob("ends short")
 
     worker2, process2 = cold(coordinator, start_worker, BIG[::-1], key="k2")
-    monkeypatch.setattr(client_mod, "_Following", Short)
+    monkeypatch.setattr(received_mod, "_Following", Short)
     assert process2.fetch("k2")[1] == BIG[::-1]
     assert growing(worker2) == 1
 
@@ -289,7 +290,7 @@ def test_a_file_the_process_cannot_follow_is_asked_for_again(coordinator, start_
 def test_a_file_that_ends_short_is_refused(tmp_path):
     from compilecast.blobstore import RAW_MAGIC, Sha256
     from compilecast.errors import CorruptBlob
-    from compilecast.worker.client import _Following, _Received
+    from compilecast.worker.received import _Following, _Received
 
     path = tmp_path / "blob"
     path.write_bytes(RAW_MAGIC + bytes(range(200)))

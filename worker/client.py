@@ -35,7 +35,7 @@ from .received import (
     Stalled,
     UploadRefused,
     _CutOff,
-    _Following,
+    _Follower,
     _inflater,
     _read_local,
     _read_stored,
@@ -384,9 +384,7 @@ class CacheClient(Publishing):
         info = None
         received = _Received(key)
         h = Sha256()  # on a thread of its own for a big artifact: overlaps receiving
-        following: _Following | None = None
-        unfollowable: BaseException | None = None  # why the file could not be followed
-        followed = ""  # its path
+        follower = _Follower(key, received, h)
 
         def take(data) -> None:
             h.update(data)
@@ -402,23 +400,8 @@ class CacheClient(Publishing):
             try:
                 for chunk in call:
                     dog.tick()
-                    if chunk.local_growing or following is not None:
-                        if info is None or inflate is not None:
-                            raise CorruptBlob(f"fetch of {key} switched to a file before its "
-                                              "header, or in a zstd stream")
-                        if chunk.HasField("artifact"):  # the last: with the digest, if it
-                            if info.digest and chunk.artifact.digest != info.digest:  # came last
-                                raise CorruptBlob(f"{key} changed digest mid-fetch")
-                            info = chunk.artifact
-                        if unfollowable is not None:
-                            continue  # to how the download ends: its error, or asked again
-                        try:
-                            if following is None:
-                                followed = chunk.local_path
-                                following = _Following(key, followed, received, h)
-                            following.to(chunk.local_available)
-                        except (OSError, CorruptBlob) as exc:  # not there, or short
-                            unfollowable = exc
+                    if chunk.local_growing or follower.following is not None:
+                        info = follower.take(chunk, info, inflate is not None)
                         continue
                     if chunk.HasField("artifact"):
                         info = chunk.artifact
@@ -448,10 +431,8 @@ class CacheClient(Publishing):
                     raise _CutOff(exc) from None
                 raise
             finally:
-                if following is not None:
-                    following.close()
-        if unfollowable is not None:  # the download went well: its file is whole now
-            raise _Unfollowable(followed) from unfollowable
+                follower.close()
+        follower.check()
         if info is None:
             raise CorruptBlob(f"fetch of {key} returned no artifact header")
         if digest and info.digest != digest:

@@ -377,3 +377,46 @@ class _Following:
 
     def close(self) -> None:
         self.f.close()
+
+
+class _Follower:
+    """A fetch's switch to the worker's growing file (FetchChunk.local_growing),
+    and why that file could not be followed, kept until the download ends."""
+
+    def __init__(self, key: str, received: _Received, h: Sha256) -> None:
+        self.key, self.received, self.h = key, received, h
+        self.following: _Following | None = None
+        self.unfollowable: BaseException | None = None
+        self.path = ""
+
+    def take(self, chunk: pb.FetchChunk, info: pb.ArtifactInfo | None,
+             zstd: bool) -> pb.ArtifactInfo:
+        """One chunk of the growing file; the artifact's info, the last
+        chunk's (with its digest, if that came last) once it comes."""
+        if info is None or zstd:
+            raise CorruptBlob(f"fetch of {self.key} switched to a file before its header, "
+                              "or in a zstd stream")
+        if chunk.HasField("artifact"):
+            if info.digest and chunk.artifact.digest != info.digest:
+                raise CorruptBlob(f"{self.key} changed digest mid-fetch")
+            info = chunk.artifact
+        if self.unfollowable is None:  # else on to how the download ends
+            try:
+                if self.following is None:
+                    self.path = chunk.local_path
+                    self.following = _Following(self.key, self.path, self.received, self.h)
+                self.following.to(chunk.local_available)
+            except (OSError, CorruptBlob) as exc:  # not there, or short
+                self.unfollowable = exc
+        return info
+
+    def close(self) -> None:
+        if self.following is not None:
+            self.following.close()
+
+    def check(self) -> None:
+        """_Unfollowable when the file could not be followed (the download
+        went well: its file is whole now)."""
+        if self.unfollowable is not None:
+            raise _Unfollowable(self.path) from self.unfollowable
+
