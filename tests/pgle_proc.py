@@ -33,34 +33,12 @@ def _progress(what: str) -> None:
     print(f"pgle_proc: {what}", file=sys.stderr, flush=True)
 
 
-def main() -> None:
-    target, pid, n, dist, job = sys.argv[1:6]
-    import faulthandler
-    import logging
+def _observe(cache) -> tuple[list[dict], list[str | None]]:
+    """Observers on JAX's private compile path (test-only), around
+    compilecast's: the FDO profiles exchanged, and the entry behind each
+    executable returned."""
     import os
 
-    # A process stuck past this prints every thread's stack to stderr.
-    faulthandler.dump_traceback_later(float(os.environ.get("PGLE_PROC_STACKS_AFTER_S", "90")))
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    logging.getLogger("compilecast.jax").setLevel(logging.DEBUG)  # each key's components
-    import jax
-    import numpy as np
-
-    jax.config.update("jax_default_matmul_precision", "highest")  # checked against numpy
-
-    plain = os.environ.get("PGLE_PROC_PLAIN") == "1"  # no compilecast, no PGLE: a probe
-    jax.config.update("jax_enable_pgle", not plain)
-    jax.config.update("jax_pgle_profiling_runs", 2)
-    jax.distributed.initialize(dist, num_processes=int(n), process_id=int(pid))
-    _progress(f"initialized: {jax.devices()}")
-    if plain:
-        _probe(jax, np, int(n))
-        return
-    import compilecast.jax as cc
-
-    cache = cc.enable(target, job=job)
-    _progress("compilecast enabled")
-    # Observers on JAX's private compile path (test-only), around compilecast's.
     from jax._src import compiler
 
     from compilecast.worker import jax_adapter
@@ -115,6 +93,37 @@ def main() -> None:
     compiler.compile_or_get_cached = observed_compile
     jax_adapter.serialize = observed_serialize
     cache.get, cache.put = observed_get, observed_put
+    return exchanges, executables
+
+
+def main() -> None:
+    target, pid, n, dist, job = sys.argv[1:6]
+    import faulthandler
+    import logging
+    import os
+
+    # A process stuck past this prints every thread's stack to stderr.
+    faulthandler.dump_traceback_later(float(os.environ.get("PGLE_PROC_STACKS_AFTER_S", "90")))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    logging.getLogger("compilecast.jax").setLevel(logging.DEBUG)  # each key's components
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # checked against numpy
+
+    plain = os.environ.get("PGLE_PROC_PLAIN") == "1"  # no compilecast, no PGLE: a probe
+    jax.config.update("jax_enable_pgle", not plain)
+    jax.config.update("jax_pgle_profiling_runs", 2)
+    jax.distributed.initialize(dist, num_processes=int(n), process_id=int(pid))
+    _progress(f"initialized: {jax.devices()}")
+    if plain:
+        _probe(jax, np, int(n))
+        return
+    import compilecast.jax as cc
+
+    cache = cc.enable(target, job=job)
+    _progress("compilecast enabled")
+    exchanges, executables = _observe(cache)
 
     x, ws, x_np, ws_np = _inputs(jax, np, int(n))
 
