@@ -64,6 +64,7 @@ from compilecast.errors import (
     InvalidRequest,
     NotFound,
 )
+from compilecast.store import ArtifactStore
 from compilecast.wire import Zstd
 
 from .blobwriter import (
@@ -502,13 +503,13 @@ class DiskBlobStore:
         return b"".join(self.read(digest))
 
 
-async def amake_room(store: DiskBlobStore, nbytes: int) -> bool:
+async def amake_room(store: ArtifactStore, nbytes: int) -> bool:
     """`store.make_room` for an event loop: one statvfs on the loop when the
     volume has the room, a thread only when blobs must go."""
     return store.fits(nbytes) or await asyncio.to_thread(store.make_room, nbytes)
 
 
-async def aread(store: DiskBlobStore, digest: str, *, depth: int = 4, chunk_size: int = CHUNK,
+async def aread(store: ArtifactStore, digest: str, *, depth: int = 4, chunk_size: int = CHUNK,
                 offset: int = 0, transform: Callable[[bytes], T] = _same,
                 as_stored: bool = False) -> AsyncIterator[T]:
     """`store.read` for an event loop: a thread reads, decompresses and

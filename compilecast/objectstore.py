@@ -37,10 +37,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from compilecast.blobstore import CHUNK, DiskBlobStore
+from compilecast.blobwriter import BlobWriter
 from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, Unavailable
+from compilecast.store import ArtifactStore
 
 log = logging.getLogger("compilecast.objectstore")
 
@@ -176,15 +179,32 @@ class _Stream(io.RawIOBase):
 
 
 class _UploadingWriter:
-    """The local cache's BlobWriter, whose commit also uploads the blob: a
+    """The local cache's blob writer, whose commit also uploads the blob: a
     publish is in the bucket before the caller indexes it."""
 
-    def __init__(self, inner: Any, store: BucketStore) -> None:
+    def __init__(self, inner: BlobWriter, store: BucketStore) -> None:
         self._inner = inner
         self._store = store
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+    @property
+    def size(self) -> int:
+        return self._inner.size
+
+    @property
+    def path(self) -> Path:
+        return self._inner.path
+
+    def write(self, data: bytes) -> None:
+        self._inner.write(data)
+
+    def write_zstd(self, stream: Any) -> None:
+        self._inner.write_zstd(stream)
+
+    def readable(self) -> int | None:
+        return self._inner.readable()
+
+    def abort(self) -> None:
+        self._inner.abort()
 
     def __enter__(self) -> _UploadingWriter:
         self._inner.__enter__()
@@ -193,16 +213,16 @@ class _UploadingWriter:
     def __exit__(self, *exc: object) -> None:
         self._inner.__exit__(*exc)
 
-    def commit(self, digest: str, size: int) -> Any:
+    def commit(self, digest: str, size: int) -> Path | None:
         path = self._inner.commit(digest, size)
         self._store.upload(digest, size)
         return path
 
 
 class BucketStore:
-    """The store interface over a bucket, with `local` (a bounded
-    DiskBlobStore) as this replica's cache in front of it. What it does not
-    override is the local cache's (its size, scans, scrub, quarantine)."""
+    """The store interface (compilecast/store.py) over a bucket, with `local`
+    (a bounded DiskBlobStore) as this replica's cache in front of it: its
+    size, room, scans and scrubs are the local cache's."""
 
     def __init__(self, local: DiskBlobStore, bucket: Bucket,
                  on_local: Callable[[bool], None] | None = None) -> None:
@@ -212,9 +232,6 @@ class BucketStore:
         self._known: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._fetching: dict[str, threading.Lock] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.local, name)
 
     def _remember(self, digest: str) -> None:
         with self._lock:
@@ -228,6 +245,23 @@ class BucketStore:
             self._known.pop(digest, None)
 
     # -- the store interface ---------------------------------------------
+    @property
+    def stored_bytes(self) -> int:
+        return self.local.stored_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        return self.local.fits(nbytes)
+
+    def make_room(self, nbytes: int) -> bool:
+        return self.local.make_room(nbytes)
+
+    def rescan(self) -> int:
+        return self.local.rescan()
+
+    def scrub(self, bytes_per_s: float, stop: threading.Event,
+              on_corrupt: Callable[[str], None] | None = None) -> tuple[int, int]:
+        return self.local.scrub(bytes_per_s, stop, on_corrupt)
+
     def has(self, digest: str) -> bool:
         if self.local.has(digest):
             return True
@@ -239,17 +273,20 @@ class BucketStore:
         self._remember(digest)
         return True
 
-    def writer(self, **kw: Any) -> _UploadingWriter:
-        return _UploadingWriter(self.local.writer(**kw), self)
+    def writer(self, *, discard_when_unwritable: bool = False) -> _UploadingWriter:
+        return _UploadingWriter(
+            self.local.writer(discard_when_unwritable=discard_when_unwritable), self)
 
     def put_bytes(self, data: bytes) -> str:
         digest = self.local.put_bytes(data)
         self.upload(digest, len(data))
         return digest
 
-    def read(self, digest: str, chunk_size: int = CHUNK, **kw: Any) -> Iterator[bytes]:
+    def read(self, digest: str, chunk_size: int = CHUNK, *, offset: int = 0,
+             as_stored: bool = False, scrub: bool = False) -> Iterator[bytes]:
         self.ensure_local(digest)
-        return self.local.read(digest, chunk_size, **kw)
+        return self.local.read(digest, chunk_size, offset=offset, as_stored=as_stored,
+                               scrub=scrub)
 
     def read_bytes(self, digest: str) -> bytes:
         self.ensure_local(digest)
@@ -318,3 +355,8 @@ class BucketStore:
                 self.bucket.delete(digest)
                 raise CorruptBlob(f"blob {digest} in the bucket is corrupt") from None
         self._remember(digest)
+
+
+def _implementations(disk: DiskBlobStore, bucket: BucketStore) -> tuple[ArtifactStore, ...]:
+    """Both stores are ArtifactStores: mypy checks this in `make test`."""
+    return disk, bucket
