@@ -168,10 +168,12 @@ def plain(port: int, verify: bool = False) -> float:
 
 PROCESS = """
 import sys, time
+from compilecast.negotiate import Route
 from compilecast.worker.client import CacheClient
 c = CacheClient(sys.argv[1], timeout_s=60)
-c.local_files = sys.argv[3] == "file"
-c.data_plane = sys.argv[3] == "data"
+for route, way in ((Route.LOCAL_FILE, "file"), (Route.DATA_PLANE, "data")):
+    if sys.argv[3] != way:
+        c.routes.off(route, "the benchmark takes another way")
 t0 = time.perf_counter()
 info, data = c.fetch(sys.argv[2])
 print(time.perf_counter() - t0)

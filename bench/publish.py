@@ -35,6 +35,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack, cpu_seconds, peak_rss_mb
 
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker import clientpublish as client_mod
 from compilecast.worker.client import CacheClient, Identity
@@ -67,8 +68,10 @@ def run(mb: float, pairs: int, through_worker: bool) -> None:
                                             else ("--data-plane", "false"))
             c = clients[way] = CacheClient(workers[way][0] if through_worker else target,
                                            timeout_s=30, identity=Identity(job="bench-publish"))
-            c.data_plane = way == "data plane"
-            c.handoffs = c.handoffs and way.startswith("handoff")
+            if way != "data plane":
+                c.routes.off(Route.DATA_PLANE, "the benchmark takes another way")
+            if not way.startswith("handoff"):
+                c.routes.off(Route.HANDOFF, "the benchmark takes another way")
         data = os.urandom(int(mb * 1e6))
         got: dict[str, list[tuple[float, ...]]] = {w: [] for w in ways}
         n = 0
@@ -93,7 +96,7 @@ def run(mb: float, pairs: int, through_worker: bool) -> None:
                 stack.blob_path(info.digest).unlink()
                 for copy in root.glob(f"cache-*/**/{info.digest}*"):  # the worker's
                     copy.unlink()
-        if not clients[ways[0]].data_plane_uploads:
+        if not clients[ways[0]].routes.on(Route.UPLOAD_TICKET):
             print("  (no upload ticket was offered: every way went over gRPC)")
         medians = {w: [median(r[i] for r in rows) for i in range(4)] for w, rows in got.items()}
         last = medians[ways[-1]]

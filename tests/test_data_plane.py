@@ -18,6 +18,7 @@ import pytest
 
 from compilecast import wire
 from compilecast.coordinator import dataplane
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 from compilecast.worker.routes import data_plane_address
@@ -73,13 +74,13 @@ def redeem(coordinator, token: bytes, magic: bytes = wire.DATA_PLANE_REQUEST) ->
 def test_a_fetch_takes_the_stored_blob_over_the_data_plane(coordinator, kind):
     data = KINDS[kind]
     client = published(coordinator, "k", data)
-    assert client.data_plane  # a plaintext TCP coordinator
+    assert client.routes.on(Route.DATA_PLANE)  # a plaintext TCP coordinator
     info, got = client.fetch("k")
     assert got == data and info.size == len(data)
     assert tickets(coordinator) == 1 and sends(coordinator) == 1
     stored = os.path.getsize(coordinator.store.path_of(info.digest))
     assert bytes_out(coordinator) == stored  # the file as stored, and nothing over gRPC
-    assert client.data_plane
+    assert client.routes.on(Route.DATA_PLANE)
 
 
 def test_a_ticket_is_good_for_one_connection(coordinator):
@@ -160,7 +161,7 @@ def test_a_data_plane_switched_off_answers_over_grpc(start_coordinator, monkeypa
     published(on, "k2", RANDOM)
     monkeypatch.setenv("COMPILECAST_DATA_PLANE", "0")
     client = CacheClient(on.cfg.listen)
-    assert not client.data_plane
+    assert not client.routes.on(Route.DATA_PLANE)
     assert client.fetch("k2")[1] == RANDOM and tickets(on) == 0
 
 
@@ -171,7 +172,7 @@ def test_an_unreachable_data_plane_falls_back_to_grpc_for_good(start_coordinator
     client = published(coordinator, "k", RANDOM)
     assert client.fetch("k")[1] == RANDOM
     assert tickets(coordinator) == 1 and sends(coordinator) == 0
-    assert not client.data_plane
+    assert not client.routes.on(Route.DATA_PLANE)
     assert client.fetch("k")[1] == RANDOM
     assert tickets(coordinator) == 1  # not asked again
 
@@ -190,7 +191,7 @@ def test_bytes_that_do_not_verify_are_fetched_again_over_grpc(coordinator, tmp_p
     finally:
         coordinator.store.open_trusted = real
     assert sends(coordinator) == 1  # the bad bytes went out, and were refused by the client
-    assert client.data_plane  # a bad send does not switch the data plane off
+    assert client.routes.on(Route.DATA_PLANE)  # a bad send does not switch the data plane off
     assert client.fetch("k")[1] == RANDOM and sends(coordinator) == 2
 
 
@@ -200,7 +201,7 @@ def test_a_send_cut_short_is_fetched_again_over_grpc(coordinator, tmp_path):
     short.write_bytes(b"CCRAW01\n" + RANDOM[: len(RANDOM) // 2])
     coordinator.store.open_trusted = lambda digest: open(short, "rb")
     assert client.fetch("k")[1] == RANDOM
-    assert client.data_plane
+    assert client.routes.on(Route.DATA_PLANE)
 
 
 def test_the_data_plane_address_of_a_ticket():
@@ -243,7 +244,7 @@ def test_a_workers_download_takes_the_data_plane(coordinator, start_worker, kind
     data = KINDS[kind]
     published(coordinator, "k", data)
     worker = start_worker(coordinator.cfg.listen)
-    assert worker.service.data_plane
+    assert worker.service.routes.on(Route.DATA_PLANE)
     assert CacheClient(worker.target).fetch("k")[1] == data
     assert taken(worker) == 1 and sends(coordinator) == 1 and taken(worker, "fallback") == 0
     assert worker.cache.lookup("host", "k") is not None  # kept: the next process reads it here
@@ -264,7 +265,7 @@ def test_a_worker_that_cannot_reach_the_data_plane_stops_asking(start_coordinato
     published(coordinator, "k2", COMPRESSIBLE)
     worker = start_worker(coordinator.cfg.listen)
     assert CacheClient(worker.target).fetch("k")[1] == RANDOM
-    assert taken(worker, "fallback") == 1 and not worker.service.data_plane
+    assert taken(worker, "fallback") == 1 and not worker.service.routes.on(Route.DATA_PLANE)
     assert CacheClient(worker.target).fetch("k2")[1] == COMPRESSIBLE
     assert tickets(coordinator) == 1  # the second download did not ask
 
@@ -287,7 +288,7 @@ def test_a_workers_download_cut_short_gets_the_rest_over_grpc(coordinator, start
     worker = start_worker(coordinator.cfg.listen)
     assert CacheClient(worker.target).fetch("k")[1] == data
     assert taken(worker, "fallback") == 1
-    assert worker.service.data_plane  # it was reachable: asked again next time
+    assert worker.service.routes.on(Route.DATA_PLANE)  # it was reachable: asked again next time
 
 
 def test_a_coordinator_on_all_addresses_serves_a_data_plane_only_where_told(

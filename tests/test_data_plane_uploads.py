@@ -18,6 +18,7 @@ import pytest
 
 from compilecast import wire
 from compilecast.coordinator import dataplane
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker import clientpublish as client_mod
 from compilecast.worker.client import CacheClient, Identity
@@ -114,11 +115,12 @@ def breaking_after_a_piece(monkeypatch) -> None:
 @pytest.mark.parametrize("digest_first", [False, True])
 def test_a_publish_goes_over_the_data_plane(coordinator, digest_first):
     c, lease = holder(coordinator)
-    c._digest_first = digest_first  # the digest in the header, not after the bytes
+    if digest_first:  # the digest in the header, not after the bytes
+        c.routes.off(Route.DIGEST_LAST, "the test sends it first")
     info = c.publish("k", lease, DATA, 2.0)
     assert info.digest == DIGEST and info.size == len(DATA)
     assert uploads(coordinator) == 1 and bytes_in(coordinator) == len(DATA)
-    assert c.data_plane and c.data_plane_uploads
+    assert c.routes.on(Route.DATA_PLANE) and c.routes.on(Route.UPLOAD_TICKET)
     other = CacheClient(coordinator.cfg.listen, timeout_s=10)
     assert other.fetch("k")[1] == DATA
     assert other.acquire("k").decision == pb.HIT
@@ -229,7 +231,7 @@ def test_a_client_whose_upload_breaks_publishes_over_grpc(coordinator, monkeypat
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert uploads(coordinator, "broken") == 1 and uploads(coordinator) == 0
     assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == DATA
-    assert c.data_plane and c.data_plane_uploads
+    assert c.routes.on(Route.DATA_PLANE) and c.routes.on(Route.UPLOAD_TICKET)
     monkeypatch.setattr(dataplane, "_receive", real)
     c2, lease2 = holder(coordinator, "k2")
     c2.publish("k2", lease2, DATA[::-1], 2.0)
@@ -250,7 +252,7 @@ def test_without_a_data_plane_publishes_go_over_grpc(start_coordinator):
     off = start_coordinator(data_listen="off")
     c, lease = holder(off)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
-    assert not c.data_plane_uploads  # not asked again
+    assert not c.routes.on(Route.UPLOAD_TICKET)  # not asked again
     assert bytes_in(off) == len(DATA)
     resp = c.stub.OpenUpload(pb.OpenUploadRequest(header=header(c, "k", lease)), timeout=10)
     assert not resp.HasField("ticket")
@@ -260,7 +262,7 @@ def test_an_unreachable_data_plane_publishes_over_grpc(start_coordinator):
     coordinator = start_coordinator(data_advertise=f"127.0.0.1:{free_port()}")
     c, lease = holder(coordinator)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
-    assert not c.data_plane  # nor fetches: the data plane cannot be reached from here
+    assert not c.routes.on(Route.DATA_PLANE)  # nor fetches: the data plane cannot be reached from here
     assert uploads(coordinator, "expired") + uploads(coordinator) == 0
     assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == DATA
 
@@ -290,7 +292,7 @@ def test_a_small_publish_goes_over_grpc(coordinator, monkeypatch):
     c, lease = holder(coordinator)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert uploads(coordinator) == 0 and bytes_in(coordinator) == len(DATA)
-    assert c.data_plane and c.data_plane_uploads
+    assert c.routes.on(Route.DATA_PLANE) and c.routes.on(Route.UPLOAD_TICKET)
     monkeypatch.setattr(client_mod, "DATA_PLANE_UPLOAD_FROM", len(DATA))
     c2, lease2 = holder(coordinator, "k2")
     c2.publish("k2", lease2, DATA, 2.0)
@@ -306,7 +308,7 @@ def test_with_too_many_tickets_out_a_publish_goes_over_grpc_this_time(coordinato
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert uploads(coordinator) == 0 and bytes_in(coordinator) == len(DATA)
-    assert c.data_plane_uploads  # asked again next time
+    assert c.routes.on(Route.UPLOAD_TICKET)  # asked again next time
     monkeypatch.setattr(dataplane, "MAX_TICKETS", 4096)
     c2, lease2 = holder(coordinator, "k2")
     c2.publish("k2", lease2, DATA, 2.0)
@@ -351,7 +353,8 @@ def through_worker(start_worker, coordinator, key: str = "k", **kw):
 def test_a_worker_sends_a_publish_on_over_the_data_plane(coordinator, start_worker,
                                                          digest_first):
     w, c, lease = through_worker(start_worker, coordinator)
-    c._digest_first = digest_first
+    if digest_first:
+        c.routes.off(Route.DIGEST_LAST, "the test sends it first")
     info = c.publish("k", lease, DATA, 2.0)
     assert info.digest == DIGEST and info.size == len(DATA)
     assert uploads(coordinator) == 1
@@ -385,7 +388,7 @@ def test_a_worker_whose_upload_breaks_sends_the_retry_over_grpc(coordinator, sta
     monkeypatch.setattr(dataplane, "_receive", real)
     resp = c.acquire("k2")
     c.publish("k2", resp.lease, DATA[::-1], 2.0)
-    assert uploads(coordinator) == 1 and w.service.data_plane_uploads
+    assert uploads(coordinator) == 1 and w.service.routes.on(Route.UPLOAD_TICKET)
 
 
 def test_an_upload_a_worker_sends_refused_is_the_holders_error(coordinator, start_worker):
@@ -405,7 +408,7 @@ def test_a_worker_publishes_over_grpc_where_the_coordinator_takes_no_uploads(
     w, c, lease = through_worker(start_worker, off)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert bytes_in(off) == len(DATA)
-    assert not w.service.data_plane_uploads  # not asked again
+    assert not w.service.routes.on(Route.UPLOAD_TICKET)  # not asked again
     resp = c.acquire("k2")
     c.publish("k2", resp.lease, DATA[::-1], 2.0)
     assert bytes_in(off) == 2 * len(DATA)

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from compilecast import wire
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 
@@ -205,7 +206,7 @@ def test_an_unreachable_data_plane_waits_and_fetches_over_grpc(start_coordinator
     holder.publish("k", lease, RANDOM, 1.0)
     event, got = waiter.join()
     assert event.decision == pb.HIT and got == RANDOM
-    assert not client.data_plane
+    assert not client.routes.on(Route.DATA_PLANE)
     assert waits(coordinator, "expired") + waits(coordinator, "hit_sent") == 0
 
 
@@ -237,7 +238,7 @@ def test_a_process_told_not_to_waits_on_its_stream(coordinator, monkeypatch):
     holder.publish("k", lease, RANDOM, 1.0)
     event, got = waiter.join()
     assert event.decision == pb.HIT and got == RANDOM
-    assert client.data_plane and tickets(coordinator) == 1  # fetched: over the data plane
+    assert client.routes.on(Route.DATA_PLANE) and tickets(coordinator) == 1  # fetched: over the data plane
     assert waits(coordinator, "hit_sent") == 0
 
 

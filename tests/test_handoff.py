@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from compilecast import wire
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker import clientpublish as client_mod
 from compilecast.worker import handoff
@@ -94,7 +95,8 @@ def test_a_publish_is_handed_to_the_worker(coordinator, start_worker, no_grpc_pu
                                            digest_first):
     w = start_worker(coordinator.cfg.listen)
     c, lease = holder(w)
-    c._digest_first = digest_first
+    if digest_first:
+        c.routes.off(Route.DIGEST_LAST, "the test sends it first")
     info = c.publish("k", lease, DATA, 2.0)
     assert info.digest == DIGEST and info.size == len(DATA)
     assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == DATA
@@ -200,7 +202,7 @@ def test_without_the_handoff_socket_a_publish_goes_over_grpc(coordinator, start_
     c, lease = holder(w)
     os.unlink(w.service.handoffs.path)  # a container that does not see it, say
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
-    assert not c.handoffs  # not tried again
+    assert not c.routes.on(Route.HANDOFF)  # not tried again
     assert w.cache.store.has(DIGEST)
 
 
@@ -210,7 +212,7 @@ def test_a_worker_on_tcp_takes_no_handoffs(coordinator, start_worker):
     w = start_worker(coordinator.cfg.listen, listen=f"127.0.0.1:{free_port()}")
     assert w.service.handoffs is None
     c = CacheClient(w.target, timeout_s=10, identity=Identity(job="j"))
-    assert not c.handoffs
+    assert not c.routes.on(Route.HANDOFF)
     resp = c.stub.OpenUpload(pb.OpenUploadRequest(header=pb.PublishHeader(key="k")),
                              timeout=10)
     assert not resp.HasField("ticket")
@@ -225,7 +227,7 @@ def test_near_a_memory_limit_a_publish_goes_over_grpc(coordinator, start_worker,
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert handoffs(w) == 0 and w.cache.store.has(DIGEST)
     assert not w.service.handoffs._tickets  # none asked for
-    assert c.handoffs  # asked again next time
+    assert c.routes.on(Route.HANDOFF)  # asked again next time
     monkeypatch.setattr(client_mod, "memory_headroom", lambda: None)  # unknown: hand over
     resp = c.acquire("k2")
     c.publish("k2", resp.lease, DATA[::-1], 2.0)
@@ -274,7 +276,7 @@ def test_a_worker_whose_handoff_socket_cannot_be_made_serves_publishes_over_grpc
         assert w.service.handoffs is None
         c, lease = holder(w)
         assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
-        assert not c.data_plane_uploads  # no ticket offered: not asked again
+        assert not c.routes.on(Route.UPLOAD_TICKET)  # no ticket offered: not asked again
     finally:
         w.stop()
 

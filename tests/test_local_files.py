@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 
+from compilecast.negotiate import Route
 from compilecast.worker.client import CacheClient
 
 from .conftest import flip_middle_byte, publish, sample
@@ -46,18 +47,18 @@ def test_a_process_on_the_host_reads_the_host_cache_file_itself(coordinator, sta
     data = KINDS[kind]
     worker = start_worker(coordinator.cfg.listen)
     process = published_through(worker, "k", data)
-    assert process.local_files  # it reached its worker over the unix socket
+    assert process.routes.on(Route.LOCAL_FILE)  # it reached its worker over the unix socket
     before = served(worker)
     info, got = process.fetch("k")
     assert got == data and info.size == len(data)
     assert files(worker) == 1
     assert served(worker) == before  # not one byte through the worker
-    assert process.local_files
+    assert process.routes.on(Route.LOCAL_FILE)
 
 
 def test_a_process_off_the_host_never_asks_for_files():
-    assert not CacheClient("127.0.0.1:1").local_files
-    assert not CacheClient("dns:///worker.example:7641").local_files
+    assert not CacheClient("127.0.0.1:1").routes.on(Route.LOCAL_FILE)
+    assert not CacheClient("dns:///worker.example:7641").routes.on(Route.LOCAL_FILE)
 
 
 def test_a_worker_told_not_to_hand_out_files_sends_the_bytes(coordinator, start_worker):
@@ -81,7 +82,7 @@ def test_a_file_the_process_cannot_open_is_fetched_over_the_socket(coordinator, 
     assert process.fetch("k")[1] == RANDOM
     assert files(worker) == 1
     assert served(worker) - before == len(RANDOM)
-    assert not process.local_files
+    assert not process.routes.on(Route.LOCAL_FILE)
     assert process.fetch("k")[1] == RANDOM
     assert files(worker) == 1  # not asked again
 
@@ -110,7 +111,7 @@ def test_a_file_gone_from_a_host_cache_that_is_here_is_asked_for_again(coordinat
     real = worker.cache.store.hand_out
     worker.cache.store.hand_out = lambda digest: real(digest) + ".evicted"
     assert process.fetch("k")[1] == RANDOM
-    assert process.local_files
+    assert process.routes.on(Route.LOCAL_FILE)
     worker.cache.store.hand_out = real
     before = served(worker)
     assert process.fetch("k")[1] == RANDOM
@@ -161,7 +162,7 @@ def test_a_host_cache_file_that_does_not_verify_never_reaches_the_process(coordi
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
     assert files(worker) == 1
     assert worker.cache.lookup("host", "k") is None
-    assert process.local_files  # the file was there; it was the bytes that were wrong
+    assert process.routes.on(Route.LOCAL_FILE)  # the file was there; it was the bytes that were wrong
     assert process.fetch("k")[1] == data  # downloaded again from the coordinator
     # (Followed in the file being written, or asked again once the file was
     # whole when it could not be followed: a hit handed out as a file then.)
@@ -273,7 +274,7 @@ def test_a_file_the_process_cannot_follow_is_asked_for_again(coordinator, start_
     worker, process = cold(coordinator, start_worker, BIG)
     monkeypatch.setattr(received_mod, "_Following", unopenable)
     assert process.fetch("k")[1] == BIG
-    assert growing(worker) == 1 and process.local_files
+    assert growing(worker) == 1 and process.routes.on(Route.LOCAL_FILE)
 
     class Short(real):  # the file ends before what the worker said is in it
         def to(self, available):
@@ -352,7 +353,7 @@ def test_a_process_that_does_not_see_the_workers_files_stops_following(
     monkeypatch.setattr(BlobWriter, "path", property(lambda w: elsewhere / w._path.name))
     worker, process = cold(coordinator, start_worker, BIG)
     assert process.fetch("k")[1] == BIG
-    assert growing(worker) == 1 and not process.follow_files
+    assert growing(worker) == 1 and not process.routes.on(Route.GROWING_FILE)
     publish(CacheClient(coordinator.cfg.listen, timeout_s=10), "k2", BIG[::-1])
     assert process.fetch("k2")[1] == BIG[::-1]
     assert growing(worker) == 1  # not asked again

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from compilecast.errors import InvalidRequest
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
@@ -470,7 +471,7 @@ def test_artifacts_travel_as_stored_zstd_to_clients_that_decode_it(coordinator, 
 
     assert process.fetch("k")[1] == data  # a host-cache hit, read from the file (as stored)
     assert served() == stored
-    process.local_files = False
+    process.routes.off(Route.LOCAL_FILE, "the test reads over the socket")
     assert process.fetch("k")[1] == data  # a host-cache hit over the socket, sent as stored
     assert out() == 2 * stored
     assert served() == 2 * stored

@@ -16,6 +16,7 @@ import pytest
 
 from compilecast.blobstore import RAW_MAGIC
 from compilecast.launch import free_port
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DATA_PLANE_REQUEST
@@ -88,7 +89,8 @@ def test_a_relay_plane_that_cannot_be_reached_relays_over_grpc(start_coordinator
     assert sample(second, "compilecast_worker_relays_total", "event", "redirected") == 1
     assert sample(second, "compilecast_worker_relays_total", "event", "data_plane") == 0
     assert sample(second, "compilecast_worker_relays_total", "event", "fallback") == 0
-    assert first.cfg.relay_listen in second.service._no_relay_plane
+    assert not second.service.routes.on(Route.RELAY_PLANE, first.cfg.relay_listen)
+    assert second.service.routes.on(Route.RELAY_PLANE, "another-peer:7642")
 
 
 async def _close_server(plane: RelayPlane) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 
@@ -119,7 +120,7 @@ def test_tls_coordinator_refuses_plaintext_and_serves_tls_clients(start_coordina
     worker = start_worker(c.cfg.listen, coordinator_ca_file=str(pki / "ca.pem"))
     assert CacheClient(worker.target).fetch("k")[1] == DATA
     # No plaintext data plane next to a TLS port (its tickets would travel in the clear).
-    assert c.data_plane is None and not tls.data_plane
+    assert c.data_plane is None and not tls.routes.on(Route.DATA_PLANE)
     assert tls.fetch("k")[1] == DATA
 
 

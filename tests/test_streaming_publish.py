@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from compilecast.coordinator.records import scope
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 from compilecast.worker.client import CacheClient, Identity
@@ -370,7 +371,8 @@ def test_a_process_fetching_what_its_host_publishes_reads_the_workers_copy(
     nothing of what it uploads."""
     worker = start_worker(coordinator.cfg.listen)
     holder, waiter = clients(worker.target)
-    waiter.follow_files = follow
+    if not follow:
+        waiter.routes.off(Route.GROWING_FILE, "the test does not follow files")
     data = os.urandom(6 * MIB)
     lease = holder.acquire("k").lease
     assert waiter.acquire("k").decision == pb.WAIT

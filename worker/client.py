@@ -26,6 +26,7 @@ from compilecast.blobstore import Sha256
 from compilecast.decide import ends_wait
 from compilecast.errors import CorruptBlob
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
+from compilecast.negotiate import Route, Routes
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
@@ -99,28 +100,17 @@ class CacheClient(Publishing):
         # lease, and each claim is renewed (and stopped) on its own.
         self._keepers: dict[tuple[str, int], threading.Event] = {}
         self._publishing: set[tuple[str, int]] = set()  # publishes in flight
-        self._digest_first = False  # the server refused a digest sent last
-        # On this host's worker (a unix socket), fetches may be answered with
-        # the host cache's file to read here; off once such a file could not be.
-        self.local_files = target.startswith("unix:") and os.environ.get(
-            "COMPILECAST_LOCAL_FILES", "1") != "0"
-        # With local files: a download the worker is still writing may be read
-        # from its file as it grows, once it is stored raw (docs/architecture.md).
-        self.follow_files = True
-        # From a coordinator (plaintext TCP), whole artifacts may come over its
-        # data plane; off once its address could not be connected to.
-        self.data_plane = not target.startswith("unix:") and creds is None and os.environ.get(
-            "COMPILECAST_DATA_PLANE", "1") != "0"
-        # ... and a wait that wants the bytes may go on there (docs/architecture.md).
-        self.data_waits = os.environ.get("COMPILECAST_DATA_WAITS", "1") != "0"
-        # ... and publishes may go over it (OpenUpload); off once the
-        # coordinator offered no ticket (one older, or without a data plane).
-        # To this host's worker, a publish is handed over as a sealed memory
-        # file instead (worker/handoff.py); off once its socket could not be
-        # connected to.
-        self.data_plane_uploads = True
-        self.handoffs = target.startswith("unix:") and handoff.supported() and os.environ.get(
-            "COMPILECAST_HANDOFF", "1") != "0"
+        # The routes besides gRPC this process may take (compilecast/negotiate.py):
+        # to this host's worker (a unix socket), fetches answered with the host
+        # cache's file, or its file as the worker writes it, and publishes
+        # handed over as sealed memory files; from a coordinator (plaintext
+        # TCP), whole artifacts and waits over its data plane.
+        unix = target.startswith("unix:")
+        self.routes = Routes(
+            [Route.UPLOAD_TICKET, Route.DIGEST_LAST]
+            + ([Route.LOCAL_FILE, Route.GROWING_FILE] if unix else [])
+            + ([Route.HANDOFF] if unix and handoff.supported() else [])
+            + ([Route.DATA_PLANE, Route.DATA_WAIT] if not unix and creds is None else []))
 
     def close(self) -> None:
         for stop in self._keepers.values():
@@ -224,7 +214,8 @@ class CacheClient(Publishing):
         call = self.stub.Wait(
             pb.WaitRequest(key=key, requester=(identity or self.identity).requester(),
                            timeout_ms=max(1, int(timeout_s * 1000)),
-                           accept_data_wait=data_wait and self.data_plane and self.data_waits),
+                           accept_data_wait=data_wait and self.routes.on(Route.DATA_WAIT)\
+                           and self.routes.on(Route.DATA_PLANE)),
             timeout=timeout_s + self.timeout_s,
         )
         for event in call:
@@ -234,7 +225,7 @@ class CacheClient(Publishing):
                     return self._wait_data_plane(key, event.data_ticket, deadline)
                 except OSError as exc:
                     if isinstance(exc, _Unreachable):
-                        self.data_plane = False
+                        self.routes.off(Route.DATA_PLANE, str(exc))
                     log.info("the wait for %s over the data plane broke off (%s); waiting "
                              "over gRPC", key, exc, extra={"key": key})
                 if deadline <= time.monotonic():
@@ -331,7 +322,8 @@ class CacheClient(Publishing):
         raise AssertionError("unreachable")
 
     def _fetch_once(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, bytes]:
-        local, data_plane, growing = self.local_files, self.data_plane, self.follow_files
+        local, data_plane, growing = (self.routes.on(r) for r in (
+            Route.LOCAL_FILE, Route.DATA_PLANE, Route.GROWING_FILE))
         while True:
             try:
                 info, got = self._fetch_stream(key, digest, local, data_plane, growing)
@@ -340,7 +332,7 @@ class CacheClient(Publishing):
                 # over the socket.
                 growing = False
                 if not os.path.isdir(os.path.dirname(exc.path)):  # its host cache is not here
-                    self.follow_files = False
+                    self.routes.off(Route.GROWING_FILE, f"{exc.path} is not on this host")
                 log.info("cannot follow the worker's file for %s (%s); asking again", key,
                          exc.__cause__ or exc, extra={"key": key})
                 continue
@@ -351,7 +343,7 @@ class CacheClient(Publishing):
                 try:
                     return info, _read_data_plane(key, info, got, self.target, self.stall_s)
                 except _Unreachable as exc:
-                    self.data_plane = False
+                    self.routes.off(Route.DATA_PLANE, str(exc))
                     log.info("cannot reach the coordinator's data plane (%s); artifacts come "
                              "over gRPC from now on", exc, extra={"key": key})
                 except OSError as exc:
@@ -365,9 +357,10 @@ class CacheClient(Publishing):
             except OSError as exc:
                 local = False
                 if not os.path.isdir(os.path.dirname(got)):  # its host cache is not here
-                    self.local_files = False
+                    self.routes.off(Route.LOCAL_FILE, f"{got} is not on this host")
                 log.info("cannot read the worker's file for %s here (%s); its bytes come over "
-                         "the socket%s", key, exc, "" if self.local_files else " from now on",
+                         "the socket%s", key, exc,
+                         "" if self.routes.on(Route.LOCAL_FILE) else " from now on",
                          extra={"key": key})
             except CorruptBlob as exc:
                 local = False

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from compilecast.blobstore import Sha256
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
@@ -61,7 +62,7 @@ class Publishing:
                                   compile_time_seconds=compile_time_s,
                                   requester=(identity or self.identity).requester(),
                                   recipe=recipe)
-        if not lease.takes_digest_last or self._digest_first:
+        if not lease.takes_digest_last or not self.routes.on(Route.DIGEST_LAST):
             header.digest = hashlib.sha256(data).hexdigest()
         self._publishing.add((key, lease.id))
         over_data_plane = True  # until an upload over it breaks: then gRPC
@@ -102,10 +103,11 @@ class Publishing:
         or by handing the bytes to this host's worker; None where they must
         go over gRPC instead. The OpenUpload call refuses what a Publish would
         refuse before its first byte, as the same error."""
-        if not ((self.data_plane or self.handoffs) and self.data_plane_uploads) \
-                or len(data) < max(DATA_PLANE_UPLOAD_FROM, 1):
+        routes = self.routes
+        if not ((routes.on(Route.DATA_PLANE) or routes.on(Route.HANDOFF))
+                and routes.on(Route.UPLOAD_TICKET)) or len(data) < max(DATA_PLANE_UPLOAD_FROM, 1):
             return None
-        if self.handoffs and (room := memory_headroom()) is not None \
+        if routes.on(Route.HANDOFF) and (room := memory_headroom()) is not None \
                 and room < len(data) + HANDOFF_SPARE:
             # A handed file would hold the bytes a second time: near a memory
             # limit, they go to the worker in pieces instead.
@@ -124,7 +126,7 @@ class Publishing:
                 raise
             resp = pb.OpenUploadResponse()  # an older coordinator, or not one
         if not resp.HasField("ticket"):
-            self.data_plane_uploads = False
+            routes.off(Route.UPLOAD_TICKET, f"{self.target} offers no upload tickets")
             log.info("%s takes publishes over gRPC only", self.target)
             return None
         handed = resp.ticket.address.startswith("unix:")
@@ -133,10 +135,7 @@ class Publishing:
                 return _hand_off(data, resp.ticket, self.stall_s)
             return _upload_data_plane(header, data, resp.ticket, self.target, self.stall_s)
         except _Unreachable as exc:
-            if handed:
-                self.handoffs = False
-            else:
-                self.data_plane = False
+            routes.off(Route.HANDOFF if handed else Route.DATA_PLANE, str(exc))
             log.info("cannot reach %s (%s); artifacts go over gRPC from now on",
                      "the worker's handoff socket" if handed else "the coordinator's data plane",
                      exc, extra={"key": header.key})
@@ -161,7 +160,7 @@ class Publishing:
         # any byte: from now on this client sends them first.
         log.info("%s takes the digest of a publish only in its header; sending it there",
                  self.target)
-        self._digest_first = True
+        self.routes.off(Route.DIGEST_LAST, f"{self.target} refused a digest sent last")
         header.digest = hashlib.sha256(data).hexdigest()
         return self._send(header, data)
 

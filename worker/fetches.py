@@ -20,6 +20,7 @@ from compilecast.blobstore import RAW_MAGIC, amake_room, aread
 from compilecast.blobwriter import OUT_OF_SPACE
 from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
 from compilecast.grpcutil import rpc_errors
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
@@ -41,7 +42,6 @@ from .upstream import (
 
 log = logging.getLogger("compilecast.worker.service")
 
-MAX_PEERS_NOTED = 4096  # peers remembered for a relay data plane that could not be reached
 
 
 @dataclass
@@ -69,7 +69,8 @@ class Fetches:
         peer worker that is downloading (or holds) the same artifact; if the
         peer fails, the rest comes from the coordinator, from where we were."""
         start = time.monotonic()
-        dl = _Download(key, digest, self.relay_address, self.data_plane, self.bucket_urls)
+        dl = _Download(key, digest, self.relay_address, self.routes.on(Route.DATA_PLANE),
+                       self.routes.on(Route.BUCKET_URL))
         try:
             # (Inside the try: a fill that fails to start ends its readers too.)
             writer = fill.writer = self.cache.store.writer(discard_when_unwritable=True)
@@ -111,7 +112,7 @@ class Fetches:
             relay_address="" if dl.peer else dl.relay,
             offset=0 if dl.peer else writer.size,
             accept_zstd=fresh,
-            accept_data_ticket=fresh and (dl.peer not in self._no_relay_plane if dl.peer
+            accept_data_ticket=fresh and (self.routes.on(Route.RELAY_PLANE, dl.peer) if dl.peer
                                           else dl.ticket),
             accept_url=fresh and not dl.peer and dl.urls)
 
@@ -205,8 +206,7 @@ class Fetches:
         if dl.inflate is not None:
             await dl.inflate.cut(dl.key, "its zstd stream from the data plane was cut off")
         if dl.peer and exc.unreachable:  # that peer over gRPC, from here on
-            if len(self._no_relay_plane) < MAX_PEERS_NOTED:
-                self._no_relay_plane.add(dl.peer)
+            self.routes.off(Route.RELAY_PLANE, str(exc), where=dl.peer)
             log.warning("download of %s: %s's relay data plane: %s; relayed over gRPC",
                         dl.key, dl.peer, exc, extra={"key": dl.key})
         elif dl.peer:  # as for a failed relay: the rest from the coordinator
@@ -217,7 +217,8 @@ class Fetches:
         else:  # the rest (or all) over gRPC, from where the download is
             dl.ticket, dl.urls, dl.relay = False, False, ""
             if exc.unreachable:  # from here: never asked for again
-                self.data_plane = self.bucket_urls = False
+                self.routes.off(Route.DATA_PLANE, str(exc))
+                self.routes.off(Route.BUCKET_URL, str(exc))
             self.metrics.data_plane.labels("fallback").inc()
             log.warning("download of %s: %s; fetching %s over gRPC", dl.key, exc,
                         "the rest" if writer.size else "it", extra={"key": dl.key})
@@ -292,7 +293,7 @@ class Fetches:
 
     async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str,
                           request: pb.FetchRequest):
-        if request.accept_local_file and self.local_files:
+        if request.accept_local_file and self.routes.on(Route.LOCAL_FILE):
             # A process on this host reads the host cache's file itself (and
             # verifies it); if the file went meanwhile, it asks again without.
             path = self.cache.store.hand_out(info.digest)
@@ -325,7 +326,8 @@ class Fetches:
         # A process on this host follows the host cache's file instead, from
         # the byte it has, once the fill stores the bytes raw (from the first byte
         # when they came raw, else after the first MiB's probe).
-        follow = request.accept_growing_file and request.accept_local_file and self.local_files
+        follow = request.accept_growing_file and request.accept_local_file \
+            and self.routes.on(Route.GROWING_FILE)
         if info is None and publishing is not None:
             # A process of this host is publishing it through us: the one asking
             # reads our copy (as it is written, or once it is in), instead of our

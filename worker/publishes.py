@@ -24,6 +24,7 @@ from compilecast.errors import (
     Unavailable,
 )
 from compilecast.grpcutil import rpc_errors
+from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
@@ -177,7 +178,7 @@ class Publishes:
         if (ns, header.key) in self._upload_broke:
             self._upload_broke.discard((ns, header.key))
             return False
-        return self.data_plane and self.data_plane_uploads \
+        return self.routes.on(Route.DATA_PLANE) and self.routes.on(Route.UPLOAD_TICKET) \
             and header.size >= clientpublish.DATA_PLANE_UPLOAD_FROM
 
     async def _upload(self, ns: str, md: tuple, header: pb.PublishHeader,
@@ -201,13 +202,13 @@ class Publishes:
                 raise _relay(exc) from None
             opened = pb.OpenUploadResponse()  # an older coordinator
         if not opened.HasField("ticket"):
-            self.data_plane_uploads = False
+            self.routes.off(Route.UPLOAD_TICKET, f"{self.coordinator} offers no upload tickets")
             log.info("%s takes publishes over gRPC only", self.coordinator)
             return None
         try:
             sock = await dial(opened.ticket, self.coordinator)
         except DataPlaneBroke as exc:
-            self.data_plane = False
+            self.routes.off(Route.DATA_PLANE, str(exc))
             log.info("cannot reach the coordinator's data plane (%s); artifacts go over "
                      "gRPC from now on", exc, extra={"key": header.key})
             return None

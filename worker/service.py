@@ -26,6 +26,7 @@ from compilecast import decide, decideserve, validate, wire
 from compilecast.coordinator.auth import token_from
 from compilecast.decide import Decider
 from compilecast.grpcutil import aio_channel, bearer, rpc_errors, unreachable
+from compilecast.negotiate import Route, Routes
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
@@ -64,10 +65,16 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         self.share_binary_timeout_ms = share_binary_timeout_ms
         # This host's waiters woken as a publish through us begins (they follow our copy).
         self.wake_on_host_publish = wake_on_host_publish
-        # Whole downloads over the coordinator's data plane when it offers one
-        # (plaintext only); off once its address could not be connected to.
-        self.data_plane = data_plane
-        self.local_files = local_files  # hand processes on this host the host cache's files
+        # The routes besides gRPC this worker may take (compilecast/negotiate.py):
+        # whole downloads and uploads over the coordinator's data plane
+        # (plaintext only), a bucket's presigned URLs, peers' relay data
+        # planes; the host cache's files handed to this host's processes.
+        self.routes = Routes(
+            [Route.UPLOAD_TICKET, Route.RELAY_PLANE]
+            + [route for route, offered in ((Route.DATA_PLANE, data_plane),
+                                            (Route.BUCKET_URL, bucket_urls),
+                                            (Route.LOCAL_FILE, local_files),
+                                            (Route.GROWING_FILE, local_files)) if offered])
         self.relay_address = relay_address
         self.link_store = link_store  # a coordinator's store on this filesystem (`up`)
         self._unlinkable: set[str] = set()  # digests whose linked blob failed to verify
@@ -83,19 +90,10 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         self.up = wire.stub(self.channel)
         self._fills: dict[tuple[str, str], _Fill] = {}
         self._publishing: dict[tuple[str, str], _Fill] = {}  # publishes through us
-        # Publishes go over the coordinator's data plane (with `data_plane`)
-        # until it offers no upload tickets; but not the next try of one whose
-        # upload broke off.
-        self.data_plane_uploads = True
-        # A coordinator over a bucket may send this worker to the bucket for the
-        # bytes (worker/bucketurl.py); off once the bucket could not be reached.
-        self.bucket_urls = bucket_urls
         self._upload_broke: set[tuple[str, str]] = set()
         self.handoffs: Handoffs | None = None  # publishes handed over as files (server.py)
         self.dirs: DirSync | None = None  # the host's synced directories (server.py)
         self.relay_plane: RelayPlane | None = None  # relays sent with sendfile (server.py)
-        # Peers whose relay data plane could not be connected to: relayed over gRPC.
-        self._no_relay_plane: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self._namespaces: dict[tuple, str] = {}  # upstream metadata -> host-cache namespace
