@@ -101,10 +101,6 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
-class _NoWaits(Exception):
-    """The server answered a wait message with no event: it predates them."""
-
-
 class _Entry:
     """One caller's decisions (or one wait) on their way through a Decider."""
 
@@ -137,9 +133,8 @@ class Decider:
     then does what it does when a unary call fails: the worker compiles
     locally). A stream the server ends with OK (a draining replica) has
     answered every decision it read, so what it left unanswered is sent
-    again, once, on a new stream. Against a server without Decide, it falls
-    back to AcquireMany, one call per `decide`, and to Wait; against one
-    that predates waits on the stream, to Wait.
+    again, once, on a new stream. A wait the stream has no room for (its
+    server's per-stream limit) goes to Wait.
     """
 
     def __init__(self, stub, metadata: tuple = (), *, timeout_s: float = 5.0,
@@ -154,8 +149,6 @@ class Decider:
         self._sent: dict[int, list[_Entry]] = {}
         self._ids = itertools.count(1)
         self._runner: asyncio.Task | None = None
-        self._unary = False  # the server has no Decide
-        self._no_waits = False  # the server answers no waits on the stream
         self.messages = 0  # messages written (fewer than decide calls under load)
         self.advised_gap_s = 0.0  # the server's advice (DecideResponse.gap_ms), capped
         self._advised_at = 0.0  # loop time of the answer that carried it
@@ -188,18 +181,8 @@ class Decider:
         here, so that it never shares a message with anyone else's)."""
         check_batch(requests)
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if not self._unary:
-            entry = _Entry(asyncio.get_running_loop().create_future(), requests)
-            try:
-                return await self._ask(entry, timeout)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                log.info("the server has no Decide stream; using AcquireMany")
-                self._unary = True
-        resp = await self._stub.AcquireMany(pb.AcquireManyRequest(requests=requests),
-                                            timeout=timeout, metadata=self._metadata)
-        return list(resp.responses)
+        entry = _Entry(asyncio.get_running_loop().create_future(), requests)
+        return await self._ask(entry, timeout)
 
     async def wait(self, request: pb.WaitRequest, *,
                    until_publishing: bool = False) -> pb.WaitEvent:
@@ -210,18 +193,13 @@ class Decider:
         times out ends the wait on the server too."""
         timeout = (request.timeout_ms / 1000.0 + self.timeout_s
                    if request.timeout_ms > 0 else None)
-        if not (self._unary or self._no_waits):
-            entry = _Entry(asyncio.get_running_loop().create_future(), wait=request,
-                           until_publishing=until_publishing)
-            try:
-                return await self._ask(entry, timeout)
-            except _NoWaits:
-                log.info("the server answers no waits on the Decide stream; using Wait")
-                self._no_waits = True
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNIMPLEMENTED,
-                                      grpc.StatusCode.RESOURCE_EXHAUSTED):
-                    raise
+        entry = _Entry(asyncio.get_running_loop().create_future(), wait=request,
+                       until_publishing=until_publishing)
+        try:
+            return await self._ask(entry, timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # else the stream is full
+                raise
         call = self._stub.Wait(request, timeout=timeout, metadata=self._metadata)
         try:
             async for event in call:
@@ -366,7 +344,9 @@ class Decider:
                 if answer.HasField("event"):
                     entries[0].done.set_result(answer.event)
                 else:
-                    entries[0].done.set_exception(_NoWaits())
+                    entries[0].done.set_exception(rpc_error(
+                        grpc.StatusCode.INTERNAL, f"Decide answer {answer.id} to a wait has "
+                                                  "no event"))
             return
         responses = list(answer.responses)
         if len(responses) != sum(len(e.requests) for e in entries):

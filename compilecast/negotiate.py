@@ -19,8 +19,6 @@ that case (docs/architecture.md, "Routes"):
                       memory file
         UPLOAD_TICKET the server hands out upload tickets (OpenUpload): the data
                       plane's upload, or with HANDOFF the handoff's ticket
-    and one protocol choice the server may refuse:
-        DIGEST_LAST   a publish's digest sent after its bytes (hashed as they go)
 
 Each end (a CacheClient, a worker) holds one `Routes`: the routes offered at
 its start (what its settings, its channel and the host allow), less those
@@ -53,7 +51,6 @@ class Route(enum.Enum):
     RELAY_PLANE = "COMPILECAST_RELAY_PLANE"
     HANDOFF = "COMPILECAST_HANDOFF"
     UPLOAD_TICKET = "COMPILECAST_UPLOAD_TICKETS"
-    DIGEST_LAST = "COMPILECAST_DIGEST_LAST"
 
     @property
     def env(self) -> str:

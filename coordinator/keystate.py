@@ -104,22 +104,17 @@ class _Waiters:
 
 
 def _lowest_rank(kv: KV) -> str | None:
-    """The lowest rank a P/w record names: a replica's record of its waiters,
-    or an older replica's record of one waiter (P/w/KEY/RANK/ID, during a
-    rolling upgrade)."""
+    """The lowest rank a replica's P/w record of its waiters names."""
     d = json_dict(kv.value) or {}
-    if "count" in d:
-        return d.get("lowest") if isinstance(d.get("lowest"), str) and d["lowest"] else None
-    parts = kv.key.rsplit(b"/", 2)
-    return parts[1].decode() if len(parts) == 3 and parts[1].isdigit() else None
+    return d.get("lowest") if isinstance(d.get("lowest"), str) and d["lowest"] else None
 
 
 def _waiters_by_job(kv: KV) -> dict[str, int]:
-    """How many waiters of each job a P/w record counts (an older replica's
-    record: one)."""
+    """How many waiters of each job a replica's P/w record counts (one that
+    does not parse: one waiter, of no job)."""
     d = json_dict(kv.value) or {}
     if "count" not in d:
-        return {str(d.get("job", "")): 1}
+        return {"": 1}
     jobs = d.get("jobs")
     if not isinstance(jobs, dict):
         return {}

@@ -405,7 +405,7 @@ class CoordinatorState(Artifacts, Waiting, Operations):
 
         def held(revision: int) -> pb.Lease:
             return pb.Lease(id=lease_id, ttl_seconds=self.leases.ttl_left(granted_at),
-                            revision=revision, accepts_zstd=True,
+                            revision=revision,
                             takes_digest_last=self._takes_digest_last())
 
         if ok:

@@ -115,8 +115,7 @@ def breaking_after_a_piece(monkeypatch) -> None:
 @pytest.mark.parametrize("digest_first", [False, True])
 def test_a_publish_goes_over_the_data_plane(coordinator, digest_first):
     c, lease = holder(coordinator)
-    if digest_first:  # the digest in the header, not after the bytes
-        c.routes.off(Route.DIGEST_LAST, "the test sends it first")
+    lease.takes_digest_last = not digest_first  # else the digest in the header
     info = c.publish("k", lease, DATA, 2.0)
     assert info.digest == DIGEST and info.size == len(DATA)
     assert uploads(coordinator) == 1 and bytes_in(coordinator) == len(DATA)
@@ -353,8 +352,7 @@ def through_worker(start_worker, coordinator, key: str = "k", **kw):
 def test_a_worker_sends_a_publish_on_over_the_data_plane(coordinator, start_worker,
                                                          digest_first):
     w, c, lease = through_worker(start_worker, coordinator)
-    if digest_first:
-        c.routes.off(Route.DIGEST_LAST, "the test sends it first")
+    lease.takes_digest_last = not digest_first  # else the digest in the header
     info = c.publish("k", lease, DATA, 2.0)
     assert info.digest == DIGEST and info.size == len(DATA)
     assert uploads(coordinator) == 1
@@ -366,7 +364,6 @@ def test_a_worker_sends_a_publish_on_over_the_data_plane(coordinator, start_work
 def test_a_zstd_stream_a_worker_packs_goes_over_grpc(coordinator, start_worker):
     data = b"compressible " * (len(DATA) // 13)
     w, c, lease = through_worker(start_worker, coordinator)
-    assert lease.accepts_zstd
     info = c.publish("k", lease, data, 2.0)
     assert uploads(coordinator) == 0 and bytes_in(coordinator) < len(data) // 10
     assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == data

@@ -61,7 +61,7 @@ async def with_decider(target: str, body, metadata: tuple = ()):
 
 
 async def against(servicer, body):
-    """with_decider against a server of our own (an older or odd coordinator)."""
+    """with_decider against a server of the test's own (an odd coordinator)."""
     server = grpc.aio.server()
     rpc.add_CompileCacheServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -250,26 +250,6 @@ def test_stream_failure_fails_its_decisions_and_the_next_one_reconnects(
 
 async def _channel(target: str) -> grpc.aio.Channel:
     return aio_channel(target, None)
-
-
-class _AcquireManyOnly(rpc.CompileCacheServicer):
-    """A server from before the Decide stream."""
-
-    async def AcquireMany(self, request, context):
-        return pb.AcquireManyResponse(responses=[
-            pb.AcquireResponse(decision=pb.WAIT, reason=f"old server: {r.key}")
-            for r in request.requests])
-
-
-def test_falls_back_to_acquire_many_without_decide(loop_thread):
-    async def ask_twice(d: decide.Decider):
-        one = await d.decide([ask("a"), ask("b")])
-        two = await d.decide([ask("c")])
-        return one + two, d.messages
-
-    answers, messages = loop_thread.run(against(_AcquireManyOnly(), ask_twice))
-    assert [a.reason for a in answers] == ["old server: a", "old server: b", "old server: c"]
-    assert messages == 1  # the first try; after UNIMPLEMENTED, no stream again
 
 
 def test_worker_decides_over_one_stream(coordinator, start_worker, loop_thread):

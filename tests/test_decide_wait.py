@@ -140,9 +140,9 @@ def test_a_process_waiting_behind_a_worker_waits_on_its_stream(coordinator, star
         holder.close()
 
 
-class _NoWaitsOnTheStream(rpc.CompileCacheServicer):
-    """A server from before waits on the stream: Decide answers a wait message
-    with no event (it sees an empty batch); Wait works."""
+class _NoEventForWaits(rpc.CompileCacheServicer):
+    """A server that answers a wait message with no event (it reads it as an
+    empty batch of decisions)."""
 
     async def Decide(self, request_iterator, context):
         async def decided(requests):
@@ -151,20 +151,17 @@ class _NoWaitsOnTheStream(rpc.CompileCacheServicer):
         async for answer in decideserve.serve(request_iterator, decided):
             yield answer
 
-    async def Wait(self, request, context):
-        yield pb.WaitEvent(decision=pb.WAIT, reason="heartbeat")
-        yield pb.WaitEvent(decision=pb.HIT, reason=f"unary: {request.key}")
 
+def test_a_wait_answered_without_an_event_fails_as_a_call_would(loop_thread):
+    async def once(d: decide.Decider):
+        try:
+            await d.wait(wait_for("a"))
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details()
+        return None, ""
 
-def test_falls_back_to_wait_against_a_server_without_waits_on_the_stream(loop_thread):
-    async def twice(d: decide.Decider):
-        first = await d.wait(wait_for("a"))
-        second = await d.wait(wait_for("b"))
-        return first, second, d.messages
-
-    first, second, messages = loop_thread.run(against(_NoWaitsOnTheStream(), twice))
-    assert (first.reason, second.reason) == ("unary: a", "unary: b")
-    assert messages == 1  # tried once on the stream; then Wait only
+    code, details = loop_thread.run(against(_NoEventForWaits(), once))
+    assert code == grpc.StatusCode.INTERNAL and "no event" in details, details
 
 
 async def _inbox_stream():

@@ -44,7 +44,7 @@ def no_grpc_publish(monkeypatch):
     def refused(self, header, data):
         raise AssertionError("published over gRPC")
 
-    monkeypatch.setattr(CacheClient, "_publish_once", refused)
+    monkeypatch.setattr(CacheClient, "_send", refused)
 
 
 def handoffs(worker, result: str = "published") -> float:
@@ -95,8 +95,7 @@ def test_a_publish_is_handed_to_the_worker(coordinator, start_worker, no_grpc_pu
                                            digest_first):
     w = start_worker(coordinator.cfg.listen)
     c, lease = holder(w)
-    if digest_first:
-        c.routes.off(Route.DIGEST_LAST, "the test sends it first")
+    lease.takes_digest_last = not digest_first  # else the digest in the header
     info = c.publish("k", lease, DATA, 2.0)
     assert info.digest == DIGEST and info.size == len(DATA)
     assert CacheClient(coordinator.cfg.listen).fetch("k")[1] == DATA

@@ -166,50 +166,6 @@ def test_a_purged_digest_sent_last_is_refused_before_it_is_stored(coordinator):
     assert code_of(lambda: c.fetch("k"))[0] == grpc.StatusCode.NOT_FOUND
 
 
-def test_a_client_sends_the_digest_first_to_a_server_that_predates_digests_sent_last():
-    """An older worker passes on a newer coordinator's lease as it is (it
-    says the digest may come last) but refuses an empty header digest
-    before taking any byte; the client then sends the digest first, at once
-    and from then on. A lease that does not say so (an older coordinator's)
-    gets the digest first. (A server of the test's own, answering as older
-    releases do.)"""
-    from concurrent import futures
-
-    headers = []
-
-    class Older(rpc.CompileCacheServicer):
-        def Publish(self, request_iterator, context):
-            header = next(request_iterator).header
-            headers.append(header.digest)
-            if not header.digest:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "digest '' is invalid: expected "
-                              "64 lowercase hex characters (sha256)")
-            body = b"".join(m.data for m in request_iterator)
-            assert hashlib.sha256(body).hexdigest() == header.digest
-            return pb.PublishResponse(artifact=pb.ArtifactInfo(key=header.key,
-                                                               digest=header.digest))
-
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    rpc.add_CompileCacheServicer_to_server(Older(), server)
-    port = server.add_insecure_port("127.0.0.1:0")  # the port it binds, not one seen free
-    server.start()
-    try:
-        digest = hashlib.sha256(DATA).hexdigest()
-        older_coordinators = pb.Lease(id=1, ttl_seconds=10, revision=1)
-        assert client(f"127.0.0.1:{port}").publish("k", older_coordinators, DATA,
-                                                  1.0).digest == digest
-        assert headers == [digest]
-        headers.clear()
-        c = client(f"127.0.0.1:{port}")
-        passed_on = pb.Lease(id=1, ttl_seconds=10, revision=1, takes_digest_last=True)
-        assert c.publish("k", passed_on, DATA, 1.0).digest == digest
-        assert headers == ["", digest]
-        assert c.publish("k2", passed_on, DATA, 1.0).digest == digest
-        assert headers == ["", digest, digest]
-    finally:
-        server.stop(0)
-
-
 def test_wait_with_negative_timeout_is_invalid(coordinator):
     c = client(coordinator.cfg.listen)
     code, _ = code_of(lambda: list(c.stub.Wait(pb.WaitRequest(key="k", timeout_ms=-1),
@@ -497,7 +453,6 @@ def test_a_worker_publishes_compressed_to_a_coordinator_that_takes_zstd(
     data = b"".join(os.urandom(64) + b"\x00" * 448 for _ in range(8192))  # 4 MiB, ~8x
     digest = hashlib.sha256(data).hexdigest()
     claim = process.acquire("k")
-    assert claim.lease.accepts_zstd
     process.publish("k", claim.lease, data, 1.0)
     stream = coordinator.store.path_of(digest).read_bytes()
     assert len(stream) < len(data) / 4
@@ -508,13 +463,6 @@ def test_a_worker_publishes_compressed_to_a_coordinator_that_takes_zstd(
     process.publish("n", process.acquire("n").lease, noise, 1.0)
     assert received() == len(stream) + len(noise)
     assert client(coordinator.cfg.listen).fetch("n")[1] == noise
-    # A lease from a coordinator that predates zstd publishes (no accepts_zstd): data.
-    before = received()
-    old_lease = process.acquire("o").lease
-    old_lease.accepts_zstd = False
-    process.publish("o", old_lease, data, 1.0)
-    assert received() == before + len(data)
-    assert client(coordinator.cfg.listen).fetch("o")[1] == data
 
 
 def test_a_worker_forwards_a_digest_sent_last(coordinator, start_worker):

@@ -39,9 +39,7 @@ def test_a_replicas_waiters_keep_their_count_jobs_and_lowest_rank():
     assert (w.count, w.lowest, dict(w.ranks), dict(w.jobs)) == (0, "", {}, {})
 
 
-def test_records_of_both_layouts_are_read():
-    """A replica's record of its waiters, and an older replica's record of
-    one waiter (P/w/KEY/RANK/ID) during a rolling upgrade."""
+def test_a_replicas_record_of_its_waiters_is_read():
     mine = KV(b"/p/w/default/k/3f2a", _Waiters().record(), 1, 1, 0)
     assert _lowest_rank(mine) is None and _waiters_by_job(mine) == {}
     w = _Waiters()
@@ -50,9 +48,6 @@ def test_records_of_both_layouts_are_read():
     ours = KV(b"/p/w/default/k/3f2a", w.record(), 1, 1, 0)
     assert _lowest_rank(ours) == "0000000005"
     assert _waiters_by_job(ours) == {"job-1": 1, "job-2": 1}
-    old = KV(b"/p/w/default/k/0000000004/abcdef012345",
-             json.dumps({"job": "job-1", "process_id": 4}).encode(), 1, 1, 0)
-    assert _lowest_rank(old) == "0000000004" and _waiters_by_job(old) == {"job-1": 1}
     damaged = KV(b"/p/w/default/k/3f2a", b"not json", 1, 1, 0)
     assert _waiters_by_job(damaged) == {"": 1}  # counted as one, never fails a status
     assert _lowest_rank(damaged) is None  # and names no rank: it never goes first

@@ -107,7 +107,7 @@ class CacheClient(Publishing):
         # TCP), whole artifacts and waits over its data plane.
         unix = target.startswith("unix:")
         self.routes = Routes(
-            [Route.UPLOAD_TICKET, Route.DIGEST_LAST]
+            [Route.UPLOAD_TICKET]
             + ([Route.LOCAL_FILE, Route.GROWING_FILE] if unix else [])
             + ([Route.HANDOFF] if unix and handoff.supported() else [])
             + ([Route.DATA_PLANE, Route.DATA_WAIT] if not unix and creds is None else []))

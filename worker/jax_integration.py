@@ -321,13 +321,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
 
     def _release(self, key: str, held: _Held, reason: int, detail: str) -> None:
         try:
-            try:
-                self.client.release(key, held.lease, reason, detail)
-            except grpc.RpcError as exc:
-                if reason != pb.PUBLISH_REFUSED or exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
-                    raise
-                # A coordinator that predates PUBLISH_REFUSED: a waiter is promoted.
-                self.client.release(key, held.lease, pb.ABANDONED, detail)
+            self.client.release(key, held.lease, reason, detail)
             with self._lock:
                 self.stats.released += 1
         except Exception as exc:  # (a release runs after the compile: never raise)

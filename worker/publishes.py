@@ -114,10 +114,10 @@ class Publishes:
 
             moved = [time.monotonic()]
 
-            # A coordinator that takes zstd gets the publish compressed here, on the
-            # holder's host, once: it stores the stream as it comes, and so does
-            # the host cache.
-            pack = _Packer(writer) if header.lease.accepts_zstd else None
+            # The publish goes on compressed here, on the holder's host, once:
+            # the coordinator stores the stream as it comes, and so does the
+            # host cache.
+            pack = _Packer(writer)
 
             later = not header.digest  # the holder sends it last: so does this worker
             # As it came: publish_stream sets the digest sent last on `header`.
@@ -130,24 +130,18 @@ class Publishes:
                     if chunk.zstd_data:
                         raise InvalidRequest("a worker takes a publish as data (it compresses "
                                              "for the coordinator itself)")
-                    if pack is None:
-                        await asyncio.to_thread(writer.write, chunk.data)
-                        copy.advance()
-                        yield chunk  # as received: its frame goes on without re-encoding
-                        continue
                     sent = await asyncio.to_thread(pack.add, chunk)
                     copy.advance()
                     for out in sent:
                         yield out
-                if pack is not None:
-                    for out in await asyncio.to_thread(pack.end):
-                        yield out
+                for out in await asyncio.to_thread(pack.end):
+                    yield out
                 if digest_here and later:  # what our copy hashed to, every byte written
                     header.digest = await asyncio.to_thread(writer.hexdigest)
 
             sending = outgoing()
-            # The first chunk says whether the rest goes raw (a zstd-taking
-            # coordinator's gets packed here when it compresses): raw bytes of
+            # The first chunk says whether the rest goes raw (it is packed here
+            # when it compresses): raw bytes of
             # a big artifact may go over the coordinator's data plane.
             first = await anext(sending, None) if self._uploads(ns, header) else None
             resp = None
@@ -198,9 +192,7 @@ class Publishes:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return None  # too many tickets out (or too large: its Publish says so)
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise _relay(exc) from None
-            opened = pb.OpenUploadResponse()  # an older coordinator
+            raise _relay(exc) from None
         if not opened.HasField("ticket"):
             self.routes.off(Route.UPLOAD_TICKET, f"{self.coordinator} offers no upload tickets")
             log.info("%s takes publishes over gRPC only", self.coordinator)

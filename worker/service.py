@@ -392,9 +392,6 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
                                                                resp.revocations}))[:200])
                     since[md] = resp.revision
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                        log.warning("the coordinator predates revocations; not polling them")
-                        return
                     log.debug("polling revocations failed: %s", exc.code().name)
             await asyncio.sleep(every_s)
 

@@ -82,18 +82,16 @@ class ArtifactInfo(_message.Message):
     def __init__(self, key: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., compile_time_seconds: _Optional[float] = ..., created_unix: _Optional[float] = ..., recipe_digest: _Optional[str] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "ttl_seconds", "revision", "accepts_zstd", "takes_digest_last")
+    __slots__ = ("id", "ttl_seconds", "revision", "takes_digest_last")
     ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTS_ZSTD_FIELD_NUMBER: _ClassVar[int]
     TAKES_DIGEST_LAST_FIELD_NUMBER: _ClassVar[int]
     id: int
     ttl_seconds: int
     revision: int
-    accepts_zstd: bool
     takes_digest_last: bool
-    def __init__(self, id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., revision: _Optional[int] = ..., accepts_zstd: _Optional[bool] = ..., takes_digest_last: _Optional[bool] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., revision: _Optional[int] = ..., takes_digest_last: _Optional[bool] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("key", "requester", "key_components", "program_name", "key_seconds")
