@@ -46,6 +46,7 @@ import grpc
 
 from compilecast import validate
 from compilecast.errors import InvalidRequest
+from compilecast.grpcutil import grpc_code
 from compilecast.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,6 @@ GAP_S = 0.005
 ADVICE_S = 1.0
 MAX_ADVISED_GAP_S = 0.05
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def check_batch(requests: Sequence[pb.AcquireRequest]) -> None:
@@ -336,7 +336,7 @@ class Decider:
         if entries is None:
             return
         if answer.error_code:
-            code = _CODES.get(answer.error_code, grpc.StatusCode.UNKNOWN)
+            code = grpc_code(answer.error_code)
             self._fail(entries, rpc_error(code, answer.error_message))
             return
         if entries[0].wait is not None:
@@ -366,7 +366,7 @@ class Decider:
             return
         error = None
         if answer.error_code:
-            error = rpc_error(_CODES.get(answer.error_code, grpc.StatusCode.UNKNOWN),
+            error = rpc_error(grpc_code(answer.error_code),
                               answer.error_message)
         elif len(answer.responses) != len(answer.positions):
             raise rpc_error(grpc.StatusCode.INTERNAL,

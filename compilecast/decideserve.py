@@ -11,10 +11,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-import grpc
-
 from compilecast.decide import check_batch
-from compilecast.errors import CompilecastError, InvalidRequest, TooMany
+from compilecast.errors import CompilecastError, InvalidRequest, TooMany, status_of
 from compilecast.v1 import cache_pb2 as pb
 
 log = logging.getLogger("compilecast.decide")
@@ -107,12 +105,11 @@ def _refusal(msg_id: int, exc: BaseException, positions: Sequence[int] = ()
              ) -> pb.DecideResponse:
     """The answer to a message (or the part at `positions`) that failed: its
     status, the stream carries on."""
-    if isinstance(exc, CompilecastError):
-        return pb.DecideResponse(id=msg_id, error_code=exc.code.value[0], error_message=str(exc),
-                                 positions=positions)
-    log.error("Decide message %d failed", msg_id, exc_info=exc)
-    return pb.DecideResponse(id=msg_id, error_code=grpc.StatusCode.INTERNAL.value[0],
-                             error_message="Decide: internal error", positions=positions)
+    if not isinstance(exc, CompilecastError):
+        log.error("Decide message %d failed", msg_id, exc_info=exc)
+    status, message = status_of(exc, "Decide")
+    return pb.DecideResponse(id=msg_id, error_code=status, error_message=message,
+                             positions=positions)
 
 
 def _bundled(first: pb.DecideResponse, answers: asyncio.Queue) -> pb.DecideResponse:

@@ -1,8 +1,11 @@
 """The error type of compilecast's core.
 
-Grouped by what the caller should do. Each class carries its gRPC status
-code; exactly one edge (`compilecast.grpcutil.rpc_errors`) turns them into
-statuses, for both servers.
+Grouped by what the caller should do. Each class carries its status, a
+google.rpc.Code (`Status`, the numbers gRPC's status codes have): a failure
+travels as that number where it is not a gRPC call's own status (a Decide
+answer's error_code, a data plane's status frame). The core imports no gRPC;
+exactly one edge (`compilecast.grpcutil`) turns a Status into a gRPC status
+code and back, for both servers and for the clients.
 
     CompilecastError
     ├── InvalidRequest        fix the request          -> INVALID_ARGUMENT
@@ -27,17 +30,56 @@ statuses, for both servers.
 
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class Status(enum.IntEnum):
+    """google.rpc.Code: the numbers of gRPC's status codes."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+    @classmethod
+    def of_number(cls, number: int) -> Status:
+        """The status a number names; UNKNOWN for one that names none."""
+        try:
+            return cls(number)
+        except ValueError:
+            return cls.UNKNOWN
 
 
 class CompilecastError(Exception):
     """Base of every error compilecast raises on purpose."""
 
-    code = grpc.StatusCode.INTERNAL
+    status = Status.INTERNAL
+
+
+def status_of(exc: BaseException, where: str) -> tuple[Status, str]:
+    """The status and message a failure ends a request with: a
+    CompilecastError's own, anything else (a bug, logged by the caller)
+    INTERNAL without its details."""
+    if isinstance(exc, CompilecastError):
+        return exc.status, str(exc)
+    return Status.INTERNAL, f"{where}: internal error"
 
 
 class InvalidRequest(CompilecastError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    status = Status.INVALID_ARGUMENT
 
 
 class DigestMismatch(InvalidRequest):
@@ -45,63 +87,63 @@ class DigestMismatch(InvalidRequest):
 
 
 class NotFound(CompilecastError):
-    code = grpc.StatusCode.NOT_FOUND
+    status = Status.NOT_FOUND
 
 
 class LeaseError(CompilecastError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    status = Status.FAILED_PRECONDITION
 
 
 class AlreadyPublished(CompilecastError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    status = Status.ALREADY_EXISTS
 
 
 class Revoked(CompilecastError):
     """A publish of bytes an operator purged (their digest is revoked)."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    status = Status.FAILED_PRECONDITION
 
 
 class TooLarge(CompilecastError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = Status.RESOURCE_EXHAUSTED
 
 
 class StoreFull(CompilecastError):
     """The volume under a blob store has no room left, even after evicting
     every blob the store could."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = Status.RESOURCE_EXHAUSTED
 
 
 class TooMany(CompilecastError):
     """A per-stream limit reached (e.g. waits on one Decide stream)."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = Status.RESOURCE_EXHAUSTED
 
 
 class CorruptBlob(CompilecastError):
-    code = grpc.StatusCode.DATA_LOSS
+    status = Status.DATA_LOSS
 
 
 class Unavailable(CompilecastError):
-    code = grpc.StatusCode.UNAVAILABLE
+    status = Status.UNAVAILABLE
 
 
 class UpstreamError(CompilecastError):
     """A status returned by the coordinator, relayed unchanged by a worker."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, status: Status, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.status = status
 
 
 class Unauthenticated(CompilecastError):
     """No or an unknown credential: -> UNAUTHENTICATED."""
 
-    code = grpc.StatusCode.UNAUTHENTICATED
+    status = Status.UNAUTHENTICATED
 
 
 class PermissionDenied(CompilecastError):
     """A known identity without the permission the call needs: -> PERMISSION_DENIED."""
 
-    code = grpc.StatusCode.PERMISSION_DENIED
+    status = Status.PERMISSION_DENIED

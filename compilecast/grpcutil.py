@@ -11,7 +11,7 @@ from collections.abc import Callable
 import grpc
 
 from compilecast import wire
-from compilecast.errors import CompilecastError, InvalidRequest
+from compilecast.errors import CompilecastError, InvalidRequest, Status
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +102,23 @@ def bearer(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+def grpc_code(status: int) -> grpc.StatusCode:
+    """The gRPC status code of a Status (or of its number; UNKNOWN for a
+    number that names none)."""
+    return _GRPC_CODES[Status.of_number(status)]
+
+
+def status(code: grpc.StatusCode) -> Status:
+    """The Status of a gRPC status code."""
+    return Status[code.name]
+
+
+_GRPC_CODES = {s: grpc.StatusCode[s.name] for s in Status}
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: CompilecastError, name: str) -> None:
-    log.info("%s refused: %s: %s", name, exc.code.name, exc)
-    await context.abort(exc.code, str(exc))
+    log.info("%s refused: %s: %s", name, exc.status.name, exc)
+    await context.abort(grpc_code(exc.status), str(exc))
 
 
 def rpc_errors(fn: Callable) -> Callable:
@@ -198,7 +212,7 @@ def add_service(server: grpc.aio.Server, servicer, service_descriptor, message_c
                 try:
                     request = parse(raw)
                 except InvalidRequest as exc:
-                    await context.abort(exc.code, str(exc))
+                    await context.abort(grpc_code(exc.status), str(exc))
                 async for item in impl(request, context):
                     yield item
 
@@ -209,7 +223,7 @@ def add_service(server: grpc.aio.Server, servicer, service_descriptor, message_c
                 try:
                     request = parse(raw)
                 except InvalidRequest as exc:
-                    await context.abort(exc.code, str(exc))
+                    await context.abort(grpc_code(exc.status), str(exc))
                 return await impl(request, context)
 
             make = grpc.unary_unary_rpc_method_handler

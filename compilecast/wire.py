@@ -22,9 +22,7 @@ import secrets
 import socket
 import time
 
-import grpc
-
-from compilecast.errors import CompilecastError
+from compilecast.errors import status_of
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
@@ -135,9 +133,8 @@ def refusal_frame(exc: BaseException, where: str) -> bytes:
     """The status frame of an upload that failed with `exc`: a
     CompilecastError's status and message, anything else (a bug, logged by
     the caller) INTERNAL without its details."""
-    if isinstance(exc, CompilecastError):
-        return status_frame(exc.code.value[0], str(exc).encode()[:4096])
-    return status_frame(grpc.StatusCode.INTERNAL.value[0], f"{where}: internal error".encode())
+    status, message = status_of(exc, where)
+    return status_frame(status, message.encode()[:4096])
 
 
 def status_length(head: bytes, where: str) -> int:

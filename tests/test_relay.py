@@ -129,7 +129,7 @@ def test_a_fill_hands_each_reader_the_stream_it_takes(loop_thread):
         if i is None:
             return "end"
         if isinstance(i, UpstreamError):
-            return f"UpstreamError:{i.code.name}"
+            return f"UpstreamError:{i.status.name}"
         if i.zstd_data:
             return "z:" + bytes(i.zstd_data).decode()
         if i.data:

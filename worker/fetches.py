@@ -18,7 +18,7 @@ import grpc
 from compilecast import validate
 from compilecast.blobstore import RAW_MAGIC, amake_room, aread
 from compilecast.blobwriter import OUT_OF_SPACE
-from compilecast.errors import CorruptBlob, InvalidRequest, UpstreamError
+from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamError
 from compilecast.grpcutil import rpc_errors
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
@@ -229,7 +229,7 @@ class Fetches:
         replica restarting), or raise what ends the fill."""
         if not dl.peer:
             if isinstance(exc, TimeoutError):
-                raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                raise UpstreamError(Status.DEADLINE_EXCEEDED,
                                     f"coordinator: the fetch of {dl.key} moved nothing for "
                                     f"{UPSTREAM_IDLE_S:g}s") from None
             if exc.code() != grpc.StatusCode.UNAVAILABLE or not dl.resumes:

@@ -6,13 +6,13 @@ import asyncio
 import os
 import threading
 
-import grpc
 import zstandard
 
 from compilecast.blobstore import Inflate
 from compilecast.blobwriter import PROBE, worth_compressing
 from compilecast.errors import (
     CorruptBlob,
+    Status,
     UpstreamError,
 )
 from compilecast.v1 import cache_pb2 as pb
@@ -167,7 +167,7 @@ class _Fill:
         fail, and fetch the rest elsewhere from the offset they reached."""
         self.zstd_backlog.chunks = None
         readers, self.zstd_readers = self.zstd_readers, []
-        await self._put(readers, UpstreamError(grpc.StatusCode.UNAVAILABLE, why))
+        await self._put(readers, UpstreamError(Status.UNAVAILABLE, why))
 
     async def _put(self, readers: list[asyncio.Queue], item) -> None:
         for q in list(readers):

@@ -18,6 +18,7 @@ import zstandard
 
 from compilecast.blobstore import RAW_MAGIC, Inflate, Sha256
 from compilecast.errors import CorruptBlob
+from compilecast.grpcutil import grpc_code
 from compilecast.v1 import cache_pb2 as pb
 
 LOCAL_PIECE = 4 << 20  # a host cache file is read (and hashed) in pieces of this size
@@ -46,7 +47,6 @@ class Stalled(_Status):
         super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, what)
 
 
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class UploadRefused(_Status):
@@ -54,7 +54,7 @@ class UploadRefused(_Status):
     the status code and message its Publish stream would have ended with."""
 
     def __init__(self, code: int, details: str) -> None:
-        super().__init__(_STATUS_CODES.get(code, grpc.StatusCode.UNKNOWN), details)
+        super().__init__(grpc_code(code), details)
 
 
 class _UploadBroken(_Status):

@@ -11,10 +11,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from compilecast.coordinator.auth import token_from
-from compilecast.errors import (
-    UpstreamError,
-)
-from compilecast.grpcutil import rpc_errors
+from compilecast.errors import Status, UpstreamError
+from compilecast.grpcutil import rpc_errors, status
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
@@ -106,7 +104,7 @@ async def _unless_stalled(call, moved: list[float], stall_s: float, what: str):
                 await asyncio.wait({task})
                 if not task.cancelled():
                     task.exception()  # retrieved: the stall is what the caller hears
-                raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                raise UpstreamError(Status.DEADLINE_EXCEEDED,
                                     f"{what} moved nothing for {stall_s:g}s")
     finally:
         if not task.done():  # our caller went away: so does the call
@@ -166,7 +164,7 @@ def _ticketed(info: pb.ArtifactInfo, ticket: pb.DataTicket | None) -> pb.FetchCh
 def _relay(exc: grpc.aio.AioRpcError | UploadRefused) -> UpstreamError:
     """The coordinator's status for our caller; a stream reset or an upstream
     bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
-    code = exc.code()
-    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-        code = grpc.StatusCode.UNAVAILABLE
+    code = status(exc.code())
+    if code in (Status.INTERNAL, Status.UNKNOWN):
+        code = Status.UNAVAILABLE
     return UpstreamError(code, f"coordinator: {exc.details()}")
