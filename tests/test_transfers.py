@@ -34,7 +34,12 @@ class Trickle(rpc.CompileCacheServicer):
     def __init__(self, chunks: int, every_s: float, stall_after: int | None = None) -> None:
         self.chunks, self.every_s, self.stall_after = chunks, every_s, stall_after
         self.release = threading.Event()
+        self.held_out = threading.Event()  # a hold ended unreleased (30 s)
         self.data = DATA * chunks
+
+    def _hold(self) -> None:
+        if not self.release.wait(30):
+            self.held_out.set()
 
     def Fetch(self, request, context):
         info = pb.ArtifactInfo(key=request.key, size=len(self.data),
@@ -42,15 +47,18 @@ class Trickle(rpc.CompileCacheServicer):
         yield pb.FetchChunk(artifact=info)
         for i in range(self.chunks):
             if i == self.stall_after:
-                self.release.wait(30)
+                self._hold()
             time.sleep(self.every_s)
             yield pb.FetchChunk(data=DATA)
 
     def Publish(self, request_iterator, context):
         next(request_iterator)
         next(request_iterator)
-        self.release.wait(30)
+        self._hold()
         return pb.PublishResponse()
+
+    def OpenUpload(self, request, context):
+        return pb.OpenUploadResponse()  # no ticket: publishes over gRPC
 
 
 def _receiving(coordinator) -> bool:
@@ -139,34 +147,30 @@ def serve():
 
 
 def test_a_fetch_that_keeps_moving_outlasts_the_stall_limit(serve):
-    trickle = Trickle(chunks=8, every_s=0.25)
+    trickle = Trickle(chunks=8, every_s=0.25)  # 2 s in all, never silent for 1 s
     client = CacheClient(serve(trickle), stall_s=1.0)
-    started = time.monotonic()
     info, data = client.fetch("k")
     assert data == trickle.data and info.size == len(data)
-    assert time.monotonic() - started > 1.5  # longer than stall_s, never silent that long
 
 
 def test_a_fetch_that_stalls_is_given_up(serve):
     trickle = Trickle(chunks=4, every_s=0.0, stall_after=2)
     client = CacheClient(serve(trickle), stall_s=0.5)
-    started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         client.fetch("k")
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "moved nothing" in err.value.details()
-    assert time.monotonic() - started < 10  # not the 30 s the server holds it
+    assert "moved nothing for 0.5s" in err.value.details()
+    assert not trickle.held_out.is_set()  # given up while the server held it
 
 
 def test_a_publish_the_server_stops_reading_is_given_up(serve):
     trickle = Trickle(chunks=0, every_s=0.0)
     client = CacheClient(serve(trickle), stall_s=0.5)
-    started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         client.publish("k", pb.Lease(id=1, revision=1), DATA * 64, 1.0)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "publish of k" in err.value.details()
-    assert time.monotonic() - started < 10
+    assert "publish of k" in err.value.details() and "0.5s" in err.value.details()
+    assert not trickle.held_out.is_set()  # given up while the server held it
     assert client._publishing == set()
 
 
@@ -269,11 +273,11 @@ def test_a_fetch_cut_off_by_a_worker_restart_is_tried_again(
     t.join(60)
     assert out == [data]
     assert "was cut off" in caplog.text
-    started_at = time.monotonic()  # refused from the start: no retry, no waiting
+    caplog.clear()  # refused from the start: no retry
     with pytest.raises(grpc.RpcError) as err:
         CacheClient(f"unix://{worker.cfg.listen.removeprefix('unix://')}.none").fetch("k")
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert time.monotonic() - started_at < 1.0
+    assert "trying again" not in caplog.text
 
 
 def test_a_wait_cut_off_by_a_worker_restart_is_sent_again(coordinator, start_worker, started):
