@@ -51,6 +51,7 @@ demo: install
 
 test: install
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(HELM) lint --strict helm/compilecast
 	HELM=$(HELM) $(PY) -m pytest
 
@@ -58,8 +59,8 @@ test-fast: install
 	$(PY) -m pytest -m "not slow"
 
 lint: install
-	$(PY) -m pip install -q ruff
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 proto:
 	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos \

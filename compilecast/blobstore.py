@@ -53,7 +53,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import zstandard
 
@@ -463,7 +463,7 @@ class DiskBlobStore:
             return None
         return str(path)
 
-    def open_trusted(self, digest: str):
+    def open_trusted(self, digest: str) -> BinaryIO | None:
         """The blob's file, open for reading as stored, when this process
         wrote or verified that very file within `reverify_s` (touched as a
         read is); None otherwise (absent, or to be verified by a `read`).
@@ -483,7 +483,7 @@ class DiskBlobStore:
         f.close()
         return None
 
-    def open_sendable(self, digest: str, zstd_ok: bool):
+    def open_sendable(self, digest: str, zstd_ok: bool) -> BinaryIO | None:
         """open_trusted, for a sender whose reader takes the file as it is
         stored: None for a zstd blob unless `zstd_ok` (that reader must get
         decoded bytes, over gRPC)."""
@@ -517,7 +517,7 @@ async def aread(store: ArtifactStore, digest: str, *, depth: int = 4, chunk_size
     `transform` to each chunk (the wire framing: off the event loop); errors
     (CorruptBlob after the last chunk) are raised in the caller."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
     room = threading.Semaphore(depth)  # backpressure without a loop round trip per chunk
     stop = threading.Event()
     done = object()

@@ -26,6 +26,7 @@ from compilecast.errors import (
     TooLarge,
 )
 
+Buffer = bytes | bytearray | memoryview  # what a hash or a write takes
 CHUNK = 2 << 20
 RAW_MAGIC = b"CCRAW01\n"  # a stored blob that is not zstd (zstd frames begin 28 b5 2f fd)
 PROBE = 1 << 20  # bytes whose compressibility decides how a blob is stored
@@ -105,7 +106,8 @@ HASH_BATCH_PIECES = 4  # or this many pieces: a small piece may hold a whole buf
 HASH_QUEUE = 2  # batches waiting for the hashing thread, at most
 
 
-def _hash_pieces(h, batches: queue.Queue, owner: weakref.ref) -> None:
+def _hash_pieces(h: Any, batches: queue.Queue[list[Buffer] | None],
+                 owner: weakref.ref[Sha256]) -> None:
     """Sha256's thread: hash the batches of pieces until told to stop, or
     until its owner is gone without saying so (a writer nobody closed)."""
     while True:
@@ -144,12 +146,12 @@ class Sha256:
         self._depth = depth
         self._batch_bytes = batch
         self._seen = 0
-        self._batch: list = []
+        self._batch: list[Buffer] = []
         self._batched = 0
-        self._queue: queue.Queue | None = None
+        self._queue: queue.Queue[list[Buffer] | None] | None = None
         self._thread: threading.Thread | None = None
 
-    def update(self, data) -> None:
+    def update(self, data: Buffer) -> None:
         if self._queue is not None:
             if isinstance(data, bytearray) or (isinstance(data, memoryview)
                                                and not data.readonly):
@@ -169,13 +171,13 @@ class Sha256:
             self._thread.start()
 
     def _hand_over(self) -> None:
-        if self._batch:
+        if self._batch and self._queue is not None:
             self._queue.put(self._batch)
             self._batch, self._batched = [], 0
 
     def close(self) -> None:
         """Hash what is queued and end the thread; later updates hash inline."""
-        if self._queue is not None:
+        if self._queue is not None and self._thread is not None:
             self._hand_over()
             self._queue.put(None)
             self._thread.join()
@@ -197,8 +199,8 @@ class Inflate:
         self.size = 0  # decoded so far
         self._sink = sink
         self._limit = limit
-        self._writer = zstandard.ZstdDecompressor().stream_writer(self._Out(self),
-                                                                  write_size=piece)
+        self._writer = zstandard.ZstdDecompressor().stream_writer(
+            self._Out(self), write_size=piece)  # type: ignore[arg-type]  # (a writer, not IO)
 
     class _Out:
         __slots__ = ("inflate",)
@@ -214,7 +216,7 @@ class Inflate:
             inflate._sink(data)
             return len(data)
 
-    def feed(self, data) -> None:
+    def feed(self, data: Buffer) -> None:
         try:
             self._writer.write(data)
         except zstandard.ZstdError as exc:
@@ -247,7 +249,8 @@ class BlobWriter:
                 os.fchmod(fd, store.file_mode)
             self._file = os.fdopen(fd, "wb")
         self._level = store.level
-        self._zw = None  # a zstd stream writer, once the probe says compress
+        # A zstd stream writer, once the probe says compress.
+        self._zw: zstandard.ZstdCompressionWriter | None = None
         self._raw = False
         self._as_sent = False  # storing a zstd stream as it came (write_zstd)
         self._probe: list[bytes] = []
@@ -256,7 +259,7 @@ class BlobWriter:
         self.size = 0
         self._done = False
         # Up to where the kernel was asked to write the file out (durable only).
-        self._written_back = 0 if store.durable else None
+        self._written_back: int | None = 0 if store.durable else None
 
     def write(self, data: bytes) -> None:
         self.size += len(data)
@@ -285,16 +288,16 @@ class BlobWriter:
         """Have the kernel start writing out what this file holds beyond the
         last request, once that is WRITEBACK_EVERY bytes. Best effort: the
         fsync at commit is what makes the blob durable, and reports errors."""
-        end = self._file.tell()
-        if end - self._written_back < WRITEBACK_EVERY:
+        end, done = self._file.tell(), self._written_back or 0
+        if end - done < WRITEBACK_EVERY:
             return
         self._file.flush()
-        if _start_writeback(self._file.fileno(), self._written_back, end - self._written_back):
+        if _start_writeback(self._file.fileno(), done, end - done):
             self._written_back = end
         else:
             self._written_back = None  # refused once: leave it all to the fsync
 
-    def write_zstd(self, stream) -> None:
+    def write_zstd(self, stream: Any) -> None:
         """Store the blob as the zstd stream it came in (a blob another store
         sent as stored), written as it is: nothing compressed again. The
         decoded bytes still go to `write`, which then hashes and counts them."""
@@ -359,8 +362,8 @@ class BlobWriter:
             self._file.write(head)
             self._file.flush()
         else:
-            self._zw = zc.stream_writer(self._file, closefd=False)
-            self._zw.write(head)
+            zw = self._zw = zc.stream_writer(self._file, closefd=False)
+            zw.write(head)
 
     @property
     def level(self) -> int:
@@ -373,7 +376,10 @@ class BlobWriter:
 
     @property
     def path(self) -> Path:
-        """The temp file being written (renamed into place by commit)."""
+        """The temp file being written (renamed into place by commit);
+        FileNotFoundError for a blob not kept (`discarded`)."""
+        if self._path is None:
+            raise FileNotFoundError(f"no file: {self.discarded}")
         return self._path
 
     def readable(self) -> int | None:
@@ -418,9 +424,9 @@ class BlobWriter:
             if self.discarded:
                 self._done = True
                 return None
-            stored = self._path.stat().st_size
+            stored = self.path.stat().st_size
             existed = final.exists()
-            os.replace(self._path, final)
+            os.replace(self.path, final)
             if self._store.durable:
                 _fsync_dir(final.parent)
             self._done = True

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -471,13 +472,15 @@ def read_yaml(path: str, what: str) -> Any:
                           f"{' '.join(str(exc).split())[:300]}") from None
 
 
-def load(cls: type, *, flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+def load(cls: type, *, flags: dict[str, Any] | None = None,
+         env: Mapping[str, str] | None = None,
          file: str | None = None, defaults: dict[str, Any] | None = None,
          defaults_from: str = "") -> tuple[Any, dict[str, str]]:
     """Build and validate a config; returns it and {setting: source}.
     `defaults` replace the class's defaults (a flag, the environment or the
     file still win); `defaults_from` names who set them."""
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     file_values: dict[str, Any] = {}
     if file:
         file_values = read_yaml(file, "config file") or {}

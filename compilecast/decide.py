@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -89,7 +90,7 @@ async def ending_event(events: AsyncIterator[pb.WaitEvent],
                        until_publishing: bool) -> pb.WaitEvent:
     """The event of a Wait stream that ends it (`ends_wait`). The stream is
     closed at once, so that its waiter record goes with it."""
-    async with contextlib.aclosing(events):
+    async with contextlib.aclosing(events):  # type: ignore[type-var]  # (an async generator)
         async for event in events:
             if ends_wait(event, until_publishing):
                 return event
@@ -98,7 +99,8 @@ async def ending_event(events: AsyncIterator[pb.WaitEvent],
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     """An error as a unary call would have raised it, for callers of Decider."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details,
+                                debug_error_string=None)
 
 
 class _Entry:
@@ -107,7 +109,7 @@ class _Entry:
     __slots__ = ("done", "got", "left", "msg_id", "requests", "sent", "start",
                  "until_publishing", "wait")
 
-    def __init__(self, done: asyncio.Future, requests: Sequence[pb.AcquireRequest] = (),
+    def __init__(self, done: asyncio.Future[Any], requests: Sequence[pb.AcquireRequest] = (),
                  wait: pb.WaitRequest | None = None, until_publishing: bool = False) -> None:
         self.requests = requests
         self.wait = wait
@@ -137,7 +139,8 @@ class Decider:
     server's per-stream limit) goes to Wait.
     """
 
-    def __init__(self, stub, metadata: tuple = (), *, timeout_s: float = 5.0,
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...] = (), *,
+                 timeout_s: float = 5.0,
                  gap_s: float = GAP_S) -> None:
         self._stub = stub
         self._metadata = metadata
@@ -148,12 +151,12 @@ class Decider:
         self._wake = asyncio.Event()
         self._sent: dict[int, list[_Entry]] = {}
         self._ids = itertools.count(1)
-        self._runner: asyncio.Task | None = None
+        self._runner: asyncio.Task[None] | None = None
         self.messages = 0  # messages written (fewer than decide calls under load)
         self.advised_gap_s = 0.0  # the server's advice (DecideResponse.gap_ms), capped
         self._advised_at = 0.0  # loop time of the answer that carried it
 
-    async def _ask(self, entry: _Entry, limit_s: float | None):
+    async def _ask(self, entry: _Entry, limit_s: float | None) -> Any:
         """Queue `entry`, wake the writer and wait for its answer."""
         self._queue.append(entry)
         self._wake.set()
@@ -182,7 +185,8 @@ class Decider:
         check_batch(requests)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         entry = _Entry(asyncio.get_running_loop().create_future(), requests)
-        return await self._ask(entry, timeout)
+        responses: list[pb.AcquireResponse] = await self._ask(entry, timeout)
+        return responses
 
     async def wait(self, request: pb.WaitRequest, *,
                    until_publishing: bool = False) -> pb.WaitEvent:
@@ -254,7 +258,7 @@ class Decider:
         call = self._stub.Decide(metadata=self._metadata)
         loop = asyncio.get_running_loop()
         reader = asyncio.create_task(self._read(call))
-        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the Decide stream ended")
+        error: BaseException = rpc_error(grpc.StatusCode.UNAVAILABLE, "the Decide stream ended")
         clean = False  # the server ended the stream with OK
         try:
             while not reader.done():
@@ -274,8 +278,8 @@ class Decider:
                     if (rest := self._gap(loop.time()) - (loop.time() - sent_at)) > 0:
                         # What arrives meanwhile leaves in the next message.
                         await asyncio.wait({reader}, timeout=rest)
-            if reader.exception() is not None:
-                error = reader.exception()
+            if (failed := reader.exception()) is not None:
+                error = failed
             else:
                 clean = True
         except grpc.aio.AioRpcError as exc:
@@ -318,7 +322,7 @@ class Decider:
             return max(self.gap_s, self.advised_gap_s)
         return self.gap_s
 
-    async def _read(self, call) -> None:
+    async def _read(self, call: Any) -> None:
         loop = asyncio.get_running_loop()
         async for answer in call:
             self.advised_gap_s = min(answer.gap_ms / 1000, MAX_ADVISED_GAP_S)

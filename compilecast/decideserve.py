@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 from compilecast.decide import check_batch
 from compilecast.errors import CompilecastError, InvalidRequest, TooMany, status_of
@@ -112,12 +113,13 @@ def _refusal(msg_id: int, exc: BaseException, positions: Sequence[int] = ()
                              positions=positions)
 
 
-def _bundled(first: pb.DecideResponse, answers: asyncio.Queue) -> pb.DecideResponse:
+def _bundled(first: pb.DecideResponse,
+             answers: asyncio.Queue[pb.DecideResponse | None]) -> pb.DecideResponse:
     """`first` with the answers queued behind it (at most MAX_BUNDLE in
     all) in its `more`: under load, answers queue while one is written, and
     one message then carries them, as a Decider's requests do. The end of
     the stream (None) stays queued."""
-    rest = []
+    rest: list[pb.DecideResponse] = []
     while len(rest) < MAX_BUNDLE - 1 and not answers.empty():
         answer = answers.get_nowait()
         if answer is None:
@@ -136,7 +138,7 @@ class Streams:
 
     def __init__(self) -> None:
         self.draining = False
-        self._readers: set[asyncio.Task] = set()
+        self._readers: set[asyncio.Task[Any]] = set()
 
     def drain(self) -> None:
         self.draining = True
@@ -154,8 +156,8 @@ class _Serving:
         self.max_waits, self.streams = max_waits, streams
         self.answers: asyncio.Queue[pb.DecideResponse | None] = asyncio.Queue()
         self.slots = asyncio.Semaphore(in_flight)
-        self.running: set[asyncio.Task] = set()
-        self.waiting: dict[int, asyncio.Task] = {}
+        self.running: set[asyncio.Task[None]] = set()
+        self.waiting: dict[int, asyncio.Task[None]] = {}
         self.bundles = False  # the client takes answers bundled
 
     async def one(self, msg: pb.DecideRequest, checked: bool = False,
@@ -177,8 +179,11 @@ class _Serving:
     def answer_known(self, msg: pb.DecideRequest) -> list[int] | None:
         """Answer what is known of a checked message at once: None when that
         was all of it, else the positions still to decide."""
-        got = _decided_now(self.decide_now, msg.requests, msg.answer_in_parts)
-        known = [i for i, a in enumerate(got or ()) if a is not None]
+        got = (_decided_now(self.decide_now, msg.requests, msg.answer_in_parts)
+               if self.decide_now is not None else None)
+        if got is None:
+            return []
+        known = [i for i, a in enumerate(got) if a is not None]
         if not known or (len(known) < len(got) and not msg.answer_in_parts):
             return []
         if len(known) == len(got):
@@ -203,7 +208,7 @@ class _Serving:
                 del self.waiting[msg.id]
         self.answers.put_nowait(answer)
 
-    def start(self, coro, msg_id: int | None = None) -> None:
+    def start(self, coro: Coroutine[Any, Any, None], msg_id: int | None = None) -> None:
         task = asyncio.create_task(coro)
         self.running.add(task)
         task.add_done_callback(self.running.discard)

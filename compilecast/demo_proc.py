@@ -35,7 +35,13 @@ from jax import monitoring  # noqa: E402
 from compilecast.demo_step import make_inputs, make_step, result_digest  # noqa: E402
 
 events: dict[str, int] = {}
-monitoring.register_event_listener(lambda name, **kw: events.__setitem__(name, events.get(name, 0) + 1))
+
+
+def _count(event: str, **kwargs: str | int) -> None:
+    events[event] = events.get(event, 0) + 1
+
+
+monitoring.register_event_listener(_count)
 
 phases: dict[str, float] = {}
 if not args.no_compilecast:

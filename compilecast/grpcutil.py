@@ -7,6 +7,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -70,13 +71,19 @@ def _read(path: str) -> bytes | None:
         return f.read()
 
 
+def _read_required(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str = ""
                        ) -> grpc.ServerCredentials | None:
     """TLS for a server (mTLS when client_ca_file is set); None: plaintext."""
     if not cert_file:
         return None
     return grpc.ssl_server_credentials(
-        [(_read(key_file), _read(cert_file))], root_certificates=_read(client_ca_file),
+        [(_read_required(key_file), _read_required(cert_file))],
+        root_certificates=_read(client_ca_file),
         require_client_auth=bool(client_ca_file))
 
 
@@ -179,7 +186,51 @@ async def _parsed(raw_iter, parse):
         yield parse(raw)
 
 
-def add_service(server: grpc.aio.Server, servicer, service_descriptor, message_classes) -> None:
+def _stream_stream(impl: Callable, parse: Callable) -> Callable:
+    async def handler(raw_iter, context):
+        async for item in impl(_parsed(raw_iter, parse), context):
+            yield item
+    return handler
+
+
+def _stream_unary(impl: Callable, parse: Callable) -> Callable:
+    async def handler(raw_iter, context):
+        return await impl(_parsed(raw_iter, parse), context)
+    return handler
+
+
+def _unary_stream(impl: Callable, parse: Callable) -> Callable:
+    async def handler(raw, context):
+        try:
+            request = parse(raw)
+        except InvalidRequest as exc:
+            await context.abort(grpc_code(exc.status), str(exc))
+        async for item in impl(request, context):
+            yield item
+    return handler
+
+
+def _unary_unary(impl: Callable, parse: Callable) -> Callable:
+    async def handler(raw, context):
+        try:
+            request = parse(raw)
+        except InvalidRequest as exc:
+            await context.abort(grpc_code(exc.status), str(exc))
+        return await impl(request, context)
+    return handler
+
+
+# (client streaming, server streaming) -> the handler's shape and gRPC's maker of it
+_SHAPES: dict[tuple[bool, bool], tuple[Callable, Callable]] = {
+    (True, True): (_stream_stream, grpc.stream_stream_rpc_method_handler),
+    (True, False): (_stream_unary, grpc.stream_unary_rpc_method_handler),
+    (False, True): (_unary_stream, grpc.unary_stream_rpc_method_handler),
+    (False, False): (_unary_unary, grpc.unary_unary_rpc_method_handler),
+}
+
+
+def add_service(server: grpc.aio.Server, servicer: object, service_descriptor: Any,
+                message_classes: dict[str, Any]) -> None:
     """Register `servicer` so that undecodable requests get INVALID_ARGUMENT.
 
     The generated add_*_to_server lets gRPC deserialize requests, and gRPC
@@ -192,42 +243,8 @@ def add_service(server: grpc.aio.Server, servicer, service_descriptor, message_c
         parse = _parser(message_classes[method.input_type.full_name])
         serialize = (wire.serialize if method.output_type.full_name in wire.BULK
                      else message_classes[method.output_type.full_name].SerializeToString)
-        impl = getattr(servicer, method.name)
-        if method.client_streaming and method.server_streaming:
-
-            async def handler(raw_iter, context, impl=impl, parse=parse):
-                async for item in impl(_parsed(raw_iter, parse), context):
-                    yield item
-
-            make = grpc.stream_stream_rpc_method_handler
-        elif method.client_streaming:
-
-            async def handler(raw_iter, context, impl=impl, parse=parse):
-                return await impl(_parsed(raw_iter, parse), context)
-
-            make = grpc.stream_unary_rpc_method_handler
-        elif method.server_streaming:
-
-            async def handler(raw, context, impl=impl, parse=parse):
-                try:
-                    request = parse(raw)
-                except InvalidRequest as exc:
-                    await context.abort(grpc_code(exc.status), str(exc))
-                async for item in impl(request, context):
-                    yield item
-
-            make = grpc.unary_stream_rpc_method_handler
-        else:
-
-            async def handler(raw, context, impl=impl, parse=parse):
-                try:
-                    request = parse(raw)
-                except InvalidRequest as exc:
-                    await context.abort(grpc_code(exc.status), str(exc))
-                return await impl(request, context)
-
-            make = grpc.unary_unary_rpc_method_handler
-        handlers[method.name] = make(handler, request_deserializer=None,
-                                     response_serializer=serialize)
+        shape, make = _SHAPES[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(shape(getattr(servicer, method.name), parse),
+                                     request_deserializer=None, response_serializer=serialize)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from compilecast.blobstore import CHUNK, DiskBlobStore
 from compilecast.blobwriter import BlobWriter
@@ -295,10 +295,10 @@ class BucketStore:
     # A file to send unread (sendfile) only when the local cache has it: a
     # blob still in the bucket goes over gRPC (`read`), which brings it here,
     # verified, and sends it on as it comes.
-    def open_sendable(self, digest: str, zstd_ok: bool):
+    def open_sendable(self, digest: str, zstd_ok: bool) -> BinaryIO | None:
         return self.local.open_sendable(digest, zstd_ok) if self.local.has(digest) else None
 
-    def open_trusted(self, digest: str):
+    def open_trusted(self, digest: str) -> BinaryIO | None:
         return self.local.open_trusted(digest) if self.local.has(digest) else None
 
     def delete(self, digest: str) -> bool:

@@ -13,9 +13,11 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
@@ -34,7 +36,7 @@ SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CompileCache"].full_name
 
 
-def make_server(servicer, **more) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def make_server(servicer, **more) -> tuple[grpc.aio.Server, HealthServicer]:
     """A grpc.aio server with the CompileCache `servicer`, the servicers of
     `more` (service name: servicer), health and reflection."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -42,7 +44,7 @@ def make_server(servicer, **more) -> tuple[grpc.aio.Server, health.aio.HealthSer
                for d in cache_pb2.DESCRIPTOR.message_types_by_name.values()}
     for name, impl in {"CompileCache": servicer, **more}.items():
         add_service(server, impl, cache_pb2.DESCRIPTOR.services_by_name[name], classes)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -216,8 +218,8 @@ class Role:
     registry: CollectorRegistry
     server: grpc.aio.Server
     server_streams: Streams | None = None  # the service's Decide streams
-    health: health.aio.HealthServicer
-    _metrics_server: object | None = None
+    health: HealthServicer
+    _metrics_server: Any = None  # prometheus_client's HTTP server
 
     async def start(self) -> None:
         raise NotImplementedError

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from compilecast.config import CoordinatorConfig, WorkerConfig, default_home, load
 
@@ -55,14 +56,14 @@ def find_etcd() -> str:
 
 
 def _pdeathsig() -> None:
-    with contextlib.suppress(Exception):
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:  # (without prctl: no death signal)
+        with contextlib.suppress(Exception):
+            _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-try:  # resolved here, not in the forked child (no dlopen after a fork)
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):
-    _PRCTL = lambda *_: None  # noqa: E731  (no prctl: no death signal)
+_PRCTL: Any = None
+with contextlib.suppress(OSError, AttributeError):  # resolved here, not in the forked
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # child (no dlopen after a fork)
 
 
 def _with_death_signal(cmd: list[str]) -> tuple[list[str], Callable[[], None] | None]:

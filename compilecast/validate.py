@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from compilecast.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from compilecast.v1 import cache_pb2 as pb
 
 KEY_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}\Z")
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}\Z")
@@ -33,7 +38,7 @@ def digest(value: str) -> str:
     return value
 
 
-def requester(req) -> None:  # a compilecast.v1.Requester
+def requester(req: pb.Requester) -> None:
     if not JOB_RE.match(req.job):
         raise InvalidRequest(
             f"requester.job {req.job[:80]!r} is invalid: use at most 128 of [A-Za-z0-9._:-]"
@@ -44,7 +49,7 @@ def requester(req) -> None:  # a compilecast.v1.Requester
         raise InvalidRequest(f"requester.client is longer than {MAX_CLIENT_LEN} characters")
 
 
-def lease(lease) -> None:  # a compilecast.v1.Lease
+def lease(lease: pb.Lease) -> None:
     if lease.id <= 0:
         raise InvalidRequest("lease.id is missing: pass the lease returned with COMPILE")
     if lease.revision <= 0:
@@ -63,7 +68,7 @@ _NAMED_OK: set[tuple[str, str]] = set()
 _NAMED_OK_MAX = 4096
 
 
-def components(comps, program_name: str) -> None:
+def components(comps: Mapping[str, str], program_name: str) -> None:
     """Every request may carry them (the JAX integration's do, hits
     included): the names checked with one match (once for each set of
     names and program name seen), the values by indexing (a protobuf map's
@@ -88,13 +93,13 @@ def components(comps, program_name: str) -> None:
         raise InvalidRequest(f"key component {name} is longer than {MAX_COMPONENT_LEN} characters")
 
 
-def acquire_request(r) -> None:  # a compilecast.v1.AcquireRequest
+def acquire_request(r: pb.AcquireRequest) -> None:
     key(r.key)
     requester(r.requester)
     components(r.key_components, r.program_name)
 
 
-def publish_header(header, max_size: int) -> str:  # a compilecast.v1.PublishHeader
+def publish_header(header: pb.PublishHeader, max_size: int) -> str:
     """Check a Publish header (coordinator and worker alike); returns the key.
     An empty digest comes last (PublishChunk.digest; coordinator.service's
     publish_stream checks it)."""
@@ -121,7 +126,7 @@ ENTRY_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]{0,199}:[A-Za-z_][A-Za-z0-9_]{0,
 TASK_ID_RE = re.compile(r"^[0-9]{20}-[0-9a-f]{8}\Z")
 
 
-def target(t) -> None:  # a compilecast.v1.Target
+def target(t: pb.Target) -> None:
     if t.platform not in PLATFORMS:
         raise InvalidRequest(f"target.platform {t.platform[:20]!r} is invalid: use one of "
                              f"{', '.join(PLATFORMS)}")
@@ -130,7 +135,7 @@ def target(t) -> None:  # a compilecast.v1.Target
                              "(a name such as v5e:2x2, at most 64 characters)")
 
 
-def recipe(r, *, need_target: bool) -> None:  # a compilecast.v1.Recipe
+def recipe(r: pb.Recipe, *, need_target: bool) -> None:
     """A recipe is either an entry point or a lowered program, bounded in size."""
     from compilecast.errors import TooLarge
 
