@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from compilecast import wire
-from compilecast.errors import CompilecastError, InvalidRequest, Status
+from compilecast.errors import CompilecastError, InvalidRequest, Status, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,17 @@ def status(code: grpc.StatusCode) -> Status:
 
 
 _GRPC_CODES = {s: grpc.StatusCode[s.name] for s in Status}
+
+
+def token_from(context: grpc.aio.ServicerContext) -> str | None:
+    """The bearer token a call carries (`bearer`'s reverse); None without one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token:
+                return token.strip()
+            raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
+    return None
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: CompilecastError, name: str) -> None:

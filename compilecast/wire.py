@@ -21,8 +21,10 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import AsyncIterator
 
-from compilecast.errors import status_of
+from compilecast import validate
+from compilecast.errors import InvalidRequest, status_of
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
@@ -267,3 +269,48 @@ def stub(channel) -> rpc.CompileCacheStub:
 
 
 __all__ = ["BULK", "DataChunk", "Zstd", "parser", "serialize", "stub"]
+
+
+async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncIterator[DataChunk]]:
+    """Split a Publish stream into its header and its data chunks (a chunk
+    that arrived data-only keeps its frame: a worker forwards it as is).
+    A header without a digest gets the one the last message carries once
+    the chunks have all been read; a stream that ends without it, or goes
+    on after it, is refused."""
+    first = None
+    async for msg in request_iterator:
+        first = msg
+        break
+    if first is None or not first.HasField("header"):
+        raise InvalidRequest("the first Publish message must carry the header")
+    header = first.header
+    later = not header.digest  # the digest comes last
+
+    def ends(msg) -> bool:
+        if not msg.digest:
+            return False
+        if not later:
+            raise InvalidRequest("a Publish sends its digest in the header or last, not both")
+        header.digest = validate.digest(msg.digest)
+        return True
+
+    async def data() -> AsyncIterator[DataChunk]:
+        if first.data or first.zstd_data:
+            yield DataChunk(first.data, first.zstd_data)
+        done = ends(first)
+        async for msg in request_iterator:
+            if done:
+                raise InvalidRequest("the message with the digest must be a Publish's last")
+            if type(msg) is DataChunk:
+                yield msg
+                continue
+            if msg.HasField("header"):
+                raise InvalidRequest("only the first Publish message may carry a header")
+            if msg.data or msg.zstd_data:
+                yield DataChunk(msg.data, msg.zstd_data)
+            done = ends(msg)
+        if not header.digest:
+            raise InvalidRequest("the Publish ended without its digest (the header left it "
+                                 "empty, and no last message carried it)")
+
+    return header, data()

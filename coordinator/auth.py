@@ -29,6 +29,7 @@ import grpc
 
 from compilecast.config import ConfigError, read_yaml
 from compilecast.errors import PermissionDenied, Unauthenticated
+from compilecast.grpcutil import token_from
 
 TENANT_RE = re.compile(r"^[a-z0-9-]{1,63}\Z")
 PERMISSIONS = {"read", "publish", "admin"}
@@ -52,16 +53,6 @@ class Principal:
 
 
 ANONYMOUS = Principal("anonymous", "default", can_publish=True, can_admin=True)
-
-
-def token_from(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            scheme, _, token = value.partition(" ")
-            if scheme.lower() == "bearer" and token:
-                return token.strip()
-            raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
-    return None
 
 
 class Authenticator:

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 import grpc
 
 from compilecast import validate, wire
-from compilecast.coordinator.service import publish_stream
 from compilecast.errors import (
     InvalidRequest,
     TooMany,
@@ -26,7 +25,7 @@ from compilecast.errors import (
 from compilecast.grpcutil import rpc_errors
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.wire import DataChunk
+from compilecast.wire import DataChunk, publish_stream
 
 from . import clientpublish
 from .client import UploadRefused

@@ -11,8 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from compilecast.config import WorkerConfig
-from compilecast.coordinator.auth import token_from
-from compilecast.grpcutil import channel_credentials, server_credentials
+from compilecast.grpcutil import channel_credentials, server_credentials, token_from
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
 from . import handoff

@@ -23,9 +23,8 @@ import time
 import grpc
 
 from compilecast import decide, decideserve, validate, wire
-from compilecast.coordinator.auth import token_from
 from compilecast.decide import Decider
-from compilecast.grpcutil import aio_channel, bearer, rpc_errors, unreachable
+from compilecast.grpcutil import aio_channel, bearer, rpc_errors, token_from, unreachable
 from compilecast.negotiate import Route, Routes
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc

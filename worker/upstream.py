@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from compilecast.coordinator.auth import token_from
 from compilecast.errors import Status, UpstreamError
-from compilecast.grpcutil import rpc_errors, status
+from compilecast.grpcutil import rpc_errors, status, token_from
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk

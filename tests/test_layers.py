@@ -1,0 +1,80 @@
+"""The house's layers (docs/architecture.md, "Layout of the tree"): the core
+folder imports neither the worker nor the coordinator, those two import each
+other never, and none of them imports an entry point back. Every import
+counts, the ones inside functions too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# compilecast/'s entry points: commands and the demo, which may import any layer.
+ENTRY_POINTS = {"cli", "cli_inspect", "cli_run", "up", "launch", "jax", "demo", "demo_proc",
+                "demo_step"}
+FOLDERS = {"compilecast": "compilecast", "coordinator": "compilecast.coordinator",
+           "worker": "compilecast.worker"}
+# Modules of the core that speak no gRPC at all: the error tree, the store's
+# interface, the route negotiator.
+NO_GRPC = {"errors", "store", "negotiate"}
+
+
+def imports(path: Path, package: str) -> set[str]:
+    """Every module `path` imports, as absolute names (a name imported from
+    a module counts as a possible submodule too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{node.module}" if node.module else parent
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
+def _entry_point(module: str) -> bool:
+    parts = module.split(".")
+    return len(parts) >= 2 and parts[0] == "compilecast" and parts[1] in ENTRY_POINTS
+
+
+def _violations(folder: str, stem: str, found: set[str]) -> list[str]:
+    if folder == "compilecast":
+        if stem in ENTRY_POINTS:
+            return []
+        return sorted(m for m in found if m.startswith(("compilecast.worker",
+                                                        "compilecast.coordinator"))
+                      or _entry_point(m))
+    other = "compilecast.worker" if folder == "coordinator" else "compilecast.coordinator"
+    return sorted(m for m in found if m.startswith(other) or _entry_point(m))
+
+
+MODULES = [(folder, path) for folder in FOLDERS
+           for path in sorted((ROOT / folder).glob("*.py"))]
+
+
+@pytest.mark.parametrize(("folder", "path"), MODULES, ids=[f"{f}/{p.name}" for f, p in MODULES])
+def test_a_module_imports_only_its_own_layer_and_those_below(folder, path):
+    found = imports(path, FOLDERS[folder])
+    assert _violations(folder, path.stem, found) == []
+    if folder == "compilecast" and path.stem in NO_GRPC:
+        assert not {m for m in found if m == "grpc" or m.startswith("grpc.")}
+
+
+def test_the_rule_sees_an_import_inside_a_function(tmp_path):
+    module = tmp_path / "sample.py"
+    module.write_text("def f():\n    from compilecast.worker.client import CacheClient\n"
+                      "    from ..coordinator import state\n")
+    found = imports(module, "compilecast.worker")
+    assert "compilecast.worker.client" in found and "compilecast.coordinator.state" in found
+    assert _violations("compilecast", "blobstore", found) == ["compilecast.coordinator",
+                                                              "compilecast.coordinator.state",
+                                                              "compilecast.worker.client",
+                                                              "compilecast.worker.client."
+                                                              "CacheClient"]
+    assert _violations("compilecast", "cli", found) == []
