@@ -6,11 +6,15 @@ default) or taking every byte over the worker's socket (as before the
 worker (its host cache empty) of one coordinator.
 
     python bench/cold_fetch.py [--mb 512] [--pairs 3] [--processes P]
+                               [--ways follow socket link]
 
 Prints per fetch the wall time until the process holds the verified bytes,
 and the CPU-seconds of the process, the worker and the coordinator. With
 --processes P, P processes of the host (a GPU host's 8) fetch at once, and
-the time is until the last holds the bytes (CPU: all of theirs).
+the time is until the last holds the bytes (CPU: all of theirs). The way
+`link` is a worker on the coordinator's filesystem (as `compilecast up`
+runs one): it fills its host cache by a hard link to the coordinator's blob,
+and the process reads that file.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import resource, sys, time
 from compilecast.negotiate import Route
 from compilecast.worker.client import CacheClient
 c = CacheClient(sys.argv[1], timeout_s=120)
-if sys.argv[3] != "follow":
+if sys.argv[3] == "socket":
     c.routes.off(Route.GROWING_FILE, "the benchmark reads over the socket")
 t0 = time.perf_counter()
 info, data = c.fetch(sys.argv[2])
@@ -48,6 +52,8 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=512)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--processes", type=int, default=1)
+    ap.add_argument("--ways", nargs="+", choices=("follow", "socket", "link"),
+                    default=["follow", "socket"])
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cc-cold-") as tmp:
         root = Path(tmp)
@@ -60,9 +66,9 @@ def main() -> None:
             path.unlink()
             rows = []
             for k in range(args.pairs):
-                order = ("follow", "socket") if k % 2 == 0 else ("socket", "follow")
-                for how in order:
-                    worker, wproc = stack.worker(coord, f"w{k}-{how}")
+                for how in (args.ways if k % 2 == 0 else args.ways[::-1]):
+                    linked = ("--link-store-dir", str(root / "store-c")) if how == "link" else ()
+                    worker, wproc = stack.worker(coord, f"w{k}-{how}", linked)
                     before = cpu_seconds(wproc.pid), cpu_seconds(cproc.pid)
                     ps = [subprocess.Popen([sys.executable, "-c", PROCESS, worker, "art", how],
                                            stdout=subprocess.PIPE, text=True)
@@ -87,7 +93,7 @@ def main() -> None:
                     # next fills' writes slower on this VM (worker system time 0.7 ->
                     # 3-3.7 s a GB after three fills), which the pairs would measure.
                     shutil.rmtree(root / f"cache-w{k}-{how}")
-            for how in ("follow", "socket"):
+            for how in args.ways:
                 mine = [r for r in rows if r["how"] == how]
                 print(f"{how:6s}: median {statistics.median(r['wall_s'] for r in mine):.2f} s, "
                       f"process CPU {statistics.median(r['process_cpu_s'] for r in mine):.2f} s, "

@@ -118,6 +118,83 @@ def coordinator_us_per_decision(used: dict[str, float], per_second: float) -> fl
     return 1e6 * busy / per_second if per_second else float("nan")
 
 
+class _Load:
+    """The requests of one `load` run and what they got."""
+
+    def __init__(self, clients: int, deadline: float, hit_ratio: float, hit_keys: list[str],
+                 batch: int, pod: bool, stubs: list, deciders: list) -> None:
+        self.clients, self.deadline, self.hit_ratio = clients, deadline, hit_ratio
+        self.hit_keys, self.batch, self.pod = hit_keys, batch, pod
+        self.stubs, self.deciders = stubs, deciders
+        self.latencies: list[float] = []
+        self.decisions: dict[str, int] = {}
+        self.by_decision: dict[str, list[float]] = {}
+        self.errors = 0
+        self.counter = 0
+        self.asked = [0] * clients
+        self.sent: set[asyncio.Task] = set()
+
+    def keys_for(self, rng: random.Random, i: int) -> list[str]:
+        if self.pod:
+            self.asked[i] += self.batch
+            return [f"pod-{j}" for j in range(self.asked[i] - self.batch, self.asked[i])]
+        keys = []
+        for _ in range(self.batch):
+            if rng.random() < self.hit_ratio:
+                keys.append(rng.choice(self.hit_keys))
+            else:
+                self.counter += 1
+                keys.append(f"miss-{i}-{self.counter}")
+        return keys
+
+    async def one(self, i: int, keys: list[str]) -> None:
+        # Each client is one process and names itself, as every worker's
+        # requests do (host:pid).
+        who = (pb.Requester(job="pod", process_id=i, designated_process=0, client=f"bench:{i}")
+               if self.pod else pb.Requester(client=f"bench:{i}"))
+        requests = [pb.AcquireRequest(key=k, requester=who) for k in keys]
+        t0 = time.perf_counter()
+        stub = self.stubs[i % len(self.stubs)]
+        try:
+            if self.deciders:
+                got = await self.deciders[i % len(self.deciders)].decide(requests)
+            elif self.batch == 1:
+                got = [await stub.Acquire(requests[0], timeout=60)]
+            else:
+                resp = await stub.AcquireMany(pb.AcquireManyRequest(requests=requests),
+                                              timeout=60)
+                got = list(resp.responses)
+        except grpc.aio.AioRpcError:
+            self.errors += 1
+            return
+        self.latencies.append(time.perf_counter() - t0)
+        for r in got:
+            name = pb.Decision.Name(r.decision)
+            self.decisions[name] = self.decisions.get(name, 0) + 1
+        if len(got) == 1:  # a single-key request: its latency by its decision
+            self.by_decision.setdefault(name, []).append(self.latencies[-1])
+
+    async def client(self, i: int) -> None:
+        rng = random.Random(i)
+        while time.monotonic() < self.deadline:
+            await self.one(i, self.keys_for(rng, i))
+
+    async def arrivals(self, rate: float) -> None:
+        """One Poisson schedule for all clients (1,000 sleeping coroutines would
+        cost the load generator more than the requests): each arrival goes to
+        a random client; arrivals due within a millisecond leave together."""
+        rng = random.Random(0)
+        due = time.monotonic()
+        while due < self.deadline:
+            due += rng.expovariate(rate)
+            if due - time.monotonic() > 1e-3:
+                await asyncio.sleep(due - time.monotonic())
+            i = rng.randrange(self.clients)
+            task = asyncio.create_task(self.one(i, self.keys_for(rng, i)))
+            self.sent.add(task)
+            task.add_done_callback(self.sent.discard)
+
+
 async def load(target: str, clients: int, seconds: float, hit_ratio: float,
                hit_keys: list[str], batch: int, streams: int = 0, rate: float = 0.0,
                pod: bool = False, gap_s: float = GAP_S
@@ -139,92 +216,21 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     deciders = [Decider(stubs[i % len(stubs)], timeout_s=60, gap_s=gap_s) for i in range(streams)]
     # Workers keep their streams open: open them before the clock starts.
     await asyncio.gather(*(d.decide([pb.AcquireRequest(key=hit_keys[0])]) for d in deciders))
-    latencies: list[float] = []
-    decisions: dict[str, int] = {}
-    by_decision: dict[str, list[float]] = {}
-    errors = 0
     t_start = time.monotonic()
-    deadline = t_start + seconds
-    counter = 0
-
-    asked = [0] * clients
-
-    def keys_for(rng: random.Random, i: int) -> list[str]:
-        nonlocal counter
-        if pod:
-            asked[i] += batch
-            return [f"pod-{j}" for j in range(asked[i] - batch, asked[i])]
-        keys = []
-        for _ in range(batch):
-            if rng.random() < hit_ratio:
-                keys.append(rng.choice(hit_keys))
-            else:
-                counter += 1
-                keys.append(f"miss-{i}-{counter}")
-        return keys
-
-    async def one(i: int, keys: list[str]) -> None:
-        nonlocal errors
-        # Each client is one process and names itself, as every worker's
-        # requests do (host:pid).
-        who = (pb.Requester(job="pod", process_id=i, designated_process=0, client=f"bench:{i}")
-               if pod else pb.Requester(client=f"bench:{i}"))
-        requests = [pb.AcquireRequest(key=k, requester=who) for k in keys]
-        t0 = time.perf_counter()
-        try:
-            if deciders:
-                got = await deciders[i % len(deciders)].decide(requests)
-            elif batch == 1:
-                got = [await stubs[i % len(stubs)].Acquire(requests[0], timeout=60)]
-            else:
-                resp = await stubs[i % len(stubs)].AcquireMany(
-                    pb.AcquireManyRequest(requests=requests), timeout=60)
-                got = list(resp.responses)
-        except grpc.aio.AioRpcError:
-            errors += 1
-            return
-        latencies.append(time.perf_counter() - t0)
-        for r in got:
-            name = pb.Decision.Name(r.decision)
-            decisions[name] = decisions.get(name, 0) + 1
-        if len(got) == 1:  # a single-key request: its latency by its decision
-            by_decision.setdefault(name, []).append(latencies[-1])
-
-    sent: set[asyncio.Task] = set()
-
-    async def client(i: int) -> None:
-        rng = random.Random(i)
-        while time.monotonic() < deadline:
-            await one(i, keys_for(rng, i))
-
-    async def arrivals() -> None:
-        """One Poisson schedule for all clients (1,000 sleeping coroutines would
-        cost the load generator more than the requests): each arrival goes to
-        a random client; arrivals due within a millisecond leave together."""
-        rng = random.Random(0)
-        due = time.monotonic()
-        while due < deadline:
-            due += rng.expovariate(rate)
-            if due - time.monotonic() > 1e-3:
-                await asyncio.sleep(due - time.monotonic())
-            i = rng.randrange(clients)
-            task = asyncio.create_task(one(i, keys_for(rng, i)))
-            sent.add(task)
-            task.add_done_callback(sent.discard)
-
+    run = _Load(clients, t_start + seconds, hit_ratio, hit_keys, batch, pod, stubs, deciders)
     if rate > 0:
-        await arrivals()
+        await run.arrivals(rate)
     else:
-        await asyncio.gather(*(client(i) for i in range(clients)))
-    if sent:
-        await asyncio.wait(set(sent), timeout=60)
+        await asyncio.gather(*(run.client(i) for i in range(clients)))
+    if run.sent:
+        await asyncio.wait(set(run.sent), timeout=60)
     wall = time.monotonic() - t_start
     messages = sum(d.messages for d in deciders)
     for d in deciders:
         await d.close()
     for c in channels:
         await c.close()
-    return latencies, decisions, errors, wall, by_decision, messages
+    return run.latencies, run.decisions, run.errors, wall, run.by_decision, messages
 
 
 def go_loadgen() -> Path:

@@ -191,113 +191,121 @@ def process_fetch(worker: str, key: str, how: str) -> float:
     return float(out.split()[-1])
 
 
+def _measure(stack: Stack, servers: dict, mb: int, compressible: bool) -> dict:
+    """One size's figures: publish, then every way of fetching it."""
+    root, coord, cproc = stack.root, servers["coord"], servers["cproc"]
+    worker, wproc, worker_grpc = servers["worker"], servers["wproc"], servers["worker_grpc"]
+    path = root / f"art-{mb}.bin"
+    (compressible_file if compressible else random_file)(path, mb << 20)
+    key = f"art-{mb}"
+    t0 = time.perf_counter()
+    digest = publish_file(coord, key, path)
+    pub = time.perf_counter() - t0
+    port = free_port()
+    ps = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_plain_server.py"),
+                           str(port), str(path)])
+    wait_port(port)
+    base, base_verified = plain(port), plain(port, verify=True)
+    ps.terminate()
+    ps.wait()
+    row = {"mb": mb, "publish_s": pub, "plain_s": base, "plain_verified_s": base_verified,
+           "coordinator_s": fetch(coord, key, digest),
+           "coordinator_data_plane_s": (None if compressible
+                                        else fetch_data_plane(coord, key, digest)),
+           "worker_cold_s": fetch(worker, key, digest),  # it takes zstd where stored so
+           "worker_cold_grpc_s": fetch(worker_grpc, key, digest),
+           "worker_warm_s": fetch(worker, key, digest)}
+    # Twice each, in turn (file, socket, socket, file), best of two: the first
+    # read after a while may find the file evicted from the page cache.
+    times: dict[str, list[float]] = {}
+    for how in ("file", "socket", "socket", "file"):
+        times.setdefault(how, []).append(process_fetch(worker, key, how))
+    # A process fetching from the coordinator itself (no worker: AOT checks, a pod's
+    # processes in bench/time_to_executable.py), the same way: its data plane and gRPC.
+    for how in ("data", "grpc", "grpc", "data"):
+        before = cpu_seconds(cproc.pid)
+        times.setdefault(how, []).append(process_fetch(coord, key, how))
+        times.setdefault(f"{how}_cpu", []).append(cpu_seconds(cproc.pid) - before)
+    row.update({"process_file_s": min(times["file"]), "process_socket_s": min(times["socket"]),
+                "process_data_plane_s": min(times["data"]),
+                "process_grpc_s": min(times["grpc"]),
+                "coordinator_cpu_data_plane_s": min(times["data_cpu"]),
+                "coordinator_cpu_grpc_s": min(times["grpc_cpu"]),
+                "coordinator_peak_rss_mb": peak_rss_mb(cproc.pid),
+                "worker_peak_rss_mb": peak_rss_mb(wproc.pid)})
+    if compressible:
+        before_cpu = cpu_seconds(cproc.pid), cpu_seconds(wproc.pid)
+        row["worker_publish_s"] = publish_through(worker, f"{key}-w", path)
+        row["publish_cpu_s"] = (cpu_seconds(cproc.pid) - before_cpu[0],
+                                cpu_seconds(wproc.pid) - before_cpu[1])
+        row["peak_rss_after_publish_mb"] = (peak_rss_mb(cproc.pid), peak_rss_mb(wproc.pid))
+        row["coordinator_zstd_s"] = fetch(coord, key, digest, zstd=True)
+        row["worker_warm_zstd_s"] = fetch(worker, key, digest, zstd=True)
+        row["stored_mb"] = stack.stored_bytes(digest) / (1 << 20)
+    path.unlink()
+    return row
+
+
+def _print(row: dict) -> None:
+    mb, base, base_verified = row["mb"], row["plain_s"], row["plain_verified_s"]
+    direct, cold, warm = row["coordinator_s"], row["worker_cold_s"], row["worker_warm_s"]
+    print(f"{mb:5d} MB  plain {mb / base:7.0f} MB/s | coordinator {mb / direct:7.0f} MB/s "
+          f"({base / direct * 100:3.0f}% of plain, {base_verified / direct * 100:3.0f}% of "
+          f"plain verifying at {mb / base_verified:.0f} MB/s) | worker cold {mb / cold:6.0f} MB/s "
+          f"(over gRPC only {mb / row['worker_cold_grpc_s']:6.0f} MB/s) | "
+          f"worker warm {mb / warm:6.0f} MB/s ({base / warm * 100:3.0f}%) | publish "
+          f"{mb / row['publish_s']:5.0f} MB/s | peak RSS coordinator "
+          f"{row['coordinator_peak_rss_mb']:.0f} MB, worker {row['worker_peak_rss_mb']:.0f} MB",
+          flush=True)
+    if (direct_dp := row["coordinator_data_plane_s"]) is not None:
+        print(f"       coordinator over its data plane {mb / direct_dp:7.0f} MB/s "
+              f"({base / direct_dp * 100:3.0f}% of plain, {base_verified / direct_dp * 100:3.0f}% "
+              f"of plain verifying)", flush=True)
+    by_file, by_socket = row["process_file_s"], row["process_socket_s"]
+    by_data, by_grpc = row["process_data_plane_s"], row["process_grpc_s"]
+    print(f"       a process on the worker's host (CacheClient, holding the bytes; best of 2): "
+          f"reading the host cache file {mb / by_file:6.0f} MB/s | over the socket "
+          f"{mb / by_socket:6.0f} MB/s ({by_socket / by_file:.2f}x the time)", flush=True)
+    print(f"       a process fetching from the coordinator (CacheClient, holding the bytes; "
+          f"best of 2): data plane {mb / by_data:6.0f} MB/s | over gRPC {mb / by_grpc:6.0f}"
+          f" MB/s ({by_grpc / by_data:.2f}x the time); coordinator CPU per fetch "
+          f"{row['coordinator_cpu_data_plane_s']:.2f} s against "
+          f"{row['coordinator_cpu_grpc_s']:.2f} s", flush=True)
+    if "stored_mb" in row:
+        z, wz, wp = row["coordinator_zstd_s"], row["worker_warm_zstd_s"], row["worker_publish_s"]
+        print(f"       publish through a worker {mb / wp:5.0f} MB/s "
+              f"({row['publish_s'] / wp:.2f}x the direct plain publish); CPU "
+              f"coordinator {row['publish_cpu_s'][0]:.2f} s, worker "
+              f"{row['publish_cpu_s'][1]:.2f} s; peak RSS since start: coordinator "
+              f"{row['peak_rss_after_publish_mb'][0]:.0f} MB, worker "
+              f"{row['peak_rss_after_publish_mb'][1]:.0f} MB", flush=True)
+        print(f"       stored as {row['stored_mb']:.0f} MB of zstd, fetched as stored: "
+              f"coordinator {mb / z:7.0f} MB/s ({base / z * 100:3.0f}% of plain, "
+              f"{direct / z:.2f}x the plain-data fetch) | worker warm {mb / wz:6.0f} "
+              f"MB/s ({warm / wz:.2f}x)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1024, 2048])
     ap.add_argument("--compressible", action="store_true",
                     help="artifacts that compress ~10x (as executables do), not random bytes")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="cc-fetch-"))
-    stack = Stack(root)
+    stack = Stack(Path(tempfile.mkdtemp(prefix="cc-fetch-")))
     rows = []
     try:
         coord, cproc = stack.coordinator()
         worker, wproc = stack.worker(coord, "w")
         # The same, its downloads over gRPC only: what the data plane changes for a worker.
         worker_grpc, _ = stack.worker(coord, "g", extra=("--data-plane", "false"))
+        servers = {"coord": coord, "cproc": cproc, "worker": worker, "wproc": wproc,
+                   "worker_grpc": worker_grpc}
         for mb in args.sizes_mb:
-            path = root / f"art-{mb}.bin"
-            (compressible_file if args.compressible else random_file)(path, mb << 20)
-            key = f"art-{mb}"
-            t0 = time.perf_counter()
-            digest = publish_file(coord, key, path)
-            pub = time.perf_counter() - t0
-            port = free_port()
-            ps = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_plain_server.py"),
-                                   str(port), str(path)])
-            wait_port(port)
-            base = plain(port)
-            base_verified = plain(port, verify=True)
-            ps.terminate()
-            ps.wait()
-            direct = fetch(coord, key, digest)
-            direct_dp = None if args.compressible else fetch_data_plane(coord, key, digest)
-            cold = fetch(worker, key, digest)  # the worker takes zstd where it is stored so
-            cold_grpc = fetch(worker_grpc, key, digest)
-            warm = fetch(worker, key, digest)
-            # Twice each, in turn (file, socket, socket, file), best of two: the first
-            # read after a while may find the file evicted from the page cache.
-            order = ("file", "socket", "socket", "file")
-            times: dict[str, list[float]] = {how: [] for how in order}
-            for how in order:
-                times[how].append(process_fetch(worker, key, how))
-            by_file, by_socket = min(times["file"]), min(times["socket"])
-            # A process fetching from the coordinator itself (no worker: AOT checks, a pod's
-            # processes in bench/time_to_executable.py), the same way: its data plane and gRPC.
-            for how in ("data", "grpc", "grpc", "data"):
-                before = cpu_seconds(cproc.pid)
-                times.setdefault(how, []).append(process_fetch(coord, key, how))
-                times.setdefault(f"{how}_cpu", []).append(cpu_seconds(cproc.pid) - before)
-            by_data, by_grpc = min(times["data"]), min(times["grpc"])
-            row = {"mb": mb, "publish_s": pub, "plain_s": base,
-                   "process_file_s": by_file, "process_socket_s": by_socket,
-                   "process_data_plane_s": by_data, "process_grpc_s": by_grpc,
-                   "coordinator_cpu_data_plane_s": min(times["data_cpu"]),
-                   "coordinator_cpu_grpc_s": min(times["grpc_cpu"]),
-                   "plain_verified_s": base_verified, "coordinator_s": direct,
-                   "coordinator_data_plane_s": direct_dp,
-                   "worker_cold_s": cold, "worker_cold_grpc_s": cold_grpc,
-                   "worker_warm_s": warm,
-                   "coordinator_peak_rss_mb": peak_rss_mb(cproc.pid),
-                   "worker_peak_rss_mb": peak_rss_mb(wproc.pid)}
-            if args.compressible:
-                before = cpu_seconds(cproc.pid), cpu_seconds(wproc.pid)
-                row["worker_publish_s"] = publish_through(worker, f"{key}-w", path)
-                row["publish_cpu_s"] = (cpu_seconds(cproc.pid) - before[0],
-                                        cpu_seconds(wproc.pid) - before[1])
-                row["peak_rss_after_publish_mb"] = (peak_rss_mb(cproc.pid),
-                                                    peak_rss_mb(wproc.pid))
-                row["coordinator_zstd_s"] = fetch(coord, key, digest, zstd=True)
-                row["worker_warm_zstd_s"] = fetch(worker, key, digest, zstd=True)
-                row["stored_mb"] = stack.stored_bytes(digest) / (1 << 20)
-            rows.append(row)
-            print(f"{mb:5d} MB  plain {mb / base:7.0f} MB/s | coordinator {mb / direct:7.0f} MB/s "
-                  f"({base / direct * 100:3.0f}% of plain, {base_verified / direct * 100:3.0f}% of "
-                  f"plain verifying at {mb / base_verified:.0f} MB/s) | worker cold {mb / cold:6.0f} MB/s "
-                  f"(over gRPC only {mb / cold_grpc:6.0f} MB/s) | "
-                  f"worker warm {mb / warm:6.0f} MB/s ({base / warm * 100:3.0f}%) | publish "
-                  f"{mb / pub:5.0f} MB/s | peak RSS coordinator {row['coordinator_peak_rss_mb']:.0f}"
-                  f" MB, worker {row['worker_peak_rss_mb']:.0f} MB", flush=True)
-            if direct_dp is not None:
-                print(f"       coordinator over its data plane {mb / direct_dp:7.0f} MB/s "
-                      f"({base / direct_dp * 100:3.0f}% of plain, {base_verified / direct_dp * 100:3.0f}% "
-                      f"of plain verifying)", flush=True)
-            print(f"       a process on the worker's host (CacheClient, holding the bytes; best of 2): "
-                  f"reading the host cache file {mb / by_file:6.0f} MB/s | over the socket "
-                  f"{mb / by_socket:6.0f} MB/s ({by_socket / by_file:.2f}x the time)", flush=True)
-            print(f"       a process fetching from the coordinator (CacheClient, holding the bytes; "
-                  f"best of 2): data plane {mb / by_data:6.0f} MB/s | over gRPC {mb / by_grpc:6.0f}"
-                  f" MB/s ({by_grpc / by_data:.2f}x the time); coordinator CPU per fetch "
-                  f"{min(times['data_cpu']):.2f} s against {min(times['grpc_cpu']):.2f} s",
-                  flush=True)
-            if args.compressible:
-                z, wz = row["coordinator_zstd_s"], row["worker_warm_zstd_s"]
-                print(f"       publish through a worker {mb / row['worker_publish_s']:5.0f} MB/s "
-                      f"({pub / row['worker_publish_s']:.2f}x the direct plain publish); CPU "
-                      f"coordinator {row['publish_cpu_s'][0]:.2f} s, worker "
-                      f"{row['publish_cpu_s'][1]:.2f} s; peak RSS since start: coordinator "
-                      f"{row['peak_rss_after_publish_mb'][0]:.0f} MB, worker "
-                      f"{row['peak_rss_after_publish_mb'][1]:.0f} MB",
-                      flush=True)
-                print(f"       stored as {row['stored_mb']:.0f} MB of zstd, fetched as stored: "
-                      f"coordinator {mb / z:7.0f} MB/s ({base / z * 100:3.0f}% of plain, "
-                      f"{direct / z:.2f}x the plain-data fetch) | worker warm {mb / wz:6.0f} "
-                      f"MB/s ({warm / wz:.2f}x)", flush=True)
-            path.unlink()
+            rows.append(_measure(stack, servers, mb, args.compressible))
+            _print(rows[-1])
     finally:
         stack.close()
     print(json.dumps(rows))
-
 
 if __name__ == "__main__":
     main()

@@ -185,36 +185,42 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
         return r
 
     if pairs > 1:
-        # A compile's time swings by 20 % from run to run here: each ratio
-        # from a compile alone and a compilecast run next to it, the order
-        # alternating.
-        for n in ns:
-            ratios = []
-            for k in range(pairs):
-                # One compile: process 0 of the same N-process job compiling while the
-                # others idle ("one"), or with alone_job a job of one process ("local").
-                base = "local" if alone_job else "one"
-                order = (base, "share") if k % 2 == 0 else ("share", base)
-                got = {mode: run(mode, 1 if mode == "local" else n) for mode in order}
-                got["local"] = got[base]
-                ratios.append(got["share"]["ready"] / got["local"]["ready"])
-                print(f"N={n:3d} pair {k + 1}: one compile alone "
-                      f"({'a one-process job' if alone_job else 'in the job'}) "
-                      f"{got['local']['ready']:.2f}s, "
-                      f"compilecast {got['share']['compiles']} compile(s), all hold the verified "
-                      f"bytes {got['share']['ready']:.2f}s = {ratios[-1]:.2f}x "
-                      f"({'alone' if order[0] == base else 'compilecast'} ran first)",
-                      flush=True)
-                alone = next((p for p in got["local"]["phases"] if "compile_entry began" in p),
-                             {})
-                if "compile_entry began" in alone:
-                    print(f"         alone: compile {alone['compile_entry began']:.2f}-"
-                          f"{alone['compile_entry ended']:.2f}s", flush=True)
-                print(f"         {timeline(got['share']['phases'])}", flush=True)
-            print(f"N={n:3d}: {pairs} pairs, ratio median {statistics.median(ratios):.2f}x, "
-                  f"range {min(ratios):.2f}-{max(ratios):.2f}x", flush=True)
-        print(json.dumps(rows))
-        return
+        _tpu_pairs(run, ns, pairs, alone_job)
+    else:
+        _tpu_waves(run, rows, ns, after, baseline_max)
+    print(json.dumps(rows))
+
+
+def _tpu_pairs(run, ns: list[int], pairs: int, alone_job: bool) -> None:
+    """A compile's time swings by 20 % from run to run here: each ratio from
+    a compile alone and a compilecast run next to it, the order alternating."""
+    for n in ns:
+        ratios = []
+        for k in range(pairs):
+            # One compile: process 0 of the same N-process job compiling while the
+            # others idle ("one"), or with alone_job a job of one process ("local").
+            base = "local" if alone_job else "one"
+            order = (base, "share") if k % 2 == 0 else ("share", base)
+            got = {mode: run(mode, 1 if mode == "local" else n) for mode in order}
+            got["local"] = got[base]
+            ratios.append(got["share"]["ready"] / got["local"]["ready"])
+            print(f"N={n:3d} pair {k + 1}: one compile alone "
+                  f"({'a one-process job' if alone_job else 'in the job'}) "
+                  f"{got['local']['ready']:.2f}s, "
+                  f"compilecast {got['share']['compiles']} compile(s), all hold the verified "
+                  f"bytes {got['share']['ready']:.2f}s = {ratios[-1]:.2f}x "
+                  f"({'alone' if order[0] == base else 'compilecast'} ran first)",
+                  flush=True)
+            alone = next((p for p in got["local"]["phases"] if "compile_entry began" in p), {})
+            if "compile_entry began" in alone:
+                print(f"         alone: compile {alone['compile_entry began']:.2f}-"
+                      f"{alone['compile_entry ended']:.2f}s", flush=True)
+            print(f"         {timeline(got['share']['phases'])}", flush=True)
+        print(f"N={n:3d}: {pairs} pairs, ratio median {statistics.median(ratios):.2f}x, "
+              f"range {min(ratios):.2f}-{max(ratios):.2f}x", flush=True)
+
+
+def _tpu_waves(run, rows: list[dict], ns: list[int], after: bool, baseline_max: int) -> None:
     one = run("local", 1)
     print(f"one process compiling alone: {one['ready']:.2f}s, "
           f"{one['bytes'] / 1e6:.0f} MB executable", flush=True)
@@ -238,7 +244,6 @@ def tpu(topology: str, ns: list[int], layers: int, width: int, baseline_max: int
         late = max(r["late"] for r in rows)
         print(f"{line} | latest process late for the common start by {late:.1f}s", flush=True)
         print(f"         {timeline(cc['phases'])}", flush=True)
-    print(json.dumps(rows))
 
 
 def host_quotas(stack: contextlib.ExitStack, cpus: float, n: int) -> list[Path]:
@@ -252,7 +257,7 @@ def host_quotas(stack: contextlib.ExitStack, cpus: float, n: int) -> list[Path]:
     return [quotas.quota(f"tte-{i}") for i in range(n)]
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--layers", type=int, default=None,
@@ -289,16 +294,12 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true",
                     help="with --tpu, drop the page cache before each run (root), so that "
                          "runs start alike (BENCHMARKS.md, \"Time to executable on N processes\")")
-    args = ap.parse_args()
-    if args.tpu:
-        held = page_reporting_held() if args.hold_page_reporting else contextlib.nullcontext()
-        with held, contextlib.ExitStack() as quotas:
-            cgroups = host_quotas(quotas, args.host_cpus, max(args.n)) if args.host_cpus else None
-            tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
-                args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
-                args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job, args.tpu_host_workers,
-                args.drop_caches, cgroups, args.host_cpus)
-        return
+    return ap
+
+
+def _cpu_waves(args: argparse.Namespace) -> None:
+    """Waves of JAX processes on CPU through `compilecast up`, against each
+    process compiling."""
     args.layers, args.width = args.layers or 160, args.width or 512
     home = Path(tempfile.mkdtemp(prefix="cc-bench-")) / "up"
     home.mkdir()
@@ -336,6 +337,21 @@ def main() -> None:
         up.stop()
         shutil.rmtree(home.parent, ignore_errors=True)
     print(json.dumps(results))
+
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.tpu:
+        held = page_reporting_held() if args.hold_page_reporting else contextlib.nullcontext()
+        with held, contextlib.ExitStack() as quotas:
+            cgroups = host_quotas(quotas, args.host_cpus, max(args.n)) if args.host_cpus else None
+            tpu(args.tpu, args.n, args.layers or (16 if args.tpu_weights else 64),
+                args.width or 1024, args.tpu_baseline_max, args.tpu_weights, args.tpu_after,
+                args.tpu_pairs, args.tpu_one_host, args.tpu_alone_job, args.tpu_host_workers,
+                args.drop_caches, cgroups, args.host_cpus)
+        return
+    _cpu_waves(args)
 
 
 if __name__ == "__main__":

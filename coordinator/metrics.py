@@ -21,6 +21,7 @@ class CoordinatorMetrics:
         self.registry = registry
         self._decisions(registry)
         self._bytes(registry)
+        self._transfers(registry)
         self._etcd(registry)
         self._etcd_children: dict[str, object] = {}
         self._recent_writes: deque[float] = deque(maxlen=RECENT_WRITES)  # seconds each
@@ -102,7 +103,7 @@ class CoordinatorMetrics:
         )
 
     def _bytes(self, registry: CollectorRegistry) -> None:
-        """Artifact bytes: the store, the bucket, the data plane and relays."""
+        """Artifact bytes: the store and the bucket."""
         self.bytes = Counter(
             "compilecast_coordinator_artifact_bytes",
             "Artifact bytes moved, as sent (zstd as stored, to clients that decode it)",
@@ -146,6 +147,21 @@ class CoordinatorMetrics:
             "Stored blobs the background scrub verified",
             registry=registry,
         )
+        self.store_bytes = Gauge(
+            "compilecast_coordinator_store_bytes",
+            "Bytes in the artifact store as this replica counts them (its writes, and the "
+            "whole directory every store scan)",
+            registry=registry,
+        )
+        self.store_evictions = Counter(
+            "compilecast_coordinator_store_evictions",
+            "Artifacts evicted from the bounded store (least recently read first); each "
+            "recompiles when next asked for",
+            registry=registry,
+        )
+
+    def _transfers(self, registry: CollectorRegistry) -> None:
+        """How artifacts travel: the data plane, uploads streamed to readers, relays."""
         self.data_plane = Counter(
             "compilecast_coordinator_data_plane_sends",
             "Data plane connections by result: sent (a whole blob), refused (no such "
@@ -176,18 +192,6 @@ class CoordinatorMetrics:
             "compilecast_coordinator_fetches_while_publishing",
             "Fetches of an upload still in progress on this replica (streamed as it "
             "arrives, to publish_stream_readers at a time; the rest once committed)",
-            registry=registry,
-        )
-        self.store_bytes = Gauge(
-            "compilecast_coordinator_store_bytes",
-            "Bytes in the artifact store as this replica counts them (its writes, and the "
-            "whole directory every store scan)",
-            registry=registry,
-        )
-        self.store_evictions = Counter(
-            "compilecast_coordinator_store_evictions",
-            "Artifacts evicted from the bounded store (least recently read first); each "
-            "recompiles when next asked for",
             registry=registry,
         )
         self.relays = Counter(
