@@ -6,15 +6,13 @@ default) or taking every byte over the worker's socket (as before the
 worker (its host cache empty) of one coordinator.
 
     python bench/cold_fetch.py [--mb 512] [--pairs 3] [--processes P]
-                               [--ways follow socket link]
+                               [--ways follow socket grpc]
 
 Prints per fetch the wall time until the process holds the verified bytes,
 and the CPU-seconds of the process, the worker and the coordinator. With
 --processes P, P processes of the host (a GPU host's 8) fetch at once, and
 the time is until the last holds the bytes (CPU: all of theirs). The way
-`link` is a worker on the coordinator's filesystem (as `compilecast up`
-runs one): it fills its host cache by a hard link to the coordinator's blob,
-and the process reads that file.
+`grpc` follows a worker whose downloads go over gRPC only (no data plane).
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=512)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--processes", type=int, default=1)
-    ap.add_argument("--ways", nargs="+", choices=("follow", "socket", "link"),
+    ap.add_argument("--ways", nargs="+", choices=("follow", "socket", "grpc"),
                     default=["follow", "socket"])
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cc-cold-") as tmp:
@@ -67,8 +65,8 @@ def main() -> None:
             rows = []
             for k in range(args.pairs):
                 for how in (args.ways if k % 2 == 0 else args.ways[::-1]):
-                    linked = ("--link-store-dir", str(root / "store-c")) if how == "link" else ()
-                    worker, wproc = stack.worker(coord, f"w{k}-{how}", linked)
+                    extra = ("--data-plane", "false") if how == "grpc" else ()
+                    worker, wproc = stack.worker(coord, f"w{k}-{how}", extra)
                     before = cpu_seconds(wproc.pid), cpu_seconds(cproc.pid)
                     ps = [subprocess.Popen([sys.executable, "-c", PROCESS, worker, "art", how],
                                            stdout=subprocess.PIPE, text=True)

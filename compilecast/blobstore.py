@@ -128,29 +128,6 @@ class DiskBlobStore:
     def path_of(self, digest: str) -> Path:
         return blob_path(self.root, digest)
 
-    def link(self, digest: str, other_root: str | os.PathLike[str]) -> bool:
-        """Take the blob of `digest` from the store at `other_root` by a hard
-        link: no copy, no bytes moved (`compilecast up`'s worker and
-        coordinator share a disk). False when that store lacks it or it
-        cannot be linked (another filesystem, permissions). Blobs are never
-        changed in place, only replaced by a rename, so the link stays the
-        blob it was; this store's reads verify it like any blob it did not
-        write."""
-        validate.digest(digest)
-        if self.has(digest):
-            return True
-        dst = self.path_of(digest)
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.link(blob_path(other_root, digest), dst)
-        except FileExistsError:
-            return True
-        except OSError:
-            return False
-        with contextlib.suppress(OSError):
-            self._account(dst.stat().st_size)
-        return True
-
     def has(self, digest: str) -> bool:
         # One stat on a string path: every HIT asks (pathlib's Path objects cost
         # more than the stat; 12 % of the coordinator's CPU under a hit load).

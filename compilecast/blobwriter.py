@@ -424,9 +424,12 @@ class BlobWriter:
             if self.discarded:
                 self._done = True
                 return None
-            stored = self.path.stat().st_size
+            path = self._path
+            if path is None:  # (kept bytes always have their file)
+                raise FileNotFoundError(f"no file for {digest}")
+            stored = path.stat().st_size
             existed = final.exists()
-            os.replace(self.path, final)
+            os.replace(path, final)
             if self._store.durable:
                 _fsync_dir(final.parent)
             self._done = True

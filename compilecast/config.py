@@ -269,10 +269,6 @@ class WorkerConfig:
     revocation_poll_s: float = field(
         default=30.0, metadata=_help("how often to ask the coordinator for purged artifacts "
                                      "and drop them from the host cache"))
-    link_store_dir: str = field(
-        default="", metadata=_help("a coordinator's store on this machine's filesystem "
-                                   "(compilecast up sets it): a download whose blob is there "
-                                   "is hard-linked into the host cache, not copied"))
     local_files: bool = field(
         default=True, metadata=_help("answer a host cache hit for a process that asks over the "
                                      "unix socket with the file's path: it reads and verifies "

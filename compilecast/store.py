@@ -4,7 +4,7 @@ data plane, farm, sweeps and scrubs) asks of wherever the bytes live.
 Two implementations: `blobstore.DiskBlobStore` (a directory on a volume) and
 `objectstore.BucketStore` (an S3-compatible bucket, with a bounded disk store
 of the replica's own in front of it). The worker's host cache is always a
-DiskBlobStore and uses its local-only extras (hard links, paths handed to
+DiskBlobStore and uses its local-only extra (paths handed to
 the host's processes) directly.
 
 Rules every implementation keeps:

@@ -247,9 +247,6 @@ def configs(cfg: UpConfig, env: dict[str, str] | None = None
         "listen": f"unix://{sock}", "coordinator": ccfg.listen,
         "cache_dir": str(cfg.home / "worker"), "metrics_port": cfg.worker_metrics_port,
         "metrics_host": "127.0.0.1",
-        # One disk: the host cache links the coordinator's blobs instead of copying them
-        # (so no data plane tickets, which a link would leave unused until they expire).
-        "link_store_dir": ccfg.store_dir, "data_plane": False,
     })
     return ccfg, wcfg
 

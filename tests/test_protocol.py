@@ -17,7 +17,7 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
 from compilecast.worker.clientpublish import publish_messages
 
-from .conftest import eventually, flip_middle_byte, key_recorded, publish
+from .conftest import eventually, key_recorded, publish
 
 DATA = b"executable-bytes" * 50_000
 
@@ -629,45 +629,6 @@ def test_a_release_without_a_reason_is_invalid_and_keeps_the_lease(coordinator):
     code, details = code_of(lambda: c.release("k", lease, pb.RELEASE_REASON_UNSPECIFIED))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "reason must be" in details
     assert c.publish("k", lease, DATA, 3.0).digest == hashlib.sha256(DATA).hexdigest()
-
-
-def test_a_worker_on_the_coordinators_disk_links_its_blobs(coordinator, start_worker):
-    """With link_store_dir (`compilecast up`), a download whose blob is in the
-    coordinator's store is hard-linked into the host cache: one inode on
-    the disk, not two copies, and the process still gets verified bytes. A
-    linked blob that does not verify is never served: the fetch fails,
-    the link is quarantined, and the next fetch asks the coordinator."""
-    worker = start_worker(coordinator.cfg.listen, link_store_dir=str(coordinator.store.root))
-    direct = client(coordinator.cfg.listen)
-    data = os.urandom(3 << 20)
-    info = direct.publish("linked", direct.acquire("linked").lease, data, 1.0)
-
-    process = client(worker.target)
-    assert process.fetch("linked")[1] == data
-    ours, theirs = (s.path_of(info.digest).stat() for s in (worker.cache.store, coordinator.store))
-    assert (ours.st_ino, ours.st_dev) == (theirs.st_ino, theirs.st_dev) and ours.st_nlink == 2
-    assert worker.registry.get_sample_value("compilecast_worker_artifact_bytes_total",
-                                            {"direction": "linked"}) == len(data)
-    assert process.fetch("linked")[1] == data  # a host-cache hit now
-
-    bad = os.urandom(3 << 20)
-    bad_info = direct.publish("flipped", direct.acquire("flipped").lease, bad, 1.0)
-    # In place: the link the worker takes is this file.
-    flip_middle_byte(coordinator.store.path_of(bad_info.digest), mask=1)
-    # The link, then the coordinator's own read: neither serves it. The
-    # coordinator may already have found the flip while it streamed the
-    # download the worker cancelled on linking; then the entry is gone.
-    with pytest.raises(grpc.RpcError) as failed:
-        process.fetch("flipped")
-    assert failed.value.code() == grpc.StatusCode.DATA_LOSS
-    with pytest.raises(grpc.RpcError) as failed:
-        process.fetch("flipped")
-    assert failed.value.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND)
-    assert worker.cache.lookup("host", "flipped") is None
-    assert not worker.cache.store.has(bad_info.digest)
-    with pytest.raises(grpc.RpcError) as failed:  # nor does the coordinator, to anyone
-        direct.fetch("flipped")
-    assert failed.value.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND)
 
 
 def test_malformed_acquires_are_invalid_argument_and_claim_nothing(coordinator):

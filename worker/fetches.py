@@ -56,7 +56,6 @@ class _Download:
     resumes: list[float] = field(default_factory=lambda: list(RESUME_S))
     info: pb.ArtifactInfo | None = None
     peer: str = ""  # the peer worker relaying it ("": the coordinator)
-    linked: bool = False  # the blob came by a hard link: the download stopped
     inflate: _Inflating | None = None  # decoding this attempt's zstd stream
 
 
@@ -79,13 +78,6 @@ class Fetches:
                     pass
                 if dl.info is None:
                     raise CorruptBlob(f"coordinator sent no artifact header for {key}")
-                if dl.linked:
-                    writer.abort()
-                    await self._serve_linked(fill, dl.info)
-                    await self._record(ns, dl.info, writer)
-                    self.metrics.bytes.labels("linked").inc(dl.info.size)
-                    await fill.finish(dl.info, None)
-                    return
                 try:
                     fill.kept = await asyncio.to_thread(writer.commit, dl.info.digest,
                                                         dl.info.size) is not None
@@ -133,10 +125,10 @@ class Fetches:
             if request.accept_url:
                 chunks = with_bucket_url(chunks, used)
             redirect = await self._take(dl, fill, writer, request, chunks)
-            if used and not dl.linked and writer.size != dl.info.size:
+            if used and writer.size != dl.info.size:
                 raise DataPlaneBroke(f"its data plane's stream ended at byte "
                                      f"{writer.size} of {dl.info.size}")
-            if used and not dl.linked:
+            if used:
                 (self.metrics.relays.labels("data_plane") if dl.peer
                  else self.metrics.data_plane.labels("taken")).inc()
         except DataPlaneBroke as exc:
@@ -161,9 +153,8 @@ class Fetches:
             if chunk.relay_from:
                 dl.info = chunk.artifact
                 return chunk.relay_from
-            if chunk.HasField("artifact") and await self._header(dl, fill, writer,
-                                                                 chunk.artifact):
-                return ""  # linked: the download is cancelled, the bytes are here
+            if chunk.HasField("artifact"):
+                await self._header(dl, fill, chunk.artifact)
             if chunk.zstd_data:
                 if dl.inflate is None:
                     dl.inflate = _Inflating(dl.key, dl.info, fill, writer)
@@ -175,17 +166,13 @@ class Fetches:
                 await fill.send(chunk)  # a heartbeat: pass it on
         return ""
 
-    async def _header(self, dl: _Download, fill: _Fill, writer, artifact) -> bool:
-        """Take an artifact header; whether the blob was linked into the host
-        cache instead (the download then stops)."""
+    async def _header(self, dl: _Download, fill: _Fill, artifact: pb.ArtifactInfo) -> None:
+        """Take an artifact header."""
         if dl.info is not None and artifact.digest != dl.info.digest:
             raise CorruptBlob(f"{dl.key} changed digest mid-download")
         if not fill.started:  # readers learn what to expect first
             await fill.send(pb.FetchChunk(artifact=artifact))
         dl.info = fill.info = artifact
-        if not dl.peer and not writer.size and await self._linked(artifact.digest):
-            dl.linked = True
-        return dl.linked
 
     async def _take_data(self, dl: _Download, fill: _Fill, writer, request: pb.FetchRequest,
                          chunk) -> None:
@@ -258,24 +245,6 @@ class Fetches:
         if not await amake_room(self.cache.store, size):
             writer.stop_keeping(f"no room for {size} bytes above the free space kept on the "
                                 "host cache's disk")
-
-    async def _linked(self, digest: str) -> bool:
-        """Whether the blob is now in the host cache by a hard link from the
-        coordinator's store on this filesystem (`up`)."""
-        if not self.link_store or digest in self._unlinkable:
-            return False
-        return await asyncio.to_thread(self.cache.store.link, digest, self.link_store)
-
-    async def _serve_linked(self, fill: _Fill, info: pb.ArtifactInfo) -> None:
-        """Pass a linked blob to the fill's readers, verifying it as it is
-        read. One that does not verify is quarantined here and never linked
-        again: the next fill downloads it."""
-        try:
-            async for piece in aread(self.cache.store, info.digest):
-                await fill.send(DataChunk(piece))
-        except CorruptBlob:
-            self._unlinkable.add(info.digest)
-            raise
 
     async def _record(self, ns: str, info: pb.ArtifactInfo, writer) -> None:
         """Index a committed download or publish in the host cache; one the

@@ -63,7 +63,6 @@ class Worker(Role):
                                      token=token,
                                      credentials=upstream_creds,
                                      relay_address=relay_address,
-                                     link_store=cfg.link_store_dir,
                                      local_files=cfg.local_files,
                                      wake_on_host_publish=cfg.wake_on_host_publish,
                                      data_plane=cfg.data_plane and upstream_creds is None,

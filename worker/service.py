@@ -58,7 +58,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
                  decide_gap_s: float = decide.GAP_S,
                  token: str = "", credentials: grpc.ChannelCredentials | None = None,
                  relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None,
-                 link_store: str = "", local_files: bool = True,
+                 local_files: bool = True,
                  data_plane: bool = False, wake_on_host_publish: bool = False,
                  bucket_urls: bool = True) -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
@@ -75,8 +75,6 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
                                             (Route.LOCAL_FILE, local_files),
                                             (Route.GROWING_FILE, local_files)) if offered])
         self.relay_address = relay_address
-        self.link_store = link_store  # a coordinator's store on this filesystem (`up`)
-        self._unlinkable: set[str] = set()  # digests whose linked blob failed to verify
         self.peer_credentials = peer_credentials
         self._peers: dict[str, tuple[grpc.aio.Channel, rpc.CompileCacheStub]] = {}
         self.coordinator = coordinator
