@@ -277,11 +277,9 @@ def test_a_stop_ends_an_upload_that_waits_for_bytes(start_coordinator):
         assert frame(s)[0] == 0
         s.sendall(DATA[:100])  # and then nothing
         time.sleep(0.2)
-        began = time.monotonic()
         coordinator.stop()
-        s.settimeout(5)
-        assert s.recv(1) == b""  # closed by the stop, not a timeout
-    assert time.monotonic() - began < 5
+        s.settimeout(dataplane.UPLOAD_STALL_S / 2)
+        assert s.recv(1) == b""  # closed by the stop, not by the upload's stall limit
 
 
 def test_a_small_publish_goes_over_grpc(coordinator, monkeypatch):

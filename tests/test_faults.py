@@ -138,10 +138,8 @@ def test_quorum_lost_falls_back_locally_then_recovers(cluster, cluster_coordinat
     _roundtrip(target, 1)
     cluster.kill("m1")
     cluster.kill("m2")
-    start = time.monotonic()
-    resp = c.acquire("during-outage")
+    resp = c.acquire("during-outage")  # answered, within the client's deadline
     assert resp.decision == pb.COMPILE_LOCALLY and "etcd" in resp.reason
-    assert time.monotonic() - start < 30
     assert cluster_coordinator.registry.get_sample_value(  # what the alert watches
         "compilecast_coordinator_etcd_unavailable_total") == 1
     for name in ("m1", "m2"):
@@ -302,13 +300,11 @@ def test_a_host_cache_removed_under_a_running_worker_is_made_again(coordinator, 
     c = CacheClient(coordinator.cfg.listen)
     data = os.urandom(1 << 20)
     c.publish("k", c.acquire("k").lease, data, 1.0)
-    via_worker = CacheClient(worker.target, timeout_s=10)
+    via_worker = CacheClient(worker.target, timeout_s=10, stall_s=10)  # a stalled fill fails
     assert via_worker.fetch("k")[1] == data
     shutil.rmtree(worker.cache.root)
 
-    start = time.monotonic()
     assert via_worker.fetch("k")[1] == data
-    assert time.monotonic() - start < 10  # not a stalled fill
     assert worker.cache.lookup("host", "k") is not None  # kept again
     assert via_worker.status().host_disk_free_bytes > 0
 
@@ -326,11 +322,9 @@ def test_a_host_cache_that_cannot_keep_a_download_serves_it_without_a_copy(
     tmp = worker.cache.store.tmp_dir
     tmp.rmdir()
     tmp.write_bytes(b"not a directory")
-    via_worker = CacheClient(worker.target, timeout_s=10)
+    via_worker = CacheClient(worker.target, timeout_s=10, stall_s=10)  # a stalled fill fails
     for _ in range(2):
-        start = time.monotonic()
         assert via_worker.fetch("k")[1] == data
-        assert time.monotonic() - start < 10
     assert worker.cache.lookup("host", "k") is None
     assert worker.metrics.registry.get_sample_value("compilecast_worker_uncached_total") == 2
     assert not worker.service._fills

@@ -4,7 +4,6 @@ batches in the background, against a real etcd on loopback."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -167,14 +166,13 @@ def test_a_stop_waits_for_records_at_most_close_s(loop_thread, prefix):
         try:
             records.record(scope("default", "k"), "jit_step", BASE)
             await asyncio.sleep(0.05)  # its round is stuck on etcd
-            start = time.monotonic()
-            await records.close()
-            return time.monotonic() - start, records._recorder
+            # Etcd's own timeout is 30 s: a close that waited for it fails here.
+            await asyncio.wait_for(records.close(), timeout=10)
+            return records._recorder
         finally:
             await client.close()
 
-    took, recorder = loop_thread.run(body())
-    assert recorder is None and took < 10, took
+    assert loop_thread.run(body()) is None
 
 
 def test_a_twin_is_nearer_than_any_key_that_differs(etcd, loop_thread, prefix):
