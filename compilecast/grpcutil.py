@@ -210,24 +210,23 @@ def _stream_unary(impl: Callable, parse: Callable) -> Callable:
     return handler
 
 
+async def _parsed_or_refused(raw: bytes, parse: Callable, context: Any) -> Any:
+    try:
+        return parse(raw)
+    except InvalidRequest as exc:
+        await context.abort(grpc_code(exc.status), str(exc))
+
+
 def _unary_stream(impl: Callable, parse: Callable) -> Callable:
     async def handler(raw, context):
-        try:
-            request = parse(raw)
-        except InvalidRequest as exc:
-            await context.abort(grpc_code(exc.status), str(exc))
-        async for item in impl(request, context):
+        async for item in impl(await _parsed_or_refused(raw, parse, context), context):
             yield item
     return handler
 
 
 def _unary_unary(impl: Callable, parse: Callable) -> Callable:
     async def handler(raw, context):
-        try:
-            request = parse(raw)
-        except InvalidRequest as exc:
-            await context.abort(grpc_code(exc.status), str(exc))
-        return await impl(request, context)
+        return await impl(await _parsed_or_refused(raw, parse, context), context)
     return handler
 
 

@@ -204,6 +204,19 @@ class LoopThread:
             self.loop.close()
 
 
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real S3-compatible server (SeaweedFS on loopback), its credentials
+    in the environment while the module's tests run."""
+    from .s3server import S3Server, restore, use_credentials
+
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    before = use_credentials(server)
+    yield server
+    restore(before)
+    server.stop()
+
+
 @pytest.fixture
 def loop_thread() -> Iterator[LoopThread]:
     lt = LoopThread()

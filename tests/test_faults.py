@@ -18,7 +18,7 @@ import pytest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, wait_until_healthy
 
-from .conftest import LoopThread, Running, free_port
+from .conftest import LoopThread, Running, eventually, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -160,7 +160,8 @@ def test_coordinator_sigkill_during_publishes_loses_nothing_acknowledged(etcd, t
     args = [sys.executable, "-m", "compilecast.cli", "coordinator", "--listen",
             f"127.0.0.1:{port}", "--etcd-endpoints", etcd.endpoint, "--etcd-prefix",
             f"/kill-{port}", "--store-dir", str(tmp_path / "store"), "--metrics-port", "0",
-            "--allow-unauthenticated", "true"]
+            "--allow-unauthenticated", "true",
+            "--publish-stream-readers", "1"]  # a waiter is told when an upload begins
     target = f"127.0.0.1:{port}"
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_until_healthy(target, 30)
@@ -186,13 +187,16 @@ def test_coordinator_sigkill_during_publishes_loses_nothing_acknowledged(etcd, t
     threads = [threading.Thread(target=publisher, args=(k,)) for k in range(3)]
     for t in threads:
         t.start()
-    time.sleep(3)
+    # One publish surely in flight at the kill: its header and first MiB sent,
+    # the rest held back until after the kill.
+    held = _held_publish(target, stop)
+    eventually(lambda: len(acked) >= 3, "publishes acknowledged before the kill", 60)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     stop.set()
     for t in threads:
         t.join(30)
-    assert acked, "no publish was acknowledged before the kill"
+    assert held.exception(timeout=30) is not None  # cut off by the kill, never acknowledged
 
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -200,6 +204,7 @@ def test_coordinator_sigkill_during_publishes_loses_nothing_acknowledged(etcd, t
         c = CacheClient(target, timeout_s=10)
         for key, data in acked.items():
             assert c.fetch(key)[1] == data
+        assert c.acquire("held").decision != pb.HIT  # the cut publish left no artifact
         # Nothing half-written is visible: every blob in the store verifies.
         store = tmp_path / "store"
         assert list((store / "tmp").iterdir()) == []
@@ -213,6 +218,29 @@ def test_coordinator_sigkill_during_publishes_loses_nothing_acknowledged(etcd, t
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _held_publish(target: str, stop: threading.Event) -> grpc.Future:
+    """A Publish of "held" whose header and first MiB are sent and whose rest
+    waits for `stop`; returned once the coordinator has begun the upload (a
+    waiter of the key is told so)."""
+    holder, waiter = CacheClient(target, timeout_s=10), CacheClient(target, timeout_s=10)
+    lease = holder.acquire("held").lease
+    data = os.urandom(8 << 20)
+    header = pb.PublishHeader(key="held", lease=lease, size=len(data),
+                              digest=hashlib.sha256(data).hexdigest(),
+                              requester=holder.identity.requester())
+
+    def chunks():
+        yield pb.PublishChunk(header=header)
+        yield pb.PublishChunk(data=data[:1 << 20])
+        stop.wait(60)
+        yield pb.PublishChunk(data=data[1 << 20:])
+
+    call = holder.stub.Publish.future(chunks(), timeout=120)
+    event = waiter.wait("held", 30, publishing=True)
+    assert event.decision == pb.WAIT, event  # the upload began
+    return call
 
 
 def test_flipped_bytes_are_detected_never_served_and_counted(coordinator, start_worker):
@@ -275,7 +303,7 @@ def test_the_scrub_finds_a_corrupt_blob_nobody_reads(start_coordinator):
     """A blob nobody asks for (a stored recipe, a cold artifact) is verified
     in the background: a corrupt one is quarantined and counted, and its key
     compiles again when next asked for."""
-    from .conftest import eventually, flip_middle_byte
+    from .conftest import flip_middle_byte
 
     coordinator = start_coordinator(scrub_bytes_per_s=1 << 30, store_scan_s=0.2)
     c = CacheClient(coordinator.cfg.listen)

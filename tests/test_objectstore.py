@@ -21,15 +21,6 @@ pytestmark = pytest.mark.slow
 MB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    before = use_credentials(server)
-    yield server
-    restore(before)
-    server.stop()
-
-
 @pytest.fixture
 def bucket(s3) -> str:
     return s3.bucket(f"cc-{uuid.uuid4().hex[:12]}")

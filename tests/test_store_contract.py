@@ -14,17 +14,6 @@ from compilecast.blobstore import DiskBlobStore
 from compilecast.errors import CorruptBlob, DigestMismatch, NotFound
 from compilecast.store import ArtifactStore, BlobSink
 
-from .s3server import S3Server, restore, use_credentials
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    before = use_credentials(server)
-    yield server
-    restore(before)
-    server.stop()
-
 
 @pytest.fixture(params=["disk", pytest.param("bucket", marks=pytest.mark.slow)])
 def store(request, tmp_path) -> ArtifactStore:
