@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -35,6 +36,28 @@ def eventually(predicate, what: str = "condition", seconds: float = 10.0):
             return value
         time.sleep(0.05)
     pytest.fail(f"not within {seconds} s: {what}")
+
+
+def client(target: str, **ident):
+    """A CacheClient, as the process `ident` (Identity's fields) where given."""
+    from compilecast.worker.client import CacheClient, Identity
+
+    return CacheClient(target, identity=Identity(**ident) if ident else None)
+
+
+def code_of(fn) -> tuple:
+    """The gRPC status code and details `fn()` is refused with."""
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+def cc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`compilecast ARGS...` in a child process, its output captured."""
+    return subprocess.run([sys.executable, "-m", "compilecast.cli", *args],
+                          capture_output=True, text=True, timeout=60, env=env)
 
 
 def key_recorded(client, key: str) -> bool:

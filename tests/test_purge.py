@@ -6,24 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
-import sys
 
 import grpc
-import pytest
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 
-from .conftest import eventually, publish
+from .conftest import cc, code_of, eventually, publish
 
 BAD = b"miscompiled" * 20_000
 GOOD = b"fine-executable" * 20_000
-
-
-def code_of(fn) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        fn()
-    return info.value.code(), info.value.details()
 
 
 def test_purged_bytes_are_served_under_no_key_and_never_published_again(start_coordinator):
@@ -182,19 +174,17 @@ def test_the_purge_command(coordinator):
     c = CacheClient(coordinator.cfg.listen)
     digest = publish(c, "k", BAD).digest
 
-    def cc(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "compilecast.cli", "purge",
-                               "--coordinator", coordinator.cfg.listen, *args],
-                              capture_output=True, text=True, timeout=60)
+    def purge_cli(*args: str) -> subprocess.CompletedProcess:
+        return cc("purge", "--coordinator", coordinator.cfg.listen, *args)
 
     publish(c, "k-twin", BAD)  # the same bytes under another key
-    r = cc("k", "--dry-run")
+    r = purge_cli("k", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "would purge   k\n" in r.stdout and "would purge   k-twin" in r.stdout
     assert f"would revoke  {digest}" in r.stdout and "nothing changed" in r.stdout
     assert c.acquire("k").decision == pb.HIT and list(c.revoked().revocations) == []
-    r = cc("k", "gone", "--reason", "miscompile")
+    r = purge_cli("k", "gone", "--reason", "miscompile")
     assert r.returncode == 1, r.stderr  # one key had nothing to purge
     assert "purged   k" in r.stdout and "missing  gone" in r.stdout and digest in r.stdout
-    r = cc()
+    r = purge_cli()
     assert r.returncode != 0 and "name the keys" in r.stderr and "Traceback" not in r.stderr
