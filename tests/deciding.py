@@ -12,10 +12,22 @@ from compilecast import decide
 from compilecast.grpcutil import aio_channel
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.worker.client import CacheClient
+
+DATA = b"decided" * 10_000
 
 
 def ask(key: str, **requester) -> pb.AcquireRequest:
     return pb.AcquireRequest(key=key, requester=pb.Requester(**requester))
+
+
+def published(target: str, key: str) -> pb.ArtifactInfo:
+    """Publish DATA under `key` as its first asker; its ArtifactInfo."""
+    c = CacheClient(target)
+    try:
+        return c.publish(key, c.acquire(key).lease, DATA, 1.0)
+    finally:
+        c.close()
 
 
 def fed():

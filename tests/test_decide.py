@@ -22,20 +22,7 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
 
 from .conftest import EtcdProcess, coordinator_config
-from .deciding import ask, with_decider
-
-DATA = b"decided" * 10_000
-
-
-
-
-def published(target: str, key: str) -> pb.ArtifactInfo:
-    c = CacheClient(target)
-    try:
-        return c.publish(key, c.acquire(key).lease, DATA, 1.0)
-    finally:
-        c.close()
-
+from .deciding import DATA, ask, published, with_decider
 
 
 def test_decisions_over_the_stream_are_those_of_acquire(coordinator, loop_thread):

@@ -14,7 +14,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
 from tests.conftest import eventually
-from tests.test_decide import DATA, against, ask, with_decider
+from tests.deciding import DATA, against, ask, with_decider
 from tests.test_streaming_publish import HeldUpload
 
 MIB = 1 << 20

@@ -15,7 +15,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
 from .conftest import eventually
-from .test_decide import against, ask, fed, published, with_decider
+from .deciding import against, ask, fed, published, with_decider
 
 
 class Thread:
