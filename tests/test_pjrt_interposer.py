@@ -224,3 +224,20 @@ def test_the_job_completes_whatever_the_worker_does(tmp_path, answer):
     assert real_compiles(err) == gate.asked  # each compile fell back to the real plugin
     if answer.startswith("HIT"):
         assert "the plugin refused a shared executable" in err
+
+
+def test_a_stopped_gate_leaves_no_socket_behind(tmp_path):
+    import asyncio
+
+    from compilecast.worker.pjrtgate import PjrtGate
+
+    path = tmp_path / "w.sock.pjrt"
+    gate = PjrtGate(str(path), f"unix://{tmp_path}/w.sock", wait_timeout_s=1.0)
+
+    async def run() -> bool:
+        await gate.start()
+        listening = path.exists()
+        await gate.stop()
+        return listening
+
+    assert asyncio.run(run()) and not path.exists()

@@ -167,6 +167,8 @@ class PjrtGate:
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         self.client.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
