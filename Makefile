@@ -8,11 +8,13 @@ WEED_VERSION ?= v0.0.0-20261109003541-7506e5f91cd6
 WEED    := $(GOBIN)/weed
 STAMP   := .make-installed
 # PyTorch/XLA releases the tests run (CPU), each in a virtualenv of its own:
-# torch and torch-xla from PyPI (about 6-7 GB each with torch's CUDA wheels).
+# torch and torch-xla from PyPI, 5.1 GB (2.7) and 6.5 GB (2.9). PyPI's torch for
+# Linux links CUDA's libraries, which its loader needs even on CPU; triton (its
+# GPU kernel compiler, 0.5 GB) is not needed and is removed. No pip cache.
 TORCH_XLA := .venv/torch-xla
 TORCH_XLA_RELEASES := 2.7 2.9
 
-.PHONY: install demo test test-fast lint proto bench bench-smoke clean
+.PHONY: install tools demo test test-fast lint proto bench bench-smoke clean
 
 $(STAMP): pyproject.toml
 	@command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || \
@@ -24,23 +26,25 @@ $(STAMP): pyproject.toml
 
 # Helm is not a Debian package: build the pinned release from the Go module proxy.
 $(HELM):
-	GOBIN=$(GOBIN) go install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+	bash scripts/go_build.sh helm.sh/helm/v3@$(HELM_VERSION) ./cmd/helm $(HELM)
 
-# SeaweedFS, the object store the tests run (`weed server -s3`): its module has
-# replace directives, which `go install` refuses, so it is built from its
-# downloaded source (about 4 minutes).
+# SeaweedFS, the object store the tests run (`weed server -s3`), built from its
+# downloaded source (about 5 minutes).
 $(WEED):
-	bash scripts/build_weed.sh $(WEED_VERSION) $(WEED)
+	bash scripts/go_build.sh github.com/seaweedfs/seaweedfs@$(WEED_VERSION) ./weed $(WEED)
 
 $(TORCH_XLA)-%/.installed:
 	rm -rf $(TORCH_XLA)-$*
 	$(PY) -m venv $(TORCH_XLA)-$*
-	$(TORCH_XLA)-$*/bin/python -m pip install -q torch==$*.0 torch-xla==$*.0
+	$(TORCH_XLA)-$*/bin/python -m pip install -q --no-cache-dir torch==$*.0 torch-xla==$*.0
+	$(TORCH_XLA)-$*/bin/python -m pip uninstall -q -y triton
 	touch $@
+
+tools: $(HELM) $(WEED)
 
 # The stamp stands for "installed from this checkout": an editable install that
 # points elsewhere (a moved or copied checkout) installs again.
-install: $(HELM) $(WEED) $(TORCH_XLA_RELEASES:%=$(TORCH_XLA)-%/.installed)
+install: tools $(TORCH_XLA_RELEASES:%=$(TORCH_XLA)-%/.installed)
 	@$(PY) -c "import os, sys, compilecast.worker as w; \
 	  sys.exit(not os.path.realpath(w.__file__).startswith(os.path.realpath('worker') + os.sep))" \
 	  2>/dev/null || rm -f $(STAMP)
