@@ -21,7 +21,7 @@ def helm_binary() -> str:
     for candidate in (os.environ.get("HELM"), str(ROOT / "bin" / "helm"), shutil.which("helm")):
         if candidate and os.path.exists(candidate):
             return candidate
-    pytest.fail("helm is not installed: run `make install` (go install helm.sh/helm/v3/cmd/helm)")
+    pytest.fail("helm is not installed: run `make install` (builds bin/helm from the Go module proxy)")
 
 
 def helm(*args: str) -> subprocess.CompletedProcess:
