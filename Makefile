@@ -14,7 +14,7 @@ STAMP   := .make-installed
 TORCH_XLA := .venv/torch-xla
 TORCH_XLA_RELEASES := 2.7 2.9
 
-.PHONY: install tools demo test test-fast lint proto bench bench-smoke clean
+.PHONY: install package tools demo test test-fast lint proto bench bench-smoke clean
 
 $(STAMP): pyproject.toml
 	@command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || \
@@ -42,15 +42,19 @@ $(TORCH_XLA)-%/.installed:
 
 tools: $(HELM) $(WEED)
 
-# The stamp stands for "installed from this checkout": an editable install that
-# points elsewhere (a moved or copied checkout) installs again.
-install: tools $(TORCH_XLA_RELEASES:%=$(TORCH_XLA)-%/.installed)
+# The package (with etcd and a C compiler), all the demo needs. The stamp stands
+# for "installed from this checkout": an editable install that points elsewhere
+# (a moved or copied checkout) installs again.
+package:
 	@$(PY) -c "import os, sys, compilecast.worker as w; \
 	  sys.exit(not os.path.realpath(w.__file__).startswith(os.path.realpath('worker') + os.sep))" \
 	  2>/dev/null || rm -f $(STAMP)
 	@$(MAKE) --no-print-directory $(STAMP)
 
-demo: install
+# Everything the tests and benchmarks need.
+install: package tools $(TORCH_XLA_RELEASES:%=$(TORCH_XLA)-%/.installed)
+
+demo: package
 	$(PY) -m compilecast.demo
 
 test: install
