@@ -110,7 +110,7 @@ def _client(args: argparse.Namespace, timeout_s: float = 30.0):
     if args.token_file:
         try:
             token = Path(args.token_file).read_text().strip()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the name, not UTF-8
             raise CliError(f"cannot read --token-file: {exc}") from exc
     return CacheClient(args.coordinator, timeout_s=timeout_s, token=token,
                        ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)

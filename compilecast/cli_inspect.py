@@ -130,6 +130,8 @@ def _file_key(path: str, include_metadata: bool, *, keep_text: bool = False):
                 data = f.read()
     except OSError as exc:
         raise _Unreadable(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:  # a name the OS cannot take (a NUL byte)
+        raise _Unreadable(f"cannot read {path!r}: {exc}") from None
     return program_key(data, cfg, keep_text=keep_text)
 
 

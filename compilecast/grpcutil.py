@@ -3,6 +3,7 @@ helpers shared by servers and clients."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
 import logging
@@ -65,15 +66,15 @@ def unreachable(exc: grpc.RpcError) -> str:
 
 
 def _read(path: str) -> bytes | None:
-    if not path:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
+    return _read_required(path) if path else None
 
 
 def _read_required(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except ValueError as exc:  # a name the OS cannot take (a NUL byte): an OSError to callers
+        raise OSError(errno.EINVAL, str(exc), path) from None
 
 
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str = ""

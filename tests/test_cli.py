@@ -443,6 +443,17 @@ def _in_process(argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+@pytest.mark.parametrize("argv", [["key", "a\x00b"], ["explain", "a\x00b", "c"],
+                                  ["ls", "--ca-file", "a\x00b"],
+                                  ["ls", "--token-file", "a\x00b"]])
+def test_a_file_name_the_os_cannot_take_is_answered_in_one_line(argv):
+    """A file name with a NUL byte (open() raises ValueError, not OSError)."""
+    code, err = _in_process(argv)
+    assert code in (1, 2), (argv, code, err)
+    assert "embedded null byte" in err and "shows where" not in err, (argv, err)
+    assert len(err.strip().splitlines()) == 1, err
+
+
 config_values = st.one_of(st.text(max_size=30), st.integers(-2**70, 2**70).map(str),
                           st.floats(allow_nan=True, allow_infinity=True).map(str),
                           st.sampled_from(["nan", "-inf", "1e23", "99999", "0", "-1", "yes",
