@@ -59,7 +59,9 @@ def main() -> None:
             os.environ.update(s3.env())
             s3_flags = ("--store-type", "s3", "--s3-bucket", "bench", "--s3-endpoint",
                         s3.endpoint, "--store-max-bytes", "8Gi")
-            disk, _ = stack.coordinator("disk")
+            # The disk-store coordinator keeps its keys apart in etcd: sharing
+            # the bucket coordinators' keys, it could find "k" being compiled.
+            disk, _ = stack.coordinator("disk", extra=("--etcd-prefix", "/compilecast/disk"))
             for target in (disk, stack.coordinator("pub", extra=s3_flags)[0]):
                 c = CacheClient(target, timeout_s=120)
                 c.publish("k", c.acquire("k").lease, data, 1.0)
