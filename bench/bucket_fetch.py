@@ -60,7 +60,8 @@ def main() -> None:
             s3_flags = ("--store-type", "s3", "--s3-bucket", "bench", "--s3-endpoint",
                         s3.endpoint, "--store-max-bytes", "8Gi")
             # The disk-store coordinator keeps its keys apart in etcd: sharing
-            # the bucket coordinators' keys, it could find "k" being compiled.
+            # the bucket coordinators' keys, the bucket's acquire of "k" raced
+            # the disk's publish of it (an answer without a lease, under load).
             disk, _ = stack.coordinator("disk", extra=("--etcd-prefix", "/compilecast/disk"))
             for target in (disk, stack.coordinator("pub", extra=s3_flags)[0]):
                 c = CacheClient(target, timeout_s=120)
