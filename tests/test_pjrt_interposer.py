@@ -145,23 +145,27 @@ def test_who_compiles_follows_the_program_devices():
     from jax._src.lib import xla_client
 
     from compilecast.worker.pjrtgate import identity, program_devices
+    from compilecast.worker.pjrtkeys import Compile
 
     opts = xla_client.CompileOptions()
     opts.device_assignment = xla_client.DeviceAssignment.create(np.array([[3, 5], [7, 1]]))
     serialized = opts.SerializeAsString()
     assert sorted(program_devices(serialized)) == [1, 3, 5, 7]
-    # Devices 0-3 on process 0, 4-7 on process 1: a program over both processes is
-    # the job's; the owner of its lowest device (1: process 0) compiles.
-    owners = ",".join(f"{d}:{d // 4}" for d in range(8))
-    shared = identity({"devices": owners, "process_index": 1, "pid": 7}, serialized)
+    # Devices 0-3 on process 0, 4-7 on process 1 (as the interposer describes
+    # them): a program over both processes is the job's; the owner of its lowest
+    # device (1: process 0) compiles.
+    described = "".join(f"{d} {d // 4} cpu\n  coords={d}\n" for d in range(8))
+    owners = Compile(header={}, program=b"", options=b"", devices=described).owners()
+    assert owners == {d: d // 4 for d in range(8)}
+    shared = identity(owners, 1, 7, serialized)
     assert shared.job.startswith("pjrt-") and shared.designated_process == 0
     assert shared.process_id == 1
     # A program on one process's devices waits for nobody.
     one = xla_client.CompileOptions()
     one.device_assignment = xla_client.DeviceAssignment.create(np.array([[5], [6]]))
-    alone = identity({"devices": owners, "process_index": 1, "pid": 7}, one.SerializeAsString())
+    alone = identity(owners, 1, 7, one.SerializeAsString())
     assert alone.job == "" and alone.client.endswith(":7")
-    assert program_devices(b"") == [] and identity({}, b"\xff").job == ""
+    assert program_devices(b"") == [] and identity({}, 0, 7, b"\xff").job == ""
 
 
 def test_malformed_frames_are_refused_and_the_gate_goes_on(worker, tmp_path):
@@ -194,6 +198,7 @@ class _ScriptedGate:
         self.sock.listen(16)
         self.answer = answer
         self.asked = 0
+        self.held: list = []
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -202,28 +207,46 @@ class _ScriptedGate:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            with conn:
-                conn.recv(1 << 20)
-                self.asked += 1
-                if self.answer is not None:
-                    conn.sendall(self.answer)
+            conn.recv(1 << 20)
+            self.asked += 1
+            if self.answer is not None:
+                conn.sendall(self.answer)
+            if self.answer is not None and self.answer.endswith(b"WAITING\0"):
+                self.held.append(conn)  # and then nothing more: silence
+            else:
+                conn.close()
 
 
-@pytest.mark.parametrize("answer", ["COMPILE then gone", "HIT of bytes the plugin refuses"])
+@pytest.mark.parametrize("answer", ["COMPILE then gone", "HIT of bytes the plugin refuses",
+                                    "HIT of bytes that do not hash to their digest",
+                                    "heartbeats and then silence"])
 def test_the_job_completes_whatever_the_worker_does(tmp_path, answer):
+    import hashlib
+
     from compilecast.worker.pjrtgate import frame
 
-    reply = frame("COMPILE cc1-x") if answer.startswith("COMPILE") else \
-        frame("HIT cc1-x", b"not an executable")
+    junk = b"not an executable"
+    reply = {"COMPILE then gone": frame("COMPILE cc1-x"),
+             "HIT of bytes the plugin refuses":
+                 frame(f"HIT cc1-x {hashlib.sha256(junk).hexdigest()}", junk),
+             "HIT of bytes that do not hash to their digest":
+                 frame(f"HIT cc1-x {hashlib.sha256(b'other').hexdigest()}", junk),
+             "heartbeats and then silence": frame("WAITING") * 3}[answer]
+
     gate = _ScriptedGate(str(tmp_path / "w.sock.pjrt"), reply)
     baseline = wave(env_for(None, interposed=False), 1, tmp_path / "plain")[0][0]
 
-    [(got, err)] = wave(env_for(f"unix://{tmp_path}/w.sock"), 1, tmp_path / "run")
+    env = env_for(f"unix://{tmp_path}/w.sock")
+    env["COMPILECAST_PJRT_SILENCE_S"] = "1"
+    [(got, err)] = wave(env, 1, tmp_path / "run")
 
     assert got["loss"] == baseline["loss"] and gate.asked >= 1
     assert real_compiles(err) == gate.asked  # each compile fell back to the real plugin
-    if answer.startswith("HIT"):
+    if answer == "HIT of bytes the plugin refuses":
         assert "the plugin refused a shared executable" in err
+    if answer == "HIT of bytes that do not hash to their digest":
+        assert "did not hash to its digest" in err
+        assert "the plugin refused" not in err  # the plugin never saw them
 
 
 def test_a_stopped_gate_leaves_no_socket_behind(tmp_path):

@@ -543,6 +543,33 @@ def canonical_compile_options(serialized: bytes) -> bytes:
     return compile_options_bytes(_xc.CompileOptions.ParseFromString(serialized))
 
 
+def compile_options_round_trip(serialized: bytes) -> bytes:
+    """A serialized CompileOptionsProto as this jaxlib reads and writes it
+    back: what it does not know is gone (raises when it cannot read it)."""
+    return bytes(_xc.CompileOptions.ParseFromString(serialized).SerializeAsString())
+
+
+def without_shard_autotuning(serialized: bytes) -> bytes:
+    """A serialized CompileOptionsProto for a GPU compile that waits for no
+    other process (compile_alone): sharded autotuning off."""
+    opts = _xc.CompileOptions.ParseFromString(serialized)
+    overrides = list(opts.env_option_overrides)
+    if any(name == SHARD_AUTOTUNING for name, _ in overrides):
+        return serialized
+    opts.env_option_overrides = [*overrides, (SHARD_AUTOTUNING, False)]
+    return bytes(opts.SerializeAsString())
+
+
+def portable_artifact_module(data: bytes) -> Any:
+    """A StableHLO portable artifact (what JAX hands a PJRT plugin) as an MLIR
+    module in a fresh context; raises when `data` is not one."""
+    from jaxlib.mlir.dialects import stablehlo
+
+    ctx = mlir_context()
+    with ctx:
+        return stablehlo.deserialize_portable_artifact(ctx, data)
+
+
 def excluded_xla_flags() -> list[str]:
     return list(_ck.xla_flags_to_exclude_from_cache_key)
 

@@ -132,6 +132,11 @@ def _default_config() -> KeyConfig:
     return KeyConfig()
 
 
+def default_config() -> KeyConfig:
+    """The key settings of this process (COMPILECAST_KEY_* at its start)."""
+    return _default_config()
+
+
 @dataclass
 class Key:
     components: dict[str, str] = field(default_factory=dict)
@@ -467,6 +472,11 @@ def host_cpu(cpuinfo: str | None = None) -> str:
 @functools.lru_cache(maxsize=1)
 def _host_cpu_digest() -> str:
     return _digest(host_cpu())
+
+
+def host_cpu_digest() -> str:
+    """The `host_cpu` component of this host."""
+    return _host_cpu_digest()
 
 
 def _read_cpuinfo() -> str:

@@ -3,19 +3,34 @@
 A framework that compiles through a PJRT plugin wrapped by the interposer
 sends each compile here, over the unix socket next to the worker's
 (`<socket>.pjrt`): the program as the framework gave it, its serialized
-CompileOptionsProto, the platform and its version, and the client's devices
-with their processes. The worker keys it, asks as any process of the host
-would (over its own socket, so the host cache and single-flight fetch apply)
-and answers:
+CompileOptionsProto, the client's devices, the plugin's build, the
+environment the plugin reads and the caller's token. The gate is an adapter
+over the worker's own API: it keys the compile (worker/pjrtkeys.py), then
+asks the worker over its socket as any process of the host does, with the
+caller's token (the same namespace, tenant and permissions), so the host
+cache, the single-flight waits and fetches, the leases and the digests are
+the core's. Nothing here holds a thread while it waits.
 
-    HIT <key>       + the verified serialized executable
-    COMPILE <key>   the interposer holds the lease: it compiles, then sends
-                    "publish <seconds>" + the serialized executable, or
-                    "failed <why>"; a closed connection releases the lease
+    WAITING         a heartbeat, every HEARTBEAT_S while the answer is pending
+    HIT <key> <sha256>  + the verified serialized executable
+    COMPILE <key>   the interposer holds the lease, + the compile options to
+                    use where they differ (a GPU job's compile that waits for
+                    no other process: no sharded autotuning); it compiles,
+                    then sends "publish <seconds>" + the serialized
+                    executable, or "failed <why>"; a closed connection
+                    releases the lease. A publish is taken on this
+                    connection only, for this key, under its lease.
     LOCAL <why>     compile without sharing
 
-Frames: b"CCP1", a little-endian u32 header size, the header, then one (a
-reply) or two (a request) blobs, each a little-endian u64 size and its bytes.
+Frames: b"CCP2", a little-endian u32 header size, the header, a u8 count,
+then that many blobs, each a little-endian u64 size and its bytes.
+
+Bounds: a connection limit (in all, and per process), deadlines for the
+header and for each blob, a worker-wide memory budget for programs and
+executables in flight (past it: LOCAL), and one rate-limited log line per
+kind of problem. Callers: those the worker's socket admits (the socket's
+permissions; peer credentials of the same user, root, or the socket's
+group).
 
 Who compiles follows JAX's per-program rule: a program whose devices (the
 compile options' device assignment) span several processes is asked for as
@@ -31,54 +46,165 @@ import hashlib
 import json
 import logging
 import os
+import pwd
+import resource
 import socket
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import grpc
+
+from compilecast import wire
+from compilecast.decide import ends_wait
+from compilecast.grpcutil import aio_channel, bearer
 from compilecast.v1 import cache_pb2 as pb
 
-from . import hlocanon, keys
-from .client import CacheClient, Identity
+from . import hlocanon, jax_adapter, pjrtkeys
+from .client import Identity
+from .clientpublish import publish_messages
+from .keys import Key
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"CCP1"
-MAX_HEADER = 1 << 20
-MAX_BLOB = 8 << 30
-KEY_VERSION = "pjrt-1"
+MAGIC = b"CCP2"
+MAX_HEADER = 4096
+MAX_BLOBS = 6
+MAX_TEXT = 16 << 20  # devices, plugin, environment, token
+HEARTBEAT_S = 2.0
+GPU_PLATFORMS = frozenset({"cuda", "rocm", "gpu"})
+
+
+@dataclass(frozen=True)
+class GateLimits:
+    """What one caller, or all of them together, can make the gate hold."""
+
+    connections: int = 256  # connections served at once; past it: LOCAL at once
+    per_process: int = 16  # of those, from one process
+    header_s: float = 10.0  # a request's header arrives within this
+    blob_s: float = 10.0  # each blob within this, plus its size at min_rate
+    min_rate: float = 4 << 20  # bytes per second a sender keeps up at least
+    memory_bytes: int = 2 << 30  # programs and executables in flight, all connections
+    compile_s: float = 4 * 3600.0  # the lease holder's publish arrives within this
+    rpc_s: float = 10.0  # each call to the worker but the waits (which the worker bounds)
 
 
 class BadFrame(Exception):
     pass
 
 
-async def read_blob(reader: asyncio.StreamReader) -> bytes:
-    n = int.from_bytes(await reader.readexactly(8), "little")
-    if n > MAX_BLOB:
-        raise BadFrame(f"a blob of {n} bytes")
-    return await reader.readexactly(n) if n else b""
+class OverBudget(Exception):
+    pass
 
 
-async def read_head(reader: asyncio.StreamReader) -> str:
-    head = await reader.readexactly(8)
-    if head[:4] != MAGIC:
-        raise BadFrame("not a compilecast PJRT frame")
-    n = int.from_bytes(head[4:], "little")
-    if n > MAX_HEADER:
-        raise BadFrame(f"a header of {n} bytes")
-    return (await reader.readexactly(n)).decode("utf-8", "replace")
+class Budget:
+    """Bytes in flight across all of the gate's connections."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> None:
+        if self.used + n > self.limit:
+            raise OverBudget(f"{n} bytes would take the gate past its memory budget "
+                             f"({self.used} of {self.limit} in flight)")
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
 
 
-def frame(header: str, payload: bytes = b"") -> bytes:
+class Complaints:
+    """One log line per kind of problem per `every_s`, with how many were
+    not logged."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.every_s = every_s
+        self.last: dict[str, float] = {}
+        self.quiet: Counter[str] = Counter()
+
+    def __call__(self, kind: str, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.last.get(kind, -self.every_s) < self.every_s:
+            self.quiet[kind] += 1
+            return
+        self.last[kind] = now
+        skipped, self.quiet[kind] = self.quiet[kind], 0
+        log.warning(message + (f" ({skipped} more since the last such line)" if skipped else ""),
+                    *args)
+
+
+# -- frames ----------------------------------------------------------------------
+
+def frame(header: str, payload: bytes | None = None) -> bytes:
     h = header.encode()[:1000]
-    return MAGIC + len(h).to_bytes(4, "little") + h + len(payload).to_bytes(8, "little") + payload
+    out = MAGIC + len(h).to_bytes(4, "little") + h
+    if payload is None:
+        return out + b"\0"
+    return out + b"\x01" + len(payload).to_bytes(8, "little") + payload
 
 
-# -- what the compile options say ------------------------------------------------
+class Reader:
+    """Reads one connection's frames within the gate's deadlines, taking
+    what it holds from the budget (given back by `close`)."""
+
+    def __init__(self, reader: asyncio.StreamReader, limits: GateLimits, budget: Budget) -> None:
+        self.reader = reader
+        self.limits = limits
+        self.budget = budget
+        self.held = 0
+
+    async def _exactly(self, n: int, within: float) -> bytes:
+        try:
+            return await asyncio.wait_for(self.reader.readexactly(n), within)
+        except TimeoutError:
+            raise BadFrame(f"{n} bytes did not arrive within {within:.0f}s") from None
+
+    async def head(self, within: float) -> tuple[dict | str, int]:
+        """(the header: a JSON object, or a word line; the blob count)."""
+        head = await self._exactly(8, within)
+        if head[:4] != MAGIC:
+            raise BadFrame("not a compilecast PJRT frame")
+        n = int.from_bytes(head[4:], "little")
+        if n > MAX_HEADER:
+            raise BadFrame(f"a header of {n} bytes")
+        rest = await self._exactly(n + 1, self.limits.header_s)
+        text, count = rest[:n].decode("utf-8", "replace"), rest[n]
+        if count > MAX_BLOBS:
+            raise BadFrame(f"{count} blobs")
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except (ValueError, RecursionError):
+                raise BadFrame("a header that is not JSON") from None
+            if not isinstance(value, dict) or any(
+                    isinstance(v, dict | list) for v in value.values()):
+                raise BadFrame("a header that is not a flat JSON object")
+            return value, count
+        return text, count
+
+    async def blob(self, limit: int) -> bytes:
+        n = int.from_bytes(await self._exactly(8, self.limits.blob_s), "little")
+        if n > limit:
+            raise BadFrame(f"a blob of {n} bytes")
+        self.budget.take(n)
+        self.held += n
+        return await self._exactly(n, self.limits.blob_s + n / self.limits.min_rate)
+
+    def close(self) -> None:
+        self.budget.give(self.held)
+        self.held = 0
+
+
+# -- who compiles ---------------------------------------------------------------------
 
 def _message(buf: bytes, number: int) -> bytes:
     """The first occurrence of message field `number` of `buf` (b"" if none)."""
-    for f, wire, _, vs, ve, _ in hlocanon.fields(buf, 0, len(buf)):
-        if f == number and wire == hlocanon.LEN:
+    for f, wire_type, _, vs, ve, _ in hlocanon.fields(buf, 0, len(buf)):
+        if f == number and wire_type == hlocanon.LEN:
             return buf[vs:ve]
     return b""
 
@@ -89,8 +215,8 @@ def program_devices(compile_options: bytes) -> list[int]:
     computation_devices.replica_device_ids), [] when it has none."""
     assignment = _message(_message(compile_options, 3), 9)
     ids: list[int] = []
-    for f, wire, _, vs, ve, _ in hlocanon.fields(assignment, 0, len(assignment)):
-        if f != 3 or wire != hlocanon.LEN:
+    for f, wire_type, _, vs, ve, _ in hlocanon.fields(assignment, 0, len(assignment)):
+        if f != 3 or wire_type != hlocanon.LEN:
             continue
         for g, gwire, _, gs, ge, value in hlocanon.fields(assignment, vs, ve):
             if g == 1:
@@ -98,15 +224,11 @@ def program_devices(compile_options: bytes) -> list[int]:
     return ids
 
 
-def identity(req: dict, compile_options: bytes) -> Identity:
+def identity(owners: dict[int, int], process_index: int, pid: int,
+             compile_options: bytes) -> Identity:
     """Who asks: the job's designated process for a program on several
     processes, else first come, first served."""
-    client = f"{socket.gethostname()}:{int(req.get('pid', 0))}"
-    owners = {}
-    for pair in str(req.get("devices", "")).split(","):
-        dev, _, proc = pair.partition(":")
-        if dev.lstrip("-").isdigit() and proc.isdigit():
-            owners[int(dev)] = int(proc)
+    client = f"{socket.gethostname()}:{pid}"
     try:
         devices = [d for d in program_devices(compile_options) if d in owners]
     except ValueError:
@@ -115,53 +237,188 @@ def identity(req: dict, compile_options: bytes) -> Identity:
         return Identity(client=client)
     job = "pjrt-" + hashlib.sha256(",".join(
         f"{d}:{p}" for d, p in sorted(owners.items())).encode()).hexdigest()[:16]
-    return Identity(job=job, process_id=int(req.get("process_index", 0)),
+    return Identity(job=job, process_id=process_index,
                     designated_process=owners[min(devices)], client=client)
 
 
-def key_of(req: dict, program: bytes, compile_options: bytes) -> keys.Key:
-    """The program's key as worker/keys.py makes it (debug metadata and names
-    never change it), with the compile options as JAX's own key reads them
-    (serialized maps come in any order; debug-only fields left out) and the
-    platform."""
-    from . import jax_adapter  # JAX's own canonical form of compile options
+# -- callers ---------------------------------------------------------------------------
 
-    key = keys.program_key(program)
-    canonical = jax_adapter.canonical_compile_options(compile_options)
-    key.components.update(
-        compile_options=hashlib.sha256(canonical).hexdigest(),
-        platform=str(req.get("platform", "")),
-        platform_version=str(req.get("platform_version", "")),
-        pjrt=KEY_VERSION)
-    return key
+def peer(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a unix socket."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid, gid
 
+
+def admitted(uid: int, gid: int, socket_gid: int) -> bool:
+    """Whether a peer may use the gate: as the socket's permissions (0660)
+    admit, root, the worker's own user, or a member of the socket's group."""
+    if uid in (0, os.geteuid()) or gid == socket_gid:
+        return True
+    try:
+        return socket_gid in os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
+    except (KeyError, OSError):
+        return False
+
+
+# -- the worker's API, asynchronously -------------------------------------------------
+
+class Upstream:
+    """The worker's own API over its socket, as a process of the host calls
+    it: the caller's token goes along as its bearer token."""
+
+    def __init__(self, target: str, rpc_s: float) -> None:
+        self.channel = aio_channel(target, None)
+        self.stub = wire.stub(self.channel)
+        self.rpc_s = rpc_s
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def acquire(self, key: Key, ident: Identity, program_name: str,
+                      md: tuple) -> pb.AcquireResponse:
+        components = None if ident.job and ident.process_id != ident.designated_process \
+            else key.components  # (only a COMPILE records them)
+        return await self.stub.Acquire(
+            pb.AcquireRequest(key=key.value, requester=ident.requester(),
+                              key_components=components or {}, program_name=program_name),
+            timeout=self.rpc_s, metadata=md)
+
+    async def wait(self, key: str, ident: Identity, timeout_s: float,
+                   md: tuple) -> pb.WaitEvent:
+        call = self.stub.Wait(pb.WaitRequest(key=key, requester=ident.requester(),
+                                             timeout_ms=max(1, int(timeout_s * 1000))),
+                              timeout=timeout_s + self.rpc_s, metadata=md)
+        try:
+            async for event in call:
+                if ends_wait(event, False):
+                    return event
+        finally:
+            call.cancel()
+        return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended early")
+
+    async def fetch(self, key: str, digest: str, md: tuple, budget: Budget) -> bytes:
+        """The artifact's bytes, verified against `digest`."""
+        call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest), timeout=3600.0,
+                               metadata=md)
+        parts: list[bytes] = []
+        h = hashlib.sha256()
+        held = 0
+        try:
+            async for chunk in _stalling(call, self.rpc_s):
+                if chunk.HasField("artifact") and not held:
+                    if chunk.artifact.digest != digest:
+                        raise OverBudget(f"the worker answered {key} with another artifact")
+                    budget.take(chunk.artifact.size)
+                    held = chunk.artifact.size
+                if chunk.data:
+                    h.update(chunk.data)
+                    parts.append(chunk.data)
+        finally:
+            call.cancel()
+            budget.give(held)
+        data = b"".join(parts)
+        if h.hexdigest() != digest:
+            raise OverBudget(f"the bytes of {key} do not hash to {digest}")
+        return data
+
+    async def keep(self, key: str, lease: pb.Lease, md: tuple) -> None:
+        """Renew the lease until cancelled."""
+        every = max(lease.ttl_seconds / 3.0, 0.5)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                left = await self.stub.KeepAlive(pb.KeepAliveRequest(key=key, lease=lease),
+                                                 timeout=self.rpc_s, metadata=md)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("keepalive for %s failed: %s", key, exc.code())
+                continue
+            if left.ttl_seconds <= 0:
+                return
+
+    async def publish(self, key: str, lease: pb.Lease, ident: Identity, data: bytes,
+                      seconds: float, md: tuple) -> pb.ArtifactInfo:
+        header = pb.PublishHeader(key=key, lease=lease, size=len(data),
+                                  compile_time_seconds=seconds, requester=ident.requester(),
+                                  digest=hashlib.sha256(data).hexdigest())
+        got = await self.stub.Publish(publish_messages(header, data), timeout=3600.0,
+                                      metadata=md)
+        return got.artifact
+
+    async def release(self, key: str, lease: pb.Lease, reason: int, detail: str,
+                      md: tuple) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.stub.Release(pb.ReleaseRequest(key=key, lease=lease, reason=reason,
+                                                      detail=detail[:1000]),
+                                    timeout=self.rpc_s, metadata=md)
+
+
+async def _stalling(call, stall_s: float):
+    """The messages of a stream, giving up when none came for `stall_s`."""
+    it = call.__aiter__()
+    while True:
+        try:
+            yield await asyncio.wait_for(it.__anext__(), stall_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise OverBudget(f"nothing came for {stall_s:.0f}s") from None
+
+
+# -- the gate --------------------------------------------------------------------------
 
 @dataclass
 class Answer:
-    decision: str
-    reason: str
-    payload: bytes = b""
+    decision: str  # HIT, COMPILE, LOCAL
+    reason: str = ""
+    payload: bytes | None = None
     key: str = ""
+    digest: str = ""
     lease: pb.Lease | None = None
     identity: Identity | None = None
+
+    def frame(self) -> bytes:
+        if self.decision == "HIT":
+            return frame(f"HIT {self.key} {self.digest}", self.payload)
+        if self.decision == "COMPILE":
+            return frame(f"COMPILE {self.key}", self.payload)
+        return frame(f"LOCAL {self.reason}"[:1000])
 
 
 class PjrtGate:
     """The listener of the host's interposed compiles."""
 
     def __init__(self, path: str, worker_target: str, *, wait_timeout_s: float,
-                 count=lambda platform, outcome: None) -> None:
+                 limits: GateLimits | None = None,
+                 count: Callable[[str, str], None] = lambda platform, outcome: None) -> None:
         self.path = path
-        self.client = CacheClient(worker_target, timeout_s=10.0)
+        self.limits = limits or GateLimits()
+        self.upstream = Upstream(worker_target, self.limits.rpc_s)
         self.wait_timeout_s = wait_timeout_s
         self.count = count
+        self.budget = Budget(self.limits.memory_bytes)
+        self.complain = Complaints()
         self.server: asyncio.AbstractServer | None = None
+        self.open = 0
+        self.by_process: Counter[int] = Counter()
+        self.socket_gid = os.getegid()
+        # Keying parses programs: CPU work, on two threads of the gate's own.
+        self.keying = ThreadPoolExecutor(2, thread_name_prefix="compilecast-pjrt-key")
 
     async def start(self) -> None:
+        # Connections past the limit are answered and closed at once, but each
+        # takes a descriptor meanwhile: as many as the system lets us have.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE,
+                                   (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        self.server = await asyncio.start_unix_server(self._serve, path=self.path)
+        self.server = await asyncio.start_unix_server(self._serve, path=self.path,
+                                                      limit=1 << 16, backlog=1024)
         os.chmod(self.path, 0o660)
+        self.socket_gid = os.stat(self.path).st_gid
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -169,86 +426,150 @@ class PjrtGate:
             await self.server.wait_closed()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        self.client.close()
+        await self.upstream.close()
+        self.keying.shutdown(wait=False, cancel_futures=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        answer = None
-        platform = "?"
+        sock = writer.get_extra_info("socket")
         try:
-            req = json.loads(await read_head(reader))
-            platform = str(req.get("platform", "?"))[:32]
-            program, options = await read_blob(reader), await read_blob(reader)
-            answer = await asyncio.to_thread(self._decide, req, program, options)
-            writer.write(frame(f"{answer.decision} {answer.key or answer.reason}",
-                               answer.payload))
-            await writer.drain()
-            self.count(platform, {"HIT": "hit", "COMPILE": "compile"}.get(answer.decision, "local"))
-            if answer.decision == "COMPILE":
-                await self._settle(reader, writer, answer, platform)
-        except (asyncio.IncompleteReadError, ConnectionError, BadFrame, ValueError) as exc:
-            log.warning("an interposed compile ended early: %s", exc)
-            if answer is not None and answer.decision == "COMPILE":
-                await asyncio.to_thread(self._release, answer, pb.ABANDONED, str(exc))
+            pid, uid, gid = peer(sock)
+        except OSError:
+            pid, uid, gid = 0, -1, -1
+        if not admitted(uid, gid, self.socket_gid):
+            self.complain("refused", "the PJRT gate refused uid %d (pid %d): not the "
+                          "worker's user, root, or of the socket's group", uid, pid)
+            writer.close()
+            return
+        if self.open >= self.limits.connections or \
+                self.by_process[pid] >= self.limits.per_process:
+            self.complain("busy", "the PJRT gate is at its connection limit (%d in all, %d "
+                          "per process): a compile was sent back to compile locally",
+                          self.limits.connections, self.limits.per_process)
+            with contextlib.suppress(Exception):
+                writer.write(frame("LOCAL the worker's PJRT gate is at its connection limit"))
+                writer.close()
+            return
+        self.open += 1
+        self.by_process[pid] += 1
+        frames = Reader(reader, self.limits, self.budget)
+        try:
+            await self._converse(frames, writer, pid)
+        except (asyncio.IncompleteReadError, ConnectionError, BadFrame) as exc:
+            self.complain(type(exc).__name__, "an interposed compile ended early: %s",
+                          str(exc)[:200] or type(exc).__name__)
+        except OverBudget as exc:
+            self.complain("budget", "an interposed compile is compiled locally: %s", exc)
+            with contextlib.suppress(Exception):
+                writer.write(frame(f"LOCAL {exc}"[:1000]))
         finally:
+            frames.close()
+            self.open -= 1
+            self.by_process[pid] -= 1
+            if self.by_process[pid] <= 0:
+                del self.by_process[pid]
             writer.close()
 
-    def _decide(self, req: dict, program: bytes, options: bytes) -> Answer:
-        try:
-            made = key_of(req, program, options)
-            key, ident = made.value, identity(req, options)
-            # The components go with it: `compilecast explain` tells two such keys apart.
-            got = self.client.acquire(key, identity=ident, components=made.components,
-                                      program_name=f"pjrt:{req.get('platform', '?')}"[:200])
-            if got.decision == pb.HIT:
-                _, data = self.client.fetch(key, got.artifact.digest)
-                return Answer("HIT", "", data, key)
-            if got.decision == pb.WAIT:
-                event, data = self.client.wait_and_fetch(key, self.wait_timeout_s, identity=ident)
-                if data is not None:
-                    return Answer("HIT", "", data, key)
-                got = pb.AcquireResponse(decision=event.decision, lease=event.lease,
-                                         reason=event.reason)
-            if got.decision == pb.COMPILE:
-                self.client.keep_lease(key, got.lease)
-                return Answer("COMPILE", "", b"", key, got.lease, ident)
-            return Answer("LOCAL", got.reason or "compile locally")
-        except Exception as exc:  # the interposer compiles: never worse than without us
-            log.warning("an interposed compile is compiled locally: %s: %s",
-                        type(exc).__name__, exc)
-            return Answer("LOCAL", f"{type(exc).__name__}: {str(exc)[:200]}")
+    async def _request(self, frames: Reader, pid: int) -> pjrtkeys.Compile:
+        header, count = await frames.head(self.limits.header_s)
+        if not isinstance(header, dict) or header.get("op") != "compile" or count != MAX_BLOBS:
+            raise BadFrame("not a compile request")
+        program = await frames.blob(self.budget.limit)
+        options = await frames.blob(MAX_TEXT)
+        devices, plugin, env, token = [await frames.blob(MAX_TEXT) for _ in range(4)]
+        header["pid"] = pid  # the kernel's word for it, not the caller's
+        return pjrtkeys.Compile(header=header, program=program, options=options,
+                                devices=devices.decode("utf-8", "replace"),
+                                plugin=plugin.decode("utf-8", "replace"),
+                                env=pjrtkeys.parse_env(env),
+                                token=token.decode("utf-8", "replace").strip())
 
-    async def _settle(self, reader, writer, answer: Answer, platform: str) -> None:
-        head = await read_head(reader)
-        data = await read_blob(reader)
-        await read_blob(reader)
-        word, _, rest = head.partition(" ")
-        if word != "publish" or not data:
-            await asyncio.to_thread(self._release, answer, pb.COMPILE_FAILED
-                                    if "compile failed" in rest else pb.ABANDONED, rest)
-            self.count(platform, "failed")
+    async def _converse(self, frames: Reader, writer: asyncio.StreamWriter, pid: int) -> None:
+        c = await self._request(frames, pid)
+        platform = c.platform[:32] or "?"
+        answer = await self._with_heartbeat(writer, self._decide(c, frames))
+        writer.write(answer.frame())
+        await writer.drain()
+        self.count(platform, {"HIT": "hit", "COMPILE": "compile"}.get(answer.decision, "local"))
+        if answer.decision != "COMPILE":
             return
+        md = bearer(c.token)
+        assert answer.lease is not None
+        keeper = asyncio.create_task(self.upstream.keep(answer.key, answer.lease, md))
+        settled = False
         try:
-            seconds = float(rest or 0)
+            settled = await self._settle(frames, writer, answer, platform, md)
+        finally:
+            keeper.cancel()
+            if not settled:
+                await self.upstream.release(answer.key, answer.lease, pb.ABANDONED,
+                                            "the interposed compile ended without a publish",
+                                            md)
+
+    async def _with_heartbeat(self, writer: asyncio.StreamWriter, work):
+        """`work`'s result, with a WAITING frame every HEARTBEAT_S meanwhile."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_S)
+                if done:
+                    return task.result()
+                writer.write(frame("WAITING"))
+                await writer.drain()
+        finally:
+            task.cancel()
+
+    async def _decide(self, c: pjrtkeys.Compile, frames: Reader) -> Answer:
+        try:
+            loop = asyncio.get_running_loop()
+            made = await loop.run_in_executor(self.keying, pjrtkeys.compile_key, c)
+            key = made.value
+            ident = identity(c.owners(), int(c.header.get("process_index", 0) or 0),
+                             int(c.header["pid"]), c.options)
+            md = bearer(c.token)
+            got = await self.upstream.acquire(made, ident, f"pjrt:{c.platform}"[:200], md)
+            if got.decision == pb.WAIT:
+                event = await self.upstream.wait(key, ident, self.wait_timeout_s, md)
+                got = pb.AcquireResponse(decision=event.decision, lease=event.lease,
+                                         reason=event.reason, artifact=event.artifact)
+            if got.decision == pb.HIT:
+                data = await self.upstream.fetch(key, got.artifact.digest, md, self.budget)
+                return Answer("HIT", payload=data, key=key, digest=got.artifact.digest)
+            if got.decision == pb.COMPILE:
+                options = None
+                if c.platform in GPU_PLATFORMS and len(set(c.owners().values())) > 1:
+                    options = jax_adapter.without_shard_autotuning(c.options)
+                return Answer("COMPILE", payload=options, key=key, lease=got.lease,
+                              identity=ident)
+            return Answer("LOCAL", got.reason or "compile locally")
+        except (grpc.aio.AioRpcError, OverBudget, ValueError) as exc:
+            why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            self.complain("decide", "an interposed compile is compiled locally: %s",
+                          f"{type(exc).__name__}: {why}"[:300])
+            return Answer("LOCAL", f"{type(exc).__name__}: {str(why)[:200]}")
+
+    async def _settle(self, frames: Reader, writer: asyncio.StreamWriter, answer: Answer,
+                      platform: str, md: tuple) -> bool:
+        """The holder's outcome; True when it was published."""
+        head, count = await frames.head(self.limits.compile_s)
+        word, _, rest = str(head).partition(" ")
+        data = await frames.blob(self.budget.limit) if count else b""
+        if word != "publish" or not data:
+            reason = pb.COMPILE_FAILED if "compile failed" in rest else pb.ABANDONED
+            assert answer.lease is not None
+            await self.upstream.release(answer.key, answer.lease, reason, rest, md)
+            self.count(platform, "failed")
+            return True
+        try:
+            seconds = max(0.0, float(rest or 0))
         except ValueError:
             seconds = 0.0
-        outcome = await asyncio.to_thread(self._publish, answer, data, seconds)
-        writer.write(frame(outcome))
-        await writer.drain()
-
-    def _publish(self, answer: Answer, data: bytes, seconds: float) -> str:
-        assert answer.lease is not None
+        assert answer.lease is not None and answer.identity is not None
         try:
-            self.client.publish(answer.key, answer.lease, data, seconds,
-                                identity=answer.identity)
-            return f"OK published {answer.key}"
-        except Exception as exc:
-            self._release(answer, pb.ABANDONED, f"publish failed: {exc}")
-            return f"FAILED {type(exc).__name__}: {str(exc)[:200]}"
-        finally:
-            self.client.stop_lease(answer.key, answer.lease)
-
-    def _release(self, answer: Answer, reason: int, detail: str) -> None:
-        assert answer.lease is not None
-        self.client.stop_lease(answer.key, answer.lease)
-        with contextlib.suppress(Exception):
-            self.client.release(answer.key, answer.lease, reason, detail[:1000])
+            await self._with_heartbeat(writer, self.upstream.publish(
+                answer.key, answer.lease, answer.identity, data, seconds, md))
+        except grpc.aio.AioRpcError as exc:
+            writer.write(frame(f"FAILED {exc.code().name}: {exc.details()}"[:1000]))
+            return False
+        writer.write(frame(f"OK published {answer.key}"))
+        await writer.drain()
+        return True

@@ -1,0 +1,186 @@
+"""The key of a compile that reaches the worker through the PJRT interposer.
+
+The same composition as the JAX door's key (worker/keys.py), from what an
+interposed framework process can see:
+
+- the program's canonical digest: a StableHLO portable artifact (what JAX
+  hands a PJRT plugin) deserialized, then the same walk as every MLIR
+  program; an HLO proto through the same canonicalizer. Debug metadata,
+  source paths and names never change it;
+- the compile options as read (serialized maps in any order, JAX's
+  debug-only fields left out). Options that cannot be read, or that hold
+  fields the worker's jaxlib does not know, are keyed by their raw bytes:
+  never another options' key;
+- the plugin's build: a digest of its library file, its PJRT C API version
+  and the attributes it reports (XLA and StableHLO versions);
+- the devices: ids, processes, kinds and their attributes (coordinates,
+  cores), from the client's device descriptions;
+- the environment the plugin reads (XLA_FLAGS, LIBTPU_INIT_ARGS), as XLA
+  parses it, minus the flags JAX knows cannot change an executable;
+- on a CPU platform, the host CPU (another CPU's executable can die of an
+  illegal instruction).
+
+`compilecast explain` names each of these components.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import threading
+from dataclasses import dataclass, field
+
+from . import jax_adapter, keys, xlaflags
+
+KEY_VERSION = "pjrt-2"
+MAX_PLUGIN_BYTES = 8 << 30  # a plugin library larger than this is keyed by its path and size
+PORTABLE_PRODUCER = b"StableHLO_v"  # a portable artifact's producer, near its start
+ENV_VARS = xlaflags.ENV_VARS  # what the interposer reports of its process's environment
+
+
+@dataclass
+class Compile:
+    """One interposed compile as the interposer describes it."""
+
+    header: dict
+    program: bytes
+    options: bytes
+    devices: str = ""  # "id process kind" lines, each followed by "  name=value" attribute lines
+    plugin: str = ""  # "path=...", "api=major.minor", "attribute name=value" lines
+    env: dict[str, str] = field(default_factory=dict)
+    token: str = ""
+
+    @property
+    def platform(self) -> str:
+        return str(self.header.get("platform", ""))[:64]
+
+    def owners(self) -> dict[int, int]:
+        """Device id -> the process it belongs to."""
+        owners: dict[int, int] = {}
+        for line in self.devices.splitlines():
+            if line.startswith(" "):
+                continue
+            words = line.split(" ", 2)
+            if len(words) >= 2 and words[0].lstrip("-").isdigit() and words[1].isdigit():
+                owners[int(words[0])] = int(words[1])
+        return owners
+
+
+def parse_env(blob: bytes) -> dict[str, str]:
+    """NUL-separated NAME=value entries; only the variables the key reads."""
+    env: dict[str, str] = {}
+    for entry in blob.split(b"\0"):
+        name, sep, value = entry.decode("utf-8", "surrogateescape").partition("=")
+        if sep and name in ENV_VARS:
+            env[name] = value
+    return env
+
+
+def _digest(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+# -- the program ----------------------------------------------------------------
+
+def program_component(program: bytes, fmt: str) -> tuple[str, str, str]:
+    """(digest, format, why it was keyed raw or "") of the program a plugin
+    is given: MLIR (a portable artifact, else plain bytecode or text) or an
+    HLO proto."""
+    if fmt == "mlir" and PORTABLE_PRODUCER in program[:64]:
+        try:
+            module = jax_adapter.portable_artifact_module(program)
+        except Exception:  # not a portable artifact: plain MLIR, read as any program file
+            pass
+        else:
+            digest, _, _ = keys.program_digest(module, keys.default_config(), copy=False)
+            return digest, "stablehlo-portable", ""
+    key = keys.program_key(program)
+    return key.components["program"], key.components["program_format"], key.unparsed
+
+
+# -- the compile options --------------------------------------------------------
+
+def options_component(raw: bytes) -> tuple[str, str]:
+    """(digest, how): the options as JAX's key reads them, or their raw bytes
+    where the worker's jaxlib cannot read all of them."""
+    try:
+        whole = jax_adapter.compile_options_round_trip(raw)
+        if len(whole) == len(raw):  # (maps may come back in another order: same size)
+            return _digest(jax_adapter.canonical_compile_options(raw)), "read"
+        why = "not as this jaxlib writes them (fields it does not know?)"
+    except Exception as exc:  # jaxlib's parser: any error means unreadable
+        why = f"unreadable ({type(exc).__name__})"
+    return _digest(b"raw compile options\n" + raw), why
+
+
+# -- the plugin's build -----------------------------------------------------------
+
+_plugin_digests: dict[tuple, str] = {}
+_plugin_lock = threading.Lock()
+
+
+def library_digest(path: str) -> str:
+    """sha256 of a plugin library, hashed once per file version (device,
+    inode, size, modification time)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"unreadable {path}: {exc.strerror}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"not a regular file: {path}"
+        version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with _plugin_lock:
+            known = _plugin_digests.get(version)
+        if known is not None:
+            return known
+        if st.st_size > MAX_PLUGIN_BYTES:
+            return f"{path}: {st.st_size} bytes, not hashed"
+        h = hashlib.sha256()
+        with os.fdopen(os.dup(fd), "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        digest = h.hexdigest()
+        with _plugin_lock:
+            if len(_plugin_digests) >= 64:
+                _plugin_digests.clear()
+            _plugin_digests[version] = digest
+        return digest
+    finally:
+        os.close(fd)
+
+
+def plugin_component(plugin: str) -> str:
+    """The plugin's library digest, API version and reported attributes."""
+    lines = plugin.splitlines()
+    path = next((line[5:] for line in lines if line.startswith("path=")), "")
+    rest = sorted(line for line in lines if not line.startswith("path="))
+    return _digest("\n".join([f"library {library_digest(path) if path else '-'}", *rest]))
+
+
+# -- the key ----------------------------------------------------------------------
+
+def compile_key(c: Compile) -> keys.Key:
+    """The key of an interposed compile (see the module's docstring)."""
+    program, fmt, unparsed = program_component(c.program, str(c.header.get("format", "")))
+    options, options_read = options_component(c.options)
+    flags = xlaflags.describe(jax_adapter.excluded_xla_flags(), environ=c.env, argv=[])
+    components = {
+        "program": program,
+        "program_format": fmt,
+        "compile_options": options,
+        "platform": _digest(f"{c.platform}\n{c.header.get('platform_version', '')}"),
+        "plugin": plugin_component(c.plugin),
+        "topology": _digest(c.devices),
+        "xla_flags": _digest("\n".join(flags)),
+        "key_version": KEY_VERSION,
+    }
+    if options_read != "read":
+        components["compile_options_raw"] = options_read
+    if c.platform == "cpu":
+        components["host_cpu"] = keys.host_cpu_digest()
+    key = keys.Key(components=components)
+    key.unparsed = unparsed
+    return key
