@@ -264,3 +264,26 @@ def test_a_stopped_gate_leaves_no_socket_behind(tmp_path):
         return listening
 
     assert asyncio.run(run()) and not path.exists()
+
+
+def test_the_script_saved_elsewhere_with_lines_added_compiles_nothing(worker, tmp_path):
+    """Source paths and line numbers are debug metadata: the edited copy of a
+    script hits every program, and XLA's own dump shows no compile."""
+    wave(env_for(worker.target), 1, tmp_path / "first")
+    edited = tmp_path / "elsewhere" / "my_training_step.py"
+    edited.parent.mkdir()
+    edited.write_text("# a copy of the user's script\n" * 7 + "import math  # noqa\n"
+                      + PROC.read_text())
+    dump = tmp_path / "dump"
+    env = env_for(worker.target)
+    env["XLA_FLAGS"] = f"--xla_dump_to={dump}"  # (dump flags never change a key)
+    go = tmp_path / "go"
+    done = subprocess.run([sys.executable, str(edited)], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert decisions(done.stderr) and all(d == "HIT" for d, _ in decisions(done.stderr))
+    assert real_compiles(done.stderr) == 0
+    assert not list(dump.glob("*after_optimizations*"))  # XLA compiled nothing
+    assert not go.exists()
+

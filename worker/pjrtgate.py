@@ -74,6 +74,7 @@ MAGIC = b"CCP2"
 MAX_HEADER = 4096
 MAX_BLOBS = 6
 MAX_TEXT = 16 << 20  # devices, plugin, environment, token
+MAX_BLOB = 1 << 40  # a program or an executable (the memory budget bounds them first)
 HEARTBEAT_S = 2.0
 GPU_PLATFORMS = frozenset({"cuda", "rocm", "gpu"})
 
@@ -393,7 +394,8 @@ class PjrtGate:
                  count: Callable[[str, str], None] = lambda platform, outcome: None) -> None:
         self.path = path
         self.limits = limits or GateLimits()
-        self.upstream = Upstream(worker_target, self.limits.rpc_s)
+        self.worker_target = worker_target
+        self.upstream: Upstream | None = None  # (a channel of the loop the gate runs on)
         self.wait_timeout_s = wait_timeout_s
         self.count = count
         self.budget = Budget(self.limits.memory_bytes)
@@ -413,6 +415,7 @@ class PjrtGate:
             with contextlib.suppress(ValueError, OSError):
                 resource.setrlimit(resource.RLIMIT_NOFILE,
                                    (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+        self.upstream = Upstream(self.worker_target, self.limits.rpc_s)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self.server = await asyncio.start_unix_server(self._serve, path=self.path,
@@ -426,8 +429,14 @@ class PjrtGate:
             await self.server.wait_closed()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        await self.upstream.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         self.keying.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def _up(self) -> Upstream:
+        assert self.upstream is not None, "the gate is not started"
+        return self.upstream
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
@@ -461,6 +470,9 @@ class PjrtGate:
             self.complain("budget", "an interposed compile is compiled locally: %s", exc)
             with contextlib.suppress(Exception):
                 writer.write(frame(f"LOCAL {exc}"[:1000]))
+        except Exception as exc:  # ours: the caller compiles, the gate goes on
+            self.complain("error", "an interposed compile ended on an error of the gate: "
+                          "%s: %s", type(exc).__name__, str(exc)[:200])
         finally:
             frames.close()
             self.open -= 1
@@ -473,7 +485,7 @@ class PjrtGate:
         header, count = await frames.head(self.limits.header_s)
         if not isinstance(header, dict) or header.get("op") != "compile" or count != MAX_BLOBS:
             raise BadFrame("not a compile request")
-        program = await frames.blob(self.budget.limit)
+        program = await frames.blob(MAX_BLOB)
         options = await frames.blob(MAX_TEXT)
         devices, plugin, env, token = [await frames.blob(MAX_TEXT) for _ in range(4)]
         header["pid"] = pid  # the kernel's word for it, not the caller's
@@ -494,14 +506,14 @@ class PjrtGate:
             return
         md = bearer(c.token)
         assert answer.lease is not None
-        keeper = asyncio.create_task(self.upstream.keep(answer.key, answer.lease, md))
+        keeper = asyncio.create_task(self._up.keep(answer.key, answer.lease, md))
         settled = False
         try:
             settled = await self._settle(frames, writer, answer, platform, md)
         finally:
             keeper.cancel()
             if not settled:
-                await self.upstream.release(answer.key, answer.lease, pb.ABANDONED,
+                await self._up.release(answer.key, answer.lease, pb.ABANDONED,
                                             "the interposed compile ended without a publish",
                                             md)
 
@@ -526,13 +538,13 @@ class PjrtGate:
             ident = identity(c.owners(), int(c.header.get("process_index", 0) or 0),
                              int(c.header["pid"]), c.options)
             md = bearer(c.token)
-            got = await self.upstream.acquire(made, ident, f"pjrt:{c.platform}"[:200], md)
+            got = await self._up.acquire(made, ident, f"pjrt:{c.platform}"[:200], md)
             if got.decision == pb.WAIT:
-                event = await self.upstream.wait(key, ident, self.wait_timeout_s, md)
+                event = await self._up.wait(key, ident, self.wait_timeout_s, md)
                 got = pb.AcquireResponse(decision=event.decision, lease=event.lease,
                                          reason=event.reason, artifact=event.artifact)
             if got.decision == pb.HIT:
-                data = await self.upstream.fetch(key, got.artifact.digest, md, self.budget)
+                data = await self._up.fetch(key, got.artifact.digest, md, self.budget)
                 return Answer("HIT", payload=data, key=key, digest=got.artifact.digest)
             if got.decision == pb.COMPILE:
                 options = None
@@ -541,7 +553,7 @@ class PjrtGate:
                 return Answer("COMPILE", payload=options, key=key, lease=got.lease,
                               identity=ident)
             return Answer("LOCAL", got.reason or "compile locally")
-        except (grpc.aio.AioRpcError, OverBudget, ValueError) as exc:
+        except Exception as exc:  # the interposer compiles: never worse than without us
             why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             self.complain("decide", "an interposed compile is compiled locally: %s",
                           f"{type(exc).__name__}: {why}"[:300])
@@ -552,11 +564,11 @@ class PjrtGate:
         """The holder's outcome; True when it was published."""
         head, count = await frames.head(self.limits.compile_s)
         word, _, rest = str(head).partition(" ")
-        data = await frames.blob(self.budget.limit) if count else b""
+        data = await frames.blob(MAX_BLOB) if count else b""
         if word != "publish" or not data:
             reason = pb.COMPILE_FAILED if "compile failed" in rest else pb.ABANDONED
             assert answer.lease is not None
-            await self.upstream.release(answer.key, answer.lease, reason, rest, md)
+            await self._up.release(answer.key, answer.lease, reason, rest, md)
             self.count(platform, "failed")
             return True
         try:
@@ -565,7 +577,7 @@ class PjrtGate:
             seconds = 0.0
         assert answer.lease is not None and answer.identity is not None
         try:
-            await self._with_heartbeat(writer, self.upstream.publish(
+            await self._with_heartbeat(writer, self._up.publish(
                 answer.key, answer.lease, answer.identity, data, seconds, md))
         except grpc.aio.AioRpcError as exc:
             writer.write(frame(f"FAILED {exc.code().name}: {exc.details()}"[:1000]))

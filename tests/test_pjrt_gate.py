@@ -1,0 +1,272 @@
+"""The PJRT gate's keys and bounds (worker/pjrtkeys.py, worker/pjrtgate.py):
+what changes an executable always changes the key; no caller can make the
+gate hold more than its limits. A real worker, coordinator and etcd; the
+gate's callers are raw sockets speaking its frames."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from compilecast.worker import pjrtkeys
+from compilecast.worker.pjrtgate import GateLimits, PjrtGate, frame
+
+from .conftest import eventually
+
+
+def plugin_file() -> Path:
+    import lammps_jax_pjrt_cpu
+
+    return Path(lammps_jax_pjrt_cpu.__file__).with_name("pjrt_c_api_cpu_plugin.so")
+
+
+def portable_program() -> bytes:
+    """A small StableHLO portable artifact, as JAX hands it to a plugin."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.interpreters import mlir as jmlir
+    from jax._src.lib import _jax
+    from jaxlib.mlir.dialects import stablehlo
+
+    module = jax.jit(lambda x: jnp.tanh(x) * 2).lower(jnp.ones((4, 4))).compiler_ir()
+    return bytes(_jax.mlir.serialize_portable_artifact(
+        jmlir.module_to_bytecode(module), stablehlo.get_current_version()))
+
+
+def options() -> bytes:
+    from jax._src.lib import xla_client
+
+    return xla_client.CompileOptions().SerializeAsString()
+
+
+def compile_of(**kw) -> pjrtkeys.Compile:
+    base = dict(header={"format": "mlir", "platform": "cpu", "platform_version": "cpu"},
+                program=portable_program(), options=options(), devices="0 0 cpu\n",
+                plugin=f"path={plugin_file()}\napi=0.115\nattribute xla_version=1\n",
+                env={})
+    base.update(kw)
+    return pjrtkeys.Compile(**base)
+
+
+def key(c: pjrtkeys.Compile) -> str:
+    return pjrtkeys.compile_key(c).value
+
+
+def test_a_portable_artifact_is_keyed_by_its_canonical_program():
+    made = pjrtkeys.compile_key(compile_of())
+    assert made.components["program_format"] == "stablehlo-portable" and not made.unparsed
+    # Names and locations are debug metadata: the portable artifact of the same
+    # program from another source line keys the same.
+    import jax
+    import jax.numpy as jnp
+    from jax._src.interpreters import mlir as jmlir
+    from jax._src.lib import _jax
+    from jaxlib.mlir.dialects import stablehlo
+
+    def elsewhere(x):
+        return jnp.tanh(x) * 2
+
+    module = jax.jit(elsewhere).lower(jnp.ones((4, 4))).compiler_ir()
+    other = bytes(_jax.mlir.serialize_portable_artifact(
+        jmlir.module_to_bytecode(module), stablehlo.get_current_version()))
+    assert other != compile_of().program
+    assert key(compile_of(program=other)) == made.value
+
+
+def test_what_changes_an_executable_changes_the_key(tmp_path, monkeypatch):
+    base = key(compile_of())
+    copy = tmp_path / "same.so"
+    shutil.copyfile(plugin_file(), copy)
+    rebuilt = tmp_path / "rebuilt.so"
+    shutil.copyfile(plugin_file(), rebuilt)
+    with open(rebuilt, "ab") as f:
+        f.write(b"another build")
+    plugin = compile_of().plugin
+    # The plugin's build: its library's bytes and its reported attributes (not its path).
+    assert key(compile_of(plugin=plugin.replace(str(plugin_file()), str(copy)))) == base
+    assert key(compile_of(plugin=plugin.replace(str(plugin_file()), str(rebuilt)))) != base
+    assert key(compile_of(plugin=plugin.replace("xla_version=1", "xla_version=2"))) != base
+    assert key(compile_of(plugin=plugin.replace("api=0.115", "api=0.116"))) != base
+    # The environment the plugin reads; dump flags never count.
+    tpu_a = key(compile_of(env={"LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_collective=true"}))
+    tpu_b = key(compile_of(env={"LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_collective=false"}))
+    assert len({base, tpu_a, tpu_b}) == 3
+    assert key(compile_of(env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=true"})) != base
+    assert key(compile_of(env={"XLA_FLAGS": f"--xla_dump_to={tmp_path}"})) == base
+    # Devices: their kinds and attributes.
+    assert key(compile_of(devices="0 0 other-kind\n")) != base
+    assert key(compile_of(devices="0 0 cpu\n  coords=0,0,1\n")) != base
+    # The host CPU on a CPU platform.
+    monkeypatch.setattr(pjrtkeys.keys, "host_cpu_digest", lambda: "another CPU")
+    assert key(compile_of()) != base
+
+
+def test_options_that_cannot_be_read_are_keyed_by_their_bytes():
+    good = options()
+    keys = {key(compile_of(options=o)) for o in
+            (good, b"", os.urandom(300), good + b"\xff", good + b"\x98\x06\x01")}
+    assert len(keys) == 5  # never another options' key
+    made = pjrtkeys.compile_key(compile_of(options=os.urandom(300)))
+    assert "compile_options_raw" in made.components
+
+
+# -- the gate's bounds, against a real worker -----------------------------------------
+
+class GateThread:
+    """A PjrtGate with small limits on an event loop of its own."""
+
+    def __init__(self, path: str, worker_target: str, limits: GateLimits) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.gate = PjrtGate(path, worker_target, wait_timeout_s=5.0, limits=limits)
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self.gate.start(), self.loop).result(30)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.gate.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def request(c: pjrtkeys.Compile) -> bytes:
+    import json
+
+    head = json.dumps({"op": "compile", **c.header}).encode()
+    env = b"".join(f"{k}={v}".encode() + b"\0" for k, v in c.env.items())
+    blobs = [c.program, c.options, c.devices.encode(), c.plugin.encode(), env, b""]
+    return (b"CCP2" + len(head).to_bytes(4, "little") + head + bytes([len(blobs)])
+            + b"".join(len(b).to_bytes(8, "little") + b for b in blobs))
+
+
+def read_reply(s: socket.socket) -> tuple[str, bytes]:
+    """The first frame that is not a heartbeat: (header, payload)."""
+    f = s.makefile("rb")
+    while True:
+        assert f.read(4) == b"CCP2"
+        n = int.from_bytes(f.read(4), "little")
+        head = f.read(n).decode()
+        count = f.read(1)[0]
+        payload = b""
+        if count:
+            payload = f.read(int.from_bytes(f.read(8), "little"))
+        if head != "WAITING":
+            return head, payload
+
+
+def ask(path: str, c: pjrtkeys.Compile) -> tuple[str, bytes]:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(60)
+        s.connect(path)
+        s.sendall(request(c))
+        return read_reply(s)
+
+
+@pytest.fixture
+def gate(coordinator, start_worker, tmp_path):
+    worker = start_worker(coordinator.cfg.listen, "w")
+    path = str(tmp_path / "g.pjrt")
+    g = GateThread(path, worker.target, GateLimits(
+        connections=8, per_process=8, header_s=1.0, blob_s=1.0, min_rate=1 << 20,
+        memory_bytes=8 << 20))
+    yield path, g, worker
+    g.stop()
+
+
+def test_a_publish_is_taken_for_the_connection_s_key_only_and_read_back_verified(gate):
+    path, _, _ = gate
+    c = compile_of()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(60)
+        s.connect(path)
+        s.sendall(request(c))
+        head, _ = read_reply(s)
+        assert head.startswith("COMPILE ")
+        the_key = head.split()[1]
+        executable = b"an executable" * 100
+        s.sendall(frame("publish 1.5", executable))
+        ok, _ = read_reply(s)
+    assert ok == f"OK published {the_key}"
+    head, payload = ask(path, c)
+    word, got_key, digest = head.split()
+    assert (word, got_key, payload) == ("HIT", the_key, executable)
+    assert digest == hashlib.sha256(executable).hexdigest()
+
+
+def test_idle_slow_and_huge_callers_are_bounded_and_the_gate_answers_on(gate):
+    path, g, _ = gate
+    idle = []
+    for _ in range(20):  # past the connection limit: answered LOCAL and closed at once
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        idle.append(s)
+    late = idle[-1]
+    late.settimeout(10)
+    head, _ = read_reply(late)
+    assert head.startswith("LOCAL") and "connection limit" in head
+    # The idle ones are dropped at their header deadline; the gate then answers.
+    eventually(lambda: g.gate.open == 0, "idle connections dropped", seconds=30)
+    for s in idle:
+        s.close()
+    # A huge announcement: answered LOCAL without the bytes ever being read.
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(path)
+        whole = request(compile_of())
+        head_end = 8 + int.from_bytes(whole[4:8], "little") + 1  # magic, size, header, count
+        s.sendall(whole[:head_end] + (8 << 30).to_bytes(8, "little"))
+        head, _ = read_reply(s)
+        assert head.startswith("LOCAL") and "budget" in head
+    # Headers that are not flat objects: closed, and nothing held.
+    for bad in (b"[1, 2]", b"{" * 5000, b'{"a": {"b": 1}}'):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(b"CCP2" + len(bad).to_bytes(4, "little") + bad + b"\x06")
+            assert s.recv(100) == b""
+    assert g.gate.budget.used == 0
+    head, _ = ask(path, compile_of())
+    assert head.split()[0] in ("COMPILE", "HIT")
+
+
+def test_a_process_of_another_user_is_refused_even_where_the_socket_lets_it_in(
+        coordinator, start_worker):
+    """Peer credentials, besides the socket's permissions: with the socket
+    opened to everyone (a mistake), another user's process still gets nothing."""
+    import pwd
+    import subprocess
+    import tempfile
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to act as another user")
+    worker = start_worker(coordinator.cfg.listen, "w")
+    where = tempfile.mkdtemp(prefix="cc-gate-", dir="/tmp")
+    os.chmod(where, 0o777)
+    path = os.path.join(where, "g.pjrt")
+    g = GateThread(path, worker.target, GateLimits())
+    try:
+        os.chmod(path, 0o666)
+        nobody = pwd.getpwnam("nobody")
+        probe = ("import socket\n"
+                 "s = socket.socket(socket.AF_UNIX)\n"
+                 f"s.connect({path!r})\n"
+                 "try:\n"
+                 f"    s.sendall({request(compile_of())!r})\n"
+                 "    print('answered', s.recv(100))\n"
+                 "except OSError:\n"
+                 "    print('answered', b'')\n")
+        done = subprocess.run(["setpriv", f"--reuid={nobody.pw_uid}",
+                               f"--regid={nobody.pw_gid}", "--clear-groups",
+                               "/usr/bin/python3", "-I", "-c", probe],
+                              capture_output=True, text=True, timeout=60, cwd="/")
+        assert done.stdout.strip() == "answered b''", done.stdout + done.stderr
+        assert g.gate.open == 0
+        head, _ = ask(path, compile_of())  # this user's processes are served
+        assert head.split()[0] in ("COMPILE", "HIT")
+    finally:
+        g.stop()
+        shutil.rmtree(where, ignore_errors=True)
