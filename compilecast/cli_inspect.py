@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -124,15 +125,28 @@ def _file_key(path: str, include_metadata: bool, *, keep_text: bool = False):
         cfg = dataclasses.replace(cfg, include_metadata=True)
     try:
         if path == "-":  # standard input, as sha256sum reads it
-            data = sys.stdin.buffer.read()
+            data = sys.stdin.buffer.read(MAX_PROGRAM_STREAM_BYTES + 1)
         else:
             with open(path, "rb") as f:
-                data = f.read()
+                size = os.fstat(f.fileno()).st_size
+                if size > MAX_PROGRAM_FILE_BYTES:
+                    raise _Unreadable(f"cannot key {path}: {size} bytes, over "
+                                      f"{MAX_PROGRAM_FILE_BYTES >> 30} GiB")
+                data = f.read(MAX_PROGRAM_STREAM_BYTES + 1 if not size else size + 1)
     except OSError as exc:
         raise _Unreadable(f"cannot read {path}: {exc.strerror}") from None
     except ValueError as exc:  # a name the OS cannot take (a NUL byte)
         raise _Unreadable(f"cannot read {path!r}: {exc}") from None
+    if len(data) > MAX_PROGRAM_STREAM_BYTES and (path == "-" or not os.path.isfile(path)):
+        raise _Unreadable(f"cannot key {path}: more than {MAX_PROGRAM_STREAM_BYTES >> 30} GiB "
+                          "from a stream or device")
     return program_key(data, cfg, keep_text=keep_text)
+
+
+# The most `compilecast key` reads: a regular file's size is known before it
+# is read; a stream or a device (/dev/zero) is read up to the smaller bound.
+MAX_PROGRAM_FILE_BYTES = 16 << 30
+MAX_PROGRAM_STREAM_BYTES = 2 << 30
 
 
 class CliError(Exception):

@@ -3,6 +3,7 @@ per file like sha256sum, a readable error for what is not a program."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -125,3 +126,17 @@ def test_explain_an_unreadable_file_is_a_readable_error(tmp_path):
     r = cc("explain", _fixture("mlp.hlo.pb"), str(tmp_path / "gone.pb"))
     assert r.returncode == 2
     assert "cannot read" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_key_of_a_device_without_end_reads_a_bounded_amount():
+    r = subprocess.run([sys.executable, "-m", "compilecast.cli", "key", "/dev/zero"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and "more than 2 GiB from a stream or device" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_key_refuses_a_native_setting_it_does_not_know():
+    r = subprocess.run([sys.executable, "-m", "compilecast.cli", "key", _fixture("mlp.hlo.pb")],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COMPILECAST_KEY_NATIVE": "maybe"})
+    assert r.returncode == 2 and "COMPILECAST_KEY_NATIVE='maybe'" in r.stderr

@@ -103,6 +103,10 @@ class KeyConfig:
     def from_env(cls, env: dict[str, str] | None = None) -> KeyConfig:
         env = os.environ if env is None else env
         include = env.get("COMPILECAST_KEY_INCLUDE_METADATA", "").lower() in ("1", "true", "yes")
+        native = env.get("COMPILECAST_KEY_NATIVE", "1")
+        if native not in ("0", "1"):
+            raise ValueError(f"COMPILECAST_KEY_NATIVE={native!r}: 0 (the Python walk only) "
+                             "or 1 (the default)")
 
         def names(var: str) -> tuple[str, ...]:
             return tuple(a.strip() for a in env.get(var, "").split(",") if a.strip())

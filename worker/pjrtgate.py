@@ -76,6 +76,7 @@ MAX_BLOBS = 6
 MAX_TEXT = 16 << 20  # devices, plugin, environment, token
 MAX_BLOB = 1 << 40  # a program or an executable (the memory budget bounds them first)
 HEARTBEAT_S = 2.0
+KEYS_KEPT = 1024  # keys remembered by fingerprint
 GPU_PLATFORMS = frozenset({"cuda", "rocm", "gpu"})
 
 
@@ -406,6 +407,7 @@ class PjrtGate:
         self.socket_gid = os.getegid()
         # Keying parses programs: CPU work, on two threads of the gate's own.
         self.keying = ThreadPoolExecutor(2, thread_name_prefix="compilecast-pjrt-key")
+        self.keys: dict[str, asyncio.Future[Key]] = {}  # fingerprint -> its key, made once
 
     async def start(self) -> None:
         # Connections past the limit are answered and closed at once, but each
@@ -530,10 +532,26 @@ class PjrtGate:
         finally:
             task.cancel()
 
+    async def _key(self, c: pjrtkeys.Compile) -> Key:
+        """The compile's key, made once for the compiles that send the same
+        inputs (a host's processes ask for the same programs at once)."""
+        loop = asyncio.get_running_loop()
+        print_ = await loop.run_in_executor(self.keying, pjrtkeys.fingerprint, c)
+        made = self.keys.get(print_)
+        if made is None:
+            made = loop.run_in_executor(self.keying, pjrtkeys.compile_key, c)
+            self.keys[print_] = made
+            while len(self.keys) > KEYS_KEPT:
+                self.keys.pop(next(iter(self.keys)))
+        try:
+            return await asyncio.shield(made)
+        except Exception:
+            self.keys.pop(print_, None)
+            raise
+
     async def _decide(self, c: pjrtkeys.Compile, frames: Reader) -> Answer:
         try:
-            loop = asyncio.get_running_loop()
-            made = await loop.run_in_executor(self.keying, pjrtkeys.compile_key, c)
+            made = await self._key(c)
             key = made.value
             ident = identity(c.owners(), int(c.header.get("process_index", 0) or 0),
                              int(c.header["pid"]), c.options)

@@ -152,6 +152,30 @@ def library_digest(path: str) -> str:
         os.close(fd)
 
 
+def library_version(plugin: str) -> str:
+    """The plugin library's file version (device, inode, size, modification
+    time), or "" when it cannot be seen: what fingerprint() adds of it."""
+    path = next((line[5:] for line in plugin.splitlines() if line.startswith("path=")), "")
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return ""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def fingerprint(c: Compile) -> str:
+    """A digest of everything compile_key reads: two compiles with the same
+    fingerprint have the same key (a host's processes send the same program
+    at once; it is keyed once)."""
+    h = hashlib.sha256()
+    for part in (c.program, c.options, c.devices.encode(), c.plugin.encode(),
+                 repr(sorted(c.env.items())).encode(), library_version(c.plugin).encode(),
+                 repr(sorted((k, str(v)) for k, v in c.header.items() if k != "pid")).encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
 def plugin_component(plugin: str) -> str:
     """The plugin's library digest, API version and reported attributes."""
     lines = plugin.splitlines()
