@@ -115,6 +115,19 @@ def main() -> None:
         results, errs, wall = wave(args.n, env(worker, dump), root / "wave")
         stop.set()
         poller.join()
+        # The same status calls while the same processes run on the plain plugin
+        # (the worker idle): what the machine's load alone costs an answer.
+        plain_asked, plain_slowest = asked[0], slowest[0]
+        asked[0], slowest[0] = 0, 0.0
+        stop.clear()
+        poller = threading.Thread(target=status_loop, daemon=True)
+        poller.start()
+        (root / "plain-wave").mkdir()
+        wave(args.n, env(None, root / "plain-wave-dump"), root / "plain-wave")
+        stop.set()
+        poller.join()
+        asked[0], slowest[0], idle_asked, idle_slowest = (plain_asked, plain_slowest,
+                                                          asked[0], slowest[0])
         per_program = compiles(dump)
         local = [line for e in errs for line in re.findall(r"real compile \((LOCAL [^)]*)\)", e)]
         programs = sum(compiles(plain_dump).values())  # one plain process compiles each once
@@ -124,7 +137,8 @@ def main() -> None:
               f" (connection limit or budget: "
               f"{sum('limit' in x or 'budget' in x for x in local)})")
         print(f"  compilecast status during the wave: asked {asked[0]} times, slowest "
-              f"{slowest[0]:.3f}s")
+              f"{slowest[0]:.3f}s (the same processes on the plain plugin, worker idle: "
+              f"asked {idle_asked} times, slowest {idle_slowest:.3f}s)")
         print(f"  wave {wall:.1f}s; processes ok {sum(bool(r) for r in results)}/{args.n}; "
               f"losses equal to the plain plugin's: "
               f"{all(r.get('loss') == plain['loss'] for r in results)}")

@@ -418,6 +418,7 @@ class PjrtGate:
                 resource.setrlimit(resource.RLIMIT_NOFILE,
                                    (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
         self.upstream = Upstream(self.worker_target, self.limits.rpc_s)
+        self.keying.submit(pjrtkeys.warm_up)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self.server = await asyncio.start_unix_server(self._serve, path=self.path,

@@ -208,3 +208,12 @@ def compile_key(c: Compile) -> keys.Key:
     key = keys.Key(components=components)
     key.unparsed = unparsed
     return key
+
+
+def warm_up() -> None:
+    """Load at a worker's start what the first key would load (jaxlib's MLIR
+    and XLA bindings): not in the middle of a pod's first wave."""
+    jax_adapter.compile_options_round_trip(b"")
+    jax_adapter.excluded_xla_flags()
+    jax_adapter.mlir_context()
+    keys.host_cpu_digest()
