@@ -126,6 +126,7 @@ bench: install
 	  $(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --n 8 --host-cpus 0.2 --tpu-pairs 3 --tpu-baseline-max 0; \
 	else echo "bench/fanout.py --link-mbps/--host-cpus, time_to_executable.py --host-cpus: skipped (needs root)"; fi
 	$(PY) bench/aot_farm.py --layers 64
+	$(PY) bench/pjrt_wave.py --n 64
 	$(PY) bench/sweep.py --records
 
 # Every CPU bench end to end at toy sizes (~4 minutes): a bench that no longer
@@ -153,6 +154,7 @@ bench-smoke: install
 	$(PY) bench/pod_start.py --processes 20 --programs 2 --compile-s 0.2
 	$(PY) bench/sweep.py --entries 100 --records
 	$(PY) bench/autotune_share.py --layers 2 --width 64 --pairs 1
+	$(PY) bench/pjrt_wave.py --n 2
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache
