@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from compilecast.blobstore import DiskBlobStore
 from compilecast.coordinator.etcd import Etcd, op_put
 from compilecast.coordinator.metrics import CoordinatorMetrics
+from compilecast.coordinator.presence import Presence
 from compilecast.coordinator.records import KeyRecords
 from compilecast.coordinator.sweep import IndexSweeper
 
@@ -62,7 +63,7 @@ async def run(endpoint: str, root: Path, n: int, records: bool, etcd_pid: int) -
             ops = []
     if ops:
         await etcd.txn([], ops)
-    sweeper = IndexSweeper(etcd, prefix, store, key_records, metrics,
+    sweeper = IndexSweeper(etcd, prefix, Presence(store, metrics.bucket_stalls), key_records, metrics,
                            record_max_age_s=30 * 86400 if records else 0,
                            forget=lambda sk, rev: None)
     cpu0 = cpu_seconds(etcd_pid)

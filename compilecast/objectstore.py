@@ -262,6 +262,14 @@ class BucketStore:
               on_corrupt: Callable[[str], None] | None = None) -> tuple[int, int]:
         return self.local.scrub(bytes_per_s, stop, on_corrupt)
 
+    def known(self, digest: str) -> bool | None:
+        """True when the local cache holds the blob or the bucket was seen to;
+        None when only a request to the bucket can tell."""
+        if self.local.has(digest):
+            return True
+        with self._lock:
+            return True if digest in self._known else None
+
     def has(self, digest: str) -> bool:
         if self.local.has(digest):
             return True

@@ -71,6 +71,9 @@ class ArtifactStore(Protocol):
 
     def has(self, digest: str) -> bool: ...
 
+    def known(self, digest: str) -> bool | None:
+        """has() where it needs no network request, else None."""
+
     def writer(self, *, discard_when_unwritable: bool = False) -> BlobSink: ...
 
     def put_bytes(self, data: bytes) -> str:

@@ -300,7 +300,7 @@ class Artifacts:
             self._remember_artifact(sk, info, rec.mod_revision)
         if digest and info.digest != digest:
             raise NotFound(f"key {key} holds digest {info.digest}, not {digest}")
-        if not self.store.has(info.digest):
+        if await self.presence.check(info.digest) is False:  # (None: the read will tell)
             entry = await self.etcd.get(self._k("a", sk))
             if entry is not None:
                 await self._usable_artifact(sk, KeyState(info, entry.mod_revision, None, 0, None))

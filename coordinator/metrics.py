@@ -125,6 +125,12 @@ class CoordinatorMetrics:
             "Requests to the bucket that failed (refused, unreachable), by operation",
             ["op"], registry=registry,
         )
+        self.bucket_stalls = Counter(
+            "compilecast_coordinator_bucket_stalls",
+            "Checks of whether a blob is in the bucket that got no answer within their "
+            "deadline, or none at all (a slow, hung or unreachable bucket): the decision went "
+            "on without it", registry=registry,
+        )
         self.bucket_bytes = Counter(
             "compilecast_coordinator_bucket_bytes",
             "Artifact bytes moved to (upload) and from (get_bytes) the bucket",

@@ -74,6 +74,7 @@ from .keystate import (
 from .leases import LeasePool
 from .metrics import CoordinatorMetrics
 from .operations import Operations
+from .presence import Presence
 from .records import (
     DEFAULT_TENANT,
     KeyRecords,
@@ -108,6 +109,7 @@ class CoordinatorState(Artifacts, Waiting, Operations):
         self.cfg = cfg
         self.etcd = etcd
         self.store = store
+        self.presence = Presence(store, metrics.bucket_stalls)
         self.metrics = metrics
         self.prefix = cfg.etcd_prefix.rstrip("/").encode()
         self.hub = WatchHub(etcd, self.prefix)
@@ -120,7 +122,7 @@ class CoordinatorState(Artifacts, Waiting, Operations):
         self.index_max = INDEX_MAX
         self._index_deleted: dict[str, int] = {}
         self.records = KeyRecords(etcd, self.prefix, metrics)
-        self.sweeper = IndexSweeper(etcd, self.prefix, store, self.records, metrics,
+        self.sweeper = IndexSweeper(etcd, self.prefix, self.presence, self.records, metrics,
                                     record_max_age_s=cfg.key_record_days * 86400,
                                     forget=self._forget_artifact)
         self.farm = Farm(etcd, store, self.prefix, metrics, cfg.lease_ttl_s)
@@ -177,6 +179,7 @@ class CoordinatorState(Artifacts, Waiting, Operations):
         await self.records.close()
         await self.leases.close()
         self._publish_threads.shutdown(wait=False)
+        self.presence.close()
         if self._session_lease:
             with contextlib.suppress(Exception):
                 await self.etcd.revoke(self._session_lease)
@@ -237,7 +240,10 @@ class CoordinatorState(Artifacts, Waiting, Operations):
         entry = self._index.get(sk)
         if entry is None:
             return None
-        if not self.store.has(entry[0].digest):  # a stat; the blob may be gone
+        present = self.presence.known(entry[0].digest)  # a stat; the blob may be gone
+        if present is None:  # only a bucket request can tell: not on this path
+            return None
+        if not present:
             self._index.pop(sk, None)
             return None
         return entry[0]
@@ -342,7 +348,8 @@ class CoordinatorState(Artifacts, Waiting, Operations):
         """The artifact if its blob is present; a dangling entry is dropped."""
         if st.artifact is None:
             return None
-        if self.store.has(st.artifact.digest):  # one stat: cheaper than a thread hop
+        present = await self.presence.check(st.artifact.digest)
+        if present or present is None:  # (None: a bucket that cannot tell now; the fetch will)
             return st.artifact
         log.warning("index entry %s points at missing blob %s (evicted from a bounded store, "
                     "or deleted); dropping it: the key compiles again",

@@ -21,7 +21,6 @@ make the second a no-op.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -34,10 +33,9 @@ from .records import json_dict
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from compilecast.blobstore import DiskBlobStore
-
     from .etcd import Etcd
     from .metrics import CoordinatorMetrics
+    from .presence import Presence
     from .records import KeyRecords
 
 log = logging.getLogger(__name__)
@@ -47,12 +45,12 @@ GUARDED_PER_TXN = 25  # 3 compares and 2 deletes each: within etcd's 128 ops per
 
 
 class IndexSweeper:
-    def __init__(self, etcd: Etcd, prefix: bytes, store: DiskBlobStore,
+    def __init__(self, etcd: Etcd, prefix: bytes, presence: Presence,
                  records: KeyRecords, metrics: CoordinatorMetrics, *,
                  record_max_age_s: float, forget: Callable[[str, int], None]) -> None:
         self.etcd = etcd
         self.prefix = prefix
-        self.store = store
+        self.presence = presence  # whether a blob is stored
         self.records = records
         self.metrics = metrics
         self.record_max_age_s = record_max_age_s  # 0: key records are kept forever
@@ -82,12 +80,12 @@ class IndexSweeper:
     async def _drop_missing(self, head: bytes, kvs: list[KV]) -> int:
         """Drop the entries of `kvs` whose blob is not in the store."""
         digests = [_json(kv).get("digest") for kv in kvs]
-        # A stat each, off the event loop. An entry that names no valid digest
-        # is left alone: the decision that meets it reports it.
-        present = await asyncio.get_running_loop().run_in_executor(None, lambda: [
-            not (isinstance(d, str) and DIGEST_RE.match(d)) or self.store.has(d)
-            for d in digests])
-        gone = [kv for kv, here in zip(kvs, present, strict=True) if not here]
+        # A stat each (a bucket's HEAD off the loop, within a deadline). An
+        # entry that names no valid digest is left alone: the decision that
+        # meets it reports it; so is one whose blob the store cannot tell of now.
+        present = [True if not (isinstance(d, str) and DIGEST_RE.match(d))
+                   else await self.presence.check(d) for d in digests]
+        gone = [kv for kv, here in zip(kvs, present, strict=True) if here is False]
         dropped = await self._guarded([([cmp_mod_revision(kv.key, kv.mod_revision)],
                                         [op_delete(kv.key)]) for kv in gone])
         for kv, revision in zip(gone, dropped, strict=True):

@@ -427,7 +427,7 @@ def test_the_alerts_are_valid_promql_over_metrics_that_exist():
         "CompilecastWorkersFallingBack", "CompilecastCorruptArtifacts",
         "CompilecastStoreThrashing", "CompilecastStoreFull", "CompilecastHostCacheFull",
         "CompilecastCoordinatorBusy", "CompilecastEtcdSlow", "CompilecastTamperedHostCacheEntries",
-        "CompilecastBucketFailing"}
+        "CompilecastBucketFailing", "CompilecastBucketStalled"}
     exported = _metric_names()
     for a in alerts:
         promql_parser.parse(a["expr"])  # raises on a syntax error

@@ -309,3 +309,57 @@ def test_the_endpoint_down_mid_upload_fails_the_publish_and_indexes_nothing(
         restore(before)
         if server.proc.poll() is None:
             server.stop()
+
+
+def test_a_stopped_bucket_slows_only_what_needs_its_objects(replica):
+    """The S3 server stopped (SIGSTOP): a decision on another key is answered
+    while one that needs the bucket's word waits for it; leases keep being
+    renewed; the stall shows in the metrics; once the check's deadline passes,
+    the decision goes on without it."""
+    import signal
+    import threading
+
+    a, b, ca, cb, digest, _ = _published_on_a(replica)
+    b.state.presence.deadline_s = 10.0
+    cb.close()
+    cb = CacheClient(b.cfg.listen, timeout_s=60)  # longer than the check's deadline
+    holder = CacheClient(b.cfg.listen)
+    lease = holder.acquire("held").lease
+    server = b.store.bucket  # (the same SeaweedFS as a's)
+    weed = _weed_process(server.endpoint)
+    answered: list = []
+    os.kill(weed, signal.SIGSTOP)
+    try:
+        needs_bucket = threading.Thread(target=lambda: answered.append(cb.acquire("k")))
+        needs_bucket.start()
+        from .conftest import eventually
+
+        eventually(lambda: b.state.presence._pending, "the bucket asked", seconds=30)
+        other = cb.acquire("unrelated")  # answered while the bucket says nothing
+        assert other.decision == pb.COMPILE and needs_bucket.is_alive()
+        assert holder.keepalive("held", lease) > 0  # the lease is renewed meanwhile
+        needs_bucket.join(60)
+        [got] = answered  # past the deadline: a HIT on the index's word, unconfirmed
+        assert got.decision == pb.HIT
+        assert b.registry.get_sample_value("compilecast_coordinator_bucket_stalls_total") >= 1
+    finally:
+        os.kill(weed, signal.SIGCONT)
+    assert cb.fetch("k")[1]  # and served once the bucket answers again
+    for client in (ca, cb, holder):
+        client.close()
+
+
+def _weed_process(endpoint: str) -> int:
+    """The pid of the SeaweedFS server listening on `endpoint`'s port."""
+    port = endpoint.rsplit(":", 1)[1]
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"weed") and f"-s3.port={port}".encode() in cmd:
+            return int(pid)
+    raise AssertionError(f"no SeaweedFS process serves {endpoint}")

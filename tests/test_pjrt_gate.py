@@ -270,3 +270,50 @@ def test_a_process_of_another_user_is_refused_even_where_the_socket_lets_it_in(
     finally:
         g.stop()
         shutil.rmtree(where, ignore_errors=True)
+
+
+def two_process_compile(process_index: int, platform: str = "cpu") -> pjrtkeys.Compile:
+    """A program over devices 0 (process 0) and 1 (process 1), as each of the
+    job's two interposed processes describes it."""
+    import numpy as np
+    from jax._src.lib import xla_client
+
+    opts = xla_client.CompileOptions()
+    opts.device_assignment = xla_client.DeviceAssignment.create(np.array([[0, 1]]))
+    return compile_of(header={"format": "mlir", "platform": platform, "platform_version": "x",
+                              "process_index": process_index},
+                      options=opts.SerializeAsString(), devices="0 0 cpu\n1 1 cpu\n")
+
+
+def test_a_program_over_two_processes_is_compiled_by_its_designated_process(gate):
+    """The per-program rule through the gate: the other process asks first,
+    and waits (heartbeats) until the designated one has published."""
+    path, _, _ = gate
+    waiter = socket.socket(socket.AF_UNIX)
+    waiter.settimeout(60)
+    waiter.connect(path)
+    waiter.sendall(request(two_process_compile(1)))
+    f = waiter.makefile("rb")
+    assert f.read(4) == b"CCP2"  # a heartbeat: it waits, it does not compile
+    assert f.read(4 + len("WAITING") + 1)[4:] == b"WAITING\0"
+    with socket.socket(socket.AF_UNIX) as holder:
+        holder.settimeout(60)
+        holder.connect(path)
+        holder.sendall(request(two_process_compile(0)))
+        head, _ = read_reply(holder)
+        assert head.startswith("COMPILE ")
+        holder.sendall(frame("publish 2.0", b"the job's executable"))
+        assert read_reply(holder)[0].startswith("OK published")
+    head, payload = read_reply(waiter)
+    waiter.close()
+    assert head.split()[:2] == ["HIT", head.split()[1]] and payload == b"the job's executable"
+
+
+def test_a_gpu_job_s_compile_under_the_lease_autotunes_alone(gate):
+    from jax._src.lib import xla_client
+
+    path, _, _ = gate
+    head, payload = ask(path, two_process_compile(0, platform="cuda"))
+    assert head.startswith("COMPILE ")
+    told = xla_client.CompileOptions.ParseFromString(payload)
+    assert ("xla_gpu_shard_autotuning", False) in list(told.env_option_overrides)

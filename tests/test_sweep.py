@@ -125,6 +125,7 @@ def test_a_sweep_over_many_pages_drops_exactly_the_right_records(etcd, prefix, t
     from compilecast.coordinator import sweep
     from compilecast.coordinator.etcd import op_put
     from compilecast.coordinator.metrics import CoordinatorMetrics
+    from compilecast.coordinator.presence import Presence
     from compilecast.coordinator.records import KeyRecords
 
     monkeypatch.setattr(sweep, "PAGE", 50)
@@ -139,7 +140,7 @@ def test_a_sweep_over_many_pages_drops_exactly_the_right_records(etcd, prefix, t
         client = Etcd([etcd.endpoint])
         metrics = CoordinatorMetrics(CollectorRegistry())
         forgotten = []
-        sweeper = sweep.IndexSweeper(client, p, store, KeyRecords(client, p, metrics), metrics,
+        sweeper = sweep.IndexSweeper(client, p, Presence(store, metrics.bucket_stalls), KeyRecords(client, p, metrics), metrics,
                                      record_max_age_s=30 * 86400,
                                      forget=lambda key, rev: forgotten.append(key))
         try:
