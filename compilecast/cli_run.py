@@ -74,7 +74,7 @@ def environment(command: list[str], worker: str, token: str) -> dict[str, str]:
     try:
         return torchxla.prepare(command, os.environ, client, default_home())
     except torchxla.NotTorchXla as exc:
-        log.info("%s: nothing to share", exc)
+        log.warning("running without a shared cache: %s", exc)
     except Exception as exc:
         log.warning("running without a shared cache: %s", str(exc).splitlines()[0][:300])
     finally:

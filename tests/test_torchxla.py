@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,11 +38,14 @@ def home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("home")
 
 
-def run(worker, release: str, home: Path, *args: str, wait: bool = True):
+def run(worker, release: str, home: Path, *args: str, wait: bool = True,
+        launcher: tuple[str, ...] = ()):
+    """The training script through `compilecast run`: its venv's python, or
+    `launcher` (a script of the venv, such as torchrun) in front of the script."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "COMPILECAST_HOME": str(home)}
     env.pop("XLA_PERSISTENT_CACHE_PATH", None)
     cmd = [sys.executable, "-m", "compilecast.cli", "run", "--worker", worker, "--",
-           python_of(release), str(TRAIN), *args]
+           *(launcher or (python_of(release),)), str(TRAIN), *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     if not wait:
@@ -77,6 +81,46 @@ def test_a_second_host_hits_what_the_first_compiled(coordinator, start_worker, h
     [db] = CacheClient(b.target).status().directories
     assert db.namespace_id == da.namespace_id and db.installed == da.published
     assert "release.torch_xla=2.7.0" in db.namespace and "env.PJRT_DEVICE=CPU" in db.namespace
+
+
+def test_a_second_host_started_through_torchrun_of_a_venv_not_on_path_compiles_nothing(
+        coordinator, start_worker, home):
+    """`compilecast run -- <venv>/bin/torchrun ... train.py`: the launcher's
+    #! line names the venv's Python, which has torch_xla."""
+    torchrun = str(Path(python_of("2.7")).with_name("torchrun"))
+    assert os.path.dirname(torchrun) not in os.environ.get("PATH", "").split(os.pathsep)
+    a = start_worker(coordinator.cfg.listen, "a", **QUIET)
+    b = start_worker(coordinator.cfg.listen, "b", **QUIET)
+    launcher = (torchrun, "--standalone", "--nproc-per-node=1")
+
+    first, _ = run(a.target, "2.7", home, launcher=launcher)
+    synced(a)
+    second, err = run(b.target, "2.7", home, launcher=launcher)
+
+    assert first["UncachedCompile"] >= 1
+    assert second["PersistentCacheHit"] >= 1 and second["UncachedCompile"] == 0, err[-2000:]
+    assert second["loss"] == first["loss"]
+
+
+def test_the_interpreter_of_a_command_is_found_as_its_launcher_names_it(tmp_path):
+    from compilecast.worker.torchxla import interpreter
+
+    venv_python = tmp_path / "venv" / "bin" / "python3.11"
+    launcher = tmp_path / "venv" / "bin" / "torchrun"
+    launcher.parent.mkdir(parents=True)
+    launcher.write_text(f"#!{venv_python}\nimport sys\n")
+    launcher.chmod(0o755)
+    by_env = tmp_path / "by-env"
+    by_env.write_text("#!/usr/bin/env python3\n")
+    by_env.chmod(0o755)
+    not_python = tmp_path / "job.sh"
+    not_python.write_text("#!/bin/sh\n")
+    not_python.chmod(0o755)
+
+    assert interpreter([str(launcher), "train.py"]) == str(venv_python)
+    assert interpreter([str(by_env)]) == shutil.which("python3")
+    assert interpreter([sys.executable, "-m", "torch.distributed.run"]) == sys.executable
+    assert interpreter([str(not_python)]) == (shutil.which("python3") or sys.executable)
 
 
 def test_a_host_that_started_first_hits_what_arrives_while_it_runs(

@@ -49,11 +49,43 @@ class NotTorchXla(Exception):
 
 def interpreter(command: Sequence[str]) -> str:
     """The Python that will run `command`: its first word when that is a
-    Python, else the first python3 on PATH."""
+    Python (`python -m torch.distributed.run ...` included); else, for a
+    script launcher such as torchrun, the interpreter its `#!` line names
+    (`#!/usr/bin/env python3` looked up on PATH); else the first python3 on
+    PATH."""
     first = command[0] if command else ""
-    if os.path.basename(first).startswith("python"):
+    if _is_python(first):
         return shutil.which(first) or first
-    return shutil.which("python3") or sys.executable
+    path = shutil.which(first) if first else None
+    named = _shebang(path) if path else None
+    if named:
+        words = named.split()
+        if os.path.basename(words[0]) == "env":  # #!/usr/bin/env [-S] python3 ...
+            words = [w for w in words[1:] if not w.startswith("-")]
+            if words and _is_python(words[0]):
+                return shutil.which(words[0]) or words[0]
+        elif _is_python(words[0]):
+            return words[0]
+    fallback = shutil.which("python3") or sys.executable
+    log.warning("cannot tell which Python runs %s (not a Python, no #! line naming one): "
+                "asking %s", first or "the command", fallback)
+    return fallback
+
+
+def _is_python(word: str) -> bool:
+    return os.path.basename(word).startswith("python")
+
+
+def _shebang(path: str) -> str | None:
+    """The interpreter line of a script (without `#!`), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    return head[2:].split(b"\n", 1)[0].decode("utf-8", "replace").strip() or None
 
 
 def probe(python: str, what: str, timeout_s: float) -> dict:
