@@ -5,6 +5,8 @@ stands for a host with its own directory."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
-from compilecast.worker.dirsync import is_entry, key_prefix, namespace_id
+from compilecast.worker.dirsync import is_entry, key_prefix, namespace_id, split_entry
 
 from .conftest import all_at_once, flip_middle_byte, publish, sample
 
@@ -29,6 +31,38 @@ def host(start_worker, coordinator, name: str, **kw) -> CacheClient:
     client = CacheClient(worker.target)
     client.worker = worker
     return client
+
+
+def autotune(seed: int | bytes, size: int = 64) -> bytes:
+    """An autotune result as XLA prints it (a text proto) of about `size` bytes."""
+    tag = seed.hex() if isinstance(seed, bytes) else str(seed)
+    lines = [f'device: "{tag}"', "run_time {", "  nanos: 1234", "}"]
+    while sum(len(line) + 1 for line in lines) < size:
+        lines.append(f"scratch_bytes: {len(lines)}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def varint(n: int) -> bytes:
+    out = b""
+    while True:
+        out += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+        n >>= 7
+        if not n:
+            return out
+
+
+def torch_entry(payload: bytes, size: int = 0) -> bytes:
+    """A torch_xla cache file's shape: field 1 an executable (a message),
+    field 2 its compile options; padded to `size` bytes when given."""
+    def message(body: bytes) -> bytes:
+        return b"\x0a" + varint(len(body)) + body
+
+    options = b"\x08\x01"
+    entry = message(message(payload)) + b"\x12" + varint(len(options)) + options
+    if size:
+        entry = message(message(payload + b"p" * (size - len(entry) - 2))) + b"\x12" + \
+            varint(len(options)) + options
+    return entry
 
 
 def write_whole(directory: str, name: str, data: bytes) -> None:
@@ -46,7 +80,7 @@ def test_an_entry_written_on_one_host_is_installed_whole_on_another(coordinator,
     a, b = (host(start_worker, coordinator, n) for n in "ab")
     da, db = a.open_directory(KIND, NS), b.open_directory(KIND, NS)
     assert da.path != db.path and da.namespace_id == db.namespace_id == namespace_id(KIND, NS)
-    payload = os.urandom(3000)
+    payload = autotune(os.urandom(8), 3000)
     write_whole(da.path, "aGVsbG8td29ybGQ.textproto", payload)
 
     assert a.sync_directory(KIND, da.namespace_id).published == 1
@@ -72,7 +106,7 @@ def test_entries_never_cross_namespaces(coordinator, start_worker):
     a, b = (host(start_worker, coordinator, n) for n in "ab")
     other = {**NS, "device_kind": "NVIDIA GB200"}
     da, db = a.open_directory(KIND, NS), b.open_directory(KIND, other)
-    write_whole(da.path, "entry.textproto", b"measured on an H200")
+    write_whole(da.path, "entry.textproto", autotune(b"measured on an H200"))
     a.sync_directory(KIND, da.namespace_id)
     # A malformed name under B's namespace, published by hand: listed, never installed.
     direct = CacheClient(coordinator.cfg.listen)
@@ -88,7 +122,7 @@ def test_entries_never_cross_namespaces(coordinator, start_worker):
 def test_a_corrupt_entry_is_never_installed(coordinator, start_worker):
     a, b = (host(start_worker, coordinator, n) for n in "ab")
     da, db = a.open_directory(KIND, NS), b.open_directory(KIND, NS)
-    write_whole(da.path, "entry.textproto", os.urandom(5000))
+    write_whole(da.path, "entry.textproto", autotune(os.urandom(8), 5000))
     a.sync_directory(KIND, da.namespace_id)
     [item] = CacheClient(coordinator.cfg.listen).list_artifacts(prefix=key_prefix(KIND, da.namespace_id))
     flip_middle_byte(coordinator.store.path_of(item.artifact.digest))
@@ -103,13 +137,14 @@ def test_a_file_is_published_once_it_has_settled(coordinator, start_worker):
     a = host(start_worker, coordinator, "a", dir_settle_s=30.0)
     d = a.open_directory(KIND, NS)
     target = Path(d.path) / "written-in-place"  # as PyTorch/XLA writes: at its final name
-    target.write_bytes(b"partial")
+    whole = autotune(b"partial, then whole")
+    target.write_bytes(whole[:10])
     (Path(d.path) / "empty").write_bytes(b"")
     (Path(d.path) / ".hidden").write_bytes(b"not an entry")
     (Path(d.path) / "x.tmp.7").write_bytes(b"not an entry")
     assert a.sync_directory(KIND, d.namespace_id).published == 0  # new: wait and see
 
-    target.write_bytes(b"partial, then whole")
+    target.write_bytes(whole)
     old = time.time() - 60
     os.utime(target, (old, old))
     assert a.sync_directory(KIND, d.namespace_id).published == 0  # changed since the last pass
@@ -117,34 +152,42 @@ def test_a_file_is_published_once_it_has_settled(coordinator, start_worker):
 
     listed = list(CacheClient(coordinator.cfg.listen).list_artifacts(
         prefix=key_prefix(KIND, d.namespace_id)))
-    assert [i.artifact.key.rpartition(".")[2] for i in listed] == ["written-in-place"]
-    assert listed[0].artifact.size == len(b"partial, then whole")
+    prefix = key_prefix(KIND, d.namespace_id)
+    assert [split_entry(i.artifact.key[len(prefix):])[0] for i in listed] == ["written-in-place"]
+    assert listed[0].artifact.size == len(whole)
 
 
-def test_concurrent_writers_of_one_entry_leave_one_version(coordinator, start_worker):
+def test_concurrent_writers_of_one_entry_each_publish_and_a_third_host_takes_the_newest(
+        coordinator, start_worker):
+    """Entries are write-once per content: two hosts' versions of one name
+    are both the fleet's, each host keeps its own file, and a host without
+    the file installs the newest."""
     hosts = [host(start_worker, coordinator, n) for n in "abc"]
     dirs = [h.open_directory(KIND, NS) for h in hosts]
-    versions = [b"written on a" * 100, b"written on b" * 100]
+    versions = [autotune(b"written on a", 1200), autotune(b"written on b", 1200)]
     for d, data in zip(dirs, versions, strict=False):
         write_whole(d.path, "same-fusion.textproto", data)
 
     got = all_at_once([lambda h=h, d=d: h.sync_directory(KIND, d.namespace_id)
                        for h, d in zip(hosts[:2], dirs[:2], strict=True)])
 
-    assert sum(r.published for r in got) == 1
-    winner = versions[[r.published for r in got].index(1)]
+    assert sum(r.published for r in got) == 2
+    listed = list(CacheClient(coordinator.cfg.listen).list_artifacts(
+        prefix=key_prefix(KIND, dirs[0].namespace_id)))
+    newest = max(listed, key=lambda i: (i.artifact.created_unix, i.artifact.digest)).artifact
     for h, d in zip(hosts, dirs, strict=True):
         h.sync_directory(KIND, d.namespace_id)
-    # Each writer keeps its own file; a third host gets the first publish's.
-    assert [entries(d.path)["same-fusion.textproto"] for d in dirs] == [*versions, winner]
+    installed = entries(dirs[2].path)["same-fusion.textproto"]
+    assert [entries(d.path)["same-fusion.textproto"] for d in dirs[:2]] == versions
+    assert installed in versions and hashlib.sha256(installed).hexdigest() == newest.digest
 
 
 def test_a_directory_opened_publish_off_only_installs(coordinator, start_worker):
     a, b = (host(start_worker, coordinator, n) for n in "ab")
     da = a.open_directory("torch-xla", NS)
     db = b.open_directory("torch-xla", NS, publish_off="this build cannot load its cache")
-    write_whole(da.path, "1234", b"from a")
-    write_whole(db.path, "5678", b"from b")
+    write_whole(da.path, "1234", torch_entry(b"from a"))
+    write_whole(db.path, "5678", torch_entry(b"from b"))
     a.sync_directory("torch-xla", da.namespace_id)
 
     got = b.sync_directory("torch-xla", db.namespace_id)
@@ -160,10 +203,11 @@ def test_the_background_pass_syncs_without_being_asked(coordinator, start_worker
     a = host(start_worker, coordinator, "a")
     b = host(start_worker, coordinator, "b", dir_sync_s=0.2)
     da, db = a.open_directory(KIND, NS), b.open_directory(KIND, NS)
-    write_whole(da.path, "entry", b"bytes")
+    write_whole(da.path, "entry", autotune(b"bytes"))
     a.sync_directory(KIND, da.namespace_id)
 
-    eventually(lambda: entries(db.path) == {"entry": b"bytes"}, "the entry installed on b")
+    eventually(lambda: entries(db.path) == {"entry": autotune(b"bytes")},
+               "the entry installed on b")
 
 
 def test_bad_directory_requests_get_clear_errors(coordinator, start_worker):
@@ -207,7 +251,7 @@ def test_a_gpu_compile_reads_and_writes_the_hosts_synced_autotune_directory(
     a, b = (host(start_worker, coordinator, n) for n in "ab")
     ns = jax_adapter.autotune_namespace(jax.devices()[0].client, jax.devices()[0])
     da = a.open_directory("xla-autotune", ns)
-    write_whole(da.path, "fusion-measured-on-a.textproto", b"results")
+    write_whole(da.path, "fusion-measured-on-a.textproto", autotune(b"results"))
     a.sync_directory("xla-autotune", da.namespace_id)
     monkeypatch.setattr(jax_adapter, "GPU_PLATFORMS", frozenset({"cpu"}))
     seen = []
@@ -238,7 +282,9 @@ def test_status_shows_each_directory_its_namespace_and_size(coordinator, start_w
     a = host(start_worker, coordinator, "a")
     d = a.open_directory("torch-xla", {"release.torch_xla": "2.9.0"},
                          install_off="torch_xla 2.9.0: it cannot load")
-    write_whole(d.path, "12345", b"x" * 2048)
+    entry = torch_entry(b"x", 2048)
+    assert len(entry) == 2048
+    write_whole(d.path, "12345", entry)
     a.sync_directory("torch-xla", d.namespace_id)
 
     assert main(["status", "--worker", a.target]) == 0
@@ -247,3 +293,117 @@ def test_status_shows_each_directory_its_namespace_and_size(coordinator, start_w
     assert (f"directory    torch-xla {d.namespace_id}: 1 entries, 2.0 KiB; 1 published, "
             "0 installed, 0 refused (installs off: torch_xla 2.9.0: it cannot load)") in out
     assert "  namespace  release.torch_xla=2.9.0" in out and f"  path       {d.path}" in out
+
+
+def test_a_torch_xla_file_cut_at_its_source_is_never_installed_elsewhere(
+        coordinator, start_worker):
+    """torch_xla writes in place: a file cut short by a writer that died has
+    settled, but its format says it is not whole."""
+    a, b = (host(start_worker, coordinator, n) for n in "ab")
+    ns = {"release.torch_xla": "2.7.0"}
+    da, db = a.open_directory("torch-xla", ns), b.open_directory("torch-xla", ns)
+    whole = torch_entry(os.urandom(30000))
+    (Path(da.path) / "1234567").write_bytes(whole[:10000])  # as if torch_xla died mid-write
+
+    got = a.sync_directory("torch-xla", da.namespace_id)
+    assert got.published == 0 and got.directory.refused == 1
+    assert b.sync_directory("torch-xla", db.namespace_id).installed == 0
+    assert entries(db.path) == {}
+    # Rewritten whole (torch_xla on its next run): published and installed.
+    (Path(da.path) / "1234567").write_bytes(whole)
+    assert a.sync_directory("torch-xla", da.namespace_id).published == 1
+    assert b.sync_directory("torch-xla", db.namespace_id).installed == 1
+    assert entries(db.path) == {"1234567": whole}
+
+
+def test_an_entry_a_host_rejects_is_revoked_and_a_good_copy_replaces_it(
+        coordinator, start_worker):
+    a, b, c = (host(start_worker, coordinator, n) for n in "abc")
+    ns = {"release.torch_xla": "2.7.0"}
+    da, db, dc = (h.open_directory("torch-xla", ns) for h in (a, b, c))
+    bad, good = torch_entry(b"well formed, but torch_xla cannot load it"), \
+        torch_entry(b"compiled again on b")
+    write_whole(da.path, "999", bad)
+    a.sync_directory("torch-xla", da.namespace_id)
+    assert b.sync_directory("torch-xla", db.namespace_id).installed == 1
+    # torch_xla on b fails to deserialize it: deletes it, compiles, writes its own.
+    os.unlink(Path(db.path) / "999")
+    got = b.sync_directory("torch-xla", db.namespace_id)
+    assert got.installed == 0 and got.directory.refused == 1  # rejected, not installed again
+    (Path(db.path) / "999").write_bytes(good)
+    assert b.sync_directory("torch-xla", db.namespace_id).published == 1
+
+    assert c.sync_directory("torch-xla", dc.namespace_id).installed == 1
+    assert entries(dc.path) == {"999": good}
+    listed = list(CacheClient(coordinator.cfg.listen).list_artifacts(
+        prefix=key_prefix("torch-xla", da.namespace_id)))
+    assert [i.artifact.digest for i in listed] == [hashlib.sha256(good).hexdigest()]  # purged
+
+
+def test_the_symlink_swap_race_publishes_nothing_from_outside(coordinator, start_worker,
+                                                             tmp_path):
+    import threading
+
+    a = host(start_worker, coordinator, "a")
+    d = a.open_directory(KIND, NS)
+    secret = tmp_path / "secret"
+    secret.write_bytes(autotune(b"a secret outside the directory"))
+    secret.chmod(0o600)
+    entry = Path(d.path) / "swapped.textproto"
+    mine = autotune(b"the entry's own bytes")
+    stop = threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            tmp = Path(d.path) / ".swap.tmp"
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            tmp.symlink_to(secret)
+            os.replace(tmp, entry)
+            tmp.write_bytes(mine)
+            os.replace(tmp, entry)
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        for _ in range(300):
+            a.sync_directory(KIND, d.namespace_id)
+    finally:
+        stop.set()
+        swapper.join()
+    c = CacheClient(coordinator.cfg.listen)
+    published = [c.fetch(i.artifact.key)[1] for i in c.list_artifacts(
+        prefix=key_prefix(KIND, d.namespace_id))]
+    assert secret.read_bytes() not in published
+    assert set(published) <= {mine}
+
+
+@pytest.mark.slow
+def test_made_up_credentials_create_nothing_on_disk(start_coordinator, start_worker,
+                                                    tokens_file):
+    secured = start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+    worker = start_worker(secured.cfg.listen, "w", **QUIET)
+    root = Path(worker.cfg.cache_dir) / "dirs"
+    before = sorted(p for p in root.rglob("*")) if root.exists() else []
+    refused = 0
+    for i in range(10_000):
+        made_up = CacheClient(worker.target, token=f"made-up-{i}")
+        try:
+            made_up.open_directory(KIND, {"n": str(i)})
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
+            refused += 1
+        finally:
+            made_up.close()
+    after = sorted(p for p in root.rglob("*")) if root.exists() else []
+    assert refused == 10_000 and after == before
+    # A real credential gets its directory, within the bound per tenant.
+    real = CacheClient(worker.target, token="a-pub")
+    assert Path(real.open_directory(KIND, NS).path).is_dir()
+    from compilecast.worker.dirsync import MAX_DIRS_PER_TENANT
+
+    for i in range(MAX_DIRS_PER_TENANT - 1):
+        real.open_directory(KIND, {"n": str(i)})
+    with pytest.raises(grpc.RpcError) as over:
+        real.open_directory(KIND, {"n": "one too many"})
+    assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

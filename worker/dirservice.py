@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import time
 from collections.abc import Callable
 
 import grpc
 
 from compilecast.config import WorkerConfig
-from compilecast.errors import Unavailable
+from compilecast.errors import PermissionDenied, Unauthenticated, Unavailable
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 
 from .client import CacheClient, Identity, default_client_name
 from .dirsync import DirSync
 from .metrics import WorkerMetrics
+
+TENANT_TTL_S = 300.0  # a credential's tenant, as the coordinator said, trusted this long
+TENANTS_KEPT = 4096
 
 
 def make_dirsync(cfg: WorkerConfig, token: str, metrics: WorkerMetrics) -> DirSync:
@@ -34,13 +39,47 @@ def make_dirsync(cfg: WorkerConfig, token: str, metrics: WorkerMetrics) -> DirSy
                 key_file=cfg.coordinator_key_file)
         return clients[caller]
 
+    tenants: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+
+    def authenticate(caller: str) -> str:
+        """The tenant the coordinator gives `caller`'s credential (asked with a
+        Revoked call that returns nothing else), remembered for
+        TENANT_TTL_S; raises what the coordinator answered when it refuses
+        it, or Unavailable."""
+        known = tenants.get(caller)
+        if known is not None and time.monotonic() - known[1] < TENANT_TTL_S:
+            return known[0]
+        probe = CacheClient(cfg.coordinator, timeout_s=cfg.rpc_timeout_s, token=caller or token,
+                            ca_file=cfg.coordinator_ca_file, cert_file=cfg.coordinator_cert_file,
+                            key_file=cfg.coordinator_key_file)
+        try:
+            tenant = probe.revoked(since_revision=1 << 62).tenant or "default"
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                raise Unauthenticated("the coordinator does not know this credential: no "
+                                      "directory is kept for it") from None
+            if code == grpc.StatusCode.PERMISSION_DENIED:
+                raise PermissionDenied(f"the coordinator refuses this credential: "
+                                       f"{exc.details()}") from None
+            raise Unavailable(f"the coordinator cannot check this credential now "
+                              f"({code.name})") from None
+        finally:
+            probe.close()
+        tenants[caller] = (tenant, time.monotonic())
+        tenants.move_to_end(caller)
+        while len(tenants) > TENANTS_KEPT:
+            tenants.popitem(last=False)
+        return tenant
+
     def count(kind: str, event: str, size: int) -> None:
         metrics.dir_entries.labels(kind, event).inc()
         if size and event != "refused":
             metrics.dir_bytes.labels(kind, event).inc(size)
 
     return DirSync(f"{cfg.cache_dir}/dirs", client_for, settle_s=cfg.dir_settle_s,
-                   max_entry_bytes=cfg.dir_max_entry_bytes, count=count)
+                   max_entry_bytes=cfg.dir_max_entry_bytes, authenticate=authenticate,
+                   count=count)
 
 
 class DirectoriesService:
@@ -54,16 +93,16 @@ class DirectoriesService:
 
     @rpc_errors
     async def OpenDirectory(self, request, context):
-        token, scope = self.caller(context)
+        token, _ = self.caller(context)
         d = await asyncio.to_thread(self.dirsync.open, request.kind, dict(request.namespace),
-                                    token=token, scope=scope, publish_off=request.publish_off,
+                                    token=token, publish_off=request.publish_off,
                                     install_off=request.install_off)
         return pb.OpenDirectoryResponse(directory=await asyncio.to_thread(d.describe))
 
     @rpc_errors
     async def SyncDirectory(self, request, context):
-        _, scope = self.caller(context)
-        d = self.dirsync.find(scope, request.namespace_id)
+        token, _ = self.caller(context)
+        d = await asyncio.to_thread(self.dirsync.find, token, request.namespace_id)
         try:
             published, installed = await asyncio.to_thread(self.dirsync.sync, d)
         except grpc.RpcError as exc:

@@ -6,14 +6,25 @@ worker keeps one directory per kind and namespace (what an entry is valid
 for: framework versions, device kind, flags) and shares it:
 
 - publish: a file that has settled (its size and time unchanged since the
-  last pass, and older than `settle_s`) is published under the key
-  ``dir.<kind>.<namespace id>.<file name>``. The key's lease makes it
-  write-once across the fleet: the first host's bytes are the entry's, a
-  later host with the same name finds a HIT and publishes nothing.
-- install: every entry listed under the directory's key prefix that the
-  directory lacks is fetched (every byte verified against its digest), written
-  to a hidden temporary file and linked to its name: a reader never sees a
-  half-written file, and an existing file is never replaced.
+  last pass, and older than `settle_s`) and is whole by its kind's format
+  (worker/dirformats.py) is published under the key
+  ``dir.<kind>.<namespace id>.<file name>.v<16 hex of its sha256>``: entries
+  are write-once per content, so a good copy of a name can follow a bad one.
+  It is read through one file descriptor, opened without following links
+  under the directory's own descriptor and checked with fstat: nothing from
+  outside the directory is ever published.
+- install: for each name the directory lacks, the newest listed entry this
+  host has not rejected is fetched (every byte verified against its digest),
+  written to a hidden temporary file and linked to its name: a reader never
+  sees a half-written file, and an existing file is never replaced.
+- reject: an installed file the framework deleted (torch_xla deletes a cache
+  file it cannot deserialize) is taken out of service: never installed here
+  again, and purged from the fleet where the credential may purge.
+- scope: a directory is made only for a credential the coordinator accepts,
+  under its tenant, with a bound per tenant and in all.
+- cost: a pass reads a directory only when it changed (its modification
+  time) or holds files not settled yet, and lists the fleet's entries once per
+  credential, not once per directory.
 
 The entries go through the coordinator as artifacts do, so its store (disk
 or bucket), authorization (publish permission), purge and sweep apply to
@@ -30,6 +41,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,8 +49,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from compilecast.errors import InvalidRequest, NotFound
+from compilecast.errors import InvalidRequest, NotFound, TooMany
 from compilecast.v1 import cache_pb2 as pb
+
+from .dirformats import why_not_whole
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +61,9 @@ KIND_RE = re.compile(r"[a-z0-9-]{1,32}\Z")
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,119}\Z")
 MAX_PAIRS, MAX_CHARS = 32, 512
 TEMP_MARK = ".compilecast-"  # our temporary files: hidden, and this in their name
+TAG_RE = re.compile(r"v[0-9a-f]{16}\Z")  # an entry key's content tag
+MAX_DIRS_PER_TENANT = 64
+MAX_DIRS = 1024
 
 
 class Client(Protocol):
@@ -58,6 +75,7 @@ class Client(Protocol):
     def release(self, key: str, lease: pb.Lease, reason: int, detail: str = "") -> None: ...
     def list_artifacts(self, *, prefix: str = "") -> Iterator[pb.ListedArtifact]: ...
     def fetch(self, key: str, digest: str = "") -> tuple[pb.ArtifactInfo, bytes]: ...
+    def purge(self, keys: list[str], digests: list[str] = (), reason: str = "") -> object: ...
 
 
 def check_request(kind: str, namespace: dict[str, str]) -> None:
@@ -82,6 +100,18 @@ def key_prefix(kind: str, nsid: str) -> str:
     return f"dir.{kind}.{nsid}."
 
 
+def entry_key(prefix: str, name: str, digest: str) -> str:
+    """The key of one content of entry `name`."""
+    return f"{prefix}{name}.v{digest[:16]}"
+
+
+def split_entry(rest: str) -> tuple[str, str]:
+    """(name, content tag) of a key's part after its directory's prefix; the
+    tag is "" for a key without one."""
+    name, _, tag = rest.rpartition(".")
+    return (name, tag) if name and TAG_RE.match(tag) else (rest, "")
+
+
 def is_entry(name: str) -> bool:
     """A file the sync publishes: a plain name, not hidden, not a temporary
     file (ours, or a writer's `*.tmp*`)."""
@@ -100,8 +130,14 @@ class Directory:
     published: int = 0
     installed: int = 0
     refused: int = 0
-    known: set[str] = field(default_factory=set)  # in the fleet's listing, or sent there
-    seen: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (size, mtime_ns)
+    rejected_count: int = 0
+    known: set[str] = field(default_factory=set)  # keys in the fleet's listing, or sent there
+    # name -> (size, mtime_ns, inode) when last seen, of files not published yet
+    seen: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    pending: set[str] = field(default_factory=set)  # files not settled yet: looked at each pass
+    installed_here: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (key, digest)
+    rejected: set[str] = field(default_factory=set)  # digests this host's framework refused
+    mtime: int = -1  # the directory's, at the last full read
     lock: threading.Lock = field(default_factory=threading.Lock)  # one pass at a time
 
     @property
@@ -119,7 +155,8 @@ class Directory:
             namespace=",".join(f"{k}={v}" for k, v in sorted(self.namespace.items())),
             path=str(self.path), entries=len(files),
             bytes=sum(e.stat(follow_symlinks=False).st_size for e in files),
-            published=self.published, installed=self.installed, refused=self.refused,
+            published=self.published, installed=self.installed,
+            refused=self.refused + self.rejected_count,
             publish_off=self.publish_off, install_off=self.install_off)
 
 
@@ -128,24 +165,40 @@ class DirSync:
 
     def __init__(self, root: str | os.PathLike[str], client_for: Callable[[str], Client], *,
                  settle_s: float, max_entry_bytes: int,
+                 authenticate: Callable[[str], str] = lambda token: "",
                  count: Callable[[str, str, int], None] = lambda kind, event, size: None) -> None:
         self.root = Path(root)
         self.client_for = client_for  # a credential ("" : the worker's) -> a client
+        # A credential -> its tenant, as the coordinator says (raises when it
+        # refuses it, or cannot be asked): nothing is made for a refused one.
+        self.authenticate = authenticate
         self.settle_s = settle_s
         self.max_entry_bytes = max_entry_bytes
         self.count = count  # (kind, event, bytes), for the metrics
         self.dirs: dict[tuple[str, str], Directory] = {}
         self._lock = threading.Lock()
 
-    def open(self, kind: str, namespace: dict[str, str], *, token: str, scope: str,
+    @staticmethod
+    def scope_of(tenant: str) -> str:
+        """The folder of a tenant's directories (a tenant's name never is one)."""
+        return "t-" + hashlib.sha256(f"tenant:{tenant}".encode()).hexdigest()[:16]
+
+    def open(self, kind: str, namespace: dict[str, str], *, token: str,
              publish_off: str = "", install_off: str = "") -> Directory:
-        """The directory of `kind` and `namespace` for callers of `scope` (a
-        credential's host-cache namespace: tenants never share a directory)."""
+        """The directory of `kind` and `namespace` for the tenant of `token`
+        (tenants never share a directory), made only once the coordinator
+        accepted the credential, within MAX_DIRS_PER_TENANT and MAX_DIRS."""
         check_request(kind, namespace)
         nsid = namespace_id(kind, namespace)
+        scope = self.scope_of(self.authenticate(token))
         with self._lock:
             d = self.dirs.get((scope, nsid))
             if d is None:
+                if sum(s == scope for s, _ in self.dirs) >= MAX_DIRS_PER_TENANT:
+                    raise TooMany(f"this worker keeps at most {MAX_DIRS_PER_TENANT} synced "
+                                  "directories per tenant")
+                if len(self.dirs) >= MAX_DIRS:
+                    raise TooMany(f"this worker keeps at most {MAX_DIRS} synced directories")
                 path = self.root / scope / kind / nsid
                 path.mkdir(parents=True, exist_ok=True)
                 (path.parent / f"{nsid}.json").write_text(
@@ -160,89 +213,166 @@ class DirSync:
                 d.install_off = d.install_off or install_off
             return d
 
-    def find(self, scope: str, nsid: str) -> Directory:
-        d = self.dirs.get((scope, nsid))
+    def find(self, token: str, nsid: str) -> Directory:
+        d = self.dirs.get((self.scope_of(self.authenticate(token)), nsid))
         if d is None:
             raise NotFound(f"no directory {nsid!r} is open on this worker")
         return d
 
-    def sync(self, d: Directory) -> tuple[int, int]:
-        """One pass over `d`: (published, installed)."""
+    def sync(self, d: Directory, listed: dict[str, pb.ArtifactInfo] | None = None
+             ) -> tuple[int, int]:
+        """One pass over `d`: (published, installed). `listed`: the fleet's
+        entries under its prefix, when the caller listed them already."""
         with d.lock:
             client = self.client_for(d.token)
-            listed = self._listed(d, client)
+            if listed is None:
+                listed = self._listed(d, client, client.list_artifacts(prefix=d.prefix))
             d.known.update(listed)
+            self._notice_rejections(d, client)
             published = 0 if d.publish_off else self._publish_new(d, client)
             installed = 0 if d.install_off else self._install_missing(d, client, listed)
             return published, installed
 
-    def _listed(self, d: Directory, client: Client) -> dict[str, pb.ArtifactInfo]:
+    def _listed(self, d: Directory, client: Client,
+                items) -> dict[str, pb.ArtifactInfo]:
+        """Key -> artifact of the listed entries under `d`'s prefix."""
         got = {}
-        for item in client.list_artifacts(prefix=d.prefix):
+        for item in items:
             key = item.artifact.key
-            name = key[len(d.prefix):]
+            name, _ = split_entry(key[len(d.prefix):])
             if not key.startswith(d.prefix) or not is_entry(name):
                 self._refuse(d, name, "listed under another namespace or a malformed name", 0)
                 continue
-            got[name] = item.artifact
+            got[key] = item.artifact
         return got
 
-    def _settled(self, d: Directory, entry: os.DirEntry, now: float) -> bool:
-        st = entry.stat(follow_symlinks=False)
-        mark = (st.st_size, st.st_mtime_ns)
-        before, d.seen[entry.name] = d.seen.get(entry.name), mark
-        if st.st_size == 0:
-            return False
-        if self.settle_s <= 0:
-            return True
-        return before == mark and now - st.st_mtime >= self.settle_s
+    def _open_dir(self, d: Directory) -> int:
+        return os.open(d.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+    def _candidates(self, d: Directory) -> list[str]:
+        """The names a pass looks at: every entry when the directory changed
+        since the last full read, else the files not settled yet."""
+        mtime = os.stat(d.path, follow_symlinks=False).st_mtime_ns
+        if mtime != d.mtime or self.settle_s <= 0:
+            d.mtime = mtime
+            return [e.name for e in d.files()]
+        return sorted(d.pending)
+
+    def _read_entry(self, d: Directory, dir_fd: int, name: str
+                    ) -> tuple[bytes, tuple[int, int, int]] | None:
+        """The bytes of entry `name` and its (size, mtime_ns, inode), read
+        through one descriptor opened without following a link; None when it
+        is not a regular file of this directory."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dir_fd)
+        except OSError:  # gone, or a link (ELOOP): nothing to publish
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            mark = (st.st_size, st.st_mtime_ns, st.st_ino)
+            if st.st_size > self.max_entry_bytes:
+                return b"", mark
+            chunks, left = [], st.st_size
+            while left > 0:
+                chunk = os.read(fd, min(left, 1 << 20))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks), mark
+        finally:
+            os.close(fd)
 
     def _publish_new(self, d: Directory, client: Client) -> int:
         now, published = time.time(), 0
-        for entry in d.files():
-            if entry.name in d.known or not self._settled(d, entry, now):
-                continue
-            size = entry.stat(follow_symlinks=False).st_size
-            if size > self.max_entry_bytes:
-                d.known.add(entry.name)
-                self._refuse(d, entry.name, f"{size} bytes, over {self.max_entry_bytes}", size)
-                continue
-            if self._publish_one(d, client, entry):
-                published += 1
+        dir_fd = self._open_dir(d)
+        try:
+            for name in self._candidates(d):
+                if name in d.installed_here:
+                    continue  # another host's entry, installed here
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                except OSError:
+                    d.pending.discard(name)
+                    d.seen.pop(name, None)
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                mark = (st.st_size, st.st_mtime_ns, st.st_ino)
+                before, d.seen[name] = d.seen.get(name), mark
+                if before == mark and name not in d.pending:
+                    continue  # handled at this version already (published, or refused)
+                settled = st.st_size > 0 and (self.settle_s <= 0 or (
+                    before == mark and now - st.st_mtime >= self.settle_s))
+                if not settled:
+                    d.pending.add(name)
+                    continue
+                d.pending.discard(name)
+                if self._publish_one(d, client, dir_fd, name, mark):
+                    published += 1
+        finally:
+            os.close(dir_fd)
         return published
 
-    def _publish_one(self, d: Directory, client: Client, entry: os.DirEntry) -> bool:
-        key = d.prefix + entry.name
+    def _publish_one(self, d: Directory, client: Client, dir_fd: int, name: str,
+                     mark: tuple[int, int, int]) -> bool:
+        got_file = self._read_entry(d, dir_fd, name)
+        if got_file is None:
+            return False
+        data, read_mark = got_file
+        if read_mark != mark:  # changed between the stat and the read: next pass
+            d.pending.add(name)
+            return False
+        if mark[0] > self.max_entry_bytes:
+            self._refuse(d, name, f"{mark[0]} bytes, over {self.max_entry_bytes}", mark[0])
+            return False
+        why = why_not_whole(d.kind, data)
+        if why:
+            self._refuse(d, name, f"not whole ({why}): not published", len(data))
+            return False
+        digest = hashlib.sha256(data).hexdigest()
+        key = entry_key(d.prefix, name, digest)
+        if key in d.known or digest in d.rejected:
+            return False
         got = client.acquire(key)
         if got.decision == pb.HIT:
-            d.known.add(entry.name)  # another host's bytes are the entry's
+            d.known.add(key)  # the same bytes are the fleet's already
             return False
         if got.decision != pb.COMPILE:
-            return False  # another host publishes it now, or the service is degraded: later
+            d.pending.add(name)  # another host publishes it now, or the service is degraded
+            return False
         try:
-            data = Path(entry.path).read_bytes()
-            if not data:
-                raise OSError("the file became empty")
             client.publish(key, got.lease, data, 0.0)
         except BaseException as exc:
             with contextlib.suppress(Exception):  # else the lease lapses
                 client.release(key, got.lease, pb.ABANDONED, f"not published: {exc}")
             if isinstance(exc, Exception):
-                log.warning("%s entry %s not published: %s", d.kind, entry.name, exc)
+                log.warning("%s entry %s not published: %s", d.kind, name, exc)
+                d.pending.add(name)
                 return False
             raise
-        d.known.add(entry.name)
+        d.known.add(key)
         d.published += 1
         self.count(d.kind, "published", len(data))
         return True
 
     def _install_missing(self, d: Directory, client: Client,
                          listed: dict[str, pb.ArtifactInfo]) -> int:
+        by_name: dict[str, list[pb.ArtifactInfo]] = {}
+        for key, info in listed.items():
+            name, _ = split_entry(key[len(d.prefix):])
+            if info.digest not in d.rejected:
+                by_name.setdefault(name, []).append(info)
         installed = 0
-        for name, info in listed.items():
+        for name, infos in sorted(by_name.items()):
             target = d.path / name
-            if target.exists():
+            if os.path.lexists(target):
                 continue
+            # The newest content first (a good copy published after a bad one).
+            info = max(infos, key=lambda i: (i.created_unix, i.digest))
             if info.size > self.max_entry_bytes:
                 self._refuse(d, name, f"{info.size} bytes, over {self.max_entry_bytes}", 0)
                 continue
@@ -254,8 +384,30 @@ class DirSync:
             if install(target, data):
                 installed += 1
                 d.installed += 1
+                d.installed_here[name] = (info.key, info.digest)
                 self.count(d.kind, "installed", len(data))
         return installed
+
+    def _notice_rejections(self, d: Directory, client: Client) -> None:
+        """Installed entries the framework deleted (it could not load them):
+        never installed here again, and purged from the fleet where the
+        credential may."""
+        for name, (key, digest) in list(d.installed_here.items()):
+            if os.path.lexists(d.path / name):
+                continue
+            del d.installed_here[name]
+            d.rejected.add(digest)
+            d.rejected_count += 1
+            self.count(d.kind, "rejected", 0)
+            try:
+                client.purge([key], [digest], reason=f"{d.kind} entry {name} rejected by the "
+                                                     "framework on a host")
+                log.warning("%s entry %s was rejected by the framework here: taken out of "
+                            "service for the fleet", d.kind, name)
+            except Exception as exc:  # (no permission to purge: this host alone)
+                log.warning("%s entry %s was rejected by the framework here: never installed "
+                            "here again (not purged from the fleet: %s)", d.kind, name,
+                            str(exc)[:200])
 
     def _refuse(self, d: Directory, name: str, why: str, size: int) -> None:
         d.refused += 1
@@ -266,10 +418,29 @@ class DirSync:
         """Sync every open directory every `every_s` seconds."""
         while True:
             await asyncio.sleep(every_s)
-            for d in list(self.dirs.values()):
+            try:
+                await asyncio.to_thread(self.sync_all)
+            except Exception as exc:  # the coordinator away: the next pass tries again
+                log.warning("could not sync the synced directories: %s", exc)
+
+    def sync_all(self) -> None:
+        """One pass over every directory: the fleet's entries listed once per
+        credential (prefix "dir."), each directory read only where it changed."""
+        by_token: dict[str, list[Directory]] = {}
+        for d in list(self.dirs.values()):
+            by_token.setdefault(d.token, []).append(d)
+        for token, dirs in by_token.items():
+            client = self.client_for(token)
+            try:
+                items = list(client.list_artifacts(prefix="dir."))
+            except Exception as exc:
+                log.warning("could not list the fleet's directory entries: %s", exc)
+                continue
+            for d in dirs:
                 try:
-                    await asyncio.to_thread(self.sync, d)
-                except Exception as exc:  # the coordinator away: the next pass tries again
+                    self.sync(d, self._listed(d, client, (
+                        i for i in items if i.artifact.key.startswith(d.prefix))))
+                except Exception as exc:
                     log.warning("could not sync %s: %s", d.path, exc)
 
     def status(self) -> list[pb.SyncedDirectory]:
