@@ -14,7 +14,7 @@ STAMP   := .make-installed
 TORCH_XLA := .venv/torch-xla
 TORCH_XLA_RELEASES := 2.7 2.9
 
-.PHONY: install package tools demo test test-fast lint proto bench bench-smoke clean
+.PHONY: install package tools prometheus demo test test-fast lint proto bench bench-smoke clean
 
 $(STAMP): pyproject.toml
 	@command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || \
@@ -51,8 +51,13 @@ package:
 	  2>/dev/null || rm -f $(STAMP)
 	@$(MAKE) --no-print-directory $(STAMP)
 
+# Prometheus from Debian: tests/test_dashboard.py scrapes a run with it.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || [ -x /usr/bin/prometheus ] || \
+	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq prometheus)
+
 # Everything the tests and benchmarks need.
-install: package tools $(TORCH_XLA_RELEASES:%=$(TORCH_XLA)-%/.installed)
+install: package tools prometheus $(TORCH_XLA_RELEASES:%=$(TORCH_XLA)-%/.installed)
 
 demo: package
 	$(PY) -m compilecast.demo

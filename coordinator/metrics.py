@@ -37,9 +37,13 @@ class CoordinatorMetrics:
     def _decisions(self, registry: CollectorRegistry) -> None:
         """Acquires, waits and publishes, and the compile time they saved."""
         self.lookups = Counter(
-            "compilecast_coordinator_lookups", "Acquire requests by result",
+            "compilecast_coordinator_lookups", "Acquire requests by result; host_hit: hits "
+            "the workers answered from their host caches (or shared among their processes), "
+            "as they report them",
             ["result"], registry=registry,
         )
+        # From zero: a rate over the first report counts it.
+        self.lookups.labels("host_hit")
         self.decisions = Counter(
             "compilecast_coordinator_decisions", "Decisions returned by Acquire and Wait",
             ["decision"], registry=registry,

@@ -212,6 +212,12 @@ class CoordinatorService(rpc.CompileCacheServicer):
         resp.tenant = who.tenant
         return resp
 
+    @rpc_errors
+    async def ReportHits(self, request, context):
+        self.auth.identify(context)
+        self.state.report_hits(request.hits, request.compile_seconds_saved)
+        return pb.ReportHitsResponse()
+
     # -- ahead-of-time compiles -----------------------------------------
     @rpc_errors
     async def ListRecipes(self, request, context):

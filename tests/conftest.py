@@ -253,11 +253,10 @@ def prefix() -> str:
 
 
 def coordinator_config(etcd: EtcdProcess, tmp: Path, prefix: str, **kw) -> CoordinatorConfig:
-    kw = {"allow_unauthenticated": True, **kw}
+    kw = {"allow_unauthenticated": True, "metrics_port": 0, **kw}
     return CoordinatorConfig(
         listen=kw.pop("listen", None) or f"127.0.0.1:{free_port()}",
-        etcd_endpoints=etcd.endpoint, etcd_prefix=prefix, store_dir=str(tmp / "store"),
-        metrics_port=0, **kw,
+        etcd_endpoints=etcd.endpoint, etcd_prefix=prefix, store_dir=str(tmp / "store"), **kw,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -26,6 +27,8 @@ from .upstream import RelayService
 
 log = logging.getLogger(__name__)
 
+HIT_REPORT_S = 10.0  # how often the hits answered here reach the coordinator's counts
+
 
 class Worker(Role):
     ROLE = "worker"
@@ -42,6 +45,7 @@ class Worker(Role):
         self._metrics_server = None
         self.relay_server = None
         self._revocations: asyncio.Task | None = None
+        self._hit_reports: asyncio.Task | None = None
         self._keep_free: asyncio.Task | None = None
         self._dir_sync: asyncio.Task | None = None
         self.pjrt_gate: PjrtGate | None = None
@@ -113,6 +117,7 @@ class Worker(Role):
                  self.cfg.coordinator, self.cfg.cache_dir)
         self._revocations = asyncio.create_task(
             self.service.sync_revocations(self.cfg.revocation_poll_s))
+        self._hit_reports = asyncio.create_task(self.service.report_hits(HIT_REPORT_S))
         self._keep_free = asyncio.create_task(self._give_way())
         self._dir_sync = asyncio.create_task(self.dirs.run(cfg.dir_sync_s))
 
@@ -162,6 +167,10 @@ class Worker(Role):
                 log.warning("could not check the host cache's free space: %s", exc)
 
     async def _release(self) -> None:
+        if self._hit_reports is not None:  # the last hits counted, before going
+            self._hit_reports.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.service.report_hits_now(), 2.0)
         for task in (self._revocations, self._keep_free, self._dir_sync):
             if task is not None:
                 task.cancel()

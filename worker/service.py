@@ -99,6 +99,9 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         self.waits = HostWaits(metrics.waits)  # this host's waits for one key go upstream as one
         self.decisions = HostDecisions(metrics.decisions)  # and its requests for one key
         self._joined = [0, 0]  # answers shared from another's request: misses, hits
+        # Hits answered here, and the compile time they saved, not reported to
+        # the coordinator yet (report_hits).
+        self._unreported: list[float] = [0, 0.0]
         self._upstream_answered = metrics.upstream_decision_seconds.labels("answered")
         self._upstream_unreachable = metrics.upstream_decision_seconds.labels("unreachable")
         self.metrics.waiting.set_function(lambda: self.waits.waiting)
@@ -199,6 +202,8 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
             if local is not None:  # the host cache's hit: the coordinator never saw it
                 self.metrics.lookups.labels("host_hit").inc()
                 self.metrics.compile_seconds_saved.inc(local.artifact.compile_time_seconds)
+                self._unreported[0] += 1
+                self._unreported[1] += local.artifact.compile_time_seconds
                 out.append(local)
                 continue
             a, joined = next(it)
@@ -207,6 +212,8 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
                 self._joined[a.decision == pb.HIT] += 1
                 if a.decision == pb.HIT:
                     self.metrics.compile_seconds_saved.inc(a.artifact.compile_time_seconds)
+                    self._unreported[0] += 1
+                    self._unreported[1] += a.artifact.compile_time_seconds
             out.append(a)
         return out
 
@@ -369,6 +376,27 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
             self._tenants[ns] = resp.tenant
         return resp.tenant or None
 
+    async def report_hits(self, every_s: float) -> None:
+        """Report the hits answered here to the coordinator every `every_s`
+        (what was not reported stays for the next report)."""
+        while True:
+            await asyncio.sleep(every_s)
+            await self.report_hits_now()
+
+    async def report_hits_now(self) -> None:
+        hits, seconds = int(self._unreported[0]), self._unreported[1]
+        if not hits:
+            return
+        try:
+            await self.up.ReportHits(pb.ReportHitsRequest(hits=hits,
+                                                          compile_seconds_saved=seconds),
+                                     timeout=self.rpc_timeout_s, metadata=bearer(self.token))
+        except grpc.aio.AioRpcError as exc:
+            log.debug("reporting %d hits failed: %s", hits, exc.code().name)
+            return
+        self._unreported[0] -= hits
+        self._unreported[1] -= seconds
+
     async def sync_revocations(self, every_s: float) -> None:
         """Drop the digests the coordinator has revoked (purged artifacts) from
         the host cache, polling every `every_s`: a purge reaches every host
@@ -427,14 +455,11 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         else:
             resp.CopyFrom(up)
             # Hits this worker answered from its host cache, and answers it shared
-            # among its processes, never reach the coordinator.
-            reg = self.metrics.registry
-            resp.hits += int(reg.get_sample_value("compilecast_worker_lookups_total",
-                                                  {"result": "host_hit"}) or 0)
-            resp.hits += self._joined[True]
+            # among its processes, reach the coordinator's counts with the next
+            # report (report_hits): until then, they are added here.
+            resp.hits += int(self._unreported[0])
             resp.misses += self._joined[False]
-            resp.compile_seconds_saved += float(reg.get_sample_value(
-                "compilecast_worker_saved_compile_seconds_total") or 0.0)
+            resp.compile_seconds_saved += self._unreported[1]
             resp.role = "worker"
             resp.upstream = f"coordinator {self.coordinator}"
             resp.waiting_here = self.waits.waiting

@@ -741,6 +741,18 @@ class RevokedResponse(_message.Message):
     tenant: str
     def __init__(self, revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ..., revision: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
+class ReportHitsRequest(_message.Message):
+    __slots__ = ("hits", "compile_seconds_saved")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_SAVED_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    compile_seconds_saved: float
+    def __init__(self, hits: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ...) -> None: ...
+
+class ReportHitsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class OpenDirectoryRequest(_message.Message):
     __slots__ = ("kind", "namespace", "publish_off", "install_off")
     class NamespaceEntry(_message.Message):

@@ -104,6 +104,11 @@ class CompileCacheStub:
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.RevokedRequest.SerializeToString,
                 response_deserializer=compilecast_dot_v1_dot_cache__pb2.RevokedResponse.FromString,
                 _registered_method=True)
+        self.ReportHits = channel.unary_unary(
+                '/compilecast.v1.CompileCache/ReportHits',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.ReportHitsRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.ReportHitsResponse.FromString,
+                _registered_method=True)
         self.ListRecipes = channel.unary_stream(
                 '/compilecast.v1.CompileCache/ListRecipes',
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.ListRecipesRequest.SerializeToString,
@@ -243,6 +248,15 @@ class CompileCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportHits(self, request, context):
+        """Hits a worker answered without the coordinator (from its host cache, or
+        a request it shared among its processes), reported so that the
+        coordinators' metrics and status count the fleet's hits in one place.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListRecipes(self, request, context):
         """Ahead-of-time compiles (coordinator only).
         The recipes recorded with the artifacts of a job.
@@ -358,6 +372,11 @@ def add_CompileCacheServicer_to_server(servicer, server):
                     servicer.Revoked,
                     request_deserializer=compilecast_dot_v1_dot_cache__pb2.RevokedRequest.FromString,
                     response_serializer=compilecast_dot_v1_dot_cache__pb2.RevokedResponse.SerializeToString,
+            ),
+            'ReportHits': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportHits,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.ReportHitsRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.ReportHitsResponse.SerializeToString,
             ),
             'ListRecipes': grpc.unary_stream_rpc_method_handler(
                     servicer.ListRecipes,
@@ -768,6 +787,33 @@ class CompileCache:
             '/compilecast.v1.CompileCache/Revoked',
             compilecast_dot_v1_dot_cache__pb2.RevokedRequest.SerializeToString,
             compilecast_dot_v1_dot_cache__pb2.RevokedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportHits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/ReportHits',
+            compilecast_dot_v1_dot_cache__pb2.ReportHitsRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.ReportHitsResponse.FromString,
             options,
             channel_credentials,
             insecure,
