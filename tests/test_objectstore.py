@@ -319,7 +319,7 @@ def test_a_stopped_bucket_slows_only_what_needs_its_objects(replica):
     import signal
     import threading
 
-    a, b, ca, cb, digest, _ = _published_on_a(replica)
+    _, b, ca, cb, _, _ = _published_on_a(replica)
     b.state.presence.deadline_s = 10.0
     cb.close()
     cb = CacheClient(b.cfg.listen, timeout_s=60)  # longer than the check's deadline
