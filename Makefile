@@ -97,6 +97,7 @@ bench: install
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --n 16 --tpu-baseline-max 0 --tpu-pairs 2 --tpu-host-workers
 	$(PY) bench/fetch.py
 	$(PY) bench/bucket_fetch.py --mb 256 --pairs 3
+	$(PY) bench/bucket_stall.py --seconds 10
 	$(PY) bench/publish.py
 	$(PY) bench/publish.py --through-worker
 	$(PY) bench/time_to_executable.py --tpu v5e:4x4 --tpu-weights --n 4 --tpu-pairs 2 --tpu-host-workers
@@ -142,6 +143,7 @@ bench-smoke: install
 	$(PY) bench/time_to_executable.py --n 2 --layers 4 --width 64 --distributed 2
 	$(PY) bench/fetch.py --sizes-mb 8
 	$(PY) bench/bucket_fetch.py --mb 8 --pairs 1
+	$(PY) bench/bucket_stall.py --seconds 2 --published 2
 	$(PY) bench/publish.py --sizes-mb 8 --pairs 1
 	$(PY) bench/publish.py --sizes-mb 8 --pairs 1 --through-worker
 	$(PY) bench/publish_overlap.py --mb 8 --n 2 --upload-mbps 0 --repeat 1
