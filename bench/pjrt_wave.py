@@ -14,6 +14,7 @@ Printed:
   plain plugin's.
 
     python bench/pjrt_wave.py --n 64
+    python bench/pjrt_wave.py --n 2 --plugin cuda     (a GPU machine: jax-cuda*-pjrt)
 """
 
 from __future__ import annotations
@@ -38,10 +39,33 @@ from compilecast.worker.client import CacheClient
 PROC = Path(__file__).resolve().parent.parent / "tests" / "pjrt_proc.py"
 
 
-def real_plugin() -> str:
+def cpu_plugin() -> str:
     import lammps_jax_pjrt_cpu
 
     return str(Path(lammps_jax_pjrt_cpu.__file__).with_name("pjrt_c_api_cpu_plugin.so"))
+
+
+def cuda_plugin() -> str:
+    """JAX's CUDA PJRT plugin (jax-cuda*-pjrt) of this interpreter."""
+    import glob
+    import importlib
+
+    for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+        try:
+            found = glob.glob(os.path.join(
+                os.path.dirname(importlib.import_module(name).__file__), "*.so"))
+        except ImportError:
+            continue
+        if found:
+            return found[0]
+    raise SystemExit("no jax-cuda*-pjrt plugin in this interpreter")
+
+
+PLUGIN = [""]  # the real plugin the wave runs on (--plugin)
+
+
+def real_plugin() -> str:
+    return PLUGIN[0]
 
 
 def env(worker: str | None, dump: Path) -> dict:
@@ -77,9 +101,9 @@ def wave(n: int, environment: dict, tmp: Path) -> tuple[list[dict], list[str], f
 
 def compiles(dump: Path) -> collections.Counter:
     """Real compiles per program, from XLA's dump (a folder per process):
-    one `*.cpu_after_optimizations.txt` per compiled program."""
+    one `*_after_optimizations.txt` per compiled program (cpu_, gpu_...)."""
     names: collections.Counter = collections.Counter()
-    for f in dump.glob("*/*.cpu_after_optimizations.txt"):
+    for f in dump.glob("*/*_after_optimizations.txt"):
         m = re.match(r"module_\d+\.(.+?)\.", f.name)
         names[m.group(1) if m else f.name] += 1
     return names
@@ -88,7 +112,10 @@ def compiles(dump: Path) -> collections.Counter:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--plugin", default="cpu",
+                    help="cpu (XLA's CPU plugin from PyPI), cuda (jax-cuda*-pjrt), or a path")
     args = ap.parse_args()
+    PLUGIN[0] = {"cpu": cpu_plugin, "cuda": cuda_plugin}.get(args.plugin, lambda: args.plugin)()
     root = Path(tempfile.mkdtemp(prefix="cc-pjrt-wave-"))
     stack = Stack(root)
     try:

@@ -10,7 +10,10 @@
 #   2. tests/test_gpu_pgle.py: PGLE end to end on two processes (issue 4);
 #   3. bench/time_to_executable.py and bench/warm_start.py on the GPU (issue 6);
 #   4. bench/autotune_share.py: a changed program compiled on a second host with
-#      and without the first host's autotune results (docs/directories.md).
+#      and without the first host's autotune results (docs/directories.md);
+#   5. bench/pjrt_wave.py --plugin cuda: JAX on jax-cuda*-pjrt through the PJRT
+#      interposer, two processes: each program compiled once, none locally, no
+#      autotuning deadlock (docs/pjrt.md).
 #
 # CHECKS=pgle (or adapter) runs only the first steps; CHECKS=all-anyway runs the
 # benches even when the PGLE check failed.
@@ -79,4 +82,7 @@ JAX_PLATFORMS=cuda timeout ${WARM_TIMEOUT:-150} $PY bench/warm_start.py --layers
 step autotune-share
 JAX_PLATFORMS=cuda timeout ${AUTOTUNE_TIMEOUT:-240} $PY bench/autotune_share.py --layers 24 --width 2048 --pairs 2 \
   2>&1 | tee "$LOGS/autotune_share.log" | tail -10
+step pjrt-interposer
+timeout ${PJRT_TIMEOUT:-240} $PY bench/pjrt_wave.py --n 2 --plugin cuda \
+  2>&1 | tee "$LOGS/pjrt_wave.log" | tail -8
 step done
