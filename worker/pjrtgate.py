@@ -408,6 +408,7 @@ class PjrtGate:
         # Keying parses programs: CPU work, on two threads of the gate's own.
         self.keying = ThreadPoolExecutor(2, thread_name_prefix="compilecast-pjrt-key")
         self.keys: dict[str, asyncio.Future[Key]] = {}  # fingerprint -> its key, made once
+        self.fetching: dict[str, asyncio.Future[bytes]] = {}  # digest -> its fetch in flight
 
     async def start(self) -> None:
         # Connections past the limit are answered and closed at once, but each
@@ -550,6 +551,16 @@ class PjrtGate:
             self.keys.pop(print_, None)
             raise
 
+    async def _fetch(self, key: str, digest: str, md: tuple) -> bytes:
+        """The verified bytes of `digest`, fetched once for the compiles that
+        want them at the same moment (a host's processes load one program)."""
+        shared = self.fetching.get(digest)
+        if shared is None:
+            shared = asyncio.ensure_future(self._up.fetch(key, digest, md, self.budget))
+            self.fetching[digest] = shared
+            shared.add_done_callback(lambda _: self.fetching.pop(digest, None))
+        return await asyncio.shield(shared)
+
     async def _decide(self, c: pjrtkeys.Compile, frames: Reader) -> Answer:
         try:
             made = await self._key(c)
@@ -563,7 +574,7 @@ class PjrtGate:
                 got = pb.AcquireResponse(decision=event.decision, lease=event.lease,
                                          reason=event.reason, artifact=event.artifact)
             if got.decision == pb.HIT:
-                data = await self._up.fetch(key, got.artifact.digest, md, self.budget)
+                data = await self._fetch(key, got.artifact.digest, md)
                 return Answer("HIT", payload=data, key=key, digest=got.artifact.digest)
             if got.decision == pb.COMPILE:
                 options = None
