@@ -487,3 +487,47 @@ def test_a_program_far_over_the_recipe_limit_is_never_serialized(aot, monkeypatc
     assert written == [1] and recipe.program == b""
     assert recipe.key == big.key.value and recipe.target.platform == "cpu"
     assert list(recipe.device_ids) == [int(d.id) for d in big.devices.flat]
+
+
+MESHES = r'''
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from compilecast.worker import keys
+
+def digest(names, shape, x_axis, w_axis):
+    mesh = Mesh(np.array(jax.devices()).reshape(*shape), names)
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w),
+                in_shardings=(NamedSharding(mesh, P(x_axis, None)),
+                              NamedSharding(mesh, P(None, w_axis))),
+                out_shardings=NamedSharding(mesh, P(x_axis, w_axis)))
+    module = f.lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compiler_ir()
+    before = str(module)
+    got = keys.program_digest(module, keys.default_config())[0]
+    assert str(module) == before  # the caller's module as it was
+    return got
+
+print(json.dumps({
+    "data/model": digest(("data", "model"), (2, 2), "data", "model"),
+    "batch/tensor": digest(("batch", "tensor"), (2, 2), "batch", "tensor"),
+    "swapped use": digest(("data", "model"), (2, 2), "model", "data"),
+    "other shape": digest(("data", "model"), (4, 1), "data", "model"),
+}))
+'''
+
+
+def test_mesh_axes_renamed_consistently_share_a_key():
+    """Renaming mesh axes (and the PartitionSpecs with them) compiles to the
+    same program; using them differently, or another mesh shape, does not."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", MESHES], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["data/model"] == got["batch/tensor"]
+    assert len({got["data/model"], got["swapped use"], got["other shape"]}) == 3

@@ -48,11 +48,14 @@ program's bytecode with locations and names.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
 import os
 import platform
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,10 +74,11 @@ class _JaxAdapter:
 
 jax_adapter: Any = _JaxAdapter()
 
-KEY_VERSION = "5"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon;
+KEY_VERSION = "6"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon;
 # 4: xla_flags as XLA reads them (last of a repeated flag, quoted values, flag files), and the
 # host CPU (CPU platform) and JAX's custom_hook (when set) as components; 5: MLIR programs
-# by mlircanon's canonical stream (one walk) instead of a canonicalized module's bytecode
+# by mlircanon's canonical stream (one walk) instead of a canonicalized module's bytecode;
+# 6: a Shardy mesh's axis names by their position (renamed consistently, one key)
 KEY_PREFIX = "cc1-"
 DEFAULT_IGNORED_ATTRIBUTES = ("jax.arg_info", "jax.result_info")
 MLIR_BYTECODE_MAGIC = b"ML\xefR"
@@ -338,6 +342,76 @@ def canonicalize(module: Any, cfg: KeyConfig, *, copy: bool = True) -> Any:
         return m
 
 
+# -- mesh axes -------------------------------------------------------------------
+
+# Attributes that name a Shardy mesh's axes (besides any "sdy."-prefixed one).
+_AXIS_ATTRS = frozenset({"mesh", "sharding", "arg_attrs", "res_attrs", "in_shardings",
+                         "out_shardings", "manual_axes", "stablehlo.mesh"})
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+_MESH_AXIS = re.compile(r'"((?:[^"\\]|\\.)*)"\s*=\s*\d+')
+
+
+def _ops(module: Any) -> Any:
+    """The top-level operations of a module (or of a module's Operation)."""
+    op = getattr(module, "operation", module)
+    return op.regions[0].blocks[0].operations
+
+
+def mesh_axis_renames(module: Any) -> dict[str, str]:
+    """Each Shardy mesh axis name -> its position ("axis0", "axis1"...): a
+    program whose mesh axes are renamed consistently (the PartitionSpecs
+    with them) compiles to the same executable, so it keys the same. Only
+    where every mesh of the module agrees on each name's position; {} else."""
+    renames: dict[str, str] = {}
+    for op in _ops(module):
+        # JAX puts its meshes first: a program that does not is keyed by the
+        # names it has (a miss at worst, never another program's key).
+        if op.operation.name != "sdy.mesh":
+            break
+        if "mesh" not in op.operation.attributes:
+            continue
+        for i, name in enumerate(_MESH_AXIS.findall(str(op.operation.attributes["mesh"]))):
+            if renames.setdefault(name, f"axis{i}") != f"axis{i}":
+                return {}
+    return renames if any(old != new for old, new in renames.items()) else {}
+
+
+@contextlib.contextmanager
+def mesh_axes_renamed(module: Any, renames: dict[str, str]) -> Iterator[None]:
+    """`module` with its mesh axes renamed in every attribute that names them,
+    for the length of the block; every attribute is put back as it was after
+    it (the module may be the one JAX is about to compile)."""
+    from jaxlib.mlir import ir
+
+    changed: list[tuple[Any, str, Any]] = []
+
+    def rename(text: str) -> str:
+        return _QUOTED.sub(lambda m: f'"{renames.get(m.group(1), m.group(1))}"', text)
+
+    def visit(op: Any) -> Any:
+        attrs = op.attributes
+        for named in [attrs[i] for i in range(len(attrs))]:
+            name = named.name
+            if name not in _AXIS_ATTRS and not name.startswith("sdy."):
+                continue
+            text = str(named.attr)
+            if name in ("arg_attrs", "res_attrs") and "#sdy." not in text:
+                continue
+            new = rename(text)
+            if new != text:
+                changed.append((op, name, named.attr))
+                attrs[name] = ir.Attribute.parse(new)
+        return ir.WalkResult.ADVANCE
+
+    with module.context:
+        try:
+            getattr(module, "operation", module).walk(visit)
+            yield
+        finally:
+            for op, name, attr in reversed(changed):
+                op.attributes[name] = attr
+
+
 def _bytecode(module: Any) -> bytes:
     out = io.BytesIO()
     module.operation.write_bytecode(file=out)
@@ -370,6 +444,10 @@ def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
         code = _bytecode(module)
         return _digest(code), (
             module.operation.get_asm(enable_debug_info=True) if keep_text else None), len(code)
+    axes = mesh_axis_renames(module)
+    if axes:  # a sharded program: its axes by position, for the walk only
+        with mesh_axes_renamed(module, axes):
+            return program_digest(module, cfg, keep_text=keep_text, copy=copy)
     with module.context:
         renames = None if cfg.rename_private_functions else {}  # None: the walk finds them
         h = _Counted()
