@@ -83,11 +83,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    """The effective settings and their sources, then every problem (exit 1
+    when there is any)."""
     cls = CoordinatorConfig if args.role == "coordinator" else WorkerConfig
-    cfg, sources = _load(cls, args)
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    problems: list[str] = []
+    cfg, sources = load(cls, flags=flags, file=args.config, validate=False, problems=problems)
     for f in dataclasses.fields(cls):
         print(f"{f.name} = {getattr(cfg, f.name)!r}    # {sources[f.name]}")
-    return 0
+    problems += cfg.problems()
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,54 +170,81 @@ class CoordinatorConfig:
     etcd_key_file: str = field(default="", metadata=_help("client key for etcd (PEM)"))
 
     def validate(self) -> None:
-        _no_nul(self)
-        _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
-                  "local_marker_ttl_s", "max_artifact_bytes")
-        _at_most(self, MAX_LEASE_TTL_S, "lease_ttl_s", "local_marker_ttl_s")
-        _not_negative(self, "designated_grace_s", "hedge_factor", "hedge_min_s", "s3_presign_s")
-        _at_most(self, 7 * 86400, "s3_presign_s")  # S3's longest presigned URL
-        _port(self, "metrics_port")
-        _not_negative(self, "store_max_bytes", "store_min_free_bytes", "scrub_bytes_per_s")
-        _positive(self, "store_scan_s")
-        _not_negative(self, "index_sweep_s", "key_record_days")
-        if self.store_type not in ("disk", "s3"):
-            raise ConfigError(f"store_type must be disk or s3, got {self.store_type!r}")
-        if self.store_type == "s3":
-            if not self.s3_bucket:
-                raise ConfigError("store_type s3 needs s3_bucket")
-            if not self.store_max_bytes:
-                raise ConfigError("store_type s3 needs store_max_bytes: the bound of this "
-                                  "replica's local cache in front of the bucket")
-            if self.s3_endpoint and not re.match(r"https?://[^/\s]+", self.s3_endpoint):
-                raise ConfigError(f"s3_endpoint {self.s3_endpoint!r} is not an http(s) URL")
-        if 0 < self.store_max_bytes < self.max_artifact_bytes:
-            raise ConfigError(f"store_max_bytes ({self.store_max_bytes}) must be 0 (unbounded) "
-                              f"or at least max_artifact_bytes ({self.max_artifact_bytes})")
-        if self.relay_fanout < 0:
-            raise ConfigError("relay_fanout must be >= 0")
-        if self.relay_chain_bytes < 0:
-            raise ConfigError("relay_chain_bytes must be >= 0")
-        if self.publish_stream_readers < 0:
-            raise ConfigError("publish_stream_readers must be >= 0")
-        if self.data_listen not in ("auto", "off"):
-            _hostport(self.data_listen, "data_listen")
-        if self.data_advertise:
-            _hostport(self.data_advertise, "data_advertise")
-        _not_negative(self, "store_reverify_s", "decide_busy_gap_ms")
-        if not self.etcd_endpoints.strip():
-            raise ConfigError("etcd_endpoints is empty")
-        if not self.etcd_prefix.startswith("/"):
-            raise ConfigError(f"etcd_prefix {self.etcd_prefix!r} must start with '/'")
-        _hostport(self.listen, "listen")
-        _pair(self, "tls_cert_file", "tls_key_file")
-        _pair(self, "etcd_cert_file", "etcd_key_file")
-        if self.tls_client_ca_file and not self.tls_cert_file:
-            raise ConfigError("tls_client_ca_file needs tls_cert_file and tls_key_file")
-        if not self.auth_tokens_file and not self.allow_unauthenticated:
-            raise ConfigError("set auth_tokens_file, or allow_unauthenticated explicitly "
-                              "(only for loopback and tests)")
-        _readable(self, "auth_tokens_file", "tls_cert_file", "tls_key_file",
-                  "tls_client_ca_file", "etcd_ca_file", "etcd_cert_file", "etcd_key_file")
+        for check in self.checks():
+            check()
+
+    def problems(self) -> list[str]:
+        """Every check's ConfigError, in order ([] when valid)."""
+        return _problems(self.checks())
+
+    def checks(self) -> list[Callable[[], None]]:
+        """The checks of validate(), each raising ConfigError on its own."""
+        def store() -> None:
+            if self.store_type not in ("disk", "s3"):
+                raise ConfigError(f"store_type must be disk or s3, got {self.store_type!r}")
+            if self.store_type == "s3":
+                if not self.s3_bucket:
+                    raise ConfigError("store_type s3 needs s3_bucket")
+                if not self.store_max_bytes:
+                    raise ConfigError("store_type s3 needs store_max_bytes: the bound of this "
+                                      "replica's local cache in front of the bucket")
+                if self.s3_endpoint and not re.match(r"https?://[^/\s]+", self.s3_endpoint):
+                    raise ConfigError(f"s3_endpoint {self.s3_endpoint!r} is not an http(s) URL")
+            if 0 < self.store_max_bytes < self.max_artifact_bytes:
+                raise ConfigError(f"store_max_bytes ({self.store_max_bytes}) must be 0 "
+                                  "(unbounded) or at least max_artifact_bytes "
+                                  f"({self.max_artifact_bytes})")
+
+        def counts() -> None:
+            for name in ("relay_fanout", "relay_chain_bytes", "publish_stream_readers"):
+                if getattr(self, name) < 0:
+                    raise ConfigError(f"{name} must be >= 0")
+
+        def data_plane() -> None:
+            if self.data_listen not in ("auto", "off"):
+                _hostport(self.data_listen, "data_listen")
+            if self.data_advertise:
+                _hostport(self.data_advertise, "data_advertise")
+
+        def etcd() -> None:
+            if not self.etcd_endpoints.strip():
+                raise ConfigError("etcd_endpoints is empty")
+            if not self.etcd_prefix.startswith("/"):
+                raise ConfigError(f"etcd_prefix {self.etcd_prefix!r} must start with '/'")
+
+        def tls() -> None:
+            if self.tls_client_ca_file and not self.tls_cert_file:
+                raise ConfigError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+
+        def auth() -> None:
+            if not self.auth_tokens_file and not self.allow_unauthenticated:
+                raise ConfigError("set auth_tokens_file, or allow_unauthenticated explicitly "
+                                  "(only for loopback and tests)")
+
+        return [
+            lambda: _no_nul(self),
+            lambda: _positive(self, "lease_ttl_s", "share_binary_between_hosts_timeout_ms",
+                              "local_marker_ttl_s", "max_artifact_bytes"),
+            lambda: _at_most(self, MAX_LEASE_TTL_S, "lease_ttl_s", "local_marker_ttl_s"),
+            lambda: _not_negative(self, "designated_grace_s", "hedge_factor", "hedge_min_s",
+                                  "s3_presign_s"),
+            lambda: _at_most(self, 7 * 86400, "s3_presign_s"),  # S3's longest presigned URL
+            lambda: _port(self, "metrics_port"),
+            lambda: _not_negative(self, "store_max_bytes", "store_min_free_bytes",
+                                  "scrub_bytes_per_s"),
+            lambda: _positive(self, "store_scan_s"),
+            lambda: _not_negative(self, "index_sweep_s", "key_record_days"),
+            store, counts, data_plane,
+            lambda: _not_negative(self, "store_reverify_s", "decide_busy_gap_ms"),
+            etcd,
+            lambda: _hostport(self.listen, "listen"),
+            lambda: _pair(self, "tls_cert_file", "tls_key_file"),
+            lambda: _pair(self, "etcd_cert_file", "etcd_key_file"),
+            tls, auth,
+            lambda: _readable(self, "auth_tokens_file", "tls_cert_file", "tls_key_file",
+                              "tls_client_ca_file", "etcd_ca_file", "etcd_cert_file",
+                              "etcd_key_file"),
+        ]
 
 
 @dataclass
@@ -315,25 +342,53 @@ class WorkerConfig:
                                           "installs"))
 
     def validate(self) -> None:
-        _no_nul(self)
-        _positive(self, "cache_max_bytes", "rpc_timeout_s", "revocation_poll_s", "dir_sync_s",
-                  "dir_max_entry_bytes", "cache_free_check_s")
-        _port(self, "metrics_port")
-        if self.relay_listen:
-            _hostport(self.relay_listen, "relay_listen")
-        if self.relay_advertise:
-            _hostport(self.relay_advertise, "relay_advertise")
-        if self.relay_data_listen not in ("auto", "off"):
-            _hostport(self.relay_data_listen, "relay_data_listen")
-        _not_negative(self, "share_binary_between_hosts_timeout_ms", "store_reverify_s",
-                      "cache_min_free_bytes", "decide_gap_ms", "dir_settle_s")
-        _pair(self, "coordinator_cert_file", "coordinator_key_file")
-        _pair(self, "tls_cert_file", "tls_key_file")
-        _readable(self, "token_file", "coordinator_ca_file", "coordinator_cert_file",
-                  "coordinator_key_file", "tls_cert_file", "tls_key_file")
-        if not self.listen.startswith("unix://"):
-            _hostport(self.listen, "listen")
-        _hostport(self.coordinator, "coordinator")
+        for check in self.checks():
+            check()
+
+    def problems(self) -> list[str]:
+        """Every check's ConfigError, in order ([] when valid)."""
+        return _problems(self.checks())
+
+    def checks(self) -> list[Callable[[], None]]:
+        """The checks of validate(), each raising ConfigError on its own."""
+        def relay() -> None:
+            if self.relay_listen:
+                _hostport(self.relay_listen, "relay_listen")
+            if self.relay_advertise:
+                _hostport(self.relay_advertise, "relay_advertise")
+            if self.relay_data_listen not in ("auto", "off"):
+                _hostport(self.relay_data_listen, "relay_data_listen")
+
+        def listen() -> None:
+            if not self.listen.startswith("unix://"):
+                _hostport(self.listen, "listen")
+
+        return [
+            lambda: _no_nul(self),
+            lambda: _positive(self, "cache_max_bytes", "rpc_timeout_s", "revocation_poll_s",
+                              "dir_sync_s", "dir_max_entry_bytes", "cache_free_check_s"),
+            lambda: _port(self, "metrics_port"),
+            relay,
+            lambda: _not_negative(self, "share_binary_between_hosts_timeout_ms",
+                                  "store_reverify_s", "cache_min_free_bytes", "decide_gap_ms",
+                                  "dir_settle_s"),
+            lambda: _pair(self, "coordinator_cert_file", "coordinator_key_file"),
+            lambda: _pair(self, "tls_cert_file", "tls_key_file"),
+            lambda: _readable(self, "token_file", "coordinator_ca_file", "coordinator_cert_file",
+                              "coordinator_key_file", "tls_cert_file", "tls_key_file"),
+            listen,
+            lambda: _hostport(self.coordinator, "coordinator"),
+        ]
+
+
+def _problems(checks: list[Callable[[], None]]) -> list[str]:
+    out = []
+    for check in checks:
+        try:
+            check()
+        except ConfigError as exc:
+            out.append(str(exc))
+    return out
 
 
 # etcd's longest lease (MaxLeaseTTL); a TTL beyond it is refused on every grant.
@@ -471,10 +526,13 @@ def read_yaml(path: str, what: str) -> Any:
 def load(cls: type, *, flags: dict[str, Any] | None = None,
          env: Mapping[str, str] | None = None,
          file: str | None = None, defaults: dict[str, Any] | None = None,
-         defaults_from: str = "") -> tuple[Any, dict[str, str]]:
+         defaults_from: str = "", validate: bool = True,
+         problems: list[str] | None = None) -> tuple[Any, dict[str, str]]:
     """Build and validate a config; returns it and {setting: source}.
     `defaults` replace the class's defaults (a flag, the environment or the
-    file still win); `defaults_from` names who set them."""
+    file still win); `defaults_from` names who set them. With `problems`, a
+    value that cannot be read is added to it (and the default stands) instead
+    of raising; with validate=False, the config is not checked."""
     if env is None:
         env = os.environ
     file_values: dict[str, Any] = {}
@@ -490,17 +548,25 @@ def load(cls: type, *, flags: dict[str, Any] | None = None,
     sources: dict[str, str] = {}
     for name, f in known.items():
         if flags and flags.get(name) is not None:
-            values[name], sources[name] = _coerce(f, flags[name], "flag"), f"flag {flag_name(name)}"
+            raw, src = flags[name], f"flag {flag_name(name)}"
         elif env_name(name) in env:
-            src = f"env {env_name(name)}"
-            values[name], sources[name] = _coerce(f, env[env_name(name)], src), src
+            raw, src = env[env_name(name)], f"env {env_name(name)}"
         elif name in file_values:
-            src = f"file {file}"
-            values[name], sources[name] = _coerce(f, file_values[name], src), src
+            raw, src = file_values[name], f"file {file}"
         elif defaults and name in defaults:
             values[name], sources[name] = defaults[name], f"default of {defaults_from}"
+            continue
         else:
             sources[name] = "default"
+            continue
+        try:
+            values[name], sources[name] = _coerce(f, raw, "flag" if src.startswith("flag") else src), src
+        except ConfigError as exc:
+            if problems is None:
+                raise
+            problems.append(str(exc))
+            sources[name] = f"default ({src} refused)"
     cfg = cls(**values)
-    cfg.validate()
+    if validate:
+        cfg.validate()
     return cfg, sources

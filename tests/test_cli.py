@@ -89,10 +89,21 @@ def test_status_is_nonzero_when_the_coordinator_is_down(coordinator, start_worke
 
 
 def test_bad_configuration_is_a_readable_error():
-    r = cc("config", "coordinator", "--lease-ttl-s", "never")
-    assert r.returncode == 2
-    assert "configuration error" in r.stderr and "lease_ttl_s" in r.stderr
+    r = cc("config", "coordinator", "--lease-ttl-s", "never", "--listen", "nowhere")
+    assert r.returncode == 1
+    assert "lease_ttl_s = 10    # default (flag --lease-ttl-s refused)" in r.stdout, r.stdout
+    problems = [line for line in r.stderr.splitlines() if line.startswith("problem: ")]
+    assert len(problems) == 3, r.stderr  # each, not the first alone
+    assert "lease_ttl_s" in problems[0] and "listen 'nowhere'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_config_on_defaults_shows_the_settings_then_the_problem():
+    r = cc("config", "coordinator")
+    assert r.returncode == 1
+    assert "etcd_endpoints = '127.0.0.1:2379'    # default" in r.stdout, r.stdout
+    assert r.stderr.strip() == ("problem: set auth_tokens_file, or allow_unauthenticated "
+                                "explicitly (only for loopback and tests)")
 
 
 def test_config_prints_values_and_sources():
@@ -476,7 +487,7 @@ def test_any_setting_value_is_taken_or_refused_in_one_line(role, data):
     if role == "coordinator" and name != "allow_unauthenticated":
         argv += ["--allow-unauthenticated", "true"]
     code, err = _in_process(argv)
-    assert code in (0, 2), (argv, code, err)
+    assert code in (0, 1, 2), (argv, code, err)
     assert "shows where" not in err and "Traceback" not in err, (argv, err)
 
 
