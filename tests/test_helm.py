@@ -486,3 +486,56 @@ def test_the_chart_sets_whether_a_host_publish_wakes_its_waiters():
 
     assert wake() is False
     assert wake("worker.cache.wakeOnHostPublish=true") is True
+
+
+def _compilecast_commands(docs: list[dict]) -> list[tuple[str, list[str]]]:
+    """(where, argv after `compilecast`) of every command the rendered chart
+    runs with the image's entrypoint or names `compilecast` itself: the
+    containers' args and their exec probes."""
+    found = []
+    for doc in docs:
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for c in spec.get("containers", []) + spec.get("initContainers", []):
+            where = f"{doc['kind']}/{doc['metadata']['name']}/{c['name']}"
+            if "command" not in c and c.get("args"):  # ENTRYPOINT ["compilecast"]
+                found.append((where, [str(a) for a in c["args"]]))
+            elif c.get("command", [None])[0] == "compilecast":
+                found.append((where, [str(a) for a in c["command"][1:] + c.get("args", [])]))
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                command = c.get(probe, {}).get("exec", {}).get("command", [])
+                if command[:1] == ["compilecast"]:
+                    found.append((f"{where} {probe}", [str(a) for a in command[1:]]))
+    return found
+
+
+@pytest.mark.parametrize("values", SCENARIOS, ids=lambda p: p.name)
+def test_every_command_of_the_chart_is_accepted_by_the_cli(values):
+    """A dry run of each command line the chart gives `compilecast`: the CLI
+    parses it, and each setting of a server role reads. A renamed flag breaks
+    this test, not a pod."""
+    import contextlib
+    import dataclasses
+    import io
+
+    from compilecast.cli import build_parser
+    from compilecast.config import CoordinatorConfig, WorkerConfig, load
+
+    commands = _compilecast_commands(render(values))
+    roles = {argv[[a.startswith("-") for a in argv].index(False)] for _, argv in commands}
+    assert {"coordinator", "worker"} <= roles, roles
+    parser = build_parser()
+    for where, argv in commands:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                args = parser.parse_args(argv)
+            except SystemExit as exc:
+                raise AssertionError(f"{where}: compilecast {' '.join(argv)}: "
+                                     f"{err.getvalue().strip()}") from exc
+        cls = {"coordinator": CoordinatorConfig, "worker": WorkerConfig}.get(args.command)
+        if cls is not None:
+            problems: list[str] = []
+            load(cls, flags={f.name: getattr(args, f.name, None)
+                             for f in dataclasses.fields(cls)},
+                 env={}, validate=False, problems=problems)
+            assert problems == [], (where, problems)
