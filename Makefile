@@ -1,5 +1,10 @@
 # compilecast: `make demo` and `make test` work on a fresh Debian/Ubuntu machine.
-PY      ?= python3
+# Everything Python goes into the project's virtualenv, .venv (made with uv where
+# it is installed, else with the venv module): the system Python is left as it was.
+SYSPY   ?= python3
+VENV    := .venv
+PY      ?= $(VENV)/bin/python
+UV      := $(shell command -v uv 2>/dev/null)
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 HELM_VERSION ?= v3.22.0
 GOBIN   ?= $(CURDIR)/bin
@@ -14,14 +19,26 @@ STAMP   := .make-installed
 TORCH_XLA := .venv/torch-xla
 TORCH_XLA_RELEASES := 2.7 2.9
 
-.PHONY: install package tools prometheus demo test test-fast lint proto bench bench-smoke clean
+.PHONY: install package tools prometheus demo test test-matrix test-fast lint proto bench bench-smoke clean
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
+ifdef UV
+	$(UV) venv --seed --python $(SYSPY) $(VENV)
+else
+	$(SYSPY) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+endif
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
 	@command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || \
 	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server etcd-client)
 	@command -v cc >/dev/null 2>&1 || \
 	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq gcc libc6-dev)
+ifdef UV
+	$(UV) pip install -q --python $(PY) -e '.[test]'
+else
 	$(PY) -m pip install -q -e '.[test]'
+endif
 	@touch $(STAMP)
 
 # Helm is not a Debian package: build the pinned release from the Go module proxy.
@@ -35,7 +52,7 @@ $(WEED):
 
 $(TORCH_XLA)-%/.installed:
 	rm -rf $(TORCH_XLA)-$*
-	$(PY) -m venv $(TORCH_XLA)-$*
+	$(SYSPY) -m venv $(TORCH_XLA)-$*
 	$(TORCH_XLA)-$*/bin/python -m pip install -q --no-cache-dir torch==$*.0 torch-xla==$*.0
 	$(TORCH_XLA)-$*/bin/python -m pip uninstall -q -y triton
 	touch $@
@@ -45,7 +62,7 @@ tools: $(HELM) $(WEED)
 # The package (with etcd and a C compiler), all the demo needs. The stamp stands
 # for "installed from this checkout": an editable install that points elsewhere
 # (a moved or copied checkout) installs again.
-package:
+package: | $(VENV)/bin/python
 	@$(PY) -c "import os, sys, compilecast.worker as w; \
 	  sys.exit(not os.path.realpath(w.__file__).startswith(os.path.realpath('worker') + os.sep))" \
 	  2>/dev/null || rm -f $(STAMP)
@@ -67,6 +84,11 @@ test: install
 	$(PY) -m mypy
 	$(HELM) lint --strict helm/compilecast
 	HELM=$(HELM) $(PY) -m pytest
+
+# The version matrix's other rows (noxfile.py): the JAX-facing suites on Python
+# 3.12 and 3.13 with the newest JAX, each in a virtualenv under .nox/.
+test-matrix: package
+	$(PY) -m nox
 
 test-fast: install
 	$(PY) -m pytest -m "not slow"

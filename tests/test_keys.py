@@ -33,6 +33,18 @@ FIXTURES = Path(__file__).parent / "fixtures" / "torch_xla"  # real dumps, see i
 FORMATS = ("mlir-text", "mlir-bytecode", "hlo-proto")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def embedded_constants():
+    """Programs that embed their large constants: JAX 0.12 hoists a constant
+    over 1 KiB into an argument of the executable by default (which then does
+    not depend on its value); these tests key programs whose constants are in
+    them, on every JAX."""
+    before = jax.config.jax_embedded_constants_max_bytes
+    jax.config.update("jax_embedded_constants_max_bytes", 1 << 40)
+    yield
+    jax.config.update("jax_embedded_constants_max_bytes", before)
+
+
 def lowered_bytes(lowered, fmt: str) -> bytes:
     if fmt == "mlir-text":
         return lowered.as_text(debug_info=True).encode()
