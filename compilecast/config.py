@@ -161,6 +161,9 @@ class CoordinatorConfig:
     allow_unauthenticated: bool = field(
         default=False,
         metadata=_help("serve calls without a token as tenant 'default' (loopback/tests only)"))
+    otlp_endpoint: str = field(
+        default="", metadata=_help("OpenTelemetry collector to send traces to, over OTLP/HTTP "
+                                   "(http://host:4318; empty: tracing off)"))
     tls_cert_file: str = field(default="", metadata=_help("server certificate (PEM): enables TLS"))
     tls_key_file: str = field(default="", metadata=_help("server private key (PEM)"))
     tls_client_ca_file: str = field(
@@ -340,6 +343,9 @@ class WorkerConfig:
     dir_max_entry_bytes: int = field(
         default=256 << 20, metadata=_help("largest file a synced directory publishes or "
                                           "installs"))
+    otlp_endpoint: str = field(
+        default="", metadata=_help("OpenTelemetry collector to send traces to, over OTLP/HTTP "
+                                   "(http://host:4318; empty: tracing off)"))
 
     def validate(self) -> None:
         for check in self.checks():

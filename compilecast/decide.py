@@ -45,7 +45,7 @@ from typing import Any
 
 import grpc
 
-from compilecast import validate
+from compilecast import tracing, validate
 from compilecast.errors import InvalidRequest
 from compilecast.grpcutil import grpc_code
 from compilecast.v1 import cache_pb2 as pb
@@ -161,7 +161,7 @@ class Decider:
         self._queue.append(entry)
         self._wake.set()
         if self._runner is None:
-            self._runner = asyncio.create_task(self._run())
+            self._runner = asyncio.create_task(self._run(), context=tracing.untraced())
         try:
             return await asyncio.wait_for(entry.done, limit_s)
         except TimeoutError:
@@ -311,7 +311,8 @@ class Decider:
                 self._queue.extendleft(reversed([e for e in unread if e.sent < 2]))
                 self._fail([e for e in unread if e.sent >= 2], error)
                 if self._queue:
-                    self._runner = asyncio.create_task(self._run())
+                    self._runner = asyncio.create_task(self._run(),
+                                                       context=tracing.untraced())
             else:
                 self._fail_all(error)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from compilecast import wire
+from compilecast import tracing, wire
 from compilecast.errors import CompilecastError, InvalidRequest, Status, Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,10 @@ def add_service(server: grpc.aio.Server, servicer: object, service_descriptor: A
         serialize = (wire.serialize if method.output_type.full_name in wire.BULK
                      else message_classes[method.output_type.full_name].SerializeToString)
         shape, make = _SHAPES[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = make(shape(getattr(servicer, method.name), parse),
+        fn = getattr(servicer, method.name)
+        if not (method.client_streaming or method.server_streaming):
+            fn = tracing.traced_unary(fn, f"{type(servicer).__name__}.{method.name}")
+        handlers[method.name] = make(shape(fn, parse),
                                      request_deserializer=None, response_serializer=serialize)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))

@@ -23,6 +23,7 @@ import grpc
 from etcd3.etcdrpc import rpc_pb2 as pb
 from etcd3.etcdrpc import rpc_pb2_grpc as rpc
 
+from compilecast import tracing
 from compilecast.errors import Unavailable
 from compilecast.grpcutil import aio_channel, rpc_problem, unreachable
 
@@ -140,13 +141,14 @@ class Etcd:
         """One unary call with a deadline; on a transport failure, retry with
         backoff on the next member. Observed under `label` (default: the
         method's name)."""
-        if self.observe is None:
-            return await self._call_retrying(service, method, request, retries)
-        start = time.perf_counter()
-        try:
-            return await self._call_retrying(service, method, request, retries)
-        finally:
-            self.observe(label or method, time.perf_counter() - start)
+        with tracing.span(f"etcd.{label or method}"):
+            if self.observe is None:
+                return await self._call_retrying(service, method, request, retries)
+            start = time.perf_counter()
+            try:
+                return await self._call_retrying(service, method, request, retries)
+            finally:
+                self.observe(label or method, time.perf_counter() - start)
 
     async def _call_retrying(self, service: str, method: str, request, retries: int):
         delay = 0.05
@@ -368,7 +370,7 @@ class WriteBatcher:
         _, waiting = self._queue.pop(key, (None, []))  # a later write of a queued key wins
         self._queue[key] = (op, [*waiting, done])
         if self._task is None:
-            self._task = asyncio.create_task(self._run())
+            self._task = asyncio.create_task(self._run(), context=tracing.untraced())
         await done
 
     async def _run(self) -> None:
@@ -410,7 +412,8 @@ class _KeepAlives:
     async def renew(self, lease_id: int) -> int:
         if self._stream is None or self._stream.done():
             self._requests = asyncio.Queue()
-            self._stream = asyncio.get_running_loop().create_task(self._run(self._requests))
+            self._stream = asyncio.get_running_loop().create_task(
+                self._run(self._requests), context=tracing.untraced())
         answer = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(lease_id, deque()).append(answer)
         self._requests.put_nowait(pb.LeaseKeepAliveRequest(ID=lease_id))

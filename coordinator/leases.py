@@ -39,6 +39,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 
+from compilecast import tracing
 from compilecast.errors import Unavailable
 from compilecast.serving import cancel_all
 
@@ -104,7 +105,7 @@ class LeasePool:
     def _top_up(self) -> None:
         self._taken.append(time.monotonic())
         if self._refill is None and len(self._free) < max(1, self._target() // 2):
-            self._refill = asyncio.create_task(self._fill())
+            self._refill = asyncio.create_task(self._fill(), context=tracing.untraced())
 
     async def take(self, owner: Hashable | None = None) -> Lease:
         """(lease id, granted at): a lease with at least half of its TTL left;

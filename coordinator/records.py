@@ -19,7 +19,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from typing import TYPE_CHECKING
 
-from compilecast import validate
+from compilecast import tracing, validate
 from compilecast.errors import InvalidRequest, NotFound
 from compilecast.serving import cancel_all
 from compilecast.v1 import cache_pb2 as pb
@@ -299,7 +299,8 @@ class KeyRecords:
             return
         self._pending.append((sk, program_name, comps))
         if self._recorder is None:
-            self._recorder = asyncio.get_running_loop().create_task(self._drain())
+            self._recorder = asyncio.get_running_loop().create_task(
+                self._drain(), context=tracing.untraced())
 
     async def close(self) -> None:
         """Stop, once what waits is recorded (no round waits for more now),

@@ -9,6 +9,7 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
+from compilecast import tracing
 from compilecast.blobstore import DiskBlobStore
 from compilecast.config import CoordinatorConfig
 from compilecast.decideserve import GapAdvice
@@ -57,6 +58,8 @@ class Coordinator(Role):
         self._advising: asyncio.Task | None = None
 
     async def start(self) -> None:
+        if self.cfg.otlp_endpoint and not tracing.on():
+            tracing.configure(self.cfg.otlp_endpoint, "compilecast-coordinator")
         # grpc.aio objects bind to the running loop: build them here.
         cfg = self.cfg
         bucket = getattr(self.store, "bucket", None)
@@ -162,6 +165,8 @@ class Coordinator(Role):
             await asyncio.sleep(self.cfg.index_sweep_s * random.uniform(0.8, 1.2))
 
     async def _release(self) -> None:
+        if self.cfg.otlp_endpoint:
+            tracing.shutdown()
         self._scrub_stop.set()
         for task in (self._store_scans, self._sweeps, self._advising, self._scrubs):
             if task is not None:

@@ -8,7 +8,7 @@ import functools
 import time
 from collections.abc import AsyncIterator
 
-from compilecast import decide, decideserve, validate
+from compilecast import decide, decideserve, tracing, validate
 from compilecast.errors import TooMany
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
@@ -47,9 +47,11 @@ class CoordinatorService(rpc.CompileCacheServicer):
 
         async def one(r):
             async with limit:
-                return await self.state.acquire(
-                    r.key, r.requester, dict(r.key_components), r.program_name,
-                    tenant=who.tenant, may_publish=who.can_publish)
+                with tracing.span("coordinator.decide", tracing.carried(r.trace_context),
+                                  key=r.key):
+                    return await self.state.acquire(
+                        r.key, r.requester, dict(r.key_components), r.program_name,
+                        tenant=who.tenant, may_publish=who.can_publish)
 
         if len(requests) == 1:  # the common message of a Decide stream
             limit = contextlib.nullcontext()
@@ -80,11 +82,17 @@ class CoordinatorService(rpc.CompileCacheServicer):
         finally:
             self.state.metrics.decide_streams.dec()
 
-    def _wait(self, request: pb.WaitRequest, who,
-              timeout_ms: int | None = None) -> AsyncIterator[pb.WaitEvent]:
-        return self.state.wait(request.key, request.requester,
-                               request.timeout_ms if timeout_ms is None else timeout_ms,
-                               tenant=who.tenant, may_publish=who.can_publish)
+    async def _wait(self, request: pb.WaitRequest, who,
+                    timeout_ms: int | None = None) -> AsyncIterator[pb.WaitEvent]:
+        # (A span that is not made current: the generator may be closed from
+        # another task.)
+        with tracing.detached_span("coordinator.wait", tracing.carried(request.trace_context),
+                                   key=request.key):
+            async for event in self.state.wait(
+                    request.key, request.requester,
+                    request.timeout_ms if timeout_ms is None else timeout_ms,
+                    tenant=who.tenant, may_publish=who.can_publish):
+                yield event
 
     @rpc_errors
     async def Wait(self, request, context):

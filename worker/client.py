@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from compilecast import wire
+from compilecast import tracing, wire
 from compilecast.blobstore import Sha256
 from compilecast.decide import ends_wait
 from compilecast.errors import CorruptBlob
@@ -93,7 +93,7 @@ class CacheClient(Publishing):
         self._channel = (grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS) if creds
                          else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
         self._channel = grpc.intercept_channel(self._channel, _Metadata(bearer(token))) \
-            if token else self._channel
+            if token or tracing.on() else self._channel
         self.stub = wire.stub(self._channel)
         self._directories = rpc.HostDirectoriesStub(self._channel)  # the host's worker only
         # (key, lease id) -> its keeper's stop: a process's claims share one
@@ -486,13 +486,15 @@ class CacheClient(Publishing):
     # -- lease keepalive thread ------------------------------------------
 class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                 grpc.StreamUnaryClientInterceptor):
-    """Adds fixed metadata (the bearer token) to every call."""
+    """Adds fixed metadata (the bearer token) to every call, and the current
+    span's context where tracing is on."""
 
     def __init__(self, metadata: tuple) -> None:
         self.metadata = metadata
 
     def _details(self, details):
-        return details._replace(metadata=(*(details.metadata or ()), *self.metadata))
+        return details._replace(metadata=(*(details.metadata or ()), *self.metadata,
+                                          *tracing.metadata()))
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)

@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from compilecast import tracing
 from compilecast.config import default_worker_target
 from compilecast.errors import CorruptBlob
 from compilecast.grpcutil import unreachable
@@ -204,6 +205,10 @@ class CompilecastCache(jax_adapter.CacheInterface):
         return data
 
     def _decide(self, key: str, program: jax_adapter.Program | None) -> bytes | None:
+        with tracing.span("compilecast.decide", key=key):
+            return self._decide_traced(key, program)
+
+    def _decide_traced(self, key: str, program: jax_adapter.Program | None) -> bytes | None:
         with self._lock:
             name, components, key_s, inputs = self._described.pop(key, ("", {}, 0.0, ()))
         if program is not None and program.host_callbacks:
@@ -500,6 +505,8 @@ def enable(target: str | None = None, *, timeout_ms: int | None = None,
         if timeout_ms is None and os.environ.get(
                 "COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"):
             timeout_ms = int(os.environ["COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS"])
+        if not tracing.on():  # (COMPILECAST_OTLP_ENDPOINT: off when unset)
+            tracing.configure(os.environ.get(tracing.ENV, ""), "compilecast-jax")
         cache = CompilecastCache(target, timeout_ms=timeout_ms, job=job)
         jax_adapter.install(cache, cache)
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from compilecast import tracing
 from compilecast.config import WorkerConfig
 from compilecast.grpcutil import channel_credentials, server_credentials, token_from
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
@@ -55,6 +56,8 @@ class Worker(Role):
         return self.cfg.listen
 
     async def start(self) -> None:
+        if self.cfg.otlp_endpoint and not tracing.on():
+            tracing.configure(self.cfg.otlp_endpoint, "compilecast-worker")
         cfg = self.cfg
         token = Path(cfg.token_file).read_text().strip() if cfg.token_file else ""  # noqa: ASYNC240
         upstream_creds = channel_credentials(cfg.coordinator_ca_file, cfg.coordinator_cert_file,
@@ -167,6 +170,8 @@ class Worker(Role):
                 log.warning("could not check the host cache's free space: %s", exc)
 
     async def _release(self) -> None:
+        if self.cfg.otlp_endpoint:
+            tracing.shutdown()
         if self._hit_reports is not None:  # the last hits counted, before going
             self._hit_reports.cancel()
             with contextlib.suppress(Exception):

@@ -22,7 +22,7 @@ import time
 
 import grpc
 
-from compilecast import decide, decideserve, validate, wire
+from compilecast import decide, decideserve, tracing, validate, wire
 from compilecast.decide import Decider
 from compilecast.grpcutil import aio_channel, bearer, rpc_errors, token_from, unreachable
 from compilecast.negotiate import Route, Routes
@@ -187,7 +187,11 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         if ask:
             start = time.perf_counter()
             try:  # shared with this host's other requests for the key (worker/decisions.py)
-                upstream = await self.decisions.decide(md, ask, self._decider(md).decide)
+                with tracing.span("worker.upstream.decide", keys=len(ask)):
+                    for r in ask:  # ours, never a caller's map
+                        r.ClearField("trace_context")
+                        tracing.inject(r.trace_context)
+                    upstream = await self.decisions.decide(md, ask, self._decider(md).decide)
                 self._upstream_answered.observe(time.perf_counter() - start)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in DEGRADED:
@@ -252,7 +256,10 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         coordinator means COMPILE_LOCALLY."""
 
         async def upstream(req: pb.WaitRequest, until: bool) -> pb.WaitEvent:
-            return await self._decider(md).wait(req, until_publishing=until)
+            with tracing.span("worker.upstream.wait", key=req.key):
+                req.ClearField("trace_context")  # ours, never a caller's map
+                tracing.inject(req.trace_context)
+                return await self._decider(md).wait(req, until_publishing=until)
 
         deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms else None
         for pause in (*WAIT_RETRY_S, None):

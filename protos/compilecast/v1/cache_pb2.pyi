@@ -94,8 +94,15 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., revision: _Optional[int] = ..., takes_digest_last: _Optional[bool] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("key", "requester", "key_components", "program_name", "key_seconds")
+    __slots__ = ("key", "requester", "key_components", "program_name", "key_seconds", "trace_context")
     class KeyComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -107,12 +114,14 @@ class AcquireRequest(_message.Message):
     KEY_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_NAME_FIELD_NUMBER: _ClassVar[int]
     KEY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     key: str
     requester: Requester
     key_components: _containers.ScalarMap[str, str]
     program_name: str
     key_seconds: float
-    def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., key_components: _Optional[_Mapping[str, str]] = ..., program_name: _Optional[str] = ..., key_seconds: _Optional[float] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., key_components: _Optional[_Mapping[str, str]] = ..., program_name: _Optional[str] = ..., key_seconds: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("decision", "artifact", "lease", "reason", "local_cause")
@@ -179,16 +188,25 @@ class DecideResponse(_message.Message):
     def __init__(self, id: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., event: _Optional[_Union[WaitEvent, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., more: _Optional[_Iterable[_Union[DecideResponse, _Mapping]]] = ..., gap_ms: _Optional[int] = ...) -> None: ...
 
 class WaitRequest(_message.Message):
-    __slots__ = ("key", "requester", "timeout_ms", "accept_data_wait")
+    __slots__ = ("key", "requester", "timeout_ms", "accept_data_wait", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_DATA_WAIT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     key: str
     requester: Requester
     timeout_ms: int
     accept_data_wait: bool
-    def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., accept_data_wait: _Optional[bool] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, key: _Optional[str] = ..., requester: _Optional[_Union[Requester, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., accept_data_wait: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class WaitEvent(_message.Message):
     __slots__ = ("decision", "artifact", "lease", "reason", "local_cause", "data_ticket", "data_follows")
