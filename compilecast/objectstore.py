@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from compilecast import tracing
 from compilecast.blobstore import CHUNK, DiskBlobStore
 from compilecast.blobwriter import BlobWriter
 from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, Unavailable
@@ -90,7 +91,8 @@ class Bucket:
         start = time.monotonic()
         ok = False
         try:
-            out = fn()
+            with tracing.span(f"bucket.{op}", bytes=nbytes or None):
+                out = fn()
             ok = True
             return out
         except ClientError as exc:

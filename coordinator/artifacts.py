@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 
-from compilecast import validate
+from compilecast import tracing, validate
 from compilecast.blobstore import Inflate, amake_room, aread
 from compilecast.errors import (
     AlreadyPublished,
@@ -319,9 +319,10 @@ class Artifacts:
                       as_stored: bool = False) -> AsyncIterator[DataChunk]:
         try:
             # Resuming at `offset`: what the caller already has is not sent again.
-            async for chunk in aread(self.store, info.digest, offset=offset,
-                                     transform=DataChunk.framed, as_stored=as_stored):
-                yield chunk
+            with tracing.detached_span("store.read", key=info.key, bytes=info.size):
+                async for chunk in aread(self.store, info.digest, offset=offset,
+                                         transform=DataChunk.framed, as_stored=as_stored):
+                    yield chunk
         except (CorruptBlob, NotFound) as exc:
             # Bytes that proved bad, or an object gone from a bucket behind
             # our back: the entry goes, and the key compiles again.
