@@ -23,8 +23,29 @@ from compilecast.launch import free_port
 from compilecast.worker.client import wait_until_healthy
 from compilecast.worker.routes import memory_headroom
 
-__all__ = ["HOLD_PAGE_REPORTING_HELP", "Stack", "free_port", "page_reporting_held", "page_reporting_order", "peak_rss_mb",
+__all__ = ["HOLD_PAGE_REPORTING_HELP", "Stack", "bucket_stack", "free_port", "page_reporting_held", "page_reporting_order", "peak_rss_mb",
            "random_file", "wait_port"]
+
+
+@contextlib.contextmanager
+def bucket_stack(root: Path):
+    """etcd (a Stack under `root`) and a SeaweedFS server with a bucket
+    "bench", its credentials in the environment: (stack, s3 server, the
+    coordinator flags of a replica over the bucket). Both stop after."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.s3server import S3Server
+
+    (root / "s3").mkdir()
+    s3 = S3Server(root / "s3")
+    stack = Stack(root / "stack")
+    try:
+        s3.bucket("bench")
+        os.environ.update(s3.env())
+        yield stack, s3, ("--store-type", "s3", "--s3-bucket", "bench", "--s3-endpoint",
+                          s3.endpoint, "--store-max-bytes", "8Gi")
+    finally:
+        stack.close()
+        s3.stop()
 
 
 def wait_port(port: int, timeout: float = 20, host: str = "127.0.0.1") -> None:

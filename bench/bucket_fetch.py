@@ -20,11 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _servers import Stack
+from _servers import Stack, bucket_stack
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from compilecast.worker.client import CacheClient
-from tests.s3server import S3Server
 
 
 def timed_fetch(stack: Stack, coordinator: str, name: str, urls: bool, data: bytes) -> float:
@@ -49,37 +47,25 @@ def main() -> None:
     digest = hashlib.sha256(data).hexdigest()
     runs: dict[str, list[float]] = {"presigned URL": [], "through the replica, cold": [],
                                     "through the replica, warm": [], "disk store replica": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        (root / "s3").mkdir()
-        s3 = S3Server(root / "s3")
-        stack = Stack(root / "stack")
-        try:
-            s3.bucket("bench")
-            os.environ.update(s3.env())
-            s3_flags = ("--store-type", "s3", "--s3-bucket", "bench", "--s3-endpoint",
-                        s3.endpoint, "--store-max-bytes", "8Gi")
-            # The disk-store coordinator keeps its keys apart in etcd: sharing
-            # the bucket coordinators' keys, the bucket's acquire of "k" raced
-            # the disk's publish of it (an answer without a lease, under load).
-            disk, _ = stack.coordinator("disk", extra=("--etcd-prefix", "/compilecast/disk"))
-            for target in (disk, stack.coordinator("pub", extra=s3_flags)[0]):
-                c = CacheClient(target, timeout_s=120)
-                c.publish("k", c.acquire("k").lease, data, 1.0)
-                c.close()
-            for i in range(args.pairs):
-                fresh, proc = stack.coordinator(f"r{i}", extra=s3_flags)  # an empty local cache
-                runs["presigned URL"].append(timed_fetch(stack, fresh, f"u{i}", True, data))
-                runs["through the replica, cold"].append(
-                    timed_fetch(stack, fresh, f"c{i}", False, data))
-                runs["through the replica, warm"].append(
-                    timed_fetch(stack, fresh, f"w{i}", False, data))
-                runs["disk store replica"].append(timed_fetch(stack, disk, f"d{i}", False, data))
-                proc.terminate()
-                proc.wait(15)
-        finally:
-            stack.close()
-            s3.stop()
+    with tempfile.TemporaryDirectory() as tmp, bucket_stack(Path(tmp)) as (stack, _, s3_flags):
+        # The disk-store coordinator keeps its keys apart in etcd: sharing
+        # the bucket coordinators' keys, the bucket's acquire of "k" raced
+        # the disk's publish of it (an answer without a lease, under load).
+        disk, _ = stack.coordinator("disk", extra=("--etcd-prefix", "/compilecast/disk"))
+        for target in (disk, stack.coordinator("pub", extra=s3_flags)[0]):
+            c = CacheClient(target, timeout_s=120)
+            c.publish("k", c.acquire("k").lease, data, 1.0)
+            c.close()
+        for i in range(args.pairs):
+            fresh, proc = stack.coordinator(f"r{i}", extra=s3_flags)  # an empty local cache
+            runs["presigned URL"].append(timed_fetch(stack, fresh, f"u{i}", True, data))
+            runs["through the replica, cold"].append(
+                timed_fetch(stack, fresh, f"c{i}", False, data))
+            runs["through the replica, warm"].append(
+                timed_fetch(stack, fresh, f"w{i}", False, data))
+            runs["disk store replica"].append(timed_fetch(stack, disk, f"d{i}", False, data))
+            proc.terminate()
+            proc.wait(15)
     print(f"a worker's cold download of {args.mb} MiB ({digest[:12]}), {args.pairs} rounds")
     print(f"{'how':28} {'median s':>9} {'MB/s':>7}  runs")
     for how, secs in runs.items():

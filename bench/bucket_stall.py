@@ -20,19 +20,16 @@ import argparse
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 
-from _servers import Stack
+from _servers import bucket_stack
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
-from tests.s3server import S3Server
 
 
 def unrelated(target: str, seconds: float) -> list[float]:
@@ -105,38 +102,25 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--published", type=int, default=20)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        (root / "s3").mkdir()
-        s3 = S3Server(root / "s3")
-        stack = Stack(root / "stack")
+    with tempfile.TemporaryDirectory() as tmp, bucket_stack(Path(tmp)) as (stack, s3, flags):
+        a, _ = stack.coordinator("a", extra=flags)
+        b, _ = stack.coordinator("b", extra=flags)
+        disk, _ = stack.coordinator("disk", extra=("--etcd-prefix", "/compilecast/disk"))
+        publisher = CacheClient(a, timeout_s=60)
+        keys = []
+        for i in range(args.published):
+            key = f"p-{i}"
+            publisher.publish(key, publisher.acquire(key).lease, os.urandom(4096), 1.0)
+            keys.append(key)
+        publisher.close()
+        print(f"disk store, running:      {phase(disk, args.seconds, [])}")
+        print(f"bucket (B), running:      {phase(b, args.seconds, [])}")
+        os.kill(s3.proc.pid, signal.SIGSTOP)
         try:
-            s3.bucket("bench")
-            os.environ.update(s3.env())
-            flags = ("--store-type", "s3", "--s3-bucket", "bench", "--s3-endpoint", s3.endpoint,
-                     "--store-max-bytes", "8Gi")
-            a, _ = stack.coordinator("a", extra=flags)
-            b, _ = stack.coordinator("b", extra=flags)
-            disk, _ = stack.coordinator("disk", extra=("--etcd-prefix", "/compilecast/disk"))
-            publisher = CacheClient(a, timeout_s=60)
-            keys = []
-            for i in range(args.published):
-                key = f"p-{i}"
-                publisher.publish(key, publisher.acquire(key).lease, os.urandom(4096), 1.0)
-                keys.append(key)
-            publisher.close()
-            print(f"disk store, running:      {phase(disk, args.seconds, [])}")
-            print(f"bucket (B), running:      {phase(b, args.seconds, [])}")
-            os.kill(s3.proc.pid, signal.SIGSTOP)
-            try:
-                print(f"bucket (B), S3 stopped:   {phase(b, args.seconds, keys)}")
-                print(f"disk store, S3 stopped:   {phase(disk, args.seconds, [])}")
-            finally:
-                os.kill(s3.proc.pid, signal.SIGCONT)
+            print(f"bucket (B), S3 stopped:   {phase(b, args.seconds, keys)}")
+            print(f"disk store, S3 stopped:   {phase(disk, args.seconds, [])}")
         finally:
-            stack.close()
-            s3.stop()
-
+            os.kill(s3.proc.pid, signal.SIGCONT)
 
 if __name__ == "__main__":
     main()

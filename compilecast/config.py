@@ -48,8 +48,29 @@ def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+class Checked:
+    """A configuration whose checks() each raise ConfigError on their own."""
+
+    def checks(self) -> list[Callable[[], None]]:
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        for check in self.checks():
+            check()
+
+    def problems(self) -> list[str]:
+        """Every check's ConfigError, in order ([] when valid)."""
+        out = []
+        for check in self.checks():
+            try:
+                check()
+            except ConfigError as exc:
+                out.append(str(exc))
+        return out
+
+
 @dataclass
-class CoordinatorConfig:
+class CoordinatorConfig(Checked):
     listen: str = field(default="127.0.0.1:7640", metadata=_help("gRPC listen address host:port"))
     etcd_endpoints: str = field(
         default="127.0.0.1:2379", metadata=_help("comma-separated etcd client endpoints host:port")
@@ -172,14 +193,6 @@ class CoordinatorConfig:
     etcd_cert_file: str = field(default="", metadata=_help("client certificate for etcd (PEM)"))
     etcd_key_file: str = field(default="", metadata=_help("client key for etcd (PEM)"))
 
-    def validate(self) -> None:
-        for check in self.checks():
-            check()
-
-    def problems(self) -> list[str]:
-        """Every check's ConfigError, in order ([] when valid)."""
-        return _problems(self.checks())
-
     def checks(self) -> list[Callable[[], None]]:
         """The checks of validate(), each raising ConfigError on its own."""
         def store() -> None:
@@ -251,7 +264,7 @@ class CoordinatorConfig:
 
 
 @dataclass
-class WorkerConfig:
+class WorkerConfig(Checked):
     listen: str = field(
         default_factory=default_worker_target,
         metadata=_help("local API: unix:///path or host:port"),
@@ -347,14 +360,6 @@ class WorkerConfig:
         default="", metadata=_help("OpenTelemetry collector to send traces to, over OTLP/HTTP "
                                    "(http://host:4318; empty: tracing off)"))
 
-    def validate(self) -> None:
-        for check in self.checks():
-            check()
-
-    def problems(self) -> list[str]:
-        """Every check's ConfigError, in order ([] when valid)."""
-        return _problems(self.checks())
-
     def checks(self) -> list[Callable[[], None]]:
         """The checks of validate(), each raising ConfigError on its own."""
         def relay() -> None:
@@ -385,16 +390,6 @@ class WorkerConfig:
             listen,
             lambda: _hostport(self.coordinator, "coordinator"),
         ]
-
-
-def _problems(checks: list[Callable[[], None]]) -> list[str]:
-    out = []
-    for check in checks:
-        try:
-            check()
-        except ConfigError as exc:
-            out.append(str(exc))
-    return out
 
 
 # etcd's longest lease (MaxLeaseTTL); a TTL beyond it is refused on every grant.
