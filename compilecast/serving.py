@@ -236,6 +236,7 @@ class Role:
         await self._release()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            self._metrics_server.server_close()  # (its listening socket)
 
     async def stop(self, grace_s: float = 10.0) -> None:
         await set_serving(self.health, False)
