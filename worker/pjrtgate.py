@@ -502,7 +502,7 @@ class PjrtGate:
     async def _converse(self, frames: Reader, writer: asyncio.StreamWriter, pid: int) -> None:
         c = await self._request(frames, pid)
         platform = c.platform[:32] or "?"
-        answer = await self._with_heartbeat(writer, self._decide(c, frames))
+        answer = await self._with_heartbeat(writer, self._decide(c))
         writer.write(answer.frame())
         await writer.drain()
         self.count(platform, {"HIT": "hit", "COMPILE": "compile"}.get(answer.decision, "local"))
@@ -561,7 +561,7 @@ class PjrtGate:
             shared.add_done_callback(lambda _: self.fetching.pop(digest, None))
         return await asyncio.shield(shared)
 
-    async def _decide(self, c: pjrtkeys.Compile, frames: Reader) -> Answer:
+    async def _decide(self, c: pjrtkeys.Compile) -> Answer:
         try:
             made = await self._key(c)
             key = made.value
