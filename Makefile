@@ -155,6 +155,7 @@ bench: install
 	else echo "bench/fanout.py --link-mbps/--host-cpus, time_to_executable.py --host-cpus: skipped (needs root)"; fi
 	$(PY) bench/aot_farm.py --layers 64
 	$(PY) bench/pjrt_wave.py --n 64
+	$(PY) bench/pjrt_gate_flood.py --idle 10000 --slow 50 --huge 4
 	$(PY) bench/sweep.py --records
 
 # Every CPU bench end to end at toy sizes (~4 minutes): a bench that no longer
@@ -184,6 +185,7 @@ bench-smoke: install
 	$(PY) bench/sweep.py --entries 100 --records
 	$(PY) bench/autotune_share.py --layers 2 --width 64 --pairs 1
 	$(PY) bench/pjrt_wave.py --n 2
+	$(PY) bench/pjrt_gate_flood.py --idle 100 --slow 2 --huge 1
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache
