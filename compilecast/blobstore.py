@@ -75,8 +75,8 @@ from .blobwriter import (
     Inflate,
     Sha256,
     T,
-    _identity,
-    _same,
+    as_is,
+    file_identity,
 )
 
 log = logging.getLogger(__name__)
@@ -294,7 +294,7 @@ class DiskBlobStore:
         """When this process last verified the file behind `st`, if recently."""
         with self._lock:
             seen = self._verified.get(digest)
-        if seen is not None and seen[0] == _identity(st) \
+        if seen is not None and seen[0] == file_identity(st) \
                 and time.monotonic() - seen[1] < self.reverify_s:
             return seen[1]
         return None
@@ -302,7 +302,7 @@ class DiskBlobStore:
     def _trust(self, digest: str, st: os.stat_result, since: float | None = None) -> None:
         if self.reverify_s > 0:
             with self._lock:
-                self._verified[digest] = (_identity(st), time.monotonic() if since is None
+                self._verified[digest] = (file_identity(st), time.monotonic() if since is None
                                           else since)
 
     def _distrust(self, digest: str) -> None:
@@ -491,7 +491,7 @@ async def amake_room(store: ArtifactStore, nbytes: int) -> bool:
 
 
 async def aread(store: ArtifactStore, digest: str, *, depth: int = 4, chunk_size: int = CHUNK,
-                offset: int = 0, transform: Callable[[bytes], T] = _same,
+                offset: int = 0, transform: Callable[[bytes], T] = as_is,
                 as_stored: bool = False) -> AsyncIterator[T]:
     """`store.read` for an event loop: a thread reads, decompresses and
     verifies up to `depth` chunks ahead while the caller sends, and applies

@@ -41,12 +41,12 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def _identity(st: os.stat_result) -> tuple[int, ...]:
+def file_identity(st: os.stat_result) -> tuple[int, ...]:
     """What changes when a file is replaced or written to."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _same(chunk: bytes) -> Any:
+def as_is(chunk: bytes) -> Any:
     return chunk
 
 

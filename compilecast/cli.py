@@ -25,11 +25,11 @@ from compilecast.config import (
 from . import cli_run
 from .cli_inspect import (
     CliError,
-    _rpc_failed,
-    _size,
     cmd_explain,
     cmd_key,
     cmd_status,
+    human_size,
+    rpc_failed,
 )
 
 
@@ -196,7 +196,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     except aot.AotError as exc:
         raise CliError(str(exc)) from exc
     except grpc.RpcError as exc:
-        raise _rpc_failed(args.coordinator, exc) from exc
+        raise rpc_failed(args.coordinator, exc) from exc
     finally:
         client.close()
 
@@ -213,7 +213,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     try:
         listed = list(client.list_artifacts())
     except grpc.RpcError as exc:
-        raise _rpc_failed(args.coordinator, exc) from exc
+        raise rpc_failed(args.coordinator, exc) from exc
     finally:
         client.close()
     if args.program:
@@ -228,11 +228,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for a in listed:
         art = a.artifact
         age = max(0.0, now - art.created_unix) / 3600
-        print(f"{art.key}  {_size(art.size):>10}  {art.compile_time_seconds:8.1f}s  "
+        print(f"{art.key}  {human_size(art.size):>10}  {art.compile_time_seconds:8.1f}s  "
               f"{age:7.1f}h  {a.program_name or '-'}")
     total = sum(a.artifact.size for a in listed)
     compile_s = sum(a.artifact.compile_time_seconds for a in listed)
-    print(f"{len(listed)} artifacts, {_size(total)}, {compile_s:.1f} s of compiles "
+    print(f"{len(listed)} artifacts, {human_size(total)}, {compile_s:.1f} s of compiles "
           "(columns: key, size, compile time, age, program)")
     return 0
 
@@ -246,7 +246,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
     try:
         resp = client.purge(args.keys, args.digest, args.reason, dry_run=args.dry_run)
     except grpc.RpcError as exc:
-        raise _rpc_failed(args.coordinator, exc) from exc
+        raise rpc_failed(args.coordinator, exc) from exc
     finally:
         client.close()
     purged, revoked, after = (("would purge   ", "would revoke  ", "") if args.dry_run else

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 
-def _size(n: float) -> str:
+def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -47,8 +47,8 @@ def _print_status(st, worker: str) -> None:
     health = "healthy" if st.upstream_healthy else "UNHEALTHY"
     print(f"upstream     {st.upstream}: {health}"
           + (f" ({st.upstream_problem})" if st.upstream_problem else ""))
-    bound = f" of {_size(st.store_max_bytes)}" if st.store_max_bytes else ", unbounded"
-    print(f"artifacts    {st.artifacts} ({_size(st.store_bytes)} stored{bound}; "
+    bound = f" of {human_size(st.store_max_bytes)}" if st.store_max_bytes else ", unbounded"
+    print(f"artifacts    {st.artifacts} ({human_size(st.store_bytes)} stored{bound}; "
           f"{st.revoked} revoked)")
     if st.store:
         print(f"store        {st.store}")
@@ -59,9 +59,9 @@ def _print_status(st, worker: str) -> None:
     if st.host_cache_max_bytes:
         full = (f"; {st.host_uncached} passed on without a copy, the disk being full"
                 if st.host_uncached else "")
-        print(f"host cache   {_size(st.host_cache_bytes)} of {_size(st.host_cache_max_bytes)}"
-              f" (disk: {_size(st.host_disk_free_bytes)} free, "
-              f"{_size(st.host_cache_min_free_bytes)} kept free for jobs{full})")
+        print(f"host cache   {human_size(st.host_cache_bytes)} of {human_size(st.host_cache_max_bytes)}"
+              f" (disk: {human_size(st.host_disk_free_bytes)} free, "
+              f"{human_size(st.host_cache_min_free_bytes)} kept free for jobs{full})")
     print(f"in flight    {st.compiles_in_flight} compiles, {st.waiters} waiters "
           f"(upstream: one per host and key); {st.waiting_here} processes waiting here")
     print(f"lookups      {st.hits} hits, {st.misses} misses (hit ratio {ratio})")
@@ -103,7 +103,7 @@ def _print_directories(st) -> None:
     for d in st.directories:
         off = "; ".join(f"{what} off: {why}" for what, why in
                         (("publishes", d.publish_off), ("installs", d.install_off)) if why)
-        print(f"directory    {d.kind} {d.namespace_id}: {d.entries} entries, {_size(d.bytes)}; "
+        print(f"directory    {d.kind} {d.namespace_id}: {d.entries} entries, {human_size(d.bytes)}; "
               f"{d.published} published, {d.installed} installed, {d.refused} refused"
               + (f" ({off})" if off else ""))
         print(f"  namespace  {d.namespace}")
@@ -195,7 +195,7 @@ def _seen_key(key: str, worker: str):
         d = client.describe(key)
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            raise _rpc_failed(f"{key}: worker {worker}", exc, WORKER_HINT) from None
+            raise rpc_failed(f"{key}: worker {worker}", exc, WORKER_HINT) from None
         raise CliError(f"{key}: {exc.details()}") from None
     finally:
         client.close()
@@ -207,7 +207,7 @@ def _seen_key(key: str, worker: str):
     if d.first_seen_unix:  # (a key published without components has no record)
         about += f", first seen {utc(d.first_seen_unix)}"
     if d.HasField("artifact"):
-        about += f", published {utc(d.artifact.created_unix)} ({_size(d.artifact.size)})"
+        about += f", published {utc(d.artifact.created_unix)} ({human_size(d.artifact.size)})"
     return Key(components=dict(d.key_components)), about
 
 
@@ -262,6 +262,6 @@ def _unreachable(exc, hint: str) -> str:
     return problem
 
 
-def _rpc_failed(target: str, exc, hint: str = SERVER_HINT) -> CliError:
+def rpc_failed(target: str, exc, hint: str = SERVER_HINT) -> CliError:
     """A failed call to `target` as a CliError; an unreachable one with `hint`."""
     return CliError(f"{target}: {_unreachable(exc, hint)}")

@@ -38,7 +38,7 @@ from .etcd import (
 )
 from .keystate import (
     KeyState,
-    _reason,
+    revocation_reason,
 )
 from .records import (
     DEFAULT_TENANT,
@@ -249,8 +249,8 @@ class Artifacts:
         same bytes again, one after another), and the error to raise."""
         with contextlib.suppress(Unavailable):
             await self._give_up(sk, kind, header.lease,
-                                "the compiled bytes were purged by an operator", _reason(revoked))
-        return Revoked(f"artifact {header.digest} {what} ({_reason(revoked)}); "
+                                "the compiled bytes were purged by an operator", revocation_reason(revoked))
+        return Revoked(f"artifact {header.digest} {what} ({revocation_reason(revoked)}); "
                        "it may not be published again")
 
     # -- KeepAlive -------------------------------------------------------

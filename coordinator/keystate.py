@@ -27,7 +27,7 @@ class KeyState:
     hedge: dict | None = None
 
 
-def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
+def lease_owner(sk: str, req: pb.Requester) -> tuple | None:
     """Whose claims may share an etcd lease (coordinator/leases.py): one
     process, as the tenant, its job and process id and its own name
     (host:pid, which every worker sends) tell it. A requester that does not
@@ -37,7 +37,7 @@ def _lease_owner(sk: str, req: pb.Requester) -> tuple | None:
     return tenant_of(sk), req.job, req.process_id, req.client
 
 
-def _reason(kv: KV) -> str:
+def revocation_reason(kv: KV) -> str:
     try:
         return json.loads(kv.value)["reason"]
     except (ValueError, KeyError, TypeError):
@@ -45,11 +45,11 @@ def _reason(kv: KV) -> str:
 
 
 # A key's records, P/<kind>/<tenant>/<key>: what each kind is.
-_KINDS = {"a": "index", "l": "compile lease", "x": "compile-locally", "h": "hedge"}
-_RECORDS = "alxh"  # the ones a decision reads, in this order
+RECORD_KINDS = {"a": "index", "l": "compile lease", "x": "compile-locally", "h": "hedge"}
+RECORDS = "alxh"  # the ones a decision reads, in this order
 
 
-def _verdict(marker: dict) -> dict:
+def local_verdict(marker: dict) -> dict:
     """The reason and cause of a COMPILE_LOCALLY from a key's "compile
     locally" marker (one written before causes has none: a warning)."""
     cause = marker.get("cause")
@@ -57,13 +57,13 @@ def _verdict(marker: dict) -> dict:
             "local_cause": cause if cause in pb.LocalCause.values() else 0}
 
 
-def _holder_name(rec: dict) -> str:
+def holder_name(rec: dict) -> str:
     if rec.get("job"):
         return f"job {rec['job']} process {rec.get('process', 0)} ({rec.get('client', '?')})"
     return rec.get("client") or "an independent process"
 
 
-class _Waiters:
+class KeyWaiters:
     """A replica's waiters of one key: how many wait under each rank (the
     process id in a job, else the arrival time: the lowest goes first) and
     of each job, and the lowest rank."""
@@ -103,13 +103,13 @@ class _Waiters:
                            "jobs": dict(self.jobs)}).encode()
 
 
-def _lowest_rank(kv: KV) -> str | None:
+def lowest_rank(kv: KV) -> str | None:
     """The lowest rank a replica's P/w record of its waiters names."""
     d = json_dict(kv.value) or {}
     return d.get("lowest") if isinstance(d.get("lowest"), str) and d["lowest"] else None
 
 
-def _waiters_by_job(kv: KV) -> dict[str, int]:
+def waiters_by_job(kv: KV) -> dict[str, int]:
     """How many waiters of each job a replica's P/w record counts (one that
     does not parse: one waiter, of no job)."""
     d = json_dict(kv.value) or {}

@@ -21,9 +21,9 @@ from .etcd import (
     op_delete,
 )
 from .keystate import (
-    _holder_name,
-    _reason,
-    _waiters_by_job,
+    holder_name,
+    revocation_reason,
+    waiters_by_job,
 )
 from .records import (
     DEFAULT_TENANT,
@@ -136,7 +136,7 @@ class Operations:
         resp = pb.RevokedResponse(revision=revision)
         for kv in kvs:  # (a record it cannot read still revokes its digest)
             rec = json_dict(kv.value) or {}
-            resp.revocations.add(digest=kv.key[len(head):].decode(), reason=_reason(kv),
+            resp.revocations.add(digest=kv.key[len(head):].decode(), reason=revocation_reason(kv),
                                  revoked_unix=float(rec.get("at", 0.0)),
                                  keys=[str(k) for k in rec.get("keys", ())])
         return resp
@@ -201,7 +201,7 @@ class Operations:
         for kv in wait_records:
             key, _, who = kv.key[head:].partition(b"/")
             if who != mine:
-                counted.append((key.decode(), _waiters_by_job(kv)))
+                counted.append((key.decode(), waiters_by_job(kv)))
         for key, by_job in counted:
             for job, n in by_job.items():
                 resp.waiters += n
@@ -217,7 +217,7 @@ class Operations:
         for kv in leases:
             key = kv.key[len(self.prefix) + 3 + len(tenant_path) - 1:].decode()
             rec = json_dict(kv.value) or {}
-            resp.in_flight.append(pb.InFlight(key=key, holder=_holder_name(rec),
+            resp.in_flight.append(pb.InFlight(key=key, holder=holder_name(rec),
                                               age_seconds=now - rec.get("granted", now),
                                               waiters=by_key[key]))
         return resp

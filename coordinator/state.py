@@ -63,13 +63,13 @@ from .etcd import (
 )
 from .farm import Farm
 from .keystate import (
-    _KINDS,
-    _RECORDS,
+    RECORD_KINDS,
+    RECORDS,
     KeyState,
-    _holder_name,
-    _lease_owner,
-    _verdict,
-    _Waiters,
+    KeyWaiters,
+    holder_name,
+    lease_owner,
+    local_verdict,
 )
 from .leases import LeasePool
 from .metrics import CoordinatorMetrics
@@ -150,7 +150,7 @@ class CoordinatorState(Artifacts, Waiting, Operations):
         # This replica's waiters, by key: one P/w record per key and replica
         # says how many there are (a pod's job start writes a few per key, not
         # two per waiter). Its id names that record.
-        self._waiting: dict[str, _Waiters] = {}
+        self._waiting: dict[str, KeyWaiters] = {}
         self._replica = uuid.uuid4().hex[:16]
         # Writes of those records waiting to start, by key: the changes that
         # arrive meanwhile go with them (done once the write has landed).
@@ -275,7 +275,7 @@ class CoordinatorState(Artifacts, Waiting, Operations):
         if not isinstance(held, bytes):
             return held
         try:
-            reason = self._claimed[sk] = f"compiled by {_holder_name(json.loads(held))}"
+            reason = self._claimed[sk] = f"compiled by {holder_name(json.loads(held))}"
         except (ValueError, AttributeError):
             self._claimed.pop(sk, None)
             return None
@@ -283,16 +283,16 @@ class CoordinatorState(Artifacts, Waiting, Operations):
 
     # -- reads -----------------------------------------------------------
     def _state_keys(self, sk: str) -> list[bytes]:
-        return [self._k(kind, sk) for kind in _RECORDS]
+        return [self._k(kind, sk) for kind in RECORDS]
 
     async def _read(self, sk: str) -> KeyState:
         return await self._readable_state(sk, await self.etcd.get_many(self._state_keys(sk)))
 
     async def _readable_state(self, sk: str, kvs: list[KV | None]) -> KeyState:
-        """The key's state from its records as read (in _RECORDS order), each
+        """The key's state from its records as read (in RECORDS order), each
         parsed once; one it cannot read is dropped and reads as absent."""
         parsed: list[tuple[KV | None, Any]] = []
-        for kind, kv in zip(_RECORDS, kvs, strict=True):
+        for kind, kv in zip(RECORDS, kvs, strict=True):
             value = None
             if kv is not None:
                 value = read_info(plain(sk), kv.value) if kind == "a" else json_dict(kv.value)
@@ -317,7 +317,7 @@ class CoordinatorState(Artifacts, Waiting, Operations):
         the key then reads as if it were absent (a miss compiles again),
         instead of failing every call for it."""
         log.warning("the %s record of %s cannot be read (damaged, or written by something "
-                    "else); dropping it", _KINDS[kind], sk, extra={"key": sk})
+                    "else); dropping it", RECORD_KINDS[kind], sk, extra={"key": sk})
         if kind == "a":
             self._forget_artifact(sk, kv.mod_revision + 1)
         await self.etcd.txn([cmp_mod_revision(self._k(kind, sk), kv.mod_revision)],
@@ -405,7 +405,7 @@ class CoordinatorState(Artifacts, Waiting, Operations):
         else read `read` (which includes P/kind) in the same txn. A retried
         txn whose first attempt landed (the reply was lost with an etcd
         member) fails its compares on our own record: that is a success."""
-        lease_id, granted_at = await self.leases.take(_lease_owner(sk, req))
+        lease_id, granted_at = await self.leases.take(lease_owner(sk, req))
         record = self._k(kind, sk)
         ok, rev, kvs = await self._claims.txn(
             compare, [op_put(record, self._claim(lease_id, req, program), lease=lease_id)], read)
@@ -518,10 +518,10 @@ class CoordinatorState(Artifacts, Waiting, Operations):
                 self._hit(info)
                 return pb.AcquireResponse(decision=pb.HIT, artifact=info)
             if st.local:
-                return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, **_verdict(st.local))
+                return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, **local_verdict(st.local))
             if st.lease or st.hedge:
                 return pb.AcquireResponse(decision=pb.WAIT,
-                                          reason=f"compiled by {_holder_name(st.lease or st.hedge)}")
+                                          reason=f"compiled by {holder_name(st.lease or st.hedge)}")
             if req.job and req.process_id != req.designated_process:
                 return pb.AcquireResponse(
                     decision=pb.WAIT,

@@ -23,10 +23,10 @@ from compilecast.v1 import cache_pb2 as pb
 
 from .keystate import (
     KeyState,
-    _holder_name,
-    _lowest_rank,
-    _verdict,
-    _Waiters,
+    KeyWaiters,
+    holder_name,
+    local_verdict,
+    lowest_rank,
 )
 from .records import (
     DEFAULT_TENANT,
@@ -89,7 +89,7 @@ class Waiting:
                 yield pb.WaitEvent(decision=pb.HIT, artifact=cached)
                 return
             registered = True  # counted here from now on: no longer at the end
-            self._waiting.setdefault(w.sk, _Waiters()).add(w.rank, req.job)
+            self._waiting.setdefault(w.sk, KeyWaiters()).add(w.rank, req.job)
             try:
                 await self._write_waiters(w.sk)
             except Unavailable as exc:
@@ -149,7 +149,7 @@ class Waiting:
             w.outcome = "hit"
             return st, [pb.WaitEvent(decision=pb.HIT, artifact=info)], True
         if st.local:
-            return st, [pb.WaitEvent(decision=pb.COMPILE_LOCALLY, **_verdict(st.local))], True
+            return st, [pb.WaitEvent(decision=pb.COMPILE_LOCALLY, **local_verdict(st.local))], True
         upload = self.uploads.get(w.sk) if self.cfg.publish_stream_readers else None
         if upload is not None and upload is not w.announced:
             w.announced = upload  # once per upload: fetching it streams it
@@ -220,7 +220,7 @@ class Waiting:
         if lease is not None:
             self.metrics.compiles.labels("hedge").inc()
             log.warning("hedging %s: holder %s compiles for %.0fs, expected %.0fs", sk,
-                        _holder_name(st.lease), age, expected[0])
+                        holder_name(st.lease), age, expected[0])
         return lease
 
     def _waiters_key(self, sk: str) -> bytes:
@@ -275,6 +275,6 @@ class Waiting:
         position = here.below(rank) if here is not None else 0
         mine = self._waiters_key(sk)
         for kv in await self.etcd.get_prefix(self._k("w", sk) + b"/"):
-            if kv.key != mine and (lowest := _lowest_rank(kv)) is not None and lowest < rank:
+            if kv.key != mine and (lowest := lowest_rank(kv)) is not None and lowest < rank:
                 position += 1
         return position

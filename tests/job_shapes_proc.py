@@ -175,7 +175,7 @@ def main() -> None:
 
         if "--plugin" not in flags:
             jax_integration.enable()
-        cache = jax_integration._active
+        cache = jax_integration.active_cache
         if cache is None:
             raise SystemExit("compilecast is not enabled")
         if "--inject" in flags:

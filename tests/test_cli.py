@@ -367,7 +367,7 @@ def test_a_server_that_answered_an_error_is_not_called_unreachable():
     error as UNAVAILABLE, an INTERNAL) is quoted."""
     import grpc
 
-    from compilecast.cli_inspect import SERVER_HINT, _rpc_failed
+    from compilecast.cli_inspect import SERVER_HINT, rpc_failed
 
     class Failed(grpc.RpcError):
         def __init__(self, code, details):
@@ -380,14 +380,14 @@ def test_a_server_that_answered_an_error_is_not_called_unreachable():
             return self._details
 
     relayed = Failed(grpc.StatusCode.UNAVAILABLE, "coordinator: ListArtifacts: internal error")
-    assert str(_rpc_failed("w", relayed)) == \
+    assert str(rpc_failed("w", relayed)) == \
         "w: UNAVAILABLE: coordinator: ListArtifacts: internal error"
     refused = Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last "
                      "error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: "
                      "Connection refused")
-    assert str(_rpc_failed("w", refused)) == f"w: unreachable: connection refused; {SERVER_HINT}"
+    assert str(rpc_failed("w", refused)) == f"w: unreachable: connection refused; {SERVER_HINT}"
     late = Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-    assert str(_rpc_failed("w", late)) == \
+    assert str(rpc_failed("w", late)) == \
         f"w: unreachable (DEADLINE_EXCEEDED: Deadline Exceeded); {SERVER_HINT}"
 
 

@@ -218,19 +218,19 @@ def test_the_data_plane_address_of_a_ticket():
 def test_a_data_plane_is_dialed_by_name_and_an_unresolvable_one_is_unreachable():
     """A ticket's host goes to the resolver as it is (a name, or a non-ASCII
     name through the idna codec): a name that resolves connects, one that
-    does not is _Unreachable, saying which address."""
-    from compilecast.worker.client import _connect_data_plane, _Unreachable
+    does not is Unreachable, saying which address."""
+    from compilecast.worker.client import Unreachable, connect_data_plane
 
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        sock, where = _connect_data_plane(pb.DataTicket(address=f":{port}"),
+        sock, where = connect_data_plane(pb.DataTicket(address=f":{port}"),
                                           "dns:///localhost:7640", 5.0)
         with sock:
             assert sock.getpeername() == ("127.0.0.1", port)
         assert where == f"the data plane at localhost:{port}"
     for name in ("nosuchhost.invalid", "bücher.invalid"):
-        with pytest.raises(_Unreachable, match=f"cannot connect to {name}:"):
-            _connect_data_plane(pb.DataTicket(address=f"{name}:1"), "svc:7640", 5.0)
+        with pytest.raises(Unreachable, match=f"cannot connect to {name}:"):
+            connect_data_plane(pb.DataTicket(address=f"{name}:1"), "svc:7640", 5.0)
 
 
 def taken(worker, result: str = "taken") -> float:

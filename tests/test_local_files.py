@@ -291,11 +291,11 @@ def test_a_file_the_process_cannot_follow_is_asked_for_again(coordinator, start_
 def test_a_file_that_ends_short_is_refused(tmp_path):
     from compilecast.blobstore import RAW_MAGIC, Sha256
     from compilecast.errors import CorruptBlob
-    from compilecast.worker.received import _Following, _Received
+    from compilecast.worker.received import Received, _Following
 
     path = tmp_path / "blob"
     path.write_bytes(RAW_MAGIC + bytes(range(200)))
-    received, h = _Received("k"), Sha256()
+    received, h = Received("k"), Sha256()
     follow = _Following("k", str(path), received, h)
     try:
         follow.to(150)
@@ -307,7 +307,7 @@ def test_a_file_that_ends_short_is_refused(tmp_path):
         h.close()
     path.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(100))  # a zstd stream: not followable
     with pytest.raises(CorruptBlob, match="not a raw blob"):
-        _Following("k", str(path), _Received("k"), Sha256())
+        _Following("k", str(path), Received("k"), Sha256())
 
 
 def test_a_process_that_joins_a_download_late_follows_the_file_from_its_start(

@@ -92,14 +92,14 @@ def test_peers_relay_the_stored_zstd_stream_as_it_came(start_coordinator, start_
 
 
 def test_a_fill_hands_each_reader_the_stream_it_takes(loop_thread):
-    """_Fill: a reader that takes zstd and joins before any data follows the
+    """Fill: a reader that takes zstd and joins before any data follows the
     zstd stream once it comes; a plain reader gets the decoded bytes; a
     reader joining later gets the backlog of its own kind; a cut ends the
     zstd readers with UNAVAILABLE (they fetch the rest elsewhere) and sends
     later zstd readers the decoded bytes."""
     from compilecast.errors import UpstreamError
     from compilecast.wire import DataChunk
-    from compilecast.worker.fill import _Fill
+    from compilecast.worker.fill import Fill
 
     async def drain(q):
         out = []
@@ -108,7 +108,7 @@ def test_a_fill_hands_each_reader_the_stream_it_takes(loop_thread):
         return out
 
     async def body():
-        fill = _Fill(1 << 20)
+        fill = Fill(1 << 20)
         early_z, early_plain = fill.join(zstd=True), fill.join()
         await fill.send(pb.FetchChunk(artifact=pb.ArtifactInfo(size=6)))
         await fill.send_zstd(DataChunk(b"", b"Z1"))

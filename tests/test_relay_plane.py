@@ -21,7 +21,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DATA_PLANE_REQUEST
 from compilecast.worker.client import CacheClient
-from compilecast.worker.fill import _Fill
+from compilecast.worker.fill import Fill
 from compilecast.worker.relayplane import RelayPlane
 
 from .test_relay import SIZE, egress, fetch_all, publish
@@ -161,7 +161,7 @@ def test_a_relay_plane_connection_without_a_valid_ticket_gets_nothing(
 
 
 class FakeFill:
-    """What relayplane._send reads of worker/service.py's _Fill: how much of
+    """What relayplane._send reads of worker/service.py's Fill: how much of
     its file is written, a wake-up when that changes, and how it ended."""
 
     def __init__(self, path) -> None:
@@ -177,7 +177,7 @@ class FakeFill:
     def readable(self):
         return None if self.finished else self.written
 
-    changed = _Fill.changed  # waits on self._changed, as the real one
+    changed = Fill.changed  # waits on self._changed, as the real one
 
     def write(self, data: bytes) -> None:
         self.file.write(data)

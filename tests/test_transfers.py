@@ -330,10 +330,10 @@ def test_a_big_download_is_put_together_in_place():
     ordinary bytes (equal, hashed, sliced as any); more bytes than the size,
     or fewer, are refused."""
     from compilecast.errors import CorruptBlob
-    from compilecast.worker.client import _Received
+    from compilecast.worker.client import Received
 
-    data = os.urandom(_Received.IN_PLACE_FROM + 12_345)
-    r = _Received("k")
+    data = os.urandom(Received.IN_PLACE_FROM + 12_345)
+    r = Received("k")
     r.expect(len(data))
     view = memoryview(data)
     for off in range(0, len(data), 1 << 20):  # views of the messages, as the parser gives
@@ -343,17 +343,17 @@ def test_a_big_download_is_put_together_in_place():
     assert type(out) is bytes and out == data and hash(out) == hash(bytes(data))
     assert out[-5:] == data[-5:]
 
-    over = _Received("k")
+    over = Received("k")
     over.expect(len(data))
     over.add(data)
     with pytest.raises(CorruptBlob, match="more bytes than its size"):
         over.add(b"x")
-    short = _Received("k")
+    short = Received("k")
     short.expect(len(data))
     short.add(data[:-1])
     with pytest.raises(CorruptBlob, match="ended after"):
         short.result()
-    small = _Received("k")  # under the bound: joined, as before
+    small = Received("k")  # under the bound: joined, as before
     small.expect(10)
     small.add(b"01234")
     small.add(memoryview(b"56789"))
@@ -366,11 +366,11 @@ def test_a_download_put_together_in_place_has_its_pages_faulted_in_ahead():
     MADV_POPULATE_WRITE (Linux 5.14); the bytes are the same either way."""
     import platform
 
-    from compilecast.worker.client import _Received
+    from compilecast.worker.client import Received
 
-    step = _Received.POPULATE_STEP
+    step = Received.POPULATE_STEP
     data = os.urandom(2 * step + 3 * 4096 + 17)
-    r = _Received("k")
+    r = Received("k")
     r.expect(len(data))
     room = r.room(1 << 20)
     room[:] = data[:1 << 20]

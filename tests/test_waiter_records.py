@@ -11,7 +11,7 @@ import time
 
 from compilecast.coordinator import waiting as waiting_mod
 from compilecast.coordinator.etcd import KV
-from compilecast.coordinator.keystate import _lowest_rank, _Waiters, _waiters_by_job
+from compilecast.coordinator.keystate import KeyWaiters, lowest_rank, waiters_by_job
 from compilecast.coordinator.records import scope
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
@@ -22,7 +22,7 @@ DATA = b"waiter-records" * 1000
 
 
 def test_a_replicas_waiters_keep_their_count_jobs_and_lowest_rank():
-    w = _Waiters()
+    w = KeyWaiters()
     for rank, job in (("0000000003", "a"), ("0000000001", "a"), ("0000000002", "b"),
                       ("0000000001", "a")):
         w.add(rank, job)
@@ -40,17 +40,17 @@ def test_a_replicas_waiters_keep_their_count_jobs_and_lowest_rank():
 
 
 def test_a_replicas_record_of_its_waiters_is_read():
-    mine = KV(b"/p/w/default/k/3f2a", _Waiters().record(), 1, 1, 0)
-    assert _lowest_rank(mine) is None and _waiters_by_job(mine) == {}
-    w = _Waiters()
+    mine = KV(b"/p/w/default/k/3f2a", KeyWaiters().record(), 1, 1, 0)
+    assert lowest_rank(mine) is None and waiters_by_job(mine) == {}
+    w = KeyWaiters()
     w.add("0000000007", "job-1")
     w.add("0000000005", "job-2")
     ours = KV(b"/p/w/default/k/3f2a", w.record(), 1, 1, 0)
-    assert _lowest_rank(ours) == "0000000005"
-    assert _waiters_by_job(ours) == {"job-1": 1, "job-2": 1}
+    assert lowest_rank(ours) == "0000000005"
+    assert waiters_by_job(ours) == {"job-1": 1, "job-2": 1}
     damaged = KV(b"/p/w/default/k/3f2a", b"not json", 1, 1, 0)
-    assert _waiters_by_job(damaged) == {"": 1}  # counted as one, never fails a status
-    assert _lowest_rank(damaged) is None  # and names no rank: it never goes first
+    assert waiters_by_job(damaged) == {"": 1}  # counted as one, never fails a status
+    assert lowest_rank(damaged) is None  # and names no rank: it never goes first
 
 
 def _records(coordinator, loop_thread, key: str) -> list[KV]:

@@ -33,24 +33,24 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from . import handoff
 from .clientpublish import Publishing
 from .received import (
+    CutOff,
+    Follower,
+    Received,
     Stalled,
+    StatusError,
+    Unfollowable,
+    Unreachable,
     UploadRefused,
-    _CutOff,
-    _Follower,
-    _inflater,
-    _read_local,
-    _read_stored,
-    _Received,
-    _Status,
-    _Unfollowable,
-    _Unreachable,
-    _Watchdog,
+    Watchdog,
+    inflater,
+    read_local,
+    read_stored,
 )
 from .routes import (
     TRANSFER_S,
-    _connect_data_plane,
-    _read_data_plane,
-    _status,
+    answer_status,
+    connect_data_plane,
+    read_data_plane,
 )
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class CacheClient(Publishing):
                 try:
                     return self._wait_data_plane(key, event.data_ticket, deadline)
                 except OSError as exc:
-                    if isinstance(exc, _Unreachable):
+                    if isinstance(exc, Unreachable):
                         self.routes.off(Route.DATA_PLANE, str(exc))
                     log.info("the wait for %s over the data plane broke off (%s); waiting "
                              "over gRPC", key, exc, extra={"key": key})
@@ -244,19 +244,19 @@ class CacheClient(Publishing):
         DataTicket): blocked in recv until the event that ends it, which may
         be the WAIT of a publish that started, and after a HIT the verified
         bytes when they follow (None when they did not, or did not arrive
-        whole and verified: the caller fetches). OSError (_Unreachable, or
+        whole and verified: the caller fetches). OSError (Unreachable, or
         a connection that broke or went silent before the event) decided
         nothing; a refusal is raised as the status a Wait call would have
         ended with."""
-        sock, where = _connect_data_plane(ticket, self.target, self.stall_s)
+        sock, where = connect_data_plane(ticket, self.target, self.stall_s)
         with sock, sock.makefile("rb", buffering=0) as answers:
             sock.sendall(wire.DATA_PLANE_WAIT + ticket.token)
             # The coordinator answers by the deadline (COMPILE_LOCALLY at worst).
             sock.settimeout(max(0.001, deadline - time.monotonic()) + self.timeout_s)
             try:
-                event = pb.WaitEvent.FromString(_status(answers, where))
+                event = pb.WaitEvent.FromString(answer_status(answers, where))
             except UploadRefused as exc:
-                raise _Status(exc.code(), exc.details()) from None
+                raise StatusError(exc.code(), exc.details()) from None
             except DecodeError as exc:
                 raise OSError(errno.EPROTO, f"{where} answered a wait with no WaitEvent: "
                                             f"{exc}") from None
@@ -264,7 +264,7 @@ class CacheClient(Publishing):
                 return event, None
             sock.settimeout(self.stall_s)
             try:
-                return event, _read_stored(key, event.artifact, answers, where)
+                return event, read_stored(key, event.artifact, answers, where)
             except (OSError, CorruptBlob) as exc:
                 log.info("the bytes of %s after the wait did not arrive whole and verified "
                          "(%s); fetching them", key, exc, extra={"key": key})
@@ -313,7 +313,7 @@ class CacheClient(Publishing):
         for pause in (*FETCH_RETRY_S, None):
             try:
                 return self._fetch_once(key, digest)
-            except _CutOff as cut:
+            except CutOff as cut:
                 if pause is None:
                     raise cut.error from None
                 log.warning("fetch of %s was cut off (%s); trying again in %.0fs", key,
@@ -327,7 +327,7 @@ class CacheClient(Publishing):
         while True:
             try:
                 info, got = self._fetch_stream(key, digest, local, data_plane, growing)
-            except _Unfollowable as exc:
+            except Unfollowable as exc:
                 # Asked again: the file is then whole in the host cache, or comes
                 # over the socket.
                 growing = False
@@ -341,8 +341,8 @@ class CacheClient(Publishing):
             if isinstance(got, pb.DataTicket):
                 data_plane = False  # whatever happens, a second ask takes gRPC
                 try:
-                    return info, _read_data_plane(key, info, got, self.target, self.stall_s)
-                except _Unreachable as exc:
+                    return info, read_data_plane(key, info, got, self.target, self.stall_s)
+                except Unreachable as exc:
                     self.routes.off(Route.DATA_PLANE, str(exc))
                     log.info("cannot reach the coordinator's data plane (%s); artifacts come "
                              "over gRPC from now on", exc, extra={"key": key})
@@ -353,7 +353,7 @@ class CacheClient(Publishing):
                     log.warning("%s; fetching it over gRPC", exc, extra={"key": key})
                 continue
             try:
-                return info, _read_local(key, info, got)
+                return info, read_local(key, info, got)
             except OSError as exc:
                 local = False
                 if not os.path.isdir(os.path.dirname(got)):  # its host cache is not here
@@ -373,11 +373,11 @@ class CacheClient(Publishing):
         path of the file the worker answered with instead, or with
         `data_plane` the coordinator's ticket for its bytes. With `local` and
         `growing`, the worker may go on in its file as it writes it;
-        _Unfollowable when that file cannot be read here."""
+        Unfollowable when that file cannot be read here."""
         info = None
-        received = _Received(key)
+        received = Received(key)
         h = Sha256()  # on a thread of its own for a big artifact: overlaps receiving
-        follower = _Follower(key, received, h)
+        follower = Follower(key, received, h)
 
         def take(data) -> None:
             h.update(data)
@@ -389,7 +389,7 @@ class CacheClient(Publishing):
                                                accept_growing_file=local and growing,
                                                accept_data_ticket=data_plane),
                                timeout=TRANSFER_S)
-        with _Watchdog(self.stall_s).watching(call.cancel) as dog, contextlib.closing(h):
+        with Watchdog(self.stall_s).watching(call.cancel) as dog, contextlib.closing(h):
             try:
                 for chunk in call:
                     dog.tick()
@@ -410,7 +410,7 @@ class CacheClient(Publishing):
                         received.expect(info.size)
                     if chunk.zstd_data:
                         if inflate is None:
-                            inflate = _inflater(key, info, received, take)
+                            inflate = inflater(key, info, received, take)
                         inflate.feed(chunk.zstd_data)
                     elif chunk.data:
                         if inflate is not None:
@@ -421,7 +421,7 @@ class CacheClient(Publishing):
                     raise Stalled(f"fetch of {key} from {self.target} moved nothing for "
                                   f"{self.stall_s:g}s") from None
                 if info is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    raise _CutOff(exc) from None
+                    raise CutOff(exc) from None
                 raise
             finally:
                 follower.close()

@@ -22,18 +22,18 @@ from compilecast.wire import DataChunk
 
 from .received import (
     Stalled,
-    _Unreachable,
-    _UploadBroken,
-    _Watchdog,
+    Unreachable,
+    UploadBroken,
+    Watchdog,
 )
 from .routes import (
     CHUNK,
     HANDOFF_SPARE,
     TRANSFER_S,
-    _hand_off,
-    _NoFile,
-    _upload_data_plane,
+    NoFile,
+    hand_off,
     memory_headroom,
+    upload_data_plane,
 )
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class Publishing:
                         return got
                     return self._send(header, data)
                 except grpc.RpcError as exc:
-                    if isinstance(exc, _UploadBroken):
+                    if isinstance(exc, UploadBroken):
                         over_data_plane = False
                     if attempt and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                         mine = self._published_as(key, header.digest or
@@ -130,26 +130,26 @@ class Publishing:
         handed = resp.ticket.address.startswith("unix:")
         try:
             if handed:
-                return _hand_off(data, resp.ticket, self.stall_s)
-            return _upload_data_plane(header, data, resp.ticket, self.target, self.stall_s)
-        except _Unreachable as exc:
+                return hand_off(data, resp.ticket, self.stall_s)
+            return upload_data_plane(header, data, resp.ticket, self.target, self.stall_s)
+        except Unreachable as exc:
             routes.off(Route.HANDOFF if handed else Route.DATA_PLANE, str(exc))
             log.info("cannot reach %s (%s); artifacts go over gRPC from now on",
                      "the worker's handoff socket" if handed else "the coordinator's data plane",
                      exc, extra={"key": header.key})
             return None
-        except _NoFile as exc:
+        except NoFile as exc:
             log.info("%s; the publish of %s goes over gRPC", exc, header.key,
                      extra={"key": header.key})
             return None
         except OSError as exc:
-            raise _UploadBroken(f"the {'handoff' if handed else 'data plane upload'} of "
+            raise UploadBroken(f"the {'handoff' if handed else 'data plane upload'} of "
                                 f"{header.key} broke off "
                                 f"({exc})") from None
 
     def _send(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo:
         key = header.key
-        dog = _Watchdog(self.stall_s)
+        dog = Watchdog(self.stall_s)
 
         def ticking():
             for message in publish_messages(header, data):

@@ -26,18 +26,18 @@ from compilecast.wire import DataChunk
 
 from .bucketurl import with_bucket_url
 from .dataplane import DATA_PLANE_PIECE, RELAY_LEAST, DataPlaneBroke, with_data_plane
-from .fill import _Fill, _following, _Inflating
+from .fill import Fill, Inflating, following_fill
 from .upstream import (
     HEARTBEAT_S,
     PEER_IDLE_S,
     RESUME_S,
     TRANSFER_S,
     UPSTREAM_IDLE_S,
-    _heartbeats_until,
-    _idle_timeout,
-    _matches,
-    _relay,
-    _ticketed,
+    digest_matches,
+    heartbeats_until,
+    idle_timeout,
+    relay_error,
+    ticketed,
 )
 
 log = logging.getLogger("compilecast.worker.service")
@@ -56,13 +56,13 @@ class _Download:
     resumes: list[float] = field(default_factory=lambda: list(RESUME_S))
     info: pb.ArtifactInfo | None = None
     peer: str = ""  # the peer worker relaying it ("": the coordinator)
-    inflate: _Inflating | None = None  # decoding this attempt's zstd stream
+    inflate: Inflating | None = None  # decoding this attempt's zstd stream
 
 
 class Fetches:
     """Fetch and the host cache's fills (a mixin of WorkerService)."""
 
-    async def _run_fill(self, fill: _Fill, ns: str, md: tuple, key: str, digest: str) -> None:
+    async def _run_fill(self, fill: Fill, ns: str, md: tuple, key: str, digest: str) -> None:
         """Download `key` into the host cache once, however many ask, passing
         each chunk on to the fill's readers. The coordinator may point us at a
         peer worker that is downloading (or holds) the same artifact; if the
@@ -108,7 +108,7 @@ class Fetches:
                                           else dl.ticket),
             accept_url=fresh and not dl.peer and dl.urls)
 
-    async def _attempt(self, dl: _Download, fill: _Fill, md: tuple, writer) -> bool:
+    async def _attempt(self, dl: _Download, fill: Fill, md: tuple, writer) -> bool:
         """One Fetch of what is missing, from the coordinator or a peer;
         whether another should follow (a redirect, a resume, a fallback)."""
         # The coordinator's stored zstd (or a peer's relay of it) is decoded
@@ -143,11 +143,11 @@ class Fetches:
             return True
         return False
 
-    async def _take(self, dl: _Download, fill: _Fill, writer, request: pb.FetchRequest,
+    async def _take(self, dl: _Download, fill: Fill, writer, request: pb.FetchRequest,
                     chunks) -> str:
         """Pass one Fetch's chunks on to the readers and into the host cache;
         the peer the coordinator redirected to ("": none)."""
-        async for chunk in _idle_timeout(chunks, PEER_IDLE_S if dl.peer else UPSTREAM_IDLE_S):
+        async for chunk in idle_timeout(chunks, PEER_IDLE_S if dl.peer else UPSTREAM_IDLE_S):
             if chunk.HasField("artifact") and dl.info is None:
                 await self._make_room(writer, chunk.artifact.size)
             if chunk.relay_from:
@@ -157,7 +157,7 @@ class Fetches:
                 await self._header(dl, fill, chunk.artifact)
             if chunk.zstd_data:
                 if dl.inflate is None:
-                    dl.inflate = _Inflating(dl.key, dl.info, fill, writer)
+                    dl.inflate = Inflating(dl.key, dl.info, fill, writer)
                 await fill.send_zstd(chunk)  # peers relay the stream as it came
                 await dl.inflate.feed(chunk.zstd_data)
             elif chunk.data:
@@ -166,7 +166,7 @@ class Fetches:
                 await fill.send(chunk)  # a heartbeat: pass it on
         return ""
 
-    async def _header(self, dl: _Download, fill: _Fill, artifact: pb.ArtifactInfo) -> None:
+    async def _header(self, dl: _Download, fill: Fill, artifact: pb.ArtifactInfo) -> None:
         """Take an artifact header."""
         if dl.info is not None and artifact.digest != dl.info.digest:
             raise CorruptBlob(f"{dl.key} changed digest mid-download")
@@ -174,7 +174,7 @@ class Fetches:
             await fill.send(pb.FetchChunk(artifact=artifact))
         dl.info = fill.info = artifact
 
-    async def _take_data(self, dl: _Download, fill: _Fill, writer, request: pb.FetchRequest,
+    async def _take_data(self, dl: _Download, fill: Fill, writer, request: pb.FetchRequest,
                          chunk) -> None:
         if dl.inflate is not None:
             raise CorruptBlob(f"{dl.key}: zstd_data and data in one stream")
@@ -220,7 +220,7 @@ class Fetches:
                                     f"coordinator: the fetch of {dl.key} moved nothing for "
                                     f"{UPSTREAM_IDLE_S:g}s") from None
             if exc.code() != grpc.StatusCode.UNAVAILABLE or not dl.resumes:
-                raise _relay(exc) from None
+                raise relay_error(exc) from None
             # A replica restarting (a rolling update) or a reset connection: go
             # on from the bytes already here (served, never redirected: a peer
             # would start from the first byte).
@@ -318,8 +318,8 @@ class Fetches:
             fill = self._fills.get((ns, request.key))
             if fill is None:
                 # Peers join a running download late: keep its head for them.
-                fill = self._fills[(ns, request.key)] = _Fill(
-                    _Fill.MAX_BACKLOG if self.relay_address else 0)
+                fill = self._fills[(ns, request.key)] = Fill(
+                    Fill.MAX_BACKLOG if self.relay_address else 0)
                 self._spawn(self._run_fill(fill, ns, md, request.key, request.digest))
             reader = fill.join(request.accept_zstd)
             if reader is not None:
@@ -372,29 +372,29 @@ class Fetches:
                     and await fill.changed(deadline - time.monotonic()):
                 pass
             info = fill.info
-            if fill.readable() is not None and _matches(info, request.digest):
+            if fill.readable() is not None and digest_matches(info, request.digest):
                 try:
                     f = await asyncio.to_thread(open, fill.writer.path, "rb")
                 except OSError:  # committed (renamed) meanwhile: the gRPC path reads the blob
                     return None
-                return _ticketed(info, self.relay_plane.offer(f, len(RAW_MAGIC) + info.size,
+                return ticketed(info, self.relay_plane.offer(f, len(RAW_MAGIC) + info.size,
                                                               fill))
             if not fill.finished:  # a zstd stream, or not kept: the peer follows it over gRPC
                 return None
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
-        if info is None or not _matches(info, request.digest):
+        if info is None or not digest_matches(info, request.digest):
             return None
         f = await asyncio.to_thread(self.cache.store.open_sendable, info.digest,
                                     request.accept_zstd)
         if f is None:
             return None
-        return _ticketed(info, self.relay_plane.offer(f, os.fstat(f.fileno()).st_size))
+        return ticketed(info, self.relay_plane.offer(f, os.fstat(f.fileno()).st_size))
 
-    def _following(self, fill: _Fill, available: int):
+    def _following(self, fill: Fill, available: int):
         self.metrics.growing_files.inc()
-        return _following(fill, available)
+        return following_fill(fill, available)
 
-    async def _join_late(self, fill: _Fill, follow: bool):
+    async def _join_late(self, fill: Fill, follow: bool):
         """A fetch that joins `fill` after it began. With `follow`, it follows
         the fill's file from its first byte, once it is one to follow
         (heartbeats until then): the header, which carries the artifact, then
@@ -410,5 +410,5 @@ class Fetches:
                 async for chunk in self._following(fill, available):
                     yield chunk
                 return
-        async for beat in _heartbeats_until(fill.done):
+        async for beat in heartbeats_until(fill.done):
             yield beat

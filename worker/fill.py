@@ -20,7 +20,7 @@ from compilecast.wire import DataChunk
 
 from .upstream import (
     HEARTBEAT_S,
-    _heartbeats_until,
+    heartbeats_until,
 )
 
 
@@ -46,7 +46,7 @@ class _Backlog:
             self.chunks.append(chunk)
 
 
-class _Fill:
+class Fill:
     """One download into the host cache, streamed to its readers as it arrives.
 
     A reader that joins while the download runs first gets the chunks sent
@@ -193,7 +193,7 @@ class _Fill:
 PACK_THREADS = min(4, os.cpu_count() or 1) if (os.cpu_count() or 1) > 1 else 0
 
 
-class _Packer:
+class Packer:
     """A publish on its way to a coordinator that takes zstd: the first
     PROBE bytes decide, as for the store, whether it goes as a zstd stream
     (compressed here, the stream also kept in the host cache as it goes) or
@@ -243,12 +243,12 @@ class _Packer:
         return [DataChunk(b"", stream)] if stream else []
 
 
-class _Inflating:
+class Inflating:
     """A download sent as zstd (FetchChunk.zstd_data), decoded on a thread
     for the fill's readers, a bounded piece at a time (however well it
     compresses), and stored in the host cache as the stream it came in."""
 
-    def __init__(self, key: str, info: pb.ArtifactInfo | None, fill: _Fill, writer) -> None:
+    def __init__(self, key: str, info: pb.ArtifactInfo | None, fill: Fill, writer) -> None:
         if info is None or writer.size:
             raise CorruptBlob(f"{key}: zstd_data before the artifact's header or after data")
         self._loop = asyncio.get_running_loop()
@@ -291,7 +291,7 @@ class _Inflating:
 FOLLOW_STEP = 4 << 20  # a reader following a fill's file is told of every this many bytes
 
 
-async def _following(fill: _Fill, available: int):
+async def following_fill(fill: Fill, available: int):
     """The messages of a fetch that a process on this host goes on with by
     reading the fill's file as it is written: where it is, then how far it
     is written (every FOLLOW_STEP, at HEARTBEAT_S when nothing comes), and
@@ -310,7 +310,7 @@ async def _following(fill: _Fill, available: int):
             told = now
             yield pb.FetchChunk(local_available=now)
     # (Its file no longer followed, a disk that filled up: its end.)
-    async for beat in _heartbeats_until(fill.done, lambda: pb.FetchChunk(local_available=told)):
+    async for beat in heartbeats_until(fill.done, lambda: pb.FetchChunk(local_available=told)):
         yield beat
     info = fill.done.result()  # (or the fill's error)
     yield pb.FetchChunk(artifact=info, local_available=info.size)

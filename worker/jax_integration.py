@@ -487,7 +487,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
                                                     pb.BELOW_THRESHOLD, why or ""))
 
 
-_active: CompilecastCache | None = None
+active_cache: CompilecastCache | None = None
 
 
 def enable(target: str | None = None, *, timeout_ms: int | None = None,
@@ -498,7 +498,7 @@ def enable(target: str | None = None, *, timeout_ms: int | None = None,
     serves. Returns None (and warns) if this JAX release cannot be hooked;
     JAX then compiles as usual.
     """
-    global _active
+    global active_cache
     target = target or os.environ.get("COMPILECAST_WORKER") or default_worker_target()
     job = job or os.environ.get("COMPILECAST_JOB") or None
     try:
@@ -516,30 +516,30 @@ def enable(target: str | None = None, *, timeout_ms: int | None = None,
     except (jax_adapter.AdapterError, ValueError) as exc:  # ValueError: bad configuration
         log.warning("compilecast disabled: %s", exc)
         return None
-    _active = cache
+    active_cache = cache
     log.info("compilecast enabled (worker %s)", target)
     return cache
 
 
 def disable() -> None:
-    global _active
+    global active_cache
     jax_adapter.uninstall()
-    if _active is not None:
-        _active._releases.flush()
-        _active.client.close()
-    _active = None
+    if active_cache is not None:
+        active_cache._releases.flush()
+        active_cache.client.close()
+    active_cache = None
 
 
 def stats() -> dict[str, Any]:
     """This process's counts, with the releases still queued sent first
     (waiting for them at most RELEASE_FLUSH_S)."""
-    if _active is None:
+    if active_cache is None:
         return {}
-    _active._releases.flush()
-    return _active.stats.as_dict()
+    active_cache._releases.flush()
+    return active_cache.stats.as_dict()
 
 
 @atexit.register
 def _flush_at_exit() -> None:
-    if _active is not None:
-        _active._releases.flush()
+    if active_cache is not None:
+        active_cache._releases.flush()

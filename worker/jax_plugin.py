@@ -18,9 +18,9 @@ def initialize() -> None:
     if os.environ.get("COMPILECAST_ENABLE", "").lower() not in ("1", "true", "yes", "on"):
         return
     try:
-        from compilecast.worker.jax_integration import _active, enable
+        from compilecast.worker.jax_integration import active_cache, enable
 
-        if _active is None:
+        if active_cache is None:
             enable()
     except Exception as exc:  # never break JAX's startup
         log.warning("compilecast: could not enable from COMPILECAST_ENABLE: %s", exc)

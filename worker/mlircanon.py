@@ -37,7 +37,7 @@ from .mlirwalk import (  # noqa: F401 (the reference walk, as the gate's callers
     STREAM_VERSION,
     BindingsRefused,
     ResourceRefused,
-    _ir,
+    ir_bindings,
     private_renames,
     stream_py,
 )
@@ -105,7 +105,7 @@ def find_api() -> tuple[str, list[int]] | None:
 
 def _bind(lib: str, locations: list[int]) -> bool:
     """Bind the C path in this process to `lib` (which jaxlib loads)."""
-    _ir()  # loads jaxlib's libraries: bind() looks for them among the loaded ones
+    ir_bindings()  # loads jaxlib's libraries: bind() looks for them among the loaded ones
     try:
         _native.bind(lib, locations)
         return True

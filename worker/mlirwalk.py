@@ -72,7 +72,7 @@ MAX_DEPTH = 200  # operations in regions, or attributes in attributes (as _mlirc
 # levels of both stay within Python's recursion limit in the reference
 
 
-def _ir() -> Any:
+def ir_bindings() -> Any:
     from .jax_adapter import ir
     return ir
 
@@ -83,7 +83,7 @@ def private_renames(module: Any) -> dict[str, str]:
     """Private functions of the module's body, renamed f0, f1, ... in order of
     appearance; {} when a new name would be a public function's name (the
     module keeps its names: a miss at worst, never a collision)."""
-    ir = _ir()
+    ir = ir_bindings()
     mapping: dict[str, str] = {}
     public: set[str] = set()
     for op in module.operation.regions[0].blocks[0].operations:
@@ -106,7 +106,7 @@ def private_renames(module: Any) -> dict[str, str]:
 class _Stream:
     def __init__(self, hasher: Any, ignore: frozenset[str], renames: dict[str, str],
                  kernel: Any = None) -> None:
-        self.ir = _ir()
+        self.ir = ir_bindings()
         self.kernel = kernel
         self.h = hasher
         self.buf = bytearray()

@@ -36,14 +36,14 @@ from .dataplane import (
     upload_status,
 )
 from .fill import (
-    _Fill,
-    _Packer,
+    Fill,
+    Packer,
 )
 from .upstream import (
     UPSTREAM_IDLE_S,
-    _forward_publish,
-    _relay,
-    _unless_stalled,
+    forward_publish,
+    relay_error,
+    unless_stalled,
 )
 
 log = logging.getLogger("compilecast.worker.service")
@@ -85,7 +85,7 @@ class Publishes:
         # This host's processes that fetch it meanwhile read our copy: they
         # follow its file as it is written (stored raw), or read it when done.
         # (The digest may come last: they learn it at the end.)
-        copy = _Fill(0)
+        copy = Fill(0)
         copy.info = pb.ArtifactInfo(key=header.key, size=header.size, digest=header.digest)
         ours = self._publishing.setdefault((ns, header.key), copy) is copy
         if ours and self.wake_on_host_publish:  # they fetch now: they follow our copy
@@ -106,7 +106,7 @@ class Publishes:
             await copy.finish(resp.artifact if resp is not None else None, error)
 
     async def _publish(self, ns: str, md: tuple, header: pb.PublishHeader,
-                       chunks, copy: _Fill, digest_here: bool = False) -> pb.PublishResponse:
+                       chunks, copy: Fill, digest_here: bool = False) -> pb.PublishResponse:
         writer = copy.writer = self.cache.store.writer(discard_when_unwritable=True)
         with writer:
             await self._make_room(writer, header.size)
@@ -116,7 +116,7 @@ class Publishes:
             # The publish goes on compressed here, on the holder's host, once:
             # the coordinator stores the stream as it comes, and so does the
             # host cache.
-            pack = _Packer(writer)
+            pack = Packer(writer)
 
             later = not header.digest  # the holder sends it last: so does this worker
             # As it came: publish_stream sets the digest sent last on `header`.
@@ -157,7 +157,7 @@ class Publishes:
                     yield pb.PublishChunk(digest=header.digest)
 
             if resp is None:
-                resp = await _forward_publish(self.up, forward(), md, moved,
+                resp = await forward_publish(self.up, forward(), md, moved,
                                               f"the publish of {header.key}")
             await asyncio.to_thread(writer.commit, header.digest, header.size)
         await self._record(ns, resp.artifact, writer)
@@ -191,7 +191,7 @@ class Publishes:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return None  # too many tickets out (or too large: its Publish says so)
-            raise _relay(exc) from None
+            raise relay_error(exc) from None
         if not opened.HasField("ticket"):
             self.routes.off(Route.UPLOAD_TICKET, f"{self.coordinator} offers no upload tickets")
             log.info("%s takes publishes over gRPC only", self.coordinator)
@@ -225,7 +225,7 @@ class Publishes:
         with sock:
             try:
                 try:
-                    return await _unless_stalled(asyncio.ensure_future(send()), moved,
+                    return await unless_stalled(asyncio.ensure_future(send()), moved,
                                                  UPSTREAM_IDLE_S, f"the upload of {header.key}")
                 except OSError as exc:
                     with contextlib.suppress(OSError, TimeoutError):  # a refusal sent before?
@@ -236,4 +236,4 @@ class Publishes:
                     raise Unavailable(f"the upload of {header.key} to {where} broke off "
                                       f"({exc})") from None
             except UploadRefused as exc:
-                raise _relay(exc) from None
+                raise relay_error(exc) from None

@@ -24,7 +24,7 @@ from compilecast.v1 import cache_pb2 as pb
 LOCAL_PIECE = 4 << 20  # a host cache file is read (and hashed) in pieces of this size
 
 
-class _Status(grpc.RpcError):
+class StatusError(grpc.RpcError):
     """A grpc.RpcError raised here rather than by gRPC: a status code and
     its details, read as a failed call's are."""
 
@@ -40,7 +40,7 @@ class _Status(grpc.RpcError):
         return self._details
 
 
-class Stalled(_Status):
+class Stalled(StatusError):
     """A transfer that moved no bytes (nor a heartbeat) for `stall_s`."""
 
     def __init__(self, what: str) -> None:
@@ -49,7 +49,7 @@ class Stalled(_Status):
 
 
 
-class UploadRefused(_Status):
+class UploadRefused(StatusError):
     """A publish over the data plane that the coordinator refused, with
     the status code and message its Publish stream would have ended with."""
 
@@ -57,7 +57,7 @@ class UploadRefused(_Status):
         super().__init__(grpc_code(code), details)
 
 
-class _UploadBroken(_Status):
+class UploadBroken(StatusError):
     """A publish over the data plane whose connection broke or stalled
     before its answer (it may or may not have been published): tried again,
     over gRPC, as a Publish cut off is."""
@@ -66,7 +66,7 @@ class _UploadBroken(_Status):
         super().__init__(grpc.StatusCode.UNAVAILABLE, what)
 
 
-class _CutOff(Exception):
+class CutOff(Exception):
     """A transfer that started and then broke (UNAVAILABLE): worth trying again."""
 
     def __init__(self, error: grpc.RpcError) -> None:
@@ -74,7 +74,7 @@ class _CutOff(Exception):
         self.error = error
 
 
-class _Watchdog:
+class Watchdog:
     """Cancels a transfer (`cancel`) once `tick` has not been called for
     `stall_s`: a big artifact on a slow link takes as long as it moves, a
     stuck peer is given up in `stall_s` (a deadline on the whole call would
@@ -87,7 +87,7 @@ class _Watchdog:
         self._cancel = None
         self._stop = threading.Event()
 
-    def watching(self, cancel) -> _Watchdog:
+    def watching(self, cancel) -> Watchdog:
         """Start watching; `cancel` ends the transfer when it stalls."""
         self._cancel = cancel
         self.tick()
@@ -107,14 +107,14 @@ class _Watchdog:
     def close(self) -> None:
         self._stop.set()
 
-    def __enter__(self) -> _Watchdog:
+    def __enter__(self) -> Watchdog:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _inflater(key: str, info: pb.ArtifactInfo | None, received: _Received, take) -> Inflate:
+def inflater(key: str, info: pb.ArtifactInfo | None, received: Received, take) -> Inflate:
     """The decoder of a Fetch stream sent as zstd (after its header, before any data)."""
     if info is None or received.size:
         raise CorruptBlob(f"fetch of {key} sent zstd_data before its header or after data")
@@ -155,7 +155,7 @@ def _bytes_address() -> Callable[[bytes], int] | None:
     return f
 
 
-class _Received:
+class Received:
     """A download's bytes, put together as they arrive. Once the artifact's
     size is known (its header comes first), into one bytes object of that
     size, written in place while nothing else can see it (as C code fills
@@ -242,7 +242,7 @@ class _Received:
 
 
 
-class _Unfollowable(Exception):
+class Unfollowable(Exception):
     """The file a worker switched a fetch to (`path`) could not be read here
     (its cause says why)."""
 
@@ -251,7 +251,7 @@ class _Unfollowable(Exception):
         self.path = path
 
 
-class _Unreachable(OSError):
+class Unreachable(OSError):
     """The data plane's address cannot be connected to from here."""
 
 
@@ -269,7 +269,7 @@ class _Prefixed:
         return out
 
 
-def _read_exactly(f, n: int) -> bytes:
+def read_exactly(f, n: int) -> bytes:
     out = b""
     while len(out) < n and (piece := f.read(n - len(out))):
         out += piece
@@ -285,7 +285,7 @@ def _read_into(reader, room: memoryview) -> int:
     return n
 
 
-def _read_hashed(reader, received: _Received, h: Sha256, end: int) -> None:
+def _read_hashed(reader, received: Received, h: Sha256, end: int) -> None:
     """Read from `reader` into `received` until it holds `end` bytes or the
     reader has no more, hashing on the way. The bytes go straight into the
     result where it is put together in place (no copy), and are hashed from
@@ -305,17 +305,17 @@ def _read_hashed(reader, received: _Received, h: Sha256, end: int) -> None:
             return
 
 
-def _read_stored(key: str, info: pb.ArtifactInfo, f, where: str) -> bytes:
+def read_stored(key: str, info: pb.ArtifactInfo, f, where: str) -> bytes:
     """The artifact from `f`, a blob as a store keeps it (RAW_MAGIC and the
     bytes, or one zstd stream that decodes to them; read to its end),
     verified. OSError when it cannot be read; CorruptBlob when its bytes are
     not the artifact's. The bytes go straight into the result (no copy), and
     are hashed on the hashing thread from read-only views of it."""
-    received = _Received(key)
+    received = Received(key)
     received.expect(info.size)
     h = Sha256()
     with contextlib.closing(h):
-        head = _read_exactly(f, len(RAW_MAGIC))
+        head = read_exactly(f, len(RAW_MAGIC))
         raw = head == RAW_MAGIC
         reader = f if raw else zstandard.ZstdDecompressor().stream_reader(
             _Prefixed(head, f), closefd=False)
@@ -347,10 +347,10 @@ def _open_host_file(path: str, check=None):
         raise
 
 
-def _read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
+def read_local(key: str, info: pb.ArtifactInfo, path: str) -> bytes:
     """The artifact from the worker's host cache file at `path`, verified."""
     with _open_host_file(path) as f:
-        return _read_stored(key, info, f, "the host cache file")
+        return read_stored(key, info, f, "the host cache file")
 
 
 class _Following:
@@ -359,7 +359,7 @@ class _Following:
     byte the download reached, up to what the worker says the file holds,
     straight into the result and hashed as the rest of it is."""
 
-    def __init__(self, key: str, path: str, received: _Received, h: Sha256) -> None:
+    def __init__(self, key: str, path: str, received: Received, h: Sha256) -> None:
         self.key, self.received, self.h = key, received, h
 
         def at_the_byte_reached(fd: int) -> None:
@@ -379,11 +379,11 @@ class _Following:
         self.f.close()
 
 
-class _Follower:
+class Follower:
     """A fetch's switch to the worker's growing file (FetchChunk.local_growing),
     and why that file could not be followed, kept until the download ends."""
 
-    def __init__(self, key: str, received: _Received, h: Sha256) -> None:
+    def __init__(self, key: str, received: Received, h: Sha256) -> None:
         self.key, self.received, self.h = key, received, h
         self.following: _Following | None = None
         self.unfollowable: BaseException | None = None
@@ -415,8 +415,8 @@ class _Follower:
             self.following.close()
 
     def check(self) -> None:
-        """_Unfollowable when the file could not be followed (the download
+        """Unfollowable when the file could not be followed (the download
         went well: its file is whole now)."""
         if self.unfollowable is not None:
-            raise _Unfollowable(self.path) from self.unfollowable
+            raise Unfollowable(self.path) from self.unfollowable
 

@@ -13,7 +13,7 @@ stands for a file this worker sends as it stands, with no Python touching
 the bytes:
 - a download in progress whose host cache file is stored raw, sent as far as
   it is written and on as it grows (the file a host's processes follow;
-  `_Fill.readable`);
+  `Fill.readable`);
 - a committed blob this worker wrote or verified (DiskBlobStore.open_sendable),
   raw, or as the zstd stream it keeps to a peer that decodes it.
 The connection carries what the coordinator's data plane carries (RAW_MAGIC
@@ -58,7 +58,7 @@ WAIT_S = 10.0  # a growing file that does not grow for this long: its download i
 class _Ticket:
     file: Any  # open for reading
     size: int  # the file's length once whole
-    fill: Any  # worker/service.py's _Fill it grows with, or None: the file is whole
+    fill: Any  # worker/service.py's Fill it grows with, or None: the file is whole
     expires: float
 
 

@@ -21,10 +21,10 @@ from compilecast.v1 import cache_pb2 as pb
 
 from . import handoff
 from .received import (
+    Unreachable,
     UploadRefused,
-    _read_exactly,
-    _read_stored,
-    _Unreachable,
+    read_exactly,
+    read_stored,
 )
 
 log = logging.getLogger("compilecast.worker.client")
@@ -45,22 +45,22 @@ def data_plane_address(ticket: pb.DataTicket, target: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _read_data_plane(key: str, info: pb.ArtifactInfo, ticket: pb.DataTicket, target: str,
+def read_data_plane(key: str, info: pb.ArtifactInfo, ticket: pb.DataTicket, target: str,
                      stall_s: float) -> bytes:
     """The artifact over the coordinator's data plane, verified. OSError
     (a refused or broken connection, a read that waited `stall_s`) or
     CorruptBlob; the caller then fetches over gRPC."""
-    sock, where = _connect_data_plane(ticket, target, stall_s)
+    sock, where = connect_data_plane(ticket, target, stall_s)
     with sock:
         sock.sendall(wire.DATA_PLANE_REQUEST + ticket.token)
         with sock.makefile("rb", buffering=0) as f:
-            return _read_stored(key, info, f, where)
+            return read_stored(key, info, f, where)
 
 
-def _connect_data_plane(ticket: pb.DataTicket, target: str,
+def connect_data_plane(ticket: pb.DataTicket, target: str,
                         stall_s: float) -> tuple[socket.socket, str]:
     """A connection to the ticket's data plane, each read and write on it
-    given up after `stall_s`, and what to call it; _Unreachable when it
+    given up after `stall_s`, and what to call it; Unreachable when it
     cannot be made."""
     address = data_plane_address(ticket, target)
     # An ASCII host goes to getaddrinfo as bytes: the same name, without the
@@ -72,22 +72,22 @@ def _connect_data_plane(ticket: pb.DataTicket, target: str,
                                         timeout=min(stall_s, DATA_PLANE_CONNECT_S))
         sock.settimeout(stall_s)
     except OSError as exc:
-        raise _Unreachable(exc.errno, f"cannot connect to {address[0]}:{address[1]}: "
+        raise Unreachable(exc.errno, f"cannot connect to {address[0]}:{address[1]}: "
                                       f"{exc.strerror or exc}") from None
     return sock, f"the data plane at {address[0]}:{address[1]}"
 
 
-def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTicket,
+def upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTicket,
                        target: str, stall_s: float) -> pb.ArtifactInfo:
     """Publish `data` over the coordinator's data plane (cache.proto,
     DataTicket): the bytes go straight from `data` to the socket, hashed on
     the way when the header has no digest. UploadRefused as its Publish
-    stream would have been refused; _Unreachable when the data plane cannot
+    stream would have been refused; Unreachable when the data plane cannot
     be connected to; OSError when the connection broke or stalled."""
-    sock, where = _connect_data_plane(ticket, target, stall_s)
+    sock, where = connect_data_plane(ticket, target, stall_s)
     with sock, sock.makefile("rb", buffering=0) as answers:
         sock.sendall(wire.DATA_PLANE_UPLOAD + ticket.token)
-        _status(answers, where)  # go
+        answer_status(answers, where)  # go
         h = None if header.digest else Sha256()
         with contextlib.closing(h) if h is not None else contextlib.nullcontext():
             view = memoryview(data)
@@ -95,7 +95,7 @@ def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTic
             try:
                 for off in range(0, len(data), CHUNK):
                     if answered():  # refused before the end
-                        _status(answers, where)
+                        answer_status(answers, where)
                         raise OSError(errno.EPROTO, f"{where} answered before the last byte")
                     piece = view[off:off + CHUNK]
                     if h is not None:
@@ -107,9 +107,9 @@ def _upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTic
                 # The connection broke: raise the refusal, if one was sent before.
                 with contextlib.suppress(OSError):
                     sock.settimeout(1.0)
-                    _status(answers, where)
+                    answer_status(answers, where)
                 raise
-        return pb.PublishResponse.FromString(_status(answers, where)).artifact
+        return pb.PublishResponse.FromString(answer_status(answers, where)).artifact
 
 
 HANDOFF_PIECE = 8 << 20  # bytes written into a handed file per call
@@ -161,21 +161,21 @@ def _cgroup_room(where: str, limit_file: str, usage_file: str, inactive: str) ->
     return int(limit) - max(used, 0)
 
 
-class _NoFile(OSError):
+class NoFile(OSError):
     """A publish's memory file could not be made: it goes over gRPC."""
 
 
-def _hand_off(data: bytes, ticket: pb.DataTicket, stall_s: float) -> pb.ArtifactInfo:
+def hand_off(data: bytes, ticket: pb.DataTicket, stall_s: float) -> pb.ArtifactInfo:
     """Publish `data` by handing it to this host's worker as a sealed memory
     file (worker/handoff.py): written once, sealed, passed over the
-    ticket's unix socket. _Unreachable when its socket cannot be connected
-    to, _NoFile when the file cannot be made (both before anything was
+    ticket's unix socket. Unreachable when its socket cannot be connected
+    to, NoFile when the file cannot be made (both before anything was
     handed); UploadRefused as its Publish stream would have been refused;
     OSError when the connection broke or stalled after the handoff."""
     try:
         fd = os.memfd_create("compilecast-publish", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
-        raise _NoFile(exc.errno, f"cannot make a memory file: {exc.strerror or exc}") from None
+        raise NoFile(exc.errno, f"cannot make a memory file: {exc.strerror or exc}") from None
     try:
         try:
             os.ftruncate(fd, len(data))
@@ -185,7 +185,7 @@ def _hand_off(data: bytes, ticket: pb.DataTicket, stall_s: float) -> pb.Artifact
                 written += os.pwrite(fd, view[written:written + HANDOFF_PIECE], written)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, handoff.SEALS | fcntl.F_SEAL_SEAL)
         except OSError as exc:  # no memory for it, say
-            raise _NoFile(exc.errno, f"cannot fill a memory file: {exc.strerror or exc}") from None
+            raise NoFile(exc.errno, f"cannot fill a memory file: {exc.strerror or exc}") from None
         path = ticket.address.removeprefix("unix:")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -193,7 +193,7 @@ def _hand_off(data: bytes, ticket: pb.DataTicket, stall_s: float) -> pb.Artifact
             sock.connect(path)
         except OSError as exc:
             sock.close()
-            raise _Unreachable(exc.errno, f"cannot connect to {path}: "
+            raise Unreachable(exc.errno, f"cannot connect to {path}: "
                                           f"{exc.strerror or exc}") from None
         sock.settimeout(stall_s)  # the worker sends an empty frame every 10 s meanwhile
         where = f"the worker's handoff socket {path}"
@@ -201,7 +201,7 @@ def _hand_off(data: bytes, ticket: pb.DataTicket, stall_s: float) -> pb.Artifact
             socket.send_fds(sock, [wire.DATA_PLANE_HANDOFF + ticket.token], [fd])
             os.close(fd)  # the worker holds it now: its memory goes when the worker is done
             fd = -1
-            while not (payload := _status(answers, where)):
+            while not (payload := answer_status(answers, where)):
                 pass  # a heartbeat
             return pb.PublishResponse.FromString(payload).artifact
     finally:
@@ -220,13 +220,13 @@ def _readable(sock: socket.socket) -> Callable[[], bool]:
     return lambda: bool(poller.poll(0))
 
 
-def _status(answers, where: str) -> bytes:
+def answer_status(answers, where: str) -> bytes:
     """The payload of the next status frame (wire.status_frame) of a data
     plane upload or wait, read from `answers` (its connection, as a file);
     UploadRefused for a status other than OK."""
-    head = _read_exactly(answers, 5)
+    head = read_exactly(answers, 5)
     n = wire.status_length(head, where) if len(head) == 5 else 0
-    payload = _read_exactly(answers, n)
+    payload = read_exactly(answers, n)
     if len(head) < 5 or len(payload) < n:
         raise ConnectionError(f"{where} closed the connection")
     if head[0]:

@@ -33,7 +33,7 @@ from .decisions import HostDecisions
 from .dirsync import DirSync
 from .fetches import Fetches
 from .fill import (
-    _Fill,
+    Fill,
 )
 from .handoff import Handoffs
 from .hostcache import HostCache
@@ -42,7 +42,7 @@ from .publishes import Publishes
 from .relayplane import RelayPlane
 from .upstream import (
     WAIT_RETRY_S,
-    _relay,
+    relay_error,
 )
 from .waits import HostWaits
 
@@ -85,8 +85,8 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         self.token = token
         self.channel = aio_channel(coordinator, credentials)
         self.up = wire.stub(self.channel)
-        self._fills: dict[tuple[str, str], _Fill] = {}
-        self._publishing: dict[tuple[str, str], _Fill] = {}  # publishes through us
+        self._fills: dict[tuple[str, str], Fill] = {}
+        self._publishing: dict[tuple[str, str], Fill] = {}  # publishes through us
         self._upload_broke: set[tuple[str, str]] = set()
         self.handoffs: Handoffs | None = None  # publishes handed over as files (server.py)
         self.dirs: DirSync | None = None  # the host's synced directories (server.py)
@@ -195,7 +195,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
                 self._upstream_answered.observe(time.perf_counter() - start)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in DEGRADED:
-                    raise _relay(exc) from None
+                    raise relay_error(exc) from None
                 self._upstream_unreachable.observe(time.perf_counter() - start)
                 why = self._local("acquire", exc)
                 upstream = [(pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, reason=why), False)
@@ -267,7 +267,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
                 return await self.waits.wait(md, request, until_publishing, upstream)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in DEGRADED:
-                    raise _relay(exc) from None
+                    raise relay_error(exc) from None
                 left = None if deadline is None else deadline - time.monotonic()
                 if pause is None or (left is not None and left <= pause):
                     return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
@@ -318,7 +318,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
             return await getattr(self.up, method)(request, timeout=self.rpc_timeout_s,
                                                   metadata=self._credential(context)[1])
         except grpc.aio.AioRpcError as exc:
-            raise _relay(exc) from None
+            raise relay_error(exc) from None
 
     @rpc_errors
     async def Release(self, request, context):
@@ -443,7 +443,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
                                                     metadata=self._credential(context)[1]):
                 yield recipe
         except grpc.aio.AioRpcError as exc:
-            raise _relay(exc) from None
+            raise relay_error(exc) from None
 
     # -- Fetch -----------------------------------------------------------
     @rpc_errors

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .service import WorkerService
 
 
-async def _idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
+async def idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
     """The stream's items; TimeoutError when none comes for `idle_s` (a stalled peer)."""
     it = stream.__aiter__()
     try:
@@ -88,7 +88,7 @@ class RelayService(rpc.CompileCacheServicer):
                 yield piece
 
 
-async def _unless_stalled(call, moved: list[float], stall_s: float, what: str):
+async def unless_stalled(call, moved: list[float], stall_s: float, what: str):
     """The result of a streaming `call`; cancelled, as DEADLINE_EXCEEDED, once
     `moved[0]` (when it last moved bytes) is `stall_s` old: a big artifact
     takes as long as it moves, a stuck one is given up."""
@@ -110,7 +110,7 @@ async def _unless_stalled(call, moved: list[float], stall_s: float, what: str):
             call.cancel()
 
 
-async def _forward_publish(stub, chunks: AsyncIterator[pb.PublishChunk], md: tuple,
+async def forward_publish(stub, chunks: AsyncIterator[pb.PublishChunk], md: tuple,
                            moved: list[float], what: str) -> pb.PublishResponse:
     """Send `chunks` upstream as one Publish. Where reading them fails (the
     holder's stream was malformed: a second header, zstd_data, no digest at
@@ -131,16 +131,16 @@ async def _forward_publish(stub, chunks: AsyncIterator[pb.PublishChunk], md: tup
 
     call = stub.Publish(guarded(), timeout=TRANSFER_S, metadata=md)
     try:
-        return await _unless_stalled(call, moved, UPSTREAM_IDLE_S, what)
+        return await unless_stalled(call, moved, UPSTREAM_IDLE_S, what)
     except (grpc.aio.AioRpcError, asyncio.CancelledError, UpstreamError) as exc:
         if broken:
             raise broken[0] from None
         if isinstance(exc, grpc.aio.AioRpcError):
-            raise _relay(exc) from None
+            raise relay_error(exc) from None
         raise
 
 
-async def _heartbeats_until(done: asyncio.Future, beat=pb.FetchChunk):
+async def heartbeats_until(done: asyncio.Future, beat=pb.FetchChunk):
     """`beat()` (an empty FetchChunk), one every HEARTBEAT_S, until `done`
     is: a fetch that waits for its bytes shows its reader it is alive."""
     while not done.done():
@@ -150,17 +150,17 @@ async def _heartbeats_until(done: asyncio.Future, beat=pb.FetchChunk):
             yield beat()
 
 
-def _matches(info: pb.ArtifactInfo | None, digest: str) -> bool:
+def digest_matches(info: pb.ArtifactInfo | None, digest: str) -> bool:
     """Whether `info` is the artifact a fetch asking for `digest` (or any) wants."""
     return info is not None and (not digest or info.digest == digest)
 
 
-def _ticketed(info: pb.ArtifactInfo, ticket: pb.DataTicket | None) -> pb.FetchChunk | None:
+def ticketed(info: pb.ArtifactInfo, ticket: pb.DataTicket | None) -> pb.FetchChunk | None:
     """A relay's answer with a data ticket: the header and the ticket; None without one."""
     return pb.FetchChunk(artifact=info, data_ticket=ticket) if ticket else None
 
 
-def _relay(exc: grpc.aio.AioRpcError | UploadRefused) -> UpstreamError:
+def relay_error(exc: grpc.aio.AioRpcError | UploadRefused) -> UpstreamError:
     """The coordinator's status for our caller; a stream reset or an upstream
     bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
     code = status(exc.code())
