@@ -208,7 +208,7 @@ class DiskBlobStore:
             w.commit(digest, len(data))
         return digest
 
-    def _account(self, delta: int) -> None:
+    def account(self, delta: int) -> None:
         with self._lock:
             self._total += delta
             over = self.max_bytes is not None and self._total > self.max_bytes
@@ -299,7 +299,7 @@ class DiskBlobStore:
             return seen[1]
         return None
 
-    def _trust(self, digest: str, st: os.stat_result, since: float | None = None) -> None:
+    def trust(self, digest: str, st: os.stat_result, since: float | None = None) -> None:
         if self.reverify_s > 0:
             with self._lock:
                 self._verified[digest] = (file_identity(st), time.monotonic() if since is None
@@ -318,7 +318,7 @@ class DiskBlobStore:
             with contextlib.suppress(OSError):
                 os.utime(path)
             if since is not None:
-                self._trust(digest, stat(), since)
+                self.trust(digest, stat(), since)
         return since is not None
 
     def verify(self, digest: str) -> bool:
@@ -422,7 +422,7 @@ class DiskBlobStore:
                 self.quarantine(digest, f"undecodable: {exc}")
                 raise CorruptBlob(f"blob {digest} is corrupt (undecodable)") from None
             if not trusted and h.hexdigest() == digest:
-                self._trust(digest, os.fstat(f.fileno()), started)
+                self.trust(digest, os.fstat(f.fileno()), started)
         finally:
             h.close()
             f.close()

@@ -14,7 +14,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import zstandard
 
@@ -34,8 +34,24 @@ MIN_SAVING = 0.05  # store raw unless zstd saves at least this fraction of the p
 OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT}
 ROOM_SLACK = 64 << 10  # what a blob may take beyond its bytes: marker, zstd frames, blocks
 
-if TYPE_CHECKING:
-    from .blobstore import DiskBlobStore
+
+
+class Home(Protocol):
+    """What a BlobWriter needs of the store it writes into (blobstore.DiskBlobStore)."""
+
+    root: Path
+    tmp_dir: Path
+    file_mode: int | None
+    level: int
+    durable: bool
+
+    def path_of(self, digest: str) -> Path: ...
+
+    def restore(self) -> None: ...
+
+    def trust(self, digest: str, st: os.stat_result, since: float | None = None) -> None: ...
+
+    def account(self, delta: int) -> None: ...
 
 
 T = TypeVar("T")
@@ -227,7 +243,7 @@ class BlobWriter:
     """One blob being written. Use as a context manager: leaving the block
     without `commit()` removes the temp file."""
 
-    def __init__(self, store: DiskBlobStore, max_size: int, *,
+    def __init__(self, store: Home, max_size: int, *,
                  discard_when_unwritable: bool = False) -> None:
         self._store = store
         self._max_size = max_size
@@ -433,9 +449,9 @@ class BlobWriter:
             if self._store.durable:
                 _fsync_dir(final.parent)
             self._done = True
-            self._store._trust(digest, final.stat())  # hashed on the way in
+            self._store.trust(digest, final.stat())  # hashed on the way in
             if not existed:
-                self._store._account(stored)
+                self._store.account(stored)
             return final
         finally:
             if not self._done:

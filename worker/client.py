@@ -12,11 +12,9 @@ import contextlib
 import errno
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -32,6 +30,7 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 
 from . import handoff
 from .clientpublish import Publishing
+from .identity import Identity
 from .received import (
     CutOff,
     Follower,
@@ -59,25 +58,6 @@ STALL_S = 60.0  # a transfer that moves nothing for this long is given up
 FETCH_RETRY_S = (1.0, 4.0)  # and a fetch cut off midway (its server restarting)
 WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # and a wait that ran, then broke (within its timeout)
 CUT_AFTER_S = 0.5  # a call that failed later than this had been running: cut off, not refused
-
-
-def default_client_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-@dataclass
-class Identity:
-    """Who this process is: see compilecast.v1.Requester."""
-
-    job: str = ""
-    process_id: int = 0
-    designated_process: int = 0
-    client: str = ""
-
-    def requester(self) -> pb.Requester:
-        return pb.Requester(job=self.job, process_id=self.process_id,
-                            designated_process=self.designated_process,
-                            client=self.client or default_client_name())
 
 
 class CacheClient(Publishing):

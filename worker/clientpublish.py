@@ -37,7 +37,7 @@ from .routes import (
 )
 
 if TYPE_CHECKING:
-    from .client import Identity
+    from .identity import Identity
 
 log = logging.getLogger("compilecast.worker.client")
 

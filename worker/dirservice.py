@@ -14,8 +14,9 @@ from compilecast.errors import PermissionDenied, Unauthenticated, Unavailable
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 
-from .client import CacheClient, Identity, default_client_name
+from .client import CacheClient
 from .dirsync import DirSync
+from .identity import Identity, default_client_name
 from .metrics import WorkerMetrics
 
 TENANT_TTL_S = 300.0  # a credential's tenant, as the coordinator said, trusted this long

@@ -35,10 +35,21 @@ otherwise; both produce the same bytes (tests/test_hlocanon.py).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from .mosaic import checked_split
+
+def checked_split(hook: Callable[[bytes], Any],
+                  config: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """hook(config), held to the kernel hook's contract: None, or (before,
+    kernel digest, after) as bytes; ValueError otherwise. What the Python
+    walks (mlirwalk, here) call; the C ones check the same."""
+    parts = hook(config)
+    if parts is not None and not (isinstance(parts, tuple) and len(parts) == 3 and
+                                  all(isinstance(p, bytes) for p in parts)):
+        raise ValueError("the kernel hook must return None or 3 bytes")
+    return parts
+
 
 VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
 UNRESOLVED = 1 << 28  # added to the field number of a reference that resolves to nothing

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .mosaic import checked_split
+from .hlocanon import checked_split
 
 STREAM_VERSION = "3"
 RESOURCE_REFUSED = "the module holds dense_resource constants (bytes outside the walk)"

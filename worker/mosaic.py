@@ -25,8 +25,6 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
 
 log = logging.getLogger("compilecast.mosaic")
 
@@ -37,18 +35,6 @@ _CACHE_MAX = 256  # kernels by their base64: one program calls the same kernel m
 _cache: OrderedDict[bytes, bytes | None] = OrderedDict()
 _lock = threading.Lock()
 _walk_lock = threading.Lock()
-
-
-def checked_split(hook: Callable[[bytes], Any],
-                  config: bytes) -> tuple[bytes, bytes, bytes] | None:
-    """hook(config), held to the kernel hook's contract: None, or (before,
-    kernel digest, after) as bytes; ValueError otherwise. What the Python
-    walks (mlircanon, hlocanon) call; the C ones check the same."""
-    parts = hook(config)
-    if parts is not None and not (isinstance(parts, tuple) and len(parts) == 3 and
-                                  all(isinstance(p, bytes) for p in parts)):
-        raise ValueError("the kernel hook must return None or 3 bytes")
-    return parts
 
 
 def kernel_part(config: bytes) -> tuple[bytes, bytes, bytes] | None:

@@ -23,8 +23,7 @@ from .hostcache import HostCache
 from .metrics import WorkerMetrics
 from .pjrtgate import PjrtGate
 from .relayplane import RelayPlane
-from .service import WorkerService
-from .upstream import RelayService
+from .service import RelayService, WorkerService
 
 log = logging.getLogger(__name__)
 

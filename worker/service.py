@@ -43,6 +43,7 @@ from .relayplane import RelayPlane
 from .upstream import (
     WAIT_RETRY_S,
     relay_error,
+    relay_pieces,
 )
 from .waits import HostWaits
 
@@ -488,3 +489,27 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         if self.dirs is not None:
             resp.directories.extend(await asyncio.to_thread(self.dirs.status))
         resp.pjrt_compiles.extend(self.metrics.pjrt_status())
+
+
+class RelayService(rpc.CompileCacheServicer):
+    """A worker's relay endpoint (TCP): Fetch only, for peer workers the
+    coordinator points here. Where workers hold a token, a peer must present
+    one: the workers' own (this host's namespace) or the per-job token its
+    process used, which reaches only what that token fetched here or what the
+    coordinator grants it."""
+
+    def __init__(self, worker: WorkerService) -> None:
+        self.worker = worker
+
+    @rpc_errors
+    async def Fetch(self, request, context):
+        if self.worker.token and not token_from(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "relay fetches need a token")
+        head = await self.worker.relay_ticket(request, context)
+        if head is not None:
+            yield head
+            return
+        async for chunk in self.worker.Fetch(request, context):
+            for piece in relay_pieces(chunk):
+                yield piece

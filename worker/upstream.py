@@ -6,14 +6,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import grpc
 
 from compilecast.errors import Status, UpstreamError
-from compilecast.grpcutil import rpc_errors, status, token_from
+from compilecast.grpcutil import status
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
 from .client import UploadRefused
@@ -25,8 +23,6 @@ TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
 WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait the coordinator cut off is sent again after these
 
-if TYPE_CHECKING:
-    from .service import WorkerService
 
 
 async def idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
@@ -62,30 +58,6 @@ def relay_pieces(chunk):
     for at in range(0, len(view), RELAY_PIECE):
         piece = view[at:at + RELAY_PIECE]
         yield DataChunk(b"", piece) if zstd else DataChunk(piece)
-
-
-class RelayService(rpc.CompileCacheServicer):
-    """A worker's relay endpoint (TCP): Fetch only, for peer workers the
-    coordinator points here. Where workers hold a token, a peer must present
-    one: the workers' own (this host's namespace) or the per-job token its
-    process used, which reaches only what that token fetched here or what the
-    coordinator grants it."""
-
-    def __init__(self, worker: WorkerService) -> None:
-        self.worker = worker
-
-    @rpc_errors
-    async def Fetch(self, request, context):
-        if self.worker.token and not token_from(context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "relay fetches need a token")
-        head = await self.worker.relay_ticket(request, context)
-        if head is not None:
-            yield head
-            return
-        async for chunk in self.worker.Fetch(request, context):
-            for piece in relay_pieces(chunk):
-                yield piece
 
 
 async def unless_stalled(call, moved: list[float], stall_s: float, what: str):
