@@ -317,3 +317,27 @@ def test_a_gpu_job_s_compile_under_the_lease_autotunes_alone(gate):
     assert head.startswith("COMPILE ")
     told = xla_client.CompileOptions.ParseFromString(payload)
     assert ("xla_gpu_shard_autotuning", False) in list(told.env_option_overrides)
+
+
+def test_hit_bytes_stay_in_the_budget_until_written_and_leave_it_after(gate):
+    """A HIT's executable counts against the gate's memory budget while
+    answers carry it, once however many carry it, and not after."""
+    path, g, _ = gate
+    c = compile_of()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(60)
+        s.connect(path)
+        s.sendall(request(c))
+        head, _ = read_reply(s)
+        assert head.startswith("COMPILE ")
+        s.sendall(frame("publish 1.0", b"x" * (3 << 20)))
+        assert read_reply(s)[0].startswith("OK published")
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(ask(path, c))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [h.split()[0] for h, _ in answers] == ["HIT"] * 4
+    assert all(len(p) == 3 << 20 for _, p in answers)
+    eventually(lambda: g.gate.budget.used == 0 and not g.gate.payloads, "the budget given back")

@@ -409,6 +409,8 @@ class PjrtGate:
         self.keying = ThreadPoolExecutor(2, thread_name_prefix="compilecast-pjrt-key")
         self.keys: dict[str, asyncio.Future[Key]] = {}  # fingerprint -> its key, made once
         self.fetching: dict[str, asyncio.Future[bytes]] = {}  # digest -> its fetch in flight
+        # digest -> [its verified bytes, the answers carrying them not written yet]
+        self.payloads: dict[str, list] = {}
 
     async def start(self) -> None:
         # Connections past the limit are answered and closed at once, but each
@@ -502,9 +504,18 @@ class PjrtGate:
     async def _converse(self, frames: Reader, writer: asyncio.StreamWriter, pid: int) -> None:
         c = await self._request(frames, pid)
         platform = c.platform[:32] or "?"
-        answer = await self._with_heartbeat(writer, self._decide(c))
-        writer.write(answer.frame())
-        await writer.drain()
+        decided = asyncio.ensure_future(self._decide(c))
+        answer = None
+        try:
+            answer = await self._with_heartbeat(writer, decided)
+            writer.write(answer.frame())
+            await writer.drain()
+        finally:
+            if answer is None and decided.done() and not decided.cancelled() \
+                    and decided.exception() is None:
+                answer = decided.result()  # decided, then the caller went away
+            if answer is not None:
+                self._sent(answer)
         self.count(platform, {"HIT": "hit", "COMPILE": "compile"}.get(answer.decision, "local"))
         if answer.decision != "COMPILE":
             return
@@ -553,13 +564,34 @@ class PjrtGate:
 
     async def _fetch(self, key: str, digest: str, md: tuple) -> bytes:
         """The verified bytes of `digest`, fetched once for the compiles that
-        want them at the same moment (a host's processes load one program)."""
-        shared = self.fetching.get(digest)
-        if shared is None:
-            shared = asyncio.ensure_future(self._up.fetch(key, digest, md, self.budget))
-            self.fetching[digest] = shared
-            shared.add_done_callback(lambda _: self.fetching.pop(digest, None))
-        return await asyncio.shield(shared)
+        want them at the same moment (a host's processes load one program),
+        and held in the memory budget until the last answer that carries
+        them has been written (`_sent`)."""
+        held = self.payloads.get(digest)
+        if held is None:
+            shared = self.fetching.get(digest)
+            if shared is None:
+                shared = asyncio.ensure_future(self._up.fetch(key, digest, md, self.budget))
+                self.fetching[digest] = shared
+                shared.add_done_callback(lambda _: self.fetching.pop(digest, None))
+            data = await asyncio.shield(shared)
+            held = self.payloads.get(digest)
+            if held is None:
+                self.budget.take(len(data))  # OverBudget: this compile goes LOCAL
+                held = self.payloads[digest] = [data, 0]
+        held[1] += 1
+        return held[0]
+
+    def _sent(self, answer: Answer) -> None:
+        """A HIT's bytes written (or never to be): its hold on the budget ends
+        with the last answer that carried them."""
+        held = self.payloads.get(answer.digest) if answer.decision == "HIT" else None
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del self.payloads[answer.digest]
+            self.budget.give(len(held[0]))
 
     async def _decide(self, c: pjrtkeys.Compile) -> Answer:
         try:
