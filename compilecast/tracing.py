@@ -75,13 +75,19 @@ def shutdown() -> None:
             provider.shutdown()
 
 
+_OFF = contextlib.nullcontext()
+
+
+def span(name: str, parent: Mapping[str, str] | None = None,
+         **attributes: Any) -> contextlib.AbstractContextManager[Any]:
+    """A span around the block (nothing when tracing is off: one check on a
+    decision's path): a child of the current span, or of the context carried
+    in `parent` (W3C headers)."""
+    return _OFF if _state.tracer is None else _span(name, parent, attributes)
+
+
 @contextlib.contextmanager
-def span(name: str, parent: Mapping[str, str] | None = None, **attributes: Any) -> Iterator[Any]:
-    """A span around the block (nothing when tracing is off): a child of the
-    current span, or of the context carried in `parent` (W3C headers)."""
-    if _state.tracer is None:
-        yield None
-        return
+def _span(name: str, parent: Mapping[str, str] | None, attributes: dict) -> Iterator[Any]:
     context = _state.propagator.extract(carrier=dict(parent)) if parent else None
     with _state.tracer.start_as_current_span(
             name, context=context,
@@ -89,14 +95,16 @@ def span(name: str, parent: Mapping[str, str] | None = None, **attributes: Any) 
         yield s
 
 
-@contextlib.contextmanager
 def detached_span(name: str, parent: Mapping[str, str] | None = None,
-                  **attributes: Any) -> Iterator[Any]:
+                  **attributes: Any) -> contextlib.AbstractContextManager[Any]:
     """As span(), but never made the current span: for a block inside an
     async generator, which may be resumed or closed from another task."""
-    if _state.tracer is None:
-        yield None
-        return
+    return _OFF if _state.tracer is None else _detached_span(name, parent, attributes)
+
+
+@contextlib.contextmanager
+def _detached_span(name: str, parent: Mapping[str, str] | None,
+                   attributes: dict) -> Iterator[Any]:
     context = _state.propagator.extract(carrier=dict(parent)) if parent else None
     s = _state.tracer.start_span(name, context=context, attributes={
         k: v for k, v in attributes.items() if v is not None})

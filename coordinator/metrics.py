@@ -135,6 +135,11 @@ class CoordinatorMetrics:
             "deadline, or none at all (a slow, hung or unreachable bucket): the decision went "
             "on without it", registry=registry,
         )
+        self.bucket_checks_waiting = Gauge(
+            "compilecast_coordinator_bucket_checks_waiting",
+            "Checks of whether a blob is in the bucket waiting on it now (one per digest; "
+            "a stopped or hung bucket: they stay)", registry=registry,
+        )
         self.bucket_bytes = Counter(
             "compilecast_coordinator_bucket_bytes",
             "Artifact bytes moved to (upload) and from (get_bytes) the bucket",

@@ -38,6 +38,11 @@ class Presence:
         self._pending: dict[str, asyncio.Future[bool]] = {}
         self._said = 0.0
 
+    @property
+    def waiting(self) -> int:
+        """Checks waiting on the store now (a stopped bucket: they pile up)."""
+        return len(self._pending)
+
     def known(self, digest: str) -> bool | None:
         """The answer when no request is needed, else None."""
         return self.store.known(digest)

@@ -110,6 +110,7 @@ class CoordinatorState(Artifacts, Waiting, Operations):
         self.etcd = etcd
         self.store = store
         self.presence = Presence(store, metrics.bucket_stalls)
+        metrics.bucket_checks_waiting.set_function(lambda: self.presence.waiting)
         self.metrics = metrics
         self.prefix = cfg.etcd_prefix.rstrip("/").encode()
         self.hub = WatchHub(etcd, self.prefix)

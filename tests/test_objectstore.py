@@ -313,40 +313,76 @@ def test_the_endpoint_down_mid_upload_fails_the_publish_and_indexes_nothing(
 
 def test_a_stopped_bucket_slows_only_what_needs_its_objects(replica):
     """The S3 server stopped (SIGSTOP): a decision on another key is answered
-    while one that needs the bucket's word waits for it; leases keep being
-    renewed; the stall shows in the metrics; once the check's deadline passes,
-    the decision goes on without it."""
+    and a lease renewed while one that needs the bucket's word waits for it
+    (the check's deadline set far away); the waiting check shows in the
+    metrics; once the bucket answers again, so does the decision."""
     import signal
     import threading
 
+    from .conftest import eventually
+
     _, b, ca, cb, _, _ = _published_on_a(replica)
-    b.state.presence.deadline_s = 10.0
+    b.state.presence.deadline_s = 3600.0
     cb.close()
-    cb = CacheClient(b.cfg.listen, timeout_s=60)  # longer than the check's deadline
+    cb = CacheClient(b.cfg.listen, timeout_s=3600)
     holder = CacheClient(b.cfg.listen)
     lease = holder.acquire("held").lease
-    server = b.store.bucket  # (the same SeaweedFS as a's)
-    weed = _weed_process(server.endpoint)
+    weed = _weed_process(b.store.bucket.endpoint)  # (the same SeaweedFS as a's)
+    waiting = "compilecast_coordinator_bucket_checks_waiting"
     answered: list = []
+    needs_bucket = threading.Thread(target=lambda: answered.append(cb.acquire("k")))
     os.kill(weed, signal.SIGSTOP)
     try:
-        needs_bucket = threading.Thread(target=lambda: answered.append(cb.acquire("k")))
         needs_bucket.start()
-        from .conftest import eventually
-
-        eventually(lambda: b.state.presence._pending, "the bucket asked", seconds=30)
-        other = cb.acquire("unrelated")  # answered while the bucket says nothing
-        assert other.decision == pb.COMPILE and needs_bucket.is_alive()
+        eventually(lambda: b.registry.get_sample_value(waiting) == 1, "the bucket asked",
+                   seconds=30)
+        other = CacheClient(b.cfg.listen).acquire("unrelated")  # the bucket says nothing
+        assert other.decision == pb.COMPILE
         assert holder.keepalive("held", lease) > 0  # the lease is renewed meanwhile
-        needs_bucket.join(60)
-        [got] = answered  # past the deadline: a HIT on the index's word, unconfirmed
-        assert got.decision == pb.HIT
-        assert b.registry.get_sample_value("compilecast_coordinator_bucket_stalls_total") >= 1
+        assert answered == [] and b.registry.get_sample_value(waiting) == 1
     finally:
         os.kill(weed, signal.SIGCONT)
-    assert cb.fetch("k")[1]  # and served once the bucket answers again
+    needs_bucket.join(120)
+    [got] = answered  # the bucket's word came: the published key is a HIT
+    assert got.decision == pb.HIT and b.registry.get_sample_value(waiting) == 0
+    assert cb.fetch("k")[1]
     for client in (ca, cb, holder):
         client.close()
+
+
+def test_a_check_the_store_does_not_answer_in_time_lets_the_decision_go_on():
+    """Presence: a store that never answers within the deadline is "cannot
+    tell" (None), counted as a stall; the store's own answer, later, is
+    still taken for the next check."""
+    import asyncio
+    import threading
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from compilecast.coordinator.presence import Presence
+
+    answer = threading.Event()
+
+    class Hung:
+        def known(self, digest):
+            return None
+
+        def has(self, digest):
+            answer.wait(60)
+            return True
+
+    stalls = Counter("stalls", "", registry=CollectorRegistry())
+
+    async def run():
+        presence = Presence(Hung(), stalls, deadline_s=0.05)
+        first = await presence.check("d" * 64)
+        answer.set()
+        second = await presence.check("d" * 64)
+        presence.close()
+        return first, second
+
+    assert asyncio.run(run()) == (None, True)
+    assert stalls._value.get() == 1
 
 
 def _weed_process(endpoint: str) -> int:
