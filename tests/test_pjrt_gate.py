@@ -177,19 +177,24 @@ def gate(coordinator, start_worker, tmp_path):
     g.stop()
 
 
-def test_a_publish_is_taken_for_the_connection_s_key_only_and_read_back_verified(gate):
-    path, _, _ = gate
-    c = compile_of()
+def compile_and_publish(path: str, c: pjrtkeys.Compile, executable: bytes) -> tuple[str, str]:
+    """As the holder does: ask, get COMPILE, publish `executable` on the same
+    connection. (the key, the gate's last answer)."""
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(60)
         s.connect(path)
         s.sendall(request(c))
         head, _ = read_reply(s)
         assert head.startswith("COMPILE ")
-        the_key = head.split()[1]
-        executable = b"an executable" * 100
         s.sendall(frame("publish 1.5", executable))
-        ok, _ = read_reply(s)
+        return head.split()[1], read_reply(s)[0]
+
+
+def test_a_publish_is_taken_for_the_connection_s_key_only_and_read_back_verified(gate):
+    path, _, _ = gate
+    c = compile_of()
+    executable = b"an executable" * 100
+    the_key, ok = compile_and_publish(path, c, executable)
     assert ok == f"OK published {the_key}"
     head, payload = ask(path, c)
     word, got_key, digest = head.split()
@@ -324,14 +329,7 @@ def test_hit_bytes_stay_in_the_budget_until_written_and_leave_it_after(gate):
     answers carry it, once however many carry it, and not after."""
     path, g, _ = gate
     c = compile_of()
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(60)
-        s.connect(path)
-        s.sendall(request(c))
-        head, _ = read_reply(s)
-        assert head.startswith("COMPILE ")
-        s.sendall(frame("publish 1.0", b"x" * (3 << 20)))
-        assert read_reply(s)[0].startswith("OK published")
+    assert compile_and_publish(path, c, b"x" * (3 << 20))[1].startswith("OK published")
     answers = []
     threads = [threading.Thread(target=lambda: answers.append(ask(path, c))) for _ in range(4)]
     for t in threads:
