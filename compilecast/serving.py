@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -115,6 +115,33 @@ def start_metrics(registry: CollectorRegistry, host: str, port: int) -> object |
         raise ListenError(f"cannot serve metrics on {host}:{port} (metrics_port): "
                           f"{exc.strerror or exc}{_TAKEN}") from None
     return server
+
+
+class Background:
+    """Tasks a component starts and does not await (cleanups, revokes,
+    retirements): held until they end, so that none is collected mid-run;
+    a failure is logged at debug, never raised; `close` cancels the rest."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self._log = log
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._log.debug("background task failed: %s", task.exception())
+
+    async def close(self) -> None:
+        await cancel_all(list(self._tasks))
 
 
 async def cancel_all(tasks, *, every_s: float = 1.0) -> None:

@@ -2,7 +2,6 @@
 by the lease holder only, fenced by the lease's revision, after the blob is
 durably stored: the rules in coordinator/state.py's opening), releases and
 lease renewals, and fetches.
-CoordinatorState (coordinator/state.py) is made of this and the rest.
 """
 
 from __future__ import annotations
@@ -13,9 +12,11 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from compilecast import tracing, validate
 from compilecast.blobstore import Inflate, amake_room, aread
+from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
     AlreadyPublished,
     CorruptBlob,
@@ -26,20 +27,28 @@ from compilecast.errors import (
     StoreFull,
     Unavailable,
 )
+from compilecast.store import ArtifactStore
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
+from .claims import Claims
 from .etcd import (
     KV,
+    Etcd,
     cmp_absent,
     cmp_mod_revision,
     op_delete,
     op_put,
 )
+from .farm import Farm
 from .keystate import (
     KeyState,
     revocation_reason,
 )
+from .keyview import KeyView
+from .leases import LeasePool
+from .metrics import CoordinatorMetrics
+from .presence import Presence
 from .records import (
     DEFAULT_TENANT,
     info_from,
@@ -49,6 +58,7 @@ from .records import (
     scope,
     tenant_of,
 )
+from .uploads import Uploads
 from .uploads import stream as stream_upload
 
 log = logging.getLogger("compilecast.coordinator.state")
@@ -71,7 +81,26 @@ def _store_zstd(writer, inflate: Inflate, stream) -> None:
 
 
 class Artifacts:
-    """publish, release, keepalive and fetch (a mixin of CoordinatorState)."""
+    """Publish, Release, KeepAlive and Fetch of one replica."""
+
+    def __init__(self, cfg: CoordinatorConfig, view: KeyView, claims: Claims, etcd: Etcd,
+                 store: ArtifactStore, presence: Presence, metrics: CoordinatorMetrics,
+                 uploads: Uploads, farm: Farm, leases: LeasePool) -> None:
+        self.cfg = cfg
+        self.view = view
+        self.claims = claims
+        self.etcd = etcd
+        self.store = store
+        self.presence = presence
+        self.metrics = metrics
+        self.uploads = uploads
+        self.farm = farm
+        self.leases = leases
+        # Publishes write on threads of their own, never queued behind readers.
+        self._publish_threads = ThreadPoolExecutor(4, thread_name_prefix="publish")
+
+    def close(self) -> None:
+        self._publish_threads.shutdown(wait=False)
 
     # -- Publish ---------------------------------------------------------
     async def publish(self, header: pb.PublishHeader, chunks: AsyncIterator[DataChunk], *,
@@ -110,10 +139,10 @@ class Artifacts:
     async def _may_publish(self, sk: str, header: pb.PublishHeader) -> str:
         """Which record the header's lease holds (see _check_holder), once
         the key is not published and a digest sent first is not purged."""
-        kind = await self._check_holder(sk, header.lease, header.requester)
-        reads = [self._k("a", sk)]
+        kind = await self.claims.check_holder(sk, header.lease, header.requester)
+        reads = [self.view.k("a", sk)]
         if header.digest:  # else sent last: checked against revocations once known
-            reads.append(self._revocation(tenant_of(sk), header.digest))
+            reads.append(self.view.revocation(tenant_of(sk), header.digest))
         entry, *revoked = await self.etcd.get_many(reads)
         if entry is not None:
             raise AlreadyPublished(f"key {plain(sk)} is already published")
@@ -152,7 +181,7 @@ class Artifacts:
                 await loop.run_in_executor(self._publish_threads, writer.write, data)
                 upload.advance()  # fetchers of the upload may read this far
             if later:  # the digest the last message carried: never a purged one's bytes
-                revoked, = await self.etcd.get_many([self._revocation(tenant_of(sk),
+                revoked, = await self.etcd.get_many([self.view.revocation(tenant_of(sk),
                                                                       header.digest)])
                 if revoked is not None:
                     raise await self._refuse_revoked(sk, kind, header, revoked, "was purged")
@@ -164,7 +193,7 @@ class Artifacts:
     async def _announce(self, sk: str, kind: str, header: pb.PublishHeader) -> pb.ArtifactInfo:
         """Index a committed blob in etcd under the key, if the lease still holds."""
         key = plain(sk)
-        revocation = self._revocation(tenant_of(sk), header.digest)
+        revocation = self.view.revocation(tenant_of(sk), header.digest)
         recipe = None
         if header.HasField("recipe"):  # stored before the index entry that names it
             recipe = pb.Recipe()
@@ -177,16 +206,16 @@ class Artifacts:
                                created_unix=time.time(),
                                recipe_digest=await self.farm.store_recipe(recipe) if recipe else "")
         ok, revision, _ = await self.etcd.txn(
-            [cmp_mod_revision(self._k(kind, sk), header.lease.revision),
-             cmp_absent(self._k("a", sk)), cmp_absent(revocation)],
+            [cmp_mod_revision(self.view.k(kind, sk), header.lease.revision),
+             cmp_absent(self.view.k("a", sk)), cmp_absent(revocation)],
             # The first valid publish wins; it ends the lease and any hedge.
-            [op_put(self._k("a", sk), info_json(info)), op_delete(self._k("l", sk)),
-             op_delete(self._k("h", sk))],
+            [op_put(self.view.k("a", sk), info_json(info)), op_delete(self.view.k("l", sk)),
+             op_delete(self.view.k("h", sk))],
         )
         if not ok:
             # A retried txn (the first attempt's reply lost with an etcd member)
             # fails its compares after succeeding: the entry is then ours.
-            entry, revoked = await self.etcd.get_many([self._k("a", sk), revocation])
+            entry, revoked = await self.etcd.get_many([self.view.k("a", sk), revocation])
             if revoked is not None and entry is None:
                 raise await self._refuse_revoked(sk, kind, header, revoked,
                                                  "was purged while it was being published")
@@ -195,7 +224,7 @@ class Artifacts:
                                  "publish completed (expired or taken over)")
             info = info_from(key, entry.value)
             revision = entry.mod_revision
-        self._remember_artifact(sk, info, revision)
+        self.view.remember_artifact(sk, info, revision)
         if recipe is not None and info.recipe_digest:
             await self.farm.record(tenant_of(sk), recipe, info.recipe_digest)
         self.metrics.publishes.labels("ok").inc()
@@ -214,7 +243,7 @@ class Artifacts:
             raise InvalidRequest("reason must be COMPILE_FAILED, BELOW_THRESHOLD, ABANDONED or "
                                  "PUBLISH_REFUSED")
         sk = scope(tenant, key)
-        kind = await self._check_holder(sk, lease)
+        kind = await self.claims.check_holder(sk, lease)
         name = pb.ReleaseReason.Name(reason)
         why = {pb.COMPILE_FAILED: "the compile failed on the holder",
                pb.BELOW_THRESHOLD: "the entry is below the caching thresholds",
@@ -233,13 +262,13 @@ class Artifacts:
         compiles locally at once (a "compile locally" verdict for
         local_marker_ttl_s) instead of one being promoted. False when the
         claim was no longer held."""
-        ops = [op_delete(self._k(kind, sk))]
+        ops = [op_delete(self.view.k(kind, sk))]
         if why is not None:
             marker_lease = await self.etcd.grant(self.cfg.local_marker_ttl_s)
             body = json.dumps({"reason": f"{why}; compile locally", "cause": cause,
                                "detail": detail[:validate.MAX_DETAIL_LEN]})
-            ops.append(op_put(self._k("x", sk), body.encode(), lease=marker_lease))
-        ok, _, _ = await self.etcd.txn([cmp_mod_revision(self._k(kind, sk), lease.revision)], ops)
+            ops.append(op_put(self.view.k("x", sk), body.encode(), lease=marker_lease))
+        ok, _, _ = await self.etcd.txn([cmp_mod_revision(self.view.k(kind, sk), lease.revision)], ops)
         return ok
 
     async def _refuse_revoked(self, sk: str, kind: str, header: pb.PublishHeader,
@@ -259,7 +288,7 @@ class Artifacts:
         validate.key(key)
         validate.lease(lease)
         try:
-            await self._check_holder(scope(tenant, key), lease)
+            await self.claims.check_holder(scope(tenant, key), lease)
         except LeaseError:
             return 0
         left = await self.etcd.keepalive_once(lease.id)
@@ -279,9 +308,9 @@ class Artifacts:
         if offset < 0:
             raise InvalidRequest("offset must be >= 0")
         sk = scope(tenant, key)
-        info = self._cached_artifact(sk)
+        info = self.view.cached_artifact(sk)
         if info is None:
-            rec = await self.etcd.get(self._k("a", sk))
+            rec = await self.etcd.get(self.view.k("a", sk))
             if rec is None:
                 upload = self.uploads.get(sk)
                 if upload is None or (digest and upload.info.digest != digest):
@@ -295,15 +324,15 @@ class Artifacts:
                     self.cfg.publish_stream_readers))
             info = read_info(key, rec.value)
             if info is None:
-                await self._drop_unreadable(sk, "a", rec)
+                await self.view.drop_unreadable(sk, "a", rec)
                 raise NotFound(f"the index entry of key {key} could not be read; recompile")
-            self._remember_artifact(sk, info, rec.mod_revision)
+            self.view.remember_artifact(sk, info, rec.mod_revision)
         if digest and info.digest != digest:
             raise NotFound(f"key {key} holds digest {info.digest}, not {digest}")
         if await self.presence.check(info.digest) is False:  # (None: the read will tell)
-            entry = await self.etcd.get(self._k("a", sk))
+            entry = await self.etcd.get(self.view.k("a", sk))
             if entry is not None:
-                await self._usable_artifact(sk, KeyState(info, entry.mod_revision, None, 0, None))
+                await self.view.usable_artifact(sk, KeyState(info, entry.mod_revision, None, 0, None))
             raise NotFound(f"the blob of key {key} is missing; recompile")
         if offset > info.size:
             raise InvalidRequest(f"offset {offset} is past the artifact's {info.size} bytes")
@@ -328,7 +357,7 @@ class Artifacts:
             # our back: the entry goes, and the key compiles again.
             if isinstance(exc, CorruptBlob):
                 self.metrics.corrupt_blobs.inc()
-            self._index.pop(sk, None)
+            self.view.index.pop(sk, None)
             with contextlib.suppress(Exception):
-                await self.etcd.delete(self._k("a", sk))
+                await self.etcd.delete(self.view.k("a", sk))
             raise

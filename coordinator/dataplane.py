@@ -35,7 +35,7 @@ client connects, writes "CCPUT01\\n" and the token, and on a status frame
 saying go, sends the bytes (and the digest after them, when the header has
 none). A thread reads them in CHUNK pieces off the socket, and they are
 published exactly as a Publish stream with that header would be
-(CoordinatorState.publish: the lease, the digest, the store and the index
+(Artifacts.publish: the lease, the digest, the store and the index
 are all checked again). The last status frame says how it ended: the
 PublishResponse, or the status code and message a Publish would have ended
 with.
@@ -108,13 +108,13 @@ class _Ticket:
 @dataclass
 class _Upload:
     header: pb.PublishHeader  # checked when the ticket was issued
-    publish: Publish  # the caller's publish: CoordinatorState.publish for its tenant
+    publish: Publish  # the caller's publish: Artifacts.publish for its tenant
     expires: float
 
 
 @dataclass
 class _Wait:
-    events: Waiting  # the caller's wait (CoordinatorState.wait, with its request)
+    events: Waiting  # the caller's wait (Waiting.wait, with its request)
     deadline: float  # monotonic: when it ends, as its Wait call set it
     expires: float
 

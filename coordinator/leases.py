@@ -33,9 +33,11 @@ claim ends (the record is deleted; the lease lapses once nobody renews it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 
@@ -201,3 +203,39 @@ class LeasePool:
         await cancel_all([t for t in (self._refill, *self._renewing.values()) if t is not None])
         free, self._free = self._free, []
         await asyncio.gather(*(self.etcd.revoke(i) for i, _ in free), return_exceptions=True)
+
+
+class Session:
+    """A replica's session: its id among the replicas, and the etcd lease
+    its own records (the P/w waiter records) live on, kept alive while the
+    replica runs and revoked when it stops."""
+
+    def __init__(self, etcd: Etcd, ttl_s: int) -> None:
+        self.etcd = etcd
+        self.ttl_s = max(ttl_s, 5)
+        self.replica = uuid.uuid4().hex[:16]
+        self._lease = 0
+
+    async def lease(self) -> int:
+        if not self._lease:
+            self._lease = await self.etcd.grant(self.ttl_s)
+        return self._lease
+
+    async def keep(self) -> None:
+        """Keep the lease alive (a task of the replica's, until cancelled)."""
+        while True:
+            try:
+                if not self._lease:
+                    self._lease = await self.etcd.grant(self.ttl_s)
+                left = await self.etcd.keepalive_once(self._lease)
+                if left <= 0:
+                    self._lease = 0
+                    continue
+            except Exception as exc:
+                log.warning("session lease keepalive failed: %s", exc)
+            await asyncio.sleep(self.ttl_s / 3)
+
+    async def close(self) -> None:
+        if self._lease:
+            with contextlib.suppress(Exception):
+                await self.etcd.revoke(self._lease)

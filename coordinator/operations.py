@@ -14,24 +14,32 @@ from compilecast.errors import (
     InvalidRequest,
     Unavailable,
 )
+from compilecast.store import ArtifactStore
 from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import (
+    Etcd,
     cmp_mod_revision,
     op_delete,
 )
+from .farm import Farm
 from .keystate import (
     holder_name,
     revocation_reason,
     waiters_by_job,
 )
+from .keyview import KeyView
+from .leases import Session
+from .metrics import CoordinatorMetrics
 from .records import (
     DEFAULT_TENANT,
+    KeyRecords,
     json_dict,
     plain,
     scope,
     tenant_of,
 )
+from .waiting import Waiting
 
 PURGE_TXN_KEYS = 60  # index entries one purge txn deletes (etcd allows 128 compares, 128 ops)
 
@@ -53,13 +61,23 @@ log = logging.getLogger("compilecast.coordinator.state")
 
 
 class Operations:
-    """Part of CoordinatorState (coordinator/state.py): see that class for its state."""
+    """Purge, Revoked, ReportHits and Status of one replica."""
+
+    def __init__(self, cfg: CoordinatorConfig, view: KeyView, waiting: Waiting,
+                 session: Session, etcd: Etcd, store: ArtifactStore,
+                 metrics: CoordinatorMetrics, records: KeyRecords, farm: Farm) -> None:
+        self.cfg = cfg
+        self.view = view
+        self.waiting = waiting
+        self.session = session
+        self.etcd = etcd
+        self.store = store
+        self.metrics = metrics
+        self.records = records
+        self.farm = farm
+        self.prefix = view.prefix
 
     # -- Purge -----------------------------------------------------------
-    def _revocation(self, tenant: str, digest: str) -> bytes:
-        """P/v/TENANT/DIGEST: the tenant revoked these bytes."""
-        return self._k("v", scope(tenant, digest))
-
     async def purge(self, keys: list[str], digests: list[str], reason: str, *,
                     tenant: str = DEFAULT_TENANT, dry_run: bool = False) -> pb.PurgeResponse:
         """Revoke the bytes of `keys`' artifacts and `digests` for the tenant,
@@ -77,13 +95,13 @@ class Operations:
         reason = reason[:validate.MAX_DETAIL_LEN] or "purged by an operator"
         resp = pb.PurgeResponse()
         wanted = set(digests)  # a key's bytes are revoked, so every key naming them goes
-        for k, kv in zip(keys, await self.etcd.get_many([self._k("a", scope(tenant, k))
+        for k, kv in zip(keys, await self.etcd.get_many([self.view.k("a", scope(tenant, k))
                                                          for k in keys]), strict=True):
             if kv is None:
                 resp.missing.append(k)
             else:
                 wanted.add(json.loads(kv.value)["digest"])
-        head = self._k("a", scope(tenant, ""))
+        head = self.view.k("a", scope(tenant, ""))
         naming: dict[str, list[str]] = {d: [] for d in sorted(wanted)}
         if wanted:  # a tenant's whole index, a page at a time
             async for kv in self.etcd.scan_prefix(head):
@@ -96,7 +114,7 @@ class Operations:
                 resp.revoked.append(digest)
             return resp
         for digest, named in naming.items():
-            await self.etcd.put(self._revocation(tenant, digest), json.dumps(
+            await self.etcd.put(self.view.revocation(tenant, digest), json.dumps(
                 {"reason": reason, "at": time.time(), "keys": sorted(named)}).encode())
             for i in range(0, len(named), PURGE_TXN_KEYS):
                 resp.purged.extend(await self._unindex(tenant, digest,
@@ -111,7 +129,7 @@ class Operations:
         """Delete the index entries of `keys` that still name `digest`, in
         one txn (again, should one change meanwhile); the keys deleted."""
         for _ in range(3):
-            records = [self._k("a", scope(tenant, k)) for k in keys]
+            records = [self.view.k("a", scope(tenant, k)) for k in keys]
             current = [(k, rec, kv) for k, rec, kv in zip(keys, records,
                                                          await self.etcd.get_many(records),
                                                          strict=True)
@@ -123,7 +141,7 @@ class Operations:
                 [op_delete(rec) for _, rec, _ in current])
             if ok:
                 for k, _, _ in current:
-                    self._forget_artifact(scope(tenant, k), revision)
+                    self.view.forget_artifact(scope(tenant, k), revision)
                 return sorted(k for k, _, _ in current)
         raise Unavailable("the index entries to purge kept changing; try again")
 
@@ -131,7 +149,7 @@ class Operations:
                       tenant: str = DEFAULT_TENANT) -> pb.RevokedResponse:
         if not 0 <= since_revision < MAX_REVISION:
             raise InvalidRequest(f"since_revision must be in [0, {MAX_REVISION})")
-        head = self._k("v", scope(tenant, ""))
+        head = self.view.k("v", scope(tenant, ""))
         kvs, revision = await self.etcd.changed_since(head, since_revision)
         resp = pb.RevokedResponse(revision=revision)
         for kv in kvs:  # (a record it cannot read still revokes its digest)
@@ -195,9 +213,8 @@ class Operations:
         head = len(self.prefix + b"/w" + tenant_path)
         # This replica's waiters as they are now (its records land up to
         # WAITER_FLUSH_S later); the other replicas' as their records say.
-        counted = [(plain(sk), here.jobs) for sk, here in self._waiting.items()
-                   if tenant_of(sk) == tenant]
-        mine = self._replica.encode()
+        counted = self.waiting.here(tenant)
+        mine = self.session.replica.encode()
         for kv in wait_records:
             key, _, who = kv.key[head:].partition(b"/")
             if who != mine:

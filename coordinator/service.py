@@ -38,7 +38,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def Acquire(self, request, context):
         who = self.auth.identify(context)
         validate.acquire_request(request)
-        return await self.state.acquire(request.key, request.requester,
+        return await self.state.claims.acquire(request.key, request.requester,
                                         dict(request.key_components), request.program_name,
                                         tenant=who.tenant, may_publish=who.can_publish)
 
@@ -49,7 +49,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
             async with limit:
                 with tracing.span("coordinator.decide", tracing.carried(r.trace_context),
                                   key=r.key):
-                    return await self.state.acquire(
+                    return await self.state.claims.acquire(
                         r.key, r.requester, dict(r.key_components), r.program_name,
                         tenant=who.tenant, may_publish=who.can_publish)
 
@@ -63,7 +63,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def AcquireMany(self, request, context):
         who = self.auth.identify(context)
         decide.check_batch(request.requests)  # all checked before any is decided
-        responses = (self.state.decided_now([r.key for r in request.requests], tenant=who.tenant)
+        responses = (self.state.claims.decided_now([r.key for r in request.requests], tenant=who.tenant)
                      or await self._acquire_many(request.requests, who))
         return pb.AcquireManyResponse(responses=responses)
 
@@ -75,7 +75,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
             async for answer in decideserve.serve(
                     request_iterator, lambda rs: self._acquire_many(rs, who),
                     wait=lambda r, until: decide.ending_event(self._wait(r, who), until),
-                    decide_now=lambda rs, partial: self.state.decided_now(
+                    decide_now=lambda rs, partial: self.state.claims.decided_now(
                         [r.key for r in rs], tenant=who.tenant, partial=partial),
                     streams=self.streams, advice=self.advice):
                 yield answer
@@ -88,7 +88,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
         # another task.)
         with tracing.detached_span("coordinator.wait", tracing.carried(request.trace_context),
                                    key=request.key):
-            async for event in self.state.wait(
+            async for event in self.state.waiting.wait(
                     request.key, request.requester,
                     request.timeout_ms if timeout_ms is None else timeout_ms,
                     tenant=who.tenant, may_publish=who.can_publish):
@@ -100,7 +100,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
         if request.accept_data_wait and self.data_plane is not None:
             # The wait goes on over the data plane (coordinator/dataplane.py):
             # the caller blocks in a socket's recv, and a HIT brings the bytes.
-            deadline = time.monotonic() + self.state.wait_timeout_s(
+            deadline = time.monotonic() + self.state.waiting.wait_timeout_s(
                 request.key, request.requester, request.timeout_ms)
             ticket = self.data_plane.wait_ticket(
                 functools.partial(self._wait, request, who), deadline)
@@ -116,7 +116,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
         who = self.auth.identify(context)
         who.require_publish()
         header, chunks = await publish_stream(request_iterator)
-        info = await self.state.publish(header, chunks, tenant=who.tenant)
+        info = await self.state.artifacts.publish(header, chunks, tenant=who.tenant)
         return pb.PublishResponse(artifact=info)
 
     @rpc_errors
@@ -125,9 +125,9 @@ class CoordinatorService(rpc.CompileCacheServicer):
         who.require_publish()
         if self.data_plane is None:  # no data plane here, or gRPC behind TLS
             return pb.OpenUploadResponse()
-        await self.state.check_publish(request.header, tenant=who.tenant)
+        await self.state.artifacts.check_publish(request.header, tenant=who.tenant)
         ticket = self.data_plane.upload_ticket(
-            request.header, functools.partial(self.state.publish, tenant=who.tenant))
+            request.header, functools.partial(self.state.artifacts.publish, tenant=who.tenant))
         if ticket is None:  # for now: this publish goes over gRPC, later ones may not
             raise TooMany("too many data plane tickets are out; publish over gRPC")
         return pb.OpenUploadResponse(ticket=ticket)
@@ -136,14 +136,14 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def Release(self, request, context):
         who = self.auth.identify(context)
         who.require_publish()
-        await self.state.release(request.key, request.lease, request.reason, request.detail,
+        await self.state.artifacts.release(request.key, request.lease, request.reason, request.detail,
                                  tenant=who.tenant)
         return pb.ReleaseResponse()
 
     @rpc_errors
     async def Fetch(self, request, context):
         who = self.auth.identify(context)
-        info, chunks = await self.state.fetch(request.key, request.digest, tenant=who.tenant,
+        info, chunks = await self.state.artifacts.fetch(request.key, request.digest, tenant=who.tenant,
                                               offset=request.offset,
                                               as_stored=request.accept_zstd)
         if request.relay_address and self.state.cfg.relay_fanout > 0:
@@ -178,7 +178,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def KeepAlive(self, request, context):
         who = self.auth.identify(context)
         who.require_publish()
-        ttl = await self.state.keepalive(request.key, request.lease, tenant=who.tenant)
+        ttl = await self.state.artifacts.keepalive(request.key, request.lease, tenant=who.tenant)
         return pb.KeepAliveResponse(ttl_seconds=ttl)
 
     @rpc_errors
@@ -195,7 +195,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Status(self, request, context):
         who = self.auth.identify(context)
-        resp = await self.state.status(tenant=who.tenant)
+        resp = await self.state.operations.status(tenant=who.tenant)
         if self.advice is not None:
             resp.coordinator_loop_busy = self.advice.busy
             resp.decide_gap_ms = self.advice.gap_ms
@@ -208,7 +208,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def Purge(self, request, context):
         who = self.auth.identify(context)
         who.require_admin()
-        resp = await self.state.purge(list(request.keys), list(request.digests), request.reason,
+        resp = await self.state.operations.purge(list(request.keys), list(request.digests), request.reason,
                                       tenant=who.tenant, dry_run=request.dry_run)
         resp.tenant = who.tenant
         return resp
@@ -216,14 +216,14 @@ class CoordinatorService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Revoked(self, request, context):
         who = self.auth.identify(context)
-        resp = await self.state.revoked(request.since_revision, tenant=who.tenant)
+        resp = await self.state.operations.revoked(request.since_revision, tenant=who.tenant)
         resp.tenant = who.tenant
         return resp
 
     @rpc_errors
     async def ReportHits(self, request, context):
         self.auth.identify(context)
-        self.state.report_hits(request.hits, request.compile_seconds_saved)
+        self.state.operations.report_hits(request.hits, request.compile_seconds_saved)
         return pb.ReportHitsResponse()
 
     # -- ahead-of-time compiles -----------------------------------------

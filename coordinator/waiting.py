@@ -2,7 +2,6 @@
 compiles, woken by the key's publish (one prefix watch per replica), hedging a
 holder far past the program's expected compile time, promoted in order when
 the key is free; and the P/w records that order waiters across replicas.
-CoordinatorState (coordinator/state.py) is made of this and the rest.
 """
 
 from __future__ import annotations
@@ -15,12 +14,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from compilecast import validate
+from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
     InvalidRequest,
     Unavailable,
 )
+from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
 
+from .claims import Claims
+from .etcd import Etcd, WriteBatcher
 from .keystate import (
     KeyState,
     KeyWaiters,
@@ -28,12 +31,17 @@ from .keystate import (
     local_verdict,
     lowest_rank,
 )
+from .keyview import KeyView
+from .leases import Session
+from .metrics import CoordinatorMetrics
 from .records import (
     DEFAULT_TENANT,
+    KeyRecords,
     plain,
     scope,
     tenant_of,
 )
+from .uploads import Uploads
 
 log = logging.getLogger("compilecast.coordinator.state")
 
@@ -61,7 +69,35 @@ class _Wait:
 
 
 class Waiting:
-    """wait and the waiter records (a mixin of CoordinatorState)."""
+    """Wait, and this replica's waiter records."""
+
+    def __init__(self, cfg: CoordinatorConfig, view: KeyView, claims: Claims, session: Session,
+                 etcd: Etcd, metrics: CoordinatorMetrics, records: KeyRecords, uploads: Uploads,
+                 background: Background) -> None:
+        self.cfg = cfg
+        self.view = view
+        self.claims = claims
+        self.session = session
+        self.etcd = etcd
+        self.hub = view.hub
+        self.metrics = metrics
+        self.records = records
+        self.uploads = uploads
+        self.background = background
+        self._waiter_writes = WriteBatcher(etcd)  # waiter records, put and deleted together
+        # This replica's waiters, by key: one P/w record per key and replica
+        # says how many there are (a pod's job start writes a few per key, not
+        # two per waiter). Its id names that record.
+        self._waiting: dict[str, KeyWaiters] = {}
+        # Writes of those records waiting to start, by key: the changes that
+        # arrive meanwhile go with them (done once the write has landed).
+        self._waiter_flushes: dict[str, asyncio.Future[None]] = {}
+
+    def here(self, tenant: str) -> list[tuple[str, dict[str, int]]]:
+        """This replica's waiters of the tenant's keys as they are now (its
+        records land up to WAITER_FLUSH_S later): (key, waiters by job)."""
+        return [(plain(sk), dict(here.jobs)) for sk, here in self._waiting.items()
+                if tenant_of(sk) == tenant]
 
     def wait_timeout_s(self, key: str, req: pb.Requester, timeout_ms: int) -> float:
         """How long a wait with these arguments lasts; InvalidRequest when
@@ -82,9 +118,9 @@ class Waiting:
         self.metrics.waiters.inc()
         registered = False
         try:
-            cached = self._cached_artifact(w.sk)
+            cached = self.view.cached_artifact(w.sk)
             if cached is not None:  # published already: no registration, no read
-                self._hit(cached)
+                self.view.hit(cached)
                 w.outcome = "hit"
                 yield pb.WaitEvent(decision=pb.HIT, artifact=cached)
                 return
@@ -93,7 +129,7 @@ class Waiting:
             try:
                 await self._write_waiters(w.sk)
             except Unavailable as exc:
-                yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._etcd_down(exc))
+                yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self.view.etcd_down(exc))
                 return
             while True:
                 sub.clear()
@@ -111,7 +147,7 @@ class Waiting:
                     if taken == "again":
                         continue
                 except Unavailable as exc:
-                    yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._etcd_down(exc))
+                    yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self.view.etcd_down(exc))
                     return
                 now = time.monotonic()
                 if now >= start + timeout:
@@ -136,16 +172,16 @@ class Waiting:
                 here.remove(w.rank, req.job)
                 if not here.count:
                     del self._waiting[w.sk]
-                self._spawn(self._forget(w.sk))
+                self.background.spawn(self._forget(w.sk))
 
     async def _look(self, w: _Wait) -> tuple[KeyState | None, list[pb.WaitEvent], bool]:
         """What the waited key is now: its state, the events to send (a HIT,
         a verdict, an upload to stream), and whether they end the wait."""
-        info = self._cached_artifact(w.sk)
-        st = await self._read_shared(w.sk, fresh=True) if info is None else None
-        info = info or await self._usable_artifact(w.sk, st)
+        info = self.view.cached_artifact(w.sk)
+        st = await self.view.read_shared(w.sk, fresh=True) if info is None else None
+        info = info or await self.view.usable_artifact(w.sk, st)
         if info is not None:
-            self._hit(info)
+            self.view.hit(info)
             w.outcome = "hit"
             return st, [pb.WaitEvent(decision=pb.HIT, artifact=info)], True
         if st.local:
@@ -179,7 +215,7 @@ class Waiting:
         position = await self._waiter_position(w.sk, w.rank)
         if now - w.free_since < PROMOTION_STAGGER_S * position:
             return None
-        lease = await self._try_take(w.sk, w.req)
+        lease = await self.claims.try_take(w.sk, w.req)
         if lease is None:
             return "again"
         w.outcome = "promoted"
@@ -196,7 +232,7 @@ class Waiting:
         return w.may_publish and (
             not req.job or w.seen_holder or req.process_id == req.designated_process
             or now - w.start >= self.cfg.designated_grace_s
-            or self._released_lately(w.sk, now))
+            or self.view.released_lately(w.sk, now))
 
     async def _maybe_hedge(self, sk: str, rank: str, req: pb.Requester, st: KeyState,
                            may_publish: bool, expected: list[float | None]) -> pb.Lease | None:
@@ -215,7 +251,7 @@ class Waiting:
             return None
         if await self._waiter_position(sk, rank) != 0:
             return None
-        lease = await self._try_take(sk, req, st.lease.get("program", ""),
+        lease = await self.claims.try_take(sk, req, st.lease.get("program", ""),
                                      hedge_of=st.lease_rev)
         if lease is not None:
             self.metrics.compiles.labels("hedge").inc()
@@ -224,7 +260,7 @@ class Waiting:
         return lease
 
     def _waiters_key(self, sk: str) -> bytes:
-        return self._k("w", sk) + f"/{self._replica}".encode()
+        return self.view.k("w", sk) + f"/{self.session.replica}".encode()
 
     def _write_waiters(self, sk: str) -> asyncio.Future:
         """Write this replica's P/w record of `sk` as its waiters will be in
@@ -235,13 +271,13 @@ class Waiting:
         flush = self._waiter_flushes.get(sk)
         if flush is None:
             flush = self._waiter_flushes[sk] = asyncio.get_running_loop().create_future()
-            self._spawn(self._flush_waiters(sk, flush))
+            self.background.spawn(self._flush_waiters(sk, flush))
         return asyncio.shield(flush)  # one waiter cancelled does not cancel it for all
 
     async def _flush_waiters(self, sk: str, flush: asyncio.Future) -> None:
         try:
             await asyncio.sleep(WAITER_FLUSH_S)
-            lease = await self._session()
+            lease = await self.session.lease()
             if self._waiter_flushes.get(sk) is flush:  # later changes make a write of their own
                 del self._waiter_flushes[sk]
             here = self._waiting.get(sk)
@@ -274,7 +310,7 @@ class Waiting:
         here = self._waiting.get(sk)
         position = here.below(rank) if here is not None else 0
         mine = self._waiters_key(sk)
-        for kv in await self.etcd.get_prefix(self._k("w", sk) + b"/"):
+        for kv in await self.etcd.get_prefix(self.view.k("w", sk) + b"/"):
             if kv.key != mine and (lowest := lowest_rank(kv)) is not None and lowest < rank:
                 position += 1
         return position

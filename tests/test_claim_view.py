@@ -33,7 +33,7 @@ def test_someone_compiles_is_answered_without_etcd(tmp_path, prefix, started):
         p0, p1 = member(target, 0), member(target, 1, timeout_s=3.0)
         try:
             assert p0.acquire("k").decision == pb.COMPILE
-            eventually(lambda: scope("default", "k") in coord.state._claimed,
+            eventually(lambda: scope("default", "k") in coord.state.view.claimed,
                        "the watch reports the claim")
             os.kill(etcd.proc.pid, signal.SIGSTOP)
             try:
@@ -62,7 +62,7 @@ def test_the_view_follows_release_and_publish(coordinator):
         p0.publish("published", lease, DATA, 1.0)
         eventually(lambda: p1.acquire("published").decision == pb.HIT,
                    "a published key is a HIT")
-        assert not coordinator.state._claimed
+        assert not coordinator.state.view.claimed
     finally:
         p0.close()
         p1.close()
@@ -74,7 +74,7 @@ def test_a_stale_entry_costs_one_wait_and_no_wrong_answer(coordinator, loop_thre
     sk = scope("default", "ghost")
 
     async def plant():
-        coordinator.state._claimed[sk] = "compiled by a ghost"
+        coordinator.state.view.claimed[sk] = "compiled by a ghost"
 
     loop_thread.run(plant())
     c = CacheClient(coordinator.cfg.listen)
@@ -96,7 +96,7 @@ def test_a_record_the_view_cannot_read_is_asked_of_etcd(coordinator, loop_thread
     sk = scope("default", "unreadable")
 
     async def plant():
-        coordinator.state._claimed[sk] = b"\xff not a claim record"
+        coordinator.state.view.claimed[sk] = b"\xff not a claim record"
 
     loop_thread.run(plant())
     c = CacheClient(coordinator.cfg.listen)
@@ -106,7 +106,7 @@ def test_a_record_the_view_cannot_read_is_asked_of_etcd(coordinator, loop_thread
         c.release("unreadable", resp.lease, pb.COMPILE_FAILED, "test")
     finally:
         c.close()
-    assert coordinator.state._claimed.get(sk) != b"\xff not a claim record"
+    assert coordinator.state.view.claimed.get(sk) != b"\xff not a claim record"
 
 
 def test_concurrent_decisions_on_one_key_share_one_etcd_read(coordinator, loop_thread):
@@ -114,14 +114,14 @@ def test_concurrent_decisions_on_one_key_share_one_etcd_read(coordinator, loop_t
 
     async def ask_all():
         with slow_counted_reads(state) as reads:
-            return await asyncio.gather(*(state.acquire(
+            return await asyncio.gather(*(state.claims.acquire(
                 "shared", pb.Requester(job="j", process_id=i, designated_process=0))
                 for i in range(1, 51))), reads
 
     answers, reads = loop_thread.run(ask_all())
     assert [a.decision for a in answers] == [pb.WAIT] * 50
     assert all("process 0 of job j compiles" in a.reason for a in answers)
-    assert reads.count(state._k("a", scope("default", "shared"))) == 1, reads
+    assert reads.count(state.view.k("a", scope("default", "shared"))) == 1, reads
 
 
 def test_claimers_still_race_through_etcd(coordinator):
@@ -139,7 +139,7 @@ def test_claimers_still_race_through_etcd(coordinator):
 
 def test_the_in_memory_index_is_bounded_and_a_forgotten_entry_still_hits(coordinator, loop_thread):
     async def cap():
-        coordinator.state.index_max = 3
+        coordinator.state.view.index_max = 3
 
     loop_thread.run(cap())
     c = CacheClient(coordinator.cfg.listen)
@@ -149,12 +149,12 @@ def test_the_in_memory_index_is_bounded_and_a_forgotten_entry_still_hits(coordin
             key = f"bounded-{i}"
             digests[key] = c.publish(key, c.acquire(key).lease, DATA + bytes([i]), 1.0).digest
         # The watch has reported all six publishes; only the newest three stay.
-        eventually(lambda: sorted(coordinator.state._index) == [
+        eventually(lambda: sorted(coordinator.state.view.index) == [
             scope("default", f"bounded-{i}") for i in range(3, 6)], "the index keeps the newest")
         for key, digest in digests.items():
             resp = c.acquire(key)
             assert resp.decision == pb.HIT and resp.artifact.digest == digest
-        assert len(coordinator.state._index) == 3
+        assert len(coordinator.state.view.index) == 3
     finally:
         c.close()
 
@@ -180,7 +180,7 @@ def test_the_waiters_of_a_program_look_up_its_compile_time_once(start_coordinato
         state.etcd.get_prefix = get_prefix
         try:
             return await asyncio.gather(*(
-                _last(state.wait("v1", pb.Requester(job="j", process_id=i, designated_process=0),
+                _last(state.waiting.wait("v1", pb.Requester(job="j", process_id=i, designated_process=0),
                                  300)) for i in range(1, 21)))
         finally:
             del state.etcd.get_prefix

@@ -80,7 +80,7 @@ def still_held(coordinator, c: CacheClient, key: str, lease: pb.Lease) -> bool:
 def refused_while_sending(coordinator, c: CacheClient, lease: pb.Lease) -> grpc.RpcError:
     """The error of `c`'s publish of more than the socket buffers take,
     which the coordinator refuses after its first piece (over its limit)."""
-    real = coordinator.state.publish
+    real = coordinator.state.artifacts.publish
 
     async def over_the_limit(header, chunks, *, tenant):
         coordinator.state.cfg.max_artifact_bytes = 1024
@@ -89,12 +89,12 @@ def refused_while_sending(coordinator, c: CacheClient, lease: pb.Lease) -> grpc.
         finally:
             coordinator.state.cfg.max_artifact_bytes = 1 << 40
 
-    coordinator.state.publish = over_the_limit
+    coordinator.state.artifacts.publish = over_the_limit
     try:
         with pytest.raises(grpc.RpcError) as err:
             c.publish("k", lease, DATA * 13, 2.0)
     finally:
-        coordinator.state.publish = real
+        coordinator.state.artifacts.publish = real
     return err.value
 
 

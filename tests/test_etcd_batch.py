@@ -76,14 +76,14 @@ def test_waiters_share_a_read_unless_the_watch_moved(coordinator, loop_thread):
 
     async def body():
         with slow_counted_reads(state) as reads:
-            first = asyncio.ensure_future(state._read_shared(sk, fresh=True))
+            first = asyncio.ensure_future(state.view.read_shared(sk, fresh=True))
             await asyncio.sleep(0)
-            joined = [asyncio.ensure_future(state._read_shared(sk, fresh=True))
+            joined = [asyncio.ensure_future(state.view.read_shared(sk, fresh=True))
                       for _ in range(20)]
             await asyncio.sleep(0)
             shared = len(reads)
             state.hub.events += 1  # an event after the read started: later waiters read again
-            late = await state._read_shared(sk, fresh=True)
+            late = await state.view.read_shared(sk, fresh=True)
             await asyncio.gather(first, *joined)
             return shared, len(reads), late
 
@@ -98,10 +98,10 @@ def test_acquire_reads_join_any_read_in_flight(coordinator, loop_thread):
 
     async def body():
         with slow_counted_reads(state) as reads:
-            first = asyncio.ensure_future(state._read_shared(sk))
+            first = asyncio.ensure_future(state.view.read_shared(sk))
             await asyncio.sleep(0)
             state.hub.events += 1
-            await state._read_shared(sk)
+            await state.view.read_shared(sk)
             await first
             return len(reads)
 
@@ -115,13 +115,13 @@ def test_waiter_records_do_not_move_the_watch_count(coordinator, loop_thread):
     state = coordinator.state
     sk = scope("default", "counted")
     before = state.hub.events
-    loop_thread.run(state.etcd.txn([], [op_put(state._k("w", sk) + b"/0000000001/x", b"{}")]))
+    loop_thread.run(state.etcd.txn([], [op_put(state.view.k("w", sk) + b"/0000000001/x", b"{}")]))
     client = CacheClient(coordinator.cfg.listen)
     try:
         assert client.acquire("counted").decision == pb.COMPILE  # writes the claim record
     finally:
         client.close()
-    eventually(lambda: state._claimed.get(sk), "the watch delivered the claim")
+    eventually(lambda: state.view.claimed.get(sk), "the watch delivered the claim")
     assert state.hub.events == before + 1
 
 

@@ -378,11 +378,11 @@ def test_an_unreadable_index_entry_is_dropped_and_the_key_compiles_again(coordin
     for k in ("k", "other"):
         c.publish(k, c.acquire(k, components={"program": k}, program_name=f"jit_{k}").lease,
                   k.encode() * 100, 1.0)
-    _etcdctl_put(etcd, coordinator.state._k("a", scope("default", "k")), "not json{")
-    _etcdctl_put(etcd, coordinator.state._k("k", scope("default", "other")), "[]")
+    _etcdctl_put(etcd, coordinator.state.view.k("a", scope("default", "k")), "not json{")
+    _etcdctl_put(etcd, coordinator.state.view.k("k", scope("default", "other")), "[]")
     assert c.describe("other").artifact.size == 500  # its record unreadable, its entry not
     deadline = time.monotonic() + 10  # the watch forgets what it remembered of the entry
-    while coordinator.state._cached_artifact(scope("default", "k")) is not None:
+    while coordinator.state.view.cached_artifact(scope("default", "k")) is not None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 
@@ -403,7 +403,7 @@ def test_an_unreadable_claim_record_is_dropped(coordinator, etcd, kind):
     a decision on the key goes on (COMPILE) instead of failing."""
     from compilecast.coordinator.records import scope
 
-    _etcdctl_put(etcd, coordinator.state._k(kind, scope("default", "k")), "[1, 2")
+    _etcdctl_put(etcd, coordinator.state.view.k(kind, scope("default", "k")), "[1, 2")
     c = CacheClient(coordinator.cfg.listen)
     assert c.status().upstream_healthy  # status reads every compile lease record too
     first = c.acquire("k")
@@ -423,11 +423,11 @@ def test_an_index_entry_with_fields_of_a_newer_replica_is_read_not_dropped(coord
 
     c = CacheClient(coordinator.cfg.listen)
     c.publish("k", c.acquire("k").lease, b"bytes" * 100, 1.0)
-    entry = coordinator.state._k("a", scope("default", "k"))
+    entry = coordinator.state.view.k("a", scope("default", "k"))
     raw = subprocess.run(["etcdctl", f"--endpoints={etcd.endpoint}", "get", entry.decode(),
                           "--print-value-only"], capture_output=True, text=True, timeout=30,
                          env={**os.environ, "ETCDCTL_API": "3"}).stdout.strip()
     _etcdctl_put(etcd, entry, json.dumps({**json.loads(raw), "from_the_future": [1]}))
-    coordinator.state._index.clear()  # read from etcd, not from what the watch remembered
+    coordinator.state.view.index.clear()  # read from etcd, not from what the watch remembered
     hit = CacheClient(coordinator.cfg.listen).acquire("k")
     assert hit.decision == pb.HIT and hit.artifact.size == 500, hit

@@ -55,7 +55,7 @@ def test_a_replicas_record_of_its_waiters_is_read():
 
 def _records(coordinator, loop_thread, key: str) -> list[KV]:
     state = coordinator.state
-    return loop_thread.run(state.etcd.get_prefix(state._k("w", scope("default", key)) + b"/"))
+    return loop_thread.run(state.etcd.get_prefix(state.view.k("w", scope("default", key)) + b"/"))
 
 
 def test_a_replicas_waiters_of_a_key_share_one_record(coordinator, loop_thread):
