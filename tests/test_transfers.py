@@ -107,7 +107,7 @@ def fetching_through_a_worker(coordinator, start_worker, data: bytes | None = No
     out: list = []
     t = threading.Thread(target=lambda: out.append(CacheClient(worker.target).fetch("k")[1]))
     t.start()
-    eventually(lambda: any(f.started for f in worker.service._fills.values()),
+    eventually(lambda: any(f.started for f in worker.service.fetches.fills.values()),
                "the download under way")
     return data, worker, t, out
 

@@ -11,28 +11,32 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
 from compilecast import validate
-from compilecast.blobstore import RAW_MAGIC, amake_room, aread
-from compilecast.blobwriter import OUT_OF_SPACE
+from compilecast.blobstore import RAW_MAGIC, aread
 from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamError
-from compilecast.grpcutil import rpc_errors
-from compilecast.negotiate import Route
+from compilecast.negotiate import Route, Routes
+from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
 from .bucketurl import with_bucket_url
 from .dataplane import DATA_PLANE_PIECE, RELAY_LEAST, DataPlaneBroke, with_data_plane
 from .fill import Fill, Inflating, following_fill
+from .hostcache import HostCache, HostCopies
+from .metrics import WorkerMetrics
+from .relayplane import RelayPlane
 from .upstream import (
     HEARTBEAT_S,
     PEER_IDLE_S,
     RESUME_S,
     TRANSFER_S,
     UPSTREAM_IDLE_S,
+    CoordinatorLink,
     digest_matches,
     heartbeats_until,
     idle_timeout,
@@ -60,7 +64,20 @@ class _Download:
 
 
 class Fetches:
-    """Fetch and the host cache's fills (a mixin of WorkerService)."""
+    """Fetch, and the host cache's fills: one download per key however many ask."""
+
+    def __init__(self, link: CoordinatorLink, cache: HostCache, copies: HostCopies,
+                 metrics: WorkerMetrics, routes: Routes, background: Background, *,
+                 relay_address: str = "") -> None:
+        self.link = link
+        self.cache = cache
+        self.copies = copies
+        self.metrics = metrics
+        self.routes = routes
+        self.background = background
+        self.relay_address = relay_address  # this worker's, offered to the coordinator
+        self.fills: dict[tuple[str, str], Fill] = {}  # (namespace, key) -> its download
+        self.relay_plane: RelayPlane | None = None  # relays sent with sendfile (server.py)
 
     async def _run_fill(self, fill: Fill, ns: str, md: tuple, key: str, digest: str) -> None:
         """Download `key` into the host cache once, however many ask, passing
@@ -84,7 +101,7 @@ class Fetches:
                 except InvalidRequest as exc:
                     raise CorruptBlob(f"artifact {key} from {dl.peer or 'the coordinator'} "
                                       f"failed verification: {exc}") from None
-            await self._record(ns, dl.info, writer)
+            await self.copies.record(ns, dl.info, writer)
             self.metrics.fetch_seconds.observe(time.monotonic() - start)
             self.metrics.bytes.labels("relayed_in" if dl.peer else "fetched").inc(dl.info.size)
             await fill.finish(dl.info, None)
@@ -93,7 +110,7 @@ class Fetches:
             if not isinstance(exc, Exception):
                 raise
         finally:
-            self._fills.pop((ns, key), None)
+            self.fills.pop((ns, key), None)
 
     def _fetch_request(self, dl: _Download, writer) -> pb.FetchRequest:
         """The next Fetch of `dl`: the rest, from where it is. A peer relays
@@ -115,12 +132,12 @@ class Fetches:
         # here: a tenth of the bytes on the wire. A resumed download is decoded.
         dl.inflate = None
         request = self._fetch_request(dl, writer)
-        stub = self._peer(dl.peer) if dl.peer else self.up
+        stub = self.link.peer(dl.peer) if dl.peer else self.link.up
         used: list = []
         try:
             chunks = stub.Fetch(request, timeout=TRANSFER_S, metadata=md)
             if request.accept_data_ticket:  # (every other chunk passes straight on)
-                chunks = with_data_plane(chunks, dl.peer or self.coordinator, used,
+                chunks = with_data_plane(chunks, dl.peer or self.link.address, used,
                                          RELAY_LEAST if dl.peer else DATA_PLANE_PIECE)
             if request.accept_url:
                 chunks = with_bucket_url(chunks, used)
@@ -149,7 +166,7 @@ class Fetches:
         the peer the coordinator redirected to ("": none)."""
         async for chunk in idle_timeout(chunks, PEER_IDLE_S if dl.peer else UPSTREAM_IDLE_S):
             if chunk.HasField("artifact") and dl.info is None:
-                await self._make_room(writer, chunk.artifact.size)
+                await self.copies.make_room(writer, chunk.artifact.size)
             if chunk.relay_from:
                 dl.info = chunk.artifact
                 return chunk.relay_from
@@ -239,27 +256,6 @@ class Fetches:
         if dl.inflate is not None:
             await dl.inflate.cut(dl.key, "its zstd stream from a peer was cut off")
 
-    async def _make_room(self, writer, size: int) -> None:
-        """Evict from the host cache until an artifact of `size` fits on its
-        disk above cache_min_free_bytes; else pass it on without a copy."""
-        if not await amake_room(self.cache.store, size):
-            writer.stop_keeping(f"no room for {size} bytes above the free space kept on the "
-                                "host cache's disk")
-
-    async def _record(self, ns: str, info: pb.ArtifactInfo, writer) -> None:
-        """Index a committed download or publish in the host cache; one the
-        disk had no room for was passed on without a copy (a warning says so)."""
-        if not writer.discarded:
-            try:
-                await asyncio.to_thread(self.cache.record, ns, info)
-                return
-            except OSError as exc:  # the blob is in place; without its entry it reads as a miss
-                if exc.errno not in OUT_OF_SPACE:
-                    raise
-        self.metrics.uncached.inc()
-        log.warning("kept no copy of %s in the host cache: %s", info.key,
-                    writer.discarded or "no space left for its entry", extra={"key": info.key})
-
     async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str,
                           request: pb.FetchRequest):
         if request.accept_local_file and self.routes.on(Route.LOCAL_FILE):
@@ -282,16 +278,16 @@ class Fetches:
             self.cache.forget(ns, key)
             raise
 
-    @rpc_errors
-    async def Fetch(self, request, context):
+    async def fetch(self, ns: str, md: tuple, request: pb.FetchRequest
+                    ) -> AsyncIterator[pb.FetchChunk]:
+        """A Fetch by a caller of namespace `ns`, with upstream metadata `md`."""
         validate.key(request.key)
         if request.digest:
             validate.digest(request.digest)
         if request.offset or request.relay_address:
             raise InvalidRequest("offset and relay_address are for the coordinator")
-        ns, md = self._credential(context)
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
-        publishing = self._publishing.get((ns, request.key))
+        publishing = self.copies.publishing.get((ns, request.key))
         # A process on this host follows the host cache's file instead, from
         # the byte it has, once the fill stores the bytes raw (from the first byte
         # when they came raw, else after the first MiB's probe).
@@ -315,12 +311,12 @@ class Fetches:
             return
         self.metrics.fetches.labels("coordinator").inc()
         while True:
-            fill = self._fills.get((ns, request.key))
+            fill = self.fills.get((ns, request.key))
             if fill is None:
                 # Peers join a running download late: keep its head for them.
-                fill = self._fills[(ns, request.key)] = Fill(
+                fill = self.fills[(ns, request.key)] = Fill(
                     Fill.MAX_BACKLOG if self.relay_address else 0)
-                self._spawn(self._run_fill(fill, ns, md, request.key, request.digest))
+                self.background.spawn(self._run_fill(fill, ns, md, request.key, request.digest))
             reader = fill.join(request.accept_zstd)
             if reader is not None:
                 break
@@ -352,7 +348,7 @@ class Fetches:
         async for chunk in self._following(fill, available):
             yield chunk
 
-    async def relay_ticket(self, request, context) -> pb.FetchChunk | None:
+    async def relay_ticket(self, ns: str, request: pb.FetchRequest) -> pb.FetchChunk | None:
         """For a peer's relay Fetch that takes a data ticket: the artifact's
         header with a ticket of this worker's relay data plane, where its
         bytes are in a file sent as it stands (worker/relayplane.py): the
@@ -363,8 +359,7 @@ class Fetches:
         validate.key(request.key)
         if request.digest:
             validate.digest(request.digest)
-        ns, _ = self._credential(context)
-        fill = self._fills.get((ns, request.key))
+        fill = self.fills.get((ns, request.key))
         if fill is not None:
             # Its header and first raw write come within moments of its start.
             deadline = time.monotonic() + HEARTBEAT_S

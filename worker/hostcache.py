@@ -22,6 +22,7 @@ worker) is removed, reported (`on_refused`) and read as a miss.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -32,8 +33,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from compilecast.blobstore import DiskBlobStore
+from compilecast.blobstore import DiskBlobStore, amake_room
+from compilecast.blobwriter import OUT_OF_SPACE
 from compilecast.v1 import cache_pb2 as pb
+
+from .fill import Fill
+from .metrics import WorkerMetrics
 
 MAX_ENTRY = 1 << 16  # an index entry is ~250 bytes; a bigger file is not one of ours
 SECRET_BYTES = 32
@@ -172,3 +177,35 @@ class HostCache:
     def count(self) -> int:
         return sum(1 for p in self.keys.glob("*/*.json")
                    if self.lookup(p.parent.name, p.stem) is not None)
+
+
+class HostCopies:
+    """What the worker writes into its host cache: the copies of downloads
+    and of publishes through it, with room made for each first, and the
+    publishes under way (a fetch of one of them reads the copy)."""
+
+    def __init__(self, cache: HostCache, metrics: WorkerMetrics) -> None:
+        self.cache = cache
+        self.metrics = metrics
+        self.publishing: dict[tuple[str, str], Fill] = {}  # (namespace, key) -> our copy
+
+    async def make_room(self, writer, size: int) -> None:
+        """Evict from the host cache until an artifact of `size` fits on its
+        disk above cache_min_free_bytes; else pass it on without a copy."""
+        if not await amake_room(self.cache.store, size):
+            writer.stop_keeping(f"no room for {size} bytes above the free space kept on the "
+                                "host cache's disk")
+
+    async def record(self, ns: str, info: pb.ArtifactInfo, writer) -> None:
+        """Index a committed download or publish in the host cache; one the
+        disk had no room for was passed on without a copy (a warning says so)."""
+        if not writer.discarded:
+            try:
+                await asyncio.to_thread(self.cache.record, ns, info)
+                return
+            except OSError as exc:  # the blob is in place; without its entry it reads as a miss
+                if exc.errno not in OUT_OF_SPACE:
+                    raise
+        self.metrics.uncached.inc()
+        log.warning("kept no copy of %s in the host cache: %s", info.key,
+                    writer.discarded or "no space left for its entry", extra={"key": info.key})

@@ -1,8 +1,7 @@
 """The worker's publishes: a process's Publish stream (or the memory file it
 hands over, worker/handoff.py) forwarded to the coordinator, over its data
 plane where it offers one, while the worker keeps a copy in its host cache
-and this host's waiters may follow it. WorkerService (worker/service.py) is
-made of this and the rest of the API.
+and this host's waiters may follow it.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ from compilecast.errors import (
     TooMany,
     Unavailable,
 )
-from compilecast.grpcutil import rpc_errors
-from compilecast.negotiate import Route
+from compilecast.negotiate import Route, Routes
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk, publish_stream
 
@@ -39,35 +37,53 @@ from .fill import (
     Fill,
     Packer,
 )
+from .handoff import Handoffs
+from .hostcache import HostCache, HostCopies
+from .metrics import WorkerMetrics
 from .upstream import (
     UPSTREAM_IDLE_S,
+    CoordinatorLink,
     forward_publish,
     relay_error,
     unless_stalled,
 )
+from .waits import HostWaits
 
 log = logging.getLogger("compilecast.worker.service")
 
 
 class Publishes:
-    """Publish, OpenUpload and the handed-over publishes (a mixin of WorkerService)."""
+    """Publish, OpenUpload and the handed-over publishes of this host's processes."""
 
-    @rpc_errors
-    async def Publish(self, request_iterator, context):
-        ns, md = self._credential(context)
+    def __init__(self, link: CoordinatorLink, cache: HostCache, copies: HostCopies,
+                 metrics: WorkerMetrics, routes: Routes, waits: HostWaits, *,
+                 wake_on_host_publish: bool = False) -> None:
+        self.link = link
+        self.cache = cache
+        self.copies = copies
+        self.metrics = metrics
+        self.routes = routes
+        self.waits = waits
+        # This host's waiters woken as a publish through us begins (they follow our copy).
+        self.wake_on_host_publish = wake_on_host_publish
+        self.handoffs: Handoffs | None = None  # publishes handed over as files (server.py)
+        self._upload_broke: set[tuple[str, str]] = set()  # its next try goes over gRPC
+
+    async def publish(self, ns: str, md: tuple,
+                      request_iterator: AsyncIterator[pb.PublishChunk]) -> pb.PublishResponse:
+        """A Publish stream of a caller of namespace `ns` (upstream metadata `md`)."""
         header, chunks = await publish_stream(request_iterator)
         # Refuse bad headers here: a coordinator that aborts a stream the worker
         # is still sending can surface as a reset (INTERNAL) instead of its status.
         validate.publish_header(header, self.cache.store.max_blob_size)
         return await self._published(ns, md, header, chunks)
 
-    @rpc_errors
-    async def OpenUpload(self, request, context):
+    async def open_upload(self, ns: str, md: tuple,
+                          request: pb.OpenUploadRequest) -> pb.OpenUploadResponse:
         """A ticket to hand a publish over as a sealed file (worker/handoff.py);
         none where this worker takes no handoffs (not on a unix socket)."""
         if self.handoffs is None:
             return pb.OpenUploadResponse()
-        ns, md = self._credential(context)
         validate.publish_header(request.header, self.cache.store.max_blob_size)
         ticket = self.handoffs.ticket(ns, md, request.header)
         if ticket is None:
@@ -87,7 +103,7 @@ class Publishes:
         # (The digest may come last: they learn it at the end.)
         copy = Fill(0)
         copy.info = pb.ArtifactInfo(key=header.key, size=header.size, digest=header.digest)
-        ours = self._publishing.setdefault((ns, header.key), copy) is copy
+        ours = self.copies.publishing.setdefault((ns, header.key), copy) is copy
         if ours and self.wake_on_host_publish:  # they fetch now: they follow our copy
             self.metrics.woken_here.inc(self.waits.publishing(
                 md, header.key, pb.WaitEvent(decision=pb.WAIT, artifact=copy.info)))
@@ -102,14 +118,14 @@ class Publishes:
             raise
         finally:
             if ours:
-                del self._publishing[(ns, header.key)]
+                del self.copies.publishing[(ns, header.key)]
             await copy.finish(resp.artifact if resp is not None else None, error)
 
     async def _publish(self, ns: str, md: tuple, header: pb.PublishHeader,
                        chunks, copy: Fill, digest_here: bool = False) -> pb.PublishResponse:
         writer = copy.writer = self.cache.store.writer(discard_when_unwritable=True)
         with writer:
-            await self._make_room(writer, header.size)
+            await self.copies.make_room(writer, header.size)
 
             moved = [time.monotonic()]
 
@@ -157,10 +173,10 @@ class Publishes:
                     yield pb.PublishChunk(digest=header.digest)
 
             if resp is None:
-                resp = await forward_publish(self.up, forward(), md, moved,
+                resp = await forward_publish(self.link.up, forward(), md, moved,
                                               f"the publish of {header.key}")
             await asyncio.to_thread(writer.commit, header.digest, header.size)
-        await self._record(ns, resp.artifact, writer)
+        await self.copies.record(ns, resp.artifact, writer)
         self.metrics.bytes.labels("published").inc(header.size)
         return resp
 
@@ -186,18 +202,18 @@ class Publishes:
         ended with; an upload that broke off is UNAVAILABLE, and the holder's
         next try goes over gRPC."""
         try:
-            opened = await self.up.OpenUpload(pb.OpenUploadRequest(header=header),
-                                              timeout=self.rpc_timeout_s, metadata=md)
+            opened = await self.link.up.OpenUpload(pb.OpenUploadRequest(header=header),
+                                              timeout=self.link.rpc_timeout_s, metadata=md)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return None  # too many tickets out (or too large: its Publish says so)
             raise relay_error(exc) from None
         if not opened.HasField("ticket"):
-            self.routes.off(Route.UPLOAD_TICKET, f"{self.coordinator} offers no upload tickets")
-            log.info("%s takes publishes over gRPC only", self.coordinator)
+            self.routes.off(Route.UPLOAD_TICKET, f"{self.link.address} offers no upload tickets")
+            log.info("%s takes publishes over gRPC only", self.link.address)
             return None
         try:
-            sock = await dial(opened.ticket, self.coordinator)
+            sock = await dial(opened.ticket, self.link.address)
         except DataPlaneBroke as exc:
             self.routes.off(Route.DATA_PLANE, str(exc))
             log.info("cannot reach the coordinator's data plane (%s); artifacts go over "

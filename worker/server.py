@@ -106,10 +106,10 @@ class Worker(Role):
             os.chmod(address.removeprefix("unix://"), 0o660)
             if handoff.supported():  # this host's processes hand their publishes over
                 handoffs = Handoffs(f"{address.removeprefix('unix://')}.handoff",
-                                    self.service.publish_handoff, self.metrics.handoffs)
+                                    self.service.publishes.publish_handoff, self.metrics.handoffs)
                 try:
                     await handoffs.start()
-                    self.service.handoffs = handoffs
+                    self.service.publishes.handoffs = handoffs
                 except OSError as exc:  # a path too long for a socket, say: gRPC serves
                     log.warning("publishes are not handed over: cannot listen on %s (%s)",
                                 handoffs.path, exc)
@@ -125,7 +125,7 @@ class Worker(Role):
 
     def _caller(self, context) -> tuple[str, str]:
         """A caller's token ("" : none, or this worker's) and host-cache namespace."""
-        scope, _ = self.service._credential(context)
+        scope, _ = self.service.link.credential(context)
         token = token_from(context) or ""
         return ("" if token == self.service.token else token), scope
 
@@ -156,7 +156,7 @@ class Worker(Role):
             address = cfg.relay_listen.rpartition(":")[0] + ":0"
         plane = RelayPlane(address, self.metrics.relay_data_plane)
         await plane.start()
-        self.service.relay_plane = plane
+        self.service.fetches.relay_plane = plane
 
     async def _give_way(self) -> None:
         """The host's jobs come first: while their files leave the disk with
@@ -178,14 +178,14 @@ class Worker(Role):
         for task in (self._revocations, self._keep_free, self._dir_sync):
             if task is not None:
                 task.cancel()
-        if self.service.handoffs is not None:
-            await self.service.handoffs.stop()
+        if self.service.publishes.handoffs is not None:
+            await self.service.publishes.handoffs.stop()
         if self.pjrt_gate is not None:
             await self.pjrt_gate.stop()
         if self.relay_server is not None:
             await self.relay_server.stop(2.0)
-        if self.service.relay_plane is not None:
-            await self.service.relay_plane.stop()
+        if self.service.fetches.relay_plane is not None:
+            await self.service.fetches.relay_plane.stop()
         await self.service.close()
 
 

@@ -16,32 +16,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 import time
 
 import grpc
 
-from compilecast import decide, decideserve, tracing, validate, wire
+from compilecast import decide, decideserve, tracing, validate
 from compilecast.decide import Decider
-from compilecast.grpcutil import aio_channel, bearer, rpc_errors, token_from, unreachable
+from compilecast.grpcutil import bearer, rpc_errors, token_from, unreachable
 from compilecast.negotiate import Route, Routes
+from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
 from .decisions import HostDecisions
 from .dirsync import DirSync
 from .fetches import Fetches
-from .fill import (
-    Fill,
-)
-from .handoff import Handoffs
-from .hostcache import HostCache
+from .hostcache import HostCache, HostCopies
 from .metrics import WorkerMetrics
 from .publishes import Publishes
-from .relayplane import RelayPlane
 from .upstream import (
     WAIT_RETRY_S,
+    CoordinatorLink,
     relay_error,
     relay_pieces,
 )
@@ -53,7 +49,11 @@ DEGRADED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 MAX_DECIDERS = 64  # upstream Decide streams kept open (one per caller credential)
 
 
-class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
+class WorkerService(rpc.CompileCacheServicer):
+    """The worker's CompileCache API for this host's processes: the
+    decisions and waits (shared among the host's callers, one Decide stream
+    per credential upstream) here; fetches and publishes in their components."""
+
     def __init__(self, coordinator: str, cache: HostCache, metrics: WorkerMetrics,
                  *, rpc_timeout_s: float, share_binary_timeout_ms: int = 0,
                  decide_gap_s: float = decide.GAP_S,
@@ -63,8 +63,6 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
                  data_plane: bool = False, wake_on_host_publish: bool = False,
                  bucket_urls: bool = True) -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
-        # This host's waiters woken as a publish through us begins (they follow our copy).
-        self.wake_on_host_publish = wake_on_host_publish
         # The routes besides gRPC this worker may take (compilecast/negotiate.py):
         # whole downloads and uploads over the coordinator's data plane
         # (plaintext only), a bucket's presigned URLs, peers' relay data
@@ -75,30 +73,23 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
                                             (Route.BUCKET_URL, bucket_urls),
                                             (Route.LOCAL_FILE, local_files),
                                             (Route.GROWING_FILE, local_files)) if offered])
-        self.relay_address = relay_address
-        self.peer_credentials = peer_credentials
-        self._peers: dict[str, tuple[grpc.aio.Channel, rpc.CompileCacheStub]] = {}
-        self.coordinator = coordinator
+        self.link = CoordinatorLink(coordinator, token=token, rpc_timeout_s=rpc_timeout_s,
+                                    credentials=credentials, peer_credentials=peer_credentials)
         self.cache = cache
         self.metrics = metrics
-        self.rpc_timeout_s = rpc_timeout_s
         self.decide_gap_s = decide_gap_s  # between two messages of a Decide stream upstream
-        self.token = token
-        self.channel = aio_channel(coordinator, credentials)
-        self.up = wire.stub(self.channel)
-        self._fills: dict[tuple[str, str], Fill] = {}
-        self._publishing: dict[tuple[str, str], Fill] = {}  # publishes through us
-        self._upload_broke: set[tuple[str, str]] = set()
-        self.handoffs: Handoffs | None = None  # publishes handed over as files (server.py)
-        self.dirs: DirSync | None = None  # the host's synced directories (server.py)
-        self.relay_plane: RelayPlane | None = None  # relays sent with sendfile (server.py)
-        self._tasks: set[asyncio.Task] = set()
-        self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
-        self._namespaces: dict[tuple, str] = {}  # upstream metadata -> host-cache namespace
-        self._tenants: dict[str, str] = {}  # host-cache namespace -> its tenant, once known
-        self._retiring: set[Decider] = set()  # evicted, closed once their waits end
+        self.background = Background(log)
+        self.copies = HostCopies(cache, metrics)
         self.waits = HostWaits(metrics.waits)  # this host's waits for one key go upstream as one
         self.decisions = HostDecisions(metrics.decisions)  # and its requests for one key
+        self.fetches = Fetches(self.link, cache, self.copies, metrics, self.routes,
+                               self.background, relay_address=relay_address)
+        self.publishes = Publishes(self.link, cache, self.copies, metrics, self.routes,
+                                   self.waits, wake_on_host_publish=wake_on_host_publish)
+        self.dirs: DirSync | None = None  # the host's synced directories (server.py)
+        self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
+        self._tenants: dict[str, str] = {}  # host-cache namespace -> its tenant, once known
+        self._retiring: set[Decider] = set()  # evicted, closed once their waits end
         self._joined = [0, 0]  # answers shared from another's request: misses, hits
         # Hits answered here, and the compile time they saved, not reported to
         # the coordinator yet (report_hits).
@@ -109,58 +100,29 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         self.streams = decideserve.Streams()  # local processes' Decide streams
         self.metrics.cache_bytes.set_function(lambda: self.cache.store.stored_bytes)
 
+    @property
+    def token(self) -> str:
+        return self.link.token
+
     async def close(self) -> None:
         for decider in [*self._deciders.values(), *self._retiring]:
             await decider.close()
-        await self.channel.close()
-        for channel, _ in self._peers.values():
-            await channel.close()
-
-    def _peer(self, address: str) -> rpc.CompileCacheStub:
-        if address not in self._peers:
-            channel = aio_channel(address, self.peer_credentials)
-            self._peers[address] = (channel, wire.stub(channel))
-        return self._peers[address][1]
-
-    def _credential(self, context) -> tuple[str, tuple]:
-        """(host-cache namespace, upstream metadata) for a caller.
-
-        A caller's own bearer token (a per-job token) is forwarded as is and
-        gets its own namespace; callers without one act as this worker.
-        """
-        caller = token_from(context)
-        if caller == self.token:  # a peer worker relaying for its host: the same identity
-            caller = ""
-        token = caller or self.token
-        ns = hashlib.sha256(f"caller:{caller}".encode()).hexdigest()[:16] if caller else "host"
-        if len(self._namespaces) >= MAX_DECIDERS * 4:
-            self._namespaces.pop(next(iter(self._namespaces)))
-        self._namespaces[bearer(token)] = ns
-        return ns, bearer(token)
-
-    def _namespace(self, md: tuple) -> str:
-        """The host-cache namespace of upstream metadata `md`."""
-        return self._namespaces.get(md, "host")
+        await self.link.close()
 
     def _local(self, rpc_name: str, exc: grpc.aio.AioRpcError) -> str:
         self.metrics.fallbacks.labels(rpc_name).inc()
-        return f"coordinator {self.coordinator} unreachable ({exc.code().name}); compile locally"
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return f"coordinator {self.link.address} unreachable ({exc.code().name}); compile locally"
 
     def _decider(self, md: tuple) -> Decider:
         """The Decide stream to the coordinator for one upstream credential."""
         decider = self._deciders.pop(md, None)
         if decider is None:
-            decider = Decider(self.up, md, timeout_s=self.rpc_timeout_s,
+            decider = Decider(self.link.up, md, timeout_s=self.link.rpc_timeout_s,
                               gap_s=self.decide_gap_s)
             if len(self._deciders) >= MAX_DECIDERS:  # the least recently used goes
                 _, old = self._deciders.popitem(last=False)
                 self._retiring.add(old)  # closed at shutdown too, if its waits last that long
-                self._spawn(self._retire(old))
+                self.background.spawn(self._retire(old))
         self._deciders[md] = decider
         return decider
 
@@ -224,17 +186,17 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
 
     @rpc_errors
     async def Acquire(self, request, context):
-        ns, md = self._credential(context)
+        ns, md = self.link.credential(context)
         return (await self._acquire_many([request], ns, md))[0]
 
     @rpc_errors
     async def AcquireMany(self, request, context):
-        ns, md = self._credential(context)
+        ns, md = self.link.credential(context)
         return pb.AcquireManyResponse(responses=await self._acquire_many(request.requests, ns, md))
 
     @rpc_errors
     async def Decide(self, request_iterator, context):
-        ns, md = self._credential(context)
+        ns, md = self.link.credential(context)
         async for answer in decideserve.serve(
                 request_iterator, lambda rs: self._acquire_many(rs, ns, md),
                 wait=lambda r, until: self._wait_once(self._bounded(r), md, until),
@@ -284,7 +246,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
 
     @rpc_errors
     async def Wait(self, request, context):
-        ns, md = self._credential(context)
+        ns, md = self.link.credential(context)
         request = self._bounded(request)
         deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms else None
         event = await self._wait_once(request, md, until_publishing=True)
@@ -298,7 +260,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
                 yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                    reason="share-binary timeout passed; compile locally")
                 return
-        copy = self._publishing.get((ns, request.key))
+        copy = self.copies.publishing.get((ns, request.key))
         if copy is not None:  # published through us: its end is the HIT, no wait upstream
             try:
                 info = await asyncio.wait_for(
@@ -316,8 +278,8 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
     async def _forward(self, method: str, request, context):
         """A unary call passed to the coordinator as is, under the caller's credential."""
         try:
-            return await getattr(self.up, method)(request, timeout=self.rpc_timeout_s,
-                                                  metadata=self._credential(context)[1])
+            return await getattr(self.link.up, method)(request, timeout=self.link.rpc_timeout_s,
+                                                  metadata=self.link.credential(context)[1])
         except grpc.aio.AioRpcError as exc:
             raise relay_error(exc) from None
 
@@ -341,7 +303,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
     async def Purge(self, request, context):
         resp = await self._forward("Purge", request, context)
         if not request.dry_run:
-            await self._drop_revoked(self._credential(context)[0], resp.tenant, resp.revoked,
+            await self._drop_revoked(self.link.credential(context)[0], resp.tenant, resp.revoked,
                                      "purged through this worker")
         return resp
 
@@ -372,11 +334,11 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         with its credential when not known yet; None when it cannot be."""
         if ns in self._tenants:
             return self._tenants[ns]
-        md = next((md for md, n in self._namespaces.items() if n == ns), None)
+        md = next((md for md, n in self.link.namespaces.items() if n == ns), None)
         if md is None:
             return None
         try:
-            resp = await self.up.Revoked(pb.RevokedRequest(), timeout=self.rpc_timeout_s,
+            resp = await self.link.up.Revoked(pb.RevokedRequest(), timeout=self.link.rpc_timeout_s,
                                          metadata=md)
         except grpc.aio.AioRpcError:
             return None
@@ -396,9 +358,9 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
         if not hits:
             return
         try:
-            await self.up.ReportHits(pb.ReportHitsRequest(hits=hits,
+            await self.link.up.ReportHits(pb.ReportHitsRequest(hits=hits,
                                                           compile_seconds_saved=seconds),
-                                     timeout=self.rpc_timeout_s, metadata=bearer(self.token))
+                                     timeout=self.link.rpc_timeout_s, metadata=bearer(self.token))
         except grpc.aio.AioRpcError as exc:
             log.debug("reporting %d hits failed: %s", hits, exc.code().name)
             return
@@ -416,10 +378,10 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
             since = {md: since.get(md, 0) for md in [bearer(self.token), *self._deciders]}
             for md in list(since):
                 try:
-                    resp = await self.up.Revoked(
+                    resp = await self.link.up.Revoked(
                         pb.RevokedRequest(since_revision=since[md]),
-                        timeout=self.rpc_timeout_s, metadata=md)
-                    await self._drop_revoked(self._namespace(md), resp.tenant,
+                        timeout=self.link.rpc_timeout_s, metadata=md)
+                    await self._drop_revoked(self.link.namespace(md), resp.tenant,
                                              [r.digest for r in resp.revocations],
                                              "; ".join(sorted({r.reason for r in
                                                                resp.revocations}))[:200])
@@ -440,24 +402,40 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
     @rpc_errors
     async def ListRecipes(self, request, context):
         try:
-            async for recipe in self.up.ListRecipes(request, timeout=max(60.0, self.rpc_timeout_s),
-                                                    metadata=self._credential(context)[1]):
+            async for recipe in self.link.up.ListRecipes(request, timeout=max(60.0, self.link.rpc_timeout_s),
+                                                    metadata=self.link.credential(context)[1]):
                 yield recipe
         except grpc.aio.AioRpcError as exc:
             raise relay_error(exc) from None
 
-    # -- Fetch -----------------------------------------------------------
+    # -- Fetch and Publish (worker/fetches.py, worker/publishes.py) ------
+    @rpc_errors
+    async def Fetch(self, request, context):
+        ns, md = self.link.credential(context)
+        async for chunk in self.fetches.fetch(ns, md, request):
+            yield chunk
+
+    @rpc_errors
+    async def Publish(self, request_iterator, context):
+        ns, md = self.link.credential(context)
+        return await self.publishes.publish(ns, md, request_iterator)
+
+    @rpc_errors
+    async def OpenUpload(self, request, context):
+        ns, md = self.link.credential(context)
+        return await self.publishes.open_upload(ns, md, request)
+
     @rpc_errors
     async def Status(self, request, context):
-        resp = pb.StatusResponse(role="worker", upstream=f"coordinator {self.coordinator}")
+        resp = pb.StatusResponse(role="worker", upstream=f"coordinator {self.link.address}")
         # Within the caller's deadline, so that a slow or unreachable
         # coordinator is reported as such rather than timing the caller out.
         left = context.time_remaining()
-        timeout = self.rpc_timeout_s if left is None else max(0.1, min(self.rpc_timeout_s,
+        timeout = self.link.rpc_timeout_s if left is None else max(0.1, min(self.link.rpc_timeout_s,
                                                                       left * 0.7))
         try:
-            up = await self.up.Status(request, timeout=timeout,
-                                      metadata=self._credential(context)[1])
+            up = await self.link.up.Status(request, timeout=timeout,
+                                      metadata=self.link.credential(context)[1])
         except grpc.aio.AioRpcError as exc:
             resp.upstream_problem = f"coordinator {unreachable(exc)}"
         else:
@@ -469,7 +447,7 @@ class WorkerService(Fetches, Publishes, rpc.CompileCacheServicer):
             resp.misses += self._joined[False]
             resp.compile_seconds_saved += self._unreported[1]
             resp.role = "worker"
-            resp.upstream = f"coordinator {self.coordinator}"
+            resp.upstream = f"coordinator {self.link.address}"
             resp.waiting_here = self.waits.waiting
             await self._host_status(resp)
             return resp
@@ -506,7 +484,8 @@ class RelayService(rpc.CompileCacheServicer):
         if self.worker.token and not token_from(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "relay fetches need a token")
-        head = await self.worker.relay_ticket(request, context)
+        ns, _ = self.worker.link.credential(context)
+        head = await self.worker.fetches.relay_ticket(ns, request)
         if head is not None:
             yield head
             return

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
+from compilecast import wire
 from compilecast.errors import Status, UpstreamError
-from compilecast.grpcutil import status
+from compilecast.grpcutil import aio_channel, bearer, status, token_from
 from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
 from .client import UploadRefused
@@ -22,6 +25,55 @@ HEARTBEAT_S = 10.0  # readers waiting on a download get an empty chunk this ofte
 TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
 WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait the coordinator cut off is sent again after these
+MAX_CREDENTIALS = 256  # callers' credentials whose host-cache namespace is remembered
+
+
+class CoordinatorLink:
+    """The worker's way upstream: its channel to the coordinator, channels
+    to peer workers, and the credential each caller's calls go up with.
+
+    A caller's own bearer token (a per-job token) is forwarded as is and gets
+    a host-cache namespace of its own; callers without one act as this worker
+    (namespace "host")."""
+
+    def __init__(self, address: str, *, token: str, rpc_timeout_s: float,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 peer_credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.address = address
+        self.token = token
+        self.rpc_timeout_s = rpc_timeout_s
+        self.channel = aio_channel(address, credentials)
+        self.up = wire.stub(self.channel)
+        self.peer_credentials = peer_credentials
+        self._peers: dict[str, tuple[grpc.aio.Channel, rpc.CompileCacheStub]] = {}
+        self.namespaces: dict[tuple, str] = {}  # upstream metadata -> host-cache namespace
+
+    def peer(self, address: str) -> rpc.CompileCacheStub:
+        if address not in self._peers:
+            channel = aio_channel(address, self.peer_credentials)
+            self._peers[address] = (channel, wire.stub(channel))
+        return self._peers[address][1]
+
+    def credential(self, context: grpc.aio.ServicerContext) -> tuple[str, tuple]:
+        """(host-cache namespace, upstream metadata) for a caller."""
+        caller = token_from(context)
+        if caller == self.token:  # a peer worker relaying for its host: the same identity
+            caller = ""
+        token = caller or self.token
+        ns = hashlib.sha256(f"caller:{caller}".encode()).hexdigest()[:16] if caller else "host"
+        if len(self.namespaces) >= MAX_CREDENTIALS:
+            self.namespaces.pop(next(iter(self.namespaces)))
+        self.namespaces[bearer(token)] = ns
+        return ns, bearer(token)
+
+    def namespace(self, md: tuple) -> str:
+        """The host-cache namespace of upstream metadata `md`."""
+        return self.namespaces.get(md, "host")
+
+    async def close(self) -> None:
+        await self.channel.close()
+        for channel, _ in self._peers.values():
+            await channel.close()
 
 
 
