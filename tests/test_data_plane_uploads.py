@@ -143,7 +143,7 @@ def test_a_ticket_goes_only_to_the_lease_holder_with_a_publishable_header(coordi
             c2.stub.OpenUpload(pb.OpenUploadRequest(header=h), timeout=10)
         assert err.value.code() == code, (h, err.value.details())
         with pytest.raises(grpc.RpcError) as streamed:
-            c2._send(h, DATA)  # the same header as a Publish stream
+            c2.publisher._send(h, DATA)  # the same header as a Publish stream
         assert streamed.value.code() == code
     assert uploads(coordinator) == 1  # k's
     assert still_held(coordinator, c2, "k2", lease2)

@@ -44,7 +44,7 @@ def no_grpc_publish(monkeypatch):
     def refused(self, header, data):
         raise AssertionError("published over gRPC")
 
-    monkeypatch.setattr(CacheClient, "_send", refused)
+    monkeypatch.setattr(client_mod.Publisher, "_send", refused)
 
 
 def handoffs(worker, result: str = "published") -> float:
@@ -192,7 +192,7 @@ def test_heartbeats_keep_a_slow_publish_waiting(coordinator, start_worker, monke
 
     w.service.publishes.handoffs._publish = slow
     c, lease = holder(w)
-    c.stall_s = 0.5
+    c.publisher.stall_s = 0.5
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
 
 

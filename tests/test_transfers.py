@@ -171,7 +171,7 @@ def test_a_publish_the_server_stops_reading_is_given_up(serve):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "publish of k" in err.value.details() and "0.5s" in err.value.details()
     assert not trickle.held_out.is_set()  # given up while the server held it
-    assert client._publishing == set()
+    assert client.leases.publishing == set()
 
 
 def test_a_worker_gives_up_an_upstream_transfer_that_stalls(serve, start_worker, monkeypatch):

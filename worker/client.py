@@ -12,7 +12,6 @@ import contextlib
 import errno
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator
 
@@ -29,7 +28,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
 from . import handoff
-from .clientpublish import Publishing
+from .clientpublish import LeaseKeepers, Publisher
 from .identity import Identity
 from .received import (
     CutOff,
@@ -60,7 +59,7 @@ WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # and a wait that ran, then broke (within i
 CUT_AFTER_S = 0.5  # a call that failed later than this had been running: cut off, not refused
 
 
-class CacheClient(Publishing):
+class CacheClient:
     def __init__(self, target: str, *, timeout_s: float = 5.0,
                  identity: Identity | None = None, token: str = "",
                  ca_file: str = "", cert_file: str = "", key_file: str = "",
@@ -76,10 +75,6 @@ class CacheClient(Publishing):
             if token or tracing.on() else self._channel
         self.stub = wire.stub(self._channel)
         self._directories = rpc.HostDirectoriesStub(self._channel)  # the host's worker only
-        # (key, lease id) -> its keeper's stop: a process's claims share one
-        # lease, and each claim is renewed (and stopped) on its own.
-        self._keepers: dict[tuple[str, int], threading.Event] = {}
-        self._publishing: set[tuple[str, int]] = set()  # publishes in flight
         # The routes besides gRPC this process may take (compilecast/negotiate.py):
         # to this host's worker (a unix socket), fetches answered with the host
         # cache's file, or its file as the worker writes it, and publishes
@@ -91,11 +86,28 @@ class CacheClient(Publishing):
             + ([Route.LOCAL_FILE, Route.GROWING_FILE] if unix else [])
             + ([Route.HANDOFF] if unix and handoff.supported() else [])
             + ([Route.DATA_PLANE, Route.DATA_WAIT] if not unix and creds is None else []))
+        self.leases = LeaseKeepers(self.keepalive)
+        self.publisher = Publisher(self.stub, target, self.routes, self.leases, self.describe,
+                                   timeout_s=timeout_s, stall_s=stall_s)
 
     def close(self) -> None:
-        for stop in self._keepers.values():
-            stop.set()
+        self.leases.close()
         self._channel.close()
+
+    # -- publishes and leases (worker/clientpublish.py) ------------------
+    def publish(self, key: str, lease: pb.Lease, data: bytes,
+                compile_time_s: float, recipe: pb.Recipe | None = None, *,
+                identity: Identity | None = None) -> pb.ArtifactInfo:
+        """`identity`: the one the lease was taken with (default: the client's)."""
+        return self.publisher.publish(key, lease, data, compile_time_s, recipe,
+                                      requester=(identity or self.identity).requester())
+
+    def keep_lease(self, key: str, lease: pb.Lease) -> None:
+        """Keep the claim on `key` alive in the background until stop_lease(key, lease)."""
+        self.leases.keep(key, lease)
+
+    def stop_lease(self, key: str, lease: pb.Lease) -> None:
+        self.leases.stop(key, lease)
 
     # -- decisions -------------------------------------------------------
     def acquire(self, key: str, *, components: dict[str, str] | None = None,

@@ -1,7 +1,7 @@
 """A client's publishes: the holder's bytes to the coordinator or the host's
 worker (over gRPC, a data plane, or handed over as a sealed memory file),
-tried again when cut off, and its compile lease kept alive meanwhile. A mixin
-of worker/client.py's CacheClient.
+tried again when cut off, and its compile lease kept alive meanwhile: the
+Publisher and the LeaseKeepers a CacheClient (worker/client.py) is built with.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from compilecast.blobstore import Sha256
-from compilecast.negotiate import Route
+from compilecast.negotiate import Route, Routes
 from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
 
 from .received import (
@@ -36,9 +36,6 @@ from .routes import (
     upload_data_plane,
 )
 
-if TYPE_CHECKING:
-    from .identity import Identity
-
 log = logging.getLogger("compilecast.worker.client")
 
 # Smaller publishes go over gRPC: below this the upload's extra round trips (the
@@ -48,23 +45,81 @@ DATA_PLANE_UPLOAD_FROM = 16 << 20
 PUBLISH_RETRY_S = (1.0, 4.0)  # a publish cut off (UNAVAILABLE) is tried again after these
 
 
-class Publishing:
-    """publish and the lease upkeep of a CacheClient."""
+class LeaseKeepers:
+    """The compile leases a process holds, each renewed on a daemon thread of
+    its own until its claim ends; and the publishes in flight (a lease that a
+    publish ended is not reported as lapsed)."""
+
+    def __init__(self, keepalive: Callable[[str, pb.Lease], int]) -> None:
+        self._keepalive = keepalive
+        # (key, lease id) -> its keeper's stop: a process's claims share one
+        # lease, and each claim is renewed (and stopped) on its own.
+        self._keepers: dict[tuple[str, int], threading.Event] = {}
+        self.publishing: set[tuple[str, int]] = set()  # publishes in flight
+
+    def keep(self, key: str, lease: pb.Lease) -> None:
+        """Keep the claim on `key` alive in the background until stop(key, lease)."""
+        stop = threading.Event()
+        previous = self._keepers.pop((key, lease.id), None)
+        if previous is not None:
+            previous.set()
+        self._keepers[(key, lease.id)] = stop
+        interval = max(lease.ttl_seconds / 3.0, 0.5)
+
+        def run() -> None:
+            while not stop.wait(interval):
+                try:
+                    if self._keepalive(key, lease) <= 0:
+                        # A publish that landed ends the claim too: only say
+                        # "lapsed" when nothing of ours ended it.
+                        if not stop.is_set() and (key, lease.id) not in self.publishing:
+                            log.warning("compile lease for %s lapsed", key)
+                        return
+                except grpc.RpcError as exc:
+                    log.debug("keepalive for %s failed: %s", key, exc.code())
+
+        threading.Thread(target=run, name=f"compilecast-keepalive-{lease.id}",
+                         daemon=True).start()
+
+    def stop(self, key: str, lease: pb.Lease) -> None:
+        stop = self._keepers.pop((key, lease.id), None)
+        if stop is not None:
+            stop.set()
+
+    def close(self) -> None:
+        for stop in self._keepers.values():
+            stop.set()
+
+
+class Publisher:
+    """A process's publishes to `target` (the host's worker or a coordinator):
+    over the data plane or a handoff where the routes allow, else gRPC; tried
+    again when cut off."""
+
+    def __init__(self, stub: rpc.CompileCacheStub, target: str, routes: Routes,
+                 keepers: LeaseKeepers, describe: Callable[[str], pb.DescribeKeyResponse], *,
+                 timeout_s: float, stall_s: float) -> None:
+        self.stub = stub
+        self.target = target
+        self.routes = routes
+        self.keepers = keepers
+        self.describe = describe
+        self.timeout_s = timeout_s
+        self.stall_s = stall_s
 
     def publish(self, key: str, lease: pb.Lease, data: bytes,
-                compile_time_s: float, recipe: pb.Recipe | None = None, *,
-                identity: Identity | None = None) -> pb.ArtifactInfo:
-        """`identity`: the one the lease was taken with (default: the client's)."""
+                compile_time_s: float, recipe: pb.Recipe | None, *,
+                requester: pb.Requester) -> pb.ArtifactInfo:
+        """`requester`: the one the lease was taken with."""
         # The digest goes last (hashed as the bytes are sent, not before the
         # first: 0.14 s for 187 MB here) where the lease says the coordinator
         # takes it so (not one that streams uploads to their readers).
         header = pb.PublishHeader(key=key, lease=lease, size=len(data),
                                   compile_time_seconds=compile_time_s,
-                                  requester=(identity or self.identity).requester(),
-                                  recipe=recipe)
+                                  requester=requester, recipe=recipe)
         if not lease.takes_digest_last:
             header.digest = hashlib.sha256(data).hexdigest()
-        self._publishing.add((key, lease.id))
+        self.keepers.publishing.add((key, lease.id))
         over_data_plane = True  # until an upload over it breaks: then gRPC
         try:
             for attempt, pause in enumerate((*PUBLISH_RETRY_S, None)):
@@ -89,7 +144,7 @@ class Publishing:
                     time.sleep(pause)
             raise AssertionError("unreachable")
         finally:
-            self._publishing.discard((key, lease.id))
+            self.keepers.publishing.discard((key, lease.id))
 
     def _published_as(self, key: str, digest: str) -> pb.ArtifactInfo | None:
         try:
@@ -165,36 +220,6 @@ class Publishing:
                     raise Stalled(f"publish of {key} to {self.target} moved nothing for "
                                   f"{self.stall_s:g}s") from None
                 raise
-
-    def keep_lease(self, key: str, lease: pb.Lease) -> None:
-        """Keep the claim on `key` alive in the background until
-        stop_lease(key, lease)."""
-        stop = threading.Event()
-        previous = self._keepers.pop((key, lease.id), None)
-        if previous is not None:
-            previous.set()
-        self._keepers[(key, lease.id)] = stop
-        interval = max(lease.ttl_seconds / 3.0, 0.5)
-
-        def run() -> None:
-            while not stop.wait(interval):
-                try:
-                    if self.keepalive(key, lease) <= 0:
-                        # A publish that landed ends the claim too: only say
-                        # "lapsed" when nothing of ours ended it.
-                        if not stop.is_set() and (key, lease.id) not in self._publishing:
-                            log.warning("compile lease for %s lapsed", key)
-                        return
-                except grpc.RpcError as exc:
-                    log.debug("keepalive for %s failed: %s", key, exc.code())
-
-        threading.Thread(target=run, name=f"compilecast-keepalive-{lease.id}",
-                         daemon=True).start()
-
-    def stop_lease(self, key: str, lease: pb.Lease) -> None:
-        stop = self._keepers.pop((key, lease.id), None)
-        if stop is not None:
-            stop.set()
 
 
 def publish_messages(header: pb.PublishHeader, data: bytes) -> Iterator[pb.PublishChunk]:
