@@ -277,7 +277,7 @@ class BlobWriter:
         # Up to where the kernel was asked to write the file out (durable only).
         self._written_back: int | None = 0 if store.durable else None
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self.size += len(data)
         if self.size > self._max_size:
             raise TooLarge(f"artifact exceeds the limit of {self._max_size} bytes")

@@ -200,15 +200,17 @@ class Decider:
         entry = _Entry(asyncio.get_running_loop().create_future(), wait=request,
                        until_publishing=until_publishing)
         try:
-            return await self._ask(entry, timeout)
+            event: pb.WaitEvent = await self._ask(entry, timeout)
+            return event
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # else the stream is full
                 raise
         call = self._stub.Wait(request, timeout=timeout, metadata=self._metadata)
         try:
-            async for event in call:
-                if ends_wait(event, until_publishing):
-                    return event
+            async for streamed in call:
+                if ends_wait(streamed, until_publishing):
+                    got: pb.WaitEvent = streamed
+                    return got
         finally:
             call.cancel()
         raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the Wait stream ended without a decision")

@@ -186,11 +186,12 @@ class _Serving:
         known = [i for i, a in enumerate(got) if a is not None]
         if not known or (len(known) < len(got) and not msg.answer_in_parts):
             return []
-        if len(known) == len(got):
-            self.answers.put_nowait(pb.DecideResponse(id=msg.id, responses=got))
+        answers = [a for a in got if a is not None]
+        if len(answers) == len(got):
+            self.answers.put_nowait(pb.DecideResponse(id=msg.id, responses=answers))
             return None
-        self.answers.put_nowait(pb.DecideResponse(
-            id=msg.id, responses=[got[i] for i in known], positions=known))
+        self.answers.put_nowait(pb.DecideResponse(id=msg.id, responses=answers,
+                                                  positions=known))
         return [i for i, a in enumerate(got) if a is None]
 
     async def wait_one(self, msg: pb.DecideRequest) -> None:

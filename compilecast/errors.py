@@ -129,6 +129,12 @@ class Unavailable(CompilecastError):
     status = Status.UNAVAILABLE
 
 
+class Unimplemented(CompilecastError):
+    """A call this server does not answer (it is another role's)."""
+
+    status = Status.UNIMPLEMENTED
+
+
 class UpstreamError(CompilecastError):
     """A status returned by the coordinator, relayed unchanged by a worker."""
 

@@ -196,7 +196,7 @@ class _UploadingWriter:
     def path(self) -> Path:
         return self._inner.path
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self._inner.write(data)
 
     def write_zstd(self, stream: Any) -> None:

@@ -38,7 +38,7 @@ class BlobSink(Protocol):
     def size(self) -> int:
         """Bytes written so far (uncompressed)."""
 
-    def write(self, data: bytes) -> None: ...
+    def write(self, data: bytes | memoryview) -> None: ...
 
     def write_zstd(self, stream: Any) -> None:
         """Take a zstd stream's frames as they are (the store decodes them

@@ -21,7 +21,10 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from google.protobuf.message import Message
 
 from compilecast import validate
 from compilecast.errors import InvalidRequest, status_of
@@ -45,7 +48,8 @@ DATA_PLANE_WAIT = b"CCWAT01\n"
 DATA_PLANE_HANDOFF = b"CCFDS01\n"
 
 
-async def data_plane_request(reader, writer, timeout_s: float,
+async def data_plane_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             timeout_s: float,
                              unacked_s: float) -> tuple[bytes, bytes] | None:
     """The 8 magic bytes and the token a data plane connection (asyncio's
     `reader` and `writer`) begins with; None when they do not come within
@@ -72,9 +76,9 @@ class TicketServer:
     def __init__(self, listen: str) -> None:
         self.listen = listen
         self.port = 0
-        self._tickets: dict = {}  # token -> a ticket with an open `file`
+        self._tickets: dict[bytes, Any] = {}  # token -> a ticket with an open `file`
         self._server: asyncio.Server | None = None
-        self._sends: set[asyncio.Task] = set()
+        self._sends: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -96,7 +100,7 @@ class TicketServer:
         """Where a ticket says its bytes are: ":port", on the host the client dialed."""
         return f":{self.port}"
 
-    def _issue(self, tickets: dict, ticket) -> pb.DataTicket:
+    def _issue(self, tickets: dict[bytes, Any], ticket: Any) -> pb.DataTicket:
         """Keep `ticket` in `tickets` under a fresh one-time token; the
         client's DataTicket for it."""
         token = secrets.token_bytes(DATA_PLANE_TOKEN_BYTES)
@@ -104,7 +108,7 @@ class TicketServer:
         return pb.DataTicket(address=self.address, token=token)
 
     @staticmethod
-    def _take_expired(tickets: dict) -> list:
+    def _take_expired(tickets: dict[bytes, Any]) -> list[Any]:
         """Take the entries of `tickets` whose `expires` has passed out of
         it; those entries."""
         now = time.monotonic()
@@ -118,7 +122,7 @@ class TicketServer:
             ticket.file.close()
         return len(gone)
 
-    async def _serve(self, reader, writer) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raise NotImplementedError
 
 
@@ -172,13 +176,13 @@ class DataChunk:
     relay_from = ""
     local_growing = False
 
-    def __init__(self, data, zstd_data=b"") -> None:
+    def __init__(self, data: bytes | memoryview, zstd_data: bytes | memoryview = b"") -> None:
         self.data = data
         self.zstd_data = zstd_data
         self.wire: bytes | None = None
 
     @classmethod
-    def framed(cls, data) -> DataChunk:
+    def framed(cls, data: bytes | memoryview) -> DataChunk:
         """Encoded now (on a reader thread, off the event loop); `data` (or,
         for Zstd bytes, `zstd_data`) is then a view of the encoded message."""
         zstd = type(data) is Zstd
@@ -206,16 +210,17 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _encode(data, tag: int = DATA_TAG) -> bytes:
+def _encode(data: bytes | memoryview, tag: int = DATA_TAG) -> bytes:
     return b"".join((bytes((tag,)), _varint(len(data)), data))
 
 
-def serialize(msg) -> bytes:
-    if type(msg) is DataChunk:
+def serialize(msg: Message | DataChunk) -> bytes:
+    if isinstance(msg, DataChunk):
         if msg.wire is not None:
             return msg.wire
         return _encode(msg.zstd_data, ZSTD_TAG) if msg.zstd_data else _encode(msg.data)
-    return msg.SerializeToString()
+    wire: bytes = msg.SerializeToString()
+    return wire
 
 
 def _data_only(raw: bytes) -> memoryview | None:
@@ -235,10 +240,10 @@ def _data_only(raw: bytes) -> memoryview | None:
     return memoryview(raw)[i + 1:] if i + 1 + n == len(raw) else None
 
 
-def parser(cls):
+def parser(cls: type[Message]) -> Callable[[bytes], Message | DataChunk]:
     """FromString for `cls`, with data-only messages as DataChunk views."""
 
-    def parse(raw: bytes):
+    def parse(raw: bytes) -> Message | DataChunk:
         data = _data_only(raw)
         if data is None:
             return cls.FromString(raw)
@@ -257,7 +262,7 @@ _FETCH = f"/{_SERVICE}/Fetch"
 _PUBLISH = f"/{_SERVICE}/Publish"
 
 
-def stub(channel) -> rpc.CompileCacheStub:
+def stub(channel: Any) -> rpc.CompileCacheStub:
     """A CompileCache stub (sync or aio channel) whose Fetch and Publish use
     the codec above."""
     s = rpc.CompileCacheStub(channel)
@@ -271,7 +276,8 @@ def stub(channel) -> rpc.CompileCacheStub:
 __all__ = ["BULK", "DataChunk", "Zstd", "parser", "serialize", "stub"]
 
 
-async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncIterator[DataChunk]]:
+async def publish_stream(request_iterator: AsyncIterator[pb.PublishChunk | DataChunk]
+                         ) -> tuple[pb.PublishHeader, AsyncIterator[DataChunk]]:
     """Split a Publish stream into its header and its data chunks (a chunk
     that arrived data-only keeps its frame: a worker forwards it as is).
     A header without a digest gets the one the last message carries once
@@ -281,12 +287,13 @@ async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncItera
     async for msg in request_iterator:
         first = msg
         break
-    if first is None or not first.HasField("header"):
+    if first is None or isinstance(first, DataChunk) or not first.HasField("header"):
         raise InvalidRequest("the first Publish message must carry the header")
-    header = first.header
+    opening: pb.PublishChunk = first
+    header = opening.header
     later = not header.digest  # the digest comes last
 
-    def ends(msg) -> bool:
+    def ends(msg: pb.PublishChunk) -> bool:
         if not msg.digest:
             return False
         if not later:
@@ -295,13 +302,13 @@ async def publish_stream(request_iterator) -> tuple[pb.PublishHeader, AsyncItera
         return True
 
     async def data() -> AsyncIterator[DataChunk]:
-        if first.data or first.zstd_data:
-            yield DataChunk(first.data, first.zstd_data)
-        done = ends(first)
+        if opening.data or opening.zstd_data:
+            yield DataChunk(opening.data, opening.zstd_data)
+        done = ends(opening)
         async for msg in request_iterator:
             if done:
                 raise InvalidRequest("the message with the digest must be a Publish's last")
-            if type(msg) is DataChunk:
+            if isinstance(msg, DataChunk):
                 yield msg
                 continue
             if msg.HasField("header"):

@@ -235,7 +235,8 @@ class Artifacts:
         return info
 
     # -- Release ---------------------------------------------------------
-    async def release(self, key: str, lease: pb.Lease, reason: int, detail: str, *,
+    async def release(self, key: str, lease: pb.Lease, reason: pb.ReleaseReason.ValueType,
+                      detail: str, *,
                       tenant: str = DEFAULT_TENANT) -> None:
         validate.key(key)
         validate.lease(lease)
@@ -248,7 +249,7 @@ class Artifacts:
         why = {pb.COMPILE_FAILED: "the compile failed on the holder",
                pb.BELOW_THRESHOLD: "the entry is below the caching thresholds",
                pb.PUBLISH_REFUSED: "the coordinator refused the holder's executable"}.get(reason)
-        if reason == pb.PUBLISH_REFUSED and detail:
+        if why is not None and reason == pb.PUBLISH_REFUSED and detail:
             why += f" ({detail[:200]})"
         cause = pb.LOCAL_CAUSE_BELOW_THRESHOLD if reason == pb.BELOW_THRESHOLD else 0
         if not await self._give_up(sk, kind, lease, why, detail, cause):

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from compilecast.config import CoordinatorConfig
 from compilecast.errors import LeaseError, Unavailable
@@ -69,7 +70,7 @@ class Claims:
             return lease, None
         return None, await self.view.readable_state(sk, kvs)
 
-    async def _claim_txn(self, sk: str, kind: str, compare: list, read: list[bytes],
+    async def _claim_txn(self, sk: str, kind: str, compare: list[Any], read: list[bytes],
                          req: pb.Requester, program: str
                          ) -> tuple[pb.Lease | None, list[KV | None]]:
         """Put the claim record P/kind on a pooled lease if `compare` holds,
@@ -195,7 +196,7 @@ class Claims:
                 return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, **local_verdict(st.local))
             if st.lease or st.hedge:
                 return pb.AcquireResponse(decision=pb.WAIT,
-                                          reason=f"compiled by {holder_name(st.lease or st.hedge)}")
+                                          reason=f"compiled by {holder_name(st.lease or st.hedge or {})}")
             if req.job and req.process_id != req.designated_process:
                 return pb.AcquireResponse(
                     decision=pb.WAIT,

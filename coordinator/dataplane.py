@@ -14,7 +14,7 @@ client reads them straight into the bytes object it returns.
 
 What a ticket may send:
 - only a blob this replica wrote or verified within store_reverify_s, in the
-  same unchanged file (DiskBlobStore.open_trusted); anything else goes over
+  same unchanged file (ArtifactStore.open_sendable); anything else goes over
   gRPC, whose read verifies it. The file is opened when the ticket is issued
   and sent from that open file, so an eviction or a quarantine in between
   cannot swap it;
@@ -66,9 +66,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from compilecast import validate
-from compilecast.blobstore import CHUNK, DiskBlobStore
+from compilecast.blobstore import CHUNK
 from compilecast.decide import ending_event
 from compilecast.errors import CompilecastError
+from compilecast.store import ArtifactStore
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_REQUEST as REQUEST_MAGIC
 from compilecast.wire import DATA_PLANE_UPLOAD as UPLOAD_MAGIC
@@ -120,7 +121,7 @@ class _Wait:
 
 
 class DataPlane(TicketServer):
-    def __init__(self, store: DiskBlobStore, metrics: CoordinatorMetrics, listen: str,
+    def __init__(self, store: ArtifactStore, metrics: CoordinatorMetrics, listen: str,
                  advertise: str = "") -> None:
         super().__init__(listen)
         self.store = store
@@ -181,6 +182,7 @@ class DataPlane(TicketServer):
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        assert task is not None
         self._sends.add(task)
         ticket = None
         try:
@@ -280,7 +282,9 @@ class DataPlane(TicketServer):
         reading the connection (nothing has come past the token: the client
         waits for the go) and a thread reads it, a CHUNK at a time."""
         header = upload.header
-        writer.transport.pause_reading()
+        transport = writer.transport
+        assert isinstance(transport, asyncio.ReadTransport)
+        transport.pause_reading()
         sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
 
         async def chunks() -> AsyncIterator[DataChunk]:

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from etcd3.etcdrpc import rpc_pb2 as pb
@@ -292,7 +293,8 @@ class Etcd:
         return True, f"etcd raised alarm {', '.join(alarms)}" if alarms else ""
 
     # -- watch ---------------------------------------------------------------
-    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[list]:
+    async def watch_prefix(self, prefix: bytes, start_revision: int
+                           ) -> AsyncIterator[tuple[int, list[Any]]]:
         """Yield batches of events under `prefix` from `start_revision` on.
 
         Raises Unavailable when the stream breaks; the caller resumes from the
@@ -343,7 +345,7 @@ class WriteBatcher:
     def __init__(self, etcd: Etcd, max_ops: int = 128) -> None:
         self.etcd = etcd
         self.max_ops = max_ops
-        self._queue: dict[bytes, tuple[object, list[asyncio.Future]]] = {}
+        self._queue: dict[bytes, tuple[Any, list[asyncio.Future]]] = {}
         self._task: asyncio.Task | None = None
         self.txns = 0  # for tests: txns sent
 
@@ -416,6 +418,7 @@ class _KeepAlives:
                 self._run(self._requests), context=tracing.untraced())
         answer = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(lease_id, deque()).append(answer)
+        assert self._requests is not None
         self._requests.put_nowait(pb.LeaseKeepAliveRequest(ID=lease_id))
         try:
             return await asyncio.wait_for(answer, self.etcd.timeout)
@@ -453,8 +456,8 @@ class _KeepAlives:
         finally:
             requests.put_nowait(None)
             call.cancel()
-            waiting, self._waiting = self._waiting, {}
-            for answers in waiting.values():
+            left, self._waiting = self._waiting, {}
+            for answers in left.values():
                 for answer in answers:
                     if not answer.done():
                         answer.set_exception(error)
@@ -526,7 +529,9 @@ class GuardedBatcher:
     def _kick(self) -> None:
         while self._queue and (self._running < self.in_flight or (
                 self._running < self.full_in_flight and len(self._queue) >= self.max_items)):
-            batch, rest, named = [], [], set()
+            batch: list[list] = []
+            rest: list[list] = []
+            named: set[bytes] | None = set()
             for item in self._queue:
                 if item[3].done():  # its caller is gone: nothing to claim for
                     continue

@@ -29,8 +29,8 @@ import time
 from collections.abc import AsyncIterator
 
 from compilecast import validate
-from compilecast.blobstore import DiskBlobStore
 from compilecast.errors import CorruptBlob, InvalidRequest, LeaseError, NotFound
+from compilecast.store import ArtifactStore
 from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import Etcd, cmp_absent, cmp_mod_revision, op_delete, op_put
@@ -54,7 +54,7 @@ def new_task_id() -> str:
 
 
 class Farm:
-    def __init__(self, etcd: Etcd, store: DiskBlobStore, prefix: bytes,
+    def __init__(self, etcd: Etcd, store: ArtifactStore, prefix: bytes,
                  metrics: CoordinatorMetrics, claim_ttl_s: int) -> None:
         self.etcd = etcd
         self.store = store

@@ -4,6 +4,7 @@ injected registry (never the global one)."""
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -23,7 +24,7 @@ class CoordinatorMetrics:
         self._bytes(registry)
         self._transfers(registry)
         self._etcd(registry)
-        self._etcd_children: dict[str, object] = {}
+        self._etcd_children: dict[str, Any] = {}
         self._recent_writes: deque[float] = deque(maxlen=RECENT_WRITES)  # seconds each
         # Every Acquire counts twice (and one that asked etcd is timed); the
         # labelled children are looked up once.
@@ -282,10 +283,10 @@ class CoordinatorMetrics:
         return len(times), times[len(times) // 2], times[min(len(times) - 1,
                                                               int(len(times) * 0.99))]
 
-    def observe_etcd_decision(self, decision: int, seconds: float) -> None:
+    def observe_etcd_decision(self, decision: pb.Decision.ValueType, seconds: float) -> None:
         self._by_decision[decision][2].observe(seconds)
 
-    def count_decision(self, decision: int, n: int = 1) -> None:
+    def count_decision(self, decision: pb.Decision.ValueType, n: int = 1) -> None:
         """`n` Acquires answered with `decision`."""
         lookup, decided, _ = self._by_decision[decision]
         lookup.inc(n)

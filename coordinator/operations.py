@@ -216,9 +216,9 @@ class Operations:
         counted = self.waiting.here(tenant)
         mine = self.session.replica.encode()
         for kv in wait_records:
-            key, _, who = kv.key[head:].partition(b"/")
+            waited, _, who = kv.key[head:].partition(b"/")
             if who != mine:
-                counted.append((key.decode(), waiters_by_job(kv)))
+                counted.append((waited.decode(), waiters_by_job(kv)))
         for key, by_job in counted:
             for job, n in by_job.items():
                 resp.waiters += n
@@ -226,15 +226,15 @@ class Operations:
                 by_key[key] += n
         for job, (compiling, waiting) in sorted(jobs.items()):
             resp.jobs.append(pb.JobStatus(job=job, compiles_in_flight=compiling, waiters=waiting))
-        for sk, name, differing, when in self.records.recent:
+        for sk, program, differing, when in self.records.recent:
             if tenant_of(sk) == tenant:
-                resp.recent_misses.append(pb.RecentMiss(key=plain(sk), program_name=name,
+                resp.recent_misses.append(pb.RecentMiss(key=plain(sk), program_name=program,
                                                         differing=differing,
                                                         age_seconds=now - when))
         for kv in leases:
-            key = kv.key[len(self.prefix) + 3 + len(tenant_path) - 1:].decode()
+            held = kv.key[len(self.prefix) + 3 + len(tenant_path) - 1:].decode()
             rec = json_dict(kv.value) or {}
-            resp.in_flight.append(pb.InFlight(key=key, holder=holder_name(rec),
+            resp.in_flight.append(pb.InFlight(key=held, holder=holder_name(rec),
                                               age_seconds=now - rec.get("granted", now),
-                                              waiters=by_key[key]))
+                                              waiters=by_key[held]))
         return resp

@@ -357,24 +357,25 @@ class KeyRecords:
             self._latest_of[n] = (now, _Latest(comps))
         while len(self._latest_of) > NAMES_MAX:  # the names read longest ago go
             self._latest_of.pop(next(iter(self._latest_of)))
-        writes, differed = [], Counter()
-        for sk, name, comps in new:
+        writes: list[tuple[list, list]] = []
+        differed: Counter[str] = Counter()
+        for sk, name, components in new:
             tenant, key = sk.split("/", 1)
             latest = self._latest_of[(tenant, name)][1]
-            mine = _Components(comps)
+            mine = _Components(components)
             best = latest.nearest(mine)
             latest.add(mine)  # the next key of this name is compared with it too
             differing = ["new_program"] if best is None else mine.names_differing(best)
             differed.update(differing)
             if differing:
                 self.recent.appendleft((sk, name, differing, time.time()))
-            record = json.dumps({"program_name": name, "components": comps,
+            record = json.dumps({"program_name": name, "components": components,
                                  "first_seen": time.time()}).encode()
             writes.append(([cmp_absent(self._k("k", sk))],
                            [op_put(self._k("k", sk), record),
                             op_put(self.name_prefix(tenant, name) + key.encode(), b"")]))
-        for component, n in differed.items():
-            self._by_component(component).inc(n)
+        for component, count in differed.items():
+            self._by_component(component).inc(count)
         if not writes:
             return
         ok, _, _ = await self.etcd.txn([c for cmp, _ in writes for c in cmp],

@@ -16,6 +16,7 @@ from compilecast.decideserve import GapAdvice
 from compilecast.errors import Unavailable
 from compilecast.grpcutil import channel_credentials, server_credentials
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
+from compilecast.store import ArtifactStore
 
 from .auth import Authenticator
 from .dataplane import DataPlane
@@ -37,7 +38,7 @@ class Coordinator(Role):
         self.cfg = cfg
         self.registry = registry or CollectorRegistry()
         self.metrics = CoordinatorMetrics(self.registry)
-        self.store = DiskBlobStore(cfg.store_dir, max_blob_size=cfg.max_artifact_bytes,
+        self.store: ArtifactStore = DiskBlobStore(cfg.store_dir, max_blob_size=cfg.max_artifact_bytes,
                                    reverify_s=cfg.store_reverify_s,
                                    max_bytes=cfg.store_max_bytes or None,
                                    min_free=cfg.store_min_free_bytes,

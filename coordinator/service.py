@@ -53,6 +53,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
                         r.key, r.requester, dict(r.key_components), r.program_name,
                         tenant=who.tenant, may_publish=who.can_publish)
 
+        limit: contextlib.AbstractAsyncContextManager[object]
         if len(requests) == 1:  # the common message of a Decide stream
             limit = contextlib.nullcontext()
             return [await one(requests[0])]

@@ -33,8 +33,9 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from compilecast.blobstore import CHUNK, RAW_MAGIC, BlobWriter
+from compilecast.blobstore import CHUNK, RAW_MAGIC
 from compilecast.errors import Unavailable
+from compilecast.store import BlobSink
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
@@ -43,7 +44,7 @@ HEARTBEAT_S = 10.0  # a fetcher waiting on an upload gets an empty chunk this of
 
 
 class Upload:
-    def __init__(self, info: pb.ArtifactInfo, writer: BlobWriter) -> None:
+    def __init__(self, info: pb.ArtifactInfo, writer: BlobSink) -> None:
         self.info = info
         self.writer = writer
         self.available = 0  # bytes readable from writer.path after RAW_MAGIC
@@ -81,7 +82,7 @@ class Uploads:
         return self._by_key.get(sk)
 
     @contextlib.contextmanager
-    def track(self, sk: str, info: pb.ArtifactInfo, writer: BlobWriter) -> Iterator[Upload]:
+    def track(self, sk: str, info: pb.ArtifactInfo, writer: BlobSink) -> Iterator[Upload]:
         """Registered for the block; failed unless marked committed in it.
         An upload whose digest comes last is not registered: its fetchers
         could not be told what to verify it against (they get the blob once

@@ -140,6 +140,7 @@ class Waiting:
                         yield event
                     if ended:
                         return
+                    assert st is not None  # (read: no cached HIT ended it)
                     taken = await self._take_over(w, st)
                     if isinstance(taken, pb.WaitEvent):
                         yield taken
@@ -177,13 +178,16 @@ class Waiting:
     async def _look(self, w: _Wait) -> tuple[KeyState | None, list[pb.WaitEvent], bool]:
         """What the waited key is now: its state, the events to send (a HIT,
         a verdict, an upload to stream), and whether they end the wait."""
+        st = None
         info = self.view.cached_artifact(w.sk)
-        st = await self.view.read_shared(w.sk, fresh=True) if info is None else None
-        info = info or await self.view.usable_artifact(w.sk, st)
+        if info is None:
+            st = await self.view.read_shared(w.sk, fresh=True)
+            info = await self.view.usable_artifact(w.sk, st)
         if info is not None:
             self.view.hit(info)
             w.outcome = "hit"
             return st, [pb.WaitEvent(decision=pb.HIT, artifact=info)], True
+        assert st is not None
         if st.local:
             return st, [pb.WaitEvent(decision=pb.COMPILE_LOCALLY, **local_verdict(st.local))], True
         upload = self.uploads.get(w.sk) if self.cfg.publish_stream_readers else None

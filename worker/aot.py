@@ -160,6 +160,7 @@ def probe(trigger: Callable[[], Any]) -> Probe:
     if hooks.box.key is None:
         raise AotError("JAX compiled without consulting its persistent cache "
                        "(is the compilation cache disabled for this platform?)")
+    assert hooks.box.inputs is not None  # (set with the key)
     return Probe(hooks.box.key, *hooks.box.inputs)
 
 
@@ -273,7 +274,7 @@ def recipe_program(recipe: pb.Recipe) -> Program:
         return programs[recipe.entry_index]
     devices = target_devices(recipe.target)
     by_id = {int(d.id): d for d in devices}
-    missing = [i for i in recipe.device_ids if i not in by_id]
+    missing: list[int | str] = [i for i in recipe.device_ids if i not in by_id]
     if recipe.slice_devices and recipe.slice_devices != len(devices):
         missing = missing or [f"a slice of {recipe.slice_devices} devices, not {len(devices)}"]
     if missing or not recipe.device_ids:
@@ -367,7 +368,8 @@ def compile_and_share(client: CacheClient, program: Program, *,
     key = p.key.value
     # The recipe (the whole program serialized) is only needed to publish: a
     # process that finds the executable, or waits for it, never builds one.
-    ask = {"components": p.key.components, "program_name": program_name(program.recipe, p.module)}
+    ask: dict[str, Any] = {"components": p.key.components,
+                           "program_name": program_name(program.recipe, p.module)}
     resp = client.acquire(key, **ask)
     if resp.decision == pb.HIT:
         data = client.fetch(key, resp.artifact.digest)[1] if fetch else None
@@ -396,10 +398,11 @@ def compile_and_share(client: CacheClient, program: Program, *,
                 # this one publishes.
                 log.warning("%s: %s; asking for %s again", program.name, exc.details(), key)
                 client.stop_lease(key, lease)
-                lease = _ask_again(client, program, key, ask, wait_timeout_s, seconds)
-                if isinstance(lease, Outcome):
-                    lease.data = data if fetch else None  # the same program, compiled here
-                    return lease
+                again = _ask_again(client, program, key, ask, wait_timeout_s, seconds)
+                if isinstance(again, Outcome):
+                    again.data = data if fetch else None  # the same program, compiled here
+                    return again
+                lease = again
                 client.keep_lease(key, lease)
         else:
             raise AotError(f"{program.name}: the compile lease for {key} lapsed three times "

@@ -13,7 +13,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -427,7 +427,7 @@ class CacheClient:
                               f"expected {info.digest}; discarded")
         return info, received.result()
 
-    def purge(self, keys: list[str], digests: list[str] = (), reason: str = "", *,
+    def purge(self, keys: list[str], digests: Sequence[str] = (), reason: str = "", *,
               dry_run: bool = False) -> pb.PurgeResponse:
         return self.stub.Purge(pb.PurgeRequest(keys=keys, digests=digests, reason=reason,
                                                dry_run=dry_run),
@@ -437,7 +437,8 @@ class CacheClient:
         return self.stub.Revoked(pb.RevokedRequest(since_revision=since_revision),
                                  timeout=self.timeout_s)
 
-    def release(self, key: str, lease: pb.Lease, reason: int, detail: str = "") -> None:
+    def release(self, key: str, lease: pb.Lease, reason: pb.ReleaseReason.ValueType,
+                detail: str = "") -> None:
         self.stub.Release(pb.ReleaseRequest(key=key, lease=lease, reason=reason,
                                             detail=detail[:1024]), timeout=self.timeout_s)
 
@@ -453,7 +454,7 @@ class CacheClient:
         return list(self.stub.ListRecipes(pb.ListRecipesRequest(job=job),
                                           timeout=max(60.0, self.timeout_s)))
 
-    def submit(self, recipes: list[pb.Recipe] = (), *, replay_job: str = "",
+    def submit(self, recipes: Sequence[pb.Recipe] = (), *, replay_job: str = "",
                target: pb.Target | None = None) -> list[str]:
         req = pb.SubmitCompilesRequest(recipes=recipes, replay_job=replay_job, target=target)
         return list(self.stub.SubmitCompiles(req, timeout=max(60.0, self.timeout_s)).task_ids)
@@ -471,7 +472,7 @@ class CacheClient:
                                                         detail=detail[:1024], key=key),
                                 timeout=self.timeout_s)
 
-    def tasks(self, task_ids: list[str] = ()) -> list[pb.TaskStatus]:
+    def tasks(self, task_ids: Sequence[str] = ()) -> list[pb.TaskStatus]:
         return list(self.stub.Tasks(pb.TasksRequest(task_ids=task_ids),
                                     timeout=self.timeout_s).tasks)
 

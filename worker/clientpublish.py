@@ -222,7 +222,8 @@ class Publisher:
                 raise
 
 
-def publish_messages(header: pb.PublishHeader, data: bytes) -> Iterator[pb.PublishChunk]:
+def publish_messages(header: pb.PublishHeader,
+                     data: bytes) -> Iterator[pb.PublishChunk | DataChunk]:
     """A Publish stream: the header, the chunks, and, when the header has no
     digest, a last message with the digest of the bytes sent (hashed as they
     go, on a thread of its own for a big artifact)."""

@@ -90,8 +90,9 @@ class HostDecisions:
             if answer is None or answer.decision == pb.COMPILE:
                 again.append(i)
             else:
-                answers[i] = pb.AcquireResponse()
-                answers[i].CopyFrom(answer)
+                copy = pb.AcquireResponse()
+                copy.CopyFrom(answer)
+                answers[i] = copy
                 joined[i] = True
         self._count("joined", sum(joined))
         if again:
@@ -99,4 +100,6 @@ class HostDecisions:
             self._count("upstream", len(again))
             for i, answer in zip(again, got, strict=True):
                 answers[i] = answer
-        return list(zip(answers, joined, strict=True))
+        decided = [a for a in answers if a is not None]
+        assert len(decided) == len(answers)  # each joined, or asked upstream
+        return list(zip(decided, joined, strict=True))

@@ -142,7 +142,7 @@ class Fetches:
             if request.accept_url:
                 chunks = with_bucket_url(chunks, used)
             redirect = await self._take(dl, fill, writer, request, chunks)
-            if used and writer.size != dl.info.size:
+            if used and dl.info is not None and writer.size != dl.info.size:
                 raise DataPlaneBroke(f"its data plane's stream ended at byte "
                                      f"{writer.size} of {dl.info.size}")
             if used:
@@ -367,7 +367,8 @@ class Fetches:
                     and await fill.changed(deadline - time.monotonic()):
                 pass
             info = fill.info
-            if fill.readable() is not None and digest_matches(info, request.digest):
+            if fill.readable() is not None and info is not None and fill.writer is not None \
+                    and digest_matches(info, request.digest):
                 try:
                     f = await asyncio.to_thread(open, fill.writer.path, "rb")
                 except OSError:  # committed (renamed) meanwhile: the gRPC path reads the blob
@@ -379,11 +380,12 @@ class Fetches:
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is None or not digest_matches(info, request.digest):
             return None
-        f = await asyncio.to_thread(self.cache.store.open_sendable, info.digest,
-                                    request.accept_zstd)
-        if f is None:
+        sendable = await asyncio.to_thread(self.cache.store.open_sendable, info.digest,
+                                           request.accept_zstd)
+        if sendable is None:
             return None
-        return ticketed(info, self.relay_plane.offer(f, os.fstat(f.fileno()).st_size))
+        return ticketed(info, self.relay_plane.offer(sendable,
+                                                     os.fstat(sendable.fileno()).st_size))
 
     def _following(self, fill: Fill, available: int):
         self.metrics.growing_files.inc()

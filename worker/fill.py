@@ -8,7 +8,7 @@ import threading
 
 import zstandard
 
-from compilecast.blobstore import Inflate
+from compilecast.blobstore import BlobWriter, Inflate
 from compilecast.blobwriter import PROBE, worth_compressing
 from compilecast.errors import (
     CorruptBlob,
@@ -77,7 +77,7 @@ class Fill:
         self.kept = True  # False: served without a copy in the host cache (its disk is full)
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.info: pb.ArtifactInfo | None = None  # once the header came
-        self.writer = None  # the host cache's BlobWriter, once it is made
+        self.writer: BlobWriter | None = None  # the host cache's, once it is made
         self._written: int | None = None  # what the writer had written, at its last write's end
         self._changed = asyncio.Event()  # set (and replaced) at each write and at the end
 
@@ -135,7 +135,7 @@ class Fill:
         while not q.empty():  # unblock a send waiting on this reader
             q.get_nowait()
 
-    async def send(self, chunk: pb.FetchChunk) -> None:
+    async def send(self, chunk: pb.FetchChunk | DataChunk) -> None:
         """Decoded bytes, the header or a heartbeat (those go to every reader)."""
         self.started = True
         data = len(chunk.data)
@@ -204,7 +204,7 @@ class Packer:
         self._writer = writer
         self._held: list = []  # chunks until PROBE bytes decide
         self._held_bytes = 0
-        self._zstd = None  # the compressor, once decided for it
+        self._zstd: zstandard.ZstdCompressionObj | None = None  # once decided for it
         self._plain = False
 
     def add(self, chunk) -> list:
@@ -237,6 +237,7 @@ class Packer:
         return [out for c in held for out in self._pack(c.data)]
 
     def _pack(self, data) -> list:
+        assert self._zstd is not None  # (decided: worth compressing)
         stream = self._zstd.compress(data)
         self._writer.write_zstd(stream)  # first: the host cache keeps the stream as sent
         self._writer.write(data)  # hashed and counted
@@ -298,6 +299,7 @@ async def following_fill(fill: Fill, available: int):
     the artifact's size once the fill committed it; the fill's error if it
     failed. (A file the fill stopped writing, its disk full, ends short: the
     reader finds the bytes missing and asks again without the file.)"""
+    assert fill.writer is not None  # (a fill that is readable writes a file)
     yield pb.FetchChunk(local_path=str(fill.writer.path), local_growing=True,
                         local_available=available)
     told = available

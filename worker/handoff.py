@@ -148,9 +148,11 @@ class Handoffs:
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
+        listening = self._sock
+        assert listening is not None  # (started)
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._sock)
+                conn, _ = await loop.sock_accept(listening)
             except OSError as exc:  # out of descriptors, say: its client goes over gRPC
                 log.warning("handoff: cannot accept a connection (%s)", exc)
                 await asyncio.sleep(0.1)

@@ -119,7 +119,7 @@ def varint(v: int) -> bytes:
     return bytes(out)
 
 
-def _read_varint(buf: bytes, i: int, end: int) -> tuple[int, int]:
+def _read_varint(buf: bytes | memoryview, i: int, end: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if i >= end or shift > 63:
@@ -132,7 +132,7 @@ def _read_varint(buf: bytes, i: int, end: int) -> tuple[int, int]:
             return result & 0xFFFFFFFFFFFFFFFF, i
 
 
-def fields(buf: bytes, i: int, end: int) -> Iterator[tuple[int, int, int, int, int, int]]:
+def fields(buf: bytes | memoryview, i: int, end: int) -> Iterator[tuple[int, int, int, int, int, int]]:
     """(field, wire type, tag start, value start, value end, varint value)."""
     while i < end:
         start = i
@@ -353,6 +353,8 @@ def canonical_hlo_py(module_bytes: bytes, drops: tuple[int, ...] = (),
     return bytes(out)
 
 
+_native: Callable[..., bytes] | None
+_native_sha256: Callable[..., str] | None
 try:
     from ._hlocanon import canonical_hlo as _native
     from ._hlocanon import canonical_hlo_sha256 as _native_sha256
@@ -368,7 +370,7 @@ def canonical_hlo(module_bytes: bytes, drops: tuple[int, ...] = (),
     return canonical_hlo_py(module_bytes, drops, attributes, kernel)
 
 
-def canonical_sha256(module_bytes: bytes, drops: tuple[int, ...] = (),
+def canonical_sha256(module_bytes: bytes | memoryview, drops: tuple[int, ...] = (),
                      attributes: tuple[bytes, ...] = (), kernel: Any = None) -> str:
     """sha256 (hex) of `canonical_hlo(...)`. The C version hashes as it goes
     and never holds the canonical module."""

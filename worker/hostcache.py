@@ -161,7 +161,7 @@ class HostCache:
         names it: another tenant's copy of the same bytes is not theirs to
         purge. A namespace of no known tenant keeps nothing. The digests
         deleted."""
-        kept = set()
+        kept: set[str] = set()
         for ns, entries in named.items():
             if ns in mine:
                 for key, _ in entries:

@@ -190,7 +190,9 @@ def current_program() -> Program | None:
 
 
 class Hooks(Protocol):
-    def cache_key(self, module: Any, devices: Any, compile_options: Any, backend: Any) -> str: ...
+    def cache_key(self, module: Any, devices: Any, compile_options: Any,
+                  backend: Any) -> str | None:
+        """The program's key; None: JAX's cache is skipped (it compiles locally)."""
 
     def acquiring(self, key: str,
                   program: Program | None) -> contextlib.AbstractContextManager[None]: ...

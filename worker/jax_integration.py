@@ -324,7 +324,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
             return None
         return recipe if recipe.program else None
 
-    def _release(self, key: str, held: _Held, reason: int, detail: str) -> None:
+    def _release(self, key: str, held: _Held, reason: pb.ReleaseReason.ValueType, detail: str) -> None:
         try:
             self.client.release(key, held.lease, reason, detail)
             with self._lock:

@@ -55,7 +55,7 @@ import io
 import os
 import platform
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +104,7 @@ class KeyConfig:
                 tuple(a.encode() for a in self.ignore_attributes))
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> KeyConfig:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> KeyConfig:
         env = os.environ if env is None else env
         include = env.get("COMPILECAST_KEY_INCLUDE_METADATA", "").lower() in ("1", "true", "yes")
         native = env.get("COMPILECAST_KEY_NATIVE", "1")
@@ -166,7 +166,7 @@ class Key:
         return KEY_PREFIX + h.hexdigest()
 
 
-def _digest(data: bytes | str) -> str:
+def _digest(data: bytes | memoryview | str) -> str:
     if isinstance(data, str):
         data = data.encode()
     return hashlib.sha256(data).hexdigest()
@@ -449,7 +449,8 @@ def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
         with mesh_axes_renamed(module, axes):
             return program_digest(module, cfg, keep_text=keep_text, copy=copy)
     with module.context:
-        renames = None if cfg.rename_private_functions else {}  # None: the walk finds them
+        renames: dict[str, str] | None = (
+            None if cfg.rename_private_functions else {})  # None: the walk finds them
         h = _Counted()
         try:
             mlircanon.stream(module, h, frozenset(cfg.ignore_attributes), renames,

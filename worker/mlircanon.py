@@ -50,7 +50,8 @@ log = logging.getLogger("compilecast.mlircanon")
 try:
     from . import _mlircanon as _native
 except ImportError:  # not built (no compiler at install): the reference only
-    _native = None
+    # (Every use is behind a check of this, or of the gate that checks it.)
+    _native = None  # type: ignore[assignment]
 
 _state_lock = threading.Lock()
 _state: dict[str, Any] = {"native": None, "testing": False, "next_try": 0.0}
@@ -367,9 +368,11 @@ def selftest() -> tuple[bool, str, tuple[str, list[int]] | None]:
     if not _bind(*api):
         return False, f"{api[0]} is not loaded by jaxlib's MLIR", None
     lib = api[0]
-    ignore_lists = (frozenset(), frozenset({"jax.arg_info", "jax.result_info"}))
+    ignore_lists: tuple[frozenset[str], ...] = (
+        frozenset(), frozenset({"jax.arg_info", "jax.result_info"}))
     for i, module in enumerate(selftest_corpus()):
-        for ignore, renames in itertools.product(ignore_lists, (None, {})):
+        found_or_none: tuple[dict[str, str] | None, ...] = (None, {})
+        for ignore, renames in itertools.product(ignore_lists, found_or_none):
             a, b = hashlib.sha256(), hashlib.sha256()
             _native.canonical_stream(module._CAPIPtr, a, ignore, renames)  # None: found in C
             stream_py(module, b, ignore, renames)  # None: found by private_renames

@@ -134,7 +134,7 @@ class _Stream:
             if not v:
                 return
 
-    def str(self, s: str | bytes) -> None:
+    def string(self, s: str | bytes) -> None:
         b = s.encode() if isinstance(s, str) else s
         self.varint(len(b))
         self.buf += b
@@ -164,7 +164,7 @@ class _Stream:
         if idx is None:
             self.idents[name] = len(self.idents)
             self.buf.append(0)
-            self.str(name)
+            self.string(name)
         elif idx < 0x7F:
             self.buf.append(idx + 1)
         else:
@@ -172,7 +172,7 @@ class _Stream:
 
     def type(self, t: Any) -> None:
         if self.intern(self.types, t):
-            self.str(str(t))
+            self.string(str(t))
 
     def attr(self, a: Any) -> None:
         if self.intern(self.attrs, a):
@@ -204,7 +204,7 @@ class _Stream:
         if isinstance(a, ir.FlatSymbolRefAttr):
             name = ir.FlatSymbolRefAttr(a).value
             self.buf += b"R"
-            self.str(self.renames.get(name, name))
+            self.string(self.renames.get(name, name))
         elif isinstance(a, ir.ArrayAttr):
             items = list(ir.ArrayAttr(a))
             self.buf += b"A"
@@ -231,7 +231,7 @@ class _Stream:
             if text.startswith("dense_resource<"):  # as in _mlircanon.c
                 raise ResourceRefused(RESOURCE_REFUSED)
             self.buf += b"T"
-            self.str(text)
+            self.string(text)
 
     def rule(self, name: str, a: Any, depth: int) -> int:
         """0 dropped, 1 kept, 2 a renamed sym_name, 3 filtered arg/res attrs
@@ -286,7 +286,7 @@ class _Stream:
             return False
         self.buf += b"K"
         for p in parts:
-            self.str(p)
+            self.string(p)
         return True
 
     def values_of(self, vs: Any, typed: bool) -> None:
@@ -313,7 +313,7 @@ class _Stream:
                 if idx is None:
                     self.types[t] = len(self.types)
                     buf.append(0)
-                    self.str(str(t))
+                    self.string(str(t))
                 elif idx < 0x7F:
                     buf.append(idx + 1)
                 else:
@@ -359,7 +359,7 @@ class _Stream:
                     self.attr(value)
                 elif r == 2:
                     buf += b"S"
-                    self.str(self.renames[self.ir.StringAttr(value).value])
+                    self.string(self.renames[self.ir.StringAttr(value).value])
                 else:
                     self.filtered(value)
         successors = op.successors

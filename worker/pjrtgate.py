@@ -347,7 +347,7 @@ class Upstream:
                                       metadata=md)
         return got.artifact
 
-    async def release(self, key: str, lease: pb.Lease, reason: int, detail: str,
+    async def release(self, key: str, lease: pb.Lease, reason: pb.ReleaseReason.ValueType, detail: str,
                       md: tuple) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.stub.Release(pb.ReleaseRequest(key=key, lease=lease, reason=reason,

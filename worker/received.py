@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import IO, cast
 
 import grpc
 import zstandard
@@ -84,10 +85,10 @@ class Watchdog:
         self.stall_s = stall_s
         self.last = time.monotonic()
         self.fired = False
-        self._cancel = None
+        self._cancel: Callable[[], object] = lambda: None
         self._stop = threading.Event()
 
-    def watching(self, cancel) -> Watchdog:
+    def watching(self, cancel: Callable[[], object]) -> Watchdog:
         """Start watching; `cancel` ends the transfer when it stalls."""
         self._cancel = cancel
         self.tick()
@@ -201,9 +202,12 @@ class Received:
         """Fault in the result's whole pages up to `upto` bytes, and on to
         the next POPULATE_STEP; where the kernel refuses, they fault as written."""
         end = self._base + upto
+        madvise = _madvise()
+        if madvise is None:
+            return
         while self._populated < min(end, self._pages_end):
             step = min(self.POPULATE_STEP, self._pages_end - self._populated)
-            if _madvise()(self._populated, step, _MADV_POPULATE_WRITE) != 0:
+            if madvise(self._populated, step, _MADV_POPULATE_WRITE) != 0:
                 self._pages_end = 0  # not on this kernel (or not here): no more tries
                 return
             self._populated += step
@@ -235,6 +239,7 @@ class Received:
             return b"".join(self._parts)
         self._view.release()
         self._view = None
+        assert self._out is not None  # (set with the view)
         if self.size != len(self._out):
             raise CorruptBlob(f"fetch of {self.key} ended after {self.size} of "
                               f"{len(self._out)} bytes")
@@ -318,7 +323,7 @@ def read_stored(key: str, info: pb.ArtifactInfo, f, where: str) -> bytes:
         head = read_exactly(f, len(RAW_MAGIC))
         raw = head == RAW_MAGIC
         reader = f if raw else zstandard.ZstdDecompressor().stream_reader(
-            _Prefixed(head, f), closefd=False)
+            cast("IO[bytes]", _Prefixed(head, f)), closefd=False)
         try:
             _read_hashed(reader, received, h, info.size)
             if reader.read(1):

@@ -83,6 +83,7 @@ class RelayPlane(TicketServer):
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        assert task is not None
         self._sends.add(task)
         ticket = None
         try:

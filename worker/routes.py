@@ -68,7 +68,7 @@ def connect_data_plane(ticket: pb.DataTicket, target: str,
     # modules for 1.7-4.8 CPU-ms (here), on a waiter's way to its bytes.
     host = address[0].encode("ascii") if address[0].isascii() else address[0]
     try:
-        sock = socket.create_connection((host, address[1]),
+        sock = socket.create_connection((host, address[1]),  # type: ignore[arg-type]
                                         timeout=min(stall_s, DATA_PLANE_CONNECT_S))
         sock.settimeout(stall_s)
     except OSError as exc:

@@ -94,7 +94,9 @@ class Worker(Role):
                setting="listen")
         self.relay_server = None
         if cfg.relay_listen:
-            self.relay_server, _ = make_server(RelayService(self.service))
+            # (Fetch alone: the servicer's other calls answer UNIMPLEMENTED.)
+            relay = RelayService(self.service)  # type: ignore[abstract]
+            self.relay_server, _ = make_server(relay)
             listen(self.relay_server, cfg.relay_listen, creds, setting="relay_listen")
         await self.server.start()
         if self.relay_server is not None:

@@ -23,6 +23,7 @@ import grpc
 
 from compilecast import decide, decideserve, tracing, validate
 from compilecast.decide import Decider
+from compilecast.errors import Unimplemented
 from compilecast.grpcutil import bearer, rpc_errors, token_from, unreachable
 from compilecast.negotiate import Route, Routes
 from compilecast.serving import Background
@@ -320,7 +321,7 @@ class WorkerService(rpc.CompileCacheServicer):
             self._tenants[ns] = tenant
         digests = set(digests)
         named = await asyncio.to_thread(self.cache.naming, digests)
-        mine, others = {ns}, set()
+        mine, others = {ns}, set[str]()
         for other in named:
             known = await self._tenant_of(other)
             if known is not None and tenant:
@@ -407,6 +408,24 @@ class WorkerService(rpc.CompileCacheServicer):
                 yield recipe
         except grpc.aio.AioRpcError as exc:
             raise relay_error(exc) from None
+
+    # The farm's claims and the hit reports are the coordinator's alone: farm
+    # workers and host workers call it directly, never through a host's worker.
+    @rpc_errors
+    async def ClaimCompile(self, request, context):
+        raise Unimplemented("ClaimCompile is the coordinator's: a farm worker calls it there")
+
+    @rpc_errors
+    async def RenewClaim(self, request, context):
+        raise Unimplemented("RenewClaim is the coordinator's: a farm worker calls it there")
+
+    @rpc_errors
+    async def FinishCompile(self, request, context):
+        raise Unimplemented("FinishCompile is the coordinator's: a farm worker calls it there")
+
+    @rpc_errors
+    async def ReportHits(self, request, context):
+        raise Unimplemented("ReportHits is the coordinator's: workers report their hits there")
 
     # -- Fetch and Publish (worker/fetches.py, worker/publishes.py) ------
     @rpc_errors

@@ -130,7 +130,8 @@ class HostWaits:
                 request = pb.WaitRequest()
                 request.CopyFrom(leader.request)
                 deadlines = [w.deadline for w in group.waiters]
-                last = None if None in deadlines else max(deadlines)
+                bounded = [d for d in deadlines if d is not None]
+                last = max(bounded) if len(bounded) == len(deadlines) else None
                 request.timeout_ms = 0 if last is None else max(
                     1, int((last - time.monotonic()) * 1000))
                 self._count("upstream")
