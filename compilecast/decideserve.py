@@ -19,7 +19,7 @@ from compilecast.v1 import cache_pb2 as pb
 log = logging.getLogger("compilecast.decide")
 
 IN_FLIGHT = 64  # messages of one stream decided at once; reading pauses beyond
-MAX_WAITS = 10_000  # waits of one stream at once; beyond, a wait is refused
+MAX_STREAM_WAITS = 10_000  # waits of one stream at once; beyond, a wait is refused
 MAX_BUNDLE = 64  # answers sent in one DecideResponse (takes_bundles)
 
 
@@ -255,7 +255,7 @@ class _Serving:
 
 async def serve(messages: AsyncIterator[pb.DecideRequest], decide: Decide, *,
                 wait: WaitOnce | None = None, in_flight: int = IN_FLIGHT,
-                max_waits: int = MAX_WAITS, streams: Streams | None = None,
+                max_waits: int = MAX_STREAM_WAITS, streams: Streams | None = None,
                 decide_now: DecideNow | None = None,
                 advice: GapAdvice | None = None) -> AsyncIterator[pb.DecideResponse]:
     """Answer the messages of a Decide stream with `decide` (a checked batch

@@ -47,6 +47,14 @@ DATA_PLANE_WAIT = b"CCWAT01\n"
 # sealed file with these 8 bytes and the token.
 DATA_PLANE_HANDOFF = b"CCFDS01\n"
 
+# Timings every route shares (each defined here only):
+HEARTBEAT_S = 10.0  # a stream that has nothing to carry sends an empty message this often
+TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
+REQUEST_S = 10.0  # a data plane connection that has not sent its token by then is closed
+TICKET_S = 30.0  # a one-time ticket not redeemed by then is dropped (its file closed)
+UNACKED_S = 60  # a peer that takes nothing sent for this long is dropped (TCP_USER_TIMEOUT)
+WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait cut off (a server restarting) is sent again after these
+
 
 async def data_plane_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                              timeout_s: float,

@@ -75,6 +75,9 @@ from compilecast.wire import DATA_PLANE_REQUEST as REQUEST_MAGIC
 from compilecast.wire import DATA_PLANE_UPLOAD as UPLOAD_MAGIC
 from compilecast.wire import DATA_PLANE_WAIT as WAIT_MAGIC
 from compilecast.wire import (
+    REQUEST_S,
+    TICKET_S,
+    UNACKED_S,
     DataChunk,
     TicketServer,
     data_plane_request,
@@ -86,10 +89,7 @@ from .metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 
-TICKET_S = 30.0  # a ticket not redeemed by then is dropped (its file closed)
 MAX_TICKETS = 4096  # outstanding tickets (each holds an open file); past it, gRPC
-REQUEST_S = 10.0  # a connection that has not sent its token by then is closed
-UNACKED_S = 60  # a client that takes nothing for this long is dropped (TCP_USER_TIMEOUT)
 MAX_CONNECTIONS = 1024  # open at once; past it a connection is closed at once (its client: gRPC)
 UPLOAD_STALL_S = 60.0  # an upload that sends nothing for this long is given up
 DIGEST_HEX = 64  # an upload's digest, when it comes after the bytes

@@ -37,10 +37,9 @@ from compilecast.blobstore import CHUNK, RAW_MAGIC
 from compilecast.errors import Unavailable
 from compilecast.store import BlobSink
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.wire import DataChunk
+from compilecast.wire import HEARTBEAT_S, DataChunk
 
 PARTIAL_WAIT_S = 0.05  # how long a fetcher waits for a whole chunk before taking less
-HEARTBEAT_S = 10.0  # a fetcher waiting on an upload gets an empty chunk this often
 
 
 class Upload:

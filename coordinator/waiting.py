@@ -45,7 +45,7 @@ from .uploads import Uploads
 
 log = logging.getLogger("compilecast.coordinator.state")
 
-HEARTBEAT_S = 2.0
+WAIT_HEARTBEAT_S = 2.0
 PROMOTION_STAGGER_S = 0.5
 # How long a change of a replica's waiters of a key waits to be written with
 # the changes after it (a pod's job start brings a thousand in a few tenths).
@@ -158,7 +158,7 @@ class Waiting:
                         reason=f"share-binary timeout of {timeout:.1f}s passed; compile locally",
                     )
                     return
-                nap = min(start + timeout - now, HEARTBEAT_S)
+                nap = min(start + timeout - now, WAIT_HEARTBEAT_S)
                 if w.free_since is not None:
                     nap = min(nap, PROMOTION_STAGGER_S)
                 if not await sub.wait(nap):

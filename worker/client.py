@@ -26,6 +26,7 @@ from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
 from compilecast.negotiate import Route, Routes
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.wire import TRANSFER_S, WAIT_RETRY_S
 
 from . import handoff
 from .clientpublish import LeaseKeepers, Publisher
@@ -45,7 +46,6 @@ from .received import (
     read_stored,
 )
 from .routes import (
-    TRANSFER_S,
     answer_status,
     connect_data_plane,
     read_data_plane,
@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 
 STALL_S = 60.0  # a transfer that moves nothing for this long is given up
 FETCH_RETRY_S = (1.0, 4.0)  # and a fetch cut off midway (its server restarting)
-WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # and a wait that ran, then broke (within its timeout)
 CUT_AFTER_S = 0.5  # a call that failed later than this had been running: cut off, not refused
 
 

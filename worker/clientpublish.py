@@ -18,7 +18,7 @@ from compilecast.blobstore import Sha256
 from compilecast.negotiate import Route, Routes
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.wire import DataChunk
+from compilecast.wire import TRANSFER_S, DataChunk
 
 from .received import (
     Stalled,
@@ -27,9 +27,8 @@ from .received import (
     Watchdog,
 )
 from .routes import (
-    CHUNK,
     HANDOFF_SPARE,
-    TRANSFER_S,
+    PUBLISH_CHUNK,
     NoFile,
     hand_off,
     memory_headroom,
@@ -231,8 +230,8 @@ def publish_messages(header: pb.PublishHeader,
     view = memoryview(data)
     h = None if header.digest else Sha256()
     try:
-        for off in range(0, len(data), CHUNK):
-            piece = view[off:off + CHUNK]
+        for off in range(0, len(data), PUBLISH_CHUNK):
+            piece = view[off:off + PUBLISH_CHUNK]
             if h is not None:
                 h.update(piece)
             yield DataChunk(piece)

@@ -22,7 +22,7 @@ from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamErro
 from compilecast.negotiate import Route, Routes
 from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.wire import DataChunk
+from compilecast.wire import HEARTBEAT_S, TRANSFER_S, DataChunk
 
 from .bucketurl import with_bucket_url
 from .dataplane import DATA_PLANE_PIECE, RELAY_LEAST, DataPlaneBroke, with_data_plane
@@ -31,10 +31,8 @@ from .hostcache import HostCache, HostCopies
 from .metrics import WorkerMetrics
 from .relayplane import RelayPlane
 from .upstream import (
-    HEARTBEAT_S,
     PEER_IDLE_S,
     RESUME_S,
-    TRANSFER_S,
     UPSTREAM_IDLE_S,
     CoordinatorLink,
     digest_matches,

@@ -16,10 +16,9 @@ from compilecast.errors import (
     UpstreamError,
 )
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.wire import DataChunk
+from compilecast.wire import HEARTBEAT_S, DataChunk
 
 from .upstream import (
-    HEARTBEAT_S,
     heartbeats_until,
 )
 

@@ -51,14 +51,18 @@ from compilecast.errors import CompilecastError, InvalidRequest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_HANDOFF as MAGIC
 from compilecast.wire import DATA_PLANE_TOKEN_BYTES as TOKEN_BYTES
-from compilecast.wire import DataChunk, refusal_frame, status_frame
+from compilecast.wire import (
+    HEARTBEAT_S,
+    REQUEST_S,
+    TICKET_S,
+    DataChunk,
+    refusal_frame,
+    status_frame,
+)
 
 log = logging.getLogger(__name__)
 
-TICKET_S = 30.0  # a ticket not redeemed by then is dropped
-MAX_TICKETS = 256  # outstanding; past it, a publish goes over gRPC
-REQUEST_S = 10.0  # a connection that has not handed its file over by then is closed
-HEARTBEAT_S = 10.0  # an empty OK frame this often while the publish goes on
+MAX_HANDOFF_TICKETS = 256  # outstanding; past it, a publish goes over gRPC
 STOP_GRACE_S = 5.0  # a stopping worker gives the handoffs in progress this long
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(
     fcntl, "F_SEAL_WRITE") else 0
@@ -133,7 +137,7 @@ class Handoffs:
         now = time.monotonic()
         for token in [t for t, v in self._tickets.items() if v.expires < now]:
             del self._tickets[token]
-        if len(self._tickets) >= MAX_TICKETS:
+        if len(self._tickets) >= MAX_HANDOFF_TICKETS:
             return None
         token = secrets.token_bytes(TOKEN_BYTES)
         kept = pb.PublishHeader()

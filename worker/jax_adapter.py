@@ -66,6 +66,8 @@ from jax._src.lib import xla_client as _xc
 from jax._src.lib.mlir import ir  # also used by worker/keys.py
 from jax._src.lib.mlir import passmanager as _passmanager
 
+from .xlaflags import GPU_PLATFORMS
+
 TESTED_JAX = ("0.10", "0.11")  # 0.11: on a GPU machine (docs/jax.md)
 
 
@@ -219,7 +221,6 @@ class Hooks(Protocol):
 # share-binary timeout (seen on a 2-process GPU job: the holder's compile ended
 # 23 s after it began, 3 s after the waiter's 20 s timeout made the waiter
 # compile too). A process that compiles through compilecast autotunes alone.
-GPU_PLATFORMS = frozenset({"cuda", "rocm", "gpu"})
 SHARD_AUTOTUNING = "xla_gpu_shard_autotuning"
 
 

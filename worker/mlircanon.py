@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .mlirwalk import (  # noqa: F401 (the reference walk, as the gate's callers name it)
-    MAX_DEPTH,
+    MAX_NESTING,
     RESOURCE_REFUSED,
     STREAM_VERSION,
     BindingsRefused,

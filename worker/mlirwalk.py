@@ -39,7 +39,7 @@ of the common element types are hashed from their raw bytes instead.
 Refused, by both walks alike (ValueError): a dense_resource constant (its
 printed form names a blob without its bytes: ResourceRefused, and
 keys.program_digest keys such a module by its stripped bytecode) and nesting
-deeper than MAX_DEPTH; the C walk also refuses a name that is not UTF-8, on
+deeper than MAX_NESTING; the C walk also refuses a name that is not UTF-8, on
 which jaxlib's Python bindings abort the process.
 
 This module is the reference walk, through jaxlib's Python bindings;
@@ -68,7 +68,7 @@ class ResourceRefused(ValueError):
     blob without its bytes, so the walk refuses it (keys.program_digest keys
     such a module by its stripped bytecode, which carries the blobs)."""
 _ELEMENT_BITS = (8, 16, 32, 64)
-MAX_DEPTH = 200  # operations in regions, or attributes in attributes (as _mlircanon.c); 200
+MAX_NESTING = 200  # operations in regions, or attributes in attributes (as _mlircanon.c); 200
 # levels of both stay within Python's recursion limit in the reference
 
 
@@ -177,7 +177,7 @@ class _Stream:
     def attr(self, a: Any) -> None:
         if self.intern(self.attrs, a):
             self.attr_depth += 1
-            if self.attr_depth > MAX_DEPTH:
+            if self.attr_depth > MAX_NESTING:
                 raise ValueError("operations or attributes nested too deeply")
             self.attr_content(a)
             self.attr_depth -= 1
@@ -320,7 +320,7 @@ class _Stream:
                     varint(idx + 1)
 
     def op(self, op: Any, depth: int) -> None:
-        if depth > MAX_DEPTH:
+        if depth > MAX_NESTING:
             raise ValueError("operations or attributes nested too deeply")
         buf = self.buf
         buf += b"O"

@@ -11,7 +11,7 @@ caller's token (the same namespace, tenant and permissions), so the host
 cache, the single-flight waits and fetches, the leases and the digests are
 the core's. Nothing here holds a thread while it waits.
 
-    WAITING         a heartbeat, every HEARTBEAT_S while the answer is pending
+    WAITING         a heartbeat, every GATE_HEARTBEAT_S while the answer is pending
     HIT <key> <sha256>  + the verified serialized executable
     COMPILE <key>   the interposer holds the lease, + the compile options to
                     use where they differ (a GPU job's compile that waits for
@@ -67,6 +67,7 @@ from . import hlocanon, jax_adapter, pjrtkeys
 from .client import Identity
 from .clientpublish import publish_messages
 from .keys import Key
+from .xlaflags import GPU_PLATFORMS
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,8 @@ MAX_HEADER = 4096
 MAX_BLOBS = 6
 MAX_TEXT = 16 << 20  # devices, plugin, environment, token
 MAX_BLOB = 1 << 40  # a program or an executable (the memory budget bounds them first)
-HEARTBEAT_S = 2.0
+GATE_HEARTBEAT_S = 2.0
 KEYS_KEPT = 1024  # keys remembered by fingerprint
-GPU_PLATFORMS = frozenset({"cuda", "rocm", "gpu"})
 
 
 @dataclass(frozen=True)
@@ -533,11 +533,11 @@ class PjrtGate:
                                             md)
 
     async def _with_heartbeat(self, writer: asyncio.StreamWriter, work):
-        """`work`'s result, with a WAITING frame every HEARTBEAT_S meanwhile."""
+        """`work`'s result, with a WAITING frame every GATE_HEARTBEAT_S meanwhile."""
         task = asyncio.ensure_future(work)
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_S)
+                done, _ = await asyncio.wait({task}, timeout=GATE_HEARTBEAT_S)
                 if done:
                     return task.result()
                 writer.write(frame("WAITING"))

@@ -33,10 +33,9 @@ from dataclasses import dataclass, field
 
 from . import jax_adapter, keys, xlaflags
 
-KEY_VERSION = "pjrt-2"
+PJRT_KEY_VERSION = "pjrt-2"
 MAX_PLUGIN_BYTES = 8 << 30  # a plugin library larger than this is keyed by its path and size
 PORTABLE_PRODUCER = b"StableHLO_v"  # a portable artifact's producer, near its start
-ENV_VARS = xlaflags.ENV_VARS  # what the interposer reports of its process's environment
 
 
 @dataclass
@@ -72,7 +71,7 @@ def parse_env(blob: bytes) -> dict[str, str]:
     env: dict[str, str] = {}
     for entry in blob.split(b"\0"):
         name, sep, value = entry.decode("utf-8", "surrogateescape").partition("=")
-        if sep and name in ENV_VARS:
+        if sep and name in xlaflags.ENV_VARS:
             env[name] = value
     return env
 
@@ -199,7 +198,7 @@ def compile_key(c: Compile) -> keys.Key:
         "plugin": plugin_component(c.plugin),
         "topology": _digest(c.devices),
         "xla_flags": _digest("\n".join(flags)),
-        "key_version": KEY_VERSION,
+        "key_version": PJRT_KEY_VERSION,
     }
     if options_read != "read":
         components["compile_options_raw"] = options_read

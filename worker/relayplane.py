@@ -40,17 +40,17 @@ from compilecast.blobstore import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import (
     DATA_PLANE_REQUEST,
+    REQUEST_S,
+    TICKET_S,
+    UNACKED_S,
     TicketServer,
     data_plane_request,
 )
 
 log = logging.getLogger(__name__)
 
-TICKET_S = 30.0  # a ticket not redeemed by then is dropped (its file closed)
-MAX_TICKETS = 1024  # outstanding tickets (each holds an open file); past it, gRPC
-MAX_CONNECTIONS = 256  # open at once; past it a connection is closed at once
-REQUEST_S = 10.0  # a connection that has not sent its token by then is closed
-UNACKED_S = 60  # a peer that takes nothing for this long is dropped (TCP_USER_TIMEOUT)
+MAX_RELAY_TICKETS = 1024  # outstanding tickets (each holds an open file); past it, gRPC
+MAX_RELAY_CONNECTIONS = 256  # open at once; past it a connection is closed at once
 WAIT_S = 10.0  # a growing file that does not grow for this long: its download is checked again
 
 
@@ -75,7 +75,7 @@ class RelayPlane(TicketServer):
         file is closed then: the fetch goes over gRPC). The ticket owns the
         file from here."""
         self._expire_tickets()
-        if len(self._tickets) >= MAX_TICKETS:
+        if len(self._tickets) >= MAX_RELAY_TICKETS:
             file.close()
             return None
         self.counter.labels("offered").inc()
@@ -88,7 +88,7 @@ class RelayPlane(TicketServer):
         ticket = None
         try:
             request = None
-            if len(self._sends) <= MAX_CONNECTIONS:
+            if len(self._sends) <= MAX_RELAY_CONNECTIONS:
                 request = await data_plane_request(reader, writer, REQUEST_S, UNACKED_S)
             self._expire_tickets()
             if request is not None and request[0] == DATA_PLANE_REQUEST:

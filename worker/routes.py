@@ -29,8 +29,7 @@ from .received import (
 
 log = logging.getLogger("compilecast.worker.client")
 
-CHUNK = 1 << 20
-TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
+PUBLISH_CHUNK = 1 << 20
 DATA_PLANE_CONNECT_S = 5.0  # a data plane that does not take the connection by then: gRPC
 
 
@@ -93,11 +92,11 @@ def upload_data_plane(header: pb.PublishHeader, data: bytes, ticket: pb.DataTick
             view = memoryview(data)
             answered = _readable(sock)
             try:
-                for off in range(0, len(data), CHUNK):
+                for off in range(0, len(data), PUBLISH_CHUNK):
                     if answered():  # refused before the end
                         answer_status(answers, where)
                         raise OSError(errno.EPROTO, f"{where} answered before the last byte")
-                    piece = view[off:off + CHUNK]
+                    piece = view[off:off + PUBLISH_CHUNK]
                     if h is not None:
                         h.update(piece)
                     sock.sendall(piece)

@@ -29,6 +29,7 @@ from compilecast.negotiate import Route, Routes
 from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.wire import WAIT_RETRY_S
 
 from .decisions import HostDecisions
 from .dirsync import DirSync
@@ -37,7 +38,6 @@ from .hostcache import HostCache, HostCopies
 from .metrics import WorkerMetrics
 from .publishes import Publishes
 from .upstream import (
-    WAIT_RETRY_S,
     CoordinatorLink,
     relay_error,
     relay_pieces,

@@ -33,7 +33,7 @@ from .client import CacheClient
 log = logging.getLogger(__name__)
 
 KIND = "torch-xla"
-PROBE = Path(__file__).with_name("torchxla_probe.py")
+PROBE_SCRIPT = Path(__file__).with_name("torchxla_probe.py")
 PROBE_TIMEOUT_S = 600.0
 SYNC_TIMEOUT_S = 60.0
 CACHE_ENV = "XLA_PERSISTENT_CACHE_PATH"
@@ -90,11 +90,11 @@ def _shebang(path: str) -> str | None:
 
 def probe(python: str, what: str, timeout_s: float) -> dict:
     """What worker/torchxla_probe.py says of `python` (one JSON object)."""
-    done = subprocess.run([python, str(PROBE), what], capture_output=True, text=True,
+    done = subprocess.run([python, str(PROBE_SCRIPT), what], capture_output=True, text=True,
                           timeout=timeout_s, env={**os.environ, "PJRT_DEVICE": "CPU"})
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        raise RuntimeError(f"{python} {PROBE.name} {what}: {last[:300]}")
+        raise RuntimeError(f"{python} {PROBE_SCRIPT.name} {what}: {last[:300]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

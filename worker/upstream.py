@@ -15,16 +15,13 @@ from compilecast.errors import Status, UpstreamError
 from compilecast.grpcutil import aio_channel, bearer, status, token_from
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.wire import DataChunk
+from compilecast.wire import HEARTBEAT_S, TRANSFER_S, DataChunk
 
 from .client import UploadRefused
 
 PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for the coordinator
 UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats every 10 s) failed
-HEARTBEAT_S = 10.0  # readers waiting on a download get an empty chunk this often
-TRANSFER_S = 4 * 3600.0  # the longest a transfer may take while it moves
 RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
-WAIT_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # a wait the coordinator cut off is sent again after these
 MAX_CREDENTIALS = 256  # callers' credentials whose host-cache namespace is remembered
 
 

@@ -31,6 +31,8 @@ import sys
 from collections.abc import Iterable
 
 ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+# Platforms whose jobs of several processes autotune in shards unless told not to.
+GPU_PLATFORMS = frozenset({"cuda", "rocm", "gpu"})
 MAX_FLAG_FILE_BYTES = 1 << 20
 _BLANK = " \t\r\n"
 _NAME_CHARS = frozenset("-_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
