@@ -237,4 +237,4 @@ class KeyView:
         """Count the compile time that hits on `infos` saved (one increment)."""
         saved = sum(max(info.compile_time_seconds, 0.0) for info in infos)
         if saved:
-            self.metrics.compile_seconds_saved.inc(saved)
+            self.metrics.saved(saved)

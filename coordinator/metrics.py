@@ -4,6 +4,7 @@ injected registry (never the global one)."""
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -17,9 +18,24 @@ ETCD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 RECENT_WRITES = 1024  # etcd write txns `compilecast status` takes its figures from
 
 
+@dataclass
+class Tally:
+    """What Status reports, counted as it happens (never read back out of
+    the registry)."""
+
+    hits: int = 0  # Acquires answered HIT here
+    host_hits: int = 0  # hits the workers answered, as they report them
+    misses: int = 0  # every other answer
+    saved_s: float = 0.0  # the compile time those hits saved
+    bucket_errors: int = 0
+    bucket_local_hits: int = 0  # bucket reads the replica's own disk answered
+    bucket_local_misses: int = 0
+
+
 class CoordinatorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self.tally = Tally()
         self._decisions(registry)
         self._bytes(registry)
         self._transfers(registry)
@@ -259,11 +275,16 @@ class CoordinatorMetrics:
             self.bucket_seconds.labels(op).observe(seconds)
             if not ok:
                 self.bucket_errors.labels(op).inc()
+                self.tally.bucket_errors += 1
         if nbytes and op in ("upload", "get_bytes"):
             self.bucket_bytes.labels(op).inc(nbytes)
 
     def observe_local(self, hit: bool) -> None:
         self.bucket_local.labels("hit" if hit else "miss").inc()
+        if hit:
+            self.tally.bucket_local_hits += 1
+        else:
+            self.tally.bucket_local_misses += 1
 
     def observe_etcd(self, method: str, seconds: float) -> None:
         """One etcd request's time (the Etcd client's `observe` hook)."""
@@ -291,3 +312,18 @@ class CoordinatorMetrics:
         lookup, decided, _ = self._by_decision[decision]
         lookup.inc(n)
         decided.inc(n)
+        if decision == pb.HIT:
+            self.tally.hits += n
+        else:
+            self.tally.misses += n
+
+    def saved(self, seconds: float) -> None:
+        """Compile time that hits saved."""
+        self.compile_seconds_saved.inc(seconds)
+        self.tally.saved_s += seconds
+
+    def host_hits(self, hits: int, seconds: float) -> None:
+        """Hits a worker answered without us, and the compile time they saved."""
+        self.lookups.labels("host_hit").inc(hits)
+        self.tally.host_hits += hits
+        self.saved(seconds)

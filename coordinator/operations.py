@@ -168,8 +168,7 @@ class Operations:
                 or not 0 <= seconds <= MAX_REPORTED_SECONDS:
             raise InvalidRequest(f"a report of {hits} hits saving {seconds} s: hits are 0 to "
                                  f"{MAX_REPORTED_HITS}, seconds 0 to {MAX_REPORTED_SECONDS:g}")
-        self.metrics.lookups.labels("host_hit").inc(hits)
-        self.metrics.compile_seconds_saved.inc(seconds)
+        self.metrics.host_hits(hits, seconds)
 
     # -- Status ----------------------------------------------------------
     async def status(self, tenant: str = DEFAULT_TENANT) -> pb.StatusResponse:
@@ -177,23 +176,15 @@ class Operations:
         resp = pb.StatusResponse(role="coordinator", upstream_healthy=not problem,
                                  upstream_problem=problem,
                                  upstream="etcd " + ",".join(self.etcd.endpoints))
-        reg = self.metrics.registry
-        resp.hits = sum(int(reg.get_sample_value("compilecast_coordinator_lookups_total",
-                                                 {"result": result}) or 0)
-                        for result in ("hit", "host_hit"))
-        resp.misses = int(reg.get_sample_value("compilecast_coordinator_lookups_total",
-                                               {"result": "miss"}) or 0)
-        resp.compile_seconds_saved = float(
-            reg.get_sample_value("compilecast_coordinator_saved_compile_seconds_total") or 0.0)
+        tally = self.metrics.tally
+        resp.hits, resp.misses = tally.hits + tally.host_hits, tally.misses
+        resp.compile_seconds_saved = tally.saved_s
         resp.store_bytes, resp.store_max_bytes = self.store.stored_bytes, self.cfg.store_max_bytes
         resp.store = describe_store(self.cfg)
         if self.cfg.store_type == "s3":
-            resp.bucket_errors = int(sum(
-                s.value for m in reg.collect() if m.name == "compilecast_coordinator_bucket_errors"
-                for s in m.samples if s.name.endswith("_total")))
-            local = "compilecast_coordinator_bucket_local_reads_total"
-            resp.bucket_local_hits = int(reg.get_sample_value(local, {"result": "hit"}) or 0)
-            resp.bucket_local_misses = int(reg.get_sample_value(local, {"result": "miss"}) or 0)
+            resp.bucket_errors = tally.bucket_errors
+            resp.bucket_local_hits = tally.bucket_local_hits
+            resp.bucket_local_misses = tally.bucket_local_misses
         if not readable:
             return resp
         counts = await self.farm.counts(tenant)

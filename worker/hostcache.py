@@ -188,6 +188,7 @@ class HostCopies:
         self.cache = cache
         self.metrics = metrics
         self.publishing: dict[tuple[str, str], Fill] = {}  # (namespace, key) -> our copy
+        self.uncached = 0  # artifacts passed on without a copy (no room on the disk)
 
     async def make_room(self, writer, size: int) -> None:
         """Evict from the host cache until an artifact of `size` fits on its
@@ -207,5 +208,6 @@ class HostCopies:
                 if exc.errno not in OUT_OF_SPACE:
                     raise
         self.metrics.uncached.inc()
+        self.uncached += 1
         log.warning("kept no copy of %s in the host cache: %s", info.key,
                     writer.discarded or "no space left for its entry", extra={"key": info.key})

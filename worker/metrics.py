@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from compilecast.v1 import cache_pb2 as pb
 
 
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        # Interposed compiles by (platform, outcome), for Status.
+        self._pjrt: collections.Counter[tuple[str, str]] = collections.Counter()
         self._decisions(registry)
         self._transfers(registry)
         self._host_cache(registry)
@@ -176,18 +182,16 @@ class WorkerMetrics:
             ["platform", "outcome"], registry=registry,
         )
 
-    def pjrt_status(self) -> list:
-        """compilecast_worker_pjrt_compiles_total per platform, for Status."""
-        from compilecast.v1 import cache_pb2 as pb
+    def count_pjrt(self, platform: str, outcome: str) -> None:
+        """One interposed compile's outcome (hit, compile, local, failed)."""
+        self.pjrt_compiles.labels(platform, outcome).inc()
+        self._pjrt[(platform, outcome)] += 1
 
+    def pjrt_status(self) -> list[pb.PjrtCompiles]:
+        """The interposed compiles per platform, for Status."""
         by: dict[str, pb.PjrtCompiles] = {}
-        for metric in self.pjrt_compiles.collect():
-            for s in metric.samples:
-                if not s.name.endswith("_total"):
-                    continue
-                row = by.setdefault(s.labels["platform"],
-                                    pb.PjrtCompiles(platform=s.labels["platform"]))
-                field = {"hit": "hits", "compile": "compiles"}.get(s.labels["outcome"],
-                                                                 s.labels["outcome"])
-                setattr(row, field, getattr(row, field) + int(s.value))
+        for (platform, outcome), n in sorted(self._pjrt.items()):
+            row = by.setdefault(platform, pb.PjrtCompiles(platform=platform))
+            field = {"hit": "hits", "compile": "compiles"}.get(outcome, outcome)
+            setattr(row, field, getattr(row, field) + n)
         return list(by.values())

@@ -136,8 +136,7 @@ class Worker(Role):
         timeout_ms = self.cfg.share_binary_between_hosts_timeout_ms or 20 * 60 * 1000
         gate = PjrtGate(f"{address.removeprefix('unix://')}.pjrt", address,
                         wait_timeout_s=timeout_ms / 1000,
-                        count=lambda platform, outcome: self.metrics.pjrt_compiles.labels(
-                            platform, outcome).inc())
+                        count=self.metrics.count_pjrt)
         try:
             await gate.start()
             self.pjrt_gate = gate

@@ -481,8 +481,7 @@ class WorkerService(rpc.CompileCacheServicer):
         resp.host_cache_bytes, resp.host_cache_max_bytes = store.stored_bytes, store.max_bytes or 0
         resp.host_disk_free_bytes = await asyncio.to_thread(store.free_bytes)
         resp.host_cache_min_free_bytes = store.min_free
-        resp.host_uncached = int(self.metrics.registry.get_sample_value(
-            "compilecast_worker_uncached_total") or 0)
+        resp.host_uncached = self.copies.uncached
         if self.dirs is not None:
             resp.directories.extend(await asyncio.to_thread(self.dirs.status))
         resp.pjrt_compiles.extend(self.metrics.pjrt_status())
