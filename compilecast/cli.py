@@ -21,6 +21,7 @@ from compilecast.config import (
     flag_name,
     load,
 )
+from compilecast.errors import CompilecastError
 
 from . import cli_run
 from .cli_inspect import (
@@ -151,8 +152,6 @@ def _wait_tasks(client, ids: list[str], timeout_s: float) -> int:
 
 
 def cmd_precompile(args: argparse.Namespace) -> int:
-    import grpc
-
     from compilecast.worker import aot
 
     target = aot.parse_target(args.topology, args.platform)
@@ -195,7 +194,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     except aot.AotError as exc:
         raise CliError(str(exc)) from exc
-    except grpc.RpcError as exc:
+    except CompilecastError as exc:
         raise rpc_failed(args.coordinator, exc) from exc
     finally:
         client.close()
@@ -207,12 +206,10 @@ LS_ORDER = {"key": lambda a: a.artifact.key, "size": lambda a: -a.artifact.size,
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    import grpc
-
     client = _client(args)
     try:
         listed = list(client.list_artifacts())
-    except grpc.RpcError as exc:
+    except CompilecastError as exc:
         raise rpc_failed(args.coordinator, exc) from exc
     finally:
         client.close()
@@ -238,14 +235,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    import grpc
-
     if not args.keys and not args.digest:
         raise CliError("name the keys (or --digest) to purge")
     client = _client(args)
     try:
         resp = client.purge(args.keys, args.digest, args.reason, dry_run=args.dry_run)
-    except grpc.RpcError as exc:
+    except CompilecastError as exc:
         raise rpc_failed(args.coordinator, exc) from exc
     finally:
         client.close()

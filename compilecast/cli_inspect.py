@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from compilecast.errors import CompilecastError, DeadlineExceeded, Unavailable
+
 
 def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -18,15 +20,13 @@ def human_size(n: float) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import grpc
-
     from compilecast.worker.client import CacheClient
 
     client = CacheClient(args.worker, timeout_s=args.timeout, token=args.token,
                          ca_file=args.ca_file)
     try:
         st = client.status()
-    except grpc.RpcError as exc:
+    except CompilecastError as exc:
         print(f"worker {args.worker}: {_unreachable(exc, WORKER_HINT)}")
         return 2
     finally:
@@ -185,18 +185,16 @@ def _seen_key(key: str, worker: str):
     line that says what it is."""
     import time
 
-    import grpc
-
     from compilecast.worker.client import CacheClient
     from compilecast.worker.keys import Key
 
     client = CacheClient(worker)
     try:
         d = client.describe(key)
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            raise rpc_failed(f"{key}: worker {worker}", exc, WORKER_HINT) from None
-        raise CliError(f"{key}: {exc.details()}") from None
+    except Unavailable as exc:
+        raise rpc_failed(f"{key}: worker {worker}", exc, WORKER_HINT) from None
+    except CompilecastError as exc:
+        raise CliError(f"{key}: {exc}") from None
     finally:
         client.close()
 
@@ -247,21 +245,19 @@ SERVER_HINT = ("is a coordinator or worker listening there? "
                "(--coordinator or COMPILECAST_COORDINATOR names another)")
 
 
-def _unreachable(exc, hint: str) -> str:
+def _unreachable(exc: CompilecastError, hint: str) -> str:
     """Why a call failed: for a server that could not be asked, why and
     where to look ("unreachable: no socket at that path; is ... running?");
     for one that answered with an error (an INTERNAL, a coordinator's status
     relayed by a worker as UNAVAILABLE), what it answered, without the hint."""
-    import grpc
-
     from compilecast.grpcutil import rpc_problem, unreachable
 
     problem = rpc_problem(exc)
-    if problem.startswith("unreachable") or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+    if problem.startswith("unreachable") or isinstance(exc, DeadlineExceeded):
         return f"{unreachable(exc)}; {hint}"
     return problem
 
 
-def rpc_failed(target: str, exc, hint: str = SERVER_HINT) -> CliError:
+def rpc_failed(target: str, exc: CompilecastError, hint: str = SERVER_HINT) -> CliError:
     """A failed call to `target` as a CliError; an unreachable one with `hint`."""
     return CliError(f"{target}: {_unreachable(exc, hint)}")

@@ -153,3 +153,31 @@ class PermissionDenied(CompilecastError):
     """A known identity without the permission the call needs: -> PERMISSION_DENIED."""
 
     status = Status.PERMISSION_DENIED
+
+
+class DeadlineExceeded(CompilecastError):
+    """A call or a transfer that ran out of time."""
+
+    status = Status.DEADLINE_EXCEEDED
+
+
+class Cancelled(CompilecastError):
+    status = Status.CANCELLED
+
+
+# The class a client raises for each status a call can end with (one class
+# per status: Revoked, TooLarge and StoreFull share theirs with LeaseError
+# and TooMany); any other status is an UpstreamError.
+_RECEIVED: dict[Status, type[CompilecastError]] = {
+    cls.status: cls for cls in (
+        Cancelled, InvalidRequest, DeadlineExceeded, NotFound, AlreadyPublished,
+        PermissionDenied, TooMany, LeaseError, Unimplemented, Unavailable, CorruptBlob,
+        Unauthenticated)
+}
+
+
+def received(status: Status, details: str) -> CompilecastError:
+    """The error for a call that ended with `status` and `details`: what a
+    client of compilecast raises, and branches on, in place of gRPC's."""
+    cls = _RECEIVED.get(status)
+    return cls(details) if cls is not None else UpstreamError(status, details)

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from compilecast import tracing, wire
-from compilecast.errors import CompilecastError, InvalidRequest, Status, Unauthenticated
+from compilecast.errors import CompilecastError, InvalidRequest, Status, Unauthenticated, received
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +46,22 @@ _CONNECT_FAILURES = (
 )
 
 
-def rpc_problem(exc: grpc.RpcError) -> str:
+def rpc_problem(exc: grpc.RpcError | CompilecastError) -> str:
     """A failed call as one readable line: its status and details, or, for a
     server that could not be reached, "unreachable: " and why in a few words
     (gRPC's own details for that run to a few hundred characters)."""
-    code, details = exc.code(), exc.details() or ""
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if isinstance(exc, CompilecastError):
+        code, details = exc.status, str(exc)
+    else:
+        code, details = status(exc.code()), exc.details() or ""
+    if code == Status.UNAVAILABLE:
         for needle, why in _CONNECT_FAILURES:
             if needle in details:
                 return f"unreachable: {why}"
     return f"{code.name}: {details}"
 
 
-def unreachable(exc: grpc.RpcError) -> str:
+def unreachable(exc: grpc.RpcError | CompilecastError) -> str:
     """rpc_problem for a server that did not answer: always "unreachable",
     with why (a connection that failed) or the status (a deadline)."""
     problem = rpc_problem(exc)
@@ -119,6 +122,14 @@ def grpc_code(status: int) -> grpc.StatusCode:
 def status(code: grpc.StatusCode) -> Status:
     """The Status of a gRPC status code."""
     return Status[code.name]
+
+
+def from_rpc(exc: grpc.RpcError) -> CompilecastError:
+    """A failed call as compilecast's error: the one place a client turns
+    gRPC's errors into its own."""
+    code = exc.code() if callable(getattr(exc, "code", None)) else None
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    return received(status(code) if code is not None else Status.UNKNOWN, details or "")
 
 
 _GRPC_CODES = {s: grpc.StatusCode[s.name] for s in Status}

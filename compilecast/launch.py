@@ -13,8 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-
+from compilecast.errors import CompilecastError
 from compilecast.worker.client import wait_until_healthy
 
 UP_PORTS = ("etcd-port", "etcd-peer-port", "coordinator-port", "coordinator-metrics-port",
@@ -59,7 +58,7 @@ class Up:
                 try:
                     wait_until_healthy(self.target, timeout_s=1.0)
                     return
-                except grpc.RpcError:
+                except CompilecastError:
                     if time.monotonic() > deadline:
                         self.stop()
                         raise RuntimeError(f"compilecast up was not healthy within "

@@ -20,9 +20,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from compilecast.config import CoordinatorConfig, WorkerConfig
+from compilecast.errors import CompilecastError
 from compilecast.launch import free_port
 
 
@@ -45,13 +47,30 @@ def client(target: str, **ident):
     return CacheClient(target, identity=Identity(**ident) if ident else None)
 
 
+# What a refused call raises: gRPC's error through a raw stub, compilecast's
+# own through a CacheClient (its one gRPC edge, worker/rpcedge.py).
+CALL_ERRORS = (grpc.RpcError, CompilecastError)
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status a refused call ended with, whichever of CALL_ERRORS it raised."""
+    if isinstance(exc, CompilecastError):
+        return grpc.StatusCode[exc.status.name]
+    assert isinstance(exc, grpc.RpcError)
+    return exc.code()
+
+
+def details_of(exc: BaseException) -> str:
+    if isinstance(exc, CompilecastError):
+        return str(exc)
+    return exc.details() or ""
+
+
 def code_of(fn) -> tuple:
     """The gRPC status code and details `fn()` is refused with."""
-    import grpc
-
-    with pytest.raises(grpc.RpcError) as info:
+    with pytest.raises(CALL_ERRORS) as info:
         fn()
-    return info.value.code(), info.value.details()
+    return status_code(info.value), details_of(info.value)
 
 
 def cc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -63,13 +82,11 @@ def cc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def key_recorded(client, key: str) -> bool:
     """Whether the coordinator has recorded `key`'s components (it does in
     the background, some tenths of a second after its COMPILE)."""
-    import grpc
+    from compilecast.errors import NotFound
 
     try:
         return bool(client.describe(key).key_components)
-    except grpc.RpcError as exc:
-        if exc.code() != grpc.StatusCode.NOT_FOUND:  # not seen yet
-            raise
+    except NotFound:  # not seen yet
         return False
 
 

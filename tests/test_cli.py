@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from .conftest import cc, eventually, key_recorded
+from .conftest import CALL_ERRORS, cc, eventually, key_recorded, status_code
 
 
 def test_status_is_nonzero_when_nothing_runs(tmp_path):
@@ -237,8 +237,8 @@ def test_ls_lists_the_tenants_artifacts_a_page_at_a_time(coordinator):
     try:
         c.stub.ListArtifacts(pb.ListArtifactsRequest(limit=99_999), timeout=10)
         raise AssertionError("a limit past 5,000 was accepted")
-    except grpc.RpcError as exc:
-        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+    except CALL_ERRORS as exc:
+        assert status_code(exc) == grpc.StatusCode.INVALID_ARGUMENT, exc
         bad = cc("ls", "--coordinator", "127.0.0.1:1")
     assert bad.returncode != 0 and "unreachable: connection refused" in bad.stderr
     assert "Traceback" not in bad.stderr
@@ -365,28 +365,20 @@ def test_a_server_that_answered_an_error_is_not_called_unreachable():
     """Only a server that could not be asked gets "unreachable" and the hint
     to look for it; one that answered (a worker relaying the coordinator's
     error as UNAVAILABLE, an INTERNAL) is quoted."""
-    import grpc
-
     from compilecast.cli_inspect import SERVER_HINT, rpc_failed
+    from compilecast.errors import Status, received
 
-    class Failed(grpc.RpcError):
-        def __init__(self, code, details):
-            self._code, self._details = code, details
+    def Failed(code, details):  # what the client raises for a call that ended so
+        return received(Status[code], details)
 
-        def code(self):
-            return self._code
-
-        def details(self):
-            return self._details
-
-    relayed = Failed(grpc.StatusCode.UNAVAILABLE, "coordinator: ListArtifacts: internal error")
+    relayed = Failed("UNAVAILABLE", "coordinator: ListArtifacts: internal error")
     assert str(rpc_failed("w", relayed)) == \
         "w: UNAVAILABLE: coordinator: ListArtifacts: internal error"
-    refused = Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last "
+    refused = Failed("UNAVAILABLE", "failed to connect to all addresses; last "
                      "error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: "
                      "Connection refused")
     assert str(rpc_failed("w", refused)) == f"w: unreachable: connection refused; {SERVER_HINT}"
-    late = Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    late = Failed("DEADLINE_EXCEEDED", "Deadline Exceeded")
     assert str(rpc_failed("w", late)) == \
         f"w: unreachable (DEADLINE_EXCEEDED: Deadline Exceeded); {SERVER_HINT}"
 

@@ -19,7 +19,7 @@ from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 
-from .conftest import eventually, free_port, recv_exactly, sample
+from .conftest import CALL_ERRORS, eventually, free_port, recv_exactly, sample, status_code
 from .test_data_plane import KINDS, RANDOM, tickets
 
 DATA_WAITS = "compilecast_coordinator_data_plane_waits_total"
@@ -173,11 +173,11 @@ def test_a_client_that_leaves_ends_its_wait(coordinator):
 
 def test_a_bad_wait_is_refused_before_any_ticket(coordinator):
     with grpc.insecure_channel(coordinator.cfg.listen) as ch:
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(CALL_ERRORS) as err:
             list(wire.stub(ch).Wait(pb.WaitRequest(key="no/such key", accept_data_wait=True,
                                                    requester=pb.Requester(client="t")),
                                     timeout=10))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_code(err.value) == grpc.StatusCode.INVALID_ARGUMENT
     assert coordinator.data_plane.waiting == 0
 
 

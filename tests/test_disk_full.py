@@ -24,7 +24,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient
 
-from .conftest import eventually, publish
+from .conftest import CALL_ERRORS, details_of, eventually, publish, status_code
 
 MiB = 1 << 20
 
@@ -89,10 +89,10 @@ def test_a_publish_that_cannot_fit_is_refused_and_evicts_nothing(
     publish(c, "kept", kept)
     room(coordinator.store, 2 * MiB)
     claim = c.acquire("huge")
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         c.publish("huge", claim.lease, os.urandom(16 * MiB), 1.0)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "no room for 16777216 bytes" in err.value.details()
+    assert status_code(err.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "no room for 16777216 bytes" in details_of(err.value)
     assert c.fetch("kept")[1] == kept  # nothing was evicted for a hopeless publish
     assert list(coordinator.store.tmp_dir.iterdir()) == []
     assert coordinator.registry.get_sample_value(
@@ -135,10 +135,10 @@ def test_a_volume_that_fills_during_a_publish_refuses_it_and_keeps_nothing(
             yield pb.PublishChunk(data=data[off:off + MiB])
 
     stub = rpc.CompileCacheStub(grpc.insecure_channel(coordinator.cfg.listen))
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         stub.Publish(messages(), timeout=30)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "full" in err.value.details()
+    assert status_code(err.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "full" in details_of(err.value)
     assert list(tmp.iterdir()) == []  # the partial upload gave its space back
     ballast.unlink()
     c.publish("k", claim.lease, data, 1.0)  # nothing was lost: the holder publishes

@@ -12,6 +12,8 @@ import pytest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 
+from .conftest import CALL_ERRORS, details_of, status_code
+
 TPU = pb.Target(platform="tpu", topology="v5e:2x2")
 
 
@@ -20,9 +22,9 @@ def entry(i: int = 0, **kw) -> pb.Recipe:
 
 
 def code_of(fn) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         fn()
-    return err.value.code()
+    return status_code(err.value)
 
 
 @pytest.mark.parametrize("recipe, why", [
@@ -36,9 +38,9 @@ def code_of(fn) -> grpc.StatusCode:
 ])
 def test_bad_recipes_are_refused_and_nothing_is_queued(coordinator, recipe, why):
     client = CacheClient(coordinator.cfg.listen)
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         client.submit([recipe])
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
+    assert status_code(err.value) == grpc.StatusCode.INVALID_ARGUMENT and why in details_of(err.value)
     assert client.tasks() == []
 
 

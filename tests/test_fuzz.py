@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from compilecast.v1 import cache_pb2 as pb
 
+from .conftest import CALL_ERRORS, status_code
+
 pytestmark = pytest.mark.slow
 
 BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
@@ -90,8 +92,8 @@ def call(channel: grpc.Channel, method: str, request: bytes | list[bytes], kind:
         else:
             channel.stream_unary(SERVICE + method, request_serializer=ident,
                                  response_deserializer=ident)(iter(request), timeout=timeout)
-    except grpc.RpcError as exc:
-        return exc.code()
+    except CALL_ERRORS as exc:
+        return status_code(exc)
     return grpc.StatusCode.OK
 
 
@@ -238,11 +240,11 @@ def test_a_publish_stream_that_stops_without_closing_frees_the_server(target):
         never.wait(30)
 
     ident = lambda b: b  # noqa: E731
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         ch.stream_unary(SERVICE + "Publish", request_serializer=ident,
                         response_deserializer=ident)(stalled(), timeout=2)
     never.set()
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert status_code(err.value) == grpc.StatusCode.DEADLINE_EXCEEDED
     ch.close()
     assert client.publish(key, lease, DATA, 1.0).digest == _digest()
     client.close()
@@ -278,6 +280,6 @@ def test_any_decide_stream_is_answered_and_ended(channel, msgs):
         for _ in call:
             pass
         code = grpc.StatusCode.OK
-    except grpc.RpcError as exc:
-        code = exc.code()
+    except CALL_ERRORS as exc:
+        code = status_code(exc)
     assert code not in BAD | {grpc.StatusCode.DEADLINE_EXCEEDED}, (msgs, code)

@@ -24,7 +24,7 @@ from compilecast.worker import clientpublish as client_mod
 from compilecast.worker import handoff
 from compilecast.worker.client import CacheClient, Identity
 
-from .conftest import recv_exactly, sample
+from .conftest import CALL_ERRORS, details_of, recv_exactly, sample, status_code
 
 pytestmark = pytest.mark.skipif(not handoff.supported(), reason="no memfd seals here")
 
@@ -157,9 +157,9 @@ def test_a_refusal_upstream_reaches_the_holder(coordinator, start_worker):
     stale = pb.Lease()
     stale.CopyFrom(lease)
     stale.id += 1  # not a lease the coordinator granted
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         c.publish("k", stale, DATA, 2.0)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    assert status_code(err.value) == grpc.StatusCode.FAILED_PRECONDITION, details_of(err.value)
     assert not w.cache.store.has(DIGEST)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
 
@@ -301,9 +301,9 @@ def test_a_worker_that_stops_mid_publish_leaves_the_holder_an_error(coordinator,
     w.service.publishes.handoffs._publish = stuck
     c, lease = holder(w)
     threading.Thread(target=lambda: began.wait(10) and w.stop(), daemon=True).start()
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         c.publish("k", lease, DATA, 2.0)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert status_code(err.value) == grpc.StatusCode.UNAVAILABLE
     assert began.is_set()
 
 

@@ -14,6 +14,7 @@ from compilecast.config import ConfigError, CoordinatorConfig, load
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient
 
+from .conftest import CALL_ERRORS, status_code
 from .s3server import S3Server, restore, use_credentials
 
 pytestmark = pytest.mark.slow
@@ -40,8 +41,8 @@ def replica(start_coordinator, s3, bucket, tmp_path):
 def _code(fn) -> grpc.StatusCode:
     try:
         fn()
-    except grpc.RpcError as exc:
-        return exc.code()
+    except CALL_ERRORS as exc:
+        return status_code(exc)
     return grpc.StatusCode.OK
 
 

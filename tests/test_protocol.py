@@ -15,7 +15,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.clientpublish import publish_messages
 
-from .conftest import client, code_of, eventually, key_recorded
+from .conftest import CALL_ERRORS, client, code_of, eventually, key_recorded, status_code
 
 DATA = b"executable-bytes" * 50_000
 
@@ -352,10 +352,10 @@ def test_a_publish_whose_zstd_is_not_the_artifact_is_refused(coordinator):
         lease = direct.acquire(f"bad-{name}").lease
         header = pb.PublishHeader(key=f"bad-{name}", lease=lease, size=len(data),
                                   digest=hashlib.sha256(data).hexdigest())
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(CALL_ERRORS) as err:
             stub.Publish(iter([pb.PublishChunk(header=header),
                                pb.PublishChunk(zstd_data=stream)]), timeout=10)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, err.value)
+        assert status_code(err.value) == grpc.StatusCode.INVALID_ARGUMENT, (name, err.value)
         assert not coordinator.store.has(hashlib.sha256(data).hexdigest())
         assert direct.acquire(f"bad-{name}").decision != pb.HIT
 

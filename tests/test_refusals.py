@@ -8,7 +8,7 @@ import hashlib
 import grpc
 import pytest
 
-from compilecast.errors import InvalidRequest
+from compilecast.errors import InvalidRequest, NotFound, Unavailable
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
@@ -155,6 +155,22 @@ def test_publish_with_wrong_digest_is_refused_and_stores_nothing(coordinator):
 def test_fetch_of_unknown_key_is_not_found(coordinator):
     assert code_of(lambda: client(coordinator.cfg.listen).fetch("nope"))[0] == \
         grpc.StatusCode.NOT_FOUND
+
+
+def test_the_client_raises_compilecasts_errors_never_grpcs(coordinator, tmp_path):
+    """CacheClient is the one edge: a refusal, a server that is not there
+    and a bad request each come as compilecast's error for their status."""
+    c = client(coordinator.cfg.listen)
+    with pytest.raises(NotFound) as missing:
+        c.fetch("nope")
+    with pytest.raises(InvalidRequest) as bad:
+        c.acquire("a/b")
+    gone = CacheClient(f"unix://{tmp_path}/nobody.sock", timeout_s=1.0)
+    with pytest.raises(Unavailable) as down:
+        gone.status()
+    gone.close()
+    for exc in (missing.value, bad.value, down.value):
+        assert not isinstance(exc, grpc.RpcError), type(exc).__mro__
 
 
 # -- bad input and a lost blob ----------------------------------------------------

@@ -15,7 +15,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient
 
-from .conftest import all_at_once
+from .conftest import CALL_ERRORS, all_at_once, status_code
 from .test_security import DATA
 
 SIZE = 24 << 20
@@ -218,13 +218,13 @@ def test_fetch_resumes_at_an_offset_and_refuses_bad_relay_fields(coordinator, st
     assert rest == data[1234567:]
     for bad in (pb.FetchRequest(key="k", offset=-1), pb.FetchRequest(key="k", offset=len(data) + 1),
                 pb.FetchRequest(key="k", relay_address="no port")):
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(CALL_ERRORS) as err:
             list(client.stub.Fetch(bad))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert status_code(err.value) == grpc.StatusCode.INVALID_ARGUMENT
     worker = start_worker(coordinator.cfg.listen)
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         list(CacheClient(worker.target).stub.Fetch(pb.FetchRequest(key="k", offset=5)))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_code(err.value) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_relaying_respects_tokens_and_tenants(start_coordinator, start_worker, tokens_file,
@@ -245,12 +245,12 @@ def test_relaying_respects_tokens_and_tenants(start_coordinator, start_worker, t
     assert fetch_all([w.target for w in workers], "k") == [DATA, DATA]
     # The relay port serves nobody without a token, nor another tenant's token.
     relay = rpc.CompileCacheStub(grpc.insecure_channel(f"127.0.0.1:{ports[0]}"))
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         list(relay.Fetch(pb.FetchRequest(key="k")))
-    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with pytest.raises(grpc.RpcError) as err:
+    assert status_code(err.value) == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(CALL_ERRORS) as err:
         list(relay.Fetch(pb.FetchRequest(key="k"), metadata=(("authorization", "Bearer b-pub"),)))
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # team-b has no such key
+    assert status_code(err.value) == grpc.StatusCode.NOT_FOUND  # team-b has no such key
     got = b"".join(c.data for c in relay.Fetch(
         pb.FetchRequest(key="k"), metadata=(("authorization", "Bearer a-pub"),)))
     assert got == DATA

@@ -12,6 +12,8 @@ from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 
+from .conftest import CALL_ERRORS, status_code
+
 DATA = b"executable" * 10_000
 @pytest.fixture
 def secured(start_coordinator, tokens_file):
@@ -19,9 +21,9 @@ def secured(start_coordinator, tokens_file):
 
 
 def code_of(fn) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
+    with pytest.raises(CALL_ERRORS) as info:
         fn()
-    return info.value.code()
+    return status_code(info.value)
 
 
 def test_calls_without_a_valid_token_are_unauthenticated(secured):

@@ -21,7 +21,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 from compilecast.worker.client import CacheClient, Identity
 
-from .conftest import all_at_once, eventually, sample
+from .conftest import CALL_ERRORS, all_at_once, details_of, eventually, sample, status_code
 
 MIB = 1 << 20
 
@@ -63,7 +63,7 @@ class HeldUpload:
         def run():
             try:
                 client.stub.Publish(messages(), timeout=60)
-            except grpc.RpcError as exc:
+            except CALL_ERRORS as exc:
                 self.error = exc
             finally:
                 client.stop_lease(key, lease)
@@ -187,11 +187,11 @@ def test_an_upload_cut_short_fails_its_fetchers_and_the_waiter_waits_on(coordina
     stream = waiter.stub.Fetch(pb.FetchRequest(key="k", digest=event.artifact.digest), timeout=30)
     read_until(stream, HEAD)
     up.cut.set()
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         for _ in stream:
             pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "wait for the key again" in err.value.details()
+    assert status_code(err.value) == grpc.StatusCode.UNAVAILABLE
+    assert "wait for the key again" in details_of(err.value)
     up.thread.join(10)
     assert up.error is not None
     # The holder gives up; the waiter, still waiting, is promoted to compile.
@@ -201,8 +201,8 @@ def test_an_upload_cut_short_fails_its_fetchers_and_the_waiter_waits_on(coordina
     code = None
     try:
         waiter.fetch("k")
-    except grpc.RpcError as exc:
-        code = exc.code()
+    except CALL_ERRORS as exc:
+        code = status_code(exc)
     assert code == grpc.StatusCode.NOT_FOUND  # nothing was published
 
 
@@ -216,16 +216,16 @@ def test_an_upload_whose_bytes_lie_never_verifies_for_its_fetchers(coordinator):
     event, got = waiter.wait_and_fetch("k", 3)
     assert got is None and event.decision != pb.HIT
     up.thread.join(10)
-    assert up.error is not None and up.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert up.error is not None and status_code(up.error) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_fetch_for_another_digest_is_not_served_from_the_upload(coordinator):
     holder, waiter = clients(coordinator.cfg.listen)
     data = os.urandom(4 * MIB)
     up = HeldUpload(holder, "k", holder.acquire("k").lease, data, coordinator=coordinator)
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         waiter.fetch("k", hashlib.sha256(b"other").hexdigest())
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert status_code(err.value) == grpc.StatusCode.NOT_FOUND
     up.go.set()
     up.thread.join(10)
 
@@ -315,10 +315,10 @@ def test_heartbeats_keep_a_fetcher_of_a_held_upload_from_giving_up(
     lease = holder.acquire("k2").lease
     up = HeldUpload(holder, "k2", lease, data, coordinator=coordinator)
     threading.Timer(2.5, up.go.set).start()
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         silent.fetch("k2", digest)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "moved nothing for 1s" in err.value.details()
+    assert status_code(err.value) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "moved nothing for 1s" in details_of(err.value)
     up.thread.join(10)
 
 
@@ -351,7 +351,7 @@ def fetch_in_thread(client: CacheClient, key: str) -> tuple[threading.Thread, li
     def run():
         try:
             out.append(client.fetch(key)[1])
-        except grpc.RpcError as exc:
+        except CALL_ERRORS as exc:
             out.append(exc)
 
     t = threading.Thread(target=run, daemon=True)
@@ -408,7 +408,7 @@ def test_a_fetch_waiting_for_its_hosts_upload_ends_when_the_upload_fails(coordin
     up.cut.set()
     fetching.join(30)
     assert not fetching.is_alive()
-    assert len(out) == 1 and isinstance(out[0], grpc.RpcError), out  # never bytes of a cut upload
+    assert len(out) == 1 and isinstance(out[0], CALL_ERRORS), out  # never bytes of a cut upload
     assert sample(worker, "compilecast_worker_local_files_total") == 0
 
 

@@ -21,7 +21,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient
 
-from .conftest import eventually
+from .conftest import CALL_ERRORS, details_of, eventually, status_code
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
 
@@ -156,20 +156,20 @@ def test_a_fetch_that_keeps_moving_outlasts_the_stall_limit(serve):
 def test_a_fetch_that_stalls_is_given_up(serve):
     trickle = Trickle(chunks=4, every_s=0.0, stall_after=2)
     client = CacheClient(serve(trickle), stall_s=0.5)
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         client.fetch("k")
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "moved nothing for 0.5s" in err.value.details()
+    assert status_code(err.value) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "moved nothing for 0.5s" in details_of(err.value)
     assert not trickle.held_out.is_set()  # given up while the server held it
 
 
 def test_a_publish_the_server_stops_reading_is_given_up(serve):
     trickle = Trickle(chunks=0, every_s=0.0)
     client = CacheClient(serve(trickle), stall_s=0.5)
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         client.publish("k", pb.Lease(id=1, revision=1), DATA * 64, 1.0)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "publish of k" in err.value.details() and "0.5s" in err.value.details()
+    assert status_code(err.value) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "publish of k" in details_of(err.value) and "0.5s" in details_of(err.value)
     assert not trickle.held_out.is_set()  # given up while the server held it
     assert client.leases.publishing == set()
 
@@ -185,14 +185,14 @@ def test_a_worker_gives_up_an_upstream_transfer_that_stalls(serve, start_worker,
     upstream = serve(Trickle(chunks=4, every_s=0.0, stall_after=2))
     worker = start_worker(upstream)
     client = CacheClient(worker.target, stall_s=20.0)
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         client.fetch("k")
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "the fetch of k moved nothing for 0.5s" in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
+    assert status_code(err.value) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "the fetch of k moved nothing for 0.5s" in details_of(err.value)
+    with pytest.raises(CALL_ERRORS) as err:
         client.publish("k", pb.Lease(id=1, revision=1), DATA * 64, 1.0)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "the publish of k moved nothing for 0.5s" in err.value.details()
+    assert status_code(err.value) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "the publish of k moved nothing for 0.5s" in details_of(err.value)
 
 
 def test_a_publish_cut_off_by_a_coordinator_restart_is_tried_again(
@@ -274,9 +274,9 @@ def test_a_fetch_cut_off_by_a_worker_restart_is_tried_again(
     assert out == [data]
     assert "was cut off" in caplog.text
     caplog.clear()  # refused from the start: no retry
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(CALL_ERRORS) as err:
         CacheClient(f"unix://{worker.cfg.listen.removeprefix('unix://')}.none").fetch("k")
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert status_code(err.value) == grpc.StatusCode.UNAVAILABLE
     assert "trying again" not in caplog.text
 
 

@@ -31,8 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
+from compilecast.errors import AlreadyPublished, CompilecastError, LeaseError, NotFound
 from compilecast.grpcutil import rpc_problem
 from compilecast.v1 import cache_pb2 as pb
 
@@ -387,16 +386,13 @@ def compile_and_share(client: CacheClient, program: Program, *,
             try:
                 client.publish(key, lease, data, seconds, recipe=recipe)
                 break
-            except grpc.RpcError as exc:
-                if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION,
-                                      grpc.StatusCode.ALREADY_EXISTS):
-                    raise
+            except (LeaseError, AlreadyPublished) as exc:
                 # The lease lapsed while this process compiled (three renewals
                 # missed: a host starved of CPU): ask again rather than throw
                 # the executable away. Another holder may have published it
                 # (ALREADY_EXISTS), or be compiling it; or the key is free and
                 # this one publishes.
-                log.warning("%s: %s; asking for %s again", program.name, exc.details(), key)
+                log.warning("%s: %s; asking for %s again", program.name, exc, key)
                 client.stop_lease(key, lease)
                 again = _ask_again(client, program, key, ask, wait_timeout_s, seconds)
                 if isinstance(again, Outcome):
@@ -409,7 +405,7 @@ def compile_and_share(client: CacheClient, program: Program, *,
                            "before the executable could be published")
     except BaseException as exc:
         client.stop_lease(key, lease)
-        with contextlib.suppress(grpc.RpcError):
+        with contextlib.suppress(CompilecastError):
             client.release(key, lease, pb.COMPILE_FAILED, f"{type(exc).__name__}: {exc}")
         raise
     client.stop_lease(key, lease)
@@ -469,9 +465,7 @@ def check(client: CacheClient, programs: list[Program], *, fetch: bool = True) -
         key = probe(prog.trigger).key.value
         try:
             info = client.fetch(key)[0] if fetch else client.describe(key).artifact
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise
+        except NotFound:
             info = pb.ArtifactInfo()
         out.append(Presence(prog.name, key, bool(info.digest), info.size,
                             time.monotonic() - start))
@@ -515,7 +509,7 @@ class FarmWorker:
                 continue
             try:
                 resp = self.client.claim(self.name, self.claim_wait_ms)
-            except grpc.RpcError as exc:
+            except CompilecastError as exc:
                 self._slots.release()
                 log.warning("farm: cannot claim a task (coordinator %s: %s); retrying",
                             self.client.target, rpc_problem(exc))
@@ -538,7 +532,7 @@ class FarmWorker:
 
         def renew() -> None:
             while not stop.wait(max(claim.ttl_seconds / 3.0, 0.5)):
-                with contextlib.suppress(grpc.RpcError):
+                with contextlib.suppress(CompilecastError):
                     if self.client.renew(task_id, claim) <= 0:
                         log.warning("farm: the claim on task %s lapsed", task_id)
                         return
@@ -566,9 +560,9 @@ class FarmWorker:
             self._slots.release()
         try:
             self.client.finish(resp.task_id, resp.claim, ok, detail, key)
-        except grpc.RpcError as exc:
+        except CompilecastError as exc:
             log.warning("farm: cannot settle task %s (%s); its claim lapses and it is retried",
-                        resp.task_id, exc.details())
+                        resp.task_id, exc)
             return
         if ok:
             self.done += 1

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from compilecast import tracing, wire
 from compilecast.blobstore import Sha256
 from compilecast.decide import ends_wait
-from compilecast.errors import CorruptBlob
+from compilecast.errors import CompilecastError, CorruptBlob, Unavailable
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
 from compilecast.negotiate import Route, Routes
 from compilecast.v1 import cache_pb2 as pb
@@ -36,7 +36,6 @@ from .received import (
     Follower,
     Received,
     Stalled,
-    StatusError,
     Unfollowable,
     Unreachable,
     UploadRefused,
@@ -50,6 +49,7 @@ from .routes import (
     connect_data_plane,
     read_data_plane,
 )
+from .rpcedge import edged, edged_directories
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,10 @@ class CacheClient:
                          else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
         self._channel = grpc.intercept_channel(self._channel, _Metadata(bearer(token))) \
             if token or tracing.on() else self._channel
-        self.stub = wire.stub(self._channel)
-        self._directories = rpc.HostDirectoriesStub(self._channel)  # the host's worker only
+        # The one gRPC edge: every call raises compilecast's errors (worker/rpcedge.py).
+        self.stub = edged(wire.stub(self._channel))
+        self._directories = edged_directories(
+            rpc.HostDirectoriesStub(self._channel))  # the host's worker only
         # The routes besides gRPC this process may take (compilecast/negotiate.py):
         # to this host's worker (a unix socket), fetches answered with the host
         # cache's file, or its file as the worker writes it, and publishes
@@ -189,13 +191,12 @@ class CacheClient:
             began = time.monotonic()
             try:
                 return self._wait_once(key, deadline, publishing, data_wait, identity)
-            except grpc.RpcError as exc:
+            except Unavailable as exc:
                 now = time.monotonic()
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or pause is None \
-                        or now - began < CUT_AFTER_S or deadline - now <= pause:
+                if pause is None or now - began < CUT_AFTER_S or deadline - now <= pause:
                     raise
                 log.warning("wait for %s was cut off (%s); asking again in %.1fs", key,
-                            exc.details(), pause, extra={"key": key})
+                            exc, pause, extra={"key": key})
                 time.sleep(pause)
         raise AssertionError("unreachable")
 
@@ -247,7 +248,7 @@ class CacheClient:
             try:
                 event = pb.WaitEvent.FromString(answer_status(answers, where))
             except UploadRefused as exc:
-                raise StatusError(exc.code(), exc.details()) from None
+                raise exc.error from None
             except DecodeError as exc:
                 raise OSError(errno.EPROTO, f"{where} answered a wait with no WaitEvent: "
                                             f"{exc}") from None
@@ -284,10 +285,10 @@ class CacheClient:
                 return event, None
             try:
                 info, data = self.fetch(key, event.artifact.digest)
-            except (grpc.RpcError, CorruptBlob) as exc:
+            except CompilecastError as exc:
                 if event.decision == pb.HIT:
                     raise
-                why = exc.code().name if isinstance(exc, grpc.RpcError) else str(exc)
+                why = exc.status.name if not isinstance(exc, CorruptBlob) else str(exc)
                 log.info("fetching %s while it was published failed (%s); waiting for the "
                          "published artifact", key, why)
                 early = False
@@ -308,7 +309,7 @@ class CacheClient:
                 if pause is None:
                     raise cut.error from None
                 log.warning("fetch of %s was cut off (%s); trying again in %.0fs", key,
-                            cut.error.details(), pause, extra={"key": key})
+                            cut.error, pause, extra={"key": key})
                 time.sleep(pause)
         raise AssertionError("unreachable")
 
@@ -407,11 +408,11 @@ class CacheClient:
                         if inflate is not None:
                             raise CorruptBlob(f"fetch of {key} mixed zstd_data and data")
                         take(chunk.data)
-            except grpc.RpcError as exc:
+            except CompilecastError as exc:
                 if dog.fired:
                     raise Stalled(f"fetch of {key} from {self.target} moved nothing for "
                                   f"{self.stall_s:g}s") from None
-                if info is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if info is not None and isinstance(exc, Unavailable):
                     raise CutOff(exc) from None
                 raise
             finally:
@@ -506,7 +507,7 @@ def wait_until_healthy(target: str, timeout_s: float = 30.0) -> pb.StatusRespons
         while True:
             try:
                 return client.status()
-            except grpc.RpcError:
+            except CompilecastError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)

@@ -12,9 +12,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-import grpc
-
 from compilecast.blobstore import Sha256
+from compilecast.errors import AlreadyPublished, CompilecastError, TooMany, Unavailable
 from compilecast.negotiate import Route, Routes
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -24,6 +23,7 @@ from .received import (
     Stalled,
     Unreachable,
     UploadBroken,
+    UploadRefused,
     Watchdog,
 )
 from .routes import (
@@ -74,8 +74,8 @@ class LeaseKeepers:
                         if not stop.is_set() and (key, lease.id) not in self.publishing:
                             log.warning("compile lease for %s lapsed", key)
                         return
-                except grpc.RpcError as exc:
-                    log.debug("keepalive for %s failed: %s", key, exc.code())
+                except CompilecastError as exc:
+                    log.debug("keepalive for %s failed: %s", key, exc.status.name)
 
         threading.Thread(target=run, name=f"compilecast-keepalive-{lease.id}",
                          daemon=True).start()
@@ -126,20 +126,20 @@ class Publisher:
                     if over_data_plane and (got := self._upload(header, data)) is not None:
                         return got
                     return self._send(header, data)
-                except grpc.RpcError as exc:
+                except CompilecastError as exc:
                     if isinstance(exc, UploadBroken):
                         over_data_plane = False
-                    if attempt and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    if attempt and isinstance(exc, AlreadyPublished):
                         mine = self._published_as(key, header.digest or
                                                   hashlib.sha256(data).hexdigest())
                         if mine is not None:  # an earlier attempt's answer was lost
                             return mine
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE or pause is None:
+                    if not isinstance(exc, Unavailable) or pause is None:
                         raise
                     # A replica restarting or gone (a rolling update): the lease
                     # still holds and the bytes are here, so try again.
                     log.warning("publish of %s was cut off (%s); trying again in %.0fs",
-                                key, exc.details(), pause, extra={"key": key})
+                                key, exc, pause, extra={"key": key})
                     time.sleep(pause)
             raise AssertionError("unreachable")
         finally:
@@ -148,7 +148,7 @@ class Publisher:
     def _published_as(self, key: str, digest: str) -> pb.ArtifactInfo | None:
         try:
             info = self.describe(key).artifact
-        except grpc.RpcError:
+        except CompilecastError:
             return None
         return info if info.digest == digest else None
 
@@ -171,12 +171,10 @@ class Publisher:
         try:
             resp = self.stub.OpenUpload(pb.OpenUploadRequest(header=header),
                                         timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                # Too many tickets out, or an artifact too large: either way the
-                # Publish stream says which (and refuses the latter as this would).
-                return None
-            raise
+        except TooMany:
+            # Too many tickets out, or an artifact too large: either way the
+            # Publish stream says which (and refuses the latter as this would).
+            return None
         if not resp.HasField("ticket"):
             routes.off(Route.UPLOAD_TICKET, f"{self.target} offers no upload tickets")
             log.info("%s takes publishes over gRPC only", self.target)
@@ -196,6 +194,8 @@ class Publisher:
             log.info("%s; the publish of %s goes over gRPC", exc, header.key,
                      extra={"key": header.key})
             return None
+        except UploadRefused as exc:  # what its Publish stream would have ended with
+            raise exc.error from None
         except OSError as exc:
             raise UploadBroken(f"the {'handoff' if handed else 'data plane upload'} of "
                                 f"{header.key} broke off "
@@ -214,7 +214,7 @@ class Publisher:
         with dog.watching(call.cancel):
             try:
                 return call.result().artifact
-            except (grpc.RpcError, grpc.FutureCancelledError):
+            except CompilecastError:
                 if dog.fired:
                     raise Stalled(f"publish of {key} to {self.target} moved nothing for "
                                   f"{self.stall_s:g}s") from None

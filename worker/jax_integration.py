@@ -30,11 +30,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from compilecast import tracing
 from compilecast.config import default_worker_target
-from compilecast.errors import CorruptBlob
+from compilecast.errors import (
+    CompilecastError,
+    CorruptBlob,
+    DeadlineExceeded,
+    InvalidRequest,
+    NotFound,
+    TooMany,
+    Unavailable,
+)
 from compilecast.grpcutil import unreachable
 from compilecast.v1 import cache_pb2 as pb
 
@@ -157,7 +163,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
             raise exc
         self._fallback(key, f"{where} failed: {type(exc).__name__}: {exc}", compiled=compiled)
 
-    def _unreachable(self, key: str, exc: grpc.RpcError) -> None:
+    def _unreachable(self, key: str, exc: CompilecastError) -> None:
         self._down_until = time.monotonic() + UNREACHABLE_BACKOFF_S
         self._fallback(key, f"worker {self.target} {unreachable(exc)}; "
                             f"not asking again for {UNREACHABLE_BACKOFF_S:.0f}s")
@@ -172,19 +178,20 @@ class CompilecastCache(jax_adapter.CacheInterface):
                 if asking is not None and asking[0] == key:
                     return self._decide(key, asking[1])
                 return self._lookup(key)
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and pause is not None:
+            except CorruptBlob as exc:  # (verified here, not a call's status)
+                self.failed("the cache read", exc, key)
+            except CompilecastError as exc:
+                if isinstance(exc, Unavailable) and pause is not None:
                     log.info("compilecast: worker %s unavailable (%s); asking again in %.0fs",
-                             self.target, exc.details(), pause)
+                             self.target, exc, pause)
                     time.sleep(pause)
                     continue
                 if jax_adapter.raise_cache_errors():
                     raise
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE,
-                                  grpc.StatusCode.DEADLINE_EXCEEDED):
+                if isinstance(exc, Unavailable | DeadlineExceeded):
                     self._unreachable(key, exc)
                 else:
-                    self._fallback(key, f"{exc.code().name}: {exc.details()}")
+                    self._fallback(key, f"{exc.status.name}: {exc}")
             except Exception as exc:  # never raise into JAX, unless asked to
                 self.failed("the cache read", exc, key)
             return None
@@ -198,10 +205,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
     def _lookup(self, key: str) -> bytes | None:
         try:
             _, data = self.client.fetch(key)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise
+        except NotFound:
+            return None
         return data
 
     def _decide(self, key: str, program: jax_adapter.Program | None) -> bytes | None:
@@ -254,13 +259,11 @@ class CompilecastCache(jax_adapter.CacheInterface):
                 return None, resp
             try:
                 return self._fetch_hit(key, resp.artifact), resp
-            except (grpc.RpcError, CorruptBlob) as exc:
-                code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.DATA_LOSS
-                if code not in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND) \
-                        or attempt + 1 == CORRUPT_ASKS:
+            except (CorruptBlob, NotFound) as exc:
+                if attempt + 1 == CORRUPT_ASKS:
                     raise
                 log.warning("compilecast: the stored copy of %s is bad or gone (%s); asking "
-                            "again", key, code.name, extra={"key": key})
+                            "again", key, exc.status.name, extra={"key": key})
         raise AssertionError("unreachable")
 
     def _compile_locally(self, key: str, reason: str, cause: int) -> None:
@@ -298,14 +301,13 @@ class CompilecastCache(jax_adapter.CacheInterface):
             self.client.publish(key, held.lease, value, time.monotonic() - held.started,
                                 recipe=self._recipe(key, held), identity=held.identity)
             self.stats.published += 1
-        except grpc.RpcError as exc:
-            problem = f"{exc.code().name}: {exc.details()}"
+        except CompilecastError as exc:
+            problem = f"{exc.status.name}: {exc}"
             self._fallback(key, f"publish failed: {problem}", compiled=True)
             # Refused for what it is (too large, no room): every waiter's
             # publish would be refused too, so they compile at once instead of
             # each being promoted and compiling in turn.
-            refused = exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     grpc.StatusCode.INVALID_ARGUMENT)
+            refused = isinstance(exc, TooMany | InvalidRequest)
             self._release(key, held, pb.PUBLISH_REFUSED if refused else pb.ABANDONED, problem)
         except Exception as exc:  # the executable is compiled: the user's program goes on
             self._release(key, held, pb.ABANDONED, f"{type(exc).__name__}: {exc}")
@@ -330,7 +332,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
             with self._lock:
                 self.stats.released += 1
         except Exception as exc:  # (a release runs after the compile: never raise)
-            why = exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__
+            why = exc.status.name if isinstance(exc, CompilecastError) else type(exc).__name__
             log.warning("compilecast: release of %s failed (%s); the lease lapses in %ss",
                         key, why, held.lease.ttl_seconds)
 
@@ -371,8 +373,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
                 self._fallback(key, f"profile not shared through compilecast "
                                     f"({pb.Decision.Name(decision)}); using JAX's exchange")
                 return None
-        except grpc.RpcError as exc:
-            self._fallback(key, f"profile exchange failed ({exc.code().name}); using JAX's")
+        except CompilecastError as exc:
+            self._fallback(key, f"profile exchange failed ({exc.status.name}); using JAX's")
             return None
         except Exception as exc:  # never raise into JAX, unless asked to
             self.failed("the profile exchange", exc, key)
@@ -419,7 +421,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         try:
             d = self.client.sync_directory(AUTOTUNE_KIND, d.namespace_id,
                                            timeout_s=AUTOTUNE_SYNC_S).directory
-        except grpc.RpcError as exc:  # the entries come with the worker's next pass
+        except CompilecastError as exc:  # the entries come with the worker's next pass
             log.info("compilecast: autotune entries not installed before this compile: %s",
                      unreachable(exc))
         log.info("compilecast: XLA autotune results in %s (%d entries)", d.path, d.entries)

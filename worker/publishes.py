@@ -26,7 +26,6 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk, publish_stream
 
 from . import clientpublish
-from .client import UploadRefused
 from .dataplane import (
     DataPlaneBroke,
     answered,
@@ -40,6 +39,7 @@ from .fill import (
 from .handoff import Handoffs
 from .hostcache import HostCache, HostCopies
 from .metrics import WorkerMetrics
+from .received import UploadRefused
 from .upstream import (
     UPSTREAM_IDLE_S,
     CoordinatorLink,

@@ -14,63 +14,50 @@ import time
 from collections.abc import Callable
 from typing import IO, cast
 
-import grpc
 import zstandard
 
 from compilecast.blobstore import RAW_MAGIC, Inflate, Sha256
-from compilecast.errors import CorruptBlob
-from compilecast.grpcutil import grpc_code
+from compilecast.errors import (
+    CompilecastError,
+    CorruptBlob,
+    DeadlineExceeded,
+    Status,
+    Unavailable,
+    received,
+)
 from compilecast.v1 import cache_pb2 as pb
 
 LOCAL_PIECE = 4 << 20  # a host cache file is read (and hashed) in pieces of this size
 
 
-class StatusError(grpc.RpcError):
-    """A grpc.RpcError raised here rather than by gRPC: a status code and
-    its details, read as a failed call's are."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class Stalled(StatusError):
+class Stalled(DeadlineExceeded):
     """A transfer that moved no bytes (nor a heartbeat) for `stall_s`."""
 
-    def __init__(self, what: str) -> None:
-        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, what)
 
-
-
-
-class UploadRefused(StatusError):
-    """A publish over the data plane that the coordinator refused, with
-    the status code and message its Publish stream would have ended with."""
+class UploadRefused(Exception):
+    """A data plane's status frame other than OK: the status and message a
+    call would have ended with (`error` is that as compilecast's error)."""
 
     def __init__(self, code: int, details: str) -> None:
-        super().__init__(grpc_code(code), details)
+        super().__init__(details)
+        self.status = Status.of_number(code)
+        self.details = details
+
+    @property
+    def error(self) -> CompilecastError:
+        return received(self.status, self.details)
 
 
-class UploadBroken(StatusError):
+class UploadBroken(Unavailable):
     """A publish over the data plane whose connection broke or stalled
     before its answer (it may or may not have been published): tried again,
     over gRPC, as a Publish cut off is."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__(grpc.StatusCode.UNAVAILABLE, what)
 
 
 class CutOff(Exception):
     """A transfer that started and then broke (UNAVAILABLE): worth trying again."""
 
-    def __init__(self, error: grpc.RpcError) -> None:
+    def __init__(self, error: CompilecastError) -> None:
         super().__init__(error)
         self.error = error
 

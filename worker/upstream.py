@@ -17,7 +17,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import HEARTBEAT_S, TRANSFER_S, DataChunk
 
-from .client import UploadRefused
+from .received import UploadRefused
 
 PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for the coordinator
 UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats every 10 s) failed
@@ -184,7 +184,10 @@ def ticketed(info: pb.ArtifactInfo, ticket: pb.DataTicket | None) -> pb.FetchChu
 def relay_error(exc: grpc.aio.AioRpcError | UploadRefused) -> UpstreamError:
     """The coordinator's status for our caller; a stream reset or an upstream
     bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
-    code = status(exc.code())
+    if isinstance(exc, UploadRefused):
+        code, details = exc.status, exc.details
+    else:
+        code, details = status(exc.code()), exc.details()
     if code in (Status.INTERNAL, Status.UNKNOWN):
         code = Status.UNAVAILABLE
-    return UpstreamError(code, f"coordinator: {exc.details()}")
+    return UpstreamError(code, f"coordinator: {details}")
