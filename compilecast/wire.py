@@ -104,6 +104,11 @@ class TicketServer:
         self._tickets.clear()
 
     @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        return len(self._sends)
+
+    @property
     def address(self) -> str:
         """Where a ticket says its bytes are: ":port", on the host the client dialed."""
         return f":{self.port}"

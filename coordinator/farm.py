@@ -57,6 +57,7 @@ class Farm:
     def __init__(self, etcd: Etcd, store: ArtifactStore, prefix: bytes,
                  metrics: CoordinatorMetrics, claim_ttl_s: int) -> None:
         self.etcd = etcd
+        self.claiming = 0  # ClaimCompile calls waiting for a task now
         self.store = store
         self.prefix = prefix
         self.metrics = metrics
@@ -149,11 +150,14 @@ class Farm:
             self._submitted.clear()
             # Woken early by a submit on this replica; other replicas' submits
             # are seen at the next poll.
+            self.claiming += 1
             try:
                 await asyncio.wait_for(self._submitted.wait(),
                                        min(POLL_S * 4, max(deadline - time.monotonic(), 0)))
             except TimeoutError:
                 pass
+            finally:
+                self.claiming -= 1
 
     async def _try_claim(self, tenant: str, worker: str) -> pb.ClaimCompileResponse | None:
         pending = await self.etcd.get_prefix(self._k("q", tenant), limit=MAX_TASKS_LISTED)

@@ -40,6 +40,16 @@ def eventually(predicate, what: str = "condition", seconds: float = 10.0):
     pytest.fail(f"not within {seconds} s: {what}")
 
 
+async def until(predicate, what: str = "condition", seconds: float = 10.0) -> None:
+    """Await a change of the event loop's own state: give the loop's other
+    tasks their turn until `predicate()` holds (never a fixed pause)."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
 def client(target: str, **ident):
     """A CacheClient, as the process `ident` (Identity's fields) where given."""
     from compilecast.worker.client import CacheClient, Identity

@@ -18,12 +18,21 @@ import pytest
 
 from compilecast import wire
 from compilecast.coordinator import dataplane
+from compilecast.coordinator.records import scope
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker import clientpublish as client_mod
 from compilecast.worker.client import CacheClient, Identity
 
-from .conftest import CALL_ERRORS, details_of, free_port, recv_exactly, sample, status_code
+from .conftest import (
+    CALL_ERRORS,
+    details_of,
+    eventually,
+    free_port,
+    recv_exactly,
+    sample,
+    status_code,
+)
 
 DATA = os.urandom(5 << 20)  # several CHUNKs, stored raw
 DIGEST = hashlib.sha256(DATA).hexdigest()
@@ -160,9 +169,8 @@ def test_a_ticket_is_good_for_one_connection_and_a_few_seconds(coordinator, monk
     with connect(coordinator, ticket.token) as s:  # used
         assert s.recv(1) == b""
     c2, lease2 = holder(coordinator, "k2")
-    monkeypatch.setattr(dataplane, "TICKET_S", 0.0)
+    monkeypatch.setattr(dataplane, "TICKET_S", -1.0)  # expired as it is issued
     late = open_upload(c2, header(c2, "k2", lease2, digest=DIGEST))
-    time.sleep(0.01)
     with connect(coordinator, late.token) as s:  # expired
         assert s.recv(1) == b""
     assert uploads(coordinator) == 1 and uploads(coordinator, "expired") == 1
@@ -276,7 +284,9 @@ def test_a_stop_ends_an_upload_that_waits_for_bytes(start_coordinator):
     with s:
         assert frame(s)[0] == 0
         s.sendall(DATA[:100])  # and then nothing
-        time.sleep(0.2)
+        sk = scope("default", "k")
+        eventually(lambda: coordinator.state.uploads.get(sk) is not None,
+                   "the upload under way, its thread waiting for a chunk")
         coordinator.stop()
         s.settimeout(dataplane.UPLOAD_STALL_S / 2)
         assert s.recv(1) == b""  # closed by the stop, not by the upload's stall limit

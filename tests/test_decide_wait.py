@@ -13,7 +13,7 @@ from compilecast import decide, decideserve
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
-from tests.conftest import eventually
+from tests.conftest import eventually, until
 from tests.deciding import DATA, against, ask, with_decider
 from tests.test_streaming_publish import HeldUpload
 
@@ -32,13 +32,17 @@ def claimed(target: str, key: str) -> tuple[CacheClient, pb.Lease]:
     return holder, resp.lease
 
 
+def waiters(coordinator) -> float:
+    return coordinator.registry.get_sample_value("compilecast_coordinator_waiters") or 0
+
+
 def test_a_wait_on_the_stream_ends_with_the_publish(coordinator, loop_thread):
     target = coordinator.cfg.listen
     holder, lease = claimed(target, "k")
 
     async def body(d: decide.Decider):
         waiting = asyncio.ensure_future(d.wait(wait_for("k")))
-        await asyncio.sleep(0.3)
+        await until(lambda: waiters(coordinator) == 1, "the wait registered")
         assert not waiting.done()
         await asyncio.to_thread(holder.publish, "k", lease, DATA, 2.0)
         woken = await waiting
@@ -64,7 +68,7 @@ def test_a_wait_on_the_stream_times_out_and_is_promoted(coordinator, loop_thread
     async def body(d: decide.Decider):
         timed_out = await d.wait(wait_for("k", timeout_ms=300))
         waiting = asyncio.ensure_future(d.wait(wait_for("k")))
-        await asyncio.sleep(0.2)
+        await until(lambda: waiters(coordinator) == 1, "the wait registered")
         await asyncio.to_thread(holder.release, "k", lease, pb.ABANDONED)
         return timed_out, await waiting
 
@@ -195,7 +199,7 @@ def test_serve_refuses_waits_past_its_limit_and_cancels_on_request(loop_thread):
             inbox.put_nowait(pb.DecideRequest(id=i, wait=wait_for(key)))
         refused = await anext(answers)
         inbox.put_nowait(pb.DecideRequest(id=4, cancel=[1]))
-        await asyncio.sleep(0.1)
+        await until(lambda: ended, "the cancelled wait ended")
         cancelled = list(ended)
         release.set()
         rest = await anext(answers)

@@ -14,6 +14,7 @@ from compilecast.errors import InvalidRequest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
+from .conftest import until
 from .deciding import against, ask, fed
 
 
@@ -295,11 +296,11 @@ def test_the_decider_takes_answers_in_bundles(loop_thread):
     async def body(d: decide.Decider):
         # One at a time, so that each call is a message of its own.
         first = asyncio.ensure_future(d.decide([ask("a")]))
-        await asyncio.sleep(0.05)
+        await until(lambda: d.messages == 1, "the first message sent")
         second = asyncio.ensure_future(d.decide([ask("b0"), ask("b1"), ask("b2")]))
-        await asyncio.sleep(0.05)
+        await until(lambda: d.messages == 2, "the second message sent")
         third = asyncio.ensure_future(d.decide([ask("c")]))
-        await asyncio.sleep(0.05)
+        await until(lambda: d.messages == 3, "the third message sent")
         fourth = asyncio.ensure_future(d.decide([ask("d0"), ask("d1")]))
         got = await asyncio.gather(first, second, fourth)
         with pytest.raises(grpc.aio.AioRpcError) as refused:

@@ -12,7 +12,7 @@ import pytest
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 
-from .conftest import CALL_ERRORS, details_of, status_code
+from .conftest import CALL_ERRORS, details_of, eventually, status_code
 
 TPU = pb.Target(platform="tpu", topology="v5e:2x2")
 
@@ -93,7 +93,7 @@ def test_a_claim_that_is_not_renewed_lapses_and_the_task_is_claimable_again(star
 def test_a_claim_waits_for_a_submit(coordinator):
     client = CacheClient(coordinator.cfg.listen)
     call = client.stub.ClaimCompile.future(pb.ClaimCompileRequest(worker="w", wait_ms=20000))
-    time.sleep(0.5)
+    eventually(lambda: coordinator.state.farm.claiming == 1, "the claim waiting")
     [task] = client.submit([entry()])
     assert call.result(timeout=10).task_id == task
 

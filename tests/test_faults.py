@@ -114,18 +114,20 @@ def _roundtrip(target: str, i: int) -> None:
 def test_member_killed_during_a_burst_fails_no_operation(cluster, cluster_coordinator):
     target = cluster_coordinator.cfg.listen
     errors: list[BaseException] = []
+    done: list[int] = []
 
     def worker(start: int) -> None:
         for i in range(start, start + 25):
             try:
                 _roundtrip(target, i)
+                done.append(i)
             except BaseException as exc:
                 errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k * 100,)) for k in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    eventually(lambda: len(done) >= 4 or errors, "the burst under way")
     cluster.kill("m0")
     for t in threads:
         t.join(120)

@@ -12,7 +12,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 from compilecast.worker.decisions import HostDecisions
 
-from .conftest import all_at_once
+from .conftest import all_at_once, until
 
 WAIT = pb.AcquireResponse(decision=pb.WAIT, reason="compiled by gpu0")
 COMPILE = pb.AcquireResponse(decision=pb.COMPILE, lease=pb.Lease(id=7, revision=9))
@@ -52,7 +52,8 @@ def run_all(loop_thread, decisions: HostDecisions, up: Upstream, *calls):
 
     async def body():
         tasks = [asyncio.ensure_future(decisions.decide(scope, rs, up)) for scope, rs in calls]
-        await asyncio.sleep(0.05)
+        await until(lambda: decisions.deciding == sum(len(rs) for _, rs in calls),
+                    "every request being decided")
         up.go.set()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -112,11 +113,11 @@ def test_a_cancelled_request_sends_its_joiners_to_ask_alone(loop_thread):
 
     async def body():
         leader = asyncio.ensure_future(decisions.decide("cred", [req(1)], up))
-        await asyncio.sleep(0.02)
+        await until(lambda: up.asked, "the leader asking upstream")
         joiner = asyncio.ensure_future(decisions.decide("cred", [req(2)], up))
-        await asyncio.sleep(0.02)
+        await until(lambda: decisions.deciding == 2, "the joiner joined")
         leader.cancel()  # its process went away
-        await asyncio.sleep(0.02)
+        await until(lambda: len(up.asked) == 2, "the joiner asking alone")
         up.go.set()
         return await joiner
 

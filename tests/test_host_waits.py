@@ -14,7 +14,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.client import CacheClient, Identity
 from compilecast.worker.waits import HostWaits
 
-from .conftest import eventually
+from .conftest import eventually, until
 
 DATA = b"shared-wait" * 1000
 
@@ -57,7 +57,7 @@ def test_a_hit_answers_every_waiter_from_one_upstream_wait(loop_thread):
     async def body():
         tasks = [asyncio.ensure_future(waits.wait("cred", request(p), False, up))
                  for p in (3, 1, 2)]
-        await asyncio.sleep(0.05)
+        await until(lambda: waits.waiting == 3 and up.asked, "three waiters, one asked upstream")
         waiting = waits.waiting
         up.go.set()
         return await asyncio.gather(*tasks), waiting
@@ -75,7 +75,7 @@ def test_other_credentials_and_keys_do_not_share(loop_thread):
     async def body():
         tasks = [asyncio.ensure_future(waits.wait(cred, request(1, key=key), False, up))
                  for cred, key in (("a", "k"), ("b", "k"), ("a", "other"))]
-        await asyncio.sleep(0.05)
+        await until(lambda: waits.waiting == 3, "three waiters")
         up.go.set()
         return await asyncio.gather(*tasks)
 
@@ -91,7 +91,7 @@ def test_a_promotion_goes_to_the_lowest_process_and_the_others_wait_on(loop_thre
     async def body():
         tasks = {p: asyncio.ensure_future(waits.wait("cred", request(p), False, up))
                  for p in (5, 2, 9)}
-        await asyncio.sleep(0.05)
+        await until(lambda: waits.waiting == 3 and up.asked, "three waiters, one asked upstream")
         up.go.set()
         return {p: await t for p, t in tasks.items()}
 
@@ -109,12 +109,12 @@ def test_a_promotion_goes_to_the_lowest_process_even_one_that_joined_late(loop_t
 
     async def body():
         first = asyncio.ensure_future(waits.wait("cred", request(5), False, up))
-        await asyncio.sleep(0.05)  # the upstream wait is out, in process 5's name
+        await until(lambda: up.asked, "the upstream wait out, in process 5's name")
         lower = asyncio.ensure_future(waits.wait("cred", request(2), False, up))
         other_job = pb.WaitRequest(key="k", timeout_ms=5_000,
                                    requester=pb.Requester(job="other", process_id=0))
         stranger = asyncio.ensure_future(waits.wait("cred", other_job, False, up))
-        await asyncio.sleep(0.05)
+        await until(lambda: waits.waiting == 3, "three waiters")
         up.go.set()
         return await first, await lower, await stranger
 
@@ -130,7 +130,7 @@ def test_a_later_waiter_outlives_the_upstream_timeout_of_an_earlier_one(loop_thr
 
     async def body():
         first = asyncio.ensure_future(waits.wait("cred", request(1, timeout_ms=300), False, up))
-        await asyncio.sleep(0.1)
+        await until(lambda: up.asked, "the first waiter's upstream wait out")
         later = asyncio.ensure_future(waits.wait("cred", request(2, timeout_ms=5_000), False, up))
         early = await first
         up.go.set()
@@ -149,7 +149,7 @@ def test_an_upstream_failure_fails_every_waiter(loop_thread):
     async def body():
         tasks = [asyncio.ensure_future(waits.wait("cred", request(p), False, up))
                  for p in (1, 2)]
-        await asyncio.sleep(0.05)
+        await until(lambda: waits.waiting == 2, "two waiters")
         up.go.set()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -164,15 +164,15 @@ def test_when_the_last_waiter_leaves_the_upstream_wait_ends(loop_thread):
     async def body():
         tasks = [asyncio.ensure_future(waits.wait("cred", request(p), False, up))
                  for p in (1, 2)]
-        await asyncio.sleep(0.05)
+        await until(lambda: waits.waiting == 2 and up.asked, "two waiters, one asked upstream")
         tasks[0].cancel()
-        await asyncio.sleep(0.05)
+        await until(lambda: waits.waiting == 1, "the first waiter gone")
         still = up.cancelled
         tasks[1].cancel()
-        await asyncio.sleep(0.05)
+        await until(lambda: up.cancelled, "the upstream wait cancelled")
         # A new waiter after that starts a new upstream wait.
         again = asyncio.ensure_future(waits.wait("cred", request(3), False, up))
-        await asyncio.sleep(0.05)
+        await until(lambda: len(up.asked) == 2, "a second upstream wait")
         up.go.set()
         return still, up.cancelled, await again
 

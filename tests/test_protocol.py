@@ -15,7 +15,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.clientpublish import publish_messages
 
-from .conftest import CALL_ERRORS, client, code_of, eventually, key_recorded, status_code
+from .conftest import CALL_ERRORS, client, code_of, eventually, key_recorded, sample, status_code
 
 DATA = b"executable-bytes" * 50_000
 
@@ -35,7 +35,7 @@ def test_first_compiles_second_waits_and_is_woken_by_publish(coordinator):
     assert first.decision == pb.COMPILE and first.lease.id > 0
     assert b.acquire("k").decision == pb.WAIT
     t, out = in_thread(lambda: b.wait("k", 30))
-    time.sleep(0.3)
+    eventually(lambda: sample(coordinator, "compilecast_coordinator_waiters") == 1, "b waiting")
     info = a.publish("k", first.lease, DATA, 2.5)
     t.join(10)
     assert out["v"].decision == pb.HIT
@@ -81,7 +81,7 @@ def test_a_compile_locally_says_whether_it_is_expected(coordinator, reason, caus
     a, b = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
     lease = a.acquire("k").lease
     t, out = in_thread(lambda: b.wait("k", 60))
-    time.sleep(0.3)
+    eventually(lambda: sample(coordinator, "compilecast_coordinator_waiters") == 1, "b waiting")
     a.release("k", lease, reason, "detail")
     t.join(10)
     assert (out["v"].decision, out["v"].local_cause) == (pb.COMPILE_LOCALLY, cause)
@@ -199,7 +199,7 @@ def test_publish_on_one_replica_wakes_a_waiter_on_another(start_coordinator, tmp
     lease = a.acquire("k").lease
     assert b.acquire("k").decision == pb.WAIT
     t, out = in_thread(lambda: b.wait("k", 30))
-    time.sleep(0.3)
+    eventually(lambda: sample(r2, "compilecast_coordinator_waiters") == 1, "b waiting on r2")
     a.publish("k", lease, DATA, 1.0)
     t.join(10)
     assert out["v"].decision == pb.HIT

@@ -44,6 +44,7 @@ class HostDecisions:
     def __init__(self, counted=None) -> None:
         self._deciding: dict[tuple, asyncio.Future] = {}
         self._counted = counted
+        self.deciding = 0  # requests being decided now (sent upstream, or joined)
 
     def _count(self, how: str, n: int) -> None:
         if self._counted is not None and n:
@@ -53,6 +54,14 @@ class HostDecisions:
                      upstream: Upstream) -> list[tuple[pb.AcquireResponse, bool]]:
         """(answer, joined) for each request, in order; what `upstream` raises
         for the requests it was sent propagates."""
+        self.deciding += len(requests)
+        try:
+            return await self._decide(scope, requests, upstream)
+        finally:
+            self.deciding -= len(requests)
+
+    async def _decide(self, scope: Hashable, requests: list[pb.AcquireRequest],
+                      upstream: Upstream) -> list[tuple[pb.AcquireResponse, bool]]:
         loop = asyncio.get_running_loop()
         send: list[int] = []
         led: dict[int, tuple[tuple, asyncio.Future]] = {}  # position in send -> share
