@@ -50,6 +50,14 @@ class _Future:
         except grpc.FutureCancelledError:
             raise Cancelled("the call was cancelled") from None
 
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """What `result` would raise (None: it returns)."""
+        try:
+            exc = self._future.exception(timeout)
+        except grpc.FutureCancelledError:
+            return Cancelled("the call was cancelled")
+        return from_rpc(exc) if isinstance(exc, grpc.RpcError) else exc
+
     def cancel(self) -> bool:
         return bool(self._future.cancel())
 
