@@ -46,6 +46,7 @@ from _servers import (
 
 from compilecast.config import CoordinatorConfig
 from compilecast.decide import GAP_S, Decider
+from compilecast.errors import UpstreamError
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient
@@ -164,7 +165,7 @@ class _Load:
                 resp = await stub.AcquireMany(pb.AcquireManyRequest(requests=requests),
                                               timeout=60)
                 got = list(resp.responses)
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, UpstreamError):  # a call's, or a Decider's
             self.errors += 1
             return
         self.latencies.append(time.perf_counter() - t0)

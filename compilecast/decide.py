@@ -46,8 +46,8 @@ from typing import Any
 import grpc
 
 from compilecast import tracing, validate
-from compilecast.errors import InvalidRequest
-from compilecast.grpcutil import grpc_code
+from compilecast.errors import InvalidRequest, Status, UpstreamError
+from compilecast.grpcutil import from_rpc
 from compilecast.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -97,10 +97,19 @@ async def ending_event(events: AsyncIterator[pb.WaitEvent],
     return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended without a decision")
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """An error as a unary call would have raised it, for callers of Decider."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details,
-                                debug_error_string=None)
+def failed(status: Status, details: str) -> UpstreamError:
+    """How a Decider's caller learns that a decision or a wait failed: the
+    status the coordinator (or the stream to it) ended it with. The stream's
+    gRPC errors become these here, at its one edge."""
+    return UpstreamError(status, details)
+
+
+def _of_call(exc: BaseException) -> BaseException:
+    """A failure of the stream's call, as a caller gets it."""
+    if isinstance(exc, grpc.RpcError):
+        got = from_rpc(exc)
+        return failed(got.status, str(got))
+    return exc
 
 
 class _Entry:
@@ -165,7 +174,7 @@ class Decider:
         try:
             return await asyncio.wait_for(entry.done, limit_s)
         except TimeoutError:
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+            raise failed(Status.DEADLINE_EXCEEDED,
                             f"no answer within {limit_s:.1f} s") from None
         finally:
             if entry.wait is not None and entry.done.cancelled():  # given up unanswered
@@ -179,8 +188,8 @@ class Decider:
 
     async def decide(self, requests: Sequence[pb.AcquireRequest],
                      timeout_s: float | None = None) -> list[pb.AcquireResponse]:
-        """One response per request, in order. Raises grpc.aio.AioRpcError
-        as AcquireMany would, and InvalidRequest for a bad request (checked
+        """One response per request, in order. Raises UpstreamError with
+        the status AcquireMany would end with, and InvalidRequest for a bad request (checked
         here, so that it never shares a message with anyone else's)."""
         check_batch(requests)
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -193,7 +202,7 @@ class Decider:
         """The event that ends a wait for `request.key`: HIT, COMPILE
         (promoted) or COMPILE_LOCALLY, or with `until_publishing` also the
         WAIT that says the holder has started to publish. Raises
-        grpc.aio.AioRpcError as Wait would; a caller that is cancelled or
+        UpstreamError with the status Wait would end with; a caller that is cancelled or
         times out ends the wait on the server too."""
         timeout = (request.timeout_ms / 1000.0 + self.timeout_s
                    if request.timeout_ms > 0 else None)
@@ -202,8 +211,8 @@ class Decider:
         try:
             event: pb.WaitEvent = await self._ask(entry, timeout)
             return event
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # else the stream is full
+        except UpstreamError as exc:
+            if exc.status != Status.RESOURCE_EXHAUSTED:  # else the stream is full
                 raise
         call = self._stub.Wait(request, timeout=timeout, metadata=self._metadata)
         try:
@@ -211,9 +220,11 @@ class Decider:
                 if ends_wait(streamed, until_publishing):
                     got: pb.WaitEvent = streamed
                     return got
+        except grpc.RpcError as exc:
+            raise _of_call(exc) from None
         finally:
             call.cancel()
-        raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the Wait stream ended without a decision")
+        raise failed(Status.UNAVAILABLE, "the Wait stream ended without a decision")
 
     async def close(self, *, when_idle: bool = False) -> None:
         """Close the stream; with when_idle, once every decision and wait
@@ -260,7 +271,7 @@ class Decider:
         call = self._stub.Decide(metadata=self._metadata)
         loop = asyncio.get_running_loop()
         reader = asyncio.create_task(self._read(call))
-        error: BaseException = rpc_error(grpc.StatusCode.UNAVAILABLE, "the Decide stream ended")
+        error: BaseException = failed(Status.UNAVAILABLE, "the Decide stream ended")
         clean = False  # the server ended the stream with OK
         try:
             while not reader.done():
@@ -280,8 +291,8 @@ class Decider:
                     if (rest := self._gap(loop.time()) - (loop.time() - sent_at)) > 0:
                         # What arrives meanwhile leaves in the next message.
                         await asyncio.wait({reader}, timeout=rest)
-            if (failed := reader.exception()) is not None:
-                error = failed
+            if (broke := reader.exception()) is not None:
+                error = _of_call(broke)
             else:
                 clean = True
         except grpc.aio.AioRpcError as exc:
@@ -290,17 +301,17 @@ class Decider:
             # call's own status is the one its reader ends with.
             await asyncio.wait({reader}, timeout=1.0)
             ended = reader.exception() if reader.done() and not reader.cancelled() else None
-            error = ended if isinstance(ended, grpc.aio.AioRpcError) else exc
+            error = _of_call(ended if isinstance(ended, grpc.aio.AioRpcError) else exc)
         except Exception as exc:  # a write on a call that already ended
             await asyncio.wait({reader}, timeout=1.0)
             if reader.done() and not reader.cancelled() and reader.exception() is None:
                 clean = True  # ended with OK: a drain
             else:
                 log.warning("Decide stream failed: %s", exc)
-                error = rpc_error(grpc.StatusCode.UNAVAILABLE,
+                error = failed(Status.UNAVAILABLE,
                                   f"the Decide stream failed: {exc}")
         except asyncio.CancelledError:
-            error = rpc_error(grpc.StatusCode.CANCELLED, "the Decider was closed")
+            error = failed(Status.CANCELLED, "the Decider was closed")
             raise
         finally:
             reader.cancel()
@@ -343,21 +354,20 @@ class Decider:
         if entries is None:
             return
         if answer.error_code:
-            code = grpc_code(answer.error_code)
-            self._fail(entries, rpc_error(code, answer.error_message))
+            self._fail(entries, failed(Status.of_number(answer.error_code),
+                                       answer.error_message))
             return
         if entries[0].wait is not None:
             if not entries[0].done.done():
                 if answer.HasField("event"):
                     entries[0].done.set_result(answer.event)
                 else:
-                    entries[0].done.set_exception(rpc_error(
-                        grpc.StatusCode.INTERNAL, f"Decide answer {answer.id} to a wait has "
+                    entries[0].done.set_exception(failed(Status.INTERNAL, f"Decide answer {answer.id} to a wait has "
                                                   "no event"))
             return
         responses = list(answer.responses)
         if len(responses) != sum(len(e.requests) for e in entries):
-            raise rpc_error(grpc.StatusCode.INTERNAL,
+            raise failed(Status.INTERNAL,
                             f"Decide answer {answer.id} has {len(responses)} responses")
         start = 0
         for entry in entries:
@@ -373,17 +383,16 @@ class Decider:
             return
         error = None
         if answer.error_code:
-            error = rpc_error(grpc_code(answer.error_code),
-                              answer.error_message)
+            error = failed(Status.of_number(answer.error_code), answer.error_message)
         elif len(answer.responses) != len(answer.positions):
-            raise rpc_error(grpc.StatusCode.INTERNAL,
+            raise failed(Status.INTERNAL,
                             f"Decide answer {answer.id} has {len(answer.responses)} "
                             f"responses for {len(answer.positions)} positions")
         starts = [e.start for e in entries]
         total = entries[-1].start + len(entries[-1].requests)
         for j, pos in enumerate(answer.positions):
             if pos >= total:
-                raise rpc_error(grpc.StatusCode.INTERNAL,
+                raise failed(Status.INTERNAL,
                                 f"Decide answer {answer.id} answers position {pos} of {total}")
             entry = entries[bisect.bisect_right(starts, pos) - 1]
             if entry.left == 0:

@@ -10,6 +10,7 @@ import threading
 import grpc
 
 from compilecast import decide, decideserve
+from compilecast.errors import Status, UpstreamError
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.client import CacheClient, Identity
@@ -160,12 +161,12 @@ def test_a_wait_answered_without_an_event_fails_as_a_call_would(loop_thread):
     async def once(d: decide.Decider):
         try:
             await d.wait(wait_for("a"))
-        except grpc.aio.AioRpcError as exc:
-            return exc.code(), exc.details()
+        except UpstreamError as exc:
+            return exc.status, str(exc)
         return None, ""
 
     code, details = loop_thread.run(against(_NoEventForWaits(), once))
-    assert code == grpc.StatusCode.INTERNAL and "no event" in details, details
+    assert code == Status.INTERNAL and "no event" in details, details
 
 
 async def _inbox_stream():

@@ -23,7 +23,7 @@ import grpc
 
 from compilecast import decide, decideserve, tracing, validate
 from compilecast.decide import Decider
-from compilecast.errors import Unimplemented
+from compilecast.errors import Status, Unimplemented, UpstreamError
 from compilecast.grpcutil import bearer, rpc_errors, token_from, unreachable
 from compilecast.negotiate import Route, Routes
 from compilecast.serving import Background
@@ -46,7 +46,7 @@ from .waits import HostWaits
 
 log = logging.getLogger(__name__)
 
-DEGRADED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+DEGRADED = {Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED}
 MAX_DECIDERS = 64  # upstream Decide streams kept open (one per caller credential)
 
 
@@ -110,9 +110,9 @@ class WorkerService(rpc.CompileCacheServicer):
             await decider.close()
         await self.link.close()
 
-    def _local(self, rpc_name: str, exc: grpc.aio.AioRpcError) -> str:
+    def _local(self, rpc_name: str, exc: UpstreamError) -> str:
         self.metrics.fallbacks.labels(rpc_name).inc()
-        return f"coordinator {self.link.address} unreachable ({exc.code().name}); compile locally"
+        return f"coordinator {self.link.address} unreachable ({exc.status.name}); compile locally"
 
     def _decider(self, md: tuple) -> Decider:
         """The Decide stream to the coordinator for one upstream credential."""
@@ -157,8 +157,8 @@ class WorkerService(rpc.CompileCacheServicer):
                         tracing.inject(r.trace_context)
                     upstream = await self.decisions.decide(md, ask, self._decider(md).decide)
                 self._upstream_answered.observe(time.perf_counter() - start)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in DEGRADED:
+            except UpstreamError as exc:  # (the Decider's: compilecast/decide.py's edge)
+                if exc.status not in DEGRADED:
                     raise relay_error(exc) from None
                 self._upstream_unreachable.observe(time.perf_counter() - start)
                 why = self._local("acquire", exc)
@@ -229,8 +229,8 @@ class WorkerService(rpc.CompileCacheServicer):
         for pause in (*WAIT_RETRY_S, None):
             try:
                 return await self.waits.wait(md, request, until_publishing, upstream)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in DEGRADED:
+            except UpstreamError as exc:
+                if exc.status not in DEGRADED:
                     raise relay_error(exc) from None
                 left = None if deadline is None else deadline - time.monotonic()
                 if pause is None or (left is not None and left <= pause):
@@ -239,7 +239,7 @@ class WorkerService(rpc.CompileCacheServicer):
                 # A replica stopping (a rolling update) ends its waits: ask
                 # again, on a new stream, rather than have every waiter compile.
                 log.info("wait for %s was cut off (%s); asking again in %.1fs", request.key,
-                         exc.details(), pause, extra={"key": request.key})
+                         exc, pause, extra={"key": request.key})
                 await asyncio.sleep(pause)
                 if deadline is not None:
                     request.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))

@@ -181,11 +181,13 @@ def ticketed(info: pb.ArtifactInfo, ticket: pb.DataTicket | None) -> pb.FetchChu
     return pb.FetchChunk(artifact=info, data_ticket=ticket) if ticket else None
 
 
-def relay_error(exc: grpc.aio.AioRpcError | UploadRefused) -> UpstreamError:
+def relay_error(exc: grpc.aio.AioRpcError | UploadRefused | UpstreamError) -> UpstreamError:
     """The coordinator's status for our caller; a stream reset or an upstream
     bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
     if isinstance(exc, UploadRefused):
         code, details = exc.status, exc.details
+    elif isinstance(exc, UpstreamError):
+        code, details = exc.status, str(exc)
     else:
         code, details = status(exc.code()), exc.details()
     if code in (Status.INTERNAL, Status.UNKNOWN):
