@@ -45,8 +45,8 @@ from _servers import (
 )
 
 from compilecast import wire
-from compilecast.blobstore import Inflate, Sha256
 from compilecast.grpcutil import CHANNEL_OPTIONS
+from compilecast.streams import Inflate, Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 from compilecast.worker.client import CacheClient

@@ -68,16 +68,13 @@ from compilecast.store import ArtifactStore
 from compilecast.wire import Zstd
 
 from .blobwriter import (
-    CHUNK,
-    RAW_MAGIC,
     ROOM_SLACK,
     BlobWriter,
-    Inflate,
-    Sha256,
     T,
     as_is,
     file_identity,
 )
+from .streams import CHUNK, RAW_MAGIC, Inflate, Sha256
 
 log = logging.getLogger(__name__)
 

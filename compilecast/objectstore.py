@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from compilecast import tracing
-from compilecast.blobstore import CHUNK, DiskBlobStore
+from compilecast.blobstore import DiskBlobStore
 from compilecast.blobwriter import BlobWriter
 from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, Unavailable
 from compilecast.store import ArtifactStore
+from compilecast.streams import CHUNK
 
 log = logging.getLogger("compilecast.objectstore")
 

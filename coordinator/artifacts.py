@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from compilecast import tracing, validate
-from compilecast.blobstore import Inflate, amake_room, aread
+from compilecast.blobstore import amake_room, aread
 from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
     AlreadyPublished,
@@ -28,6 +28,7 @@ from compilecast.errors import (
     Unavailable,
 )
 from compilecast.store import ArtifactStore
+from compilecast.streams import Inflate
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 

@@ -66,10 +66,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from compilecast import validate
-from compilecast.blobstore import CHUNK
 from compilecast.decide import ending_event
 from compilecast.errors import CompilecastError
 from compilecast.store import ArtifactStore
+from compilecast.streams import CHUNK
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_REQUEST as REQUEST_MAGIC
 from compilecast.wire import DATA_PLANE_UPLOAD as UPLOAD_MAGIC

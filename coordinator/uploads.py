@@ -33,9 +33,9 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from compilecast.blobstore import CHUNK, RAW_MAGIC
 from compilecast.errors import Unavailable
 from compilecast.store import BlobSink
+from compilecast.streams import CHUNK, RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import HEARTBEAT_S, DataChunk
 

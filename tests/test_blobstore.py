@@ -9,8 +9,9 @@ import threading
 
 import pytest
 
-from compilecast.blobstore import DiskBlobStore, Inflate, Sha256
+from compilecast.blobstore import DiskBlobStore
 from compilecast.errors import CorruptBlob, DigestMismatch, NotFound, StoreFull, TooLarge
+from compilecast.streams import Inflate, Sha256
 from compilecast.wire import Zstd
 
 

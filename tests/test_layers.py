@@ -78,3 +78,52 @@ def test_the_rule_sees_an_import_inside_a_function(tmp_path):
                                                               "compilecast.worker.client."
                                                               "CacheClient"]
     assert _violations("compilecast", "cli", found) == []
+
+
+# The worker's folder holds several runtimes (docs/architecture.md, "The
+# worker's runtimes"): each module belongs to one, and a runtime imports only
+# itself and the runtimes below it. The in-process client sits below the
+# daemon (the daemon is a client of the coordinator too), never the reverse.
+RUNTIMES = {
+    "xla": {"jax_adapter", "xlaflags"},
+    "keys": {"keys", "hlocanon", "mlircanon", "mlirwalk", "mosaic"},
+    "client": {"client", "clientpublish", "identity", "received", "routes", "rpcedge"},
+    "jax": {"jax_integration", "jax_plugin", "aot", "releases"},
+    "pjrt": {"pjrtgate", "pjrtkeys"},
+    "torchxla": {"torchxla", "torchxla_probe"},
+    "daemon": {"server", "service", "fetches", "publishes", "upstream", "hostcache", "fill",
+               "dataplane", "relayplane", "handoff", "waits", "decisions", "dirsync",
+               "dirservice", "dirformats", "metrics", "bucketurl"},
+}
+BELOW = {
+    "xla": set(),
+    "keys": {"xla"},
+    "client": set(),
+    "jax": {"xla", "keys", "client"},
+    "pjrt": {"xla", "keys", "client"},
+    "torchxla": {"xla", "client"},
+    "daemon": {"xla", "keys", "client", "pjrt"},
+}
+RUNTIME_OF = {stem: runtime for runtime, stems in RUNTIMES.items() for stem in stems}
+
+
+def test_every_worker_module_belongs_to_one_runtime():
+    stems = {p.stem for p in (ROOT / "worker").glob("*.py")} - {"__init__"}
+    assert stems == set(RUNTIME_OF)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "worker").glob("*.py")), ids=lambda p: p.name)
+def test_a_worker_runtime_imports_only_itself_and_those_below(path):
+    if path.stem == "__init__":
+        return
+    mine = RUNTIME_OF[path.stem]
+    allowed = {mine} | BELOW[mine]
+    wrong = set()
+    for name in imports(path, "compilecast.worker"):
+        parts = name.split(".")
+        if parts[:2] != ["compilecast", "worker"] or len(parts) < 3:
+            continue
+        other = RUNTIME_OF.get(parts[2])
+        if other is not None and other not in allowed:
+            wrong.add(f"{parts[2]} ({other})")
+    assert not wrong, f"{path.stem} ({mine}) imports {sorted(wrong)}"

@@ -14,9 +14,9 @@ import socket
 import grpc
 import pytest
 
-from compilecast.blobstore import RAW_MAGIC
 from compilecast.launch import free_port
 from compilecast.negotiate import Route
+from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DATA_PLANE_REQUEST

@@ -19,16 +19,15 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from compilecast import tracing, wire
-from compilecast.blobstore import Sha256
 from compilecast.decide import ends_wait
 from compilecast.errors import CompilecastError, CorruptBlob, Unavailable
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
 from compilecast.negotiate import Route, Routes
+from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import TRANSFER_S, WAIT_RETRY_S
 
-from . import handoff
 from .clientpublish import LeaseKeepers, Publisher
 from .identity import Identity
 from .received import (
@@ -47,6 +46,7 @@ from .received import (
 from .routes import (
     answer_status,
     connect_data_plane,
+    handoff_supported,
     read_data_plane,
 )
 from .rpcedge import edged, edged_directories
@@ -85,7 +85,7 @@ class CacheClient:
         self.routes = Routes(
             [Route.UPLOAD_TICKET]
             + ([Route.LOCAL_FILE, Route.GROWING_FILE] if unix else [])
-            + ([Route.HANDOFF] if unix and handoff.supported() else [])
+            + ([Route.HANDOFF] if unix and handoff_supported() else [])
             + ([Route.DATA_PLANE, Route.DATA_WAIT] if not unix and creds is None else []))
         self.leases = LeaseKeepers(self.keepalive)
         self.publisher = Publisher(self.stub, target, self.routes, self.leases, self.describe,

@@ -12,9 +12,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from compilecast.blobstore import Sha256
 from compilecast.errors import AlreadyPublished, CompilecastError, TooMany, Unavailable
 from compilecast.negotiate import Route, Routes
+from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import TRANSFER_S, DataChunk

@@ -10,7 +10,7 @@ import socket
 from collections.abc import AsyncIterator
 
 from compilecast import wire
-from compilecast.blobstore import RAW_MAGIC
+from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from compilecast import validate
-from compilecast.blobstore import RAW_MAGIC, aread
+from compilecast.blobstore import aread
 from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamError
 from compilecast.negotiate import Route, Routes
 from compilecast.serving import Background
+from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import HEARTBEAT_S, TRANSFER_S, DataChunk
 

@@ -8,13 +8,13 @@ import threading
 
 import zstandard
 
-from compilecast.blobstore import BlobWriter, Inflate
-from compilecast.blobwriter import PROBE, worth_compressing
+from compilecast.blobwriter import PROBE, BlobWriter, worth_compressing
 from compilecast.errors import (
     CorruptBlob,
     Status,
     UpstreamError,
 )
+from compilecast.streams import Inflate
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import HEARTBEAT_S, DataChunk
 

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from compilecast.blobstore import CHUNK
 from compilecast.errors import CompilecastError, InvalidRequest
+from compilecast.streams import CHUNK
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_HANDOFF as MAGIC
 from compilecast.wire import DATA_PLANE_TOKEN_BYTES as TOKEN_BYTES
@@ -60,21 +60,16 @@ from compilecast.wire import (
     status_frame,
 )
 
+from .routes import SEALS
+
 log = logging.getLogger(__name__)
 
 MAX_HANDOFF_TICKETS = 256  # outstanding; past it, a publish goes over gRPC
 STOP_GRACE_S = 5.0  # a stopping worker gives the handoffs in progress this long
-SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(
-    fcntl, "F_SEAL_WRITE") else 0
 
 # (namespace, upstream metadata, header, the chunks) -> the publish's answer
 Publish = Callable[[str, tuple, pb.PublishHeader, AsyncIterator[DataChunk]],
                    Awaitable[pb.PublishResponse]]
-
-
-def supported() -> bool:
-    """Whether this platform can hand files over (memfd, seals, SCM_RIGHTS)."""
-    return bool(SEALS) and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
 
 @dataclass

@@ -16,7 +16,6 @@ from typing import IO, cast
 
 import zstandard
 
-from compilecast.blobstore import RAW_MAGIC, Inflate, Sha256
 from compilecast.errors import (
     CompilecastError,
     CorruptBlob,
@@ -25,6 +24,7 @@ from compilecast.errors import (
     Unavailable,
     received,
 )
+from compilecast.streams import RAW_MAGIC, Inflate, Sha256
 from compilecast.v1 import cache_pb2 as pb
 
 LOCAL_PIECE = 4 << 20  # a host cache file is read (and hashed) in pieces of this size

@@ -36,7 +36,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from compilecast.blobstore import RAW_MAGIC
+from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import (
     DATA_PLANE_REQUEST,

@@ -16,10 +16,9 @@ import socket
 from collections.abc import Callable
 
 from compilecast import wire
-from compilecast.blobstore import Sha256
+from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
 
-from . import handoff
 from .received import (
     Unreachable,
     UploadRefused,
@@ -31,6 +30,16 @@ log = logging.getLogger("compilecast.worker.client")
 
 PUBLISH_CHUNK = 1 << 20
 DATA_PLANE_CONNECT_S = 5.0  # a data plane that does not take the connection by then: gRPC
+
+# A handed-over file is sealed against every change (worker/handoff.py, the
+# worker's end, checks that it is).
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(
+    fcntl, "F_SEAL_WRITE") else 0
+
+
+def handoff_supported() -> bool:
+    """Whether this platform can hand files over (memfd, seals, SCM_RIGHTS)."""
+    return bool(SEALS) and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
 
 def data_plane_address(ticket: pb.DataTicket, target: str) -> tuple[str, int]:
@@ -182,7 +191,7 @@ def hand_off(data: bytes, ticket: pb.DataTicket, stall_s: float) -> pb.ArtifactI
             written = 0
             while written < len(data):
                 written += os.pwrite(fd, view[written:written + HANDOFF_PIECE], written)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, handoff.SEALS | fcntl.F_SEAL_SEAL)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
         except OSError as exc:  # no memory for it, say
             raise NoFile(exc.errno, f"cannot fill a memory file: {exc.strerror or exc}") from None
         path = ticket.address.removeprefix("unix:")

@@ -16,13 +16,13 @@ from compilecast.config import WorkerConfig
 from compilecast.grpcutil import channel_credentials, server_credentials, token_from
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
-from . import handoff
 from .dirservice import DirectoriesService, make_dirsync
 from .handoff import Handoffs
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
 from .pjrtgate import PjrtGate
 from .relayplane import RelayPlane
+from .routes import handoff_supported
 from .service import RelayService, WorkerService
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class Worker(Role):
             await self._relay_plane(creds)
         if address.startswith("unix://"):
             os.chmod(address.removeprefix("unix://"), 0o660)
-            if handoff.supported():  # this host's processes hand their publishes over
+            if handoff_supported():  # this host's processes hand their publishes over
                 handoffs = Handoffs(f"{address.removeprefix('unix://')}.handoff",
                                     self.service.publishes.publish_handoff, self.metrics.handoffs)
                 try:
