@@ -4,7 +4,7 @@ $BENCH_LAYERS x $BENCH_WIDTH (default 16 x 1024)."""
 
 import os
 
-from compilecast.demo_step import aot_programs
+from compilecast.demo.step import aot_programs
 
 
 def programs(devices):
@@ -31,7 +31,7 @@ def step_with_weights(devices):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from compilecast.demo_step import make_step
+    from compilecast.demo.step import make_step
 
     layers = int(os.environ.get("BENCH_LAYERS", "16"))
     width = int(os.environ.get("BENCH_WIDTH", "1024"))

@@ -37,7 +37,7 @@ def build(size_mb: float, nested: bool = False):
     import jax.numpy as jnp
     import numpy as np
 
-    from compilecast.demo_step import make_inputs, make_step
+    from compilecast.demo.step import make_inputs, make_step
 
     if size_mb >= 5:  # constant-heavy: one big baked-in table
         table = np.random.default_rng(0).standard_normal(int(size_mb * 2**20 / 4),
@@ -145,7 +145,7 @@ print(max(peak[0], rss()) - base)
 
 def hlo_proto(layers: int) -> bytes:
     """The op-heavy training step of `layers` layers as an HloModuleProto."""
-    from compilecast.demo_step import make_inputs, make_step
+    from compilecast.demo.step import make_inputs, make_step
 
     params, x, y = make_inputs(layers, 64, batch=8)
     return make_step().lower(params, x, y).compiler_ir("hlo").as_serialized_hlo_module_proto()

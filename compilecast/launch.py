@@ -129,14 +129,14 @@ def start_wave(n: int, target: str, layers: int, width: int, *, baseline: bool =
                distributed: bool = False, env: dict | None = None,
                per_process: list[dict] | None = None, delay_s: float = 6.0,
                phases: bool = False) -> list[subprocess.Popen]:
-    """Start n JAX processes (compilecast.demo_proc) that all begin the
+    """Start n JAX processes (compilecast.demo.proc) that all begin the
     training step at the same moment, `delay_s` from now (with `phases`, each
     reports when its compilecast calls began and ended)."""
     # CPU unless the caller's environment names JAX's platforms (a GPU host's benches).
     base_env = dict(os.environ, COMPILECAST_WORKER=target,
                     JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS") or "cpu", **(env or {}))
     base_env.pop("COMPILECAST_ENABLE", None)
-    cmd = [sys.executable, "-m", "compilecast.demo_proc", str(layers), str(width),
+    cmd = [sys.executable, "-m", "compilecast.demo.proc", str(layers), str(width),
            "--start-at", str(time.time() + delay_s)]
     if baseline:
         cmd.append("--no-compilecast")

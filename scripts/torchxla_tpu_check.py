@@ -61,7 +61,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--worker", default=os.environ.get("COMPILECAST_WORKER", ""))
     args = ap.parse_args()
-    from compilecast.cli_run import interposer_path
+    from compilecast.cli.run import interposer_path
 
     # What `compilecast run --interpose-tpu` sets: torch_xla loads its TPU plugin
     # from TPU_LIBRARY_PATH, the interposer, which wraps the real libtpu.

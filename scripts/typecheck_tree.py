@@ -17,13 +17,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def folder_of(package: str, mapping: dict[str, str]) -> str:
+    """The folder `package` lives in: its own entry in package-dir, or its
+    nearest mapped parent's folder and the rest of its name."""
+    parts = package.split(".")
+    for i in range(len(parts), 0, -1):
+        if (head := ".".join(parts[:i])) in mapping:
+            return "/".join([mapping[head], *parts[i:]])
+    return "/".join(parts)
+
+
 def build(root: Path) -> int:
     """(Re)make the tree under `root`; how many modules it links."""
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-dir"]
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapping = setuptools["package-dir"]
     shutil.rmtree(root, ignore_errors=True)
     linked = 0
-    for package, folder in mapping.items():
+    for package in setuptools["packages"]:
+        folder = folder_of(package, mapping)
         target = root.joinpath(*package.split("."))
         target.mkdir(parents=True, exist_ok=True)
         for source in sorted((REPO / folder).iterdir()):

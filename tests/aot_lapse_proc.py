@@ -42,7 +42,7 @@ class Starved(CacheClient):
 
 
 client = Starved(coordinator, timeout_s=30.0)
-(program, *_) = aot.entry_programs("compilecast.demo_step:aot_programs", aot.parse_target("v5e:2x2"))
+(program, *_) = aot.entry_programs("compilecast.demo.step:aot_programs", aot.parse_target("v5e:2x2"))
 out = aot.compile_and_share(client, program, fetch=True)
 _, published = client.fetch(out.key)  # verified against its digest
 print(json.dumps({"status": out.status, "key": out.key,

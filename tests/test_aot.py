@@ -19,7 +19,7 @@ from compilecast.worker.client import CacheClient
 
 pytestmark = pytest.mark.slow
 
-ENTRY = "compilecast.demo_step:aot_programs"
+ENTRY = "compilecast.demo.step:aot_programs"
 ROOT = Path(__file__).resolve().parent.parent
 # Compile-only TPU clients; JAX itself runs on the CPU.
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",

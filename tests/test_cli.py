@@ -365,7 +365,7 @@ def test_a_server_that_answered_an_error_is_not_called_unreachable():
     """Only a server that could not be asked gets "unreachable" and the hint
     to look for it; one that answered (a worker relaying the coordinator's
     error as UNAVAILABLE, an INTERNAL) is quoted."""
-    from compilecast.cli_inspect import SERVER_HINT, rpc_failed
+    from compilecast.cli.inspection import SERVER_HINT, rpc_failed
     from compilecast.errors import Status, received
 
     def Failed(code, details):  # what the client raises for a call that ended so

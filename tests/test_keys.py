@@ -458,7 +458,7 @@ def test_a_keys_program_bytes_bound_its_bytecode(aot):
     1.3x the module's MLIR bytecode, for an op-heavy training step and for
     a constant-heavy program: a recipe relies on it (at a 2x margin) to skip
     serializing a program far over its limit."""
-    from compilecast.demo_step import make_inputs, make_step
+    from compilecast.demo.step import make_inputs, make_step
 
     table = np.random.default_rng(1).standard_normal(1 << 18, dtype=np.float32)  # 1 MiB
     params, x, y = make_inputs(240, 64, batch=8)

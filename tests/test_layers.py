@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# compilecast/'s entry points: commands and the demo, which may import any layer.
-ENTRY_POINTS = {"cli", "cli_inspect", "cli_run", "up", "launch", "jax", "demo", "demo_proc",
-                "demo_step"}
+# compilecast/'s entry points, which may import any layer: the commands and the
+# demo (sub-packages of their own, outside the core), `up`, the launcher of
+# tests and demos, and the JAX door users import.
+ENTRY_POINTS = {"cli", "demo", "up", "launch", "jax"}
 FOLDERS = {"compilecast": "compilecast", "coordinator": "compilecast.coordinator",
            "worker": "compilecast.worker"}
 # Modules of the core that speak no gRPC at all: the error tree, the store's
@@ -56,6 +57,24 @@ def _violations(folder: str, stem: str, found: set[str]) -> list[str]:
 
 MODULES = [(folder, path) for folder in FOLDERS
            for path in sorted((ROOT / folder).glob("*.py"))]
+ENTRY_MODULES = sorted(p for name in ENTRY_POINTS if (ROOT / "compilecast" / name).is_dir()
+                       for p in (ROOT / "compilecast" / name).glob("*.py"))
+
+
+def test_the_core_holds_no_command_nor_demo():
+    """The CLI and the demo are packages of their own beside the core."""
+    assert {p.parent.name for p in ENTRY_MODULES} == {"cli", "demo"}
+    assert not [p.name for p in (ROOT / "compilecast").glob("*.py")
+                if p.stem.startswith(("cli", "demo"))]
+
+
+@pytest.mark.parametrize("path", ENTRY_MODULES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_commands_and_the_demo_import_no_private_name(path):
+    """They sit on top of every layer and use what each layer offers."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("compilecast"):
+            assert not [a.name for a in node.names if a.name.startswith("_")
+                        and a.name != "__version__"], node.module
 
 
 @pytest.mark.parametrize(("folder", "path"), MODULES, ids=[f"{f}/{p.name}" for f, p in MODULES])

@@ -21,7 +21,7 @@ from .mlirwalks import DEFAULT_IGNORE, digest_native, digest_py, native
 def modules():
     """Programs beyond the self-test's corpus: a training step, nested calls,
     scans, shardings on arguments, big and splat constants."""
-    from compilecast.demo_step import make_inputs, make_step
+    from compilecast.demo.step import make_inputs, make_step
 
     params, x, y = make_inputs(6, 16, batch=4)
     layer = jax.jit(lambda h, w: jnp.tanh(h @ w))
@@ -69,7 +69,7 @@ def test_a_module_with_many_values_and_the_small_ones_after_it_stream_alike():
     """The C walk's value table grows past its first size here, its cache of
     recent values sees many collisions, and the next walks start at the size
     this one reached: the streams stay the reference's."""
-    from compilecast.demo_step import make_inputs, make_step
+    from compilecast.demo.step import make_inputs, make_step
 
     params, x, y = make_inputs(800, 16, batch=4)
     big = make_step().lower(params, x, y).compiler_ir("stablehlo")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from compilecast.cli_run import interposer_path
+from compilecast.cli.run import interposer_path
 
 from .conftest import eventually, flip_middle_byte, sample
 

@@ -174,7 +174,7 @@ def test_torch_xla_compiles_through_the_interposer(coordinator, start_worker):
     (docs/pjrt.md)."""
     import lammps_jax_pjrt_cpu
 
-    from compilecast.cli_run import interposer_path
+    from compilecast.cli.run import interposer_path
 
     w = start_worker(coordinator.cfg.listen, "w")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPILECAST_", "XLA_"))}

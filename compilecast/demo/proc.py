@@ -1,7 +1,7 @@
 """One JAX process of the demo and the end-to-end tests: runs the demo
 training step and prints a JSON report on its last line.
 
-Usage: python -m compilecast.demo_proc LAYERS WIDTH [--no-compilecast] [--start-at T] [--phases]
+Usage: python -m compilecast.demo.proc LAYERS WIDTH [--no-compilecast] [--start-at T] [--phases]
 Environment: COMPILECAST_WORKER (the worker), JAX_* as usual (JAX_PLATFORMS: cpu unless set).
 """
 
@@ -32,7 +32,7 @@ if args.distributed:
 
 from jax import monitoring  # noqa: E402
 
-from compilecast.demo_step import make_inputs, make_step, result_digest  # noqa: E402
+from compilecast.demo.step import make_inputs, make_step, result_digest  # noqa: E402
 
 events: dict[str, int] = {}
 

@@ -23,8 +23,8 @@ from compilecast.config import (
 )
 from compilecast.errors import CompilecastError
 
-from . import cli_run
-from .cli_inspect import (
+from . import run as cli_run
+from .inspection import (
     CliError,
     cmd_explain,
     cmd_key,
@@ -465,7 +465,4 @@ def main(argv: list[str] | None = None) -> int:
               "(--log-level debug shows where)", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
 

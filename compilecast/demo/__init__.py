@@ -105,6 +105,3 @@ def main(argv: list[str] | None = None) -> int:
         print("compilecast up stopped")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

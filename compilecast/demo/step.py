@@ -55,7 +55,7 @@ def result_digest(params, loss) -> str:
 def aot_programs(devices, layers: int | None = None, width: int | None = None,
                  batch: int | None = None):
     """An entry point for `compilecast precompile --entry
-    compilecast.demo_step:aot_programs`: the training step (data-parallel over
+    compilecast.demo.step:aot_programs`: the training step (data-parallel over
     `devices`, parameters replicated) and its evaluation, as (jitted function,
     abstract arguments) pairs. Sizes from $COMPILECAST_EXAMPLE_LAYERS /
     _WIDTH / _BATCH (default 2 x 128, batch 8 per device)."""

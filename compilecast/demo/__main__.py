@@ -1,0 +1,7 @@
+"""python -m compilecast.demo"""
+
+import sys
+
+from compilecast.demo import main
+
+sys.exit(main())
