@@ -47,7 +47,7 @@ import grpc
 
 from compilecast import tracing, validate
 from compilecast.errors import InvalidRequest, Status, UpstreamError
-from compilecast.grpcutil import from_rpc
+from compilecast.grpcutil import status
 from compilecast.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -97,18 +97,17 @@ async def ending_event(events: AsyncIterator[pb.WaitEvent],
     return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended without a decision")
 
 
-def failed(status: Status, details: str) -> UpstreamError:
+def failed(code: Status, details: str) -> UpstreamError:
     """How a Decider's caller learns that a decision or a wait failed: the
     status the coordinator (or the stream to it) ended it with. The stream's
     gRPC errors become these here, at its one edge."""
-    return UpstreamError(status, details)
+    return UpstreamError(code, details)
 
 
 def _of_call(exc: BaseException) -> BaseException:
     """A failure of the stream's call, as a caller gets it."""
-    if isinstance(exc, grpc.RpcError):
-        got = from_rpc(exc)
-        return failed(got.status, str(got))
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return failed(status(exc.code()), exc.details() or "")
     return exc
 
 

@@ -120,14 +120,11 @@ def start_metrics(registry: CollectorRegistry, host: str, port: int) -> object |
 class Background:
     """Tasks a component starts and does not await (cleanups, revokes,
     retirements): held until they end, so that none is collected mid-run;
-    a failure is logged at debug, never raised; `close` cancels the rest."""
+    a failure is logged at debug, never raised."""
 
     def __init__(self, log: logging.Logger) -> None:
         self._log = log
         self._tasks: set[asyncio.Task[Any]] = set()
-
-    def __len__(self) -> int:
-        return len(self._tasks)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -139,9 +136,6 @@ class Background:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             self._log.debug("background task failed: %s", task.exception())
-
-    async def close(self) -> None:
-        await cancel_all(list(self._tasks))
 
 
 async def cancel_all(tasks, *, every_s: float = 1.0) -> None:

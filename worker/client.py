@@ -49,7 +49,7 @@ from .routes import (
     handoff_supported,
     read_data_plane,
 )
-from .rpcedge import edged, edged_directories
+from .rpcedge import edged
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,7 @@ class CacheClient:
             if token or tracing.on() else self._channel
         # The one gRPC edge: every call raises compilecast's errors (worker/rpcedge.py).
         self.stub = edged(wire.stub(self._channel))
-        self._directories = edged_directories(
-            rpc.HostDirectoriesStub(self._channel))  # the host's worker only
+        self._directories = edged(rpc.HostDirectoriesStub(self._channel))  # the host's worker only
         # The routes besides gRPC this process may take (compilecast/negotiate.py):
         # to this host's worker (a unix socket), fetches answered with the host
         # cache's file, or its file as the worker writes it, and publishes

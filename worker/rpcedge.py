@@ -8,13 +8,14 @@ JAX integration, the CLI) branches on those errors, never on gRPC's.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import grpc
 
 from compilecast.errors import Cancelled
 from compilecast.grpcutil import from_rpc
-from compilecast.v1 import cache_pb2_grpc as rpc
+
+Stub = TypeVar("Stub")
 
 
 class _Stream:
@@ -86,11 +87,7 @@ class _Calls:
         return _Call(getattr(self._stub, name))
 
 
-def edged(stub: Any) -> rpc.CompileCacheStub:
+def edged(stub: Stub) -> Stub:
     """`stub` (a sync channel's) with compilecast's errors at its edge; its
     calls are the stub's own, typed as such."""
-    return cast(rpc.CompileCacheStub, _Calls(stub))
-
-
-def edged_directories(stub: Any) -> rpc.HostDirectoriesStub:
-    return cast(rpc.HostDirectoriesStub, _Calls(stub))
+    return cast(Stub, _Calls(stub))
