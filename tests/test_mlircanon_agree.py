@@ -173,3 +173,87 @@ def test_both_walks_write_the_same_stream_for_random_attributes(attrs):
     module = keys.parse_program(text.encode())[0]
     for ignore in (frozenset(), frozenset({"jax.arg_info", "a"})):
         assert digest_native(module, ignore, None) == digest_py(module, ignore, None)
+
+
+def _main(body: str, args: str = "%arg0: tensor<4xf32>", results: str = "tensor<4xf32>") -> str:
+    return (f"module {{ func.func public @main({args}) -> {results} {{\n{body}\n}} }}")
+
+
+# What XLA's C-API client does to a module before a plugin sees it (constants
+# hoisted and merged, converts to the same type folded, default precisions
+# dropped) never changes what it computes: each pair streams alike in both walks.
+_REWRITTEN = {
+    "constants hoisted and merged": (
+        _main("%0 = stablehlo.constant dense<2.0> : tensor<4xf32>\n"
+              "%1 = stablehlo.multiply %arg0, %0 : tensor<4xf32>\n"
+              "%2 = stablehlo.constant dense<2.0> : tensor<4xf32>\n"
+              "%3 = stablehlo.add %1, %2 : tensor<4xf32>\n"
+              "return %3 : tensor<4xf32>"),
+        _main("%0 = stablehlo.constant dense<2.0> : tensor<4xf32>\n"
+              "%1 = stablehlo.multiply %arg0, %0 : tensor<4xf32>\n"
+              "%2 = stablehlo.add %1, %0 : tensor<4xf32>\n"
+              "return %2 : tensor<4xf32>")),
+    "a constant sunk into a loop": (
+        _main("%c = stablehlo.constant dense<1.0> : tensor<4xf32>\n"
+              "%0 = stablehlo.while(%it = %arg0) : tensor<4xf32>\n"
+              " cond { %z = stablehlo.constant dense<true> : tensor<i1>\n"
+              "        stablehlo.return %z : tensor<i1> }\n"
+              " do { %s = stablehlo.add %it, %c : tensor<4xf32>\n"
+              "      stablehlo.return %s : tensor<4xf32> }\n"
+              "return %0 : tensor<4xf32>"),
+        _main("%t = stablehlo.constant dense<true> : tensor<i1>\n"
+              "%0 = stablehlo.while(%it = %arg0) : tensor<4xf32>\n"
+              " cond { stablehlo.return %t : tensor<i1> }\n"
+              " do { %c = stablehlo.constant dense<1.0> : tensor<4xf32>\n"
+              "      %s = stablehlo.add %it, %c : tensor<4xf32>\n"
+              "      stablehlo.return %s : tensor<4xf32> }\n"
+              "return %0 : tensor<4xf32>")),
+    "a convert to the same type": (
+        _main("%0 = stablehlo.convert %arg0 : tensor<4xf32>\n"
+              "%1 = stablehlo.convert %0 : tensor<4xf32>\n"
+              "%2 = stablehlo.tanh %1 : tensor<4xf32>\nreturn %2 : tensor<4xf32>"),
+        _main("%0 = stablehlo.tanh %arg0 : tensor<4xf32>\nreturn %0 : tensor<4xf32>")),
+    "default precisions": (
+        _main("%0 = stablehlo.dot_general %arg0, %arg0, contracting_dims = [0] x [0], "
+              "precision = [DEFAULT, DEFAULT] : (tensor<4xf32>, tensor<4xf32>) -> tensor<f32>\n"
+              "return %0 : tensor<f32>", results="tensor<f32>"),
+        _main("%0 = stablehlo.dot_general %arg0, %arg0, contracting_dims = [0] x [0] "
+              ": (tensor<4xf32>, tensor<4xf32>) -> tensor<f32>\n"
+              "return %0 : tensor<f32>", results="tensor<f32>")),
+}
+
+# ... and what changes a program still changes its stream.
+_APART = {
+    "another constant": (
+        _REWRITTEN["constants hoisted and merged"][1],
+        _REWRITTEN["constants hoisted and merged"][1].replace(
+            "%2 = stablehlo.add %1, %0", "%c = stablehlo.constant dense<3.0> : tensor<4xf32>\n"
+            "%2 = stablehlo.add %1, %c")),
+    "a constant where an argument was": (
+        _main("%0 = stablehlo.constant dense<2.0> : tensor<4xf32>\n"
+              "%1 = stablehlo.add %arg0, %0 : tensor<4xf32>\nreturn %1 : tensor<4xf32>"),
+        _main("%0 = stablehlo.constant dense<2.0> : tensor<4xf32>\n"
+              "%1 = stablehlo.add %0, %arg0 : tensor<4xf32>\nreturn %1 : tensor<4xf32>")),
+    "a convert to another type": (
+        _main("%0 = stablehlo.convert %arg0 : (tensor<4xf32>) -> tensor<4xf16>\n"
+              "%1 = stablehlo.convert %0 : (tensor<4xf16>) -> tensor<4xf32>\n"
+              "return %1 : tensor<4xf32>"),
+        _main("return %arg0 : tensor<4xf32>")),
+    "another precision": (
+        _REWRITTEN["default precisions"][0].replace("DEFAULT, DEFAULT", "HIGHEST, DEFAULT"),
+        _REWRITTEN["default precisions"][1]),
+}
+
+
+@native
+@pytest.mark.parametrize("name", sorted(_REWRITTEN))
+def test_what_a_plugins_client_rewrites_streams_alike_in_both_walks(name):
+    a, b = (keys.parse_program(t.encode())[0] for t in _REWRITTEN[name])
+    assert digest_native(a) == digest_py(a) == digest_py(b) == digest_native(b)
+
+
+@native
+@pytest.mark.parametrize("name", sorted(_APART))
+def test_what_changes_a_program_still_changes_both_walks_streams(name):
+    a, b = (keys.parse_program(t.encode())[0] for t in _APART[name])
+    assert digest_native(a) == digest_py(a) != digest_py(b) == digest_native(b)

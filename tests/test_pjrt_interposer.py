@@ -287,3 +287,32 @@ def test_the_script_saved_elsewhere_with_lines_added_compiles_nothing(worker, tm
     assert not list(dump.glob("*after_optimizations*"))  # XLA compiled nothing
     assert not go.exists()
 
+
+
+def published_programs(target: str) -> dict[str, str]:
+    """{key: its program component} of every artifact published so far."""
+    from compilecast.worker.client import CacheClient
+
+    client = CacheClient(target)
+    try:
+        keys = [a.artifact.key for a in client.list_artifacts()]
+        return {k: dict(client.describe(k).key_components).get("program", "") for k in keys}
+    finally:
+        client.close()
+
+
+def test_one_program_has_one_canonical_digest_through_either_door(worker, tmp_path):
+    """The same script through the interposer and through compilecast.jax on
+    the same plugin: each program's canonical digest is the same through both
+    doors (the JAX door keys the module JAX lowered; the plugin is handed it
+    after XLA's C-API client rewrote it)."""
+    wave(env_for(worker.target), 1, tmp_path / "interposed")
+    interposed = published_programs(worker.target)
+    env = env_for(worker.target, interposed=False)
+    env.update(COMPILECAST_ENABLE="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    (result, stderr), = wave(env, 1, tmp_path / "jax")
+    assert "compilecast.worker.jax_integration" in result["compilecast_jax"], stderr[-3000:]
+    through_jax = {k: p for k, p in published_programs(worker.target).items()
+                   if k not in interposed}
+    assert through_jax and all(through_jax.values()) and all(interposed.values()), stderr[-3000:]
+    assert sorted(through_jax.values()) == sorted(interposed.values())

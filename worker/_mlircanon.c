@@ -402,6 +402,7 @@ typedef struct {
   Name *v;
   size_t n, cap;
   int custom_call;  /* 0 not known yet, 1 stablehlo.custom_call, -1 another op */
+  int elidable;  /* 0 not known yet, 1 stablehlo.constant, 2 stablehlo.convert, -1 another op */
 } NameList;
 
 /* The values table of the last walk starts the next one at its size (the
@@ -418,6 +419,9 @@ static size_t values_hint = 1 << 14;
 typedef struct {
   Out out;
   Table idents, types, attrs, values, blocks, opnames;
+  Table constants;  /* a constant's result -> its value attribute (written where used) */
+  Table same;       /* an identity convert's result -> its operand, resolved */
+  const void *precision_name;  /* the identifier "precision_config", once seen */
   Slot *recent;  /* RECENT slots before `values`: most uses follow their definition closely */
   Slot pending[PENDING];  /* definitions not in `values` yet (inserted PENDING at a time) */
   size_t npending;
@@ -616,9 +620,29 @@ static void filtered_arg_attrs(Walk *w, MlirAttribute a) {
   }
 }
 
+#define DEFAULT_PRECISION "#stablehlo<precision DEFAULT>"
+
+/* A precision_config of DEFAULT precisions only: the default, left out. */
+static int default_precision(Walk *w, MlirNamedAttribute na) {
+  if (w->precision_name ? na.name.ptr != w->precision_name
+                        : !is_name(na.name, "precision_config"))
+    return 0;
+  w->precision_name = na.name.ptr;
+  if (!p_mlirAttributeIsAArray(na.attribute)) return 0;
+  size_t want = strlen(DEFAULT_PRECISION);
+  intptr_t n = p_mlirArrayAttrGetNumElements(na.attribute);
+  for (intptr_t i = 0; i < n; i++) {
+    w->text_n = 0;
+    p_mlirAttributePrint(p_mlirArrayAttrGetElement(na.attribute, i), collect, w);
+    if (w->error || w->text_n != want || memcmp(w->text, DEFAULT_PRECISION, want) != 0) return 0;
+  }
+  return 1;
+}
+
 /* What happens to attribute `na` of an op at `depth`: 0 dropped, 1 kept as is,
  * 2 a renamed sym_name, 3 filtered argument attributes. */
 static int attr_rule(Walk *w, MlirNamedAttribute na, int depth) {
+  if (default_precision(w, na)) return 0;
   if (depth > 1) return 1;
   if (depth == 0 && is_name(na.name, "sym_name")) return 0;
   if (ignored(w, na.name)) return 0;
@@ -652,7 +676,22 @@ static int flush_pending(Walk *w) {
 static void number_value(Walk *w, MlirValue v, int def) {
   uint64_t h = mix(v.ptr);
   Slot *r = &w->recent[h >> 52];
-  if (r->key == v.ptr) { put_varint(&w->out, r->val + 1); return; }
+  if (r->key == v.ptr) { put_varint(&w->out, r->val + 2); return; }
+  if (!def && (w->same.n || w->constants.n)) {  /* never in `recent` nor `values` */
+    int64_t to = w->same.n ? table_get(&w->same, v.ptr) : -1;
+    if (to >= 0) {
+      MlirValue operand = {(const void *)to};
+      number_value(w, operand, 0);
+      return;
+    }
+    int64_t c = w->constants.n ? table_get(&w->constants, v.ptr) : -1;
+    if (c >= 0) {
+      MlirAttribute value = {(const void *)c};
+      put_varint(&w->out, 1);
+      ref_attr(w, value);
+      return;
+    }
+  }
   if (def && !w->forward) {
     if (w->npending == PENDING && flush_pending(w)) { w->error = 1; return; }
     w->pending[w->npending].key = v.ptr;
@@ -671,7 +710,7 @@ static void number_value(Walk *w, MlirValue v, int def) {
   if (idx >= 0) {
     r->key = v.ptr;
     r->val = (uint64_t)idx;
-    put_varint(&w->out, (uint64_t)idx + 1);
+    put_varint(&w->out, (uint64_t)idx + 2);
     return;
   }
   if (!def && !w->forward) {  /* the first use before a definition: look definitions up from now */
@@ -800,12 +839,41 @@ static int kernel_value(Walk *w, MlirAttribute a) {
   return 1;
 }
 
+/* A constant, or a convert to its operand's type (kind 1, 2): nothing is
+ * written here; its uses write the constant's value, or the operand. Not a
+ * result a use before its definition has numbered already. */
+static int elided(Walk *w, MlirOperation op, int kind) {
+  if (p_mlirOperationGetNumResults(op) != 1 || p_mlirOperationGetNumRegions(op)) return 0;
+  MlirValue result = p_mlirOperationGetResult(op, 0);
+  if (w->forward && table_get(&w->values, result.ptr) >= 0) return 0;
+  if (kind == 1) {
+    if (p_mlirOperationGetNumOperands(op) || p_mlirOperationGetNumAttributes(op) != 1) return 0;
+    MlirAttribute value = p_mlirOperationGetAttributeByName(op, cstr("value"));
+    if (!value.ptr) return 0;
+    if (table_put(&w->constants, result.ptr, (uint64_t)(uintptr_t)value.ptr)) w->error = 1;
+    return 1;
+  }
+  if (p_mlirOperationGetNumOperands(op) != 1 || p_mlirOperationGetNumAttributes(op)) return 0;
+  MlirValue operand = p_mlirOperationGetOperand(op, 0);
+  if (p_mlirValueGetType(operand).ptr != p_mlirValueGetType(result).ptr) return 0;
+  int64_t to = w->same.n ? table_get(&w->same, operand.ptr) : -1;
+  if (table_put(&w->same, result.ptr, to >= 0 ? (uint64_t)to : (uint64_t)(uintptr_t)operand.ptr))
+    w->error = 1;
+  return 1;
+}
+
 static void walk_op(Walk *w, MlirOperation op, int depth) {
   Out *o = &w->out;
   if (o->failed || w->error) return;
   if (depth > MAX_DEPTH) { w->error = 2; return; }
-  put_byte(o, 'O');
   MlirIdentifier opname = p_mlirOperationGetName(op);
+  NameList *l = names_of(w, opname);
+  if (!l) { w->error = 1; return; }
+  if (!l->elidable)
+    l->elidable = is_name(opname, "stablehlo.constant") ? 1
+                  : is_name(opname, "stablehlo.convert") ? 2 : -1;
+  if (l->elidable > 0 && elided(w, op, l->elidable)) return;
+  put_byte(o, 'O');
   ref_ident(w, opname);
   intptr_t n = p_mlirOperationGetNumOperands(op);
   put_varint(o, (uint64_t)n);
@@ -818,9 +886,8 @@ static void walk_op(Walk *w, MlirOperation op, int depth) {
     ref_type(w, p_mlirValueGetType(v));
   }
   n = p_mlirOperationGetNumAttributes(op);
-  NameList *l = names_of(w, opname);
   MlirNamedAttribute few[16], *named = n <= 16 ? few : malloc((size_t)n * sizeof *named);
-  if (!l || !named || read_attrs(l, op, n, named)) {
+  if (!named || read_attrs(l, op, n, named)) {
     if (named != few) free(named);
     w->error = 1;
     return;
@@ -1006,7 +1073,7 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   w.recent = calloc(RECENT, sizeof(Slot));
   if (!w.out.d || !w.recent || table_init(&w.idents, 256) || table_init(&w.types, 1024) ||
       table_init(&w.attrs, 4096) || table_init(&w.values, values_hint) || table_init(&w.blocks, 256) ||
-      table_init(&w.opnames, 256)) {
+      table_init(&w.opnames, 256) || table_init(&w.constants, 1024) || table_init(&w.same, 256)) {
     w.error = 1;
   } else {
     walk_op(&w, top, 0);
@@ -1022,6 +1089,8 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   table_free(&w.values);
   table_free(&w.blocks);
   table_free(&w.opnames);
+  table_free(&w.constants);
+  table_free(&w.same);
   for (size_t i = 0; i < w.nlists; i++) free(w.lists[i].v);
   free(w.lists);
   Py_XDECREF(found);

@@ -11,7 +11,7 @@ index space each):
                varint(#regions) region*
     region  := varint(#blocks) (varint(#args) (def ref(type))* op* 'Z')*
     use/def := varint(0) for a value not seen before (it takes the next value
-               number), else varint(number + 1)
+               number), varint(1) ref(attr) for a constant, else varint(number + 2)
     block   := varint(block number + 1), 0 for a block not numbered yet (blocks are
                numbered in walk order, all of a region's as the walk enters it)
     value   := 'r' ref(attr) | 'S' str (a renamed sym_name) | 'F' filtered
@@ -28,6 +28,15 @@ index space each):
 
 Every field of the grammar is length-prefixed or counted, so two different
 streams never parse the same: the stream is injective over what it covers.
+
+Three rewrites that never change what a program computes leave the stream as
+it was, so that a module and the same module after XLA's C-API client
+canonicalized it for a plugin (worker/pjrtkeys.py) stream alike:
+- a constant (`stablehlo.constant` with its `value` alone) is written where it
+  is used, as its value, never where it is defined: where constants sit, and
+  whether equal constants are one op or several, does not count;
+- a `stablehlo.convert` to its operand's own type is its operand;
+- a `precision_config` of DEFAULT precisions only is left out (the default).
 What it leaves out, and nothing else, is what canonicalization drops
 (docs/keys.md): locations (never visited), SSA names (values are numbers),
 the module's sym_name, the ignore list on the module and its functions (and
@@ -53,7 +62,7 @@ from typing import Any
 
 from .hlocanon import checked_split
 
-STREAM_VERSION = "3"
+STREAM_VERSION = "4"
 RESOURCE_REFUSED = "the module holds dense_resource constants (bytes outside the walk)"
 
 
@@ -68,6 +77,7 @@ class ResourceRefused(ValueError):
     blob without its bytes, so the walk refuses it (keys.program_digest keys
     such a module by its stripped bytecode, which carries the blobs)."""
 _ELEMENT_BITS = (8, 16, 32, 64)
+DEFAULT_PRECISION = "#stablehlo<precision DEFAULT>"
 MAX_NESTING = 200  # operations in regions, or attributes in attributes (as _mlircanon.c); 200
 # levels of both stay within Python's recursion limit in the reference
 
@@ -116,6 +126,8 @@ class _Stream:
         self.types: dict[Any, int] = {}
         self.attrs: dict[Any, int] = {}
         self.values: dict[Any, int] = {}
+        self.constants: dict[Any, Any] = {}  # a constant's result -> its value attribute
+        self.same: dict[Any, Any] = {}  # an identity convert's result -> its operand
         self.blocks: dict[Any, int] = {}
         self.attr_depth = 0
 
@@ -298,15 +310,21 @@ class _Stream:
             buf.append(n)
         else:
             varint(n)
+        same, constants = self.same, self.constants
         for v in vs:
+            v = same.get(v, v)
+            if v in constants:
+                buf.append(1)
+                self.attr(constants[v])
+                continue
             idx = values.get(v)
             if idx is None:
                 values[v] = len(values)
                 buf.append(0)
-            elif idx < 0x7F:
-                buf.append(idx + 1)
+            elif idx < 0x7E:
+                buf.append(idx + 2)
             else:
-                varint(idx + 1)
+                varint(idx + 2)
             if typed:
                 t = v.type
                 idx = self.types.get(t)
@@ -319,17 +337,42 @@ class _Stream:
                 else:
                     varint(idx + 1)
 
+    def elided(self, op: Any, opname: str) -> bool:
+        """A constant, or a convert to its operand's type: written where used."""
+        if len(op.results) != 1 or len(op.regions):
+            return False
+        attrs = op.attributes
+        if opname == "stablehlo.constant":
+            if len(op.operands) or len(attrs) != 1 or "value" not in attrs:
+                return False
+            self.constants[op.results[0]] = attrs["value"]
+            return True
+        if len(op.operands) != 1 or len(attrs) or op.operands[0].type != op.results[0].type:
+            return False
+        operand = op.operands[0]
+        self.same[op.results[0]] = self.same.get(operand, operand)
+        return True
+
+    def default_precision(self, a: Any) -> bool:
+        ir = self.ir
+        return isinstance(a, ir.ArrayAttr) and \
+            all(str(e) == DEFAULT_PRECISION for e in ir.ArrayAttr(a))
+
     def op(self, op: Any, depth: int) -> None:
         if depth > MAX_NESTING:
             raise ValueError("operations or attributes nested too deeply")
+        opname = op.name
+        if opname in ("stablehlo.constant", "stablehlo.convert") and self.elided(op, opname):
+            return
         buf = self.buf
         buf += b"O"
-        opname = op.name
         self.ident(opname)
         self.values_of(op.operands, False)
         self.values_of(op.results, True)
         attrs = op.attributes
         names = attrs.keys()  # names only: see named() on reading attributes
+        if "precision_config" in names and self.default_precision(attrs["precision_config"]):
+            names = [n for n in names if n != "precision_config"]
         kernel_call = self.kernel is not None and self.tpu_kernel_call(opname, attrs)
         if depth > 1:  # below the module's functions every attribute is kept
             n = len(names)
