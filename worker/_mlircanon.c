@@ -422,6 +422,7 @@ typedef struct {
   Table constants;  /* a constant's result -> its value attribute (written where used) */
   Table same;       /* an identity convert's result -> its operand, resolved */
   const void *precision_name;  /* the identifier "precision_config", once seen */
+  Table precisions;  /* a precision_config array (uniqued) -> 1 DEFAULT only, 0 not */
   Slot *recent;  /* RECENT slots before `values`: most uses follow their definition closely */
   Slot pending[PENDING];  /* definitions not in `values` yet (inserted PENDING at a time) */
   size_t npending;
@@ -628,15 +629,18 @@ static int default_precision(Walk *w, MlirNamedAttribute na) {
                         : !is_name(na.name, "precision_config"))
     return 0;
   w->precision_name = na.name.ptr;
-  if (!p_mlirAttributeIsAArray(na.attribute)) return 0;
+  int64_t known = table_get(&w->precisions, na.attribute.ptr);
+  if (known >= 0) return (int)known;
+  int verdict = p_mlirAttributeIsAArray(na.attribute);
   size_t want = strlen(DEFAULT_PRECISION);
-  intptr_t n = p_mlirArrayAttrGetNumElements(na.attribute);
-  for (intptr_t i = 0; i < n; i++) {
+  intptr_t n = verdict ? p_mlirArrayAttrGetNumElements(na.attribute) : 0;
+  for (intptr_t i = 0; i < n && verdict; i++) {
     w->text_n = 0;
     p_mlirAttributePrint(p_mlirArrayAttrGetElement(na.attribute, i), collect, w);
-    if (w->error || w->text_n != want || memcmp(w->text, DEFAULT_PRECISION, want) != 0) return 0;
+    verdict = !w->error && w->text_n == want && memcmp(w->text, DEFAULT_PRECISION, want) == 0;
   }
-  return 1;
+  if (!w->error && table_put(&w->precisions, na.attribute.ptr, (uint64_t)verdict)) w->error = 1;
+  return verdict;
 }
 
 /* What happens to attribute `na` of an op at `depth`: 0 dropped, 1 kept as is,
@@ -1073,7 +1077,8 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   w.recent = calloc(RECENT, sizeof(Slot));
   if (!w.out.d || !w.recent || table_init(&w.idents, 256) || table_init(&w.types, 1024) ||
       table_init(&w.attrs, 4096) || table_init(&w.values, values_hint) || table_init(&w.blocks, 256) ||
-      table_init(&w.opnames, 256) || table_init(&w.constants, 1024) || table_init(&w.same, 256)) {
+      table_init(&w.opnames, 256) || table_init(&w.constants, 1024) || table_init(&w.same, 256) ||
+      table_init(&w.precisions, 16)) {
     w.error = 1;
   } else {
     walk_op(&w, top, 0);
@@ -1091,6 +1096,7 @@ static PyObject *canonical_stream(PyObject *self, PyObject *args) {
   table_free(&w.opnames);
   table_free(&w.constants);
   table_free(&w.same);
+  table_free(&w.precisions);
   for (size_t i = 0; i < w.nlists; i++) free(w.lists[i].v);
   free(w.lists);
   Py_XDECREF(found);
