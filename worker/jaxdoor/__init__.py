@@ -1,0 +1,1 @@
+"""The JAX door: compilecast inside a JAX process (the integration, AOT, releases)."""

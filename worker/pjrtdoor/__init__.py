@@ -1,0 +1,1 @@
+"""The PJRT door: the interposer's worker side (the gate) and its keys."""
