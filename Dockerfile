@@ -1,6 +1,6 @@
 # The one image the Helm chart runs: `compilecast coordinator` and `compilecast worker`.
 FROM python:3.11-slim AS build
-# A C compiler for worker/_hlocanon.c and worker/_mlircanon.c (the key library's fast paths).
+# A C compiler for worker/keylib/_hlocanon.c and worker/keylib/_mlircanon.c (the key library's fast paths).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src

@@ -29,7 +29,7 @@ else
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 endif
 
-$(STAMP): pyproject.toml $(wildcard worker/*.c) | $(VENV)/bin/python
+$(STAMP): pyproject.toml $(wildcard worker/*/*.c) | $(VENV)/bin/python
 	@command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || \
 	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server etcd-client)
 	@command -v cc >/dev/null 2>&1 || \

@@ -42,8 +42,8 @@ def main() -> None:
     # does at start (JAX's compile path would otherwise do it later, alone).
     jax.devices()
     from compilecast.launch import time_calls
-    from compilecast.worker import aot
-    from compilecast.worker.client import CacheClient, Identity
+    from compilecast.worker.inprocess.client import CacheClient, Identity
+    from compilecast.worker.jaxdoor import aot
 
     programs = aot.entry_programs(entry, aot.parse_target(topology))
     # A process makes its client and settles its key path at start-up, as

@@ -67,7 +67,7 @@ def compile_once(worker: str, layers: int, width: int) -> dict:
 
 
 def directory(worker: str) -> dict:
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
 
     client = CacheClient(worker)
     out = {}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from _servers import Stack, bucket_stack
 
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 
 def timed_fetch(stack: Stack, coordinator: str, name: str, urls: bool, data: bytes) -> float:

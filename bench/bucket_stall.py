@@ -29,7 +29,7 @@ from pathlib import Path
 from _servers import bucket_stack
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 
 def unrelated(target: str, seconds: float) -> list[float]:

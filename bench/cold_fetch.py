@@ -34,7 +34,7 @@ from fetch import publish_file
 PROCESS = """
 import resource, sys, time
 from compilecast.negotiate import Route
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 c = CacheClient(sys.argv[1], timeout_s=120)
 if sys.argv[3] == "socket":
     c.routes.off(Route.GROWING_FILE, "the benchmark reads over the socket")

@@ -49,7 +49,7 @@ from compilecast.decide import GAP_S, Decider
 from compilecast.errors import UpstreamError
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 
 def stolen_seconds() -> float:

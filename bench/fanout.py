@@ -30,7 +30,7 @@ process instead, which then share one GIL across the hosts' quotas).
 
 With --relay-data-plane on off, each fan-out runs with the workers' relay
 data plane (peers take what a worker relays over plain TCP with sendfile,
-worker/relayplane.py; the default) and without it (relays over gRPC), in
+worker/daemon/relayplane.py; the default) and without it (relays over gRPC), in
 turn, --repeat times: the workers' CPU for the whole fan-out is printed too.
 """
 

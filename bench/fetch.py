@@ -49,7 +49,7 @@ from compilecast.grpcutil import CHANNEL_OPTIONS
 from compilecast.streams import Inflate, Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 
 def publish_file(target: str, key: str, path: Path) -> str:
@@ -123,7 +123,7 @@ def fetch_data_plane(target: str, key: str, expect: str) -> float:
     ticket from Fetch, then the stored blob (raw) into one reused buffer."""
     import socket
 
-    from compilecast.worker.routes import data_plane_address
+    from compilecast.worker.inprocess.routes import data_plane_address
 
     h = Sha256()
     buf = bytearray(4 << 20)
@@ -169,7 +169,7 @@ def plain(port: int, verify: bool = False) -> float:
 PROCESS = """
 import sys, time
 from compilecast.negotiate import Route
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 c = CacheClient(sys.argv[1], timeout_s=60)
 for route, way in ((Route.LOCAL_FILE, "file"), (Route.DATA_PLANE, "data")):
     if sys.argv[3] != way:

@@ -79,8 +79,8 @@ def module_bytes(module) -> bytes:
 
 def python_walk(module) -> bytes:
     """The in-memory key's program stream by the Python reference walk."""
-    from compilecast.worker import mlircanon
-    from compilecast.worker.keys import KeyConfig
+    from compilecast.worker.keylib import mlircanon
+    from compilecast.worker.keylib.keys import KeyConfig
 
     cfg = KeyConfig()
     h = hashlib.sha256()
@@ -102,7 +102,7 @@ def best_of(fn, repeat: int) -> float:
 def jax_canonical(data) -> str:
     from jax._src import cache_key
 
-    from compilecast.worker import jax_adapter
+    from compilecast.worker.xla import jax_adapter
 
     if not isinstance(data, bytes):  # a module in memory
         with data.context:
@@ -116,8 +116,8 @@ def jax_canonical(data) -> str:
 
 PEAK_PROBE = """
 import sys, threading, time
-import compilecast.worker.keys as k
-from compilecast.worker import jax_adapter
+import compilecast.worker.keylib.keys as k
+from compilecast.worker.xla import jax_adapter
 jax_adapter.mlir_context()
 data = open(sys.argv[1], "rb").read()
 
@@ -155,7 +155,7 @@ def side_by_side(layer_counts: list[int], rounds: int) -> list[dict]:
     """Key and sha256 of each op-heavy HLO proto, alternating in this process,
     CPU time of this thread (this shared machine's stolen time and other
     processes stay out of it); all sizes in order, then again in reverse."""
-    from compilecast.worker.keys import program_key
+    from compilecast.worker.keylib.keys import program_key
 
     protos = {n: hlo_proto(n) for n in layer_counts}
     rows = []
@@ -207,11 +207,11 @@ def main() -> None:
         print(json.dumps({"side_by_side": side_by_side(args.side_by_side_layers, args.rounds)}))
         return
 
-    from compilecast.worker import mlircanon
-    from compilecast.worker.keys import KeyConfig, program_digest, program_key
+    from compilecast.worker.keylib import mlircanon
+    from compilecast.worker.keylib.keys import KeyConfig, program_digest, program_key
 
     native = mlircanon.native_ready(wait=True)  # the self-test, once, before timing
-    print("MLIR programs keyed by the C path (worker/_mlircanon.c)" if native else
+    print("MLIR programs keyed by the C path (worker/keylib/_mlircanon.c)" if native else
           "MLIR programs keyed by the Python reference walk (no C path here)", flush=True)
     rows = []
     for size in args.sizes_mb:

@@ -30,7 +30,7 @@ from pathlib import Path
 from _servers import Stack, peak_rss_mb
 
 from compilecast.cli.run import interposer_path
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 PROC = Path(__file__).resolve().parent.parent / "tests" / "pjrt_proc.py"
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from _servers import Stack
 
 from compilecast.cli.run import interposer_path
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 PROC = Path(__file__).resolve().parent.parent / "tests" / "pjrt_proc.py"
 

@@ -39,8 +39,8 @@ from compilecast.config import CoordinatorConfig
 from compilecast.decide import Decider
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.decisions import HostDecisions
-from compilecast.worker.waits import HostWaits
+from compilecast.worker.daemon.decisions import HostDecisions
+from compilecast.worker.daemon.waits import HostWaits
 
 ARTIFACT = b"executable" * 1000
 
@@ -52,9 +52,9 @@ async def run(target: str, processes: int, programs: int, compile_s: float,
     channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
     stubs = [rpc.CompileCacheStub(c) for c in channels]
     deciders = [Decider(s, timeout_s=120) for s in stubs]
-    # Each host's worker shares its processes' waits for one key (worker/waits.py).
+    # Each host's worker shares its processes' waits for one key (worker/daemon/waits.py).
     hosts = [HostWaits() for _ in range((processes + per_host - 1) // per_host)]
-    # And its processes' requests (worker/decisions.py).
+    # And its processes' requests (worker/daemon/decisions.py).
     shared = [HostDecisions() for _ in hosts]
     counts = {"compile": 0, "wait_hit": 0, "acquire_hit": 0, "other": 0}
 

@@ -37,8 +37,8 @@ from _servers import Stack, cpu_seconds, peak_rss_mb
 
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker import clientpublish as client_mod
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess import clientpublish as client_mod
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 # Both ways at every size: the client's own threshold (DATA_PLANE_UPLOAD_FROM)
 # was set from this bench's small sizes.

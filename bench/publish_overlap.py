@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
-from compilecast.worker.clientpublish import publish_messages
+from compilecast.worker.inprocess.client import CacheClient, Identity
+from compilecast.worker.inprocess.clientpublish import publish_messages
 
 WAITER = r"""
 import json, sys, time
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
 target, key, pid, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 c = CacheClient(target, timeout_s=60, identity=Identity(job="bench", process_id=pid))
 assert c.acquire(key).decision == pb.WAIT

@@ -28,7 +28,7 @@ import json, sys, time
 import jax, jax.numpy as jnp
 target, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "compilecast":
-    from compilecast.worker import jax_integration
+    from compilecast.worker.jaxdoor import jax_integration
     jax_integration.enable(target)
 x = jnp.ones((8, 8))
 x.block_until_ready()

@@ -33,12 +33,12 @@ from pathlib import Path
 from _servers import Stack
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 WAITER = r"""
 import json, sys, threading, time
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
 target, key, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
 client = CacheClient(target, timeout_s=60,
                      identity=Identity(job="bench", process_id=pid, designated_process=0))

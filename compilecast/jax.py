@@ -7,6 +7,6 @@ or, without code changes, set COMPILECAST_ENABLE=1 in the environment (JAX's
 plugin discovery then enables it). See docs/jax.md.
 """
 
-from compilecast.worker.jax_integration import disable, enable, stats
+from compilecast.worker.jaxdoor.jax_integration import disable, enable, stats
 
 __all__ = ["disable", "enable", "stats"]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from compilecast.errors import CompilecastError
-from compilecast.worker.client import wait_until_healthy
+from compilecast.worker.inprocess.client import wait_until_healthy
 
 UP_PORTS = ("etcd-port", "etcd-peer-port", "coordinator-port", "coordinator-metrics-port",
             "worker-metrics-port")

@@ -193,8 +193,8 @@ async def _serve(ccfg: CoordinatorConfig, wcfg: WorkerConfig, ready_msg: str,
                  etcd: LocalEtcd) -> None:
     from compilecast.coordinator.server import Coordinator
     from compilecast.serving import HeapWatch, serve_until_signal
-    from compilecast.worker import mlircanon
-    from compilecast.worker.server import Worker
+    from compilecast.worker.daemon.server import Worker
+    from compilecast.worker.keylib import mlircanon
 
     mlircanon.warm_up()  # JAX processes on this machine then key MLIR programs by the C path
     coordinator = Coordinator(ccfg)

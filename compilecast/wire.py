@@ -43,7 +43,7 @@ DATA_PLANE_UPLOAD = b"CCPUT01\n"
 # ... or, for a wait (a ticket from Wait), with these 8 bytes and the token;
 # one status frame answers when the wait ends, and the blob may follow it.
 DATA_PLANE_WAIT = b"CCWAT01\n"
-# ... and on a worker's handoff socket (worker/handoff.py), a process hands a
+# ... and on a worker's handoff socket (worker/daemon/handoff.py), a process hands a
 # sealed file with these 8 bytes and the token.
 DATA_PLANE_HANDOFF = b"CCFDS01\n"
 
@@ -76,7 +76,7 @@ async def data_plane_request(reader: asyncio.StreamReader, writer: asyncio.Strea
 
 class TicketServer:
     """The listener both data planes share (coordinator/dataplane.py,
-    worker/relayplane.py): connections served by `self._serve` as tasks,
+    worker/daemon/relayplane.py): connections served by `self._serve` as tasks,
     one-time tickets each holding an open file."""
 
     name = "data plane"

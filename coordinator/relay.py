@@ -4,7 +4,7 @@ When N workers fetch the same artifact at once (every host of a pod after
 one compile), the coordinator streams it to the first and points each later
 one at an earlier one, breadth first with `fanout` children per worker: a
 tree of depth log_fanout(N) whose inner workers pass chunks on as they
-arrive (worker/service.py streams a download to readers that join while it
+arrive (worker/daemon/service.py streams a download to readers that join while it
 runs). The coordinator sends about one copy instead of N.
 
 In memory and per replica: a replica that restarts, or another replica,

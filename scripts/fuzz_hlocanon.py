@@ -3,7 +3,7 @@
 
     python scripts/fuzz_hlocanon.py [--iterations 5000] [--seed 1]
 
-Builds worker/_hlocanon.c with -fsanitize=address,undefined into a temporary
+Builds worker/keylib/_hlocanon.c with -fsanitize=address,undefined into a temporary
 folder, re-runs itself with libasan preloaded, mutates real modules (the
 PyTorch/XLA dumps in tests/fixtures and a hand-made module with a schedule and
 shardings and frontend attributes: flipped bytes, cut, inserted and truncated
@@ -34,7 +34,7 @@ def build(out: Path) -> Path:
     subprocess.run(["gcc", "-O1", "-g", "-std=c99", "-fsanitize=address,undefined",
                     "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined",
                     "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
-                    str(ROOT / "worker" / "_hlocanon.c"), "-o", str(so)], check=True)
+                    str(ROOT / "worker" / "keylib" / "_hlocanon.c"), "-o", str(so)], check=True)
     return so
 
 
@@ -42,7 +42,7 @@ def seeds() -> list[bytes]:
     sys.path.insert(0, str(ROOT / "tests"))
     import test_hlocanon as t  # the hand-made module builder
 
-    from compilecast.worker.keys import hlo_module_bytes
+    from compilecast.worker.keylib.keys import hlo_module_bytes
     out = [hlo_module_bytes(p.read_bytes())
            for p in sorted((ROOT / "tests" / "fixtures" / "torch_xla").glob("*.pb"))]
     out.append(t.module(t.IDS, frontend=(("_scope", "a"), ("_xla_compute_type", "host")),
@@ -72,7 +72,7 @@ def fuzz(so: Path, iterations: int, seed: int) -> None:
     spec = importlib.util.spec_from_file_location("_hlocanon", so)
     native = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(native)
-    from compilecast.worker import hlocanon
+    from compilecast.worker.keylib import hlocanon
 
     rng, inputs = random.Random(seed), seeds()
     configs = [((), ()), (hlocanon.field_drops(["instruction.statistics_viz",

@@ -41,14 +41,14 @@ for d in coordinator worker; do [ -e "compilecast/$d" ] || ln -s "../$d" "compil
 INC=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 EXT=$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 if command -v gcc >/dev/null && [ -f "$INC/Python.h" ]; then
-  gcc -O2 -std=c99 -shared -fPIC -I"$INC" worker/_hlocanon.c -o "worker/_hlocanon$EXT" &&
-  gcc -O2 -std=gnu99 -shared -fPIC -I"$INC" worker/_mlircanon.c -o "worker/_mlircanon$EXT" ||
+  gcc -O2 -std=c99 -shared -fPIC -I"$INC" worker/keylib/_hlocanon.c -o "worker/keylib/_hlocanon$EXT" &&
+  gcc -O2 -std=gnu99 -shared -fPIC -I"$INC" worker/keylib/_mlircanon.c -o "worker/keylib/_mlircanon$EXT" ||
     echo "C extensions not built: the Python paths run"
 else
   echo "no gcc or no Python headers: the C extensions are not built"
 fi
 command -v gcc >/dev/null && gcc -O2 -std=gnu99 -shared -fPIC -fvisibility=hidden \
-  worker/_pjrt_interposer.c -o "worker/_pjrt_interposer$EXT" -ldl -lpthread
+  worker/pjrtdoor/_pjrt_interposer.c -o "worker/pjrtdoor/_pjrt_interposer$EXT" -ldl -lpthread
 export PYTHONPATH=$PWD:/tmp/cc-site PATH="$PWD/.gpu/bin:$PATH" PYTHONUNBUFFERED=1
 # Several processes share the one GPU: none takes most of its memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -58,7 +58,7 @@ print(sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version
       'grpcio', grpc.__version__, 'protobuf', p.__version__, jax.devices())"
 
 step adapter
-$PY -c "from compilecast.worker import jax_adapter as a; a.check(); a.check_optional()
+$PY -c "from compilecast.worker.xla import jax_adapter as a; a.check(); a.check_optional()
 print('jax adapter: ok')" 2>&1 | tee "$LOGS/adapter.log"
 if [ "${PIPESTATUS[0]}" != 0 ]; then
   timeout 120 $PY -m pytest -p no:cacheprovider -q tests/test_jax_adapter.py 2>&1 \

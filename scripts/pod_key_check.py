@@ -37,7 +37,8 @@ def main() -> int:
 
     import jax
 
-    from compilecast.worker import aot, keys
+    from compilecast.worker.jaxdoor import aot
+    from compilecast.worker.keylib import keys
 
     if not args.against and not args.no_distributed:
         jax.distributed.initialize()

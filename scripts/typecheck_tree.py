@@ -1,6 +1,6 @@
 """Lay out the package as it installs, for mypy: build/typecheck/compilecast
-holds a link to every module under its import name (compilecast.worker.keys
-is worker/keys.py), as pyproject.toml's [tool.setuptools.package-dir] maps
+holds a link to every module under its import name (compilecast.worker.keylib.keys
+is worker/keylib/keys.py), as pyproject.toml's [tool.setuptools.package-dir] maps
 the top-level folders. mypy reads the tree through mypy_path; its messages
 name the links, whose paths are the import names.
 

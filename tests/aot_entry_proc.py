@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax._src import compilation_cache
 
-from compilecast.worker import aot, jax_adapter
+from compilecast.worker.jaxdoor import aot
+from compilecast.worker.xla import jax_adapter
 
 jax.config.update("jax_persistent_cache_min_compile_time_secs", float(sys.argv[1]))
 serialized = []

@@ -15,8 +15,8 @@ import sys
 import time
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker import aot
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
+from compilecast.worker.jaxdoor import aot
 
 coordinator, ttl = sys.argv[1], float(sys.argv[2])
 other = len(sys.argv) > 3 and sys.argv[3] == "other"

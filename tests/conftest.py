@@ -52,13 +52,13 @@ async def until(predicate, what: str = "condition", seconds: float = 10.0) -> No
 
 def client(target: str, **ident):
     """A CacheClient, as the process `ident` (Identity's fields) where given."""
-    from compilecast.worker.client import CacheClient, Identity
+    from compilecast.worker.inprocess.client import CacheClient, Identity
 
     return CacheClient(target, identity=Identity(**ident) if ident else None)
 
 
 # What a refused call raises: gRPC's error through a raw stub, compilecast's
-# own through a CacheClient (its one gRPC edge, worker/rpcedge.py).
+# own through a CacheClient (its one gRPC edge, worker/inprocess/rpcedge.py).
 CALL_ERRORS = (grpc.RpcError, CompilecastError)
 
 
@@ -211,7 +211,7 @@ class EtcdProcess:
 def mlir_key_verdict() -> None:
     """The MLIR key self-test runs once, before any test: JAX processes the
     tests start find its verdict instead of each starting it in the background."""
-    from compilecast.worker import mlircanon
+    from compilecast.worker.keylib import mlircanon
     mlircanon.native_ready(wait=True)
 
 
@@ -346,7 +346,7 @@ def coordinator(start_coordinator):
 
 @pytest.fixture
 def start_worker(tmp_path, started):
-    from compilecast.worker.server import Worker
+    from compilecast.worker.daemon.server import Worker
 
     def start(coordinator_addr: str, name: str = "w", **kw) -> Worker:
         sock = Path("/tmp") / f"cc-{uuid.uuid4().hex[:8]}.sock"

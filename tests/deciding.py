@@ -12,7 +12,7 @@ from compilecast import decide
 from compilecast.grpcutil import aio_channel
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 DATA = b"decided" * 10_000
 

@@ -137,7 +137,7 @@ def _inject(what: str, cache) -> None:
 
         cache.client.publish = publish
     elif what == "key":
-        from compilecast.worker import keys
+        from compilecast.worker.keylib import keys
 
         def jax_key(*args, **kwargs):
             raise TypeError("injected: the key broke")
@@ -171,7 +171,7 @@ def main() -> None:
     compiler.backend_compile_and_load = counted
     cache = None
     if "--baseline" not in flags:
-        from compilecast.worker import jax_integration
+        from compilecast.worker.jaxdoor import jax_integration
 
         if "--plugin" not in flags:
             jax_integration.enable()

@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from compilecast.worker import keys, mlircanon
+from compilecast.worker.keylib import keys, mlircanon
 
 native = pytest.mark.skipif(mlircanon._native is None, reason="_mlircanon extension not built")
 

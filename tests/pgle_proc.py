@@ -41,7 +41,7 @@ def _observe(cache) -> tuple[list[dict], list[str | None]]:
 
     from jax._src import compiler
 
-    from compilecast.worker import jax_adapter
+    from compilecast.worker.xla import jax_adapter
 
     exchanges: list[dict] = []
     executables: list[str | None] = []

@@ -52,5 +52,5 @@ print(json.dumps({"loss": float(value), "platform": jax.devices()[0].platform,
                   # discovery imports compilecast's entry point, which does nothing
                   # without COMPILECAST_ENABLE).
                   "compilecast_jax": sorted(m for m in sys.modules if m in (
-                      "compilecast.jax", "compilecast.worker.jax_integration",
-                      "compilecast.worker.jax_adapter"))}))
+                      "compilecast.jax", "compilecast.worker.jaxdoor.jax_integration",
+                      "compilecast.worker.xla.jax_adapter"))}))

@@ -24,8 +24,8 @@ def main() -> None:
         # Every process brings up its CPU backend now, together, as a real job
         # does at start (JAX's compile path would otherwise do it later, alone).
         jax.devices()
-    from compilecast.worker import aot
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
+    from compilecast.worker.jaxdoor import aot
 
     client = CacheClient(coordinator, timeout_s=30.0)
     programs = aot.entry_programs(entry, aot.parse_target(topology))

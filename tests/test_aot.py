@@ -15,7 +15,7 @@ import pytest
 
 from compilecast.launch import collect, free_port
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 pytestmark = pytest.mark.slow
 

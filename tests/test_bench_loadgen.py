@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import publish
 

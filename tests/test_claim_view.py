@@ -11,7 +11,7 @@ import signal
 from compilecast.coordinator.records import scope
 from compilecast.coordinator.server import Coordinator
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import EtcdProcess, coordinator_config, eventually, slow_counted_reads
 

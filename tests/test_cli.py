@@ -59,7 +59,7 @@ def test_status_is_zero_against_a_healthy_worker(coordinator, start_worker):
 
 def test_status_shows_how_long_the_coordinators_etcd_writes_take(coordinator, start_worker):
     from compilecast.v1 import cache_pb2 as pb
-    from compilecast.worker.client import CacheClient, Identity
+    from compilecast.worker.inprocess.client import CacheClient, Identity
 
     worker = start_worker(coordinator.cfg.listen)
     before = json.loads(cc("status", "--worker", worker.target, "--json").stdout)
@@ -113,7 +113,7 @@ def test_config_prints_values_and_sources():
 
 
 def test_status_shows_jobs_and_explained_misses(coordinator, start_worker):
-    from compilecast.worker.client import CacheClient, Identity
+    from compilecast.worker.inprocess.client import CacheClient, Identity
 
     worker = start_worker(coordinator.cfg.listen)
     holder = CacheClient(worker.target, identity=Identity(job="train-7", process_id=0))
@@ -143,7 +143,7 @@ def test_status_shows_jobs_and_explained_misses(coordinator, start_worker):
 def test_explain_two_keys_the_coordinator_has_seen(coordinator, start_worker):
     """Keys are told apart by what they are, not by what was recorded of
     them: two keys whose clients sent no components are not "the same"."""
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
 
     worker = start_worker(coordinator.cfg.listen)
     c = CacheClient(worker.target)
@@ -207,7 +207,7 @@ def test_json_logs_carry_key_and_job(tmp_path):
 def test_ls_lists_the_tenants_artifacts_a_page_at_a_time(coordinator):
     import os
 
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
 
     c = CacheClient(coordinator.cfg.listen)
     for i, name in enumerate(["jit_step", "jit_eval", "jit_step"]):

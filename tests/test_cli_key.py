@@ -19,7 +19,7 @@ def _fixture(name: str) -> str:
 
 
 def test_key_prints_one_line_per_file_like_sha256sum(tmp_path):
-    from compilecast.worker.keys import program_key
+    from compilecast.worker.keylib.keys import program_key
 
     files = [_fixture(n) for n in ("mlp.hlo.pb", "mlp_moved_lines.hlo.pb", "mlp_wider.hlo.pb")]
     r = cc("key", *files)

@@ -17,7 +17,7 @@ import pytest
 
 from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import eventually, publish
 

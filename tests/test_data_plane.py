@@ -19,8 +19,8 @@ from compilecast import wire
 from compilecast.coordinator import dataplane
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient
-from compilecast.worker.routes import data_plane_address
+from compilecast.worker.inprocess.client import CacheClient
+from compilecast.worker.inprocess.routes import data_plane_address
 
 from .conftest import coordinator_config, eventually, free_port, publish, sample
 
@@ -218,7 +218,7 @@ def test_a_data_plane_is_dialed_by_name_and_an_unresolvable_one_is_unreachable()
     """A ticket's host goes to the resolver as it is (a name, or a non-ASCII
     name through the idna codec): a name that resolves connects, one that
     does not is Unreachable, saying which address."""
-    from compilecast.worker.client import Unreachable, connect_data_plane
+    from compilecast.worker.inprocess.client import Unreachable, connect_data_plane
 
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]

@@ -21,8 +21,8 @@ from compilecast.coordinator import dataplane
 from compilecast.coordinator.records import scope
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker import clientpublish as client_mod
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess import clientpublish as client_mod
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import (
     CALL_ERRORS,

@@ -17,7 +17,7 @@ import pytest
 from compilecast import wire
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import CALL_ERRORS, eventually, free_port, recv_exactly, sample, status_code
 from .test_data_plane import KINDS, RANDOM, tickets

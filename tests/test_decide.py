@@ -19,7 +19,7 @@ from compilecast.errors import InvalidRequest, Status, UpstreamError
 from compilecast.grpcutil import aio_channel, bearer
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import EtcdProcess, coordinator_config
 from .deciding import DATA, ask, published, with_decider

@@ -13,7 +13,7 @@ from compilecast import decide, decideserve
 from compilecast.errors import Status, UpstreamError
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
 from tests.conftest import eventually, until
 from tests.deciding import DATA, against, ask, with_decider
 from tests.test_streaming_publish import HeldUpload
@@ -243,7 +243,7 @@ def test_a_worker_retiring_a_stream_lets_its_waits_end(start_coordinator, tokens
                                                        start_worker, monkeypatch):
     """A worker keeps a bounded number of upstream streams (one per caller
     credential); the one it evicts is closed only once its waits have ended."""
-    from compilecast.worker import service
+    from compilecast.worker.daemon import service
 
     monkeypatch.setattr(service, "MAX_DECIDERS", 1)
     coordinator = start_coordinator(auth_tokens_file=str(tokens_file),

@@ -1,4 +1,4 @@
-"""Synced directories (worker/dirsync.py): a framework's cache files written
+"""Synced directories (worker/daemon/dirsync.py): a framework's cache files written
 on one host appear on the others, whole, write-once, only within their
 namespace. Real etcd, coordinator and workers on loopback; each worker
 stands for a host with its own directory."""
@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient
-from compilecast.worker.dirsync import is_entry, key_prefix, namespace_id, split_entry
+from compilecast.worker.daemon.dirsync import is_entry, key_prefix, namespace_id, split_entry
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import CALL_ERRORS, all_at_once, flip_middle_byte, publish, sample, status_code
 
@@ -246,7 +246,7 @@ def test_a_gpu_compile_reads_and_writes_the_hosts_synced_autotune_directory(
     from jax._src import compiler
 
     import compilecast.jax
-    from compilecast.worker import jax_adapter
+    from compilecast.worker.xla import jax_adapter
 
     a, b = (host(start_worker, coordinator, n) for n in "ab")
     ns = jax_adapter.autotune_namespace(jax.devices()[0].client, jax.devices()[0])
@@ -400,7 +400,7 @@ def test_made_up_credentials_create_nothing_on_disk(start_coordinator, start_wor
     # A real credential gets its directory, within the bound per tenant.
     real = CacheClient(worker.target, token="a-pub")
     assert Path(real.open_directory(KIND, NS).path).is_dir()
-    from compilecast.worker.dirsync import MAX_DIRS_PER_TENANT
+    from compilecast.worker.daemon.dirsync import MAX_DIRS_PER_TENANT
 
     for i in range(MAX_DIRS_PER_TENANT - 1):
         real.open_directory(KIND, {"n": str(i)})

@@ -22,7 +22,7 @@ import pytest
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import CALL_ERRORS, details_of, eventually, publish, status_code
 

@@ -133,7 +133,7 @@ def test_up_starts_its_etcd_again_when_it_dies(up):
     import time
 
     from compilecast.v1 import cache_pb2 as pb
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
 
     c = CacheClient(up.target)
     before = "cc1-" + "a" * 64

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import eventually
 from .e2e import collect, run_procs, start_procs
@@ -64,7 +64,7 @@ def test_holder_killed_mid_compile_a_waiter_is_promoted(start_up):
 
     # The promoted process published with the recipe of what it compiled:
     # the recorded program hashes to the key's program component.
-    from compilecast.worker import keys
+    from compilecast.worker.keylib import keys
 
     coordinator = CacheClient(f"127.0.0.1:{up.ports['coordinator-port']}")
     recipes = coordinator.list_recipes("killtest")

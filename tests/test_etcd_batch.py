@@ -10,7 +10,7 @@ from compilecast.coordinator.records import scope
 from compilecast.errors import Unavailable
 from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import eventually, slow_counted_reads
 

@@ -10,7 +10,7 @@ import subprocess
 
 from compilecast.coordinator.server import Coordinator
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import EtcdProcess, coordinator_config, publish
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import CALL_ERRORS, details_of, eventually, status_code
 

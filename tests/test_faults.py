@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, wait_until_healthy
+from compilecast.worker.inprocess.client import CacheClient, wait_until_healthy
 
 from .conftest import CALL_ERRORS, LoopThread, Running, eventually, free_port, status_code
 
@@ -272,7 +272,7 @@ def test_the_run_that_finds_both_copies_corrupt_compiles_and_republishes(coordin
     them; the next process hits the new bytes."""
     import jax
 
-    from compilecast.worker.jax_integration import CompilecastCache
+    from compilecast.worker.jaxdoor.jax_integration import CompilecastCache
 
     from .conftest import flip_middle_byte
 

@@ -180,7 +180,7 @@ def _publish_raw(target: str, msgs: list[pb.PublishChunk]) -> grpc.StatusCode:
 
 
 def _lease(target: str, key: str):
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
 
     client = CacheClient(target)
     resp = client.acquire(key)

@@ -1,5 +1,5 @@
 """Publishes handed to the host's worker as sealed memory files
-(worker/handoff.py): the holder asks its worker for a ticket (OpenUpload),
+(worker/daemon/handoff.py): the holder asks its worker for a ticket (OpenUpload),
 writes the bytes into a memfd, seals it and passes it over the worker's
 handoff socket; the worker publishes it as a Publish stream's chunks. A file
 that could still change, or of another size, is refused; a ticket serves one
@@ -20,9 +20,10 @@ import pytest
 from compilecast import wire
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker import clientpublish as client_mod
-from compilecast.worker import handoff, routes
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.daemon import handoff
+from compilecast.worker.inprocess import clientpublish as client_mod
+from compilecast.worker.inprocess import routes
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import CALL_ERRORS, details_of, recv_exactly, sample, status_code
 

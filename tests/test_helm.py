@@ -401,7 +401,7 @@ def _metric_names() -> set[str]:
     from prometheus_client import CollectorRegistry
 
     from compilecast.coordinator.metrics import CoordinatorMetrics
-    from compilecast.worker.metrics import WorkerMetrics
+    from compilecast.worker.daemon.metrics import WorkerMetrics
 
     names = set()
     for cls in (CoordinatorMetrics, WorkerMetrics):

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compilecast.worker import hlocanon
-from compilecast.worker.keys import hlo_module_bytes, program_key
+from compilecast.worker.keylib import hlocanon
+from compilecast.worker.keylib.keys import hlo_module_bytes, program_key
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torch_xla"
 needs_native = pytest.mark.skipif(hlocanon._native is None, reason="checked by the test below")
@@ -24,7 +24,7 @@ needs_native = pytest.mark.skipif(hlocanon._native is None, reason="checked by t
 def test_native_extension_is_built():
     # `pip install` builds it (pyproject: ext-modules); without a C compiler the
     # package still works through the Python reference, only slower.
-    assert hlocanon._native is not None, "worker/_hlocanon.c was not built"
+    assert hlocanon._native is not None, "worker/keylib/_hlocanon.c was not built"
 
 
 # -- a tiny protobuf writer for hand-made modules --------------------------------

@@ -1,4 +1,4 @@
-"""A host's requests for one key go upstream as one (worker/decisions.py):
+"""A host's requests for one key go upstream as one (worker/daemon/decisions.py):
 unit tests with an upstream of our own, then through a real worker and
 coordinator."""
 
@@ -9,8 +9,8 @@ import asyncio
 from prometheus_client import CollectorRegistry, Counter
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
-from compilecast.worker.decisions import HostDecisions
+from compilecast.worker.daemon.decisions import HostDecisions
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import all_at_once, until
 

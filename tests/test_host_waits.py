@@ -1,4 +1,4 @@
-"""A host's waits for one key go upstream as one (worker/waits.py): unit
+"""A host's waits for one key go upstream as one (worker/daemon/waits.py): unit
 tests with an upstream of our own, then through a real worker and
 coordinator."""
 
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
-from compilecast.worker.waits import HostWaits
+from compilecast.worker.daemon.waits import HostWaits
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import eventually, until
 

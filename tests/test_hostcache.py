@@ -1,4 +1,4 @@
-"""The worker's host cache index (worker/hostcache.py) on a real directory:
+"""The worker's host cache index (worker/daemon/hostcache.py) on a real directory:
 what it does with an entry it cannot read, and with a write that fails."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.hostcache import HostCache
+from compilecast.worker.daemon.hostcache import HostCache
 
 
 def stored(cache: HostCache, key: str, data: bytes = b"executable bytes") -> pb.ArtifactInfo:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from compilecast.worker import jax_adapter
+from compilecast.worker.xla import jax_adapter
 
 
 def test_this_jax_release_exposes_everything_the_adapter_hooks():

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compilecast.worker import hlocanon
-from compilecast.worker import keys as keys_mod
-from compilecast.worker.keys import (
+from compilecast.worker.keylib import hlocanon
+from compilecast.worker.keylib import keys as keys_mod
+from compilecast.worker.keylib.keys import (
     KeyConfig,
     detect_format,
     explain,
@@ -318,7 +318,7 @@ def test_hlo_keys_do_not_import_jax():
     import subprocess
     import sys
 
-    code = ("import sys; from compilecast.worker.keys import program_key; "
+    code = ("import sys; from compilecast.worker.keylib.keys import program_key; "
             f"k = program_key(open({str(FIXTURES / 'mlp.hlo.pb')!r}, 'rb').read()); "
             "print(k.components['program_format'], 'jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -397,7 +397,8 @@ def test_random_constant_edits_always_change_the_key(c1, c2):
 def aot():
     """worker/aot, whose probe hooks JAX for the rest of a process (as the
     farm wants); unhooked afterwards, so later tests find JAX as it was."""
-    from compilecast.worker import aot, jax_adapter
+    from compilecast.worker.jaxdoor import aot
+    from compilecast.worker.xla import jax_adapter
     yield aot
     with aot._install_lock:
         if aot._hooks is not None:
@@ -443,7 +444,7 @@ def test_cpu_keys_carry_the_host_cpu(aot):
 
 
 def test_explain_cuts_long_lines_around_their_difference():
-    from compilecast.worker.keys import EXPLAIN_WIDTH, _around_difference
+    from compilecast.worker.keylib.keys import EXPLAIN_WIDTH, _around_difference
 
     a = "x" * 5000 + "A" + "y" * 5000
     b = "x" * 5000 + "B" + "y" * 5000
@@ -482,7 +483,7 @@ def test_a_program_far_over_the_recipe_limit_is_never_serialized(aot, monkeypatc
     (it would be dropped), and the recipe is still filled otherwise."""
     from compilecast import validate
     from compilecast.v1 import cache_pb2 as pb
-    from compilecast.worker import jax_adapter
+    from compilecast.worker.xla import jax_adapter
 
     written = []
     real = jax_adapter.module_bytecode
@@ -507,7 +508,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from compilecast.worker import keys
+from compilecast.worker.keylib import keys
 
 def digest(names, shape, x_axis, w_axis):
     mesh = Mesh(np.array(jax.devices()).reshape(*shape), names)

@@ -13,7 +13,7 @@ from compilecast.coordinator.etcd import Etcd
 from compilecast.errors import Unavailable
 from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import sample
 

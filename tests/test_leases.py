@@ -138,7 +138,7 @@ def test_an_owner_lease_past_half_its_freshness_is_renewed_ahead(etcd, loop_thre
 
 
 def _client(target: str, name: str):
-    from compilecast.worker.client import CacheClient, Identity
+    from compilecast.worker.inprocess.client import CacheClient, Identity
     return CacheClient(target, identity=Identity(job="j", process_id=0, client=name))
 
 

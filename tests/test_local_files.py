@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from compilecast.negotiate import Route
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import CALL_ERRORS, flip_middle_byte, publish, sample, status_code
 
@@ -263,8 +263,8 @@ def test_a_file_the_process_cannot_follow_is_asked_for_again(coordinator, start_
                                                              monkeypatch):
     """Not visible here, or shorter than the worker said: the process asks
     again without following, and gets the artifact whole."""
-    from compilecast.worker import client as client_mod
-    from compilecast.worker import received as received_mod
+    from compilecast.worker.inprocess import client as client_mod
+    from compilecast.worker.inprocess import received as received_mod
 
     real = received_mod._Following
 
@@ -291,7 +291,7 @@ def test_a_file_the_process_cannot_follow_is_asked_for_again(coordinator, start_
 def test_a_file_that_ends_short_is_refused(tmp_path):
     from compilecast.blobstore import RAW_MAGIC, Sha256
     from compilecast.errors import CorruptBlob
-    from compilecast.worker.received import Received, _Following
+    from compilecast.worker.inprocess.received import Received, _Following
 
     path = tmp_path / "blob"
     path.write_bytes(RAW_MAGIC + bytes(range(200)))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compilecast.worker import keys, mlircanon
+from compilecast.worker.keylib import keys, mlircanon
 
 from .mlirwalks import DEFAULT_IGNORE, digest_native, digest_py, native
 
@@ -105,7 +105,7 @@ def test_private_renames_are_in_order_and_refuse_a_clash():
     assert list(renames.values()) == [f"f{i}" for i in range(len(renames))]
     assert "main" not in renames
     with m.context:
-        from compilecast.worker.jax_adapter import ir
+        from compilecast.worker.xla.jax_adapter import ir
         body = m.operation.regions[0].blocks[0]
         for op in body.operations:  # name the public function f0: a clash
             attrs = op.operation.attributes
@@ -123,7 +123,7 @@ def test_bind_refuses_a_library_that_is_not_loaded_or_lacks_the_api(tmp_path):
         mlircanon._native.bind(str(tmp_path), locs)  # a directory: never a loaded library
     with pytest.raises(ValueError, match="symbol locations"):
         mlircanon._native.bind(lib, locs[:-1])
-    hlocanon_so = __import__("compilecast.worker._hlocanon", fromlist=["x"]).__file__
+    hlocanon_so = __import__("compilecast.worker.keylib._hlocanon", fromlist=["x"]).__file__
     with pytest.raises(LookupError, match="has no mlir"):
         mlircanon._native.symbols(hlocanon_so)
     assert mlircanon.bind_here() == lib  # bound again for the other tests
@@ -203,7 +203,7 @@ def test_the_worker_daemon_warms_up_the_verdict_without_importing_jax(tmp_path):
     import sys
     probe = ("import sys\n"
              "from pathlib import Path\n"
-             "from compilecast.worker import mlircanon\n"
+             "from compilecast.worker.keylib import mlircanon\n"
              "mlircanon.KNOWN_BUILDS = Path('/nonexistent')  # as for a build not shipped\n"
              "t = mlircanon.warm_up()\n"
              "t.join()\n"
@@ -367,7 +367,7 @@ def installed_build() -> str:
 @native
 def test_the_verdict_shipped_for_this_jaxlib_build_is_still_right():
     """A shipped verdict lets every process bind at once; it must say what
-    the self-test finds today (rerun `python -m compilecast.worker.mlircanon
+    the self-test finds today (rerun `python -m compilecast.worker.keylib.mlircanon
     --record` when this fails)."""
     installed_build()
     shipped = mlircanon.known_build()

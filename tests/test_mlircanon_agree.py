@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compilecast.worker import keys, mlircanon
+from compilecast.worker.keylib import keys, mlircanon
 
 from .mlirwalks import DEFAULT_IGNORE, digest_native, digest_py, native
 

@@ -1,4 +1,4 @@
-"""Pallas/Mosaic TPU kernels inside a program (worker/mosaic.py): their
+"""Pallas/Mosaic TPU kernels inside a program (worker/keylib/mosaic.py): their
 locations never change a key, anything else in them always does, and both
 canonical walks write the same stream for them. The kernels are real Pallas
 kernels, lowered for TPU by JAX on this CPU machine."""
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compilecast.worker import hlocanon, mlircanon, mosaic
-from compilecast.worker.keys import KeyConfig, program_digest, program_key
+from compilecast.worker.keylib import hlocanon, mlircanon, mosaic
+from compilecast.worker.keylib.keys import KeyConfig, program_digest, program_key
 
 pl = pytest.importorskip("jax.experimental.pallas")
 pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
@@ -241,7 +241,7 @@ def test_hlo_canonicalizers_agree_on_corrupted_kernel_calls(edits):
 
 
 def test_kernels_parsed_in_a_renewed_context_key_the_same(monkeypatch):
-    from compilecast.worker import jax_adapter
+    from compilecast.worker.xla import jax_adapter
 
     modules = [lowered(), lowered(scale="5.0"), lowered(line=9)]
     mosaic._cache.clear()
@@ -259,7 +259,7 @@ def test_kernels_parsed_in_a_renewed_context_key_the_same(monkeypatch):
 # -- explain ---------------------------------------------------------------------
 
 def _explained(a, b) -> list[str]:
-    from compilecast.worker.keys import Key, explain
+    from compilecast.worker.keylib.keys import Key, explain
 
     ka, kb = Key(), Key()
     for k, m in ((ka, a), (kb, b)):
@@ -345,7 +345,7 @@ def _fake_kernel(calls: list[bytes]):
 @settings(max_examples=150, deadline=None)
 @given(custom_call_modules())
 def test_both_walks_agree_on_custom_calls(text):
-    from compilecast.worker import jax_adapter
+    from compilecast.worker.xla import jax_adapter
 
     assert mlircanon.bind_here() is not None
     with jax_adapter.mlir_context():

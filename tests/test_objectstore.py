@@ -12,7 +12,7 @@ import pytest
 
 from compilecast.config import ConfigError, CoordinatorConfig, load
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import CALL_ERRORS, status_code
 from .s3server import S3Server, restore, use_credentials

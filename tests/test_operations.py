@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from compilecast.coordinator.metrics import CoordinatorMetrics
-from compilecast.worker.metrics import WorkerMetrics
+from compilecast.worker.daemon.metrics import WorkerMetrics
 
 
 def test_health_and_reflection_on_both_servers(coordinator, start_worker):

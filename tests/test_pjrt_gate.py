@@ -1,4 +1,4 @@
-"""The PJRT gate's keys and bounds (worker/pjrtkeys.py, worker/pjrtgate.py):
+"""The PJRT gate's keys and bounds (worker/pjrtdoor/pjrtkeys.py, worker/pjrtdoor/pjrtgate.py):
 what changes an executable always changes the key; no caller can make the
 gate hold more than its limits. A real worker, coordinator and etcd; the
 gate's callers are raw sockets speaking its frames."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from compilecast.worker import pjrtkeys
-from compilecast.worker.pjrtgate import GateLimits, PjrtGate, frame
+from compilecast.worker.pjrtdoor import pjrtkeys
+from compilecast.worker.pjrtdoor.pjrtgate import GateLimits, PjrtGate, frame
 
 from .conftest import eventually
 

@@ -1,4 +1,4 @@
-"""The PJRT interposer (worker/_pjrt_interposer.c, worker/pjrtgate.py): JAX
+"""The PJRT interposer (worker/pjrtdoor/_pjrt_interposer.c, worker/pjrtdoor/pjrtgate.py): JAX
 on XLA's CPU PJRT C-API plugin (lammps-jax-pjrt-cpu), wrapped by the
 interposer, with compilecast.jax never imported. Real JAX processes, a real
 worker, coordinator and etcd."""
@@ -85,7 +85,7 @@ def test_four_processes_compile_each_program_once_and_a_second_wave_none(
     assert all(r["platform"] == platform and r["compilecast_jax"] == [] for r, _ in first)
     assert sample(worker, "compilecast_worker_pjrt_compiles_total", platform=platform,
                   outcome="compile") == len(programs)
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
 
     [counts] = CacheClient(worker.target).status().pjrt_compiles
     assert (counts.platform, counts.compiles, counts.hits, counts.local) == (
@@ -144,8 +144,8 @@ def test_who_compiles_follows_the_program_devices():
     import numpy as np
     from jax._src.lib import xla_client
 
-    from compilecast.worker.pjrtgate import identity, program_devices
-    from compilecast.worker.pjrtkeys import Compile
+    from compilecast.worker.pjrtdoor.pjrtgate import identity, program_devices
+    from compilecast.worker.pjrtdoor.pjrtkeys import Compile
 
     opts = xla_client.CompileOptions()
     opts.device_assignment = xla_client.DeviceAssignment.create(np.array([[3, 5], [7, 1]]))
@@ -223,7 +223,7 @@ class _ScriptedGate:
 def test_the_job_completes_whatever_the_worker_does(tmp_path, answer):
     import hashlib
 
-    from compilecast.worker.pjrtgate import frame
+    from compilecast.worker.pjrtdoor.pjrtgate import frame
 
     junk = b"not an executable"
     reply = {"COMPILE then gone": frame("COMPILE cc1-x"),
@@ -252,7 +252,7 @@ def test_the_job_completes_whatever_the_worker_does(tmp_path, answer):
 def test_a_stopped_gate_leaves_no_socket_behind(tmp_path):
     import asyncio
 
-    from compilecast.worker.pjrtgate import PjrtGate
+    from compilecast.worker.pjrtdoor.pjrtgate import PjrtGate
 
     path = tmp_path / "w.sock.pjrt"
     gate = PjrtGate(str(path), f"unix://{tmp_path}/w.sock", wait_timeout_s=1.0)
@@ -291,7 +291,7 @@ def test_the_script_saved_elsewhere_with_lines_added_compiles_nothing(worker, tm
 
 def published_programs(target: str) -> dict[str, str]:
     """{key: its program component} of every artifact published so far."""
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
 
     client = CacheClient(target)
     try:
@@ -311,7 +311,7 @@ def test_one_program_has_one_canonical_digest_through_either_door(worker, tmp_pa
     env = env_for(worker.target, interposed=False)
     env.update(COMPILECAST_ENABLE="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     (result, stderr), = wave(env, 1, tmp_path / "jax")
-    assert "compilecast.worker.jax_integration" in result["compilecast_jax"], stderr[-3000:]
+    assert "compilecast.worker.jaxdoor.jax_integration" in result["compilecast_jax"], stderr[-3000:]
     through_jax = {k: p for k, p in published_programs(worker.target).items()
                    if k not in interposed}
     assert through_jax and all(through_jax.values()) and all(interposed.values()), stderr[-3000:]

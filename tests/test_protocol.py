@@ -13,7 +13,7 @@ import pytest
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.clientpublish import publish_messages
+from compilecast.worker.inprocess.clientpublish import publish_messages
 
 from .conftest import CALL_ERRORS, client, code_of, eventually, key_recorded, sample, status_code
 

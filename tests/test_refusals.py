@@ -11,8 +11,8 @@ import pytest
 from compilecast.errors import InvalidRequest, NotFound, Unavailable
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.client import CacheClient, Identity
-from compilecast.worker.clientpublish import publish_messages
+from compilecast.worker.inprocess.client import CacheClient, Identity
+from compilecast.worker.inprocess.clientpublish import publish_messages
 
 from .conftest import client, code_of, publish
 

@@ -13,7 +13,7 @@ import pytest
 from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import CALL_ERRORS, all_at_once, status_code
 from .test_security import DATA
@@ -99,7 +99,7 @@ def test_a_fill_hands_each_reader_the_stream_it_takes(loop_thread):
     later zstd readers the decoded bytes."""
     from compilecast.errors import UpstreamError
     from compilecast.wire import DataChunk
-    from compilecast.worker.fill import Fill
+    from compilecast.worker.daemon.fill import Fill
 
     async def drain(q):
         out = []
@@ -318,7 +318,7 @@ def test_a_bad_relay_address_is_refused(address):
 
 def test_relay_pieces_keep_the_bytes_and_their_kind():
     from compilecast.wire import DataChunk
-    from compilecast.worker.upstream import RELAY_PIECE, relay_pieces
+    from compilecast.worker.daemon.upstream import RELAY_PIECE, relay_pieces
 
     data = os.urandom(2 * RELAY_PIECE + 123)
     for zstd in (False, True):
@@ -341,7 +341,7 @@ def test_a_peer_gets_a_live_download_in_pieces(start_coordinator, start_worker, 
     import zstandard
 
     from compilecast import wire
-    from compilecast.worker.upstream import RELAY_PIECE
+    from compilecast.worker.daemon.upstream import RELAY_PIECE
 
     coordinator = start_coordinator(relay_fanout=2)
     data = (b"".join(os.urandom(64) + b"\x00" * 960 for _ in range(SIZE // 1024))

@@ -1,4 +1,4 @@
-"""The workers' relay data plane (worker/relayplane.py): peers take what a
+"""The workers' relay data plane (worker/daemon/relayplane.py): peers take what a
 worker relays over plain TCP with sendfile, following its download as it is
 written; a peer whose plane breaks off or cannot be reached costs a fetch of
 the rest from the coordinator, or a relay over gRPC, never the artifact. Real
@@ -20,9 +20,9 @@ from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DATA_PLANE_REQUEST
-from compilecast.worker.client import CacheClient
-from compilecast.worker.fill import Fill
-from compilecast.worker.relayplane import RelayPlane
+from compilecast.worker.daemon.fill import Fill
+from compilecast.worker.daemon.relayplane import RelayPlane
+from compilecast.worker.inprocess.client import CacheClient
 
 from .test_relay import SIZE, egress, fetch_all, publish
 
@@ -161,7 +161,7 @@ def test_a_relay_plane_connection_without_a_valid_ticket_gets_nothing(
 
 
 class FakeFill:
-    """What relayplane._send reads of worker/service.py's Fill: how much of
+    """What relayplane._send reads of worker/daemon/service.py's Fill: how much of
     its file is written, a wake-up when that changes, and how it ended."""
 
     def __init__(self, path) -> None:

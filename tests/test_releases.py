@@ -1,5 +1,5 @@
 """A JAX process releases the lease of a program under JAX's caching
-thresholds behind the compile (worker/releases.py): the
+thresholds behind the compile (worker/jaxdoor/releases.py): the
 compile returns to JAX at once, the release reaches a real coordinator
 after, and the process's waiters are told why. Flushes are bounded; a
 forked child serves its own queue."""
@@ -11,9 +11,9 @@ import threading
 import warnings
 
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
-from compilecast.worker.jax_integration import CompilecastCache
-from compilecast.worker.releases import Releases
+from compilecast.worker.inprocess.client import CacheClient, Identity
+from compilecast.worker.jaxdoor.jax_integration import CompilecastCache
+from compilecast.worker.jaxdoor.releases import Releases
 
 
 def test_a_program_under_the_thresholds_is_released_behind_the_compile(coordinator):

@@ -92,7 +92,7 @@ def test_a_new_client_of_a_coordinator_restarted_on_its_address_is_served(start_
     process's channels unless told not to: an older client that saw the first
     coordinator go had a fresh client of the second refused at once."""
     from compilecast.v1 import cache_pb2 as pb
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
 
     first = start_coordinator()
     address = first.cfg.listen

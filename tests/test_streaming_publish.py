@@ -19,7 +19,7 @@ from compilecast.coordinator.records import scope
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import CALL_ERRORS, all_at_once, details_of, eventually, sample, status_code
 
@@ -293,7 +293,7 @@ def test_heartbeats_keep_a_fetcher_of_a_held_upload_from_giving_up(
     sends empty chunks, and the worker passes them on, so a fetcher that gives
     up on a transfer silent for 1 s waits through a 2.5 s upload."""
     from compilecast.coordinator import uploads
-    from compilecast.worker import fetches, upstream
+    from compilecast.worker.daemon import fetches, upstream
 
     monkeypatch.setattr(uploads, "HEARTBEAT_S", 0.2)
     monkeypatch.setattr(fetches, "HEARTBEAT_S", 0.2)

@@ -8,7 +8,7 @@ import time
 
 from compilecast.coordinator.etcd import Etcd
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import eventually, publish
 

@@ -1,5 +1,5 @@
 """PyTorch/XLA's persistent cache shared across hosts by `compilecast run`
-(worker/torchxla.py): real torch-xla 2.7 and 2.9 processes on the CPU
+(worker/torchdoor/torchxla.py): real torch-xla 2.7 and 2.9 processes on the CPU
 (`make install` puts them in .venv/torch-xla-*), a real coordinator, etcd and
 one worker per "host"."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import eventually
 
@@ -103,7 +103,7 @@ def test_a_second_host_started_through_torchrun_of_a_venv_not_on_path_compiles_n
 
 
 def test_the_interpreter_of_a_command_is_found_as_its_launcher_names_it(tmp_path):
-    from compilecast.worker.torchxla import interpreter
+    from compilecast.worker.torchdoor.torchxla import interpreter
 
     venv_python = tmp_path / "venv" / "bin" / "python3.11"
     launcher = tmp_path / "venv" / "bin" / "torchrun"

@@ -16,7 +16,7 @@ import uuid
 
 from compilecast import tracing
 from compilecast.launch import free_port
-from compilecast.worker.client import wait_until_healthy
+from compilecast.worker.inprocess.client import wait_until_healthy
 
 from .conftest import eventually
 

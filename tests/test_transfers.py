@@ -19,7 +19,7 @@ import pytest
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 from .conftest import CALL_ERRORS, details_of, eventually, status_code
 
@@ -83,7 +83,7 @@ def restart_worker(worker, started):
     socket and host cache, as a DaemonSet rollout does."""
     import dataclasses
 
-    from compilecast.worker.server import Worker
+    from compilecast.worker.daemon.server import Worker
 
     worker.stopped = True
     worker.lt.run(worker.server.stop(0.1))
@@ -177,7 +177,7 @@ def test_a_publish_the_server_stops_reading_is_given_up(serve):
 def test_a_worker_gives_up_an_upstream_transfer_that_stalls(serve, start_worker, monkeypatch):
     """The worker's own transfers to and from the coordinator: what stalls
     reaches its processes as DEADLINE_EXCEEDED, not as an internal error."""
-    from compilecast.worker import fetches, publishes, upstream
+    from compilecast.worker.daemon import fetches, publishes, upstream
 
     monkeypatch.setattr(publishes, "UPSTREAM_IDLE_S", 0.5)
     monkeypatch.setattr(fetches, "UPSTREAM_IDLE_S", 0.5)
@@ -246,7 +246,7 @@ def test_a_wait_cut_off_by_a_coordinator_restart_is_sent_again(
     """A rolling update stops the replica a host's wait is on: the worker asks
     again (the replica that took the address) instead of telling the waiting
     process to compile, and the process gets the holder's executable."""
-    from compilecast.worker.client import Identity
+    from compilecast.worker.inprocess.client import Identity
 
     first = start_coordinator(store_dir=tmp_path / "store")
     holder = CacheClient(start_worker(first.cfg.listen, name="h1").target,
@@ -283,7 +283,7 @@ def test_a_fetch_cut_off_by_a_worker_restart_is_tried_again(
 def test_a_wait_cut_off_by_a_worker_restart_is_sent_again(coordinator, start_worker, started):
     """A worker restarts while a process waits through it on another host's
     compile: the process waits again at the new worker and gets the result."""
-    from compilecast.worker.client import Identity
+    from compilecast.worker.inprocess.client import Identity
 
     holder = CacheClient(coordinator.cfg.listen, identity=Identity(job="j", process_id=0))
     claim = holder.acquire("k")
@@ -307,8 +307,8 @@ def test_a_process_asks_a_worker_that_is_restarting_again(coordinator, started, 
     import uuid
 
     from compilecast.config import WorkerConfig
-    from compilecast.worker.jax_integration import CompilecastCache
-    from compilecast.worker.server import Worker
+    from compilecast.worker.daemon.server import Worker
+    from compilecast.worker.jaxdoor.jax_integration import CompilecastCache
 
     sock = f"unix:///tmp/cc-{uuid.uuid4().hex[:8]}.sock"
     cache = CompilecastCache(sock, job="j")
@@ -330,7 +330,7 @@ def test_a_big_download_is_put_together_in_place():
     ordinary bytes (equal, hashed, sliced as any); more bytes than the size,
     or fewer, are refused."""
     from compilecast.errors import CorruptBlob
-    from compilecast.worker.client import Received
+    from compilecast.worker.inprocess.client import Received
 
     data = os.urandom(Received.IN_PLACE_FROM + 12_345)
     r = Received("k")
@@ -366,7 +366,7 @@ def test_a_download_put_together_in_place_has_its_pages_faulted_in_ahead():
     MADV_POPULATE_WRITE (Linux 5.14); the bytes are the same either way."""
     import platform
 
-    from compilecast.worker.client import Received
+    from compilecast.worker.inprocess.client import Received
 
     step = Received.POPULATE_STEP
     data = os.urandom(2 * step + 3 * 4096 + 17)
@@ -391,7 +391,7 @@ def test_a_download_put_together_in_place_has_its_pages_faulted_in_ahead():
 def test_a_process_keeps_only_its_latest_reasons():
     """A process that runs for days compiling new shapes locally keeps the
     latest reasons, not one string per compile since it started."""
-    from compilecast.worker.jax_integration import REASONS_KEPT, Stats
+    from compilecast.worker.jaxdoor.jax_integration import REASONS_KEPT, Stats
 
     stats = Stats()
     for i in range(3 * REASONS_KEPT):

@@ -14,7 +14,7 @@ from compilecast.coordinator.etcd import KV
 from compilecast.coordinator.keystate import KeyWaiters, lowest_rank, waiters_by_job
 from compilecast.coordinator.records import scope
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.client import CacheClient, Identity
+from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import eventually
 

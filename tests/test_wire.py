@@ -15,7 +15,7 @@ from compilecast import wire
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import DataChunk
-from compilecast.worker.client import CacheClient
+from compilecast.worker.inprocess.client import CacheClient
 
 
 @settings(max_examples=200, deadline=None)

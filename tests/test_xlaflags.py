@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from compilecast.worker import keys, xlaflags
+from compilecast.worker.keylib import keys
+from compilecast.worker.xla import xlaflags
 
 DEVICES = "import jax; print(jax.device_count())"
 

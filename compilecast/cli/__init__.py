@@ -76,7 +76,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from compilecast.worker.server import run
+    from compilecast.worker.daemon.server import run
 
     cfg, _ = _load(WorkerConfig, args)
     run(cfg)
@@ -112,7 +112,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace, timeout_s: float = 30.0):
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
 
     token = args.token
     if args.token_file:
@@ -152,7 +152,7 @@ def _wait_tasks(client, ids: list[str], timeout_s: float) -> int:
 
 
 def cmd_precompile(args: argparse.Namespace) -> int:
-    from compilecast.worker import aot
+    from compilecast.worker.jaxdoor import aot
 
     target = aot.parse_target(args.topology, args.platform)
     client = _client(args)
@@ -262,7 +262,7 @@ def cmd_farm(args: argparse.Namespace) -> int:
     import socket
     import threading
 
-    from compilecast.worker import aot
+    from compilecast.worker.jaxdoor import aot
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

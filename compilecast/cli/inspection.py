@@ -20,7 +20,7 @@ def human_size(n: float) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
 
     client = CacheClient(args.worker, timeout_s=args.timeout, token=args.token,
                          ca_file=args.ca_file)
@@ -115,7 +115,7 @@ def _file_key(path: str, include_metadata: bool, *, keep_text: bool = False):
     as the JAX integration's keys."""
     import dataclasses
 
-    from compilecast.worker.keys import KeyConfig, program_key
+    from compilecast.worker.keylib.keys import KeyConfig, program_key
 
     try:
         cfg = KeyConfig.from_env()
@@ -185,8 +185,8 @@ def _seen_key(key: str, worker: str):
     line that says what it is."""
     import time
 
-    from compilecast.worker.client import CacheClient
-    from compilecast.worker.keys import Key
+    from compilecast.worker.inprocess.client import CacheClient
+    from compilecast.worker.keylib.keys import Key
 
     client = CacheClient(worker)
     try:
@@ -211,7 +211,7 @@ def _seen_key(key: str, worker: str):
 
 def _explain_operand(arg: str, args: argparse.Namespace):
     """(key, its Key, what it is): a key the coordinator has seen, or a file."""
-    from compilecast.worker.keys import KEY_PREFIX
+    from compilecast.worker.keylib.keys import KEY_PREFIX
 
     if arg.startswith(KEY_PREFIX) and not Path(arg).exists():
         # The key as asked: what was recorded of it may be partial (a
@@ -222,7 +222,7 @@ def _explain_operand(arg: str, args: argparse.Namespace):
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from compilecast.worker.keys import explain
+    from compilecast.worker.keylib.keys import explain
 
     (ka, a, about_a), (kb, b, about_b) = (_explain_operand(x, args) for x in (args.a, args.b))
     if ka == kb:

@@ -4,7 +4,7 @@
 own cache directory kept in sync across the fleet by the host's worker.
 `compilecast pjrt-plugin`: the path of the PJRT interposer.
 
-Today this is PyTorch/XLA's persistent cache (worker/torchxla.py). The
+Today this is PyTorch/XLA's persistent cache (worker/torchdoor/torchxla.py). The
 command runs whatever happens: where the worker cannot be asked, or the
 interpreter has no torch_xla, it runs as it was, and the reason is printed
 once.
@@ -23,12 +23,12 @@ log = logging.getLogger("compilecast.run")
 
 
 def interposer_path() -> str:
-    """Where the PJRT interposer (worker/_pjrt_interposer.c) was built."""
+    """Where the PJRT interposer (worker/pjrtdoor/_pjrt_interposer.c) was built."""
     import glob
 
-    from compilecast import worker
+    from compilecast.worker import pjrtdoor
 
-    found = sorted(glob.glob(os.path.join(os.path.dirname(worker.__file__),
+    found = sorted(glob.glob(os.path.join(os.path.dirname(pjrtdoor.__file__),
                                           "_pjrt_interposer*.so")))
     if not found:
         raise FileNotFoundError("the PJRT interposer was not built with this install "
@@ -67,8 +67,8 @@ def add_parser(sub) -> None:
 def environment(command: list[str], worker: str, token: str) -> dict[str, str]:
     """The command's environment: with its cache directory the host's synced
     one, or as it was (and why, logged)."""
-    from compilecast.worker import torchxla
-    from compilecast.worker.client import CacheClient
+    from compilecast.worker.inprocess.client import CacheClient
+    from compilecast.worker.torchdoor import torchxla
 
     client = CacheClient(worker, token=token, timeout_s=10.0)
     try:
@@ -87,7 +87,7 @@ def libtpu_of(command: list[str], env: dict[str, str]) -> str:
     package of the command's interpreter."""
     if env.get("TPU_LIBRARY_PATH"):
         return env["TPU_LIBRARY_PATH"]
-    from compilecast.worker import torchxla
+    from compilecast.worker.torchdoor import torchxla
 
     try:
         return torchxla.probe(torchxla.interpreter(command), "libtpu", 60.0)["path"]

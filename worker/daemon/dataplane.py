@@ -1,6 +1,6 @@
 """The worker's end of the coordinator's data plane (coordinator/dataplane.py):
 downloads whose bytes a Fetch call's ticket stands for, and the connection
-and status frames of an upload (worker/service.py, WorkerService._upload)."""
+and status frames of an upload (worker/daemon/service.py, WorkerService._upload)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
-from .received import UploadRefused
-from .routes import DATA_PLANE_CONNECT_S, data_plane_address
+from ..inprocess.received import UploadRefused
+from ..inprocess.routes import DATA_PLANE_CONNECT_S, data_plane_address
 
 DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
 

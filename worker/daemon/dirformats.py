@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from . import hlocanon
+from ..keylib import hlocanon
 
 TEXT_LINE = re.compile(r'\s*(?:[A-Za-z_\[][\w.\[\]/]*\s*(?::\s*\S.*|:?\s*\{)|\})\s*\Z')
 

@@ -1,4 +1,4 @@
-"""The worker's HostDirectories service over worker/dirsync.py."""
+"""The worker's HostDirectories service over worker/daemon/dirsync.py."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from compilecast.errors import PermissionDenied, Unauthenticated, Unavailable
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 
-from .client import CacheClient
+from ..inprocess.client import CacheClient
+from ..inprocess.identity import Identity, default_client_name
 from .dirsync import DirSync
-from .identity import Identity, default_client_name
 from .metrics import WorkerMetrics
 
 TENANT_TTL_S = 300.0  # a credential's tenant, as the coordinator said, trusted this long

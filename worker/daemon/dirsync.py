@@ -7,7 +7,7 @@ for: framework versions, device kind, flags) and shares it:
 
 - publish: a file that has settled (its size and time unchanged since the
   last pass, and older than `settle_s`) and is whole by its kind's format
-  (worker/dirformats.py) is published under the key
+  (worker/daemon/dirformats.py) is published under the key
   ``dir.<kind>.<namespace id>.<file name>.v<16 hex of its sha256>``: entries
   are write-once per content, so a good copy of a name can follow a bad one.
   It is read through one file descriptor, opened without following links
@@ -67,7 +67,7 @@ MAX_DIRS = 1024
 
 
 class Client(Protocol):
-    """What the sync needs of a compilecast client (worker/client.py)."""
+    """What the sync needs of a compilecast client (worker/inprocess/client.py)."""
 
     def acquire(self, key: str) -> pb.AcquireResponse: ...
     def publish(self, key: str, lease: pb.Lease, data: bytes,

@@ -1,7 +1,7 @@
 """The worker's Fetch: a host cache hit served from disk, a miss downloaded
-once however many of the host's processes ask (a fill, worker/fill.py), from
+once however many of the host's processes ask (a fill, worker/daemon/fill.py), from
 the coordinator, a peer worker it points to, its data plane or its bucket,
-and passed on to every reader as it arrives. WorkerService (worker/service.py)
+and passed on to every reader as it arrives. WorkerService (worker/daemon/service.py)
 is made of this and the rest of the API.
 """
 
@@ -43,7 +43,7 @@ from .upstream import (
     ticketed,
 )
 
-log = logging.getLogger("compilecast.worker.service")
+log = logging.getLogger("compilecast.worker.daemon.service")
 
 
 
@@ -350,7 +350,7 @@ class Fetches:
     async def relay_ticket(self, ns: str, request: pb.FetchRequest) -> pb.FetchChunk | None:
         """For a peer's relay Fetch that takes a data ticket: the artifact's
         header with a ticket of this worker's relay data plane, where its
-        bytes are in a file sent as it stands (worker/relayplane.py): the
+        bytes are in a file sent as it stands (worker/daemon/relayplane.py): the
         host cache file of a download under way, once it is stored raw, or
         the committed blob. None: the fetch goes on over gRPC."""
         if self.relay_plane is None or not request.accept_data_ticket:

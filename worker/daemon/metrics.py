@@ -176,7 +176,7 @@ class WorkerMetrics:
         )
         self.pjrt_compiles = Counter(
             "compilecast_worker_pjrt_compiles",
-            "Compiles of frameworks on an interposed PJRT plugin (worker/pjrtgate.py), by "
+            "Compiles of frameworks on an interposed PJRT plugin (worker/pjrtdoor/pjrtgate.py), by "
             "platform and outcome: hit (loaded a shared executable), compile (held the lease), "
             "local (compiled without sharing), failed (the compile failed or was not published)",
             ["platform", "outcome"], registry=registry,

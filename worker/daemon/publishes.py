@@ -1,5 +1,5 @@
 """The worker's publishes: a process's Publish stream (or the memory file it
-hands over, worker/handoff.py) forwarded to the coordinator, over its data
+hands over, worker/daemon/handoff.py) forwarded to the coordinator, over its data
 plane where it offers one, while the worker keeps a copy in its host cache
 and this host's waiters may follow it.
 """
@@ -25,7 +25,8 @@ from compilecast.negotiate import Route, Routes
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk, publish_stream
 
-from . import clientpublish
+from ..inprocess import clientpublish
+from ..inprocess.received import UploadRefused
 from .dataplane import (
     DataPlaneBroke,
     answered,
@@ -39,7 +40,6 @@ from .fill import (
 from .handoff import Handoffs
 from .hostcache import HostCache, HostCopies
 from .metrics import WorkerMetrics
-from .received import UploadRefused
 from .upstream import (
     UPSTREAM_IDLE_S,
     CoordinatorLink,
@@ -49,7 +49,7 @@ from .upstream import (
 )
 from .waits import HostWaits
 
-log = logging.getLogger("compilecast.worker.service")
+log = logging.getLogger("compilecast.worker.daemon.service")
 
 
 class Publishes:
@@ -80,7 +80,7 @@ class Publishes:
 
     async def open_upload(self, ns: str, md: tuple,
                           request: pb.OpenUploadRequest) -> pb.OpenUploadResponse:
-        """A ticket to hand a publish over as a sealed file (worker/handoff.py);
+        """A ticket to hand a publish over as a sealed file (worker/daemon/handoff.py);
         none where this worker takes no handoffs (not on a unix socket)."""
         if self.handoffs is None:
             return pb.OpenUploadResponse()

@@ -18,7 +18,7 @@ the bytes:
   raw, or as the zstd stream it keeps to a peer that decodes it.
 The connection carries what the coordinator's data plane carries (RAW_MAGIC
 then the artifact, or one zstd stream), so the peer reads it with the same
-code (worker/dataplane.py, with_data_plane) and verifies the digest. A
+code (worker/daemon/dataplane.py, with_data_plane) and verifies the digest. A
 download that fails, or whose file stops being kept, ends the connection
 short: the peer fetches the rest from the coordinator, from where it got to.
 Offered only where the relay's gRPC port is plaintext too: the token stands
@@ -58,7 +58,7 @@ WAIT_S = 10.0  # a growing file that does not grow for this long: its download i
 class _Ticket:
     file: Any  # open for reading
     size: int  # the file's length once whole
-    fill: Any  # worker/service.py's Fill it grows with, or None: the file is whole
+    fill: Any  # worker/daemon/service.py's Fill it grows with, or None: the file is whole
     expires: float
 
 

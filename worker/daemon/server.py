@@ -16,13 +16,13 @@ from compilecast.config import WorkerConfig
 from compilecast.grpcutil import channel_credentials, server_credentials, token_from
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
+from ..inprocess.routes import handoff_supported
+from ..pjrtdoor.pjrtgate import PjrtGate
 from .dirservice import DirectoriesService, make_dirsync
 from .handoff import Handoffs
 from .hostcache import HostCache
 from .metrics import WorkerMetrics
-from .pjrtgate import PjrtGate
 from .relayplane import RelayPlane
-from .routes import handoff_supported
 from .service import RelayService, WorkerService
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class Worker(Role):
         return ("" if token == self.service.token else token), scope
 
     async def _pjrt_gate(self, address: str) -> None:
-        """The socket of the host's interposed PJRT compiles (worker/pjrtgate.py)."""
+        """The socket of the host's interposed PJRT compiles (worker/pjrtdoor/pjrtgate.py)."""
         timeout_ms = self.cfg.share_binary_between_hosts_timeout_ms or 20 * 60 * 1000
         gate = PjrtGate(f"{address.removeprefix('unix://')}.pjrt", address,
                         wait_timeout_s=timeout_ms / 1000,
@@ -145,7 +145,7 @@ class Worker(Role):
                         gate.path, exc)
 
     async def _relay_plane(self, creds) -> None:
-        """The relay's data plane (worker/relayplane.py), unless it is off."""
+        """The relay's data plane (worker/daemon/relayplane.py), unless it is off."""
         cfg = self.cfg
         if cfg.relay_data_listen == "off":
             return
@@ -191,6 +191,6 @@ class Worker(Role):
 
 
 def run(cfg: WorkerConfig) -> None:
-    from . import mlircanon
+    from ..keylib import mlircanon
     mlircanon.warm_up()  # the host's JAX processes then key MLIR programs by the C path at once
     asyncio.run(Worker(cfg).serve())

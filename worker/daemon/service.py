@@ -7,9 +7,9 @@
   waits on a dead service.
 - Fetch fills the host cache once per key (one download however many local
   processes ask), then serves every local reader from disk
-  (worker/fetches.py).
+  (worker/daemon/fetches.py).
 - Publish forwards the stream and keeps a copy, so a restarted process on
-  this host hits locally (worker/publishes.py).
+  this host hits locally (worker/daemon/publishes.py).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class WorkerService(rpc.CompileCacheServicer):
         upstream: list[tuple[pb.AcquireResponse, bool]] = []
         if ask:
             start = time.perf_counter()
-            try:  # shared with this host's other requests for the key (worker/decisions.py)
+            try:  # shared with this host's other requests for the key (worker/daemon/decisions.py)
                 with tracing.span("worker.upstream.decide", keys=len(ask)):
                     for r in ask:  # ours, never a caller's map
                         r.ClearField("trace_context")
@@ -215,7 +215,7 @@ class WorkerService(rpc.CompileCacheServicer):
     async def _wait_once(self, request: pb.WaitRequest, md: tuple,
                          until_publishing: bool) -> pb.WaitEvent:
         """A wait (`_bounded` already), shared with this host's other waits
-        for the key (one upstream wait for all: worker/waits.py) and sent over
+        for the key (one upstream wait for all: worker/daemon/waits.py) and sent over
         the Decide stream (a message, not a call of its own); an unreachable
         coordinator means COMPILE_LOCALLY."""
 
@@ -427,7 +427,7 @@ class WorkerService(rpc.CompileCacheServicer):
     async def ReportHits(self, request, context):
         raise Unimplemented("ReportHits is the coordinator's: workers report their hits there")
 
-    # -- Fetch and Publish (worker/fetches.py, worker/publishes.py) ------
+    # -- Fetch and Publish (worker/daemon/fetches.py, worker/daemon/publishes.py) ------
     @rpc_errors
     async def Fetch(self, request, context):
         ns, md = self.link.credential(context)

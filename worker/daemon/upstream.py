@@ -17,7 +17,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import HEARTBEAT_S, TRANSFER_S, DataChunk
 
-from .received import UploadRefused
+from ..inprocess.received import UploadRefused
 
 PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for the coordinator
 UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats every 10 s) failed

@@ -72,7 +72,7 @@ class CacheClient:
                          else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
         self._channel = grpc.intercept_channel(self._channel, _Metadata(bearer(token))) \
             if token or tracing.on() else self._channel
-        # The one gRPC edge: every call raises compilecast's errors (worker/rpcedge.py).
+        # The one gRPC edge: every call raises compilecast's errors (worker/inprocess/rpcedge.py).
         self.stub = edged(wire.stub(self._channel))
         self._directories = edged(rpc.HostDirectoriesStub(self._channel))  # the host's worker only
         # The routes besides gRPC this process may take (compilecast/negotiate.py):
@@ -94,7 +94,7 @@ class CacheClient:
         self.leases.close()
         self._channel.close()
 
-    # -- publishes and leases (worker/clientpublish.py) ------------------
+    # -- publishes and leases (worker/inprocess/clientpublish.py) ------------------
     def publish(self, key: str, lease: pb.Lease, data: bytes,
                 compile_time_s: float, recipe: pb.Recipe | None = None, *,
                 identity: Identity | None = None) -> pb.ArtifactInfo:
@@ -155,7 +155,7 @@ class CacheClient:
     def open_directory(self, kind: str, namespace: dict[str, str], *, publish_off: str = "",
                        install_off: str = "") -> pb.SyncedDirectory:
         """The host's directory of `kind` for `namespace`, which the worker
-        keeps in sync with the fleet's (worker/dirsync.py)."""
+        keeps in sync with the fleet's (worker/daemon/dirsync.py)."""
         return self._directories.OpenDirectory(
             pb.OpenDirectoryRequest(kind=kind, namespace=namespace, publish_off=publish_off,
                                     install_off=install_off),

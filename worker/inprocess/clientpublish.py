@@ -1,7 +1,7 @@
 """A client's publishes: the holder's bytes to the coordinator or the host's
 worker (over gRPC, a data plane, or handed over as a sealed memory file),
 tried again when cut off, and its compile lease kept alive meanwhile: the
-Publisher and the LeaseKeepers a CacheClient (worker/client.py) is built with.
+Publisher and the LeaseKeepers a CacheClient (worker/inprocess/client.py) is built with.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .routes import (
     upload_data_plane,
 )
 
-log = logging.getLogger("compilecast.worker.client")
+log = logging.getLogger("compilecast.worker.inprocess.client")
 
 # Smaller publishes go over gRPC: below this the upload's extra round trips (the
 # ticket, the connection, the go) cost more than its cheaper bytes save

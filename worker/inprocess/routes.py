@@ -1,7 +1,7 @@
 """How a client's bytes travel besides gRPC: over a coordinator's data plane
 (plain TCP, sendfile, a one-time ticket), and handed to the host's worker as
-a sealed memory file (worker/handoff.py), with the memory that leaves. Used
-by worker/client.py's CacheClient.
+a sealed memory file (worker/daemon/handoff.py), with the memory that leaves. Used
+by worker/inprocess/client.py's CacheClient.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from .received import (
     read_stored,
 )
 
-log = logging.getLogger("compilecast.worker.client")
+log = logging.getLogger("compilecast.worker.inprocess.client")
 
 PUBLISH_CHUNK = 1 << 20
 DATA_PLANE_CONNECT_S = 5.0  # a data plane that does not take the connection by then: gRPC
 
-# A handed-over file is sealed against every change (worker/handoff.py, the
+# A handed-over file is sealed against every change (worker/daemon/handoff.py, the
 # worker's end, checks that it is).
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(
     fcntl, "F_SEAL_WRITE") else 0
@@ -175,7 +175,7 @@ class NoFile(OSError):
 
 def hand_off(data: bytes, ticket: pb.DataTicket, stall_s: float) -> pb.ArtifactInfo:
     """Publish `data` by handing it to this host's worker as a sealed memory
-    file (worker/handoff.py): written once, sealed, passed over the
+    file (worker/daemon/handoff.py): written once, sealed, passed over the
     ticket's unix socket. Unreachable when its socket cannot be connected
     to, NoFile when the file cannot be made (both before anything was
     handed); UploadRefused as its Publish stream would have been refused;

@@ -35,8 +35,9 @@ from compilecast.errors import AlreadyPublished, CompilecastError, LeaseError, N
 from compilecast.grpcutil import rpc_problem
 from compilecast.v1 import cache_pb2 as pb
 
-from . import jax_adapter, keys
-from .client import CacheClient
+from ..inprocess.client import CacheClient
+from ..keylib import keys
+from ..xla import jax_adapter
 
 log = logging.getLogger("compilecast.aot")
 

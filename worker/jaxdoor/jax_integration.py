@@ -44,8 +44,9 @@ from compilecast.errors import (
 from compilecast.grpcutil import unreachable
 from compilecast.v1 import cache_pb2 as pb
 
-from . import jax_adapter, keys
-from .client import CacheClient, Identity
+from ..inprocess.client import CacheClient, Identity
+from ..keylib import keys
+from ..xla import jax_adapter
 from .releases import Releases
 
 log = logging.getLogger("compilecast.jax")
@@ -409,7 +410,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
 
     def autotune_dir(self, namespace: dict[str, str]) -> str:
         """The host's synced directory of XLA's GPU autotune results for
-        `namespace` (worker/dirsync.py), opened once per process: the first
+        `namespace` (worker/daemon/dirsync.py), opened once per process: the first
         time, the entries other hosts published are installed before the
         compile ("" : none, the worker could not be asked)."""
         ident = tuple(sorted(namespace.items()))

@@ -18,7 +18,7 @@ def initialize() -> None:
     if os.environ.get("COMPILECAST_ENABLE", "").lower() not in ("1", "true", "yes", "on"):
         return
     try:
-        from compilecast.worker.jax_integration import active_cache, enable
+        from compilecast.worker.jaxdoor.jax_integration import active_cache, enable
 
         if active_cache is None:
             enable()

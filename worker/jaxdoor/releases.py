@@ -1,4 +1,4 @@
-"""Lease releases sent behind a JAX process's compile (worker/jax_integration.py)."""
+"""Lease releases sent behind a JAX process's compile (worker/jaxdoor/jax_integration.py)."""
 
 from __future__ import annotations
 

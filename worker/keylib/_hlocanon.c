@@ -1,5 +1,5 @@
 /* Canonical bytes of a serialized HloModuleProto: the C implementation of
- * worker/hlocanon.py (which documents the canonical form and is the
+ * worker/keylib/hlocanon.py (which documents the canonical form and is the
  * reference; tests/test_hlocanon.py checks both give the same bytes).
  *
  * One pass records every computation's and instruction's position, a second
@@ -599,7 +599,7 @@ static int ignored_attribute(const Ctx *c, const Field *f) {
     return 0;
 }
 
-/* A tpu_custom_call's backend_config through the kernel hook (worker/mosaic.py):
+/* A tpu_custom_call's backend_config through the kernel hook (worker/keylib/mosaic.py):
  * 1 written as a group under field 43 + KERNEL ({1: before, 2: kernel digest,
  * 3: after}), 0 kept as it is (the hook said None), -1 failed. */
 #define KERNEL ((uint64_t)1 << 27)

@@ -1,4 +1,4 @@
-# The C fast path of worker/hlocanon.py (worker/_hlocanon.c): the same bytes
+# The C fast path of worker/keylib/hlocanon.py (worker/keylib/_hlocanon.c): the same bytes
 # as canonical_hlo_py, ValueError for a malformed module.
 from typing import Any
 

@@ -1,5 +1,5 @@
 /* The canonical program stream of an in-memory MLIR module, written by one
- * walk over MLIR's C API (the same bytes as worker/mlirwalk.py, the
+ * walk over MLIR's C API (the same bytes as worker/keylib/mlirwalk.py, the
  * reference; tests/test_mlircanon.py holds them equal).
  *
  * jaxlib does not export MLIR's C API: its functions are in libjax_common.so
@@ -7,7 +7,7 @@
  * table (.dynsym first, then .symtab); `bind(path, locations)` reads just
  * those entries again, checks each is the function of that name, and adds
  * the library's load address. Nothing
- * here is called before every symbol is found, and worker/mlircanon.py uses
+ * here is called before every symbol is found, and worker/keylib/mlircanon.py uses
  * this module only after a self-test in a separate process matched the
  * reference for this exact library file: a jaxlib whose functions changed
  * shape costs a slower key, never a crashed JAX process.
@@ -807,7 +807,7 @@ static MlirStringRef cstr(const char *s) {
 }
 
 /* A Pallas/Mosaic TPU kernel call: its backend_config carries the kernel's
- * MLIR bytecode, locations included (worker/mosaic.py). */
+ * MLIR bytecode, locations included (worker/keylib/mosaic.py). */
 static int is_tpu_kernel_call(Walk *w, MlirOperation op, MlirIdentifier opname, NameList *l) {
   if (!w->kernel) return 0;
   if (!l->custom_call) l->custom_call = is_name(opname, "stablehlo.custom_call") ? 1 : -1;

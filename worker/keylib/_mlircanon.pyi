@@ -1,4 +1,4 @@
-# The C walk of worker/mlircanon.py (worker/_mlircanon.c), over MLIR's C API
+# The C walk of worker/keylib/mlircanon.py (worker/keylib/_mlircanon.c), over MLIR's C API
 # inside jaxlib: bound to a library file first, then the canonical stream.
 from typing import Any
 

@@ -23,7 +23,7 @@ in the key (a miss at worst, never a collision). What changes:
   list, and the fields named in HLO_FIELDS that a deployment also drops;
 - a Pallas/Mosaic TPU kernel call (custom_call_target "tpu_custom_call"
   before its backend_config): the config is written as the kernel hook
-  (worker/mosaic.py) splits it, the kernel's bytecode replaced by the digest
+  (worker/keylib/mosaic.py) splits it, the kernel's bytecode replaced by the digest
   of its canonical stream, under field 43 + KERNEL, a number no real field
   uses.
 
@@ -281,7 +281,7 @@ def _emit(m: _Module, kind: int, vs: int, ve: int, out: bytearray,
 
 def _kernel_config(m: _Module, f: int, vs: int, ve: int, out: bytearray) -> bool:
     """A tpu_custom_call's backend_config as the kernel hook splits it
-    (worker/mosaic.py): a group under field f + KERNEL holding {1: before,
+    (worker/keylib/mosaic.py): a group under field f + KERNEL holding {1: before,
     2: the kernel's digest, 3: after}. False when the hook keeps it whole."""
     parts = checked_split(m.kernel, m.buf[vs:ve])
     if parts is None:

@@ -8,7 +8,7 @@ is kept so `explain` can say which one caused a miss:
     platform         backend platform and platform version (JAX only)
     versions         jaxlib / XLA version
     xla_flags        XLA_FLAGS and LIBTPU_INIT_ARGS in effect, as XLA reads them
-                     (worker/xlaflags.py), minus dump and debug flags
+                     (worker/xla/xlaflags.py), minus dump and debug flags
     topology         device kinds, count and the device assignment (JAX only)
     compression      the entry format
     key_version      bumps whenever canonicalization changes
@@ -59,7 +59,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import hlocanon, mlircanon, mosaic, xlaflags
+from ..xla import xlaflags
+from . import hlocanon, mlircanon, mosaic
 
 
 class _JaxAdapter:
@@ -67,7 +68,7 @@ class _JaxAdapter:
     without JAX, so `compilecast key dump/*.hlo.pb` never pays for importing it."""
 
     def __getattr__(self, name: str) -> Any:
-        from . import jax_adapter as module
+        from ..xla import jax_adapter as module
         globals()["jax_adapter"] = module  # later uses go straight to the module
         return getattr(module, name)
 
@@ -517,7 +518,7 @@ def _hlo_digest(module_bytes: bytes | memoryview, cfg: KeyConfig) -> str:
 
 
 def xla_flags() -> list[str]:
-    """The XLA flags in effect as XLA reads them (see worker/xlaflags.py),
+    """The XLA flags in effect as XLA reads them (see worker/xla/xlaflags.py),
     minus those JAX knows cannot change the executable."""
     return xlaflags.describe(jax_adapter.excluded_xla_flags(),
                              prefixes=jax_adapter.xla_flag_prefixes())

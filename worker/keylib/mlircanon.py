@@ -1,11 +1,11 @@
-"""Which walk writes a module's canonical stream (worker/mlirwalk.py holds
+"""Which walk writes a module's canonical stream (worker/keylib/mlirwalk.py holds
 the grammar and the reference walk).
 
 Two implementations write the same bytes: `_mlircanon` (C, over MLIR's C API
 inside jaxlib, which jaxlib does not export: bound by symbol from its ELF
 file) and `stream_py` (this module, through jaxlib's Python bindings; about
 25x slower on op-heavy modules). The C path runs in a JAX process only after
-a self-test in a child process (`python -m compilecast.worker.mlircanon
+a self-test in a child process (`python -m compilecast.worker.keylib.mlircanon
 --selftest`) matched the two on a corpus for this exact jaxlib library and extension build (the
 verdict is kept in ~/.cache/compilecast/mlircanon), or when the package ships
 a verdict for that build (KNOWN_BUILDS). Until a verdict exists the first
@@ -146,7 +146,7 @@ def _run_selftest() -> None:
             running.touch()  # a stale marker: its process died
             ours = True
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        proc = subprocess.run([sys.executable, "-m", "compilecast.worker.mlircanon", "--selftest"],
+        proc = subprocess.run([sys.executable, "-m", "compilecast.worker.keylib.mlircanon", "--selftest"],
                               capture_output=True, text=True, timeout=SELFTEST_TIMEOUT_S, env=env)
         if proc.returncode != 0 and not path.exists():
             _write_verdict(False, f"self-test exited {proc.returncode}: {proc.stderr[-500:]}")
@@ -174,7 +174,7 @@ def _write_verdict(ok: bool, why: str, api: tuple[str, list[int]] | None = None)
     os.replace(tmp, path)
 
 
-# Verdicts compilecast's own CI recorded (`python -m compilecast.worker.mlircanon
+# Verdicts compilecast's own CI recorded (`python -m compilecast.worker.keylib.mlircanon
 # --record` after the self-test passed), by the sha256 that jaxlib's wheel RECORD
 # gives its library file: a process with that exact build binds at once, with
 # no self-test of its own (containers start with an empty ~/.cache).
@@ -402,7 +402,7 @@ def record(api: tuple[str, list[int]]) -> str:
 
 def main(argv: list[str]) -> int:
     if argv not in (["--selftest"], ["--record"]):
-        print("usage: python -m compilecast.worker.mlircanon --selftest | --record",
+        print("usage: python -m compilecast.worker.keylib.mlircanon --selftest | --record",
               file=sys.stderr)
         return 2
     try:

@@ -16,7 +16,7 @@ index space each):
                numbered in walk order, all of a region's as the walk enters it)
     value   := 'r' ref(attr) | 'S' str (a renamed sym_name) | 'F' filtered
              | 'K' str(before) str(kernel) str(after)  (the backend_config of a
-               tpu_custom_call, split by the kernel hook: worker/mosaic.py)
+               tpu_custom_call, split by the kernel hook: worker/keylib/mosaic.py)
     filtered:= varint(#dicts) ('D' varint(#kept) (ref(name) ref(attr))* | 'r' ref(attr))*
     attr    := 'R' str (a flat symbol reference, renamed when private)
              | 'A' varint(n) ref(attr)*            (arrays)
@@ -31,7 +31,7 @@ streams never parse the same: the stream is injective over what it covers.
 
 Three rewrites that never change what a program computes leave the stream as
 it was, so that a module and the same module after XLA's C-API client
-canonicalized it for a plugin (worker/pjrtkeys.py) stream alike:
+canonicalized it for a plugin (worker/pjrtdoor/pjrtkeys.py) stream alike:
 - a constant (`stablehlo.constant` with its `value` alone) is written where it
   is used, as its value, never where it is defined: where constants sit, and
   whether equal constants are one op or several, does not count;
@@ -52,7 +52,7 @@ deeper than MAX_NESTING; the C walk also refuses a name that is not UTF-8, on
 which jaxlib's Python bindings abort the process.
 
 This module is the reference walk, through jaxlib's Python bindings;
-worker/mlircanon.py chooses between it and the C walk (`_mlircanon.c`), which
+worker/keylib/mlircanon.py chooses between it and the C walk (`_mlircanon.c`), which
 writes the same bytes.
 """
 
@@ -83,7 +83,7 @@ MAX_NESTING = 200  # operations in regions, or attributes in attributes (as _mli
 
 
 def ir_bindings() -> Any:
-    from .jax_adapter import ir
+    from ..xla.jax_adapter import ir
     return ir
 
 
@@ -434,7 +434,7 @@ def stream_py(module: Any, hasher: Any, ignore: frozenset[str],
               renames: dict[str, str] | None, kernel: Any = None) -> None:
     """The canonical stream of `module`, fed to hasher.update (the reference).
     renames None: the module's private_renames. kernel: the hook that splits
-    a tpu_custom_call's backend_config (worker/mosaic.py), or None."""
+    a tpu_custom_call's backend_config (worker/keylib/mosaic.py), or None."""
     s = _Stream(hasher, ignore, private_renames(module) if renames is None else renames, kernel)
     try:
         s.op(module.operation, 0)

@@ -7,7 +7,7 @@ file and line of every operation. Hashed as it is, the same kernel defined at
 another line, in another file or under another checkout path would change
 the program's key, and the whole program would compile again.
 
-The canonical stream (worker/mlircanon.py) therefore writes such a config as
+The canonical stream (worker/keylib/mlircanon.py) therefore writes such a config as
 'K' str(before) str(kernel) str(after): the config's text before the body's
 base64, the digest of the kernel's own canonical stream (the same walk, so
 locations are never visited; names are kept), and the text after it. Every
@@ -82,7 +82,8 @@ def _kernel_digest(b64: bytes) -> bytes | None:
 
 
 def _digest_uncached(b64: bytes) -> bytes | None:
-    from . import jax_adapter, mlircanon
+    from ..xla import jax_adapter
+    from . import mlircanon
 
     try:
         body = base64.b64decode(b64, validate=True)

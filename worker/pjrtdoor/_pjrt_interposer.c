@@ -4,7 +4,7 @@
  * plugin named by COMPILECAST_PJRT_PLUGIN and hands the framework the real
  * plugin's function table, with PJRT_Client_Compile replaced. A compile asks
  * the host's worker (COMPILECAST_WORKER's unix socket + ".pjrt",
- * worker/pjrtgate.py) with the program, its serialized compile options and
+ * worker/pjrtdoor/pjrtgate.py) with the program, its serialized compile options and
  * what else the executable depends on (the plugin's build and attributes,
  * the devices, the environment the plugin reads); the worker keys it and
  * answers, after any number of WAITING frames (heartbeats while it waits):

@@ -1,11 +1,11 @@
-"""The worker's side of the PJRT interposer (worker/_pjrt_interposer.c).
+"""The worker's side of the PJRT interposer (worker/pjrtdoor/_pjrt_interposer.c).
 
 A framework that compiles through a PJRT plugin wrapped by the interposer
 sends each compile here, over the unix socket next to the worker's
 (`<socket>.pjrt`): the program as the framework gave it, its serialized
 CompileOptionsProto, the client's devices, the plugin's build, the
 environment the plugin reads and the caller's token. The gate is an adapter
-over the worker's own API: it keys the compile (worker/pjrtkeys.py), then
+over the worker's own API: it keys the compile (worker/pjrtdoor/pjrtkeys.py), then
 asks the worker over its socket as any process of the host does, with the
 caller's token (the same namespace, tenant and permissions), so the host
 cache, the single-flight waits and fetches, the leases and the digests are
@@ -63,11 +63,13 @@ from compilecast.decide import ends_wait
 from compilecast.grpcutil import aio_channel, bearer
 from compilecast.v1 import cache_pb2 as pb
 
-from . import hlocanon, jax_adapter, pjrtkeys
-from .client import Identity
-from .clientpublish import publish_messages
-from .keys import Key
-from .xlaflags import GPU_PLATFORMS
+from ..inprocess.client import Identity
+from ..inprocess.clientpublish import publish_messages
+from ..keylib import hlocanon
+from ..keylib.keys import Key
+from ..xla import jax_adapter
+from ..xla.xlaflags import GPU_PLATFORMS
+from . import pjrtkeys
 
 log = logging.getLogger(__name__)
 

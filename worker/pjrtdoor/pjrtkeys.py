@@ -1,6 +1,6 @@
 """The key of a compile that reaches the worker through the PJRT interposer.
 
-The same composition as the JAX door's key (worker/keys.py), from what an
+The same composition as the JAX door's key (worker/keylib/keys.py), from what an
 interposed framework process can see:
 
 - the program's canonical digest: a StableHLO portable artifact (what JAX
@@ -31,7 +31,8 @@ import stat
 import threading
 from dataclasses import dataclass, field
 
-from . import jax_adapter, keys, xlaflags
+from ..keylib import keys
+from ..xla import jax_adapter, xlaflags
 
 PJRT_KEY_VERSION = "pjrt-2"
 MAX_PLUGIN_BYTES = 8 << 30  # a plugin library larger than this is keyed by its path and size

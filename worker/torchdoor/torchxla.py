@@ -5,7 +5,7 @@ torch_xla caches compiled graphs in the directory `XLA_PERSISTENT_CACHE_PATH`
 names, one file per graph, named by torch's lazy-IR graph hash, written at its
 final name. It has no hook: the directory is its only seam. `compilecast run`
 points it at the host's synced directory of kind "torch-xla"
-(worker/dirsync.py) for the job's namespace, after installing what other
+(worker/daemon/dirsync.py) for the job's namespace, after installing what other
 hosts published there; the worker publishes the files this host writes once
 they have settled.
 
@@ -13,7 +13,7 @@ A build whose cache cannot load what it wrote (torch_xla 2.8 and 2.9 fail to
 deserialize, delete the file and compile again) gets its directory with
 installs off: its files are published, none is installed, and it says why
 once. Whether a build loads is probed, once per interpreter and release, on
-the CPU (worker/torchxla_probe.py).
+the CPU (worker/torchdoor/torchxla_probe.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from . import xlaflags
-from .client import CacheClient
+from ..inprocess.client import CacheClient
+from ..xla import xlaflags
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _shebang(path: str) -> str | None:
 
 
 def probe(python: str, what: str, timeout_s: float) -> dict:
-    """What worker/torchxla_probe.py says of `python` (one JSON object)."""
+    """What worker/torchdoor/torchxla_probe.py says of `python` (one JSON object)."""
     done = subprocess.run([python, str(PROBE_SCRIPT), what], capture_output=True, text=True,
                           timeout=timeout_s, env={**os.environ, "PJRT_DEVICE": "CPU"})
     if done.returncode != 0:

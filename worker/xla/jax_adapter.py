@@ -22,13 +22,13 @@ JAX's persistent compilation cache has no public plugin hook. We use:
 - `combine_executable_and_time` / `compress_executable`, to write entries in
   exactly JAX's own format;
 - `jax._src.compilation_cache.get_cache_key`, replaced by compilecast's
-  canonical key (worker/keys.py), which is identical on every process of a
+  canonical key (worker/keylib/keys.py), which is identical on every process of a
   job and ignores names and debug metadata;
 - jaxlib's MLIR bindings (`jax._src.lib.mlir`) that the key library parses
   MLIR programs with (and `jax._src.lib.tpu`, Mosaic's dialect, for the
   Pallas kernels inside them), and the HLO -> StableHLO converter
   (`_jax.mlir.hlo_to_stablehlo`) that `explain` prints HLO protos with;
-- for recipes and replays (worker/aot.py): `mlir.module_to_bytecode`,
+- for recipes and replays (worker/jaxdoor/aot.py): `mlir.module_to_bytecode`,
   `xla_client.CompileOptions` (de)serialization, `xla_client.DeviceList` and
   `compiler.compile_or_get_cached`, which compiles a recorded program through
   the same hooked path (and so under the same key) as a jitted function.
@@ -63,7 +63,7 @@ from jax._src.interpreters import mlir as _mlir
 from jax._src.lib import _jax
 from jax._src.lib import version_str as _jaxlib_version
 from jax._src.lib import xla_client as _xc
-from jax._src.lib.mlir import ir  # also used by worker/keys.py
+from jax._src.lib.mlir import ir  # also used by worker/keylib/keys.py
 from jax._src.lib.mlir import passmanager as _passmanager
 
 from .xlaflags import GPU_PLATFORMS
