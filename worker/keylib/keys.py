@@ -75,11 +75,13 @@ class _JaxAdapter:
 
 jax_adapter: Any = _JaxAdapter()
 
-KEY_VERSION = "6"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon;
+KEY_VERSION = "7"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon;
 # 4: xla_flags as XLA reads them (last of a repeated flag, quoted values, flag files), and the
 # host CPU (CPU platform) and JAX's custom_hook (when set) as components; 5: MLIR programs
 # by mlircanon's canonical stream (one walk) instead of a canonicalized module's bytecode;
-# 6: a Shardy mesh's axis names by their position (renamed consistently, one key)
+# 6: a Shardy mesh's axis names by their position (renamed consistently, one key); 7: the MLIR
+# stream's version 4 (constants where used, identity converts, DEFAULT-only precisions: one
+# digest through the JAX door and the PJRT interposer), whose grammar differs from 3's
 KEY_PREFIX = "cc1-"
 DEFAULT_IGNORED_ATTRIBUTES = ("jax.arg_info", "jax.result_info")
 MLIR_BYTECODE_MAGIC = b"ML\xefR"

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from ..keylib import keys
 from ..xla import jax_adapter, xlaflags
 
-PJRT_KEY_VERSION = "pjrt-2"
+PJRT_KEY_VERSION = "pjrt-3"
 MAX_PLUGIN_BYTES = 8 << 30  # a plugin library larger than this is keyed by its path and size
 PORTABLE_PRODUCER = b"StableHLO_v"  # a portable artifact's producer, near its start
 
