@@ -86,6 +86,7 @@ def test_a_publish_the_bucket_refuses_is_never_indexed(replica, monkeypatch):
 
     monkeypatch.setattr(a.store.bucket, "upload", down)
     lease = c.acquire("k").lease
+    c.keep_lease("k", lease)  # as a holder does: the lease outlives the publish's retries
     assert _code(lambda: c.publish("k", lease, os.urandom(MB), 1.0)) == \
         grpc.StatusCode.UNAVAILABLE
     monkeypatch.undo()
@@ -94,6 +95,7 @@ def test_a_publish_the_bucket_refuses_is_never_indexed(replica, monkeypatch):
     data = os.urandom(MB)
     assert c.publish("k", lease, data, 1.0).digest == hashlib.sha256(data).hexdigest()
     assert other.acquire("k").decision == pb.HIT
+    c.stop_lease("k", lease)
     c.close()
     other.close()
 
