@@ -60,10 +60,13 @@ def test_a_mixed_job_compiles_each_shared_program_once_and_its_second_run_nothin
     assert _results(first) == _results(baseline)
     assert not any(r["stats"].get("fallbacks") for s in MIXED for r in _shape(first, s)), first
 
-    # A global program: compiled once, by process 0; the others wait for it.
+    # A global program: compiled once, by process 0; the others load it, having
+    # waited for it when they asked before its publish (a fast compile may be
+    # published before another process asks: a hit without a wait).
     glob = _shape(first, "global")
     assert _total(first, "global", "xla") == 1 and glob[0]["stats"]["published"] == 1, glob
-    assert all(s["stats"]["waits"] == 1 and s["stats"]["hits"] == 1 for s in glob[1:]), glob
+    assert all(s["stats"]["waits"] <= 1 and s["stats"]["hits"] == 1
+               and s["stats"]["compiles"] == 0 for s in glob[1:]), glob
 
     # Per-process programs (a jit and eager ops on the process's own device):
     # each process compiles and publishes its own, waiting for nobody.
