@@ -435,7 +435,7 @@ def _no_nul(cfg: Any) -> None:
 def _readable(cfg: Any, *names: str) -> None:
     for n in names:
         path = getattr(cfg, n)
-        if path and "\x00" not in path and not os.access(path, os.R_OK):  # (a NUL: _no_nul)
+        if path and "\x00" not in path and not os.access(path, os.R_OK):  # (a NUL is _no_nul's to report)
             raise ConfigError(f"{n} {path!r} is not a readable file")
 
 

@@ -288,7 +288,6 @@ def test_the_script_saved_elsewhere_with_lines_added_compiles_nothing(worker, tm
     assert not go.exists()
 
 
-
 def published_programs(target: str) -> dict[str, str]:
     """{key: its program component} of every artifact published so far."""
     from compilecast.worker.inprocess.client import CacheClient

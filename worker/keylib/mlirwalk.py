@@ -29,16 +29,8 @@ index space each):
 Every field of the grammar is length-prefixed or counted, so two different
 streams never parse the same: the stream is injective over what it covers.
 
-Three rewrites that never change what a program computes leave the stream as
-it was, so that a module and the same module after XLA's C-API client
-canonicalized it for a plugin (worker/pjrtdoor/pjrtkeys.py) stream alike:
-- a constant (`stablehlo.constant` with its `value` alone) is written where it
-  is used, as its value, never where it is defined: where constants sit, and
-  whether equal constants are one op or several, does not count;
-- a `stablehlo.convert` to its operand's own type is its operand;
-- a `precision_config` of DEFAULT precisions only is left out (the default).
-What it leaves out, and nothing else, is what canonicalization drops
-(docs/keys.md): locations (never visited), SSA names (values are numbers),
+What it leaves out, besides the three rewrites below, is what canonicalization
+drops (docs/keys.md): locations (never visited), SSA names (values are numbers),
 the module's sym_name, the ignore list on the module and its functions (and
 in their arg_attrs/res_attrs), and private function names (renamed f0, f1, ...
 in order of appearance, everywhere they are referenced). MLIR prints types and
@@ -50,6 +42,15 @@ printed form names a blob without its bytes: ResourceRefused, and
 keys.program_digest keys such a module by its stripped bytecode) and nesting
 deeper than MAX_NESTING; the C walk also refuses a name that is not UTF-8, on
 which jaxlib's Python bindings abort the process.
+
+The three rewrites, which never change what a program computes, leave the stream as
+it was, so that a module and the same module after XLA's C-API client
+canonicalized it for a plugin (worker/pjrtdoor/pjrtkeys.py) stream alike:
+- a constant (`stablehlo.constant` with its `value` alone) is written where it
+  is used, as its value, never where it is defined: where constants sit, and
+  whether equal constants are one op or several, does not count;
+- a `stablehlo.convert` to its operand's own type is its operand;
+- a `precision_config` of DEFAULT precisions only is left out (the default).
 
 This module is the reference walk, through jaxlib's Python bindings;
 worker/keylib/mlircanon.py chooses between it and the C walk (`_mlircanon.c`), which
