@@ -13,11 +13,13 @@ WEED_VERSION ?= v0.0.0-20261109003541-7506e5f91cd6
 WEED    := $(GOBIN)/weed
 STAMP   := .make-installed
 # PyTorch/XLA releases the tests run (CPU), each in a virtualenv of its own:
-# torch and torch-xla from PyPI, 5.1 GB (2.7) and 6.5 GB (2.9). PyPI's torch for
-# Linux links CUDA's libraries, which its loader needs even on CPU; triton (its
-# GPU kernel compiler, 0.5 GB) is not needed and is removed. No pip cache.
+# torch and torch-xla from PyPI, 2.3 GB a release. PyPI's torch for Linux links
+# CUDA's libraries, which its loader opens even on a CPU: one copy (4.3 GB, the
+# newest release's) serves every release (scripts/torch_xla_venv.py). Triton
+# (torch's GPU kernel compiler) is left out; no pip cache is kept.
 TORCH_XLA := .venv/torch-xla
 TORCH_XLA_RELEASES := 2.7 2.9
+TORCH_CUDA := .venv/torch-cuda-libs
 
 .PHONY: install package tools prometheus demo test test-matrix test-fast lint typecheck proto bench bench-smoke clean
 
@@ -50,11 +52,13 @@ $(HELM):
 $(WEED):
 	bash scripts/go_build.sh github.com/seaweedfs/seaweedfs@$(WEED_VERSION) ./weed $(WEED)
 
-$(TORCH_XLA)-%/.installed:
+$(TORCH_CUDA)/.installed:
+	rm -rf $(TORCH_CUDA)
+	$(SYSPY) scripts/torch_xla_venv.py cuda $(TORCH_CUDA) $(lastword $(TORCH_XLA_RELEASES))
+
+$(TORCH_XLA)-%/.installed: | $(TORCH_CUDA)/.installed
 	rm -rf $(TORCH_XLA)-$*
-	$(SYSPY) -m venv $(TORCH_XLA)-$*
-	$(TORCH_XLA)-$*/bin/python -m pip install -q --no-cache-dir torch==$*.0 torch-xla==$*.0
-	$(TORCH_XLA)-$*/bin/python -m pip uninstall -q -y triton
+	$(SYSPY) scripts/torch_xla_venv.py venv $(TORCH_XLA)-$* $* $(TORCH_CUDA)
 	touch $@
 
 tools: $(HELM) $(WEED)
