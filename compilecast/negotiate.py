@@ -23,11 +23,17 @@ that case (docs/architecture.md, "Routes"):
 Each end (a CacheClient, a worker) holds one `Routes`: the routes offered at
 its start (what its settings, its channel and the host allow), less those
 an operator switched off (COMPILECAST_<NAME>=0 where a route has a variable).
-A route that fails in a way that will fail again (an address that cannot be
-connected to, a server that offers no tickets, a file this process cannot
-read) is switched off for the end's life, or toward one peer (`where`); a
-failure of one transfer (a connection cut midway) only sends that transfer
-down the ladder, and the route is tried again next time.
+
+Each transfer (a fetch, a publish, a fill) takes a `Ladder`: the routes of
+its end's order that are on, and what a failure means, decided in one place
+(`Ladder.failed`), and one loop (`carry`, `acarry`) around the transfer's
+attempt. A route's end raises `RouteFailed`; then:
+  - the transfer goes on without that route (down the ladder, at last the
+    gRPC stream), and a later transfer tries it again;
+  - a failure that will fail again (`lasting`: an address that cannot be
+    connected to, a server that offers no tickets, a file this process
+    cannot read) also switches the route off for the end's life, or toward
+    one place only (`where`: a peer, an artifact).
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ from __future__ import annotations
 import enum
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 log = logging.getLogger("compilecast.routes")
 
-MAX_PLACES_NOTED = 4096  # peers a route is noted off toward (more: tried again)
+MAX_PLACES_NOTED = 4096  # places a route is noted off toward (more: tried again)
+
+T = TypeVar("T")
 
 
 class Route(enum.Enum):
@@ -58,6 +67,15 @@ class Route(enum.Enum):
         return self.value
 
 
+# Each transfer's order: the first route on that the far end takes carries it
+# (a fetch names the routes it takes and its server picks among them).
+PROCESS_FETCH = (Route.LOCAL_FILE, Route.GROWING_FILE, Route.DATA_PLANE)
+WAIT = (Route.DATA_WAIT, Route.DATA_PLANE)
+PROCESS_PUBLISH = (Route.UPLOAD_TICKET, Route.HANDOFF, Route.DATA_PLANE)
+WORKER_FILL = (Route.RELAY_PLANE, Route.DATA_PLANE, Route.BUCKET_URL)
+WORKER_PUBLISH = (Route.UPLOAD_TICKET, Route.DATA_PLANE)
+
+
 class Routes:
     """The routes one end may still take (see the module's docstring)."""
 
@@ -68,7 +86,7 @@ class Routes:
         self._off_toward: dict[tuple[Route, str], str] = {}  # (route, place) -> why
 
     def on(self, route: Route, where: str = "") -> bool:
-        """Whether this end may take `route` (toward `where`, a peer)."""
+        """Whether this end may take `route` (toward `where`: a peer, an artifact)."""
         return route in self._on and (not where or (route, where) not in self._off_toward)
 
     def off(self, route: Route, why: str, *, where: str = "") -> bool:
@@ -88,3 +106,75 @@ class Routes:
     def taken(self) -> list[str]:
         """The routes on, by name (for status and logs)."""
         return sorted(r.name.lower() for r in self._on)
+
+    def ladder(self, order: Sequence[Route], *, key: str = "") -> Ladder:
+        """A transfer's ladder: the routes of `order` this end may take, in
+        that order (of `key`, for the logs)."""
+        return Ladder(self, order, key=key)
+
+
+class RouteFailed(Exception):
+    """A route could not carry a transfer (raised by the route's end). With
+    `lasting`, it will fail again: the route goes off for the end's life, or
+    toward `where` only."""
+
+    def __init__(self, route: Route, why: str, *, lasting: bool = False,
+                 where: str = "") -> None:
+        super().__init__(why)
+        self.route = route
+        self.why = why
+        self.lasting = lasting
+        self.where = where
+
+
+class Ladder:
+    """The routes one transfer may still take, in its end's order; the gRPC
+    stream, never in it, is the last rung."""
+
+    def __init__(self, routes: Routes, order: Sequence[Route], *, key: str = "") -> None:
+        self.routes = routes
+        self.key = key
+        self._left = [r for r in order if routes.on(r)]
+        self.failures: list[RouteFailed] = []
+
+    def has(self, route: Route, where: str = "") -> bool:
+        """Whether this transfer may still take `route` (toward `where`)."""
+        return route in self._left and self.routes.on(route, where)
+
+    def first(self) -> Route | None:
+        """The first route left ("None": the gRPC stream)."""
+        return next((r for r in self._left if self.routes.on(r)), None)
+
+    def failed(self, failure: RouteFailed) -> None:
+        """What a failure means: this transfer goes on without the route
+        (toward `where`, the rest of the transfer without it where no place
+        is named); a lasting one switches it off for the end."""
+        self.failures.append(failure)
+        if failure.lasting:
+            self.routes.off(failure.route, failure.why, where=failure.where)
+        if not failure.where and failure.route in self._left:
+            self._left.remove(failure.route)
+        log.info("%s: route %s failed%s (%s); going on %s", self.key or "a transfer",
+                 failure.route.name.lower(),
+                 f" toward {failure.where}" if failure.where else "", failure.why,
+                 f"over {first.name.lower()}" if (first := self.first()) else "over gRPC",
+                 extra={"key": self.key} if self.key else None)
+
+
+def carry(ladder: Ladder, attempt: Callable[[Ladder], T]) -> T:
+    """Run a transfer's `attempt` on its ladder until it no longer fails on
+    a route: its result, or the error of its last rung."""
+    while True:
+        try:
+            return attempt(ladder)
+        except RouteFailed as failure:
+            ladder.failed(failure)
+
+
+async def acarry(ladder: Ladder, attempt: Callable[[Ladder], Awaitable[T]]) -> T:
+    """`carry` for an asynchronous attempt."""
+    while True:
+        try:
+            return await attempt(ladder)
+        except RouteFailed as failure:
+            ladder.failed(failure)

@@ -237,7 +237,7 @@ def test_a_download_cut_off_by_a_coordinator_restart_resumes(
     restart(first, started, grace_s=0.1)  # mid-download, with no grace for it to finish
     t.join(60)
     assert out == [data]
-    assert ("was cut off at byte" if way == "grpc" else "fetching the rest over gRPC") \
+    assert ("was cut off at byte" if way == "grpc" else "fetching the rest without it") \
         in caplog.text
 
 

@@ -14,35 +14,35 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 
+from compilecast.negotiate import Route, RouteFailed
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
-
-from .dataplane import DataPlaneBroke
 
 PIECE = 4 << 20
 CONNECT_S = 10.0
 
 
-async def with_bucket_url(call, used: list) -> AsyncIterator:
+async def with_bucket_url(call, used: list[Route]) -> AsyncIterator:
     """A Fetch call's chunks, where a URL (the only message, next to the
     artifact) stands for the chunks its GET brings, as a gRPC fetch of the
-    raw artifact would send them. Appends to `used` once the URL is taken;
-    DataPlaneBroke when the GET fails or ends short (unreachable: it could
-    not connect)."""
+    raw artifact would send them. Appends BUCKET_URL to `used` once the URL
+    is taken; RouteFailed when the GET fails or ends short (lasting: it
+    could not connect)."""
     async for chunk in call:
         if not (chunk.HasField("artifact") and chunk.url):
             yield chunk
             continue
         info = chunk.artifact
         yield pb.FetchChunk(artifact=info)
-        used.append(True)
+        used.append(Route.BUCKET_URL)
         try:
             resp = await asyncio.to_thread(urllib.request.urlopen, chunk.url, timeout=CONNECT_S)
         except urllib.error.HTTPError as exc:
-            raise DataPlaneBroke(f"the bucket answered its presigned GET with {exc.code}") \
-                from None
+            raise RouteFailed(Route.BUCKET_URL, f"the bucket answered its presigned GET with "
+                              f"{exc.code}") from None
         except (OSError, ValueError) as exc:
-            raise DataPlaneBroke(f"the bucket could not be reached: {exc}", True) from None
+            raise RouteFailed(Route.BUCKET_URL, f"the bucket could not be reached: {exc}",
+                              lasting=True) from None
         got = 0
         with resp:
             try:
@@ -50,8 +50,9 @@ async def with_bucket_url(call, used: list) -> AsyncIterator:
                     got += len(piece)
                     yield DataChunk(piece)
             except OSError as exc:
-                raise DataPlaneBroke(f"the bucket's GET broke off after {got} bytes: {exc}") \
-                    from None
+                raise RouteFailed(Route.BUCKET_URL, f"the bucket's GET broke off after {got} "
+                                  f"bytes: {exc}") from None
         if got != info.size:
-            raise DataPlaneBroke(f"the bucket's GET sent {got} of {info.size} bytes")
+            raise RouteFailed(Route.BUCKET_URL, f"the bucket's GET sent {got} of {info.size} "
+                              f"bytes")
         return

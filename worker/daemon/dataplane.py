@@ -10,6 +10,7 @@ import socket
 from collections.abc import AsyncIterator
 
 from compilecast import wire
+from compilecast.negotiate import Route, RouteFailed
 from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
@@ -18,16 +19,6 @@ from ..inprocess.received import UploadRefused
 from ..inprocess.routes import DATA_PLANE_CONNECT_S, data_plane_address
 
 DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
-
-
-class DataPlaneBroke(Exception):
-    """A download over the coordinator's data plane failed: the rest comes
-    over gRPC (an upload whose connection could not be made: all of it).
-    `unreachable`: it could not even connect (not asked again)."""
-
-    def __init__(self, why: str, unreachable: bool = False) -> None:
-        super().__init__(why)
-        self.unreachable = unreachable
 
 
 RELAY_LEAST = 256 << 10  # from a peer, bytes go on once this many have come (see _recv_piece)
@@ -57,9 +48,10 @@ async def _recv_piece(loop, sock: socket.socket, least: int = DATA_PLANE_PIECE) 
     return piece[:n].toreadonly()
 
 
-async def dial(ticket: pb.DataTicket, target: str) -> socket.socket:
-    """A non-blocking connection to the data plane of `ticket`;
-    DataPlaneBroke (unreachable) when it cannot be made."""
+async def dial(ticket: pb.DataTicket, target: str, route: Route = Route.DATA_PLANE,
+               where: str = "") -> socket.socket:
+    """A non-blocking connection to the data plane of `ticket`; RouteFailed
+    (`route`, toward `where`: lasting) when it cannot be made."""
     loop = asyncio.get_running_loop()
     sock = None
     try:
@@ -72,8 +64,8 @@ async def dial(ticket: pb.DataTicket, target: str) -> socket.socket:
     except (OSError, TimeoutError) as exc:
         if sock is not None:
             sock.close()
-        raise DataPlaneBroke(f"cannot connect to its data plane: {exc!r}",
-                              unreachable=True) from None
+        raise RouteFailed(route, f"cannot connect to its data plane: {exc!r}",
+                          lasting=True, where=where) from None
     return sock
 
 
@@ -109,23 +101,25 @@ def answered(sock: socket.socket) -> bool:
     return True  # a byte, or its end
 
 
-async def with_data_plane(call, target: str, used: list,
-                          least: int = DATA_PLANE_PIECE) -> AsyncIterator:
+async def with_data_plane(call, target: str, used: list[Route],
+                          least: int = DATA_PLANE_PIECE, *, route: Route = Route.DATA_PLANE,
+                          where: str = "") -> AsyncIterator:
     """A Fetch call's chunks, where a data ticket (the only message, next to
     the artifact) stands for the chunks its connection brings: the stored
     blob, raw after RAW_MAGIC (data) or one zstd stream (zstd_data), as a
-    gRPC fetch would send it. Appends to `used` once the ticket is taken;
-    DataPlaneBroke when the connection fails or ends short of a raw blob.
-    `least`: see _recv_piece."""
+    gRPC fetch would send it. Appends `route` (DATA_PLANE, or RELAY_PLANE
+    toward the peer `where`) to `used` once the ticket is taken; RouteFailed
+    when the connection fails or ends short of a raw blob. `least`: see
+    _recv_piece."""
     async for chunk in call:
         if not (chunk.HasField("artifact") and chunk.HasField("data_ticket")):
             yield chunk
             continue
         info = chunk.artifact
         yield pb.FetchChunk(artifact=info)
-        used.append(True)
+        used.append(route)
         loop = asyncio.get_running_loop()
-        with await dial(chunk.data_ticket, target) as sock:
+        with await dial(chunk.data_ticket, target, route, where) as sock:
             if least < DATA_PLANE_PIECE:  # a peer on a slow link: woken for `least`, not a packet
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, least)
@@ -139,7 +133,9 @@ async def with_data_plane(call, target: str, used: list,
                     yield DataChunk(piece) if raw else DataChunk(b"", piece)
                     piece = await _recv_piece(loop, sock, least)
             except OSError as exc:
-                raise DataPlaneBroke(f"its data plane broke off: {exc}") from None
+                raise RouteFailed(route, f"its data plane broke off: {exc}",
+                                  where=where) from None
             if raw and got != info.size:
-                raise DataPlaneBroke(f"its data plane sent {got} of {info.size} bytes")
+                raise RouteFailed(route, f"its data plane sent {got} of {info.size} bytes",
+                                  where=where)
         return

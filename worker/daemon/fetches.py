@@ -19,14 +19,14 @@ import grpc
 from compilecast import validate
 from compilecast.blobstore import aread
 from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamError
-from compilecast.negotiate import Route, Routes
+from compilecast.negotiate import WORKER_FILL, Ladder, Route, RouteFailed, Routes
 from compilecast.serving import Background
 from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import HEARTBEAT_S, TRANSFER_S, DataChunk
 
 from .bucketurl import with_bucket_url
-from .dataplane import DATA_PLANE_PIECE, RELAY_LEAST, DataPlaneBroke, with_data_plane
+from .dataplane import DATA_PLANE_PIECE, RELAY_LEAST, with_data_plane
 from .fill import Fill, Inflating, following_fill
 from .hostcache import HostCache, HostCopies
 from .metrics import WorkerMetrics
@@ -54,8 +54,7 @@ class _Download:
     key: str
     digest: str
     relay: str  # this worker's relay address, offered to the coordinator ("": none)
-    ticket: bool  # the coordinator's data plane may be asked for
-    urls: bool  # a bucket's presigned URL may be taken
+    ladder: Ladder  # the routes it may still take
     resumes: list[float] = field(default_factory=lambda: list(RESUME_S))
     info: pb.ArtifactInfo | None = None
     peer: str = ""  # the peer worker relaying it ("": the coordinator)
@@ -84,8 +83,7 @@ class Fetches:
         peer worker that is downloading (or holds) the same artifact; if the
         peer fails, the rest comes from the coordinator, from where we were."""
         start = time.monotonic()
-        dl = _Download(key, digest, self.relay_address, self.routes.on(Route.DATA_PLANE),
-                       self.routes.on(Route.BUCKET_URL))
+        dl = _Download(key, digest, self.relay_address, self.routes.ladder(WORKER_FILL, key=key))
         try:
             # (Inside the try: a fill that fails to start ends its readers too.)
             writer = fill.writer = self.cache.store.writer(discard_when_unwritable=True)
@@ -120,9 +118,9 @@ class Fetches:
             relay_address="" if dl.peer else dl.relay,
             offset=0 if dl.peer else writer.size,
             accept_zstd=fresh,
-            accept_data_ticket=fresh and (self.routes.on(Route.RELAY_PLANE, dl.peer) if dl.peer
-                                          else dl.ticket),
-            accept_url=fresh and not dl.peer and dl.urls)
+            accept_data_ticket=fresh and (dl.ladder.has(Route.RELAY_PLANE, dl.peer) if dl.peer
+                                          else dl.ladder.has(Route.DATA_PLANE)),
+            accept_url=fresh and not dl.peer and dl.ladder.has(Route.BUCKET_URL))
 
     async def _attempt(self, dl: _Download, fill: Fill, md: tuple, writer) -> bool:
         """One Fetch of what is missing, from the coordinator or a peer;
@@ -132,23 +130,25 @@ class Fetches:
         dl.inflate = None
         request = self._fetch_request(dl, writer)
         stub = self.link.peer(dl.peer) if dl.peer else self.link.up
-        used: list = []
+        used: list[Route] = []
         try:
             chunks = stub.Fetch(request, timeout=TRANSFER_S, metadata=md)
             if request.accept_data_ticket:  # (every other chunk passes straight on)
-                chunks = with_data_plane(chunks, dl.peer or self.link.address, used,
-                                         RELAY_LEAST if dl.peer else DATA_PLANE_PIECE)
+                chunks = with_data_plane(
+                    chunks, dl.peer or self.link.address, used,
+                    RELAY_LEAST if dl.peer else DATA_PLANE_PIECE,
+                    route=Route.RELAY_PLANE if dl.peer else Route.DATA_PLANE, where=dl.peer)
             if request.accept_url:
                 chunks = with_bucket_url(chunks, used)
             redirect = await self._take(dl, fill, writer, request, chunks)
             if used and dl.info is not None and writer.size != dl.info.size:
-                raise DataPlaneBroke(f"its data plane's stream ended at byte "
-                                     f"{writer.size} of {dl.info.size}")
+                raise RouteFailed(used[0], f"its stream ended at byte {writer.size} of "
+                                  f"{dl.info.size}", where=dl.peer)
             if used:
                 (self.metrics.relays.labels("data_plane") if dl.peer
                  else self.metrics.data_plane.labels("taken")).inc()
-        except DataPlaneBroke as exc:
-            await self._data_plane_broke(dl, writer, exc)
+        except RouteFailed as failure:
+            await self._route_failed(dl, writer, failure)
             return True
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             await self._fetch_broke(dl, writer, exc)
@@ -204,26 +204,21 @@ class Fetches:
         await asyncio.to_thread(writer.write, chunk.data)
         fill.advance()
 
-    async def _data_plane_broke(self, dl: _Download, writer, exc: DataPlaneBroke) -> None:
-        """A data plane's stream broke off: where the rest comes from."""
+    async def _route_failed(self, dl: _Download, writer, failure: RouteFailed) -> None:
+        """A route of the fill's failed (the ladder says what that means for
+        it): where the rest comes from."""
         if dl.inflate is not None:
-            await dl.inflate.cut(dl.key, "its zstd stream from the data plane was cut off")
-        if dl.peer and exc.unreachable:  # that peer over gRPC, from here on
-            self.routes.off(Route.RELAY_PLANE, str(exc), where=dl.peer)
-            log.warning("download of %s: %s's relay data plane: %s; relayed over gRPC",
-                        dl.key, dl.peer, exc, extra={"key": dl.key})
-        elif dl.peer:  # as for a failed relay: the rest from the coordinator
+            await dl.inflate.cut(dl.key, "its zstd stream over another route was cut off")
+        dl.ladder.failed(failure)
+        if dl.peer and not failure.lasting:  # as for a failed relay: the rest from the coordinator
             self.metrics.relays.labels("fallback").inc()
             log.warning("relay of %s from %s: %s; fetching the rest from the coordinator",
-                        dl.key, dl.peer, exc, extra={"key": dl.key})
+                        dl.key, dl.peer, failure, extra={"key": dl.key})
             dl.peer, dl.relay = "", ""
-        else:  # the rest (or all) over gRPC, from where the download is
-            dl.ticket, dl.urls, dl.relay = False, False, ""
-            if exc.unreachable:  # from here: never asked for again
-                self.routes.off(Route.DATA_PLANE, str(exc))
-                self.routes.off(Route.BUCKET_URL, str(exc))
+        elif not dl.peer:  # the rest from where the download is: never redirected
+            dl.relay = ""
             self.metrics.data_plane.labels("fallback").inc()
-            log.warning("download of %s: %s; fetching %s over gRPC", dl.key, exc,
+            log.warning("download of %s: %s; fetching %s without it", dl.key, failure,
                         "the rest" if writer.size else "it", extra={"key": dl.key})
 
     async def _fetch_broke(self, dl: _Download, writer,

@@ -21,14 +21,13 @@ from compilecast.errors import (
     TooMany,
     Unavailable,
 )
-from compilecast.negotiate import Route, Routes
+from compilecast.negotiate import WORKER_PUBLISH, Ladder, Route, RouteFailed, Routes
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk, publish_stream
 
 from ..inprocess import clientpublish
 from ..inprocess.received import UploadRefused
 from .dataplane import (
-    DataPlaneBroke,
     answered,
     dial,
     upload_status,
@@ -67,7 +66,6 @@ class Publishes:
         # This host's waiters woken as a publish through us begins (they follow our copy).
         self.wake_on_host_publish = wake_on_host_publish
         self.handoffs: Handoffs | None = None  # publishes handed over as files (server.py)
-        self._upload_broke: set[tuple[str, str]] = set()  # its next try goes over gRPC
 
     async def publish(self, ns: str, md: tuple,
                       request_iterator: AsyncIterator[pb.PublishChunk]) -> pb.PublishResponse:
@@ -156,12 +154,20 @@ class Publishes:
 
             sending = outgoing()
             # The first chunk says whether the rest goes raw (it is packed here
-            # when it compresses): raw bytes of
-            # a big artifact may go over the coordinator's data plane.
-            first = await anext(sending, None) if self._uploads(ns, header) else None
+            # when it compresses): raw bytes of a big artifact may go over the
+            # coordinator's data plane.
+            ladder = self.routes.ladder(WORKER_PUBLISH, key=header.key)
+            where = f"{ns}/{header.key}"  # an upload of it that broke: its next try over gRPC
+            first = await anext(sending, None) if ladder.has(Route.UPLOAD_TICKET) and \
+                ladder.has(Route.DATA_PLANE, where) and \
+                header.size >= clientpublish.DATA_PLANE_UPLOAD_FROM else None
             resp = None
             if first is not None and not first.zstd_data:
-                resp = await self._upload(ns, md, head.header, header, first, sending, moved)
+                try:
+                    resp = await self._upload(md, head.header, header, first, sending, moved,
+                                              ladder, where)
+                except RouteFailed as failure:  # nothing of `sending` was read
+                    ladder.failed(failure)
 
             async def forward() -> AsyncIterator[pb.PublishChunk]:
                 yield head
@@ -180,63 +186,48 @@ class Publishes:
         self.metrics.bytes.labels("published").inc(header.size)
         return resp
 
-    def _uploads(self, ns: str, header: pb.PublishHeader) -> bool:
-        """Whether a publish through us may go over the coordinator's data
-        plane: a big one, where the coordinator takes uploads, unless its
-        last try here broke off (it goes over gRPC this time)."""
-        if (ns, header.key) in self._upload_broke:
-            self._upload_broke.discard((ns, header.key))
-            return False
-        return self.routes.on(Route.DATA_PLANE) and self.routes.on(Route.UPLOAD_TICKET) \
-            and header.size >= clientpublish.DATA_PLANE_UPLOAD_FROM
-
-    async def _upload(self, ns: str, md: tuple, header: pb.PublishHeader,
-                      ending: pb.PublishHeader, first, rest: AsyncIterator,
-                      moved: list[float]) -> pb.PublishResponse | None:
+    async def _upload(self, md: tuple, header: pb.PublishHeader, ending: pb.PublishHeader,
+                      first, rest: AsyncIterator, moved: list[float], ladder: Ladder,
+                      where: str) -> pb.PublishResponse:
         """Send a publish's raw bytes (`first`, then `rest`) over the
         coordinator's data plane, as a process's client does (cache.proto,
-        OpenUpload); None, with nothing of `rest` read, where they must go
-        over gRPC instead. `header` is the publish's header as it came, and
-        `ending` the same once `rest` has ended (with a digest sent last). A
-        refusal is the coordinator's status, as its Publish stream would have
-        ended with; an upload that broke off is UNAVAILABLE, and the holder's
-        next try goes over gRPC."""
+        OpenUpload); RouteFailed, with nothing of `rest` read, where they
+        must go over gRPC instead. `header` is the publish's header as it
+        came, and `ending` the same once `rest` has ended (with a digest sent
+        last). A refusal is the coordinator's status, as its Publish stream
+        would have ended with; an upload that broke off is UNAVAILABLE, and
+        the holder's next try goes over gRPC (the route is off toward
+        `where`, the artifact)."""
         try:
             opened = await self.link.up.OpenUpload(pb.OpenUploadRequest(header=header),
-                                              timeout=self.link.rpc_timeout_s, metadata=md)
+                                                   timeout=self.link.rpc_timeout_s, metadata=md)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                return None  # too many tickets out (or too large: its Publish says so)
+                # Too many tickets out (or too large: its Publish says so).
+                raise RouteFailed(Route.UPLOAD_TICKET, exc.details() or "") from None
             raise relay_error(exc) from None
         if not opened.HasField("ticket"):
-            self.routes.off(Route.UPLOAD_TICKET, f"{self.link.address} offers no upload tickets")
-            log.info("%s takes publishes over gRPC only", self.link.address)
-            return None
-        try:
-            sock = await dial(opened.ticket, self.link.address)
-        except DataPlaneBroke as exc:
-            self.routes.off(Route.DATA_PLANE, str(exc))
-            log.info("cannot reach the coordinator's data plane (%s); artifacts go over "
-                     "gRPC from now on", exc, extra={"key": header.key})
-            return None
-        where = "the coordinator's data plane"
+            raise RouteFailed(Route.UPLOAD_TICKET,
+                              f"{self.link.address} offers no upload tickets", lasting=True)
+        sock = await dial(opened.ticket, self.link.address)
+        where_to = "the coordinator's data plane"
         later = not header.digest  # known once `rest` has ended: sent after the bytes
         loop = asyncio.get_running_loop()
 
         async def send() -> pb.PublishResponse:
             await loop.sock_sendall(sock, wire.DATA_PLANE_UPLOAD + opened.ticket.token)
-            await upload_status(loop, sock, where)  # go
+            await upload_status(loop, sock, where_to)  # go
             chunk = first
             while chunk is not None:
                 if answered(sock):  # refused before the end
-                    await upload_status(loop, sock, where)
-                    raise OSError(errno.EPROTO, f"{where} answered before the last byte")
+                    await upload_status(loop, sock, where_to)
+                    raise OSError(errno.EPROTO, f"{where_to} answered before the last byte")
                 await loop.sock_sendall(sock, chunk.data)
                 moved[0] = time.monotonic()
                 chunk = await anext(rest, None)
             if later:
                 await loop.sock_sendall(sock, ending.digest.encode("ascii"))
-            return pb.PublishResponse.FromString(await upload_status(loop, sock, where))
+            return pb.PublishResponse.FromString(await upload_status(loop, sock, where_to))
 
         with sock:
             try:
@@ -245,11 +236,10 @@ class Publishes:
                                                  UPSTREAM_IDLE_S, f"the upload of {header.key}")
                 except OSError as exc:
                     with contextlib.suppress(OSError, TimeoutError):  # a refusal sent before?
-                        await asyncio.wait_for(upload_status(loop, sock, where), 1.0)
-                    if len(self._upload_broke) >= 1024:
-                        self._upload_broke.clear()
-                    self._upload_broke.add((ns, header.key))
-                    raise Unavailable(f"the upload of {header.key} to {where} broke off "
+                        await asyncio.wait_for(upload_status(loop, sock, where_to), 1.0)
+                    ladder.failed(RouteFailed(Route.DATA_PLANE, f"the upload broke off ({exc})",
+                                              lasting=True, where=where))
+                    raise Unavailable(f"the upload of {header.key} to {where_to} broke off "
                                       f"({exc})") from None
             except UploadRefused as exc:
                 raise relay_error(exc) from None

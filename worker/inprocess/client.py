@@ -22,7 +22,15 @@ from compilecast import tracing, wire
 from compilecast.decide import ends_wait
 from compilecast.errors import CompilecastError, CorruptBlob, Unavailable
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
-from compilecast.negotiate import Route, Routes
+from compilecast.negotiate import (
+    PROCESS_FETCH,
+    WAIT,
+    Ladder,
+    Route,
+    RouteFailed,
+    Routes,
+    carry,
+)
 from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -52,6 +60,11 @@ from .routes import (
 from .rpcedge import edged
 
 log = logging.getLogger(__name__)
+
+
+def on_this_host(path: str) -> bool:
+    """Whether the host cache a worker's file is in is on this host."""
+    return os.path.isdir(os.path.dirname(path))
 
 STALL_S = 60.0  # a transfer that moves nothing for this long is given up
 FETCH_RETRY_S = (1.0, 4.0)  # and a fetch cut off midway (its server restarting)
@@ -186,10 +199,12 @@ class CacheClient:
         offers that, and then with the verified bytes after a HIT when they
         came along (else None)."""
         deadline = time.monotonic() + timeout_s
+        ladder = self.routes.ladder(WAIT if data_wait else (), key=key)
         for pause in (*WAIT_RETRY_S, None):
             began = time.monotonic()
             try:
-                return self._wait_once(key, deadline, publishing, data_wait, identity)
+                return carry(ladder, lambda ladder: self._wait_once(
+                    key, deadline, publishing, ladder, identity))
             except Unavailable as exc:
                 now = time.monotonic()
                 if pause is None or now - began < CUT_AFTER_S or deadline - now <= pause:
@@ -199,14 +214,18 @@ class CacheClient:
                 time.sleep(pause)
         raise AssertionError("unreachable")
 
-    def _wait_once(self, key: str, deadline: float, publishing: bool, data_wait: bool,
+    def _wait_once(self, key: str, deadline: float, publishing: bool, ladder: Ladder,
                    identity: Identity | None) -> tuple[pb.WaitEvent, bytes | None]:
-        timeout_s = max(0.001, deadline - time.monotonic())
+        timeout_s = deadline - time.monotonic()
+        if ladder.failures and timeout_s <= 0:  # the data plane's wait took it all
+            return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
+                                reason="share-binary timeout passed; compile locally"), None
+        timeout_s = max(0.001, timeout_s)
         call = self.stub.Wait(
             pb.WaitRequest(key=key, requester=(identity or self.identity).requester(),
                            timeout_ms=max(1, int(timeout_s * 1000)),
-                           accept_data_wait=data_wait and self.routes.on(Route.DATA_WAIT)\
-                           and self.routes.on(Route.DATA_PLANE)),
+                           accept_data_wait=ladder.has(Route.DATA_WAIT)
+                           and ladder.has(Route.DATA_PLANE)),
             timeout=timeout_s + self.timeout_s,
         )
         for event in call:
@@ -215,15 +234,8 @@ class CacheClient:
                 try:
                     return self._wait_data_plane(key, event.data_ticket, deadline)
                 except OSError as exc:
-                    if isinstance(exc, Unreachable):
-                        self.routes.off(Route.DATA_PLANE, str(exc))
-                    log.info("the wait for %s over the data plane broke off (%s); waiting "
-                             "over gRPC", key, exc, extra={"key": key})
-                if deadline <= time.monotonic():
-                    return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
-                                        reason="share-binary timeout passed; compile "
-                                               "locally"), None
-                return self._wait_once(key, deadline, publishing, False, identity)
+                    raise RouteFailed(Route.DATA_PLANE, f"the wait over it broke off ({exc})",
+                                      lasting=isinstance(exc, Unreachable)) from None
             if ends_wait(event, publishing):
                 call.cancel()
                 return event, None
@@ -313,49 +325,37 @@ class CacheClient:
         raise AssertionError("unreachable")
 
     def _fetch_once(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, bytes]:
-        local, data_plane, growing = (self.routes.on(r) for r in (
-            Route.LOCAL_FILE, Route.DATA_PLANE, Route.GROWING_FILE))
-        while True:
+        return carry(self.routes.ladder(PROCESS_FETCH, key=key),
+                     lambda ladder: self._fetch_via(key, digest, ladder))
+
+    def _fetch_via(self, key: str, digest: str, ladder: Ladder) -> tuple[pb.ArtifactInfo, bytes]:
+        """One ask, offering the routes left on `ladder`: the server answers
+        with the bytes or with one of them, which this end then takes
+        (RouteFailed where it cannot)."""
+        try:
+            info, got = self._fetch_stream(key, digest, ladder.has(Route.LOCAL_FILE),
+                                           ladder.has(Route.DATA_PLANE),
+                                           ladder.has(Route.GROWING_FILE))
+        except Unfollowable as exc:
+            # Asked again: the file is then whole in the host cache, or comes
+            # over the socket.
+            raise RouteFailed(Route.GROWING_FILE, f"cannot follow {exc.path} "
+                              f"({exc.__cause__ or exc})", lasting=not on_this_host(exc.path)) \
+                from None
+        if isinstance(got, bytes):
+            return info, got
+        if isinstance(got, pb.DataTicket):
             try:
-                info, got = self._fetch_stream(key, digest, local, data_plane, growing)
-            except Unfollowable as exc:
-                # Asked again: the file is then whole in the host cache, or comes
-                # over the socket.
-                growing = False
-                if not os.path.isdir(os.path.dirname(exc.path)):  # its host cache is not here
-                    self.routes.off(Route.GROWING_FILE, f"{exc.path} is not on this host")
-                log.info("cannot follow the worker's file for %s (%s); asking again", key,
-                         exc.__cause__ or exc, extra={"key": key})
-                continue
-            if isinstance(got, bytes):
-                return info, got
-            if isinstance(got, pb.DataTicket):
-                data_plane = False  # whatever happens, a second ask takes gRPC
-                try:
-                    return info, read_data_plane(key, info, got, self.target, self.stall_s)
-                except Unreachable as exc:
-                    self.routes.off(Route.DATA_PLANE, str(exc))
-                    log.info("cannot reach the coordinator's data plane (%s); artifacts come "
-                             "over gRPC from now on", exc, extra={"key": key})
-                except OSError as exc:
-                    log.info("the data plane's send of %s broke off (%s); fetching it over "
-                             "gRPC", key, exc, extra={"key": key})
-                except CorruptBlob as exc:
-                    log.warning("%s; fetching it over gRPC", exc, extra={"key": key})
-                continue
-            try:
-                return info, read_local(key, info, got)
-            except OSError as exc:
-                local = False
-                if not os.path.isdir(os.path.dirname(got)):  # its host cache is not here
-                    self.routes.off(Route.LOCAL_FILE, f"{got} is not on this host")
-                log.info("cannot read the worker's file for %s here (%s); its bytes come over "
-                         "the socket%s", key, exc,
-                         "" if self.routes.on(Route.LOCAL_FILE) else " from now on",
-                         extra={"key": key})
-            except CorruptBlob as exc:
-                local = False
-                log.warning("%s; fetching its bytes instead", exc, extra={"key": key})
+                return info, read_data_plane(key, info, got, self.target, self.stall_s)
+            except (OSError, CorruptBlob) as exc:
+                raise RouteFailed(Route.DATA_PLANE, str(exc),
+                                  lasting=isinstance(exc, Unreachable)) from None
+        try:
+            return info, read_local(key, info, got)
+        except (OSError, CorruptBlob) as exc:
+            raise RouteFailed(Route.LOCAL_FILE, f"cannot read {got} ({exc})",
+                              lasting=isinstance(exc, OSError) and not on_this_host(got)) \
+                from None
 
     def _fetch_stream(self, key: str, digest: str, local: bool, data_plane: bool = False,
                       growing: bool = False

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from compilecast.errors import AlreadyPublished, CompilecastError, TooMany, Unavailable
-from compilecast.negotiate import Route, Routes
+from compilecast.negotiate import PROCESS_PUBLISH, Ladder, Route, RouteFailed, Routes, carry
 from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -22,7 +22,6 @@ from compilecast.wire import TRANSFER_S, DataChunk
 from .received import (
     Stalled,
     Unreachable,
-    UploadBroken,
     UploadRefused,
     Watchdog,
 )
@@ -119,20 +118,16 @@ class Publisher:
         if not lease.takes_digest_last:
             header.digest = hashlib.sha256(data).hexdigest()
         self.keepers.publishing.add((key, lease.id))
-        over_data_plane = True  # until an upload over it breaks: then gRPC
+        ladder = self.routes.ladder(PROCESS_PUBLISH, key=key)
         try:
             for attempt, pause in enumerate((*PUBLISH_RETRY_S, None)):
                 try:
-                    if over_data_plane and (got := self._upload(header, data)) is not None:
-                        return got
-                    return self._send(header, data)
+                    return carry(ladder, lambda ladder: self._publish_via(header, data, ladder))
                 except CompilecastError as exc:
-                    if isinstance(exc, UploadBroken):
-                        over_data_plane = False
-                    if attempt and isinstance(exc, AlreadyPublished):
+                    if (attempt or ladder.failures) and isinstance(exc, AlreadyPublished):
                         mine = self._published_as(key, header.digest or
                                                   hashlib.sha256(data).hexdigest())
-                        if mine is not None:  # an earlier attempt's answer was lost
+                        if mine is not None:  # an earlier try's answer was lost
                             return mine
                     if not isinstance(exc, Unavailable) or pause is None:
                         raise
@@ -152,54 +147,56 @@ class Publisher:
             return None
         return info if info.digest == digest else None
 
-    def _upload(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo | None:
-        """Publish over the coordinator's data plane, where it takes uploads,
-        or by handing the bytes to this host's worker; None where they must
-        go over gRPC instead. The OpenUpload call refuses what a Publish would
-        refuse before its first byte, as the same error."""
-        routes = self.routes
-        if not ((routes.on(Route.DATA_PLANE) or routes.on(Route.HANDOFF))
-                and routes.on(Route.UPLOAD_TICKET)) or len(data) < max(DATA_PLANE_UPLOAD_FROM, 1):
-            return None
-        if routes.on(Route.HANDOFF) and (room := memory_headroom()) is not None \
-                and room < len(data) + HANDOFF_SPARE:
-            # A handed file would hold the bytes a second time: near a memory
-            # limit, they go to the worker in pieces instead.
-            log.info("%d MB of memory left: the publish of %s goes over gRPC",
-                     room >> 20, header.key, extra={"key": header.key})
-            return None
+    def _publish_via(self, header: pb.PublishHeader, data: bytes,
+                     ladder: Ladder) -> pb.ArtifactInfo:
+        """The publish over the first route left that suits it (an upload for
+        a ticket: a handoff to this host's worker, or the coordinator's data
+        plane), else the Publish stream."""
+        if ladder.has(Route.UPLOAD_TICKET) and len(data) >= DATA_PLANE_UPLOAD_FROM:
+            if ladder.has(Route.HANDOFF):
+                room = memory_headroom()
+                # A handed file would hold the bytes a second time: near a
+                # memory limit, they go to the worker in pieces instead.
+                if room is None or room >= len(data) + HANDOFF_SPARE:
+                    return self._upload(header, data, Route.HANDOFF)
+                log.info("%d MB of memory left: the publish of %s goes over gRPC",
+                         room >> 20, header.key, extra={"key": header.key})
+            elif ladder.has(Route.DATA_PLANE):
+                return self._upload(header, data, Route.DATA_PLANE)
+        return self._send(header, data)
+
+    def _upload(self, header: pb.PublishHeader, data: bytes, route: Route) -> pb.ArtifactInfo:
+        """Publish over `route` for a ticket (HANDOFF: to this host's worker;
+        DATA_PLANE: to the coordinator's data plane); RouteFailed where the
+        bytes must go another way. The OpenUpload call refuses what a
+        Publish would refuse before its first byte, as the same error; an
+        upload that broke off goes on another way at once (a server that
+        went away then answers that way)."""
         try:
             resp = self.stub.OpenUpload(pb.OpenUploadRequest(header=header),
                                         timeout=self.timeout_s)
-        except TooMany:
+        except TooMany as exc:
             # Too many tickets out, or an artifact too large: either way the
             # Publish stream says which (and refuses the latter as this would).
-            return None
+            raise RouteFailed(Route.UPLOAD_TICKET, str(exc)) from None
         if not resp.HasField("ticket"):
-            routes.off(Route.UPLOAD_TICKET, f"{self.target} offers no upload tickets")
-            log.info("%s takes publishes over gRPC only", self.target)
-            return None
+            raise RouteFailed(Route.UPLOAD_TICKET, f"{self.target} offers no upload tickets",
+                              lasting=True)
         handed = resp.ticket.address.startswith("unix:")
+        if handed != (route is Route.HANDOFF):
+            raise RouteFailed(route, f"{self.target} offered a ticket of another route "
+                              f"({resp.ticket.address})")
         try:
             if handed:
                 return hand_off(data, resp.ticket, self.stall_s)
             return upload_data_plane(header, data, resp.ticket, self.target, self.stall_s)
-        except Unreachable as exc:
-            routes.off(Route.HANDOFF if handed else Route.DATA_PLANE, str(exc))
-            log.info("cannot reach %s (%s); artifacts go over gRPC from now on",
-                     "the worker's handoff socket" if handed else "the coordinator's data plane",
-                     exc, extra={"key": header.key})
-            return None
-        except NoFile as exc:
-            log.info("%s; the publish of %s goes over gRPC", exc, header.key,
-                     extra={"key": header.key})
-            return None
         except UploadRefused as exc:  # what its Publish stream would have ended with
             raise exc.error from None
+        except NoFile as exc:
+            raise RouteFailed(route, str(exc)) from None
         except OSError as exc:
-            raise UploadBroken(f"the {'handoff' if handed else 'data plane upload'} of "
-                                f"{header.key} broke off "
-                                f"({exc})") from None
+            raise RouteFailed(route, f"the upload of {header.key} broke off ({exc})",
+                              lasting=isinstance(exc, Unreachable)) from None
 
     def _send(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo:
         key = header.key

@@ -21,7 +21,6 @@ from compilecast.errors import (
     CorruptBlob,
     DeadlineExceeded,
     Status,
-    Unavailable,
     received,
 )
 from compilecast.streams import RAW_MAGIC, Inflate, Sha256
@@ -46,12 +45,6 @@ class UploadRefused(Exception):
     @property
     def error(self) -> CompilecastError:
         return received(self.status, self.details)
-
-
-class UploadBroken(Unavailable):
-    """A publish over the data plane whose connection broke or stalled
-    before its answer (it may or may not have been published): tried again,
-    over gRPC, as a Publish cut off is."""
 
 
 class CutOff(Exception):
