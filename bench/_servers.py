@@ -21,7 +21,7 @@ from pathlib import Path
 from compilecast.blobstore import blob_path
 from compilecast.launch import free_port
 from compilecast.worker.inprocess.client import wait_until_healthy
-from compilecast.worker.inprocess.routes import memory_headroom
+from compilecast.worker.inprocess.handoff import memory_headroom
 
 __all__ = ["HOLD_PAGE_REPORTING_HELP", "Stack", "bucket_stack", "free_port", "page_reporting_held", "page_reporting_order", "peak_rss_mb",
            "random_file", "wait_port"]

@@ -123,7 +123,7 @@ def fetch_data_plane(target: str, key: str, expect: str) -> float:
     ticket from Fetch, then the stored blob (raw) into one reused buffer."""
     import socket
 
-    from compilecast.worker.inprocess.routes import data_plane_address
+    from compilecast.worker.inprocess.dataplane import data_plane_address
 
     h = Sha256()
     buf = bytearray(4 << 20)

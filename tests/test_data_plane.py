@@ -20,7 +20,7 @@ from compilecast.coordinator import dataplane
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.inprocess.client import CacheClient
-from compilecast.worker.inprocess.routes import data_plane_address
+from compilecast.worker.inprocess.dataplane import data_plane_address
 
 from .conftest import coordinator_config, eventually, free_port, publish, sample
 

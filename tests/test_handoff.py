@@ -22,12 +22,12 @@ from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.daemon import handoff
 from compilecast.worker.inprocess import clientpublish as client_mod
-from compilecast.worker.inprocess import routes
 from compilecast.worker.inprocess.client import CacheClient, Identity
+from compilecast.worker.inprocess.handoff import SEALS, handoff_supported
 
 from .conftest import CALL_ERRORS, details_of, recv_exactly, sample, status_code
 
-pytestmark = pytest.mark.skipif(not routes.handoff_supported(), reason="no memfd seals here")
+pytestmark = pytest.mark.skipif(not handoff_supported(), reason="no memfd seals here")
 
 DATA = os.urandom(5 << 20)
 DIGEST = hashlib.sha256(DATA).hexdigest()
@@ -83,7 +83,7 @@ def hand(t: pb.DataTicket, fd: int, token: bytes | None = None) -> tuple[int, by
                 return head[0], payload
 
 
-def memfd(data: bytes, seals: int = routes.SEALS) -> int:
+def memfd(data: bytes, seals: int = SEALS) -> int:
     fd = os.memfd_create("test", os.MFD_ALLOW_SEALING)
     os.write(fd, data)
     if seals:

@@ -15,8 +15,8 @@ from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
+from ..inprocess.dataplane import DATA_PLANE_CONNECT_S, data_plane_address
 from ..inprocess.received import UploadRefused
-from ..inprocess.routes import DATA_PLANE_CONNECT_S, data_plane_address
 
 DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
 

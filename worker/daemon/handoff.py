@@ -60,7 +60,7 @@ from compilecast.wire import (
     status_frame,
 )
 
-from ..inprocess.routes import SEALS
+from ..inprocess.handoff import SEALS
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from compilecast.config import WorkerConfig
 from compilecast.grpcutil import channel_credentials, server_credentials, token_from
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
-from ..inprocess.routes import handoff_supported
+from ..inprocess.handoff import handoff_supported
 from ..pjrtdoor.pjrtgate import PjrtGate
 from .dirservice import DirectoriesService, make_dirsync
 from .handoff import Handoffs

@@ -37,6 +37,8 @@ from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import TRANSFER_S, WAIT_RETRY_S
 
 from .clientpublish import LeaseKeepers, Publisher
+from .dataplane import answer_status, connect_data_plane, read_data_plane
+from .handoff import handoff_supported
 from .identity import Identity
 from .received import (
     CutOff,
@@ -50,12 +52,6 @@ from .received import (
     inflater,
     read_local,
     read_stored,
-)
-from .routes import (
-    answer_status,
-    connect_data_plane,
-    handoff_supported,
-    read_data_plane,
 )
 from .rpcedge import edged
 

@@ -19,19 +19,13 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import TRANSFER_S, DataChunk
 
+from .dataplane import PUBLISH_CHUNK, upload_data_plane
+from .handoff import HANDOFF_SPARE, NoFile, hand_off, memory_headroom
 from .received import (
     Stalled,
     Unreachable,
     UploadRefused,
     Watchdog,
-)
-from .routes import (
-    HANDOFF_SPARE,
-    PUBLISH_CHUNK,
-    NoFile,
-    hand_off,
-    memory_headroom,
-    upload_data_plane,
 )
 
 log = logging.getLogger("compilecast.worker.inprocess.client")
