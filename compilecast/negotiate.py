@@ -146,19 +146,17 @@ class Ladder:
         return next((r for r in self._left if self.routes.on(r)), None)
 
     def failed(self, failure: RouteFailed) -> None:
-        """What a failure means: this transfer goes on without the route
-        (toward `where`, the rest of the transfer without it where no place
-        is named); a lasting one switches it off for the end."""
+        """What a failure means: the transfer goes on without the route
+        (toward `where` only, when a place is named); a lasting failure also
+        switches it off for the end (toward `where` only), which says so."""
         self.failures.append(failure)
+        log.info("%s: route %s failed (%s)", self.key or "a transfer",
+                 failure.route.name.lower(), failure.why,
+                 extra={"key": self.key} if self.key else None)
         if failure.lasting:
             self.routes.off(failure.route, failure.why, where=failure.where)
         if not failure.where and failure.route in self._left:
             self._left.remove(failure.route)
-        log.info("%s: route %s failed%s (%s); going on %s", self.key or "a transfer",
-                 failure.route.name.lower(),
-                 f" toward {failure.where}" if failure.where else "", failure.why,
-                 f"over {first.name.lower()}" if (first := self.first()) else "over gRPC",
-                 extra={"key": self.key} if self.key else None)
 
 
 def carry(ladder: Ladder, attempt: Callable[[Ladder], T]) -> T:
