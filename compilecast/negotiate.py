@@ -141,10 +141,6 @@ class Ladder:
         """Whether this transfer may still take `route` (toward `where`)."""
         return route in self._left and self.routes.on(route, where)
 
-    def first(self) -> Route | None:
-        """The first route left ("None": the gRPC stream)."""
-        return next((r for r in self._left if self.routes.on(r)), None)
-
     def failed(self, failure: RouteFailed) -> None:
         """What a failure means: the transfer goes on without the route
         (toward `where` only, when a place is named); a lasting failure also
