@@ -19,7 +19,7 @@ import grpc
 from compilecast import validate
 from compilecast.blobstore import aread
 from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamError
-from compilecast.negotiate import WORKER_FILL, Ladder, Route, RouteFailed, Routes
+from compilecast.negotiate import WORKER_FILL, Ladder, Route, RouteFailed, Routes, acarry
 from compilecast.serving import Background
 from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
@@ -88,7 +88,7 @@ class Fetches:
             # (Inside the try: a fill that fails to start ends its readers too.)
             writer = fill.writer = self.cache.store.writer(discard_when_unwritable=True)
             with writer:
-                while await self._attempt(dl, fill, md, writer):
+                while await acarry(dl.ladder, lambda _: self._attempt(dl, fill, md, writer)):
                     pass
                 if dl.info is None:
                     raise CorruptBlob(f"coordinator sent no artifact header for {key}")
@@ -124,7 +124,9 @@ class Fetches:
 
     async def _attempt(self, dl: _Download, fill: Fill, md: tuple, writer) -> bool:
         """One Fetch of what is missing, from the coordinator or a peer;
-        whether another should follow (a redirect, a resume, a fallback)."""
+        whether another should follow (a redirect, a resume, a peer that
+        failed). RouteFailed where a route failed: the ladder's loop asks
+        again without it."""
         # The coordinator's stored zstd (or a peer's relay of it) is decoded
         # here: a tenth of the bytes on the wire. A resumed download is decoded.
         dl.inflate = None
@@ -147,9 +149,9 @@ class Fetches:
             if used:
                 (self.metrics.relays.labels("data_plane") if dl.peer
                  else self.metrics.data_plane.labels("taken")).inc()
-        except RouteFailed as failure:
-            await self._route_failed(dl, writer, failure)
-            return True
+        except RouteFailed as failure:  # the ladder's loop (acarry) decides what it means
+            await self._rest_after(dl, writer, failure)
+            raise
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             await self._fetch_broke(dl, writer, exc)
             return True
@@ -204,12 +206,10 @@ class Fetches:
         await asyncio.to_thread(writer.write, chunk.data)
         fill.advance()
 
-    async def _route_failed(self, dl: _Download, writer, failure: RouteFailed) -> None:
-        """A route of the fill's failed (the ladder says what that means for
-        it): where the rest comes from."""
+    async def _rest_after(self, dl: _Download, writer, failure: RouteFailed) -> None:
+        """A route of the fill's failed: where the rest comes from."""
         if dl.inflate is not None:
             await dl.inflate.cut(dl.key, "its zstd stream over another route was cut off")
-        dl.ladder.failed(failure)
         if dl.peer and not failure.lasting:  # as for a failed relay: the rest from the coordinator
             self.metrics.relays.labels("fallback").inc()
             log.warning("relay of %s from %s: %s; fetching the rest from the coordinator",

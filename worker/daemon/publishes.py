@@ -21,7 +21,7 @@ from compilecast.errors import (
     TooMany,
     Unavailable,
 )
-from compilecast.negotiate import WORKER_PUBLISH, Ladder, Route, RouteFailed, Routes
+from compilecast.negotiate import WORKER_PUBLISH, Ladder, Route, RouteFailed, Routes, acarry
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk, publish_stream
 
@@ -153,34 +153,33 @@ class Publishes:
                     header.digest = await asyncio.to_thread(writer.hexdigest)
 
             sending = outgoing()
-            # The first chunk says whether the rest goes raw (it is packed here
-            # when it compresses): raw bytes of a big artifact may go over the
-            # coordinator's data plane.
-            ladder = self.routes.ladder(WORKER_PUBLISH, key=header.key)
             where = f"{ns}/{header.key}"  # an upload of it that broke: its next try over gRPC
-            first = await anext(sending, None) if ladder.has(Route.UPLOAD_TICKET) and \
-                ladder.has(Route.DATA_PLANE, where) and \
-                header.size >= clientpublish.DATA_PLANE_UPLOAD_FROM else None
-            resp = None
-            if first is not None and not first.zstd_data:
-                try:
-                    resp = await self._upload(md, head.header, header, first, sending, moved,
-                                              ladder, where)
-                except RouteFailed as failure:  # nothing of `sending` was read
-                    ladder.failed(failure)
+            # The first chunk, once read: it says whether the rest goes raw (it
+            # is packed here when it compresses). Raw bytes of a big artifact
+            # may go over the coordinator's data plane.
+            first: list[pb.PublishChunk | None] = []
 
             async def forward() -> AsyncIterator[pb.PublishChunk]:
                 yield head
-                if first is not None:
-                    yield first
+                if first and first[0] is not None:
+                    yield first[0]
                 async for chunk in sending:
                     yield chunk
                 if later:  # set by the stream's last message, once every chunk was read
                     yield pb.PublishChunk(digest=header.digest)
 
-            if resp is None:
-                resp = await forward_publish(self.link.up, forward(), md, moved,
-                                              f"the publish of {header.key}")
+            async def attempt(ladder: Ladder) -> pb.PublishResponse:
+                if not first and ladder.has(Route.UPLOAD_TICKET) \
+                        and ladder.has(Route.DATA_PLANE, where) \
+                        and header.size >= clientpublish.DATA_PLANE_UPLOAD_FROM:
+                    first.append(await anext(sending, None))
+                    if first[0] is not None and not first[0].zstd_data:
+                        return await self._upload(md, head.header, header, first[0], sending,
+                                                  moved, ladder, where)
+                return await forward_publish(self.link.up, forward(), md, moved,
+                                             f"the publish of {header.key}")
+
+            resp = await acarry(self.routes.ladder(WORKER_PUBLISH, key=header.key), attempt)
             await asyncio.to_thread(writer.commit, header.digest, header.size)
         await self.copies.record(ns, resp.artifact, writer)
         self.metrics.bytes.labels("published").inc(header.size)
