@@ -146,7 +146,7 @@ class Publisher:
         """The publish over the first route left that suits it (an upload for
         a ticket: a handoff to this host's worker, or the coordinator's data
         plane), else the Publish stream."""
-        if ladder.has(Route.UPLOAD_TICKET) and len(data) >= DATA_PLANE_UPLOAD_FROM:
+        if ladder.has(Route.UPLOAD_TICKET) and len(data) >= max(DATA_PLANE_UPLOAD_FROM, 1):
             if ladder.has(Route.HANDOFF):
                 room = memory_headroom()
                 # A handed file would hold the bytes a second time: near a
