@@ -47,6 +47,7 @@ from typing import TypeVar
 log = logging.getLogger("compilecast.routes")
 
 MAX_PLACES_NOTED = 4096  # places a route is noted off toward (more: tried again)
+MAX_FAILURES = 16  # route failures of one transfer; past them, it takes the gRPC stream
 
 T = TypeVar("T")
 
@@ -153,6 +154,8 @@ class Ladder:
             self.routes.off(failure.route, failure.why, where=failure.where)
         if not failure.where and failure.route in self._left:
             self._left.remove(failure.route)
+        if len(self.failures) >= MAX_FAILURES:  # however its routes fail: the stream
+            self._left.clear()
 
 
 def carry(ladder: Ladder, attempt: Callable[[Ladder], T]) -> T:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from compilecast.negotiate import Route, RouteFailed, Routes, acarry, carry
+from compilecast.negotiate import MAX_FAILURES, Route, RouteFailed, Routes, acarry, carry
 
 
 def test_an_end_takes_only_the_routes_offered_to_it():
@@ -102,3 +102,18 @@ def test_an_asynchronous_transfer_takes_the_same_ladder():
         return ladder.has(Route.DATA_PLANE)
     assert asyncio.run(acarry(routes.ladder((Route.BUCKET_URL, Route.DATA_PLANE)), attempt))
     assert not routes.on(Route.BUCKET_URL)
+
+
+def test_a_transfer_whose_routes_keep_failing_toward_places_ends_on_the_stream():
+    """Failures toward places leave the route on for the transfer; past
+    MAX_FAILURES of them it takes the gRPC stream, however they fail."""
+    routes = Routes([Route.RELAY_PLANE], env={})
+    tries: list[int] = []
+
+    def attempt(ladder):
+        tries.append(1)
+        if ladder.has(Route.RELAY_PLANE, f"peer-{len(tries)}"):
+            raise RouteFailed(Route.RELAY_PLANE, "cut", where=f"peer-{len(tries)}")
+        return "grpc"
+    assert carry(routes.ladder((Route.RELAY_PLANE,)), attempt) == "grpc"
+    assert len(tries) == MAX_FAILURES + 1 and routes.on(Route.RELAY_PLANE)
