@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -205,6 +206,22 @@ class EtcdProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored() -> Iterator[None]:
+    """A test that runs compilecast's CLI in this process (its main sets a
+    handler and a level on the root logger) leaves the root logger as it
+    found it: a handler on that test's captured stream, closed when it
+    ends, would fail every later record. (pytest's own handlers come and go
+    with each phase: left alone.)"""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if type(handler) is logging.StreamHandler and handler not in before:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session", autouse=True)
