@@ -58,13 +58,14 @@ from .rpcedge import edged
 log = logging.getLogger(__name__)
 
 
-def on_this_host(path: str) -> bool:
-    """Whether the host cache a worker's file is in is on this host."""
-    return os.path.isdir(os.path.dirname(path))
-
 STALL_S = 60.0  # a transfer that moves nothing for this long is given up
 FETCH_RETRY_S = (1.0, 4.0)  # and a fetch cut off midway (its server restarting)
 CUT_AFTER_S = 0.5  # a call that failed later than this had been running: cut off, not refused
+
+
+def on_this_host(path: str) -> bool:
+    """Whether the host cache a worker's file is in is on this host."""
+    return os.path.isdir(os.path.dirname(path))
 
 
 class CacheClient:
