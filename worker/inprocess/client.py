@@ -57,7 +57,6 @@ from .rpcedge import edged
 
 log = logging.getLogger(__name__)
 
-
 STALL_S = 60.0  # a transfer that moves nothing for this long is given up
 FETCH_RETRY_S = (1.0, 4.0)  # and a fetch cut off midway (its server restarting)
 CUT_AFTER_S = 0.5  # a call that failed later than this had been running: cut off, not refused
