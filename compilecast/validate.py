@@ -16,6 +16,8 @@ DIGEST_RE = re.compile(r"^[0-9a-f]{64}\Z")
 JOB_RE = re.compile(r"^[A-Za-z0-9._:-]{0,128}\Z")
 MAX_CLIENT_LEN = 256
 MAX_DETAIL_LEN = 1024
+MAX_PURGE_NAMES = 10_000  # keys and digests one Purge names
+PURGE_PAGE = 1_000  # what a client names in one Purge, sending more in pages
 
 
 def key(value: str) -> str:

@@ -39,6 +39,17 @@ OUT_OF_SPACE_HELP = ("its database passed its space quota and it refuses writes 
                      "\"etcd out of space\")")
 
 
+# etcd's --max-txn-ops default: it refuses a txn with more compares, more
+# success ops or more failure ops than this. Every txn of the coordinator is
+# checked against it before it is sent (Etcd.txn), and every multi-key read
+# or write is batched within it.
+MAX_TXN_OPS = 128
+
+
+class TxnTooLarge(ValueError):
+    """A txn beyond MAX_TXN_OPS: a bug of its caller, which must batch."""
+
+
 class EtcdOutOfSpace(Unavailable):
     """etcd raised its NOSPACE alarm: reads and deletes work, writes do not."""
 
@@ -88,8 +99,18 @@ def op_delete(key: bytes):
     return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=key))
 
 
-def op_get(key: bytes):
-    return pb.RequestOp(request_range=pb.RangeRequest(key=key))
+def op_get(key: bytes, revision: int = 0):
+    return pb.RequestOp(request_range=pb.RangeRequest(key=key, revision=revision))
+
+
+def check_txn_size(compare: Sequence, success: Sequence, failure: Sequence) -> None:
+    """Raise TxnTooLarge for a txn etcd would refuse (each of its three
+    lists is bounded by MAX_TXN_OPS)."""
+    largest = max(len(compare), len(success), len(failure))
+    if largest > MAX_TXN_OPS:
+        raise TxnTooLarge(f"a txn of {len(compare)} compares, {len(success)} ops and "
+                          f"{len(failure)} failure ops: etcd takes at most {MAX_TXN_OPS} "
+                          "of each; batch it")
 
 
 class Etcd:
@@ -241,15 +262,25 @@ class Etcd:
         applying twice, and its callers treat "not succeeded" as "re-read and
         decide again" (see coordinator/state.py), so a retry is safe.
         """
+        compare, success, failure = list(compare), list(success), list(failure)
+        check_txn_size(compare, success, failure)
         resp = await self._call("kv", "Txn",
-            pb.TxnRequest(compare=list(compare), success=list(success), failure=list(failure)),
-            label=label)
+            pb.TxnRequest(compare=compare, success=success, failure=failure), label=label)
         return bool(resp.succeeded), int(resp.header.revision), list(resp.responses)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[KV | None]:
-        """Read several keys at one revision in one round trip."""
-        _, _, responses = await self.txn([], [op_get(k) for k in keys], label="Txn/read")
-        return ranged(responses)
+        """Read any number of keys at one revision: MAX_TXN_OPS a round trip,
+        the first read's revision pinned for the rest (one round trip for up
+        to MAX_TXN_OPS keys, as most callers read)."""
+        found: list[KV | None] = []
+        revision = 0
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            _, rev, responses = await self.txn(
+                [], [op_get(k, revision) for k in keys[start:start + MAX_TXN_OPS]],
+                label="Txn/read")
+            revision = revision or rev
+            found += ranged(responses)
+        return found
 
     # -- leases --------------------------------------------------------------
     async def grant(self, ttl: int) -> int:

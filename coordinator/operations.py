@@ -18,9 +18,11 @@ from compilecast.store import ArtifactStore
 from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import (
+    MAX_TXN_OPS,
     Etcd,
     cmp_mod_revision,
     op_delete,
+    op_put,
 )
 from .farm import Farm
 from .keystate import (
@@ -41,7 +43,8 @@ from .records import (
 )
 from .waiting import Waiting
 
-PURGE_TXN_KEYS = 60  # index entries one purge txn deletes (etcd allows 128 compares, 128 ops)
+PURGE_TXN_KEYS = 120  # index entries one purge txn deletes (a compare and a delete each)
+PURGE_LOGGED = 20  # revoked artifacts a purge logs one by one; the rest in one line
 
 # etcd revisions are int64; a revision to read from is one more than one seen.
 MAX_REVISION = 2**63 - 1
@@ -92,6 +95,10 @@ class Operations:
             validate.digest(d)
         if not keys and not digests:
             raise InvalidRequest("name the keys or digests to purge")
+        if len(keys) + len(digests) > validate.MAX_PURGE_NAMES:
+            raise InvalidRequest(f"a purge names at most {validate.MAX_PURGE_NAMES} keys and "
+                                 f"digests, "
+                                 f"got {len(keys) + len(digests)}: send them in pages")
         reason = reason[:validate.MAX_DETAIL_LEN] or "purged by an operator"
         resp = pb.PurgeResponse()
         wanted = set(digests)  # a key's bytes are revoked, so every key naming them goes
@@ -100,12 +107,14 @@ class Operations:
             if kv is None:
                 resp.missing.append(k)
             else:
-                wanted.add(json.loads(kv.value)["digest"])
+                digest = (json_dict(kv.value) or {}).get("digest")
+                if isinstance(digest, str):
+                    wanted.add(digest)
         head = self.view.k("a", scope(tenant, ""))
         naming: dict[str, list[str]] = {d: [] for d in sorted(wanted)}
         if wanted:  # a tenant's whole index, a page at a time
             async for kv in self.etcd.scan_prefix(head):
-                digest = json.loads(kv.value).get("digest")
+                digest = (json_dict(kv.value) or {}).get("digest")
                 if digest in naming:
                     naming[digest].append(kv.key[len(head):].decode())
         if dry_run:
@@ -113,27 +122,43 @@ class Operations:
                 resp.purged.extend(sorted(named))
                 resp.revoked.append(digest)
             return resp
-        for digest, named in naming.items():
-            await self.etcd.put(self.view.revocation(tenant, digest), json.dumps(
-                {"reason": reason, "at": time.time(), "keys": sorted(named)}).encode())
-            for i in range(0, len(named), PURGE_TXN_KEYS):
-                resp.purged.extend(await self._unindex(tenant, digest,
-                                                       named[i:i + PURGE_TXN_KEYS]))
-            resp.revoked.append(digest)
+        # The revocations first, MAX_TXN_OPS a txn: from then on no key
+        # serves those bytes and no publish brings them back.
+        now = time.time()
+        revocations = [op_put(self.view.revocation(tenant, digest), json.dumps(
+            {"reason": reason, "at": now, "keys": sorted(named)}).encode())
+            for digest, named in naming.items()]
+        for start in range(0, len(revocations), MAX_TXN_OPS):
+            await self.etcd.txn([], revocations[start:start + MAX_TXN_OPS])
+        # Then the index entries naming them, PURGE_TXN_KEYS a txn whatever
+        # their digests.
+        entries = [(k, digest) for digest, named in naming.items() for k in named]
+        for start in range(0, len(entries), PURGE_TXN_KEYS):
+            resp.purged.extend(await self._unindex(tenant,
+                                                   entries[start:start + PURGE_TXN_KEYS]))
+        resp.purged.sort()
+        resp.revoked.extend(naming)
+        shown = list(naming.items())[:PURGE_LOGGED]
+        for digest, named in shown:
             log.warning("purged %s: revoked artifact %s (%s)", ", ".join(named) or "no key",
                         digest, reason, extra={"key": scope(tenant, digest)})
+        if len(naming) > len(shown):
+            log.warning("purged %d more keys: revoked %d more artifacts (%s)",
+                        len(entries) - sum(len(named) for _, named in shown),
+                        len(naming) - len(shown), reason)
         self.metrics.purges.inc(len(resp.revoked))
         return resp
 
-    async def _unindex(self, tenant: str, digest: str, keys: list[str]) -> list[str]:
-        """Delete the index entries of `keys` that still name `digest`, in
-        one txn (again, should one change meanwhile); the keys deleted."""
+    async def _unindex(self, tenant: str, entries: list[tuple[str, str]]) -> list[str]:
+        """Delete the index entries of `entries` (key, digest) that still
+        name their digest, in one txn (again, should one change meanwhile);
+        the keys deleted."""
         for _ in range(3):
-            records = [self.view.k("a", scope(tenant, k)) for k in keys]
-            current = [(k, rec, kv) for k, rec, kv in zip(keys, records,
-                                                         await self.etcd.get_many(records),
-                                                         strict=True)
-                       if kv is not None and json.loads(kv.value).get("digest") == digest]
+            records = [self.view.k("a", scope(tenant, k)) for k, _ in entries]
+            current = [(k, rec, kv) for (k, digest), rec, kv in zip(
+                           entries, records, await self.etcd.get_many(records), strict=True)
+                       if kv is not None and
+                       (json_dict(kv.value) or {}).get("digest") == digest]
             if not current:
                 return []
             ok, revision, _ = await self.etcd.txn(
@@ -142,7 +167,7 @@ class Operations:
             if ok:
                 for k, _, _ in current:
                     self.view.forget_artifact(scope(tenant, k), revision)
-                return sorted(k for k, _, _ in current)
+                return [k for k, _, _ in current]
         raise Unavailable("the index entries to purge kept changing; try again")
 
     async def revoked(self, since_revision: int, *,

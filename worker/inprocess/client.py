@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 from google.protobuf.message import DecodeError
 
-from compilecast import tracing, wire
+from compilecast import tracing, validate, wire
 from compilecast.decide import ends_wait
 from compilecast.errors import CompilecastError, CorruptBlob, Unavailable
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
@@ -424,9 +424,24 @@ class CacheClient:
 
     def purge(self, keys: list[str], digests: Sequence[str] = (), reason: str = "", *,
               dry_run: bool = False) -> pb.PurgeResponse:
-        return self.stub.Purge(pb.PurgeRequest(keys=keys, digests=digests, reason=reason,
-                                               dry_run=dry_run),
-                               timeout=max(60.0, self.timeout_s))
+        """Purge, PURGE_PAGE keys and digests a request; one response for all."""
+        named = [("key", k) for k in keys] + [("digest", d) for d in digests]
+        resp = pb.PurgeResponse()
+        purged: set[str] = set()
+        revoked: set[str] = set()
+        for start in range(0, max(len(named), 1), validate.PURGE_PAGE):
+            page = named[start:start + validate.PURGE_PAGE]
+            part = self.stub.Purge(pb.PurgeRequest(
+                keys=[v for kind, v in page if kind == "key"],
+                digests=[v for kind, v in page if kind == "digest"], reason=reason,
+                dry_run=dry_run), timeout=max(60.0, self.timeout_s))
+            resp.tenant = part.tenant
+            resp.purged.extend(k for k in part.purged if k not in purged)
+            purged.update(part.purged)
+            resp.missing.extend(part.missing)
+            resp.revoked.extend(d for d in part.revoked if d not in revoked)
+            revoked.update(part.revoked)
+        return resp
 
     def revoked(self, since_revision: int = 0) -> pb.RevokedResponse:
         return self.stub.Revoked(pb.RevokedRequest(since_revision=since_revision),
