@@ -105,8 +105,9 @@ def test_a_directory_of_five_thousand_entries_reaches_a_second_host(coordinator,
     for name, data in written.items():
         write_whole(da.path, name, data)
 
-    assert a.sync_directory(KIND, da.namespace_id).published == ENTRIES
-    got = b.sync_directory(KIND, db.namespace_id)
+    # One pass each (a worker's background pass has no deadline; asked for, it has one).
+    assert a.sync_directory(KIND, da.namespace_id, timeout_s=600).published == ENTRIES
+    got = b.sync_directory(KIND, db.namespace_id, timeout_s=600)
 
     assert got.installed == ENTRIES and got.directory.entries == ENTRIES
     assert entries(db.path) == written

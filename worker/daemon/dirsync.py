@@ -41,13 +41,15 @@ import json
 import logging
 import os
 import re
+import secrets
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from compilecast.errors import InvalidRequest, NotFound, TooMany
 from compilecast.v1 import cache_pb2 as pb
@@ -64,6 +66,8 @@ TEMP_MARK = ".compilecast-"  # our temporary files: hidden, and this in their na
 TAG_RE = re.compile(r"v[0-9a-f]{16}\Z")  # an entry key's content tag
 MAX_DIRS_PER_TENANT = 64
 MAX_DIRS = 1024
+TRANSFERS = 8  # publishes or fetches one pass has in flight
+_T = TypeVar("_T")
 
 
 class Client(Protocol):
@@ -288,7 +292,8 @@ class DirSync:
             os.close(fd)
 
     def _publish_new(self, d: Directory, client: Client) -> int:
-        now, published = time.time(), 0
+        now = time.time()
+        todo: list[tuple[str, tuple[int, int, int]]] = []
         dir_fd = self._open_dir(d)
         try:
             for name in self._candidates(d):
@@ -312,10 +317,12 @@ class DirSync:
                     d.pending.add(name)
                     continue
                 d.pending.discard(name)
-                if self._publish_one(d, client, dir_fd, name, mark):
-                    published += 1
+                todo.append((name, mark))
+            published = sum(transfers(lambda item: self._publish_one(d, client, dir_fd, *item),
+                                      todo))
         finally:
             os.close(dir_fd)
+        d.published += published
         return published
 
     def _publish_one(self, d: Directory, client: Client, dir_fd: int, name: str,
@@ -356,7 +363,6 @@ class DirSync:
                 return False
             raise
         d.known.add(key)
-        d.published += 1
         self.count(d.kind, "published", len(data))
         return True
 
@@ -367,27 +373,32 @@ class DirSync:
             name, _ = split_entry(key[len(d.prefix):])
             if info.digest not in d.rejected:
                 by_name.setdefault(name, []).append(info)
-        installed = 0
+        todo: list[tuple[str, pb.ArtifactInfo]] = []
         for name, infos in sorted(by_name.items()):
-            target = d.path / name
-            if os.path.lexists(target):
+            if os.path.lexists(d.path / name):
                 continue
             # The newest content first (a good copy published after a bad one).
             info = max(infos, key=lambda i: (i.created_unix, i.digest))
             if info.size > self.max_entry_bytes:
                 self._refuse(d, name, f"{info.size} bytes, over {self.max_entry_bytes}", 0)
                 continue
-            try:
-                _, data = client.fetch(info.key, info.digest)
-            except Exception as exc:  # corrupt, revoked, unreachable: never installed
-                self._refuse(d, name, f"fetch failed: {exc}", 0)
-                continue
-            if install(target, data):
-                installed += 1
-                d.installed += 1
-                d.installed_here[name] = (info.key, info.digest)
-                self.count(d.kind, "installed", len(data))
+            todo.append((name, info))
+        installed = sum(transfers(lambda item: self._install_one(d, client, *item), todo))
+        d.installed += installed
         return installed
+
+    def _install_one(self, d: Directory, client: Client, name: str,
+                     info: pb.ArtifactInfo) -> bool:
+        try:
+            _, data = client.fetch(info.key, info.digest)
+        except Exception as exc:  # corrupt, revoked, unreachable: never installed
+            self._refuse(d, name, f"fetch failed: {exc}", 0)
+            return False
+        if not install(d.path / name, data):
+            return False
+        d.installed_here[name] = (info.key, info.digest)
+        self.count(d.kind, "installed", len(data))
+        return True
 
     def _notice_rejections(self, d: Directory, client: Client) -> None:
         """Installed entries the framework deleted (it could not load them):
@@ -454,13 +465,30 @@ class DirSync:
         return out
 
 
+def transfers(one: Callable[[_T], bool], items: list[_T]) -> list[bool]:
+    """`one` of each item, TRANSFERS at a time (a pass over thousands of
+    entries is bound by round trips, not by this host)."""
+    if len(items) <= 1:
+        return [one(item) for item in items]
+    with ThreadPoolExecutor(min(TRANSFERS, len(items)),
+                            thread_name_prefix="compilecast-dirsync") as pool:
+        return list(pool.map(one, items))
+
+
 def install(target: Path, data: bytes) -> bool:
     """Write `data` as `target` all at once: a hidden temporary file, then a
     link to the name. False when a file of that name appeared meanwhile (it
-    stays)."""
-    tmp = target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{threading.get_ident()}")
+    stays). The temporary file is made new (O_EXCL) and never through a
+    link (O_NOFOLLOW): a name planted in the directory is never written
+    through."""
+    tmp = target.with_name(f".{target.name}{TEMP_MARK}{secrets.token_hex(8)}")
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+    except FileExistsError:  # planted: ours are never named twice
+        return False
+    try:
+        with open(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
