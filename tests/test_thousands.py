@@ -5,9 +5,7 @@ and workers on loopback."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
