@@ -71,9 +71,9 @@ class Checked:
 
 @dataclass
 class CoordinatorConfig(Checked):
-    listen: str = field(default="127.0.0.1:7640", metadata=_help("gRPC listen address host:port"))
+    listen: str = field(default="127.0.0.1:7640", metadata=_help("gRPC listen address host:port or unix:///path"))
     etcd_endpoints: str = field(
-        default="127.0.0.1:2379", metadata=_help("comma-separated etcd client endpoints host:port")
+        default="127.0.0.1:2379", metadata=_help("comma-separated etcd client endpoints host:port or unix:///path")
     )
     etcd_prefix: str = field(default="/compilecast/v1", metadata=_help("etcd key prefix"))
     store_dir: str = field(
@@ -225,6 +225,10 @@ class CoordinatorConfig(Checked):
         def etcd() -> None:
             if not self.etcd_endpoints.strip():
                 raise ConfigError("etcd_endpoints is empty")
+            for endpoint in self.etcd_endpoints.split(","):
+                if endpoint.strip():
+                    _address(endpoint.strip().removeprefix("http://").removeprefix("https://"),
+                             "etcd_endpoints")
             if not self.etcd_prefix.startswith("/"):
                 raise ConfigError(f"etcd_prefix {self.etcd_prefix!r} must start with '/'")
 
@@ -253,7 +257,7 @@ class CoordinatorConfig(Checked):
             store, counts, data_plane,
             lambda: _not_negative(self, "store_reverify_s", "decide_busy_gap_ms"),
             etcd,
-            lambda: _hostport(self.listen, "listen"),
+            lambda: _address(self.listen, "listen"),
             lambda: _pair(self, "tls_cert_file", "tls_key_file"),
             lambda: _pair(self, "etcd_cert_file", "etcd_key_file"),
             tls, auth,
@@ -269,7 +273,7 @@ class WorkerConfig(Checked):
         default_factory=default_worker_target,
         metadata=_help("local API: unix:///path or host:port"),
     )
-    coordinator: str = field(default="127.0.0.1:7640", metadata=_help("coordinator host:port"))
+    coordinator: str = field(default="127.0.0.1:7640", metadata=_help("coordinator host:port or unix:///path"))
     cache_dir: str = field(
         default_factory=lambda: str(default_home() / "worker"),
         metadata=_help("host cache directory"),
@@ -371,8 +375,7 @@ class WorkerConfig(Checked):
                 _hostport(self.relay_data_listen, "relay_data_listen")
 
         def listen() -> None:
-            if not self.listen.startswith("unix://"):
-                _hostport(self.listen, "listen")
+            _address(self.listen, "listen")
 
         return [
             lambda: _no_nul(self),
@@ -388,7 +391,7 @@ class WorkerConfig(Checked):
             lambda: _readable(self, "token_file", "coordinator_ca_file", "coordinator_cert_file",
                               "coordinator_key_file", "tls_cert_file", "tls_key_file"),
             listen,
-            lambda: _hostport(self.coordinator, "coordinator"),
+            lambda: _address(self.coordinator, "coordinator"),
         ]
 
 
@@ -437,6 +440,22 @@ def _readable(cfg: Any, *names: str) -> None:
         path = getattr(cfg, n)
         if path and "\x00" not in path and not os.access(path, os.R_OK):  # (a NUL is _no_nul's to report)
             raise ConfigError(f"{n} {path!r} is not a readable file")
+
+
+UNIX_PATH_MAX = 107  # a unix socket's path, in bytes (sun_path, less its NUL)
+
+
+def _address(value: str, name: str) -> None:
+    """host:port, or unix:///an/absolute/path a socket can have."""
+    if value.startswith("unix:"):
+        path = value.removeprefix("unix://") if value.startswith("unix://") else ""
+        if not path.startswith("/"):
+            raise ConfigError(f"{name} {value[:120]!r}: a unix socket is unix:///absolute/path")
+        if len(path.encode()) > UNIX_PATH_MAX:
+            raise ConfigError(f"{name} {value[:120]!r}: a unix socket's path is at most "
+                              f"{UNIX_PATH_MAX} bytes, this one {len(path.encode())}")
+        return
+    _hostport(value, name)
 
 
 def _hostport(value: str, name: str) -> None:

@@ -29,10 +29,11 @@ def free_port() -> int:
 class Up:
     """`compilecast up --home HOME` as a subprocess on free ports."""
 
-    def __init__(self, home: Path, env: dict | None = None) -> None:
+    def __init__(self, home: Path, env: dict | None = None, *, no_tcp: bool = False) -> None:
         self.home = home
         self.env = dict(os.environ, **(env or {}))
-        self.ports = {name: free_port() for name in UP_PORTS}
+        self.no_tcp = no_tcp  # `up --no-tcp`: unix sockets only, no ports
+        self.ports = {} if no_tcp else {name: free_port() for name in UP_PORTS}
         self.target = f"unix://{home / 'worker.sock'}"
         self.proc: subprocess.Popen | None = None
 
@@ -47,7 +48,8 @@ class Up:
         ports (at most `attempts` times). Raises RuntimeError with the end of
         its log when it exits otherwise or is not healthy within timeout_s."""
         for attempt in range(attempts):
-            args = [sys.executable, "-m", "compilecast.cli", "up", "--home", str(self.home)]
+            args = [sys.executable, "-m", "compilecast.cli", "up", "--home", str(self.home),
+                    *(["--no-tcp"] if self.no_tcp else [])]
             for name, port in self.ports.items():
                 args += [f"--{name}", str(port)]
             with open(self.log_path, "ab") as log:
@@ -65,7 +67,8 @@ class Up:
                                            f"{timeout_s:.0f} s:\n{self._log_tail()}") from None
             rc, self.proc = self.proc.returncode, None
             tail = self._log_tail()
-            if attempt + 1 < attempts and ("already in use" in tail or "is taken" in tail):
+            if attempt + 1 < attempts and not self.no_tcp and (
+                    "already in use" in tail or "is taken" in tail):
                 self.ports = {name: free_port() for name in UP_PORTS}
                 continue
             raise RuntimeError(f"compilecast up exited with status {rc}:\n{tail}")

@@ -87,7 +87,11 @@ def _claim_socket(address: str, setting: str) -> None:
     would orphan that process: a second worker on a host taking over the
     first's socket)."""
     path = address.removeprefix("unix://")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {address} ({setting}): cannot make its "
+                          f"directory: {exc.strerror or exc}") from None
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:

@@ -34,6 +34,11 @@ class UpError(RuntimeError):
     """`up` cannot start; the message says what to do."""
 
 
+# etcd's sockets under --no-tcp: etcd takes a unix URL's host:port as the
+# socket's path, relative to its working directory (the home's sock/).
+ETCD_CLIENT_SOCK, ETCD_PEER_SOCK = "etcd-client.sock:0", "etcd-peer.sock:0"
+
+
 @dataclass
 class UpConfig:
     home: Path
@@ -45,6 +50,24 @@ class UpConfig:
     # etcd keeps every revision until compacted; claims and waits write many.
     # Periodic compaction keeps this much history (as the chart's etcd does).
     etcd_compaction_retention: str = "1h"
+    # Every endpoint on a unix socket under home/sock (mode 0700): etcd's
+    # client and peer URLs, the coordinator and the worker; the data plane
+    # and metrics off. Nothing listens on the network (a TPU VM's default).
+    no_tcp: bool = False
+
+    @property
+    def sockets(self) -> Path:
+        return self.home / "sock"
+
+    def etcd_client_url(self) -> str:
+        """etcd's client URL: a socket named relative to etcd's working
+        directory (etcd takes a unix URL's host as the socket's path)."""
+        return f"unix://{ETCD_CLIENT_SOCK}" if self.no_tcp else f"http://127.0.0.1:{self.etcd_port}"
+
+    def etcd_endpoint(self) -> str:
+        """The same, as a gRPC client dials it."""
+        return (f"unix://{self.sockets / ETCD_CLIENT_SOCK}" if self.no_tcp
+                else f"127.0.0.1:{self.etcd_port}")
 
 
 def find_etcd() -> str:
@@ -82,16 +105,35 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _socket_open(path: Path) -> bool:
+    """Whether a process accepts on the unix socket at `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        return s.connect_ex(str(path)) == 0
+
+
+def _etcd_serving(cfg: UpConfig) -> bool:
+    return (_socket_open(cfg.sockets / ETCD_CLIENT_SOCK) if cfg.no_tcp
+            else _port_open(cfg.etcd_port))
+
+
 def _spawn_etcd(cfg: UpConfig) -> subprocess.Popen:
     binary = find_etcd()
-    for port in (cfg.etcd_port, cfg.etcd_peer_port):
-        if _port_open(port):
-            raise UpError(f"port {port} is taken (another `compilecast up`?); "
-                          "pass --etcd-port/--etcd-peer-port")
+    if cfg.no_tcp:
+        for name in (ETCD_CLIENT_SOCK, ETCD_PEER_SOCK):
+            if _socket_open(cfg.sockets / name):
+                raise UpError(f"{cfg.sockets / name} is served (another `compilecast up "
+                              "--no-tcp` with this home?)")
+            with contextlib.suppress(FileNotFoundError):  # a previous run's
+                (cfg.sockets / name).unlink()
+    else:
+        for port in (cfg.etcd_port, cfg.etcd_peer_port):
+            if _port_open(port):
+                raise UpError(f"port {port} is taken (another `compilecast up`?); "
+                              "pass --etcd-port/--etcd-peer-port")
     data = cfg.home / "etcd"
     data.mkdir(parents=True, exist_ok=True)
-    peer = f"http://127.0.0.1:{cfg.etcd_peer_port}"
-    client = f"http://127.0.0.1:{cfg.etcd_port}"
+    peer = f"unix://{ETCD_PEER_SOCK}" if cfg.no_tcp else f"http://127.0.0.1:{cfg.etcd_peer_port}"
+    client = cfg.etcd_client_url()
     cmd, preexec = _with_death_signal([
         binary, "--name", "compilecast", "--data-dir", str(data),
         "--listen-client-urls", client, "--advertise-client-urls", client,
@@ -100,13 +142,15 @@ def _spawn_etcd(cfg: UpConfig) -> subprocess.Popen:
         "--auto-compaction-mode", "periodic",
         "--auto-compaction-retention", cfg.etcd_compaction_retention])
     with open(cfg.home / "etcd.log", "ab") as logf:
-        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=preexec)
+        # (with --no-tcp, etcd's sockets are named relative to its directory)
+        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=preexec,
+                                cwd=cfg.sockets if cfg.no_tcp else None)
 
 
 def _listening(proc: subprocess.Popen, cfg: UpConfig, deadline: float) -> bool:
     """Whether the etcd just spawned serves its clients yet; UpError when it
     exited or missed the deadline (then it is killed)."""
-    if _port_open(cfg.etcd_port):
+    if _etcd_serving(cfg):
         return True
     if proc.poll() is not None:
         raise UpError(f"etcd exited with {proc.returncode}; see {cfg.home / 'etcd.log'}")
@@ -231,41 +275,58 @@ def configs(cfg: UpConfig, env: dict[str, str] | None = None
     """The coordinator's and the worker's settings under `up`. `up` fixes where
     things listen; every other setting comes from the environment
     (COMPILECAST_LEASE_TTL_S, ...) as for the standalone roles."""
+    no_tcp: dict[str, object] = {}
+    if cfg.no_tcp:
+        no_tcp = {"listen": f"unix://{cfg.sockets / 'coordinator.sock'}",
+                  "metrics_port": 0, "data_listen": "off"}
     ccfg, _ = load(CoordinatorConfig, env=env, defaults=UP_STORE_DEFAULTS,
                    defaults_from="compilecast up", flags={
         "listen": f"127.0.0.1:{cfg.coordinator_port}",
-        "etcd_endpoints": f"127.0.0.1:{cfg.etcd_port}",
+        "etcd_endpoints": cfg.etcd_endpoint(),
         "store_dir": str(cfg.home / "coordinator"),
         "metrics_port": cfg.coordinator_metrics_port,
         "metrics_host": "127.0.0.1",
         "etcd_prefix": "/compilecast/v1",
-        # Loopback and a unix socket only: no tokens (issue 5's rule for `up`).
+        # Loopback and unix sockets only: no tokens (issue 5's rule for `up`).
         "allow_unauthenticated": True,
+        **no_tcp,
     })
     sock = cfg.home / "worker.sock"
     wcfg, _ = load(WorkerConfig, env=env, flags={
         "listen": f"unix://{sock}", "coordinator": ccfg.listen,
         "cache_dir": str(cfg.home / "worker"), "metrics_port": cfg.worker_metrics_port,
         "metrics_host": "127.0.0.1",
+        **({"metrics_port": 0, "data_plane": False} if cfg.no_tcp else {}),
     })
     return ccfg, wcfg
 
 
 def run(cfg: UpConfig) -> int:
     cfg.home.mkdir(parents=True, exist_ok=True)
+    if cfg.no_tcp:
+        os.chmod(cfg.home, 0o700)
+        cfg.sockets.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(cfg.sockets, 0o700)
     ccfg, wcfg = configs(cfg)
-    if _port_open(cfg.coordinator_port):
+    if cfg.no_tcp:
+        if _socket_open(cfg.sockets / "coordinator.sock"):
+            raise UpError(f"{cfg.sockets / 'coordinator.sock'} is served (another "
+                          "`compilecast up --no-tcp` with this home? `compilecast status` says)")
+    elif _port_open(cfg.coordinator_port):
         raise UpError(f"port {cfg.coordinator_port} is taken (another `compilecast up`? "
                       "`compilecast status` says); pass --coordinator-port for another")
     etcd = LocalEtcd(cfg)
     etcd.start()
+
+    def metrics(port: int) -> str:
+        return f"metrics http://127.0.0.1:{port}/metrics" if port else "metrics off"
+
     msg = "\n".join([
-        "compilecast is up (Ctrl-C stops it)",
-        f"  etcd         127.0.0.1:{cfg.etcd_port}   data {cfg.home / 'etcd'}",
-        f"  coordinator  {ccfg.listen}   store {ccfg.store_dir}   "
-        f"metrics http://127.0.0.1:{cfg.coordinator_metrics_port}/metrics",
-        f"  worker       {wcfg.listen}   cache {wcfg.cache_dir}   "
-        f"metrics http://127.0.0.1:{cfg.worker_metrics_port}/metrics",
+        "compilecast is up (Ctrl-C stops it)" +
+        ("; nothing listens on TCP" if cfg.no_tcp else ""),
+        f"  etcd         {cfg.etcd_endpoint()}   data {cfg.home / 'etcd'}",
+        f"  coordinator  {ccfg.listen}   store {ccfg.store_dir}   {metrics(ccfg.metrics_port)}",
+        f"  worker       {wcfg.listen}   cache {wcfg.cache_dir}   {metrics(wcfg.metrics_port)}",
         "  use it from JAX: COMPILECAST_ENABLE=1 python train.py",
     ])
     try:

@@ -106,6 +106,10 @@ class Coordinator(Role):
             log.info("data plane off: the coordinator serves TLS, so every fetch goes over gRPC")
             return None
         address = cfg.data_listen
+        if address == "auto" and cfg.listen.startswith("unix://"):
+            log.info("data plane off: the coordinator listens on a unix socket; set "
+                     "--data-listen to serve one over TCP")
+            return None
         if address == "auto":
             host = cfg.listen.rpartition(":")[0]
             if host.strip("[]") in ("0.0.0.0", "::", "") and not cfg.data_advertise:

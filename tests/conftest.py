@@ -382,10 +382,10 @@ def start_up(tmp_path):
 
     started: list = []
 
-    def start(env: dict | None = None, name: str = "cc"):
+    def start(env: dict | None = None, name: str = "cc", *, no_tcp: bool = False):
         home = tmp_path / name
         home.mkdir()
-        u = Up(home, env)
+        u = Up(home, env, no_tcp=no_tcp)
         started.append(u)  # stopped at teardown even when it never became healthy
         u.start()
         return u

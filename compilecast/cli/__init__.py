@@ -108,6 +108,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                  "coordinator_metrics_port", "worker_metrics_port", "etcd_compaction_retention"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
+    cfg.no_tcp = args.no_tcp
     return run(cfg)
 
 
@@ -332,6 +333,9 @@ def _add_servers(sub) -> None:
         p.add_argument(flag_name(name), dest=name, type=_port, default=None)
     p.add_argument("--etcd-compaction-retention", default=None,
                    help="history the local etcd keeps before compacting it (default 1h)")
+    p.add_argument("--no-tcp", action="store_true",
+                   help="every endpoint on a unix socket under the home (mode 0700): etcd, "
+                        "the coordinator and the worker; data plane and metrics off")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("coordinator", help="run a coordinator replica")
