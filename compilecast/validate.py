@@ -123,7 +123,7 @@ def publish_header(header: pb.PublishHeader, max_size: int) -> str:
 
 MAX_RECIPE_BYTES = 3 << 20
 PLATFORMS = ("tpu", "gpu", "cpu")
-TOPOLOGY_RE = re.compile(r"^[A-Za-z0-9:._x-]{0,64}\Z")
+TOPOLOGY_RE = re.compile(r"^[A-Za-z0-9:._x,=-]{0,128}\Z")
 ENTRY_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]{0,199}:[A-Za-z_][A-Za-z0-9_]{0,99})?\Z")
 TASK_ID_RE = re.compile(r"^[0-9]{20}-[0-9a-f]{8}\Z")
 
@@ -134,7 +134,7 @@ def target(t: pb.Target) -> None:
                              f"{', '.join(PLATFORMS)}")
     if not TOPOLOGY_RE.match(t.topology):
         raise InvalidRequest(f"target.topology {t.topology[:80]!r} is invalid "
-                             "(a name such as v5e:2x2, at most 64 characters)")
+                             "(a name such as v5e:2x2 or v5litepod-16,num_slices=2, at most 128 characters)")
 
 
 def recipe(r: pb.Recipe, *, need_target: bool) -> None:

@@ -155,7 +155,10 @@ def _wait_tasks(client, ids: list[str], timeout_s: float) -> int:
 def cmd_precompile(args: argparse.Namespace) -> int:
     from compilecast.worker.jaxdoor import aot
 
-    target = aot.parse_target(args.topology, args.platform)
+    try:
+        target = aot.parse_target(args.topology, args.platform)
+    except aot.AotError as exc:
+        raise CliError(str(exc)) from None
     client = _client(args)
     try:
         if args.farm:  # queue the work; farm workers compile it
@@ -394,7 +397,9 @@ def _add_ahead_of_time(sub) -> None:
                                      "pairs for the target's devices")
     src.add_argument("--replay", metavar="JOB", help="recompile what was recorded for JOB")
     p.add_argument("--topology", default="local",
-                   help="compile-only topology, e.g. v5e:2x2 (default: this machine's devices)")
+                   help="compile-only topology: a Cloud TPU accelerator type (v5litepod-16, "
+                        "v4-32) or v5e:4x4, then options ,chips_per_host_bounds=AxBxC "
+                        ",wrap=true.true.false ,num_slices=N (default: this machine's devices)")
     p.add_argument("--platform", default="tpu", choices=("tpu", "gpu", "cpu"))
     p.add_argument("--job", default="", help="job the programs belong to (recorded)")
     p.add_argument("--farm", action="store_true", help="queue the compiles for the farm")

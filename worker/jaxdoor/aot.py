@@ -38,6 +38,7 @@ from compilecast.v1 import cache_pb2 as pb
 from ..inprocess.client import CacheClient
 from ..keylib import keys
 from ..xla import jax_adapter
+from . import tputopology
 
 log = logging.getLogger("compilecast.aot")
 
@@ -180,11 +181,18 @@ def compile_entry(trigger: Callable[[], Any]) -> tuple[str, bytes, float]:
 # -- targets and programs -------------------------------------------------------
 
 def parse_target(spec: str, platform: str = "tpu") -> pb.Target:
-    """'v5e:2x2' (a compile-only topology of `platform`) or 'local'."""
+    """A compile-only topology of `platform` (for TPUs as users name them:
+    v5litepod-16, v5e:4x4,num_slices=2; worker/jaxdoor/tputopology.py) or
+    'local'. Raises AotError (one line) for a TPU topology nobody makes."""
     if spec in ("", "local"):
         import jax
 
         return pb.Target(platform=platform if platform != "tpu" else jax.default_backend())
+    if platform == "tpu":
+        try:
+            spec = tputopology.resolve(spec).spec()
+        except tputopology.TopologyError as exc:
+            raise AotError(str(exc)) from None
     return pb.Target(platform=platform, topology=spec)
 
 
@@ -202,12 +210,21 @@ def target_devices(target: pb.Target) -> list[Any]:
         # libtpu next to other processes (libtpu's lockfile otherwise refuses).
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+        name, kwargs, names = target.topology, {}, ""
+        if target.platform == "tpu":
+            try:
+                tpu = tputopology.resolve(target.topology)
+            except tputopology.TopologyError as exc:
+                raise AotError(str(exc)) from None
+            name, kwargs, names = tpu.name, tpu.kwargs(), f"; {tputopology.NAMES_HELP}"
         try:
-            topo = topologies.get_topology_desc(topology_name=target.topology,
-                                                platform=target.platform)
+            topo = topologies.get_topology_desc(topology_name=name, platform=target.platform,
+                                                **kwargs)
         except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise AotError(f"cannot make a compile-only {target.platform} topology "
-                           f"{target.topology!r}: {exc} (for TPUs: pip install libtpu)") from exc
+                           f"{target.topology!r}: {first} (for TPUs: pip install libtpu)"
+                           f"{names}") from None
         return list(topo.devices)
     return list(jax.devices(target.platform))
 
