@@ -11,6 +11,8 @@ token (never the token itself) to a tenant and permissions:
         permissions: [read, publish]  # read: Acquire/Wait/Fetch/DescribeKey/ListArtifacts/Status
                                       # publish: also take compile leases, Publish, Release
                                       # admin: also Purge (take artifacts out of service)
+                                      # worker: also report the hits a host's worker
+                                      #   answered (ReportHits): the workers' token
 
 Tenants are namespaces: one tenant's keys, leases, artifacts and records are
 invisible to another. With allow_unauthenticated, a call without a token is
@@ -32,7 +34,7 @@ from compilecast.errors import PermissionDenied, Unauthenticated
 from compilecast.grpcutil import token_from
 
 TENANT_RE = re.compile(r"^[a-z0-9-]{1,63}\Z")
-PERMISSIONS = {"read", "publish", "admin"}
+PERMISSIONS = {"read", "publish", "admin", "worker"}
 
 
 @dataclass(frozen=True)
@@ -41,10 +43,16 @@ class Principal:
     tenant: str
     can_publish: bool  # every identity may read
     can_admin: bool = False
+    can_report: bool = False  # a host's worker: ReportHits
 
     def require_publish(self) -> None:
         if not self.can_publish:
             raise PermissionDenied(f"identity {self.name} may not publish or hold compile leases")
+
+    def require_worker(self) -> None:
+        if not self.can_report:
+            raise PermissionDenied(f"identity {self.name} may not report hits (needs the "
+                                   "worker permission: only hosts' workers report)")
 
     def require_admin(self) -> None:
         if not self.can_admin:
@@ -52,7 +60,8 @@ class Principal:
                                    "(needs the admin permission)")
 
 
-ANONYMOUS = Principal("anonymous", "default", can_publish=True, can_admin=True)
+ANONYMOUS = Principal("anonymous", "default", can_publish=True, can_admin=True,
+                      can_report=True)
 
 
 class Authenticator:
@@ -91,7 +100,8 @@ class Authenticator:
                                   f"{sorted(PERMISSIONS)}")
             by_digest[digest] = Principal(str(entry.get("name", f"token-{i}")), tenant,
                                           can_publish="publish" in perms,
-                                          can_admin="admin" in perms)
+                                          can_admin="admin" in perms,
+                                          can_report="worker" in perms)
         return cls(by_digest, allow_unauthenticated)
 
     def identify(self, context: grpc.aio.ServicerContext) -> Principal:

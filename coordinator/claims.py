@@ -22,7 +22,7 @@ from .keystate import KeyState, holder_name, lease_owner, local_verdict
 from .keyview import KeyView
 from .leases import LeasePool
 from .metrics import CoordinatorMetrics
-from .records import DEFAULT_TENANT, KeyRecords, json_dict, plain, scope
+from .records import DEFAULT_TENANT, KeyRecords, json_dict, plain, scope, tenant_of
 
 log = logging.getLogger("compilecast.coordinator.state")
 
@@ -128,7 +128,7 @@ class Claims:
         sk = scope(tenant, key)
         if (resp := self._known(sk)) is not None:
             if resp.decision == pb.HIT:
-                self.view.hit(resp.artifact)
+                self.view.hit(tenant, resp.artifact)
         else:
             start = time.perf_counter()
             try:
@@ -137,7 +137,7 @@ class Claims:
                 resp = pb.AcquireResponse(decision=pb.COMPILE_LOCALLY,
                                           reason=self.view.etcd_down(exc))
             self.metrics.observe_etcd_decision(resp.decision, time.perf_counter() - start)
-        self.metrics.count_decision(resp.decision)
+        self.metrics.count_decision(tenant, resp.decision)
         if resp.decision == pb.COMPILE and components:
             self.records.record(sk, program_name, dict(components))
         return resp
@@ -159,10 +159,10 @@ class Claims:
         if all(a is None for a in answers):
             return None
         given = [r for r in answers if r is not None]
-        self.view.hit(*(r.artifact for r in given if r.decision == pb.HIT))
+        self.view.hit(tenant, *(r.artifact for r in given if r.decision == pb.HIT))
         # counted once per decision, not once per key
         for decision, n in collections.Counter(r.decision for r in given).items():
-            self.metrics.count_decision(decision, n)
+            self.metrics.count_decision(tenant, decision, n)
         return answers
 
     def _known(self, sk: str) -> pb.AcquireResponse | None:
@@ -190,7 +190,7 @@ class Claims:
             assert st is not None
             info = await self.view.usable_artifact(sk, st)
             if info is not None:
-                self.view.hit(info)
+                self.view.hit(tenant_of(sk), info)
                 return pb.AcquireResponse(decision=pb.HIT, artifact=info)
             if st.local:
                 return pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, **local_verdict(st.local))

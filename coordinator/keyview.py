@@ -233,8 +233,9 @@ class KeyView:
         self.metrics.etcd_unavailable.inc()
         return f"coordinator: {exc}"
 
-    def hit(self, *infos: pb.ArtifactInfo) -> None:
-        """Count the compile time that hits on `infos` saved (one increment)."""
+    def hit(self, tenant: str, *infos: pb.ArtifactInfo) -> None:
+        """Count the compile time that `tenant`'s hits on `infos` saved (one
+        increment)."""
         saved = sum(max(info.compile_time_seconds, 0.0) for info in infos)
         if saved:
-            self.metrics.saved(saved)
+            self.metrics.saved(tenant, saved)

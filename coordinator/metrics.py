@@ -4,7 +4,7 @@ injected registry (never the global one)."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -19,14 +19,22 @@ RECENT_WRITES = 1024  # etcd write txns `compilecast status` takes its figures f
 
 
 @dataclass
-class Tally:
-    """What Status reports, counted as it happens (never read back out of
-    the registry)."""
+class TenantTally:
+    """One tenant's lookups, as Status shows them to that tenant."""
 
     hits: int = 0  # Acquires answered HIT here
     host_hits: int = 0  # hits the workers answered, as they report them
     misses: int = 0  # every other answer
     saved_s: float = 0.0  # the compile time those hits saved
+
+
+@dataclass
+class Tally:
+    """What Status reports, counted as it happens (never read back out of
+    the registry): each tenant's lookups (tenants are those of the tokens
+    file, a bounded set), and the replica's bucket reads."""
+
+    tenants: dict[str, TenantTally] = field(default_factory=dict)
     bucket_errors: int = 0
     bucket_local_hits: int = 0  # bucket reads the replica's own disk answered
     bucket_local_misses: int = 0
@@ -307,23 +315,30 @@ class CoordinatorMetrics:
     def observe_etcd_decision(self, decision: pb.Decision.ValueType, seconds: float) -> None:
         self._by_decision[decision][2].observe(seconds)
 
-    def count_decision(self, decision: pb.Decision.ValueType, n: int = 1) -> None:
-        """`n` Acquires answered with `decision`."""
+    def of(self, tenant: str) -> TenantTally:
+        """The tenant's tally."""
+        tally = self.tally.tenants.get(tenant)
+        if tally is None:
+            tally = self.tally.tenants[tenant] = TenantTally()
+        return tally
+
+    def count_decision(self, tenant: str, decision: pb.Decision.ValueType, n: int = 1) -> None:
+        """`n` Acquires of `tenant` answered with `decision`."""
         lookup, decided, _ = self._by_decision[decision]
         lookup.inc(n)
         decided.inc(n)
         if decision == pb.HIT:
-            self.tally.hits += n
+            self.of(tenant).hits += n
         else:
-            self.tally.misses += n
+            self.of(tenant).misses += n
 
-    def saved(self, seconds: float) -> None:
-        """Compile time that hits saved."""
+    def saved(self, tenant: str, seconds: float) -> None:
+        """Compile time that `tenant`'s hits saved."""
         self.compile_seconds_saved.inc(seconds)
-        self.tally.saved_s += seconds
+        self.of(tenant).saved_s += seconds
 
-    def host_hits(self, hits: int, seconds: float) -> None:
+    def host_hits(self, tenant: str, hits: int, seconds: float) -> None:
         """Hits a worker answered without us, and the compile time they saved."""
         self.lookups.labels("host_hit").inc(hits)
-        self.tally.host_hits += hits
-        self.saved(seconds)
+        self.of(tenant).host_hits += hits
+        self.saved(tenant, seconds)

@@ -12,6 +12,7 @@ from compilecast import validate
 from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
     InvalidRequest,
+    TooMany,
     Unavailable,
 )
 from compilecast.store import ArtifactStore
@@ -50,6 +51,37 @@ PURGE_LOGGED = 20  # revoked artifacts a purge logs one by one; the rest in one 
 MAX_REVISION = 2**63 - 1
 MAX_REPORTED_HITS = 10_000_000  # in one ReportHits
 MAX_REPORTED_SECONDS = 1e9
+MAX_SECONDS_PER_HIT = 86_400.0  # the compile time one hit can have saved
+
+
+class HitReports:
+    """Each reporter's hits, bounded: a bucket of HITS_PER_S a second that
+    holds at most BURST (a worker reports every 10 s; a host answers far
+    fewer). Reporters are kept least recently seen first, at most
+    REPORTERS_MAX."""
+
+    HITS_PER_S = 100_000.0
+    BURST = float(MAX_REPORTED_HITS)
+    REPORTERS_MAX = 100_000
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self._buckets: collections.OrderedDict[str, tuple[float, float]] = \
+            collections.OrderedDict()  # reporter -> (hits left, when)
+
+    def take(self, reporter: str, hits: int) -> None:
+        """Count `hits` against `reporter`'s bucket; TooMany (nothing
+        counted) when it holds fewer."""
+        now = self.clock()
+        left, then = self._buckets.pop(reporter, (self.BURST, now))
+        left = min(self.BURST, left + (now - then) * self.HITS_PER_S)
+        if hits > left:
+            self._buckets[reporter] = (left, now)
+            raise TooMany(f"{hits} hits reported, more than this worker can have answered "
+                          f"since its last reports ({int(left)}); not counted")
+        self._buckets[reporter] = (left - hits, now)
+        while len(self._buckets) > self.REPORTERS_MAX:
+            self._buckets.popitem(last=False)
 
 
 def describe_store(cfg: CoordinatorConfig) -> str:
@@ -79,6 +111,7 @@ class Operations:
         self.records = records
         self.farm = farm
         self.prefix = view.prefix
+        self.reports = HitReports()
 
     # -- Purge -----------------------------------------------------------
     async def purge(self, keys: list[str], digests: list[str], reason: str, *,
@@ -185,15 +218,22 @@ class Operations:
         return resp
 
     # -- Hits the workers answered --------------------------------------
-    def report_hits(self, hits: int, seconds: float) -> None:
+    def report_hits(self, hits: int, seconds: float, *, tenant: str = DEFAULT_TENANT,
+                    reporter: str = "") -> None:
         """Count hits a worker answered without us (its host cache, or a
         request it shared among its processes) and the compile time they
-        saved: the fleet's hits, in one place."""
+        saved, for the worker's tenant: the fleet's hits, in one place.
+        Each reporter (a worker identity on one host) is bounded in rate
+        and in seconds per hit (HitReports)."""
         if not 0 <= hits <= MAX_REPORTED_HITS or not math.isfinite(seconds) \
                 or not 0 <= seconds <= MAX_REPORTED_SECONDS:
             raise InvalidRequest(f"a report of {hits} hits saving {seconds} s: hits are 0 to "
                                  f"{MAX_REPORTED_HITS}, seconds 0 to {MAX_REPORTED_SECONDS:g}")
-        self.metrics.host_hits(hits, seconds)
+        if seconds > hits * MAX_SECONDS_PER_HIT:
+            raise InvalidRequest(f"a report of {hits} hits saving {seconds:g} s: a hit saves "
+                                 f"at most {MAX_SECONDS_PER_HIT:g} s")
+        self.reports.take(reporter, hits)
+        self.metrics.host_hits(tenant, hits, seconds)
 
     # -- Status ----------------------------------------------------------
     async def status(self, tenant: str = DEFAULT_TENANT) -> pb.StatusResponse:
@@ -201,15 +241,15 @@ class Operations:
         resp = pb.StatusResponse(role="coordinator", upstream_healthy=not problem,
                                  upstream_problem=problem,
                                  upstream="etcd " + ",".join(self.etcd.endpoints))
-        tally = self.metrics.tally
+        tally, replica = self.metrics.of(tenant), self.metrics.tally
         resp.hits, resp.misses = tally.hits + tally.host_hits, tally.misses
         resp.compile_seconds_saved = tally.saved_s
         resp.store_bytes, resp.store_max_bytes = self.store.stored_bytes, self.cfg.store_max_bytes
         resp.store = describe_store(self.cfg)
         if self.cfg.store_type == "s3":
-            resp.bucket_errors = tally.bucket_errors
-            resp.bucket_local_hits = tally.bucket_local_hits
-            resp.bucket_local_misses = tally.bucket_local_misses
+            resp.bucket_errors = replica.bucket_errors
+            resp.bucket_local_hits = replica.bucket_local_hits
+            resp.bucket_local_misses = replica.bucket_local_misses
         if not readable:
             return resp
         counts = await self.farm.counts(tenant)

@@ -223,8 +223,11 @@ class CoordinatorService(rpc.CompileCacheServicer):
 
     @rpc_errors
     async def ReportHits(self, request, context):
-        self.auth.identify(context)
-        self.state.operations.report_hits(request.hits, request.compile_seconds_saved)
+        who = self.auth.identify(context)
+        who.require_worker()
+        host = (context.peer() or "").rpartition(":")[0]  # a worker: one identity on one host
+        self.state.operations.report_hits(request.hits, request.compile_seconds_saved,
+                                          tenant=who.tenant, reporter=f"{who.name}@{host}")
         return pb.ReportHitsResponse()
 
     # -- ahead-of-time compiles -----------------------------------------

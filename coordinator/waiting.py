@@ -120,7 +120,7 @@ class Waiting:
         try:
             cached = self.view.cached_artifact(w.sk)
             if cached is not None:  # published already: no registration, no read
-                self.view.hit(cached)
+                self.view.hit(tenant_of(w.sk), cached)
                 w.outcome = "hit"
                 yield pb.WaitEvent(decision=pb.HIT, artifact=cached)
                 return
@@ -184,7 +184,7 @@ class Waiting:
             st = await self.view.read_shared(w.sk, fresh=True)
             info = await self.view.usable_artifact(w.sk, st)
         if info is not None:
-            self.view.hit(info)
+            self.view.hit(tenant_of(w.sk), info)
             w.outcome = "hit"
             return st, [pb.WaitEvent(decision=pb.HIT, artifact=info)], True
         assert st is not None

@@ -404,7 +404,8 @@ def up(start_up):
 # Bearer tokens of the security and relay tests: token -> (tenant, permissions).
 TOKENS = {"a-pub": ("team-a", ["read", "publish"]), "a-read": ("team-a", ["read"]),
           "b-pub": ("team-b", ["read", "publish"]), "a-admin": ("team-a", ["read", "admin"]),
-          "b-admin": ("team-b", ["read", "admin"])}
+          "b-admin": ("team-b", ["read", "admin"]),
+          "a-worker": ("team-a", ["read", "publish", "worker"])}
 
 
 @pytest.fixture

@@ -95,6 +95,7 @@ class WorkerService(rpc.CompileCacheServicer):
         # Hits answered here, and the compile time they saved, not reported to
         # the coordinator yet (report_hits).
         self._unreported: list[float] = [0, 0.0]
+        self._report_refused = False  # the coordinator refused a report for good (logged once)
         self._upstream_answered = metrics.upstream_decision_seconds.labels("answered")
         self._upstream_unreachable = metrics.upstream_decision_seconds.labels("unreachable")
         self.metrics.waiting.set_function(lambda: self.waits.waiting)
@@ -363,8 +364,14 @@ class WorkerService(rpc.CompileCacheServicer):
                                                           compile_seconds_saved=seconds),
                                      timeout=self.link.rpc_timeout_s, metadata=bearer(self.token))
         except grpc.aio.AioRpcError as exc:
-            log.debug("reporting %d hits failed: %s", hits, exc.code().name)
-            return
+            if exc.code() not in (grpc.StatusCode.PERMISSION_DENIED,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED):
+                log.debug("reporting %d hits failed: %s", hits, exc.code().name)
+                return  # reported with the next
+            if not self._report_refused:  # refused for good: never counted
+                self._report_refused = True
+                log.warning("the coordinator does not count this worker's hits: %s "
+                            "(give the worker's token the worker permission)", exc.details())
         self._unreported[0] -= hits
         self._unreported[1] -= seconds
 

@@ -1,0 +1,94 @@
+"""The hits workers report (ReportHits): only a worker identity reports,
+each tenant counts and sees its own, and each reporter is bounded. Real
+etcd, coordinator and workers on loopback."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from compilecast.coordinator.operations import HitReports
+from compilecast.errors import TooMany
+from compilecast.grpcutil import bearer
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.worker.inprocess.client import CacheClient
+
+from .conftest import eventually, publish
+
+
+def report(target: str, token: str, hits: int, seconds: float) -> grpc.StatusCode:
+    with grpc.insecure_channel(target) as ch:
+        try:
+            rpc.CompileCacheStub(ch).ReportHits(
+                pb.ReportHitsRequest(hits=hits, compile_seconds_saved=seconds),
+                metadata=bearer(token), timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.fixture
+def secured(start_coordinator, tokens_file):
+    return start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+
+
+def test_only_a_worker_identity_reports_and_each_tenant_sees_its_own(secured):
+    target = secured.cfg.listen
+    a, b = CacheClient(target, token="a-pub"), CacheClient(target, token="b-pub")
+    before_a, before_b = a.status(), b.status()
+    # Another tenant's read-only token, a publisher without the worker permission: refused.
+    for token in ("b-pub", "a-read", "a-pub", "b-admin"):
+        assert report(target, token, 10**6, 1e6) == grpc.StatusCode.PERMISSION_DENIED
+    assert report(target, "a-worker", 7, 70.0) == grpc.StatusCode.OK
+    after_a, after_b = a.status(), b.status()
+    assert after_a.hits == before_a.hits + 7
+    assert after_a.compile_seconds_saved == pytest.approx(before_a.compile_seconds_saved + 70)
+    assert (after_b.hits, after_b.compile_seconds_saved) == (before_b.hits,
+                                                             before_b.compile_seconds_saved)
+    # Decisions count for the tenant that asked, too.
+    publish(b, "k", b"bytes")
+    assert b.acquire("k").decision == pb.HIT
+    assert b.status().hits == after_b.hits + 1 and b.status().misses == after_b.misses + 1
+    assert a.status().hits == after_a.hits and a.status().misses == after_a.misses
+
+
+def test_a_reporter_is_bounded_in_rate_and_in_seconds_a_hit(secured):
+    target = secured.cfg.listen
+    a = CacheClient(target, token="a-pub")
+    start = a.status().hits
+    assert report(target, "a-worker", 1, 86_400.0 * 2) == grpc.StatusCode.INVALID_ARGUMENT
+    assert report(target, "a-worker", 10_000_000, 0.0) == grpc.StatusCode.OK  # the burst
+    # Right after it: far more than a host can have answered since.
+    assert report(target, "a-worker", 10_000_000, 0.0) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert a.status().hits == start + 10_000_000  # the refused report counted nothing
+
+
+def test_the_bucket_refills_with_time_and_forgets_the_oldest_reporters():
+    now = [0.0]
+    reports = HitReports(clock=lambda: now[0])
+    reports.take("w@host1", int(HitReports.BURST))
+    with pytest.raises(TooMany):
+        reports.take("w@host1", 1000)
+    reports.take("w@host2", 1000)  # another host's worker: a bucket of its own
+    now[0] += 1.0
+    reports.take("w@host1", int(HitReports.HITS_PER_S))
+    with pytest.raises(TooMany):
+        reports.take("w@host1", 1)
+    reports.REPORTERS_MAX = 2
+    reports.take("w@host3", 1)
+    assert len(reports._buckets) == 2
+
+
+def test_a_worker_reports_its_host_hits_with_its_token(secured, start_worker, tmp_path):
+    token = tmp_path / "worker.token"
+    token.write_text("a-worker")
+    worker = start_worker(secured.cfg.listen, token_file=str(token))
+    c = CacheClient(worker.target)  # acts as the worker: tenant team-a
+    publish(c, "k", b"executable")
+    start = CacheClient(secured.cfg.listen, token="a-pub").status().hits
+    for _ in range(3):
+        assert c.acquire("k").decision == pb.HIT  # the host cache answers
+    worker.lt.run(worker.service.report_hits_now())
+    eventually(lambda: CacheClient(secured.cfg.listen, token="a-pub").status().hits >= start + 3,
+               "team-a counts the worker's hits")
