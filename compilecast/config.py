@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,6 +265,7 @@ class CoordinatorConfig(Checked):
             lambda: _readable(self, "auth_tokens_file", "tls_cert_file", "tls_key_file",
                               "tls_client_ca_file", "etcd_ca_file", "etcd_cert_file",
                               "etcd_key_file"),
+            lambda: _times(self),
         ]
 
 
@@ -392,6 +394,7 @@ class WorkerConfig(Checked):
                               "coordinator_key_file", "tls_cert_file", "tls_key_file"),
             listen,
             lambda: _address(self.coordinator, "coordinator"),
+            lambda: _times(self),
         ]
 
 
@@ -427,12 +430,34 @@ def _pair(cfg: Any, a: str, b: str) -> None:
         raise ConfigError(f"{a} and {b} go together: set both or neither")
 
 
+MAX_SETTING_CHARS = 4096  # a path (PATH_MAX), an address list, a name
+SHORTEST_S, LONGEST_S = 0.001, 1e8  # a time in seconds, when it is not 0
+
+
 def _no_nul(cfg: Any) -> None:
-    """No setting holds a NUL: no path, address or name can (the OS refuses them)."""
+    """No setting holds a NUL (no path, address or name can: the OS refuses
+    them) or more than MAX_SETTING_CHARS characters."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if isinstance(value, str) and "\x00" in value:
-            raise ConfigError(f"{f.name} holds a NUL character")
+        if isinstance(value, str):
+            if "\x00" in value:
+                raise ConfigError(f"{f.name} holds a NUL character")
+            if len(value) > MAX_SETTING_CHARS:
+                raise ConfigError(f"{f.name} is {len(value)} characters long: at most "
+                                  f"{MAX_SETTING_CHARS}")
+
+
+def _times(cfg: Any) -> None:
+    """Every time in seconds (a setting named *_s) is 0 or a time a clock can
+    keep: from a millisecond to about three years (checked after the
+    settings' own bounds)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name.endswith("_s") and isinstance(value, float | int) and \
+                not isinstance(value, bool) and value and \
+                not SHORTEST_S <= abs(value) <= LONGEST_S:
+            raise ConfigError(f"{f.name}={value!r} is not a time in seconds: use 0 or "
+                              f"{SHORTEST_S:g} to {LONGEST_S:g}")
 
 
 def _readable(cfg: Any, *names: str) -> None:
@@ -526,18 +551,74 @@ def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
     return value
 
 
-def read_yaml(path: str, what: str) -> Any:
-    """A YAML file's content; ConfigError naming `what` when it cannot be
-    read or is not UTF-8 YAML."""
+MAX_SETTINGS_FILE = 16 << 20  # a config, tokens, certificate or token file's bytes
+MAX_YAML_ALIASES = 64  # aliases (*name) in one YAML file: anchors, not bombs
+
+
+def read_small_file(path: str, what: str, max_bytes: int = MAX_SETTINGS_FILE) -> bytes:
+    """The bytes of a settings file: a regular file of at most `max_bytes`
+    (never a FIFO, a device or a directory, which could block or never end);
+    ConfigError naming `what` otherwise."""
     try:
-        with open(path, "rb") as fh:
-            text = fh.read().decode("utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except ValueError as exc:  # a NUL in the name
+        raise ConfigError(f"cannot read {what} {path!r}: {exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{what} {path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ConfigError(f"{what} {path} is larger than {max_bytes >> 20} MiB")
+    return data
+
+
+class _SettingsLoader(yaml.SafeLoader):
+    """safe_load's loader, stricter: a key twice in one mapping and more
+    than MAX_YAML_ALIASES aliases are errors."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.aliases = 0
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_YAML_ALIASES:
+                raise yaml.YAMLError(f"more than {MAX_YAML_ALIASES} aliases")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str | int | float | bool) or key is None:
+                if key in seen:
+                    raise yaml.YAMLError(f"key {str(key)[:60]!r} is given twice "
+                                         f"(line {key_node.start_mark.line + 1})")
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str, what: str) -> Any:
+    """A YAML file's content; ConfigError naming `what` when it cannot be
+    read (read_small_file) or is not UTF-8 YAML, names a key twice in a
+    mapping or has more than MAX_YAML_ALIASES aliases."""
+    try:
+        text = read_small_file(path, what).decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{what} {path} is not UTF-8 text") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_SettingsLoader)
+    except RecursionError:
+        raise ConfigError(f"{what} {path} is not valid YAML: nested too deeply") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{what} {path} is not valid YAML: "
                           f"{' '.join(str(exc).split())[:300]}") from None

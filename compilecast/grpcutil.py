@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from compilecast import tracing, wire
+from compilecast.config import ConfigError, read_small_file
 from compilecast.errors import CompilecastError, InvalidRequest, Status, Unauthenticated, received
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,11 @@ def _read(path: str) -> bytes | None:
 
 
 def _read_required(path: str) -> bytes:
+    """A certificate or key file: a regular file, bounded (config.read_small_file);
+    an OSError to callers otherwise."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
-    except ValueError as exc:  # a name the OS cannot take (a NUL byte): an OSError to callers
+        return read_small_file(path, "TLS file")
+    except ConfigError as exc:
         raise OSError(errno.EINVAL, str(exc), path) from None
 
 

@@ -232,3 +232,56 @@ def test_a_setting_with_a_nul_is_a_configuration_error(role, name):
     setattr(cfg, name, "/tmp/a\x00b")
     with pytest.raises(ConfigError, match=f"{name} holds a NUL character"):
         cfg.validate()
+
+
+# -- hostile settings: each refused in one line naming the setting, never a Python error
+
+def _refused(**kw) -> str:
+    with pytest.raises(ConfigError) as err:
+        load(WorkerConfig, env={}, **kw)
+    message = str(err.value)
+    assert "\n" not in message and "Error" not in message.split(":")[0]
+    return message
+
+
+def test_hostile_values_are_refused_in_one_line(tmp_path):
+    assert "rpc_timeout_s" in _refused(flags={"rpc_timeout_s": 1e-320})
+    assert "rpc_timeout_s" in _refused(flags={"rpc_timeout_s": 1e300})
+    assert "at most 4096" in _refused(flags={"cache_dir": "d" * 100_000_000})
+    assert "coordinator" in _refused(flags={"coordinator": "not a host"})
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("rpc_timeout_s: 5\nrpc_timeout_s: 6\n")
+    assert "given twice" in _refused(file=str(dup))
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert "nested too deeply" in _refused(file=str(deep))
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    rows = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True):
+        rows.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(rows) + "\n")
+    assert "aliases" in _refused(file=str(bomb))
+    anchors = tmp_path / "anchors.yaml"  # a few anchors are fine
+    anchors.write_text("x: &t 7.5\nrpc_timeout_s: *t\n")
+    with pytest.raises(ConfigError, match="unknown settings"):
+        load(WorkerConfig, env={}, file=str(anchors))
+
+
+def test_settings_files_must_be_bounded_regular_files(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero", str(tmp_path)):
+        assert "not a regular file" in _refused(file=path)
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate((16 << 20) + 1)
+    assert "larger than 16 MiB" in _refused(file=str(big))
+    # A token file is read the same way by the worker.
+    from compilecast.config import read_small_file
+    with pytest.raises(ConfigError, match="not a regular file"):
+        read_small_file(str(fifo), "token_file")

@@ -20,6 +20,7 @@ from compilecast.config import (
     env_name,
     flag_name,
     load,
+    read_small_file,
 )
 from compilecast.errors import CompilecastError
 
@@ -118,9 +119,11 @@ def _client(args: argparse.Namespace, timeout_s: float = 30.0):
     token = args.token
     if args.token_file:
         try:
-            token = Path(args.token_file).read_text().strip()
-        except (OSError, ValueError) as exc:  # ValueError: a NUL in the name, not UTF-8
-            raise CliError(f"cannot read --token-file: {exc}") from exc
+            token = read_small_file(args.token_file, "--token-file").decode("utf-8").strip()
+        except ConfigError as exc:
+            raise CliError(str(exc)) from None
+        except ValueError as exc:  # not UTF-8
+            raise CliError(f"cannot read --token-file: {exc}") from None
     return CacheClient(args.coordinator, timeout_s=timeout_s, token=token,
                        ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
 

@@ -7,12 +7,11 @@ import contextlib
 import logging
 import os
 import socket
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from compilecast import tracing
-from compilecast.config import WorkerConfig
+from compilecast.config import WorkerConfig, read_small_file
 from compilecast.grpcutil import channel_credentials, server_credentials, token_from
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
@@ -58,7 +57,8 @@ class Worker(Role):
         if self.cfg.otlp_endpoint and not tracing.on():
             tracing.configure(self.cfg.otlp_endpoint, "compilecast-worker")
         cfg = self.cfg
-        token = Path(cfg.token_file).read_text().strip() if cfg.token_file else ""  # noqa: ASYNC240
+        token = (read_small_file(cfg.token_file, "token_file").decode("utf-8", "replace").strip()
+                 if cfg.token_file else "")
         upstream_creds = channel_credentials(cfg.coordinator_ca_file, cfg.coordinator_cert_file,
                                              cfg.coordinator_key_file)
         relay_address = ""

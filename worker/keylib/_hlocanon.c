@@ -17,7 +17,7 @@ enum { VARINT = 0, I64 = 1, LEN = 2, SGROUP = 3, EGROUP = 4, I32 = 5 };
 #define MAX_DEPTH 64
 /* The per-field helpers, inlined into the walk's loop: GCC at -O2 kept
  * next_field and put_varint out of line, and inlining them took a sixth off
- * a 240-layer step's key (BENCHMARKS.md, twenty-third session). */
+ * a 240-layer step's key (BENCHMARKS.md, "Key computation"). */
 #if defined(__GNUC__)
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 #else
