@@ -110,9 +110,19 @@ def aio_channel(target: str, creds: grpc.ChannelCredentials | None, options=()) 
     return grpc.aio.secure_channel(target, creds, options=opts)
 
 
+MAX_TOKEN_CHARS = 4096
+
+
 def bearer(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Call metadata carrying a bearer token (empty without one)."""
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    """Call metadata carrying a bearer token (empty without one);
+    Unauthenticated for a token no header can carry (anything but 1 to
+    MAX_TOKEN_CHARS printable ASCII characters), which is never sent."""
+    if not token:
+        return ()
+    if len(token) > MAX_TOKEN_CHARS or not all("!" <= ch <= "~" for ch in token):
+        raise Unauthenticated(f"a bearer token is 1 to {MAX_TOKEN_CHARS} printable ASCII "
+                              "characters without spaces; this one is not (not sent)")
+    return (("authorization", f"Bearer {token}"),)
 
 
 def grpc_code(status: int) -> grpc.StatusCode:

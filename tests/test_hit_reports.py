@@ -92,3 +92,21 @@ def test_a_worker_reports_its_host_hits_with_its_token(secured, start_worker, tm
     worker.lt.run(worker.service.report_hits_now())
     eventually(lambda: CacheClient(secured.cfg.listen, token="a-pub").status().hits >= start + 3,
                "team-a counts the worker's hits")
+
+
+def test_a_token_no_header_can_carry_is_refused_before_it_is_sent(secured, tmp_path):
+    import subprocess
+    import sys
+
+    from compilecast.errors import Unauthenticated
+    from compilecast.grpcutil import bearer
+
+    for token in ("tök€n", "with space", "x" * 5000, "new\nline"):
+        with pytest.raises(Unauthenticated) as err:
+            bearer(token)
+        assert "printable ASCII" in str(err.value) and "0x" not in str(err.value)
+    out = subprocess.run([sys.executable, "-m", "compilecast.cli", "ls", "--coordinator",
+                          secured.cfg.listen, "--token", "tök€n"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "printable ASCII" in out.stderr

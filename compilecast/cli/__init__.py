@@ -22,7 +22,7 @@ from compilecast.config import (
     load,
     read_small_file,
 )
-from compilecast.errors import CompilecastError
+from compilecast.errors import CompilecastError, Unauthenticated
 
 from . import run as cli_run
 from .inspection import (
@@ -124,8 +124,11 @@ def _client(args: argparse.Namespace, timeout_s: float = 30.0):
             raise CliError(str(exc)) from None
         except ValueError as exc:  # not UTF-8
             raise CliError(f"cannot read --token-file: {exc}") from None
-    return CacheClient(args.coordinator, timeout_s=timeout_s, token=token,
-                       ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
+    try:
+        return CacheClient(args.coordinator, timeout_s=timeout_s, token=token,
+                           ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
+    except Unauthenticated as exc:  # a token no header can carry
+        raise CliError(str(exc)) from None
 
 
 def _wait_tasks(client, ids: list[str], timeout_s: float) -> int:

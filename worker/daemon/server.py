@@ -11,8 +11,9 @@ import socket
 from prometheus_client import CollectorRegistry
 
 from compilecast import tracing
-from compilecast.config import WorkerConfig, read_small_file
-from compilecast.grpcutil import channel_credentials, server_credentials, token_from
+from compilecast.config import ConfigError, WorkerConfig, read_small_file
+from compilecast.errors import Unauthenticated
+from compilecast.grpcutil import bearer, channel_credentials, server_credentials, token_from
 from compilecast.serving import Role, listen, make_server, set_serving, start_metrics
 
 from ..inprocess.handoff import handoff_supported
@@ -59,6 +60,10 @@ class Worker(Role):
         cfg = self.cfg
         token = (read_small_file(cfg.token_file, "token_file").decode("utf-8", "replace").strip()
                  if cfg.token_file else "")
+        try:
+            bearer(token)
+        except Unauthenticated as exc:
+            raise ConfigError(f"token_file {cfg.token_file}: {exc}") from None
         upstream_creds = channel_credentials(cfg.coordinator_ca_file, cfg.coordinator_cert_file,
                                              cfg.coordinator_key_file)
         relay_address = ""

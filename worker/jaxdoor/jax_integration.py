@@ -516,7 +516,7 @@ def enable(target: str | None = None, *, timeout_ms: int | None = None,
             keys.prepare()  # the first key's once-per-process work, off the compile's path
         except Exception as exc:  # the first key tries again (and falls back) itself
             log.warning("compilecast: could not prepare keys at start: %s", exc)
-    except (jax_adapter.AdapterError, ValueError) as exc:  # ValueError: bad configuration
+    except (jax_adapter.AdapterError, ValueError, CompilecastError) as exc:  # bad configuration
         log.warning("compilecast disabled: %s", exc)
         return None
     active_cache = cache
