@@ -13,9 +13,11 @@ stays off: compilecast never stops for it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import logging
+import threading
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -23,6 +25,7 @@ log = logging.getLogger(__name__)
 
 ENV = "COMPILECAST_OTLP_ENDPOINT"
 EXPORT_DELAY_MS = 500  # how long a span waits for its batch
+EXIT_EXPORT_S = 1.0  # the longest a stop (or a process's exit) waits for the last spans
 
 
 class _State:
@@ -57,22 +60,37 @@ def configure(endpoint: str, service: str, *, exporter: Any = None) -> bool:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         exporter = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces", timeout=5)
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    # Our own exit hook, not the SDK's: an endpoint that does not answer
+    # delays an exit by EXIT_EXPORT_S at most, never by the exporter's retries.
+    provider = TracerProvider(resource=Resource.create({"service.name": service}),
+                              shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(exporter,
                                                    schedule_delay_millis=EXPORT_DELAY_MS))
     _state.provider = provider
     _state.tracer = provider.get_tracer("compilecast")
     _state.propagator = TraceContextTextMapPropagator()
+    atexit.register(shutdown)
     log.info("tracing to %s as %s", endpoint or type(exporter).__name__, service)
     return True
 
 
-def shutdown() -> None:
-    """Export what is left and stop tracing."""
+def shutdown(timeout_s: float = EXIT_EXPORT_S) -> None:
+    """Export what is left, for at most `timeout_s`, and stop tracing: spans
+    an unreachable endpoint has not taken by then are dropped (the export
+    goes on in a daemon thread, which an exit does not wait for)."""
     provider, _state.provider, _state.tracer = _state.provider, None, None
-    if provider is not None:
+    if provider is None:
+        return
+
+    def stop() -> None:
         with contextlib.suppress(Exception):
             provider.shutdown()
+
+    stopping = threading.Thread(target=stop, name="compilecast-tracing-stop", daemon=True)
+    stopping.start()
+    stopping.join(timeout_s)
+    if stopping.is_alive():
+        log.info("tracing stopped: the spans not exported within %.1fs were dropped", timeout_s)
 
 
 _OFF = contextlib.nullcontext()

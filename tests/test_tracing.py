@@ -165,3 +165,32 @@ def test_one_trace_spans_a_jax_process_a_worker_and_a_coordinator(etcd, tmp_path
     trace = {s["trace"] for s in collector.spans if s["name"] == "coordinator.decide"}
     services = {s["service"] for s in collector.spans if s["trace"] in trace}
     assert services == {"compilecast-jax", "compilecast-worker", "compilecast-coordinator"}
+
+
+EXITS_TRACED = r"""
+import sys
+from compilecast import tracing
+assert tracing.configure(sys.argv[1], "compilecast-exit-test")
+with tracing.span("one"):
+    pass
+print("done", flush=True)
+"""
+
+
+def test_an_endpoint_that_never_answers_does_not_hold_a_process_at_exit():
+    """The collector takes the connection and never answers: the process
+    exits all the same (its last spans dropped), with the export still
+    waiting for an answer that never comes."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)  # connections complete in the backlog; nobody answers
+        port = server.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-c", EXITS_TRACED, f"http://127.0.0.1:{port}"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr
+        server.settimeout(10)
+        conn, _ = server.accept()  # the export had begun: its request waits here, unanswered
+        with conn:
+            assert conn.recv(4096).startswith(b"POST /v1/traces")
