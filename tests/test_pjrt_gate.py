@@ -122,9 +122,11 @@ def test_options_that_cannot_be_read_are_keyed_by_their_bytes():
 class GateThread:
     """A PjrtGate with small limits on an event loop of its own."""
 
-    def __init__(self, path: str, worker_target: str, limits: GateLimits) -> None:
+    def __init__(self, path: str, worker_target: str, limits: GateLimits, *,
+                 tokens_required: bool = False) -> None:
         self.loop = asyncio.new_event_loop()
-        self.gate = PjrtGate(path, worker_target, wait_timeout_s=5.0, limits=limits)
+        self.gate = PjrtGate(path, worker_target, wait_timeout_s=5.0, limits=limits,
+                             tokens_required=tokens_required)
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         asyncio.run_coroutine_threadsafe(self.gate.start(), self.loop).result(30)
 
@@ -133,12 +135,12 @@ class GateThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def request(c: pjrtkeys.Compile) -> bytes:
+def request(c: pjrtkeys.Compile, token: str = "") -> bytes:
     import json
 
     head = json.dumps({"op": "compile", **c.header}).encode()
     env = b"".join(f"{k}={v}".encode() + b"\0" for k, v in c.env.items())
-    blobs = [c.program, c.options, c.devices.encode(), c.plugin.encode(), env, b""]
+    blobs = [c.program, c.options, c.devices.encode(), c.plugin.encode(), env, token.encode()]
     return (b"CCP2" + len(head).to_bytes(4, "little") + head + bytes([len(blobs)])
             + b"".join(len(b).to_bytes(8, "little") + b for b in blobs))
 
@@ -158,11 +160,11 @@ def read_reply(s: socket.socket) -> tuple[str, bytes]:
             return head, payload
 
 
-def ask(path: str, c: pjrtkeys.Compile) -> tuple[str, bytes]:
+def ask(path: str, c: pjrtkeys.Compile, token: str = "") -> tuple[str, bytes]:
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(60)
         s.connect(path)
-        s.sendall(request(c))
+        s.sendall(request(c, token))
         return read_reply(s)
 
 
@@ -177,13 +179,14 @@ def gate(coordinator, start_worker, tmp_path):
     g.stop()
 
 
-def compile_and_publish(path: str, c: pjrtkeys.Compile, executable: bytes) -> tuple[str, str]:
+def compile_and_publish(path: str, c: pjrtkeys.Compile, executable: bytes,
+                        token: str = "") -> tuple[str, str]:
     """As the holder does: ask, get COMPILE, publish `executable` on the same
     connection. (the key, the gate's last answer)."""
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(60)
         s.connect(path)
-        s.sendall(request(c))
+        s.sendall(request(c, token))
         head, _ = read_reply(s)
         assert head.startswith("COMPILE ")
         s.sendall(frame("publish 1.5", executable))
@@ -339,3 +342,29 @@ def test_hit_bytes_stay_in_the_budget_until_written_and_leave_it_after(gate):
     assert [h.split()[0] for h, _ in answers] == ["HIT"] * 4
     assert all(len(p) == 3 << 20 for _, p in answers)
     eventually(lambda: g.gate.budget.used == 0 and not g.gate.payloads, "the budget given back")
+
+
+def test_a_caller_without_a_token_reads_but_never_publishes_where_the_worker_has_one(
+        start_coordinator, start_worker, tokens_file, tmp_path):
+    secured = start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+    token = tmp_path / "worker.token"
+    token.write_text("a-worker")
+    worker = start_worker(secured.cfg.listen, "w", token_file=str(token))
+    path = str(tmp_path / "g.pjrt")
+    g = GateThread(path, worker.target, GateLimits(), tokens_required=True)
+    try:
+        c = compile_of()
+        head, _ = ask(path, c)  # no token: never a lease under the worker's credential
+        assert head.startswith("LOCAL") and "no token" in head, head
+        with socket.socket(socket.AF_UNIX) as s:  # ... nor a publish of other bytes
+            s.settimeout(60)
+            s.connect(path)
+            s.sendall(request(c))
+            assert read_reply(s)[0].startswith("LOCAL")
+        executable = b"the holder's executable" * 50
+        the_key, ok = compile_and_publish(path, c, executable, token="a-pub")
+        assert ok == f"OK published {the_key}"
+        head, payload = ask(path, c)  # without a token it still reads the fleet's executables
+        assert head.split()[0] == "HIT" and payload == executable
+    finally:
+        g.stop()

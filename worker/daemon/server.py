@@ -141,7 +141,8 @@ class Worker(Role):
         timeout_ms = self.cfg.share_binary_between_hosts_timeout_ms or 20 * 60 * 1000
         gate = PjrtGate(f"{address.removeprefix('unix://')}.pjrt", address,
                         wait_timeout_s=timeout_ms / 1000,
-                        count=self.metrics.count_pjrt)
+                        count=self.metrics.count_pjrt,
+                        tokens_required=bool(self.service.token))
         try:
             await gate.start()
             self.pjrt_gate = gate

@@ -394,8 +394,12 @@ class PjrtGate:
 
     def __init__(self, path: str, worker_target: str, *, wait_timeout_s: float,
                  limits: GateLimits | None = None,
-                 count: Callable[[str, str], None] = lambda platform, outcome: None) -> None:
+                 count: Callable[[str, str], None] = lambda platform, outcome: None,
+                 tokens_required: bool = False) -> None:
         self.path = path
+        # The worker has a credential of its own: a caller without one may
+        # read (hits) but never hold a lease or publish under the worker's.
+        self.tokens_required = tokens_required
         self.limits = limits or GateLimits()
         self.worker_target = worker_target
         self.upstream: Upstream | None = None  # (a channel of the loop the gate runs on)
@@ -610,6 +614,13 @@ class PjrtGate:
             if got.decision == pb.HIT:
                 data = await self._fetch(key, got.artifact.digest, md)
                 return Answer("HIT", payload=data, key=key, digest=got.artifact.digest)
+            if got.decision == pb.COMPILE and self.tokens_required and not c.token:
+                await self._up.release(key, got.lease, pb.ABANDONED,
+                                       "an interposed caller without a token does not publish",
+                                       md)
+                return Answer("LOCAL", "this process has no token (COMPILECAST_TOKEN) and the "
+                                       "worker has one: it reads the fleet's executables but "
+                                       "compiles its own misses locally, publishing nothing")
             if got.decision == pb.COMPILE:
                 options = None
                 if c.platform in GPU_PLATFORMS and len(set(c.owners().values())) > 1:
