@@ -407,3 +407,34 @@ def test_made_up_credentials_create_nothing_on_disk(start_coordinator, start_wor
     with pytest.raises(CALL_ERRORS) as over:
         real.open_directory(KIND, {"n": "one too many"})
     assert status_code(over.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_an_idle_directory_gives_its_place_and_a_name_holds_a_bounded_number_of_contents(
+        coordinator, start_worker):
+    from compilecast.worker.daemon import dirsync
+
+    a = host(start_worker, coordinator, "a")
+    sync = a.worker.dirs
+    namespaces = [{"n": str(i)} for i in range(dirsync.MAX_DIRS_PER_TENANT)]
+    for ns in namespaces:
+        a.open_directory(KIND, ns)
+    with pytest.raises(CALL_ERRORS) as err:  # every one used just now: none gives way
+        a.open_directory(KIND, {"n": "one more"})
+    assert status_code(err.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    sync.idle_s = 0.0  # (each is idle at once): the one used longest ago gives way
+    first = next(iter(sync.dirs.values()))
+    opened = a.open_directory(KIND, {"n": "one more"})
+    assert opened.namespace_id in {d.nsid for d in sync.dirs.values()}
+    assert first.nsid not in {d.nsid for d in sync.dirs.values()}
+    assert len(sync.dirs) == dirsync.MAX_DIRS_PER_TENANT
+    assert os.path.isdir(first.path)  # its files stay
+
+    # One name, many contents: the fleet keeps at most MAX_VERSIONS of it.
+    d = a.open_directory(KIND, NS)
+    for i in range(dirsync.MAX_VERSIONS + 3):
+        path = Path(d.path) / "same-name.textproto"
+        path.unlink(missing_ok=True)
+        write_whole(d.path, "same-name.textproto", autotune(1000 + i))
+        a.sync_directory(KIND, d.namespace_id)
+    names = [x.artifact.key for x in a.list_artifacts(prefix=key_prefix(KIND, d.namespace_id))]
+    assert len(names) == dirsync.MAX_VERSIONS

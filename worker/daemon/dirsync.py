@@ -45,6 +45,7 @@ import secrets
 import stat
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,6 +67,12 @@ TEMP_MARK = ".compilecast-"  # our temporary files: hidden, and this in their na
 TAG_RE = re.compile(r"v[0-9a-f]{16}\Z")  # an entry key's content tag
 MAX_DIRS_PER_TENANT = 64
 MAX_DIRS = 1024
+# A directory nobody opened or asked to sync for this long gives its place to
+# a new one when the bounds above are reached (its files stay; opening it
+# again takes it back).
+DIR_IDLE_S = 3600.0
+MAX_ENTRIES = 100_000  # files a directory installs; past them it installs no more
+MAX_VERSIONS = 16  # contents of one name in the fleet; past them a host publishes no more
 TRANSFERS = 8  # publishes or fetches one pass has in flight
 _T = TypeVar("_T")
 
@@ -143,6 +150,7 @@ class Directory:
     installed_here: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (key, digest)
     rejected: set[str] = field(default_factory=set)  # digests this host's framework refused
     mtime: int = -1  # the directory's, at the last full read
+    used: float = field(default_factory=time.monotonic)  # last opened or asked to sync
     lock: threading.Lock = field(default_factory=threading.Lock)  # one pass at a time
 
     @property
@@ -181,6 +189,7 @@ class DirSync:
         self.max_entry_bytes = max_entry_bytes
         self.count = count  # (kind, event, bytes), for the metrics
         self.dirs: dict[tuple[str, str], Directory] = {}
+        self.idle_s = DIR_IDLE_S
         self._lock = threading.Lock()
 
     @staticmethod
@@ -199,11 +208,14 @@ class DirSync:
         with self._lock:
             d = self.dirs.get((scope, nsid))
             if d is None:
-                if sum(s == scope for s, _ in self.dirs) >= MAX_DIRS_PER_TENANT:
+                if sum(s == scope for s, _ in self.dirs) >= MAX_DIRS_PER_TENANT \
+                        and not self._close_idle(scope):
                     raise TooMany(f"this worker keeps at most {MAX_DIRS_PER_TENANT} synced "
-                                  "directories per tenant")
-                if len(self.dirs) >= MAX_DIRS:
-                    raise TooMany(f"this worker keeps at most {MAX_DIRS} synced directories")
+                                  f"directories per tenant, each used within "
+                                  f"{DIR_IDLE_S:.0f} s")
+                if len(self.dirs) >= MAX_DIRS and not self._close_idle(None):
+                    raise TooMany(f"this worker keeps at most {MAX_DIRS} synced directories, "
+                                  f"each used within {DIR_IDLE_S:.0f} s")
                 path = self.root / scope / kind / nsid
                 path.mkdir(parents=True, exist_ok=True)
                 (path.parent / f"{nsid}.json").write_text(
@@ -216,12 +228,28 @@ class DirSync:
             else:  # a reason to stop, from any opener, stands
                 d.publish_off = d.publish_off or publish_off
                 d.install_off = d.install_off or install_off
+            d.used = time.monotonic()
             return d
+
+    def _close_idle(self, scope: str | None) -> bool:
+        """Stop syncing the directory (of `scope`, or any) used longest ago,
+        if it is idle (DIR_IDLE_S); whether one was closed. Its files stay."""
+        now = time.monotonic()
+        idle = [(d.used, at) for at, d in self.dirs.items()
+                if (scope is None or at[0] == scope) and now - d.used >= self.idle_s]
+        if not idle:
+            return False
+        _, at = min(idle)
+        d = self.dirs.pop(at)
+        log.info("no longer keeping %s directory %s in sync (unused for %.0f s)", d.kind,
+                 d.path, now - d.used)
+        return True
 
     def find(self, token: str, nsid: str) -> Directory:
         d = self.dirs.get((self.scope_of(self.authenticate(token)), nsid))
         if d is None:
             raise NotFound(f"no directory {nsid!r} is open on this worker")
+        d.used = time.monotonic()
         return d
 
     def sync(self, d: Directory, listed: dict[str, pb.ArtifactInfo] | None = None
@@ -318,15 +346,18 @@ class DirSync:
                     continue
                 d.pending.discard(name)
                 todo.append((name, mark))
-            published = sum(transfers(lambda item: self._publish_one(d, client, dir_fd, *item),
-                                      todo))
+            contents = Counter(split_entry(k[len(d.prefix):])[0] for k in d.known)
+            published = sum(transfers(
+                lambda item: self._publish_one(d, client, dir_fd, *item, contents), todo))
         finally:
             os.close(dir_fd)
         d.published += published
         return published
 
     def _publish_one(self, d: Directory, client: Client, dir_fd: int, name: str,
-                     mark: tuple[int, int, int]) -> bool:
+                     mark: tuple[int, int, int], contents: Counter[str]) -> bool:
+        """Publish entry `name` (`contents`: how many contents of each name
+        the fleet holds, as listed at the pass's start)."""
         got_file = self._read_entry(d, dir_fd, name)
         if got_file is None:
             return False
@@ -344,6 +375,11 @@ class DirSync:
         digest = hashlib.sha256(data).hexdigest()
         key = entry_key(d.prefix, name, digest)
         if key in d.known or digest in d.rejected:
+            return False
+        versions = contents.get(name, 0)
+        if versions >= MAX_VERSIONS:
+            self._refuse(d, name, f"the fleet holds {versions} contents of this name already "
+                                  f"(at most {MAX_VERSIONS}): not published", len(data))
             return False
         got = client.acquire(key)
         if got.decision == pb.HIT:
@@ -374,9 +410,13 @@ class DirSync:
             if info.digest not in d.rejected:
                 by_name.setdefault(name, []).append(info)
         todo: list[tuple[str, pb.ArtifactInfo]] = []
+        room = MAX_ENTRIES - len(d.files())
         for name, infos in sorted(by_name.items()):
             if os.path.lexists(d.path / name):
                 continue
+            if len(todo) >= room:
+                self._refuse(d, name, f"the directory holds {MAX_ENTRIES} entries", 0)
+                break
             # The newest content first (a good copy published after a bad one).
             info = max(infos, key=lambda i: (i.created_unix, i.digest))
             if info.size > self.max_entry_bytes:
