@@ -368,3 +368,27 @@ def test_a_caller_without_a_token_reads_but_never_publishes_where_the_worker_has
         assert head.split()[0] == "HIT" and payload == executable
     finally:
         g.stop()
+
+
+def test_the_plugin_library_hashed_is_root_s_or_the_caller_s_regular_file_alone(tmp_path):
+    import pwd
+
+    mine = tmp_path / "plugin.so"
+    shutil.copyfile(plugin_file(), mine)
+    expected = hashlib.sha256(mine.read_bytes()).hexdigest()
+    me = os.geteuid()
+    assert pjrtkeys.library_digest(str(mine), me) == expected
+    other = pwd.getpwnam("nobody").pw_uid
+    if me == 0:  # a file of another user is never read for a caller
+        os.chown(mine, other, -1)
+        pjrtkeys._plugin_digests.clear()
+        assert "not hashed" in pjrtkeys.library_digest(str(mine), 12345)
+        assert pjrtkeys.library_digest(str(mine), other) == expected
+    assert "not a regular file" in pjrtkeys.library_digest("/dev/zero", me)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert "not a regular file" in pjrtkeys.library_digest(str(fifo), me)
+    sparse = tmp_path / "sparse.so"
+    with open(sparse, "wb") as f:
+        f.truncate(pjrtkeys.MAX_PLUGIN_BYTES + 1)
+    assert "not hashed" in pjrtkeys.library_digest(str(sparse), me)

@@ -474,7 +474,7 @@ class PjrtGate:
         self.by_process[pid] += 1
         frames = Reader(reader, self.limits, self.budget)
         try:
-            await self._converse(frames, writer, pid)
+            await self._converse(frames, writer, pid, uid)
         except (asyncio.IncompleteReadError, ConnectionError, BadFrame) as exc:
             self.complain(type(exc).__name__, "an interposed compile ended early: %s",
                           str(exc)[:200] or type(exc).__name__)
@@ -493,7 +493,7 @@ class PjrtGate:
                 del self.by_process[pid]
             writer.close()
 
-    async def _request(self, frames: Reader, pid: int) -> pjrtkeys.Compile:
+    async def _request(self, frames: Reader, pid: int, uid: int) -> pjrtkeys.Compile:
         header, count = await frames.head(self.limits.header_s)
         if not isinstance(header, dict) or header.get("op") != "compile" or count != MAX_BLOBS:
             raise BadFrame("not a compile request")
@@ -505,10 +505,11 @@ class PjrtGate:
                                 devices=devices.decode("utf-8", "replace"),
                                 plugin=plugin.decode("utf-8", "replace"),
                                 env=pjrtkeys.parse_env(env),
-                                token=token.decode("utf-8", "replace").strip())
+                                token=token.decode("utf-8", "replace").strip(), uid=uid)
 
-    async def _converse(self, frames: Reader, writer: asyncio.StreamWriter, pid: int) -> None:
-        c = await self._request(frames, pid)
+    async def _converse(self, frames: Reader, writer: asyncio.StreamWriter, pid: int,
+                        uid: int) -> None:
+        c = await self._request(frames, pid, uid)
         platform = c.platform[:32] or "?"
         decided = asyncio.ensure_future(self._decide(c))
         answer = None

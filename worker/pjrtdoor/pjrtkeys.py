@@ -35,7 +35,7 @@ from ..keylib import keys
 from ..xla import jax_adapter, xlaflags
 
 PJRT_KEY_VERSION = "pjrt-3"
-MAX_PLUGIN_BYTES = 8 << 30  # a plugin library larger than this is keyed by its path and size
+MAX_PLUGIN_BYTES = 2 << 30  # a plugin library larger than this is keyed by its path and size
 PORTABLE_PRODUCER = b"StableHLO_v"  # a portable artifact's producer, near its start
 
 
@@ -50,6 +50,7 @@ class Compile:
     plugin: str = ""  # "path=...", "api=major.minor", "attribute name=value" lines
     env: dict[str, str] = field(default_factory=dict)
     token: str = ""
+    uid: int = -1  # the caller's user (the kernel's word: SO_PEERCRED); -1: not known
 
     @property
     def platform(self) -> str:
@@ -120,9 +121,11 @@ _plugin_digests: dict[tuple, str] = {}
 _plugin_lock = threading.Lock()
 
 
-def library_digest(path: str) -> str:
+def library_digest(path: str, uid: int = -1) -> str:
     """sha256 of a plugin library, hashed once per file version (device,
-    inode, size, modification time)."""
+    inode, size, modification time). Only a regular file of at most
+    MAX_PLUGIN_BYTES owned by root or by `uid` (the caller; -1: any) is
+    hashed: a caller cannot make the worker read another user's files."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -131,6 +134,8 @@ def library_digest(path: str) -> str:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return f"not a regular file: {path}"
+        if uid >= 0 and st.st_uid not in (0, uid):
+            return f"{path}: owned by uid {st.st_uid}, neither root nor the caller; not hashed"
         version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         with _plugin_lock:
             known = _plugin_digests.get(version)
@@ -170,18 +175,20 @@ def fingerprint(c: Compile) -> str:
     h = hashlib.sha256()
     for part in (c.program, c.options, c.devices.encode(), c.plugin.encode(),
                  repr(sorted(c.env.items())).encode(), library_version(c.plugin).encode(),
+                 str(c.uid).encode(),
                  repr(sorted((k, str(v)) for k, v in c.header.items() if k != "pid")).encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()
 
 
-def plugin_component(plugin: str) -> str:
-    """The plugin's library digest, API version and reported attributes."""
+def plugin_component(plugin: str, uid: int = -1) -> str:
+    """The plugin's library digest (a file of root's or `uid`'s), API
+    version and reported attributes."""
     lines = plugin.splitlines()
     path = next((line[5:] for line in lines if line.startswith("path=")), "")
     rest = sorted(line for line in lines if not line.startswith("path="))
-    return _digest("\n".join([f"library {library_digest(path) if path else '-'}", *rest]))
+    return _digest("\n".join([f"library {library_digest(path, uid) if path else '-'}", *rest]))
 
 
 # -- the key ----------------------------------------------------------------------
@@ -196,7 +203,7 @@ def compile_key(c: Compile) -> keys.Key:
         "program_format": fmt,
         "compile_options": options,
         "platform": _digest(f"{c.platform}\n{c.header.get('platform_version', '')}"),
-        "plugin": plugin_component(c.plugin),
+        "plugin": plugin_component(c.plugin, c.uid),
         "topology": _digest(c.devices),
         "xla_flags": _digest("\n".join(flags)),
         "key_version": PJRT_KEY_VERSION,
