@@ -392,3 +392,24 @@ def test_the_plugin_library_hashed_is_root_s_or_the_caller_s_regular_file_alone(
     with open(sparse, "wb") as f:
         f.truncate(pjrtkeys.MAX_PLUGIN_BYTES + 1)
     assert "not hashed" in pjrtkeys.library_digest(str(sparse), me)
+
+
+def test_an_announced_blob_holds_only_what_has_arrived(gate):
+    """A caller that announces a large program and sends nothing holds one
+    piece of the budget, until its deadline; others are answered meanwhile."""
+    from compilecast.worker.pjrtdoor.pjrtgate import BLOB_PIECE
+
+    path, g, _ = gate
+    share = g.gate.budget.per_process
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(path)
+        whole = request(compile_of())
+        head_end = 8 + int.from_bytes(whole[4:8], "little") + 1
+        s.sendall(whole[:head_end] + (share - 1).to_bytes(8, "little") + b"x" * 100)
+        eventually(lambda: g.gate.budget.used > 0, "the first piece is charged")
+        assert g.gate.budget.used <= BLOB_PIECE < share - 1
+        head, _ = ask(path, compile_of())  # served meanwhile, within the budget
+        assert head.split()[0] in ("COMPILE", "HIT")
+        assert s.recv(100) == b""  # dropped at its deadline: the rest never came
+    eventually(lambda: g.gate.budget.used == 0, "nothing held after it")

@@ -78,6 +78,7 @@ MAX_HEADER = 4096
 MAX_BLOBS = 6
 MAX_TEXT = 16 << 20  # devices, plugin, environment, token
 MAX_BLOB = 1 << 40  # a program or an executable (the memory budget bounds them first)
+BLOB_PIECE = 1 << 20  # a blob is charged to the budget and timed a piece at a time
 GATE_HEARTBEAT_S = 2.0
 KEYS_KEPT = 1024  # keys remembered by fingerprint
 
@@ -105,20 +106,33 @@ class OverBudget(Exception):
 
 
 class Budget:
-    """Bytes in flight across all of the gate's connections."""
+    """Bytes in flight across all of the gate's connections, and each
+    process's share: at most `share` of the limit (a process 0: the gate's
+    own, e.g. a fetch shared by several callers)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, share: float = 0.5) -> None:
         self.limit = limit
+        self.per_process = int(limit * share)
         self.used = 0
+        self.by_process: Counter[int] = Counter()
 
-    def take(self, n: int) -> None:
+    def take(self, n: int, pid: int = 0) -> None:
         if self.used + n > self.limit:
             raise OverBudget(f"{n} bytes would take the gate past its memory budget "
                              f"({self.used} of {self.limit} in flight)")
+        if pid and self.by_process[pid] + n > self.per_process:
+            raise OverBudget(f"{n} bytes would take process {pid} past its share of the "
+                             f"gate's memory ({self.by_process[pid]} of {self.per_process})")
         self.used += n
+        if pid:
+            self.by_process[pid] += n
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, pid: int = 0) -> None:
         self.used -= n
+        if pid:
+            self.by_process[pid] -= n
+            if self.by_process[pid] <= 0:
+                del self.by_process[pid]
 
 
 class Complaints:
@@ -155,10 +169,12 @@ class Reader:
     """Reads one connection's frames within the gate's deadlines, taking
     what it holds from the budget (given back by `close`)."""
 
-    def __init__(self, reader: asyncio.StreamReader, limits: GateLimits, budget: Budget) -> None:
+    def __init__(self, reader: asyncio.StreamReader, limits: GateLimits, budget: Budget,
+                 pid: int = 0) -> None:
         self.reader = reader
         self.limits = limits
         self.budget = budget
+        self.pid = pid  # whose share the bytes held count against
         self.held = 0
 
     async def _exactly(self, n: int, within: float) -> bytes:
@@ -191,15 +207,28 @@ class Reader:
         return text, count
 
     async def blob(self, limit: int) -> bytes:
+        """A blob of at most `limit` bytes. Its bytes are charged to the
+        budget as they arrive, a piece at a time, and each piece is due at
+        the sender's least rate: a caller that announces much and sends
+        little holds little, and not for long."""
         n = int.from_bytes(await self._exactly(8, self.limits.blob_s), "little")
         if n > limit:
             raise BadFrame(f"a blob of {n} bytes")
-        self.budget.take(n)
-        self.held += n
-        return await self._exactly(n, self.limits.blob_s + n / self.limits.min_rate)
+        if n > self.budget.per_process:  # more than it could ever hold: at once
+            raise OverBudget(f"a blob of {n} bytes is past a process's share of the gate's "
+                             f"memory budget ({self.budget.per_process})")
+        start, parts, got = time.monotonic(), [], 0
+        while got < n:
+            piece = min(BLOB_PIECE, n - got)
+            self.budget.take(piece, self.pid)
+            self.held += piece
+            due = start + self.limits.blob_s + (got + piece) / self.limits.min_rate
+            parts.append(await self._exactly(piece, max(0.0, due - time.monotonic())))
+            got += piece
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
-        self.budget.give(self.held)
+        self.budget.give(self.held, self.pid)
         self.held = 0
 
 
@@ -472,7 +501,7 @@ class PjrtGate:
             return
         self.open += 1
         self.by_process[pid] += 1
-        frames = Reader(reader, self.limits, self.budget)
+        frames = Reader(reader, self.limits, self.budget, pid)
         try:
             await self._converse(frames, writer, pid, uid)
         except (asyncio.IncompleteReadError, ConnectionError, BadFrame) as exc:
