@@ -51,7 +51,8 @@ for d in coordinator worker; do [ -e "compilecast/$d" ] || ln -s "../$d" "compil
 [ -e compilecast/v1 ] || ln -s ../protos/compilecast/v1 compilecast/v1
 cp .tpu/ext/_hlocanon.* .tpu/ext/_mlircanon.* worker/keylib/
 cp .tpu/ext/_pjrt_interposer.* worker/pjrtdoor/
-export PYTHONPATH=$PWD:/tmp/cc-site PATH="$PWD/.tpu/bin:$PATH" PYTHONUNBUFFERED=1
+# (then the machine's own PYTHONPATH, where its JAX may live)
+export PYTHONPATH=$PWD:/tmp/cc-site${PYTHONPATH:+:$PYTHONPATH} PATH="$PWD/.tpu/bin:$PATH" PYTHONUNBUFFERED=1
 $PY -c "import sys, importlib.metadata as m, jax, jaxlib, grpc
 print(sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__,
       'libtpu', m.version('libtpu'), 'grpcio', grpc.__version__)" 2>&1 | tee "$LOGS/versions.txt"
