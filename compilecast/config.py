@@ -453,7 +453,8 @@ def _times(cfg: Any) -> None:
     settings' own bounds)."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name.endswith("_s") and isinstance(value, float | int) and \
+        if f.name.endswith("_s") and not f.name.endswith("_per_s") and \
+                isinstance(value, float | int) and \
                 not isinstance(value, bool) and value and \
                 not SHORTEST_S <= abs(value) <= LONGEST_S:
             raise ConfigError(f"{f.name}={value!r} is not a time in seconds: use 0 or "

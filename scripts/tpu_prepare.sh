@@ -21,6 +21,9 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSI
   "grpcio-reflection==$(version grpcio-reflection)" "cslab-etcd3==$(version cslab-etcd3)" six \
   "zstandard==$(version zstandard)" "prometheus-client==$(version prometheus-client)" \
   "pyyaml==$(version pyyaml)" typing-extensions
+# compilecast itself as pip installs it: its jax_plugins entry point is what
+# COMPILECAST_ENABLE=1 turns on through JAX's plugin discovery.
+$PY -m pip wheel -q --no-deps -w .tpu/whl .
 # The extensions, by the paths they have in the tree (tpu_checks.sh puts them back).
 for so in worker/keylib/_hlocanon worker/keylib/_mlircanon worker/pjrtdoor/_pjrt_interposer; do
   f=$(ls $so.cpython-*.so 2>/dev/null | head -1)
