@@ -311,3 +311,83 @@ def test_a_coordinator_on_all_addresses_serves_a_data_plane_only_where_told(
     assert CacheClient(target).fetch("k")[1] == RANDOM
     assert sends(told) == 1
 
+
+
+class BadDataPlane:
+    """A data plane that misbehaves, where a ticket points (as a faulty
+    network or a broken replica would): `stall` takes the connection and
+    sends nothing, `drip` sends a byte now and then, `garbage` sends bytes
+    that are no blob. Counts the connections it took."""
+
+    def __init__(self, how: str) -> None:
+        import threading
+
+        self.how = how
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.connections = 0
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                if self.how == "garbage":
+                    conn.sendall(os.urandom(3 << 20))
+                    return
+                while not self.stop.wait(0.2):
+                    if self.how == "drip":
+                        conn.sendall(b"C")
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+
+
+@pytest.fixture
+def fast_stalls(monkeypatch):
+    """The stall bound of a data plane download, 1 s here (10 s as shipped)."""
+    from compilecast.worker.daemon import dataplane as worker_end
+    from compilecast.worker.inprocess import dataplane as process_end
+
+    monkeypatch.setattr(process_end, "DATA_PLANE_STALL_S", 1.0)
+    monkeypatch.setattr(worker_end, "DATA_PLANE_STALL_S", 1.0)
+
+
+@pytest.mark.parametrize("how", ["stall", "drip", "garbage"])
+@pytest.mark.parametrize("through", ["process", "worker"])
+def test_a_stalling_dripping_or_garbling_data_plane_ends_in_the_right_bytes_over_grpc(
+        start_coordinator, start_worker, fast_stalls, how, through):
+    bad = BadDataPlane(how)
+    try:
+        coordinator = start_coordinator(data_advertise=f"127.0.0.1:{bad.port}")
+        published(coordinator, "k", RANDOM)
+        published(coordinator, "k2", COMPRESSIBLE)
+        if through == "worker":
+            worker = start_worker(coordinator.cfg.listen)
+            client, routes = CacheClient(worker.target, timeout_s=30), worker.service.routes
+        else:
+            client = CacheClient(coordinator.cfg.listen, timeout_s=30)
+            routes = client.routes
+        assert client.fetch("k")[1] == RANDOM
+        assert bad.connections == 1
+        assert client.fetch("k2")[1] == COMPRESSIBLE
+        if how == "garbage":  # fails at once: tried again next time, costing nothing
+            assert routes.on(Route.DATA_PLANE) and bad.connections == 2
+        else:  # only the first fetch pays the stall bound: off for the end's life
+            assert not routes.on(Route.DATA_PLANE) and bad.connections == 1
+    finally:
+        bad.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 
 from compilecast import wire
@@ -15,10 +16,16 @@ from compilecast.streams import RAW_MAGIC
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
-from ..inprocess.dataplane import DATA_PLANE_CONNECT_S, data_plane_address
+from ..inprocess.dataplane import (
+    DATA_PLANE_CONNECT_S,
+    DATA_PLANE_MIN_RATE,
+    DATA_PLANE_STALL_S,
+    data_plane_address,
+)
 from ..inprocess.received import UploadRefused
 
 DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes
 
 
 RELAY_LEAST = 256 << 10  # from a peer, bytes go on once this many have come (see _recv_piece)
@@ -46,6 +53,20 @@ async def _recv_piece(loop, sock: socket.socket, least: int = DATA_PLANE_PIECE) 
     if n <= len(piece) // 4:  # a few of these would hold many whole buffers
         return memoryview(bytes(piece[:n]))
     return piece[:n].toreadonly()
+
+
+async def _paced_piece(loop, sock: socket.socket, least: int, start: float, got: int,
+                       route: Route, where: str) -> memoryview:
+    """The next piece of a download begun at `start` with `got` bytes come,
+    due DATA_PLANE_STALL_S plus those bytes at DATA_PLANE_MIN_RATE after the
+    start: a stalled or dripping data plane fails the route, lasting (only
+    the first transfer pays the bound)."""
+    left = start + DATA_PLANE_STALL_S + got / DATA_PLANE_MIN_RATE - time.monotonic()
+    try:
+        return await asyncio.wait_for(_recv_piece(loop, sock, least), max(0.0, left))
+    except TimeoutError:
+        raise RouteFailed(route, f"its data plane fell behind {DATA_PLANE_MIN_RATE >> 20} MiB/s",
+                          lasting=True, where=where) from None
 
 
 async def dial(ticket: pb.DataTicket, target: str, route: Route = Route.DATA_PLANE,
@@ -123,15 +144,19 @@ async def with_data_plane(call, target: str, used: list[Route],
             if least < DATA_PLANE_PIECE:  # a peer on a slow link: woken for `least`, not a packet
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, least)
+            start, got = time.monotonic(), 0
             try:
                 await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
-                piece = await _recv_piece(loop, sock, least)
+                piece = await _paced_piece(loop, sock, least, start, got, route, where)
                 raw = piece[:len(RAW_MAGIC)] == RAW_MAGIC  # else the zstd stream's first bytes
-                got, piece = 0, piece[len(RAW_MAGIC):] if raw else piece
+                if not raw and len(piece) and piece[:len(ZSTD_MAGIC)] != ZSTD_MAGIC[:len(piece)]:
+                    raise RouteFailed(route, "its data plane sent neither a raw blob nor a zstd "
+                                      "stream", where=where)
+                piece = piece[len(RAW_MAGIC):] if raw else piece
                 while len(piece):
                     got += len(piece)
                     yield DataChunk(piece) if raw else DataChunk(b"", piece)
-                    piece = await _recv_piece(loop, sock, least)
+                    piece = await _paced_piece(loop, sock, least, start, got, route, where)
             except OSError as exc:
                 raise RouteFailed(route, f"its data plane broke off: {exc}",
                                   where=where) from None

@@ -152,6 +152,15 @@ class Fetches:
         except RouteFailed as failure:  # the ladder's loop (acarry) decides what it means
             await self._rest_after(dl, writer, failure)
             raise
+        except CorruptBlob as exc:
+            if not used:  # the gRPC stream's bytes: the fill fails on them
+                raise
+            # What a data plane sent does not decode: that route's failure, not
+            # the blob's; the rest comes over the gRPC stream.
+            failure = RouteFailed(used[0], f"what it sent does not decode ({exc})",
+                                  where=dl.peer)
+            await self._rest_after(dl, writer, failure)
+            raise failure from None
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             await self._fetch_broke(dl, writer, exc)
             return True

@@ -344,8 +344,13 @@ class CacheClient:
             try:
                 return info, read_data_plane(key, info, got, self.target, self.stall_s)
             except (OSError, CorruptBlob) as exc:
-                raise RouteFailed(Route.DATA_PLANE, str(exc),
-                                  lasting=isinstance(exc, Unreachable)) from None
+                # Unreachable, stalled or dripping: it would again, so off for
+                # this process (only the first transfer pays the stall bound).
+                # A connection cut midway, or bytes that do not verify, cost
+                # nothing to try again: not.
+                lasting = isinstance(exc, Unreachable | TimeoutError) or \
+                    getattr(exc, "errno", None) == errno.ETIMEDOUT
+                raise RouteFailed(Route.DATA_PLANE, str(exc), lasting=lasting) from None
         try:
             return info, read_local(key, info, got)
         except (OSError, CorruptBlob) as exc:

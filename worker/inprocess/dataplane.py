@@ -11,6 +11,7 @@ import errno
 import logging
 import select
 import socket
+import time
 from collections.abc import Callable
 
 from compilecast import wire
@@ -28,6 +29,46 @@ log = logging.getLogger("compilecast.worker.inprocess.client")
 
 PUBLISH_CHUNK = 1 << 20
 DATA_PLANE_CONNECT_S = 5.0  # a data plane that does not take the connection by then: gRPC
+# A download over a data plane that moves nothing for DATA_PLANE_STALL_S, or
+# falls behind DATA_PLANE_MIN_RATE (past its first DATA_PLANE_STALL_S), is
+# given up for the gRPC stream: a stalled or dripping data plane costs one
+# transfer that bound, and the route is then off for the end's life.
+DATA_PLANE_STALL_S = 10.0
+DATA_PLANE_MIN_RATE = 4 << 20  # bytes a second
+
+
+class _Paced:
+    """A connection's file, read within a deadline that grows with what has
+    come (DATA_PLANE_STALL_S plus the bytes at DATA_PLANE_MIN_RATE):
+    OSError(ETIMEDOUT) once it falls behind, however the reads trickle."""
+
+    def __init__(self, f, sock: socket.socket, where: str) -> None:
+        self.f, self.sock, self.where = f, sock, where
+        self.start = time.monotonic()
+        self.got = 0
+
+    def _left(self) -> float:
+        return self.start + DATA_PLANE_STALL_S + self.got / DATA_PLANE_MIN_RATE - \
+            time.monotonic()
+
+    def _check(self) -> None:
+        left = self._left()
+        if left <= 0:
+            raise OSError(errno.ETIMEDOUT, f"{self.where} fell behind "
+                                           f"{DATA_PLANE_MIN_RATE >> 20} MiB/s")
+        self.sock.settimeout(min(left, DATA_PLANE_STALL_S))
+
+    def read(self, n: int = -1) -> bytes:
+        self._check()
+        data = self.f.read(n)
+        self.got += len(data)
+        return data
+
+    def readinto(self, b) -> int:
+        self._check()
+        n = self.f.readinto(b)
+        self.got += n or 0
+        return n
 
 def data_plane_address(ticket: pb.DataTicket, target: str) -> tuple[str, int]:
     """Where a ticket's bytes are: its address, or for ":port" the host of
@@ -43,13 +84,14 @@ def data_plane_address(ticket: pb.DataTicket, target: str) -> tuple[str, int]:
 def read_data_plane(key: str, info: pb.ArtifactInfo, ticket: pb.DataTicket, target: str,
                      stall_s: float) -> bytes:
     """The artifact over the coordinator's data plane, verified. OSError
-    (a refused or broken connection, a read that waited `stall_s`) or
-    CorruptBlob; the caller then fetches over gRPC."""
-    sock, where = connect_data_plane(ticket, target, stall_s)
+    (a refused or broken connection, a read that waited `stall_s`, a
+    download that fell behind: _Paced) or CorruptBlob; the caller then
+    fetches over gRPC."""
+    sock, where = connect_data_plane(ticket, target, min(stall_s, DATA_PLANE_STALL_S))
     with sock:
         sock.sendall(wire.DATA_PLANE_REQUEST + ticket.token)
         with sock.makefile("rb", buffering=0) as f:
-            return read_stored(key, info, f, where)
+            return read_stored(key, info, _Paced(f, sock, where), where)
 
 
 def connect_data_plane(ticket: pb.DataTicket, target: str,
