@@ -54,6 +54,7 @@ class UpConfig:
     # client and peer URLs, the coordinator and the worker; the data plane
     # and metrics off. Nothing listens on the network (a TPU VM's default).
     no_tcp: bool = False
+    otlp_endpoint: str = ""  # an OpenTelemetry collector both roles trace to ("": the env's)
 
     @property
     def sockets(self) -> Path:
@@ -290,6 +291,7 @@ def configs(cfg: UpConfig, env: dict[str, str] | None = None
         # Loopback and unix sockets only: no tokens (issue 5's rule for `up`).
         "allow_unauthenticated": True,
         **no_tcp,
+        **({"otlp_endpoint": cfg.otlp_endpoint} if cfg.otlp_endpoint else {}),
     })
     sock = cfg.home / "worker.sock"
     wcfg, _ = load(WorkerConfig, env=env, flags={
@@ -297,6 +299,7 @@ def configs(cfg: UpConfig, env: dict[str, str] | None = None
         "cache_dir": str(cfg.home / "worker"), "metrics_port": cfg.worker_metrics_port,
         "metrics_host": "127.0.0.1",
         **({"metrics_port": 0, "data_plane": False} if cfg.no_tcp else {}),
+        **({"otlp_endpoint": cfg.otlp_endpoint} if cfg.otlp_endpoint else {}),
     })
     return ccfg, wcfg
 

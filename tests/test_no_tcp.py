@@ -118,3 +118,17 @@ def test_a_worker_address_it_cannot_use_is_refused_in_one_line(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert len(out.stderr.strip().splitlines()) == 1 and "listen" in out.stderr, out.stderr
+
+
+def test_up_takes_an_otlp_endpoint_for_both_roles(tmp_path):
+    from compilecast.up import UpConfig, configs
+
+    ccfg, wcfg = configs(UpConfig(home=tmp_path, otlp_endpoint="http://collector:4318"), env={})
+    assert ccfg.otlp_endpoint == wcfg.otlp_endpoint == "http://collector:4318"
+    ccfg, wcfg = configs(UpConfig(home=tmp_path, no_tcp=True), env={})
+    assert ccfg.listen.startswith("unix://") and ccfg.etcd_endpoints.startswith("unix://")
+    assert (ccfg.metrics_port, wcfg.metrics_port, ccfg.data_listen, wcfg.data_plane) == (
+        0, 0, "off", False)
+    out = subprocess.run([sys.executable, "-m", "compilecast.cli", "up", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert "--otlp-endpoint" in out.stdout and "--no-tcp" in out.stdout

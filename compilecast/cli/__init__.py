@@ -110,6 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     cfg.no_tcp = args.no_tcp
+    cfg.otlp_endpoint = args.otlp_endpoint
     return run(cfg)
 
 
@@ -345,6 +346,9 @@ def _add_servers(sub) -> None:
     p.add_argument("--no-tcp", action="store_true",
                    help="every endpoint on a unix socket under the home (mode 0700): etcd, "
                         "the coordinator and the worker; data plane and metrics off")
+    p.add_argument("--otlp-endpoint", default="",
+                   help="an OpenTelemetry collector (OTLP/HTTP) the coordinator and the worker "
+                        "trace to (default: $COMPILECAST_OTLP_ENDPOINT)")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("coordinator", help="run a coordinator replica")
