@@ -157,10 +157,10 @@ class Fetches:
                 raise
             # What a data plane sent does not decode: that route's failure, not
             # the blob's; the rest comes over the gRPC stream.
-            failure = RouteFailed(used[0], f"what it sent does not decode ({exc})",
-                                  where=dl.peer)
-            await self._rest_after(dl, writer, failure)
-            raise failure from None
+            undecoded = RouteFailed(used[0], f"what it sent does not decode ({exc})",
+                                    where=dl.peer)
+            await self._rest_after(dl, writer, undecoded)
+            raise undecoded from None
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             await self._fetch_broke(dl, writer, exc)
             return True
