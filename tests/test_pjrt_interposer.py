@@ -219,7 +219,8 @@ class _ScriptedGate:
 
 @pytest.mark.parametrize("answer", ["COMPILE then gone", "HIT of bytes the plugin refuses",
                                     "HIT of bytes that do not hash to their digest",
-                                    "heartbeats and then silence"])
+                                    "heartbeats and then silence",
+                                    "COMPILE with options the plugin cannot use"])
 def test_the_job_completes_whatever_the_worker_does(tmp_path, answer):
     import hashlib
 
@@ -231,7 +232,9 @@ def test_the_job_completes_whatever_the_worker_does(tmp_path, answer):
                  frame(f"HIT cc1-x {hashlib.sha256(junk).hexdigest()}", junk),
              "HIT of bytes that do not hash to their digest":
                  frame(f"HIT cc1-x {hashlib.sha256(b'other').hexdigest()}", junk),
-             "heartbeats and then silence": frame("WAITING") * 3}[answer]
+             "heartbeats and then silence": frame("WAITING") * 3,
+             "COMPILE with options the plugin cannot use":
+                 frame("COMPILE cc1-x", b"\xff\xfe not compile options")}[answer]
 
     gate = _ScriptedGate(str(tmp_path / "w.sock.pjrt"), reply)
     baseline = wave(env_for(None, interposed=False), 1, tmp_path / "plain")[0][0]
@@ -247,6 +250,78 @@ def test_the_job_completes_whatever_the_worker_does(tmp_path, answer):
     if answer == "HIT of bytes that do not hash to their digest":
         assert "did not hash to its digest" in err
         assert "the plugin refused" not in err  # the plugin never saw them
+    if answer == "COMPILE with options the plugin cannot use":
+        assert "compiling with the framework's own" in err
+
+
+class _DrippingGate(_ScriptedGate):
+    """A worker socket that keeps the interposer waiting however it can:
+    silence, heartbeats forever, a HIT whose payload comes one byte at a
+    time, or a COMPILE whose publish it never acknowledges (heartbeats
+    instead)."""
+
+    def __init__(self, path: str, how: str) -> None:
+        self.how = how
+        super().__init__(path, None)
+
+    def _run(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+            threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
+
+    def _drip(self, conn) -> None:
+        import time
+
+        from compilecast.worker.pjrtdoor.pjrtgate import frame
+
+        try:
+            conn.recv(1 << 20)
+            self.asked += 1
+            if self.how == "a payload one byte at a time":
+                reply = frame("HIT cc1-x " + "0" * 64, b"x" * 1000)
+                for i in range(len(reply)):
+                    conn.sendall(reply[i:i + 1])
+                    time.sleep(0.5)
+                return
+            if self.how == "nothing at all":
+                while conn.recv(1 << 16):  # held open, silent, until the caller goes
+                    pass
+                return
+            if self.how == "a publish never acknowledged":
+                conn.sendall(frame("COMPILE cc1-x"))
+            while True:  # heartbeats, well within the silence bound
+                conn.sendall(frame("WAITING"))
+                time.sleep(0.5)
+        except OSError:
+            return
+
+
+@pytest.mark.parametrize("how, bound", [
+    ("nothing at all", {"COMPILECAST_PJRT_TIMEOUT_S": "3"}),
+    ("heartbeats forever", {"COMPILECAST_PJRT_TIMEOUT_S": "3"}),
+    ("heartbeats forever", {"COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS": "1000",
+                            "COMPILECAST_PJRT_SILENCE_S": "2"}),
+    ("a payload one byte at a time", {"COMPILECAST_PJRT_TIMEOUT_S": "3"}),
+    ("a publish never acknowledged", {"COMPILECAST_PJRT_PUBLISH_S": "2"}),
+])
+def test_each_exchange_ends_by_its_one_deadline_whatever_the_worker_sends(tmp_path, how, bound):
+    """A worker that heartbeats, drips or never acknowledges holds the
+    framework until the exchange's deadline, not the silence bound's (an
+    hour here) nor the 25-minute default: the process finishes while the
+    gate is still sending."""
+    gate = _DrippingGate(str(tmp_path / "w.sock.pjrt"), how)
+    baseline = wave(env_for(None, interposed=False), 1, tmp_path / "plain")[0][0]
+    env = env_for(f"unix://{tmp_path}/w.sock")
+    env.update({"COMPILECAST_PJRT_SILENCE_S": "3600", **bound})
+    [(got, err)] = wave(env, 1, tmp_path / "run")
+    assert got["loss"] == baseline["loss"] and gate.asked >= 1
+    assert real_compiles(err) == gate.asked
 
 
 def test_a_stopped_gate_leaves_no_socket_behind(tmp_path):

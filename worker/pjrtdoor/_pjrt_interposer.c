@@ -15,7 +15,14 @@
  *            PJRT_Executable_Serialize, sent to the worker to publish;
  *   LOCAL    compile with the real plugin and share nothing.
  * A worker silent for COMPILECAST_PJRT_SILENCE_S (no heartbeat) means a real
- * compile now; the whole exchange is bounded by COMPILECAST_PJRT_TIMEOUT_S.
+ * compile now. Each exchange has one deadline that every send and receive
+ * honours, below the silence bound too: the question and its answer, by
+ * COMPILECAST_PJRT_TIMEOUT_S or the share-binary timeout
+ * (COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS, after which the worker
+ * ends any wait) plus the silence bound, whichever is first; the publish, by
+ * COMPILECAST_PJRT_PUBLISH_S plus the executable's size at 4 MiB/s. The
+ * compile options a COMPILE hands back that the plugin refuses are dropped:
+ * the compile is made again with the framework's own.
  * Anything else (no worker, a refused load, a protocol error, an unknown
  * PJRT C API major version) compiles with the real plugin; the reason goes to
  * stderr once per kind. The framework's compile never fails because of
@@ -321,13 +328,27 @@ static double setting_s(const char *name, double fallback) {
   return d > 0 ? d : fallback;
 }
 
-/* The whole exchange with the worker ends by this time (CLOCK_MONOTONIC). */
+/* The exchange with the worker ends by this time (CLOCK_MONOTONIC). */
 static __thread double deadline; /* per compiling thread */
+static double silence_s = 10.0;  /* COMPILECAST_PJRT_SILENCE_S */
+
+/* The next send or receive waits at most the silence bound, and never past
+   the deadline; -1 once the deadline has passed. */
+static int pace(int fd) {
+  double left = deadline - now();
+  if (left <= 0) return -1;
+  double w = left < silence_s ? left : silence_s;
+  struct timeval tv = {(time_t)w, (suseconds_t)((w - (time_t)w) * 1e6)};
+  if (!tv.tv_sec && tv.tv_usec < 1000) tv.tv_usec = 1000; /* (zero would mean: forever) */
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  return 0;
+}
 
 static int write_all(int fd, const void *data, size_t n) {
   const char *p = data;
   while (n) {
-    if (now() > deadline) return -1;
+    if (pace(fd)) return -1;
     ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
     if (k < 0 && errno == EINTR) continue;
     if (k <= 0) return -1;
@@ -338,11 +359,12 @@ static int write_all(int fd, const void *data, size_t n) {
 }
 
 /* Each recv waits at most the silence bound (SO_RCVTIMEO): a worker that says
-   nothing for that long, not even a heartbeat, is given up. */
+   nothing for that long, not even a heartbeat, is given up; and never past
+   the deadline, however the bytes trickle. */
 static int read_all(int fd, void *data, size_t n) {
   char *p = data;
   while (n) {
-    if (now() > deadline) return -1;
+    if (pace(fd)) return -1;
     ssize_t k = recv(fd, p, n, 0);
     if (k < 0 && errno == EINTR) continue;
     if (k <= 0) return -1;
@@ -434,12 +456,19 @@ static int connect_worker(void) {
     return -1;
   }
   /* The worker sends a heartbeat every couple of seconds while it decides or
-     waits; silence this long means it stopped answering. */
-  double silence = setting_s("COMPILECAST_PJRT_SILENCE_S", 10.0);
-  struct timeval tv = {(time_t)silence, (suseconds_t)((silence - (time_t)silence) * 1e6)};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+     waits; silence this long means it stopped answering (pace). */
+  silence_s = setting_s("COMPILECAST_PJRT_SILENCE_S", 10.0);
   return fd;
+}
+
+/* How long a compile's question and answer may take: COMPILECAST_PJRT_TIMEOUT_S,
+   or the share-binary timeout plus the silence bound when that is sooner (the
+   worker ends a wait at the share-binary timeout). */
+static double exchange_s(void) {
+  double t = setting_s("COMPILECAST_PJRT_TIMEOUT_S", 1500.0);
+  double share = setting_s("COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", 0) / 1000.0;
+  if (share > 0 && share + silence_s < t) t = share + silence_s;
+  return t;
 }
 
 /* ---- what the worker is told of the compile ------------------------------- */
@@ -581,8 +610,9 @@ static void publish(int fd, Client_Compile_Args *args, double seconds) {
     snprintf(header, sizeof header, "publish %.6f", seconds);
     const void *blob = s.bytes;
     uint64_t size = s.bytes_size;
-    /* The publish is bounded afresh: the compile itself may take long. */
-    deadline = now() + setting_s("COMPILECAST_PJRT_TIMEOUT_S", 1500.0);
+    /* The publish is bounded afresh (the compile itself may take long), by
+       what a local socket needs for the bytes: the framework waits for it. */
+    deadline = now() + setting_s("COMPILECAST_PJRT_PUBLISH_S", 60.0) + (double)size / (4 << 20);
     if (send_frame(fd, header, 1, &blob, &size) == 0) {
       reply r;
       if (read_reply(fd, &r) == 0) {
@@ -640,12 +670,12 @@ static PJRT_Error *our_compile(void *raw) {
   Client_Compile_Args *args = raw;
   const char *off = getenv("COMPILECAST_PJRT_ENABLE");
   if (off && strcmp(off, "0") == 0) return real_compile(args);
-  deadline = now() + setting_s("COMPILECAST_PJRT_TIMEOUT_S", 1500.0);
   int fd = connect_worker();
   if (fd < 0) {
     note("real compile (no worker)");
     return real_compile(args);
   }
+  deadline = now() + exchange_s();
   reply r;
   PJRT_Error *e = NULL;
   if (ask(fd, args, &r) != 0) {
@@ -676,6 +706,13 @@ static PJRT_Error *our_compile(void *raw) {
     e = real_compile(args);
     args->compile_options = options;
     args->compile_options_size = options_size;
+    if (e && r.payload) { /* options the plugin cannot use: the framework's own */
+      char buf[320];
+      say_once(128, "the plugin refused the compile options the worker handed back (%s): "
+               "compiling with the framework's own", error_text(e, buf, sizeof buf));
+      drop_error(e);
+      e = real_compile(args);
+    }
     free(r.payload);
     if (e) send_word(fd, "failed the compile failed");
     else publish(fd, args, now() - start);
