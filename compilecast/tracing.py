@@ -29,12 +29,30 @@ EXIT_EXPORT_S = 1.0  # the longest a stop (or a process's exit) waits for the la
 
 
 class _State:
-    tracer: Any = None
-    provider: Any = None
+    tracer: Any = None  # the first service's: spans of no role's name
+    providers: dict[str, Any]  # service -> its provider
+    tracers: dict[str, Any]  # service -> its tracer
     propagator: Any = None
+
+    def __init__(self) -> None:
+        self.providers, self.tracers = {}, {}
 
 
 _state = _State()
+# A span's role by its name, where one process serves several (`compilecast up`:
+# a coordinator and a worker): each role's spans go out as its own service.
+ROLE_OF_PREFIX = (
+    (("worker.", "WorkerService.", "DirectoriesService.", "RelayService."), "compilecast-worker"),
+    (("coordinator.", "CoordinatorService.", "etcd.", "store.", "bucket."),
+     "compilecast-coordinator"),
+)
+
+
+def _tracer_for(name: str) -> Any:
+    for prefixes, service in ROLE_OF_PREFIX:
+        if name.startswith(prefixes):
+            return _state.tracers.get(service, _state.tracer)
+    return _state.tracer
 
 
 def on() -> bool:
@@ -44,9 +62,13 @@ def on() -> bool:
 def configure(endpoint: str, service: str, *, exporter: Any = None) -> bool:
     """Trace this process as `service`, to `endpoint` (OTLP/HTTP, e.g.
     http://collector:4318) or to `exporter` (a SpanExporter: the tests' in
-    memory). False, and one warning, where it cannot."""
+    memory). False, and one warning, where it cannot. A process that serves
+    several roles configures each: a span goes out as its role's service
+    (ROLE_OF_PREFIX), else as the first configured."""
     if not endpoint and exporter is None:
         return False
+    if service in _state.tracers:
+        return True
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -66,10 +88,12 @@ def configure(endpoint: str, service: str, *, exporter: Any = None) -> bool:
                               shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(exporter,
                                                    schedule_delay_millis=EXPORT_DELAY_MS))
-    _state.provider = provider
-    _state.tracer = provider.get_tracer("compilecast")
-    _state.propagator = TraceContextTextMapPropagator()
-    atexit.register(shutdown)
+    _state.providers[service] = provider
+    _state.tracers[service] = provider.get_tracer("compilecast")
+    if _state.tracer is None:
+        _state.tracer = _state.tracers[service]
+        _state.propagator = TraceContextTextMapPropagator()
+        atexit.register(shutdown)
     log.info("tracing to %s as %s", endpoint or type(exporter).__name__, service)
     return True
 
@@ -78,13 +102,15 @@ def shutdown(timeout_s: float = EXIT_EXPORT_S) -> None:
     """Export what is left, for at most `timeout_s`, and stop tracing: spans
     an unreachable endpoint has not taken by then are dropped (the export
     goes on in a daemon thread, which an exit does not wait for)."""
-    provider, _state.provider, _state.tracer = _state.provider, None, None
-    if provider is None:
+    providers = list(_state.providers.values())
+    _state.providers, _state.tracers, _state.tracer = {}, {}, None
+    if not providers:
         return
 
     def stop() -> None:
-        with contextlib.suppress(Exception):
-            provider.shutdown()
+        for provider in providers:
+            with contextlib.suppress(Exception):
+                provider.shutdown()
 
     stopping = threading.Thread(target=stop, name="compilecast-tracing-stop", daemon=True)
     stopping.start()
@@ -107,7 +133,7 @@ def span(name: str, parent: Mapping[str, str] | None = None,
 @contextlib.contextmanager
 def _span(name: str, parent: Mapping[str, str] | None, attributes: dict) -> Iterator[Any]:
     context = _state.propagator.extract(carrier=dict(parent)) if parent else None
-    with _state.tracer.start_as_current_span(
+    with _tracer_for(name).start_as_current_span(
             name, context=context,
             attributes={k: v for k, v in attributes.items() if v is not None}) as s:
         yield s
@@ -124,12 +150,29 @@ def detached_span(name: str, parent: Mapping[str, str] | None = None,
 def _detached_span(name: str, parent: Mapping[str, str] | None,
                    attributes: dict) -> Iterator[Any]:
     context = _state.propagator.extract(carrier=dict(parent)) if parent else None
-    s = _state.tracer.start_span(name, context=context, attributes={
+    s = _tracer_for(name).start_span(name, context=context, attributes={
         k: v for k, v in attributes.items() if v is not None})
     try:
         yield s
     finally:
         s.end()
+
+
+@contextlib.contextmanager
+def resumed(carrier: Mapping[str, str] | None) -> Iterator[None]:
+    """The span whose context `carrier` holds (inject's W3C headers) is the
+    current one in the block: later work of a request (a lease's release)
+    joins its trace."""
+    if _state.tracer is None or not carrier:
+        yield
+        return
+    from opentelemetry import context as otel
+
+    token = otel.attach(_state.propagator.extract(carrier=dict(carrier)))
+    try:
+        yield
+    finally:
+        otel.detach(token)
 
 
 def untraced() -> contextvars.Context:

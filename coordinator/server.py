@@ -59,7 +59,7 @@ class Coordinator(Role):
         self._advising: asyncio.Task | None = None
 
     async def start(self) -> None:
-        if self.cfg.otlp_endpoint and not tracing.on():
+        if self.cfg.otlp_endpoint:
             tracing.configure(self.cfg.otlp_endpoint, "compilecast-coordinator")
         # grpc.aio objects bind to the running loop: build them here.
         cfg = self.cfg

@@ -194,3 +194,49 @@ def test_an_endpoint_that_never_answers_does_not_hold_a_process_at_exit():
         conn, _ = server.accept()  # the export had begun: its request waits here, unanswered
         with conn:
             assert conn.recv(4096).startswith(b"POST /v1/traces")
+
+
+JAX_BELOW_THRESHOLD = r"""
+import json, os
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp
+import compilecast.jax
+assert compilecast.jax.enable() is not None
+print(json.dumps({"sum": float(jax.jit(lambda x: jnp.sin(x) * 5)(jnp.arange(3.0)).sum()),
+                  "stats": compilecast.jax.stats()}))
+"""
+
+
+def test_up_traces_each_role_as_its_own_service_and_a_release_joins_its_decision(start_up):
+    """`compilecast up` serves a coordinator and a worker in one process:
+    each role's spans go out as its own service. A compile below JAX's
+    threshold gives its lease back: the release is in the trace of the
+    decision that granted it."""
+    collector = Collector()
+    try:
+        up = start_up({"COMPILECAST_OTLP_ENDPOINT": collector.url})
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPILECAST_", "JAX_"))}
+        done = subprocess.run([sys.executable, "-c", JAX_BELOW_THRESHOLD], capture_output=True,
+                              text=True, timeout=300,
+                              env={**env, "COMPILECAST_WORKER": up.target,
+                                   "COMPILECAST_OTLP_ENDPOINT": collector.url})
+        assert done.returncode == 0, done.stderr[-3000:]
+        released = json.loads(done.stdout.strip().splitlines()[-1])["stats"]["released"]
+        assert released >= 1  # (the step, and the eager ops' programs)
+
+        def spans_of(name: str) -> list[dict]:
+            return [s for s in list(collector.spans) if s["name"] == name]
+
+        eventually(lambda: spans_of("coordinator.decide") and
+                   len(spans_of("WorkerService.Release")) == released,
+                   "the decisions and the releases exported", seconds=60)
+    finally:
+        collector.shutdown()
+        collector.server_close()
+    services = {s["name"]: s["service"] for s in collector.spans}
+    assert services["WorkerService.Acquire"] == services["worker.upstream.decide"] == \
+        services["WorkerService.Release"] == "compilecast-worker", services
+    assert services["coordinator.decide"] == "compilecast-coordinator", services
+    decisions = {s["trace"] for s in collector.spans if s["name"] == "compilecast.decide"}
+    releases = spans_of("WorkerService.Release")
+    assert all(r["trace"] in decisions and r["parent"] for r in releases), (releases, decisions)

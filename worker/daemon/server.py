@@ -55,7 +55,7 @@ class Worker(Role):
         return self.cfg.listen
 
     async def start(self) -> None:
-        if self.cfg.otlp_endpoint and not tracing.on():
+        if self.cfg.otlp_endpoint:
             tracing.configure(self.cfg.otlp_endpoint, "compilecast-worker")
         cfg = self.cfg
         token = (read_small_file(cfg.token_file, "token_file").decode("utf-8", "replace").strip()

@@ -93,6 +93,7 @@ class _Held:
     identity: Identity
     # (module, devices, compile_options, backend, Key.program_bytes), for the recipe
     inputs: tuple = ()
+    trace: dict = field(default_factory=dict)  # the decision's span (W3C), for the release
 
 
 MAX_DESCRIBED = 256
@@ -282,7 +283,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
 
     def _hold(self, key: str, lease: pb.Lease, identity: Identity, inputs: tuple = ()) -> None:
         with self._lock:
-            self._held[key] = _Held(lease, time.monotonic(), identity, inputs)
+            self._held[key] = _Held(lease, time.monotonic(), identity, inputs,
+                                    tracing.inject({}))
         self.client.keep_lease(key, lease)
         self.stats.compiles += 1
 
@@ -329,7 +331,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
 
     def _release(self, key: str, held: _Held, reason: pb.ReleaseReason.ValueType, detail: str) -> None:
         try:
-            self.client.release(key, held.lease, reason, detail)
+            with tracing.resumed(held.trace):  # in the trace of the decision that granted it
+                self.client.release(key, held.lease, reason, detail)
             with self._lock:
                 self.stats.released += 1
         except Exception as exc:  # (a release runs after the compile: never raise)
