@@ -284,7 +284,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
     def _hold(self, key: str, lease: pb.Lease, identity: Identity, inputs: tuple = ()) -> None:
         with self._lock:
             self._held[key] = _Held(lease, time.monotonic(), identity, inputs,
-                                    tracing.inject({}))
+                                    dict(tracing.inject({})))
         self.client.keep_lease(key, lease)
         self.stats.compiles += 1
 
