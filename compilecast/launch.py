@@ -166,3 +166,57 @@ def collect(procs: list[subprocess.Popen], timeout_s: float = 900) -> list[dict]
         report["stderr"] = err
         reports.append(report)
     return reports
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    return tree
+
+
+def sockets_held(pid: int) -> dict[int, dict[str, int]]:
+    """For `pid` and each of its descendants: how many sockets it holds, and
+    how many of them are TCP or UDP (IPv4 or IPv6) in this network namespace,
+    and how many unix sockets. What `compilecast up --no-tcp` is checked by."""
+    def table(*names: str) -> set[str]:
+        found: set[str] = set()
+        for name in names:
+            try:
+                with open(f"/proc/net/{name}") as f:
+                    next(f)
+                    column = 6 if name == "unix" else 9
+                    found |= {line.split()[column] for line in f if len(line.split()) > column}
+            except OSError:
+                pass
+        return found
+
+    inet, unix = table("tcp", "tcp6", "udp", "udp6"), table("unix")
+    held = {}
+    for p in process_tree(pid):
+        inodes = set()
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{p}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+        held[p] = {"sockets": len(inodes), "inet": len(inodes & inet), "unix": len(inodes & unix)}
+    return held

@@ -83,40 +83,10 @@ if want up; then
   up_start || exit 1
   # Every process of `up` (it and its etcd): its sockets, against the
   # namespace's TCP and UDP tables.
-  $PY - "$UP_PID" > "$LOGS/no_tcp.json" <<'PYEOF'
-import json, os, sys
-root = int(sys.argv[1])
-kids = {}
-for e in os.listdir("/proc"):
-    if e.isdigit():
-        try:
-            ppid = int(open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        kids.setdefault(ppid, []).append(int(e))
-tree, todo = [], [root]
-while todo:
-    p = todo.pop(); tree.append(p); todo += kids.get(p, [])
-inet = set()
-for t in ("tcp", "tcp6", "udp", "udp6"):
-    try:
-        inet |= {l.split()[9] for l in list(open(f"/proc/net/{t}"))[1:]}
-    except OSError:
-        pass
-held = {}
-for p in tree:
-    socks = set()
-    for fd in os.listdir(f"/proc/{p}/fd"):
-        try:
-            link = os.readlink(f"/proc/{p}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            socks.add(link[8:-1])
-    held[p] = {"cmd": open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:120],
-               "sockets": len(socks), "inet": len(socks & inet)}
-print(json.dumps({"processes": held, "inet_sockets": sum(h["inet"] for h in held.values())}))
-PYEOF
+  $PY -c "import json, sys; from compilecast.launch import sockets_held
+held = sockets_held(int(sys.argv[1]))
+print(json.dumps({'processes': held, 'inet_sockets': sum(h['inet'] for h in held.values())}))" \
+    "$UP_PID" > "$LOGS/no_tcp.json"
   cat "$LOGS/no_tcp.json"; echo
   ls -la "$CC_HOME" "$CC_HOME/sock" >> "$LOGS/no_tcp.txt"
   cat "$LOGS/status.txt"

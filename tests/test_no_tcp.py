@@ -9,61 +9,15 @@ import os
 import stat
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from compilecast.config import ConfigError, CoordinatorConfig, WorkerConfig, load
+from compilecast.launch import sockets_held
 
 from .e2e import run_procs
 
 pytestmark = pytest.mark.slow
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    return tree
-
-
-def socket_inodes(pid: int) -> set[str]:
-    found = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            found.add(link[len("socket:["):-1])
-    return found
-
-
-def inet_inodes() -> set[str]:
-    """The inodes of every TCP and UDP socket (IPv4 and IPv6) of this namespace."""
-    found = set()
-    for table in ("tcp", "tcp6", "udp", "udp6"):
-        with open(f"/proc/net/{table}") as f:
-            next(f)
-            found |= {line.split()[9] for line in f}
-    return found
-
-
-def unix_inodes() -> set[str]:
-    with open("/proc/net/unix") as f:
-        next(f)
-        return {line.split()[6] for line in f}
 
 
 def test_up_without_tcp_serves_a_jax_job_over_unix_sockets_alone(start_up):
@@ -80,12 +34,10 @@ def test_up_without_tcp_serves_a_jax_job_over_unix_sockets_alone(start_up):
     assert again[0]["xla_compiles"] == 0 and again[0]["compilecast"]["hits"] == 1
     assert again[0]["digest"] == first[0]["digest"]
 
-    tree = process_tree(up.proc.pid)
-    assert len(tree) >= 2, tree  # up and its etcd
-    held = {pid: socket_inodes(pid) for pid in tree}
-    inet, unix = inet_inodes(), unix_inodes()
-    assert all(not (inodes & inet) for inodes in held.values()), held
-    assert all(inodes & unix for inodes in held.values()), held  # each serves or dials one
+    held = sockets_held(up.proc.pid)
+    assert len(held) >= 2, held  # up and its etcd
+    assert all(h["inet"] == 0 for h in held.values()), held
+    assert all(h["unix"] > 0 for h in held.values()), held  # each serves or dials one
 
     out = subprocess.run([sys.executable, "-m", "compilecast.cli", "status", "--worker",
                           up.target], capture_output=True, text=True, timeout=60)

@@ -207,14 +207,17 @@ class _ScriptedGate:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            conn.recv(1 << 20)
-            self.asked += 1
-            if self.answer is not None:
-                conn.sendall(self.answer)
-            if self.answer is not None and self.answer.endswith(b"WAITING\0"):
-                self.held.append(conn)  # and then nothing more: silence
-            else:
-                conn.close()
+            self._one(conn)
+
+    def _one(self, conn) -> None:
+        conn.recv(1 << 20)
+        self.asked += 1
+        if self.answer is not None:
+            conn.sendall(self.answer)
+        if self.answer is not None and self.answer.endswith(b"WAITING\0"):
+            self.held.append(conn)  # and then nothing more: silence
+        else:
+            conn.close()
 
 
 @pytest.mark.parametrize("answer", ["COMPILE then gone", "HIT of bytes the plugin refuses",
@@ -264,16 +267,11 @@ class _DrippingGate(_ScriptedGate):
         self.how = how
         super().__init__(path, None)
 
-    def _run(self) -> None:
+    def _one(self, conn) -> None:
         import threading
 
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.held.append(conn)
-            threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
+        self.held.append(conn)
+        threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
 
     def _drip(self, conn) -> None:
         import time
