@@ -156,10 +156,13 @@ if want interposer; then
   step PJRT interposer on libtpu, twice
   for i in 1 2; do
     rm -rf "/tmp/dump$i"
-    timeout 300 $PY -m compilecast.cli run --interpose-tpu --worker "$WORKER" -- \
-      env XLA_FLAGS="--xla_dump_to=/tmp/dump$i" $PY bench/tpu_step.py \
+    # (COMPILECAST_PJRT_LOG=1: the interposer's every decision on stderr, in the archive)
+    COMPILECAST_PJRT_LOG=1 timeout 300 $PY -m compilecast.cli run --interpose-tpu \
+      --worker "$WORKER" -- env XLA_FLAGS="--xla_dump_to=/tmp/dump$i" $PY bench/tpu_step.py \
       > "$LOGS/interposed$i.out" 2> "$LOGS/interposed$i.err"
     echo "rc=$?" >> "$LOGS/interposed$i.err"
+    grep "compilecast-pjrt" "$LOGS/interposed$i.err" | tail -4
+    $PY -m compilecast.cli status --worker "$WORKER" > "$LOGS/interposed$i.status" 2>&1
     tail -1 "$LOGS/interposed$i.out" > "$LOGS/interposed$i.json"
     find "/tmp/dump$i" -name '*after_optimizations.txt' 2>/dev/null | wc -l > "$LOGS/interposed$i.dumped"
     echo "interposed run $i: $(cat "$LOGS/interposed$i.dumped") programs compiled (XLA's dump)"
