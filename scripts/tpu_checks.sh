@@ -167,6 +167,14 @@ if want interposer; then
     find "/tmp/dump$i" -name '*after_optimizations.txt' 2>/dev/null | wc -l > "$LOGS/interposed$i.dumped"
     echo "interposed run $i: $(cat "$LOGS/interposed$i.dumped") programs compiled (XLA's dump)"
   done
+  # The keys each run asked under; where the second asked under another, which
+  # of the interposed compile's components differ.
+  k1=$(grep -o "worker: [A-Z]* cc1-[0-9a-f]*" "$LOGS/interposed1.err" | tail -1 | awk '{print $3}')
+  k2=$(grep -o "worker: [A-Z]* cc1-[0-9a-f]*" "$LOGS/interposed2.err" | tail -1 | awk '{print $3}')
+  echo "interposed keys: ${k1:-?} ${k2:-?}" | tee "$LOGS/interposed.keys"
+  if [ -n "$k1" ] && [ -n "$k2" ] && [ "$k1" != "$k2" ]; then
+    $PY -m compilecast.cli explain "$k1" "$k2" --worker "$WORKER" 2>&1 | tee -a "$LOGS/interposed.keys"
+  fi
 fi
 
 if want pgle; then
