@@ -67,6 +67,7 @@ def test_a_txn_beyond_etcds_limit_is_refused_before_it_is_sent(etcd, loop_thread
     assert after[MAX_TXN_OPS].value == before[MAX_TXN_OPS].value and after[-1] is None
 
 
+@pytest.mark.timeout(900)  # 10,000 claims and publishes first (about 2 min on 2 cores)
 def test_a_tenant_of_ten_thousand_artifacts_is_listed_and_purged_page_by_page(coordinator):
     keys = [f"prog-{i:05d}" for i in range(ARTIFACTS)]
     publish_all(coordinator.cfg.listen, keys, lambda k: k.encode() * 3)
@@ -96,6 +97,7 @@ def test_a_tenant_of_ten_thousand_artifacts_is_listed_and_purged_page_by_page(co
     assert list(again.missing) == keys[:2]
 
 
+@pytest.mark.timeout(900)  # 5,000 publishes and 5,000 installs (about 2 min on 2 cores)
 def test_a_directory_of_five_thousand_entries_reaches_a_second_host(coordinator, start_worker):
     a, b = (host(start_worker, coordinator, n) for n in "ab")
     da, db = a.open_directory(KIND, NS), b.open_directory(KIND, NS)
