@@ -171,6 +171,7 @@ bench: install
 	$(PY) bench/pjrt_gate_flood.py --idle 10000 --slow 50 --huge 4
 	$(PY) bench/sweep.py --records
 	$(PY) bench/listing.py --artifacts 10000
+	$(PY) bench/tracing_exit.py --repeat 3
 
 # Every CPU bench end to end at toy sizes (~4 minutes): a bench that no longer
 # runs shows here. The figures it prints mean nothing; `make bench` measures.
@@ -198,6 +199,7 @@ bench-smoke: install
 	$(PY) bench/pod_start.py --processes 20 --programs 2 --compile-s 0.2
 	$(PY) bench/sweep.py --entries 100 --records
 	$(PY) bench/listing.py --artifacts 300
+	$(PY) bench/tracing_exit.py --repeat 1
 	$(PY) bench/autotune_share.py --layers 2 --width 64 --pairs 1
 	$(PY) bench/pjrt_wave.py --n 2
 	$(PY) bench/pjrt_gate_flood.py --idle 100 --slow 2 --huge 1
