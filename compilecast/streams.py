@@ -19,7 +19,18 @@ from compilecast.errors import CorruptBlob
 
 Buffer = bytes | bytearray | memoryview  # what a hash or a write takes
 CHUNK = 2 << 20  # a blob is read, and its zstd stream decoded, in pieces of this size
-RAW_MAGIC = b"CCRAW01\n"  # a stored blob that is not zstd (zstd frames begin 28 b5 2f fd)
+RAW_MAGIC = b"CCRAW01\n"  # a stored blob that is not zstd
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes (a stored blob that is)
+
+
+
+def due(start: float, got: int, slack_s: float, rate: float) -> float:
+    """When a transfer begun at `start` (time.monotonic) must have moved
+    `got` bytes: `slack_s` after its start plus those bytes at `rate` a
+    second. A stall or a drip falls behind it, however the bytes trickle
+    (the data plane's downloads at both ends, the PJRT gate's blobs)."""
+    return start + slack_s + got / rate
+
 
 HASH_THREAD_AFTER = 16 << 20  # bytes hashed inline before hashing moves to a thread
 HASH_BATCH = 4 << 20  # bytes handed to the hashing thread at a time

@@ -130,8 +130,7 @@ class Operations:
             raise InvalidRequest("name the keys or digests to purge")
         if len(keys) + len(digests) > validate.MAX_PURGE_NAMES:
             raise InvalidRequest(f"a purge names at most {validate.MAX_PURGE_NAMES} keys and "
-                                 f"digests, "
-                                 f"got {len(keys) + len(digests)}: send them in pages")
+                                 f"digests, got {len(keys) + len(digests)}: send them in pages")
         reason = reason[:validate.MAX_DETAIL_LEN] or "purged by an operator"
         resp = pb.PurgeResponse()
         wanted = set(digests)  # a key's bytes are revoked, so every key naming them goes

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from compilecast import wire
 from compilecast.negotiate import Route, RouteFailed
-from compilecast.streams import RAW_MAGIC
+from compilecast.streams import RAW_MAGIC, ZSTD_MAGIC, due
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
@@ -25,7 +25,6 @@ from ..inprocess.dataplane import (
 from ..inprocess.received import UploadRefused
 
 DATA_PLANE_PIECE = 1 << 20  # a data plane download passes through in pieces of this size
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes
 
 
 RELAY_LEAST = 256 << 10  # from a peer, bytes go on once this many have come (see _recv_piece)
@@ -61,7 +60,7 @@ async def _paced_piece(loop, sock: socket.socket, least: int, start: float, got:
     due DATA_PLANE_STALL_S plus those bytes at DATA_PLANE_MIN_RATE after the
     start: a stalled or dripping data plane fails the route, lasting (only
     the first transfer pays the bound)."""
-    left = start + DATA_PLANE_STALL_S + got / DATA_PLANE_MIN_RATE - time.monotonic()
+    left = due(start, got, DATA_PLANE_STALL_S, DATA_PLANE_MIN_RATE) - time.monotonic()
     try:
         return await asyncio.wait_for(_recv_piece(loop, sock, least), max(0.0, left))
     except TimeoutError:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from compilecast import wire
-from compilecast.streams import Sha256
+from compilecast.streams import Sha256, due
 from compilecast.v1 import cache_pb2 as pb
 
 from .received import (
@@ -48,7 +48,7 @@ class _Paced:
         self.got = 0
 
     def _left(self) -> float:
-        return self.start + DATA_PLANE_STALL_S + self.got / DATA_PLANE_MIN_RATE - \
+        return due(self.start, self.got, DATA_PLANE_STALL_S, DATA_PLANE_MIN_RATE) - \
             time.monotonic()
 
     def _check(self) -> None:

@@ -61,6 +61,7 @@ import grpc
 from compilecast import wire
 from compilecast.decide import ends_wait
 from compilecast.grpcutil import aio_channel, bearer
+from compilecast.streams import due
 from compilecast.v1 import cache_pb2 as pb
 
 from ..inprocess.client import Identity
@@ -222,8 +223,8 @@ class Reader:
             piece = min(BLOB_PIECE, n - got)
             self.budget.take(piece, self.pid)
             self.held += piece
-            due = start + self.limits.blob_s + (got + piece) / self.limits.min_rate
-            parts.append(await self._exactly(piece, max(0.0, due - time.monotonic())))
+            by = due(start, got + piece, self.limits.blob_s, self.limits.min_rate)
+            parts.append(await self._exactly(piece, max(0.0, by - time.monotonic())))
             got += piece
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
