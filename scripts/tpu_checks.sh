@@ -66,7 +66,7 @@ print('jax adapter: ok')" > "$LOGS/adapter.log" 2>&1
 fi
 
 up_start() {
-  $PY -m compilecast.cli up --no-tcp --home "$CC_HOME" >> "$LOGS/up.log" 2>&1 &
+  $PY -m compilecast.cli --log-level "${UP_LOG_LEVEL:-info}" up --no-tcp --home "$CC_HOME" >> "$LOGS/up.log" 2>&1 &
   UP_PID=$!
   for _ in $(seq 120); do
     $PY -m compilecast.cli status --worker "$WORKER" --timeout 1 > "$LOGS/status.txt" 2>&1 && return 0

@@ -103,6 +103,16 @@ def test_what_changes_an_executable_changes_the_key(tmp_path, monkeypatch):
     # Devices: their kinds and attributes.
     assert key(compile_of(devices="0 0 other-kind\n")) != base
     assert key(compile_of(devices="0 0 cpu\n  coords=0,0,1\n")) != base
+    # ...but not the order a plugin lists them in (libtpu's changes from process
+    # to process), nor the order of the devices.
+    tpu = "0 0 TPU v5 lite\n  coords=0,0,0\n  core_on_chip=0\n  num_cores=1\n"
+    shuffled = "0 0 TPU v5 lite\n  num_cores=1\n  coords=0,0,0\n  core_on_chip=0\n"
+    assert key(compile_of(devices=tpu)) == key(compile_of(devices=shuffled)) != base
+    assert key(compile_of(devices=tpu.replace("num_cores=1", "num_cores=2"))) != key(
+        compile_of(devices=tpu))
+    two = "0 0 cpu\n  a=1\n1 0 cpu\n  a=2\n"
+    assert key(compile_of(devices=two)) == key(compile_of(devices="1 0 cpu\n  a=2\n0 0 cpu\n  a=1\n"))
+    assert key(compile_of(devices=two)) != key(compile_of(devices="0 0 cpu\n  a=2\n1 0 cpu\n  a=1\n"))
     # The host CPU on a CPU platform.
     monkeypatch.setattr(pjrtkeys.keys, "host_cpu_digest", lambda: "another CPU")
     assert key(compile_of()) != base

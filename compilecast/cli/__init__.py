@@ -54,6 +54,8 @@ def setup_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # gRPC's own debug lines (one per event loop lookup) would drown ours.
+    logging.getLogger("grpc").setLevel(max(root.level, logging.INFO))
 
 
 def _add_config_flags(p: argparse.ArgumentParser, cls: type) -> None:

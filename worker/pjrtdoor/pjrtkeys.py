@@ -26,6 +26,7 @@ interposed framework process can see:
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import stat
 import threading
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 
 from ..keylib import keys
 from ..xla import jax_adapter, xlaflags
+
+log = logging.getLogger(__name__)
 
 PJRT_KEY_VERSION = "pjrt-3"
 MAX_PLUGIN_BYTES = 2 << 30  # a plugin library larger than this is keyed by its path and size
@@ -66,6 +69,21 @@ class Compile:
             if len(words) >= 2 and words[0].lstrip("-").isdigit() and words[1].isdigit():
                 owners[int(words[0])] = int(words[1])
         return owners
+
+
+def canonical_devices(text: str) -> str:
+    """The devices text with each device's attribute lines sorted and the
+    devices in order of their lines: a plugin reports a device's attributes
+    from a hash map (libtpu: in an order that changes from process to
+    process), and the order means nothing."""
+    blocks: list[list[str]] = []
+    for line in text.splitlines():
+        if line.startswith(" ") and blocks:
+            blocks[-1].append(line)
+        else:
+            blocks.append([line])
+    return "".join(f"{head}\n" + "".join(f"{a}\n" for a in sorted(attrs))
+                   for head, *attrs in sorted(blocks))
 
 
 def parse_env(blob: bytes) -> dict[str, str]:
@@ -173,7 +191,7 @@ def fingerprint(c: Compile) -> str:
     fingerprint have the same key (a host's processes send the same program
     at once; it is keyed once)."""
     h = hashlib.sha256()
-    for part in (c.program, c.options, c.devices.encode(), c.plugin.encode(),
+    for part in (c.program, c.options, canonical_devices(c.devices).encode(), c.plugin.encode(),
                  repr(sorted(c.env.items())).encode(), library_version(c.plugin).encode(),
                  str(c.uid).encode(),
                  repr(sorted((k, str(v)) for k, v in c.header.items() if k != "pid")).encode()):
@@ -204,7 +222,7 @@ def compile_key(c: Compile) -> keys.Key:
         "compile_options": options,
         "platform": _digest(f"{c.platform}\n{c.header.get('platform_version', '')}"),
         "plugin": plugin_component(c.plugin, c.uid),
-        "topology": _digest(c.devices),
+        "topology": _digest(canonical_devices(c.devices)),
         "xla_flags": _digest("\n".join(flags)),
         "key_version": PJRT_KEY_VERSION,
     }
@@ -214,6 +232,9 @@ def compile_key(c: Compile) -> keys.Key:
         components["host_cpu"] = keys.host_cpu_digest()
     key = keys.Key(components=components)
     key.unparsed = unparsed
+    if log.isEnabledFor(logging.DEBUG):  # what `compilecast explain` names by digest
+        log.debug("%s: topology %s from devices:\n%.4000s\nplugin %s from:\n%.2000s", key.value,
+                  components["topology"], c.devices, components["plugin"], c.plugin)
     return key
 
 
