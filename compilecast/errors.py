@@ -129,6 +129,11 @@ class Unavailable(CompilecastError):
     status = Status.UNAVAILABLE
 
 
+class CutOff(Unavailable):
+    """A transfer that started and then broke (UNAVAILABLE after its first
+    message): worth trying again, where a call refused at once is not."""
+
+
 class Unimplemented(CompilecastError):
     """A call this server does not answer (it is another role's)."""
 

@@ -59,7 +59,7 @@ def client(target: str, **ident):
 
 
 # What a refused call raises: gRPC's error through a raw stub, compilecast's
-# own through a CacheClient (its one gRPC edge, worker/inprocess/rpcedge.py).
+# own through a CacheClient (its one gRPC edge, compilecast/rpcedge.py).
 CALL_ERRORS = (grpc.RpcError, CompilecastError)
 
 

@@ -8,6 +8,7 @@ etcd; tickets and frames also tested at the socket."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import socket
@@ -16,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from compilecast import wire
+from compilecast import retry, wire
 from compilecast.coordinator import dataplane
 from compilecast.coordinator.records import scope
 from compilecast.negotiate import Route
@@ -233,7 +234,7 @@ def test_a_client_whose_upload_breaks_publishes_over_grpc(coordinator, monkeypat
     over gRPC under the same lease, and keeps the data plane for later."""
     real = dataplane._receive
     breaking_after_a_piece(monkeypatch)
-    monkeypatch.setattr(client_mod, "PUBLISH_RETRY_S", (0.0, 0.0))
+    monkeypatch.setattr(retry, "PUBLISH", dataclasses.replace(retry.PUBLISH, pauses=(0.0, 0.0)))
     c, lease = holder(coordinator)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert uploads(coordinator, "broken") == 1 and uploads(coordinator) == 0
@@ -385,7 +386,7 @@ def test_a_worker_whose_upload_breaks_sends_the_retry_over_grpc(coordinator, sta
     worker sends over gRPC; later publishes take the data plane again."""
     real = dataplane._receive
     breaking_after_a_piece(monkeypatch)
-    monkeypatch.setattr(client_mod, "PUBLISH_RETRY_S", (0.0, 0.0))
+    monkeypatch.setattr(retry, "PUBLISH", dataclasses.replace(retry.PUBLISH, pauses=(0.0, 0.0)))
     w, c, lease = through_worker(start_worker, coordinator)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert uploads(coordinator, "broken") == 1 and uploads(coordinator) == 0

@@ -9,6 +9,7 @@ handoff's frames also tested at the socket."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import os
@@ -17,7 +18,7 @@ import socket
 import grpc
 import pytest
 
-from compilecast import wire
+from compilecast import retry, wire
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.daemon import handoff
@@ -170,7 +171,7 @@ def test_an_expired_ticket_ends_in_a_publish_over_grpc(coordinator, start_worker
     """The worker closes the connection of a ticket it no longer holds: the
     holder tries again over gRPC, under the same lease."""
     monkeypatch.setattr(handoff, "TICKET_S", -1.0)
-    monkeypatch.setattr(client_mod, "PUBLISH_RETRY_S", (0.0, 0.0))
+    monkeypatch.setattr(retry, "PUBLISH", dataclasses.replace(retry.PUBLISH, pauses=(0.0, 0.0)))
     w = start_worker(coordinator.cfg.listen)
     c, lease = holder(w)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
@@ -291,7 +292,7 @@ def test_a_worker_that_stops_mid_publish_leaves_the_holder_an_error(coordinator,
     import threading
 
     monkeypatch.setattr(handoff, "STOP_GRACE_S", 0.1)
-    monkeypatch.setattr(client_mod, "PUBLISH_RETRY_S", (0.0, 0.0))
+    monkeypatch.setattr(retry, "PUBLISH", dataclasses.replace(retry.PUBLISH, pauses=(0.0, 0.0)))
     w = start_worker(coordinator.cfg.listen)
     began = threading.Event()
 

@@ -18,9 +18,9 @@ from collections.abc import Iterator, Sequence
 import grpc
 from google.protobuf.message import DecodeError
 
-from compilecast import tracing, validate, wire
+from compilecast import retry, tracing, validate, wire
 from compilecast.decide import ends_wait
-from compilecast.errors import CompilecastError, CorruptBlob, Unavailable
+from compilecast.errors import CompilecastError, CorruptBlob, CutOff, Unavailable
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
 from compilecast.negotiate import (
     PROCESS_FETCH,
@@ -31,17 +31,19 @@ from compilecast.negotiate import (
     Routes,
     carry,
 )
+from compilecast.rpcedge import edged
 from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.wire import TRANSFER_S, WAIT_RETRY_S
+from compilecast.wire import TRANSFER_S
 
+from . import policy
 from .clientpublish import LeaseKeepers, Publisher
 from .dataplane import answer_status, connect_data_plane, read_data_plane
 from .handoff import handoff_supported
 from .identity import Identity
+from .policy import acquire_request
 from .received import (
-    CutOff,
     Follower,
     Received,
     Stalled,
@@ -53,13 +55,10 @@ from .received import (
     read_local,
     read_stored,
 )
-from .rpcedge import edged
 
 log = logging.getLogger(__name__)
 
 STALL_S = 60.0  # a transfer that moves nothing for this long is given up
-FETCH_RETRY_S = (1.0, 4.0)  # and a fetch cut off midway (its server restarting)
-CUT_AFTER_S = 0.5  # a call that failed later than this had been running: cut off, not refused
 
 
 def on_this_host(path: str) -> bool:
@@ -81,7 +80,7 @@ class CacheClient:
                          else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
         self._channel = grpc.intercept_channel(self._channel, _Metadata(bearer(token))) \
             if token or tracing.on() else self._channel
-        # The one gRPC edge: every call raises compilecast's errors (worker/inprocess/rpcedge.py).
+        # The one gRPC edge: every call raises compilecast's errors (compilecast/rpcedge.py).
         self.stub = edged(wire.stub(self._channel))
         self._directories = edged(rpc.HostDirectoriesStub(self._channel))  # the host's worker only
         # The routes besides gRPC this process may take (compilecast/negotiate.py):
@@ -123,18 +122,13 @@ class CacheClient:
                 program_name: str = "", key_seconds: float = 0.0,
                 identity: Identity | None = None) -> pb.AcquireResponse:
         """`identity`: who asks for this program (default: the client's)."""
-        ident = identity or self.identity
-        if ident.job and ident.process_id != ident.designated_process:
-            # Acquire never tells a job's other processes to compile, and the
-            # coordinator records a key's components only with a COMPILE: they
-            # stay here. At a pod's job start, all but one request of a program.
-            components = None
-        return self.stub.Acquire(
-            pb.AcquireRequest(key=key, requester=ident.requester(),
-                              key_components=components or {}, program_name=program_name,
-                              key_seconds=key_seconds),
-            timeout=self.timeout_s,
-        )
+        return self.ask(acquire_request(key, identity or self.identity, components=components,
+                                        program_name=program_name, key_seconds=key_seconds))
+
+    def ask(self, request: pb.AcquireRequest) -> pb.AcquireResponse:
+        """Acquire, asked again while the worker restarts (retry.ACQUIRE)."""
+        return retry.ACQUIRE.run(lambda: self.stub.Acquire(request, timeout=self.timeout_s),
+                                 what=f"the ask for {request.key}")
 
     def acquire_many(self, keys: list[str]) -> list[pb.AcquireResponse]:
         req = self.identity.requester()
@@ -196,19 +190,9 @@ class CacheClient:
         came along (else None)."""
         deadline = time.monotonic() + timeout_s
         ladder = self.routes.ladder(WAIT if data_wait else (), key=key)
-        for pause in (*WAIT_RETRY_S, None):
-            began = time.monotonic()
-            try:
-                return carry(ladder, lambda ladder: self._wait_once(
-                    key, deadline, publishing, ladder, identity))
-            except Unavailable as exc:
-                now = time.monotonic()
-                if pause is None or now - began < CUT_AFTER_S or deadline - now <= pause:
-                    raise
-                log.warning("wait for %s was cut off (%s); asking again in %.1fs", key,
-                            exc, pause, extra={"key": key})
-                time.sleep(pause)
-        raise AssertionError("unreachable")
+        return retry.WAIT.run(lambda: carry(ladder, lambda ladder: self._wait_once(
+            key, deadline, publishing, ladder, identity)), what=f"the wait for {key}",
+            deadline=deadline)
 
     def _wait_once(self, key: str, deadline: float, publishing: bool, ladder: Ladder,
                    identity: Identity | None) -> tuple[pb.WaitEvent, bytes | None]:
@@ -309,16 +293,8 @@ class CacheClient:
         and raises Stalled when nothing came for `stall_s`. A fetch cut off
         midway (UNAVAILABLE after its header: the worker restarting) is tried
         again; one refused from the start is not (nobody there: fail fast)."""
-        for pause in (*FETCH_RETRY_S, None):
-            try:
-                return self._fetch_once(key, digest)
-            except CutOff as cut:
-                if pause is None:
-                    raise cut.error from None
-                log.warning("fetch of %s was cut off (%s); trying again in %.0fs", key,
-                            cut.error, pause, extra={"key": key})
-                time.sleep(pause)
-        raise AssertionError("unreachable")
+        return retry.FETCH.run(lambda: self._fetch_once(key, digest),
+                               what=f"the fetch of {key}")
 
     def _fetch_once(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, bytes]:
         return carry(self.routes.ladder(PROCESS_FETCH, key=key),
@@ -413,7 +389,7 @@ class CacheClient:
                     raise Stalled(f"fetch of {key} from {self.target} moved nothing for "
                                   f"{self.stall_s:g}s") from None
                 if info is not None and isinstance(exc, Unavailable):
-                    raise CutOff(exc) from None
+                    raise CutOff(str(exc)) from None
                 raise
             finally:
                 follower.close()
@@ -492,6 +468,34 @@ class CacheClient:
                                     timeout=self.timeout_s).tasks)
 
     # -- lease keepalive thread ------------------------------------------
+class ClientShell:
+    """A CacheClient as the synchronous shell of the client policy
+    (worker/inprocess/policy.py, `drive`): the JAX door's."""
+
+    def __init__(self, client: CacheClient) -> None:
+        self.client = client
+
+    def ask(self, step: policy.Ask) -> pb.AcquireResponse:
+        return self.client.ask(step.request)
+
+    def await_(self, step: policy.Await) -> tuple[pb.WaitEvent, bytes | None]:
+        log.info("compilecast: waiting for %s", step.key, extra={"key": step.key})
+        # Fetched as soon as the holder starts publishing: the bytes stream
+        # here while they upload.
+        return self.client.wait_and_fetch(step.key, step.timeout_s, identity=step.identity)
+
+    def fetch(self, step: policy.Fetch) -> bytes:
+        return self.client.fetch(step.key, step.digest)[1]  # verified against the digest
+
+    def publish(self, step: policy.Publish) -> pb.ArtifactInfo:
+        return self.client.publish(step.key, step.lease, step.data, step.seconds, step.recipe,
+                                   identity=step.identity)
+
+    def release(self, step: policy.Release) -> None:
+        with tracing.resumed(step.trace):  # in the trace of the decision that granted it
+            self.client.release(step.key, step.lease, step.reason, step.detail)
+
+
 class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                 grpc.StreamUnaryClientInterceptor):
     """Adds fixed metadata (the bearer token) to every call, and the current

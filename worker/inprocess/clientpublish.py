@@ -9,10 +9,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 
-from compilecast.errors import AlreadyPublished, CompilecastError, TooMany, Unavailable
+from compilecast import retry
+from compilecast.errors import AlreadyPublished, CompilecastError, TooMany
 from compilecast.negotiate import PROCESS_PUBLISH, Ladder, Route, RouteFailed, Routes, carry
 from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
@@ -21,6 +21,7 @@ from compilecast.wire import TRANSFER_S, DataChunk
 
 from .dataplane import PUBLISH_CHUNK, upload_data_plane
 from .handoff import HANDOFF_SPARE, NoFile, hand_off, memory_headroom
+from .policy import keepalive_every
 from .received import (
     Stalled,
     Unreachable,
@@ -34,7 +35,6 @@ log = logging.getLogger("compilecast.worker.inprocess.client")
 # ticket, the connection, the go) cost more than its cheaper bytes save
 # (bench/publish.py: 0.1 MB 1.42x and 4 MB 1.22x the time, 16 MB 0.95x).
 DATA_PLANE_UPLOAD_FROM = 16 << 20
-PUBLISH_RETRY_S = (1.0, 4.0)  # a publish cut off (UNAVAILABLE) is tried again after these
 
 
 class LeaseKeepers:
@@ -56,7 +56,7 @@ class LeaseKeepers:
         if previous is not None:
             previous.set()
         self._keepers[(key, lease.id)] = stop
-        interval = max(lease.ttl_seconds / 3.0, 0.5)
+        interval = keepalive_every(lease)
 
         def run() -> None:
             while not stop.wait(interval):
@@ -113,24 +113,25 @@ class Publisher:
             header.digest = hashlib.sha256(data).hexdigest()
         self.keepers.publishing.add((key, lease.id))
         ladder = self.routes.ladder(PROCESS_PUBLISH, key=key)
+        tries = 0
+
+        def once() -> pb.ArtifactInfo:
+            nonlocal tries
+            tries += 1
+            try:
+                return carry(ladder, lambda ladder: self._publish_via(header, data, ladder))
+            except AlreadyPublished:
+                if tries > 1 or ladder.failures:  # an earlier try's answer was lost
+                    mine = self._published_as(key, header.digest or
+                                              hashlib.sha256(data).hexdigest())
+                    if mine is not None:
+                        return mine
+                raise
+
         try:
-            for attempt, pause in enumerate((*PUBLISH_RETRY_S, None)):
-                try:
-                    return carry(ladder, lambda ladder: self._publish_via(header, data, ladder))
-                except CompilecastError as exc:
-                    if (attempt or ladder.failures) and isinstance(exc, AlreadyPublished):
-                        mine = self._published_as(key, header.digest or
-                                                  hashlib.sha256(data).hexdigest())
-                        if mine is not None:  # an earlier try's answer was lost
-                            return mine
-                    if not isinstance(exc, Unavailable) or pause is None:
-                        raise
-                    # A replica restarting or gone (a rolling update): the lease
-                    # still holds and the bytes are here, so try again.
-                    log.warning("publish of %s was cut off (%s); trying again in %.0fs",
-                                key, exc, pause, extra={"key": key})
-                    time.sleep(pause)
-            raise AssertionError("unreachable")
+            # A replica restarting or gone (a rolling update): the lease still
+            # holds and the bytes are here, so it is tried again (retry.PUBLISH).
+            return retry.PUBLISH.run(once, what=f"the publish of {key}")
         finally:
             self.keepers.publishing.discard((key, lease.id))
 

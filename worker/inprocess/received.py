@@ -47,14 +47,6 @@ class UploadRefused(Exception):
         return received(self.status, self.details)
 
 
-class CutOff(Exception):
-    """A transfer that started and then broke (UNAVAILABLE): worth trying again."""
-
-    def __init__(self, error: CompilecastError) -> None:
-        super().__init__(error)
-        self.error = error
-
-
 class Watchdog:
     """Cancels a transfer (`cancel`) once `tick` has not been called for
     `stall_s`: a big artifact on a slow link takes as long as it moves, a

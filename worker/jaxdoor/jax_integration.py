@@ -36,15 +36,14 @@ from compilecast.errors import (
     CompilecastError,
     CorruptBlob,
     DeadlineExceeded,
-    InvalidRequest,
     NotFound,
-    TooMany,
     Unavailable,
 )
 from compilecast.grpcutil import unreachable
 from compilecast.v1 import cache_pb2 as pb
 
-from ..inprocess.client import CacheClient, Identity
+from ..inprocess import policy
+from ..inprocess.client import CacheClient, ClientShell, Identity
 from ..keylib import keys
 from ..xla import jax_adapter
 from .releases import Releases
@@ -52,11 +51,6 @@ from .releases import Releases
 log = logging.getLogger("compilecast.jax")
 
 UNREACHABLE_BACKOFF_S = 30.0
-# A worker not answering is asked again after these before the process gives
-# up on it for UNREACHABLE_BACKOFF_S: a worker restarting (a DaemonSet
-# rollout) takes a second or two, and giving up then would compile everything
-# the job asks for in the next 30 s locally.
-REFUSED_RETRY_S = (1.0, 2.0)
 REASONS_KEPT = 100
 # XLA's GPU autotune results: a synced directory of this kind per namespace,
 # brought up to date before a process's first GPU compile for this long at most.
@@ -97,9 +91,6 @@ class _Held:
 
 
 MAX_DESCRIBED = 256
-# A HIT is asked for again after its copy proves bad: the host cache's, then
-# the coordinator's, then the answer is a COMPILE.
-CORRUPT_ASKS = 3
 
 
 class CompilecastCache(jax_adapter.CacheInterface):
@@ -110,6 +101,8 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self.job = job
         self.client = CacheClient(target, timeout_s=rpc_timeout_s,
                                   token=os.environ.get("COMPILECAST_TOKEN", ""))
+        # The client policy's shell (worker/inprocess/policy.py), as the PJRT gate's is.
+        self._shell = ClientShell(self.client)
         self.stats = Stats()
         self.key_config = keys.KeyConfig.from_env()
         self._held: dict[str, _Held] = {}
@@ -174,29 +167,23 @@ class CompilecastCache(jax_adapter.CacheInterface):
     def get(self, key: str) -> bytes | None:
         if time.monotonic() < self._down_until:
             return None
-        for pause in (*REFUSED_RETRY_S, None):
-            try:
-                asking = getattr(self._local, "acquiring", None)
-                if asking is not None and asking[0] == key:
-                    return self._decide(key, asking[1])
-                return self._lookup(key)
-            except CorruptBlob as exc:  # (verified here, not a call's status)
-                self.failed("the cache read", exc, key)
-            except CompilecastError as exc:
-                if isinstance(exc, Unavailable) and pause is not None:
-                    log.info("compilecast: worker %s unavailable (%s); asking again in %.0fs",
-                             self.target, exc, pause)
-                    time.sleep(pause)
-                    continue
-                if jax_adapter.raise_cache_errors():
-                    raise
-                if isinstance(exc, Unavailable | DeadlineExceeded):
-                    self._unreachable(key, exc)
-                else:
-                    self._fallback(key, f"{exc.status.name}: {exc}")
-            except Exception as exc:  # never raise into JAX, unless asked to
-                self.failed("the cache read", exc, key)
-            return None
+        try:
+            asking = getattr(self._local, "acquiring", None)
+            if asking is not None and asking[0] == key:
+                return self._decide(key, asking[1])
+            return self._lookup(key)
+        except CorruptBlob as exc:  # (verified here, not a call's status)
+            self.failed("the cache read", exc, key)
+        except CompilecastError as exc:
+            # (a worker restarting was asked again: compilecast/retry.py)
+            if jax_adapter.raise_cache_errors():
+                raise
+            if isinstance(exc, Unavailable | DeadlineExceeded):
+                self._unreachable(key, exc)
+            else:
+                self._fallback(key, f"{exc.status.name}: {exc}")
+        except Exception as exc:  # never raise into JAX, unless asked to
+            self.failed("the cache read", exc, key)
         return None
 
     def put(self, key: str, value: bytes) -> None:
@@ -224,49 +211,23 @@ class CompilecastCache(jax_adapter.CacheInterface):
                                   pb.LOCAL_CAUSE_BELOW_THRESHOLD)
             return None
         ident = self._identity(program)
-        data, resp = self._hit_or_answer(key, dict(components=components, program_name=name,
-                                                   key_seconds=key_s, identity=ident))
-        if data is not None:
-            return data
-        if resp.decision == pb.COMPILE:
-            self._hold(key, resp.lease, ident, inputs)
-            return None
-        if resp.decision == pb.WAIT:
+        request = policy.acquire_request(key, ident, components=components, program_name=name,
+                                         key_seconds=key_s)
+        decided = policy.drive(policy.decide(request, ident, self._wait_timeout_s()),
+                               self._shell)
+        if decided.waited:
             self.stats.waits += 1
-            log.info("compilecast: waiting for %s (%s)", key, resp.reason)
-            # Fetched as soon as the holder starts publishing: the bytes
-            # stream to us while they upload.
-            event, data = self.client.wait_and_fetch(key, self._wait_timeout_s(), identity=ident)
-            if data is not None:
-                self.stats.hits += 1
-                return data
-            if event.decision == pb.COMPILE:
+        if decided.kind == "HIT":
+            self.stats.hits += 1
+            return decided.data
+        if decided.kind == "COMPILE":
+            assert decided.lease is not None
+            if decided.promoted:
                 self.stats.promotions += 1
-                self._hold(key, event.lease, ident, inputs)
-                return None
-            self._compile_locally(key, event.reason, event.local_cause)
+            self._hold(key, decided.lease, ident, inputs)
             return None
-        self._compile_locally(key, resp.reason, resp.local_cause)
+        self._compile_locally(key, decided.reason, decided.cause)
         return None
-
-    def _hit_or_answer(self, key: str, ask: dict) -> tuple[bytes | None, pb.AcquireResponse]:
-        """Ask for `key`: the verified bytes of a HIT, or the answer that is
-        not one. A HIT whose copy proves corrupt or gone (the host's, then
-        the coordinator's: each is dropped where it is found bad) is asked
-        again, so that this process, which found it, compiles the program in
-        its place rather than a later run."""
-        for attempt in range(CORRUPT_ASKS):
-            resp = self.client.acquire(key, **ask)
-            if resp.decision != pb.HIT:
-                return None, resp
-            try:
-                return self._fetch_hit(key, resp.artifact), resp
-            except (CorruptBlob, NotFound) as exc:
-                if attempt + 1 == CORRUPT_ASKS:
-                    raise
-                log.warning("compilecast: the stored copy of %s is bad or gone (%s); asking "
-                            "again", key, exc.status.name, extra={"key": key})
-        raise AssertionError("unreachable")
 
     def _compile_locally(self, key: str, reason: str, cause: int) -> None:
         self.stats.local_compiles += 1
@@ -275,11 +236,6 @@ class CompilecastCache(jax_adapter.CacheInterface):
         # (a job has many such small programs): not a warning.
         level = logging.INFO if cause == pb.LOCAL_CAUSE_BELOW_THRESHOLD else logging.WARNING
         log.log(level, "compilecast: compiling %s locally: %s", key, reason, extra={"key": key})
-
-    def _fetch_hit(self, key: str, info: pb.ArtifactInfo) -> bytes:
-        _, data = self.client.fetch(key, info.digest)  # verified against the digest
-        self.stats.hits += 1
-        return data
 
     def _hold(self, key: str, lease: pb.Lease, identity: Identity, inputs: tuple = ()) -> None:
         with self._lock:
@@ -301,20 +257,20 @@ class CompilecastCache(jax_adapter.CacheInterface):
         if held is None:
             return  # compiled without the lease: nothing to share
         try:
-            self.client.publish(key, held.lease, value, time.monotonic() - held.started,
-                                recipe=self._recipe(key, held), identity=held.identity)
-            self.stats.published += 1
-        except CompilecastError as exc:
-            problem = f"{exc.status.name}: {exc}"
-            self._fallback(key, f"publish failed: {problem}", compiled=True)
-            # Refused for what it is (too large, no room): every waiter's
-            # publish would be refused too, so they compile at once instead of
-            # each being promoted and compiling in turn.
-            refused = isinstance(exc, TooMany | InvalidRequest)
-            self._release(key, held, pb.PUBLISH_REFUSED if refused else pb.ABANDONED, problem)
+            settled = policy.drive(policy.settle(policy.Publish(
+                key, held.lease, value, time.monotonic() - held.started, held.identity,
+                self._recipe(key, held)), trace=held.trace), self._shell)
         except Exception as exc:  # the executable is compiled: the user's program goes on
             self._release(key, held, pb.ABANDONED, f"{type(exc).__name__}: {exc}")
             self.failed("the publish", exc, key, compiled=True)
+            return
+        if settled.published:
+            self.stats.published += 1
+            return
+        self._fallback(key, f"publish failed: {settled.problem}", compiled=True)
+        if settled.released:
+            with self._lock:
+                self.stats.released += 1
 
     def _recipe(self, key: str, held: _Held) -> pb.Recipe | None:
         """How to compile the program again (for replays onto other targets)."""

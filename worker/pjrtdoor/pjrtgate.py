@@ -56,16 +56,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
-
-from compilecast import wire
-from compilecast.decide import ends_wait
-from compilecast.grpcutil import aio_channel, bearer
+from compilecast.errors import CompilecastError
+from compilecast.grpcutil import bearer
 from compilecast.streams import due
 from compilecast.v1 import cache_pb2 as pb
 
-from ..inprocess.client import Identity
-from ..inprocess.clientpublish import publish_messages
+from ..inprocess import policy
+from ..inprocess.aclient import AsyncCacheClient
+from ..inprocess.identity import Identity
 from ..keylib import hlocanon
 from ..keylib.keys import Key
 from ..xla import jax_adapter
@@ -295,108 +293,34 @@ def admitted(uid: int, gid: int, socket_gid: int) -> bool:
         return False
 
 
-# -- the worker's API, asynchronously -------------------------------------------------
+# -- the client policy's shell -----------------------------------------------------------
 
-class Upstream:
-    """The worker's own API over its socket, as a process of the host calls
-    it: the caller's token goes along as its bearer token."""
+class GateShell:
+    """The gate as the asynchronous shell of the client policy
+    (worker/inprocess/policy.py) for one interposed compile: its caller's
+    credential (`md`) on every call, and the gate's shared, budgeted
+    fetches."""
 
-    def __init__(self, target: str, rpc_s: float) -> None:
-        self.channel = aio_channel(target, None)
-        self.stub = wire.stub(self.channel)
-        self.rpc_s = rpc_s
+    def __init__(self, gate: PjrtGate, md: tuple) -> None:
+        self.gate = gate
+        self.client = gate.client
+        self.md = md
 
-    async def close(self) -> None:
-        await self.channel.close()
+    async def ask(self, step: policy.Ask) -> pb.AcquireResponse:
+        return await self.client.acquire(step.request, self.md)
 
-    async def acquire(self, key: Key, ident: Identity, program_name: str,
-                      md: tuple) -> pb.AcquireResponse:
-        components = None if ident.job and ident.process_id != ident.designated_process \
-            else key.components  # (only a COMPILE records them)
-        return await self.stub.Acquire(
-            pb.AcquireRequest(key=key.value, requester=ident.requester(),
-                              key_components=components or {}, program_name=program_name),
-            timeout=self.rpc_s, metadata=md)
+    async def await_(self, step: policy.Await) -> tuple[pb.WaitEvent, None]:
+        return await self.client.wait(step.key, step.identity, step.timeout_s, self.md), None
 
-    async def wait(self, key: str, ident: Identity, timeout_s: float,
-                   md: tuple) -> pb.WaitEvent:
-        call = self.stub.Wait(pb.WaitRequest(key=key, requester=ident.requester(),
-                                             timeout_ms=max(1, int(timeout_s * 1000))),
-                              timeout=timeout_s + self.rpc_s, metadata=md)
-        try:
-            async for event in call:
-                if ends_wait(event, False):
-                    return event
-        finally:
-            call.cancel()
-        return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended early")
+    async def fetch(self, step: policy.Fetch) -> bytes:
+        return await self.gate.fetch(step.key, step.digest, self.md)
 
-    async def fetch(self, key: str, digest: str, md: tuple, budget: Budget) -> bytes:
-        """The artifact's bytes, verified against `digest`."""
-        call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest), timeout=3600.0,
-                               metadata=md)
-        parts: list[bytes] = []
-        h = hashlib.sha256()
-        held = 0
-        try:
-            async for chunk in _stalling(call, self.rpc_s):
-                if chunk.HasField("artifact") and not held:
-                    if chunk.artifact.digest != digest:
-                        raise OverBudget(f"the worker answered {key} with another artifact")
-                    budget.take(chunk.artifact.size)
-                    held = chunk.artifact.size
-                if chunk.data:
-                    h.update(chunk.data)
-                    parts.append(chunk.data)
-        finally:
-            call.cancel()
-            budget.give(held)
-        data = b"".join(parts)
-        if h.hexdigest() != digest:
-            raise OverBudget(f"the bytes of {key} do not hash to {digest}")
-        return data
+    async def publish(self, step: policy.Publish) -> pb.ArtifactInfo:
+        return await self.client.publish(step.key, step.lease, step.identity, step.data,
+                                         step.seconds, self.md)
 
-    async def keep(self, key: str, lease: pb.Lease, md: tuple) -> None:
-        """Renew the lease until cancelled."""
-        every = max(lease.ttl_seconds / 3.0, 0.5)
-        while True:
-            await asyncio.sleep(every)
-            try:
-                left = await self.stub.KeepAlive(pb.KeepAliveRequest(key=key, lease=lease),
-                                                 timeout=self.rpc_s, metadata=md)
-            except grpc.aio.AioRpcError as exc:
-                log.debug("keepalive for %s failed: %s", key, exc.code())
-                continue
-            if left.ttl_seconds <= 0:
-                return
-
-    async def publish(self, key: str, lease: pb.Lease, ident: Identity, data: bytes,
-                      seconds: float, md: tuple) -> pb.ArtifactInfo:
-        header = pb.PublishHeader(key=key, lease=lease, size=len(data),
-                                  compile_time_seconds=seconds, requester=ident.requester(),
-                                  digest=hashlib.sha256(data).hexdigest())
-        got = await self.stub.Publish(publish_messages(header, data), timeout=3600.0,
-                                      metadata=md)
-        return got.artifact
-
-    async def release(self, key: str, lease: pb.Lease, reason: pb.ReleaseReason.ValueType, detail: str,
-                      md: tuple) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.stub.Release(pb.ReleaseRequest(key=key, lease=lease, reason=reason,
-                                                      detail=detail[:1000]),
-                                    timeout=self.rpc_s, metadata=md)
-
-
-async def _stalling(call, stall_s: float):
-    """The messages of a stream, giving up when none came for `stall_s`."""
-    it = call.__aiter__()
-    while True:
-        try:
-            yield await asyncio.wait_for(it.__anext__(), stall_s)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise OverBudget(f"nothing came for {stall_s:.0f}s") from None
+    async def release(self, step: policy.Release) -> None:
+        await self.client.release(step.key, step.lease, step.reason, step.detail, self.md)
 
 
 # -- the gate --------------------------------------------------------------------------
@@ -432,7 +356,7 @@ class PjrtGate:
         self.tokens_required = tokens_required
         self.limits = limits or GateLimits()
         self.worker_target = worker_target
-        self.upstream: Upstream | None = None  # (a channel of the loop the gate runs on)
+        self.upstream: AsyncCacheClient | None = None  # (a channel of the loop the gate runs on)
         self.wait_timeout_s = wait_timeout_s
         self.count = count
         self.budget = Budget(self.limits.memory_bytes)
@@ -456,7 +380,7 @@ class PjrtGate:
             with contextlib.suppress(ValueError, OSError):
                 resource.setrlimit(resource.RLIMIT_NOFILE,
                                    (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
-        self.upstream = Upstream(self.worker_target, self.limits.rpc_s)
+        self.upstream = AsyncCacheClient(self.worker_target, self.limits.rpc_s)
         self.keying.submit(pjrtkeys.warm_up)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -476,7 +400,7 @@ class PjrtGate:
         self.keying.shutdown(wait=False, cancel_futures=True)
 
     @property
-    def _up(self) -> Upstream:
+    def client(self) -> AsyncCacheClient:
         assert self.upstream is not None, "the gate is not started"
         return self.upstream
 
@@ -558,16 +482,17 @@ class PjrtGate:
             return
         md = bearer(c.token)
         assert answer.lease is not None
-        keeper = asyncio.create_task(self._up.keep(answer.key, answer.lease, md))
+        keeper = asyncio.create_task(self.client.keep(answer.key, answer.lease, md))
         settled = False
         try:
             settled = await self._settle(frames, writer, answer, platform, md)
         finally:
             keeper.cancel()
             if not settled:
-                await self._up.release(answer.key, answer.lease, pb.ABANDONED,
-                                            "the interposed compile ended without a publish",
-                                            md)
+                with contextlib.suppress(CompilecastError):
+                    await self.client.release(answer.key, answer.lease, pb.ABANDONED,
+                                              "the interposed compile ended without a publish",
+                                              md)
 
     async def _with_heartbeat(self, writer: asyncio.StreamWriter, work):
         """`work`'s result, with a WAITING frame every GATE_HEARTBEAT_S meanwhile."""
@@ -599,7 +524,7 @@ class PjrtGate:
             self.keys.pop(print_, None)
             raise
 
-    async def _fetch(self, key: str, digest: str, md: tuple) -> bytes:
+    async def fetch(self, key: str, digest: str, md: tuple) -> bytes:
         """The verified bytes of `digest`, fetched once for the compiles that
         want them at the same moment (a host's processes load one program),
         and held in the memory budget until the last answer that carries
@@ -608,7 +533,8 @@ class PjrtGate:
         if held is None:
             shared = self.fetching.get(digest)
             if shared is None:
-                shared = asyncio.ensure_future(self._up.fetch(key, digest, md, self.budget))
+                shared = asyncio.ensure_future(self.client.fetch(
+                    key, digest, md, take=self.budget.take, give=self.budget.give))
                 self.fetching[digest] = shared
                 shared.add_done_callback(lambda _: self.fetching.pop(digest, None))
             data = await asyncio.shield(shared)
@@ -633,61 +559,56 @@ class PjrtGate:
     async def _decide(self, c: pjrtkeys.Compile) -> Answer:
         try:
             made = await self._key(c)
-            key = made.value
             ident = identity(c.owners(), int(c.header.get("process_index", 0) or 0),
                              int(c.header["pid"]), c.options)
-            md = bearer(c.token)
-            got = await self._up.acquire(made, ident, f"pjrt:{c.platform}"[:200], md)
-            if got.decision == pb.WAIT:
-                event = await self._up.wait(key, ident, self.wait_timeout_s, md)
-                got = pb.AcquireResponse(decision=event.decision, lease=event.lease,
-                                         reason=event.reason, artifact=event.artifact)
-            if got.decision == pb.HIT:
-                data = await self._fetch(key, got.artifact.digest, md)
-                return Answer("HIT", payload=data, key=key, digest=got.artifact.digest)
-            if got.decision == pb.COMPILE and self.tokens_required and not c.token:
-                await self._up.release(key, got.lease, pb.ABANDONED,
-                                       "an interposed caller without a token does not publish",
-                                       md)
-                return Answer("LOCAL", "this process has no token (COMPILECAST_TOKEN) and the "
-                                       "worker has one: it reads the fleet's executables but "
-                                       "compiles its own misses locally, publishing nothing")
-            if got.decision == pb.COMPILE:
+            request = policy.acquire_request(made.value, ident, components=made.components,
+                                             program_name=f"pjrt:{c.platform}")
+            # The worker has a credential of its own: a caller without one may
+            # read (hits) but never hold a lease or publish under the worker's.
+            decided = await policy.adrive(
+                policy.decide(request, ident, self.wait_timeout_s,
+                              may_publish=not (self.tokens_required and not c.token)),
+                GateShell(self, bearer(c.token)))
+            if decided.kind == "HIT":
+                assert decided.artifact is not None
+                return Answer("HIT", payload=decided.data, key=decided.key,
+                              digest=decided.artifact.digest)
+            if decided.kind == "COMPILE":
                 options = None
                 if c.platform in GPU_PLATFORMS and len(set(c.owners().values())) > 1:
                     options = jax_adapter.without_shard_autotuning(c.options)
-                return Answer("COMPILE", payload=options, key=key, lease=got.lease,
+                return Answer("COMPILE", payload=options, key=decided.key, lease=decided.lease,
                               identity=ident)
-            return Answer("LOCAL", got.reason or "compile locally")
+            return Answer("LOCAL", decided.reason)
         except Exception as exc:  # the interposer compiles: never worse than without us
-            why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             self.complain("decide", "an interposed compile is compiled locally: %s",
-                          f"{type(exc).__name__}: {why}"[:300])
-            return Answer("LOCAL", f"{type(exc).__name__}: {str(why)[:200]}")
+                          f"{type(exc).__name__}: {exc}"[:300])
+            return Answer("LOCAL", f"{type(exc).__name__}: {str(exc)[:200]}")
 
     async def _settle(self, frames: Reader, writer: asyncio.StreamWriter, answer: Answer,
                       platform: str, md: tuple) -> bool:
-        """The holder's outcome; True when it was published."""
+        """The holder's outcome; True when the lease ended (a publish, or
+        given back)."""
         head, count = await frames.head(self.limits.compile_s)
         word, _, rest = str(head).partition(" ")
         data = await frames.blob(MAX_BLOB) if count else b""
+        assert answer.lease is not None and answer.identity is not None
+        shell = GateShell(self, md)
         if word != "publish" or not data:
             reason = pb.COMPILE_FAILED if "compile failed" in rest else pb.ABANDONED
-            assert answer.lease is not None
-            await self._up.release(answer.key, answer.lease, reason, rest, md)
+            with contextlib.suppress(CompilecastError):
+                await self.client.release(answer.key, answer.lease, reason, rest, md)
             self.count(platform, "failed")
             return True
         try:
             seconds = max(0.0, float(rest or 0))
         except ValueError:
             seconds = 0.0
-        assert answer.lease is not None and answer.identity is not None
-        try:
-            await self._with_heartbeat(writer, self._up.publish(
-                answer.key, answer.lease, answer.identity, data, seconds, md))
-        except grpc.aio.AioRpcError as exc:
-            writer.write(frame(f"FAILED {exc.code().name}: {exc.details()}"[:1000]))
-            return False
+        settled = await self._with_heartbeat(writer, policy.adrive(policy.settle(policy.Publish(
+            answer.key, answer.lease, data, seconds, answer.identity)), shell))
+        if not settled.published:
+            writer.write(frame(f"FAILED {settled.problem}"[:1000]))
+            return settled.released
         writer.write(frame(f"OK published {answer.key}"))
         await writer.drain()
         return True

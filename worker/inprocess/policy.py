@@ -1,0 +1,277 @@
+"""The one client policy of every door: what a process does with its
+worker's answers, from the ask to the lease's end, written once and driven
+by two shells (as httpx's BaseClient serves Client and AsyncClient):
+
+    the JAX door (worker/jaxdoor/jax_integration.py)  sync: a CacheClient
+    the PJRT gate (worker/pjrtdoor/pjrtgate.py)         async: an AsyncCacheClient
+
+A policy is a generator of steps (`Ask`, `Await`, `Fetch`, `Publish`,
+`Release`) that does no I/O: a shell carries out each step it yields
+(`drive` or `adrive`) and sends back the result, or throws in the step's
+error (compilecast's own: the clients' edges raise nothing else).
+
+    decide   Ask -> (WAIT: Await) -> (HIT: Fetch, verified) -> a Decision:
+             HIT with the bytes, COMPILE with the lease, or LOCAL with why.
+             A HIT whose copy proves corrupt or gone is asked again (each
+             copy is dropped where it is found bad), CORRUPT_ASKS times in
+             all, so that the process that found it compiles in its place.
+             A caller that may not publish (no token where the worker has
+             one) gives a COMPILE's lease back at once and compiles locally.
+    settle   Publish; refused for what it is (too large, no room): Release
+             PUBLISH_REFUSED, so every waiter compiles at once; any other
+             failure: Release ABANDONED, and a waiter is promoted.
+
+And the rules every door shares: the key's components go up only from a
+job's designated process (`acquire_request`), and a lease is renewed every
+TTL/3, at least every KEEPALIVE_MIN_S (`keepalive_every`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from compilecast.errors import CompilecastError, CorruptBlob, InvalidRequest, NotFound, TooMany
+from compilecast.v1 import cache_pb2 as pb
+
+from .identity import Identity
+
+log = logging.getLogger("compilecast.policy")
+
+CORRUPT_ASKS = 3
+KEEPALIVE_MIN_S = 0.5
+
+T = TypeVar("T")
+
+
+def keepalive_every(lease: pb.Lease) -> float:
+    """How often a lease holder renews `lease`."""
+    return max(lease.ttl_seconds / 3.0, KEEPALIVE_MIN_S)
+
+
+def acquire_request(key: str, identity: Identity, *, components: dict[str, str] | None = None,
+                    program_name: str = "", key_seconds: float = 0.0) -> pb.AcquireRequest:
+    """The ask for `key`. Acquire never tells a job's other processes to
+    compile, and the coordinator records a key's components only with a
+    COMPILE: they go up from the designated process alone (at a pod's job
+    start, all but one request of a program carry none)."""
+    if identity.job and identity.process_id != identity.designated_process:
+        components = None
+    return pb.AcquireRequest(key=key, requester=identity.requester(),
+                             key_components=components or {}, program_name=program_name[:200],
+                             key_seconds=key_seconds)
+
+
+# -- the steps a shell carries out ---------------------------------------------------
+
+class Shell(Protocol):
+    """What a door's client does for a policy's steps (sync: returns the
+    result; async: returns an awaitable of it)."""
+
+    def ask(self, step: Ask) -> Any: ...
+
+    def await_(self, step: Await) -> Any: ...
+
+    def fetch(self, step: Fetch) -> Any: ...
+
+    def publish(self, step: Publish) -> Any: ...
+
+    def release(self, step: Release) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Ask:
+    """-> pb.AcquireResponse"""
+
+    request: pb.AcquireRequest
+
+    def to(self, shell: Shell) -> Any:
+        return shell.ask(self)
+
+
+@dataclass(frozen=True)
+class Await:
+    """-> (pb.WaitEvent that ended the wait, its verified bytes or None):
+    a shell may fetch as the holder publishes and send both."""
+
+    key: str
+    identity: Identity
+    timeout_s: float
+
+    def to(self, shell: Shell) -> Any:
+        return shell.await_(self)
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """-> bytes, verified against `digest` (CorruptBlob where they are not)"""
+
+    key: str
+    digest: str
+
+    def to(self, shell: Shell) -> Any:
+        return shell.fetch(self)
+
+
+@dataclass(frozen=True)
+class Publish:
+    """-> pb.ArtifactInfo"""
+
+    key: str
+    lease: pb.Lease
+    data: bytes
+    seconds: float
+    identity: Identity
+    recipe: pb.Recipe | None = None
+
+    def to(self, shell: Shell) -> Any:
+        return shell.publish(self)
+
+
+@dataclass(frozen=True)
+class Release:
+    """-> None. `trace`: the W3C context of the decision that granted the lease."""
+
+    key: str
+    lease: pb.Lease
+    reason: pb.ReleaseReason.ValueType
+    detail: str
+    trace: dict = field(default_factory=dict)
+
+    def to(self, shell: Shell) -> Any:
+        return shell.release(self)
+
+
+Step = Ask | Await | Fetch | Publish | Release
+Policy = Generator[Step, Any, T]
+
+
+# -- the outcomes ----------------------------------------------------------------------
+
+@dataclass
+class Decision:
+    kind: str  # HIT, COMPILE, LOCAL
+    key: str
+    data: bytes | None = None  # HIT: the verified bytes
+    artifact: pb.ArtifactInfo | None = None  # HIT
+    lease: pb.Lease | None = None  # COMPILE
+    reason: str = ""  # LOCAL
+    cause: int = 0  # LOCAL: pb.LocalCause
+    waited: bool = False  # the answer came after a wait
+    promoted: bool = False  # COMPILE after a wait: the holder went away
+
+
+@dataclass
+class Settled:
+    published: bool
+    artifact: pb.ArtifactInfo | None = None
+    problem: str = ""  # why not
+    released: bool = False  # the lease was given back (else it lapses)
+
+
+# -- the policies ---------------------------------------------------------------------
+
+def decide(request: pb.AcquireRequest, identity: Identity, wait_s: float, *,
+           may_publish: bool = True) -> Policy[Decision]:
+    """HIT, COMPILE or LOCAL for `request` (see the module's docstring)."""
+    key = request.key
+    for attempt in range(CORRUPT_ASKS):
+        answer: pb.AcquireResponse = yield Ask(request)
+        decision, artifact, lease = answer.decision, answer.artifact, answer.lease
+        reason, cause, waited, data = answer.reason, answer.local_cause, False, None
+        if decision == pb.WAIT:
+            event, data = yield Await(key, identity, wait_s)
+            decision, artifact, lease = event.decision, event.artifact, event.lease
+            reason, cause, waited = event.reason, event.local_cause, True
+            if decision == pb.WAIT:  # the holder publishes: its bytes, as a HIT's
+                decision = pb.HIT
+        if decision == pb.HIT:
+            if data is not None:
+                return Decision("HIT", key, data=data, artifact=artifact, waited=waited)
+            try:
+                data = yield Fetch(key, artifact.digest)
+            except (CorruptBlob, NotFound) as exc:
+                if attempt + 1 == CORRUPT_ASKS:
+                    raise
+                log.warning("compilecast: the stored copy of %s is bad or gone (%s); asking "
+                            "again", key, exc.status.name, extra={"key": key})
+                continue
+            return Decision("HIT", key, data=data, artifact=artifact, waited=waited)
+        if decision == pb.COMPILE and not may_publish:
+            yield from _give_back(key, lease, "this caller publishes nothing")
+            return Decision("LOCAL", key, reason="this process has no token (COMPILECAST_TOKEN) "
+                            "and the worker has one: it reads the fleet's executables but "
+                            "compiles its own misses locally, publishing nothing")
+        if decision == pb.COMPILE:
+            return Decision("COMPILE", key, lease=lease, waited=waited, promoted=waited)
+        return Decision("LOCAL", key, reason=reason or "compile locally", cause=cause,
+                        waited=waited)
+    raise AssertionError("unreachable")
+
+
+def _give_back(key: str, lease: pb.Lease, why: str) -> Generator[Step, Any, bool]:
+    try:
+        yield Release(key, lease, pb.ABANDONED, why)
+    except CompilecastError as exc:
+        log.info("compilecast: release of %s failed (%s); the lease lapses", key,
+                 exc.status.name, extra={"key": key})
+        return False
+    return True
+
+
+def settle(step: Publish, *, trace: dict | None = None) -> Policy[Settled]:
+    """Publish the holder's executable; give the lease back where that fails."""
+    try:
+        info = yield step
+    except CompilecastError as exc:
+        problem = f"{exc.status.name}: {exc}"
+        # Refused for what it is (too large, no room): every waiter's publish
+        # would be refused too, so they compile at once instead of each being
+        # promoted and compiling in turn.
+        refused = isinstance(exc, TooMany | InvalidRequest)
+        try:
+            yield Release(step.key, step.lease, pb.PUBLISH_REFUSED if refused else pb.ABANDONED,
+                          problem, trace or {})
+        except CompilecastError as failed:
+            log.warning("compilecast: release of %s failed (%s); the lease lapses in %ss",
+                        step.key, failed.status.name, step.lease.ttl_seconds)
+            return Settled(False, problem=problem)
+        return Settled(False, problem=problem, released=True)
+    return Settled(True, artifact=info)
+
+
+# -- the shells' loops --------------------------------------------------------------------
+
+def drive(policy: Policy[T], shell: Shell) -> T:
+    """Carry out `policy` with a synchronous shell: its outcome, or the
+    error it did not handle."""
+    carry_out: Callable[[Step], Any] = lambda step: step.to(shell)  # noqa: E731
+    try:
+        step = next(policy)
+        while True:
+            try:
+                result = carry_out(step)
+            except Exception as exc:
+                step = policy.throw(exc)
+            else:
+                step = policy.send(result)
+    except StopIteration as done:
+        return done.value
+
+
+async def adrive(policy: Policy[T], shell: Shell) -> T:
+    """`drive` with an asynchronous shell."""
+    try:
+        step = next(policy)
+        while True:
+            try:
+                pending: Awaitable[Any] = step.to(shell)
+                result = await pending
+            except Exception as exc:
+                step = policy.throw(exc)
+            else:
+                step = policy.send(result)
+    except StopIteration as done:
+        return done.value
