@@ -35,14 +35,14 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack, cpu_seconds, peak_rss_mb
 
+from compilecast import negotiate
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.inprocess import clientpublish as client_mod
 from compilecast.worker.inprocess.client import CacheClient, Identity
 
-# Both ways at every size: the client's own threshold (DATA_PLANE_UPLOAD_FROM)
+# Both ways at every size: the client's own threshold (negotiate.UPLOAD_FROM)
 # was set from this bench's small sizes.
-client_mod.DATA_PLANE_UPLOAD_FROM = 0
+negotiate.UPLOAD_FROM = 0
 
 WAYS = ("data plane", "gRPC")
 # Through a worker: how the process hands the bytes to its worker, and how the

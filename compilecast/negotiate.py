@@ -42,6 +42,7 @@ import enum
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 log = logging.getLogger("compilecast.routes")
@@ -50,6 +51,7 @@ MAX_PLACES_NOTED = 4096  # places a route is noted off toward (more: tried again
 MAX_FAILURES = 16  # route failures of one transfer; past them, it takes the gRPC stream
 
 T = TypeVar("T")
+M = TypeVar("M")
 
 
 class Route(enum.Enum):
@@ -68,13 +70,44 @@ class Route(enum.Enum):
         return self.value
 
 
-# Each transfer's order: the first route on that the far end takes carries it
-# (a fetch names the routes it takes and its server picks among them).
-PROCESS_FETCH = (Route.LOCAL_FILE, Route.GROWING_FILE, Route.DATA_PLANE)
-WAIT = (Route.DATA_WAIT, Route.DATA_PLANE)
-PROCESS_PUBLISH = (Route.UPLOAD_TICKET, Route.HANDOFF, Route.DATA_PLANE)
-WORKER_FILL = (Route.RELAY_PLANE, Route.DATA_PLANE, Route.BUCKET_URL)
-WORKER_PUBLISH = (Route.UPLOAD_TICKET, Route.DATA_PLANE)
+# Smaller publishes go over gRPC: below this an upload's extra round trips (the
+# ticket, the connection, the go) cost more than its cheaper bytes save
+# (bench/publish.py: 0.1 MB 1.42x and 4 MB 1.22x the time, 16 MB 0.95x).
+UPLOAD_FROM = 16 << 20
+
+
+@dataclass(frozen=True)
+class Way:
+    """A route as one kind of transfer takes it: the request's field that
+    offers it (`offers`), the routes it needs on as well (`needs`), the
+    answer's field that says the far end took it (`answer`), and whether it
+    is an upload (`upload`: it suits UPLOAD_FROM bytes and more)."""
+
+    route: Route
+    offers: str = ""
+    needs: tuple[Route, ...] = ()
+    answer: str = ""
+    upload: bool = False
+
+    def suits(self, size: int) -> bool:
+        return not self.upload or size >= max(UPLOAD_FROM, 1)
+
+
+# Each transfer's ways, in its order: the first on that the far end takes
+# carries it (a fetch offers the routes it takes and its server picks among
+# them; a publish takes the first that suits it). The tables build both the
+# offer (`Ladder.offer`) and the dispatch of the answer (`Ladder.taken`).
+PROCESS_FETCH = (Way(Route.LOCAL_FILE, "accept_local_file", answer="local_path"),
+                 Way(Route.GROWING_FILE, "accept_growing_file", needs=(Route.LOCAL_FILE,)),
+                 Way(Route.DATA_PLANE, "accept_data_ticket", answer="data_ticket"))
+WAIT = (Way(Route.DATA_WAIT, "accept_data_wait", needs=(Route.DATA_PLANE,),
+            answer="data_ticket"),)
+PROCESS_PUBLISH = (Way(Route.HANDOFF, needs=(Route.UPLOAD_TICKET,), upload=True),
+                   Way(Route.DATA_PLANE, needs=(Route.UPLOAD_TICKET,), upload=True))
+WORKER_FILL = (Way(Route.RELAY_PLANE, "accept_data_ticket", answer="data_ticket"),
+               Way(Route.DATA_PLANE, "accept_data_ticket", answer="data_ticket"),
+               Way(Route.BUCKET_URL, "accept_url", answer="url"))
+WORKER_PUBLISH = (Way(Route.DATA_PLANE, needs=(Route.UPLOAD_TICKET,), upload=True),)
 
 
 class Routes:
@@ -108,10 +141,10 @@ class Routes:
         """The routes on, by name (for status and logs)."""
         return sorted(r.name.lower() for r in self._on)
 
-    def ladder(self, order: Sequence[Route], *, key: str = "") -> Ladder:
-        """A transfer's ladder: the routes of `order` this end may take, in
+    def ladder(self, ways: Sequence[Way], *, key: str = "") -> Ladder:
+        """A transfer's ladder: the ways of `ways` this end may take, in
         that order (of `key`, for the logs)."""
-        return Ladder(self, order, key=key)
+        return Ladder(self, ways, key=key)
 
 
 class RouteFailed(Exception):
@@ -132,15 +165,41 @@ class Ladder:
     """The routes one transfer may still take, in its end's order; the gRPC
     stream, never in it, is the last rung."""
 
-    def __init__(self, routes: Routes, order: Sequence[Route], *, key: str = "") -> None:
+    def __init__(self, routes: Routes, ways: Sequence[Way], *, key: str = "") -> None:
         self.routes = routes
         self.key = key
-        self._left = [r for r in order if routes.on(r)]
+        self.ways = tuple(ways)
+        needed = {r for w in self.ways for r in (w.route, *w.needs)}
+        self._left = [r for r in Route if r in needed and routes.on(r)]
         self.failures: list[RouteFailed] = []
 
-    def has(self, route: Route, where: str = "") -> bool:
-        """Whether this transfer may still take `route` (toward `where`)."""
+    def _has(self, route: Route, where: str = "") -> bool:
         return route in self._left and self.routes.on(route, where)
+
+    def open(self, way: Way, where: str = "") -> bool:
+        """Whether this transfer may still take `way` (toward `where`)."""
+        return all(self._has(r, where if r is way.route else "")
+                   for r in (way.route, *way.needs))
+
+    def offer(self, request: M, where: str = "", *, only: Sequence[Route] = ()) -> M:
+        """`request` (a message) with the fields set that offer the ways
+        still open (of the `only` routes, when named)."""
+        for way in self.ways:
+            if way.offers and (not only or way.route in only) and self.open(way, where):
+                setattr(request, way.offers, True)
+        return request
+
+    def taken(self, answer: object, request: object) -> Way | None:
+        """The way the far end took in `answer` (a message whose field of
+        that way is set, for a way `request` offered); None: none."""
+        for way in self.ways:
+            if way.answer and getattr(request, way.offers, False) and _set(answer, way.answer):
+                return way
+        return None
+
+    def first(self, size: int, where: str = "") -> Way | None:
+        """The first way still open that suits a transfer of `size` bytes."""
+        return next((w for w in self.ways if w.suits(size) and self.open(w, where)), None)
 
     def failed(self, failure: RouteFailed) -> None:
         """What a failure means: the transfer goes on without the route
@@ -156,6 +215,15 @@ class Ladder:
             self._left.remove(failure.route)
         if len(self.failures) >= MAX_FAILURES:  # however its routes fail: the stream
             self._left.clear()
+
+
+def _set(message: object, name: str) -> bool:
+    """Whether a message's field `name` is set (a sub-message's presence, or
+    a scalar's value)."""
+    try:
+        return bool(message.HasField(name))  # type: ignore[attr-defined]
+    except ValueError:  # a scalar field: set when not empty
+        return bool(getattr(message, name))
 
 
 def carry(ladder: Ladder, attempt: Callable[[Ladder], T]) -> T:

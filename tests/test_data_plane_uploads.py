@@ -17,12 +17,11 @@ import time
 import grpc
 import pytest
 
-from compilecast import retry, wire
+from compilecast import negotiate, retry, wire
 from compilecast.coordinator import dataplane
 from compilecast.coordinator.records import scope
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.inprocess import clientpublish as client_mod
 from compilecast.worker.inprocess.client import CacheClient, Identity
 
 from .conftest import (
@@ -42,7 +41,7 @@ DIGEST = hashlib.sha256(DATA).hexdigest()
 @pytest.fixture(autouse=True)
 def uploads_of_any_size(monkeypatch):
     """DATA is below the size from which publishes take the data plane."""
-    monkeypatch.setattr(client_mod, "DATA_PLANE_UPLOAD_FROM", 0)
+    monkeypatch.setattr(negotiate, "UPLOAD_FROM", 0)
 
 
 def uploads(coordinator, result: str = "published") -> float:
@@ -294,14 +293,14 @@ def test_a_stop_ends_an_upload_that_waits_for_bytes(start_coordinator):
 
 
 def test_a_small_publish_goes_over_grpc(coordinator, monkeypatch):
-    """Below DATA_PLANE_UPLOAD_FROM the upload's round trips cost more than
+    """Below negotiate.UPLOAD_FROM the upload's round trips cost more than
     they save: no ticket is asked for, and the data plane stays on."""
-    monkeypatch.setattr(client_mod, "DATA_PLANE_UPLOAD_FROM", len(DATA) + 1)
+    monkeypatch.setattr(negotiate, "UPLOAD_FROM", len(DATA) + 1)
     c, lease = holder(coordinator)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert uploads(coordinator) == 0 and bytes_in(coordinator) == len(DATA)
     assert c.routes.on(Route.DATA_PLANE) and c.routes.on(Route.UPLOAD_TICKET)
-    monkeypatch.setattr(client_mod, "DATA_PLANE_UPLOAD_FROM", len(DATA))
+    monkeypatch.setattr(negotiate, "UPLOAD_FROM", len(DATA))
     c2, lease2 = holder(coordinator, "k2")
     c2.publish("k2", lease2, DATA, 2.0)
     assert uploads(coordinator) == 1

@@ -18,7 +18,7 @@ import socket
 import grpc
 import pytest
 
-from compilecast import retry, wire
+from compilecast import negotiate, retry, wire
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.daemon import handoff
@@ -37,7 +37,7 @@ DIGEST = hashlib.sha256(DATA).hexdigest()
 @pytest.fixture(autouse=True)
 def handoffs_of_any_size(monkeypatch):
     """DATA is below the size from which publishes are handed over."""
-    monkeypatch.setattr(client_mod, "DATA_PLANE_UPLOAD_FROM", 0)
+    monkeypatch.setattr(negotiate, "UPLOAD_FROM", 0)
 
 
 @pytest.fixture

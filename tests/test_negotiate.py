@@ -6,7 +6,17 @@ import asyncio
 
 import pytest
 
-from compilecast.negotiate import MAX_FAILURES, Route, RouteFailed, Routes, acarry, carry
+from compilecast import negotiate
+from compilecast.negotiate import MAX_FAILURES, Route, RouteFailed, Routes, Way, acarry, carry
+from compilecast.v1 import cache_pb2 as pb
+
+
+def ways(*routes: Route) -> tuple[Way, ...]:
+    return tuple(Way(r) for r in routes)
+
+
+def is_open(ladder, route: Route, where: str = "") -> bool:
+    return ladder.open(Way(route), where)
 
 
 def test_an_end_takes_only_the_routes_offered_to_it():
@@ -42,7 +52,7 @@ def through(fails: dict[Route, RouteFailed]):
     offered: list[list[Route]] = []
 
     def attempt(ladder):
-        left = [r for r in (Route.LOCAL_FILE, Route.DATA_PLANE) if ladder.has(r)]
+        left = [r for r in (Route.LOCAL_FILE, Route.DATA_PLANE) if is_open(ladder, r)]
         offered.append(left)
         for route in left:
             if route in fails:
@@ -55,7 +65,7 @@ def through(fails: dict[Route, RouteFailed]):
 def test_a_failure_of_one_transfer_sends_it_down_its_ladder_and_leaves_the_route_on():
     routes = Routes([Route.LOCAL_FILE, Route.DATA_PLANE], env={})
     attempt, offered = through({Route.LOCAL_FILE: RouteFailed(Route.LOCAL_FILE, "moved")})
-    ladder = routes.ladder((Route.LOCAL_FILE, Route.DATA_PLANE), key="k")
+    ladder = routes.ladder(ways(Route.LOCAL_FILE, Route.DATA_PLANE), key="k")
     assert carry(ladder, attempt) == "DATA_PLANE"
     assert offered == [[Route.LOCAL_FILE, Route.DATA_PLANE], [Route.DATA_PLANE]]
     assert routes.on(Route.LOCAL_FILE)  # the next transfer tries it again
@@ -67,18 +77,18 @@ def test_a_lasting_failure_switches_the_route_off_for_the_end():
     fails = {Route.LOCAL_FILE: RouteFailed(Route.LOCAL_FILE, "not this host", lasting=True),
              Route.DATA_PLANE: RouteFailed(Route.DATA_PLANE, "cut")}
     attempt, offered = through(fails)
-    assert carry(routes.ladder((Route.LOCAL_FILE, Route.DATA_PLANE)), attempt) == "grpc"
+    assert carry(routes.ladder(ways(Route.LOCAL_FILE, Route.DATA_PLANE)), attempt) == "grpc"
     assert offered[-1] == []
     assert not routes.on(Route.LOCAL_FILE) and routes.on(Route.DATA_PLANE)
-    later = routes.ladder((Route.LOCAL_FILE, Route.DATA_PLANE))
-    assert not later.has(Route.LOCAL_FILE) and later.has(Route.DATA_PLANE)
+    later = routes.ladder(ways(Route.LOCAL_FILE, Route.DATA_PLANE))
+    assert not is_open(later, Route.LOCAL_FILE) and is_open(later, Route.DATA_PLANE)
 
 
 def test_a_lasting_failure_toward_one_place_leaves_the_route_on_elsewhere():
     routes = Routes([Route.RELAY_PLANE], env={})
-    ladder = routes.ladder((Route.RELAY_PLANE,))
+    ladder = routes.ladder(ways(Route.RELAY_PLANE))
     ladder.failed(RouteFailed(Route.RELAY_PLANE, "refused", lasting=True, where="peer-a"))
-    assert not ladder.has(Route.RELAY_PLANE, "peer-a") and ladder.has(Route.RELAY_PLANE, "peer-b")
+    assert not is_open(ladder, Route.RELAY_PLANE, "peer-a") and is_open(ladder, Route.RELAY_PLANE, "peer-b")
     assert not routes.on(Route.RELAY_PLANE, "peer-a") and routes.on(Route.RELAY_PLANE)
 
 
@@ -86,21 +96,21 @@ def test_the_last_rungs_error_is_the_transfers():
     routes = Routes([Route.DATA_PLANE], env={})
 
     def attempt(ladder):
-        if ladder.has(Route.DATA_PLANE):
+        if is_open(ladder, Route.DATA_PLANE):
             raise RouteFailed(Route.DATA_PLANE, "cut")
         raise ValueError("refused over gRPC")
     with pytest.raises(ValueError, match="refused over gRPC"):
-        carry(routes.ladder((Route.DATA_PLANE,)), attempt)
+        carry(routes.ladder(ways(Route.DATA_PLANE)), attempt)
 
 
 def test_an_asynchronous_transfer_takes_the_same_ladder():
     routes = Routes([Route.BUCKET_URL, Route.DATA_PLANE], env={})
 
     async def attempt(ladder):
-        if ladder.has(Route.BUCKET_URL):
+        if is_open(ladder, Route.BUCKET_URL):
             raise RouteFailed(Route.BUCKET_URL, "403", lasting=True)
-        return ladder.has(Route.DATA_PLANE)
-    assert asyncio.run(acarry(routes.ladder((Route.BUCKET_URL, Route.DATA_PLANE)), attempt))
+        return is_open(ladder, Route.DATA_PLANE)
+    assert asyncio.run(acarry(routes.ladder(ways(Route.BUCKET_URL, Route.DATA_PLANE)), attempt))
     assert not routes.on(Route.BUCKET_URL)
 
 
@@ -112,8 +122,44 @@ def test_a_transfer_whose_routes_keep_failing_toward_places_ends_on_the_stream()
 
     def attempt(ladder):
         tries.append(1)
-        if ladder.has(Route.RELAY_PLANE, f"peer-{len(tries)}"):
+        if is_open(ladder, Route.RELAY_PLANE, f"peer-{len(tries)}"):
             raise RouteFailed(Route.RELAY_PLANE, "cut", where=f"peer-{len(tries)}")
         return "grpc"
-    assert carry(routes.ladder((Route.RELAY_PLANE,)), attempt) == "grpc"
+    assert carry(routes.ladder(ways(Route.RELAY_PLANE)), attempt) == "grpc"
     assert len(tries) == MAX_FAILURES + 1 and routes.on(Route.RELAY_PLANE)
+
+
+def test_one_table_builds_the_offer_and_the_dispatch_of_the_answer(monkeypatch):
+    routes = Routes([Route.LOCAL_FILE, Route.GROWING_FILE, Route.DATA_PLANE, Route.DATA_WAIT],
+                    env={})
+    ladder = routes.ladder(negotiate.PROCESS_FETCH)
+    offered = ladder.offer(pb.FetchRequest(key="k"))
+    assert offered.accept_local_file and offered.accept_growing_file
+    assert offered.accept_data_ticket and not offered.accept_url
+    # The answer names the way the server took, among those offered.
+    by_file = pb.FetchChunk(artifact=pb.ArtifactInfo(digest="d"), local_path="/cache/d")
+    assert ladder.taken(by_file, offered).route is Route.LOCAL_FILE
+    by_ticket = pb.FetchChunk(data_ticket=pb.DataTicket(token=b"t"))
+    assert ladder.taken(by_ticket, offered).route is Route.DATA_PLANE
+    assert ladder.taken(pb.FetchChunk(data=b"x"), offered) is None
+    # A way gone down the ladder is neither offered nor taken from an answer.
+    ladder.failed(RouteFailed(Route.LOCAL_FILE, "unreadable"))
+    offered = ladder.offer(pb.FetchRequest(key="k"))
+    assert not offered.accept_local_file and not offered.accept_growing_file
+    assert ladder.taken(by_file, offered) is None
+    # A way that needs another is offered only with it (a data wait needs the data plane).
+    wait = routes.ladder(negotiate.WAIT)
+    assert wait.offer(pb.WaitRequest(key="k")).accept_data_wait
+    wait.failed(RouteFailed(Route.DATA_PLANE, "refused"))
+    assert not wait.offer(pb.WaitRequest(key="k")).accept_data_wait
+
+
+def test_an_upload_suits_big_publishes_only(monkeypatch):
+    routes = Routes([Route.UPLOAD_TICKET, Route.HANDOFF], env={})
+    ladder = routes.ladder(negotiate.PROCESS_PUBLISH)
+    assert ladder.first(negotiate.UPLOAD_FROM - 1) is None
+    assert ladder.first(negotiate.UPLOAD_FROM).route is Route.HANDOFF
+    monkeypatch.setattr(negotiate, "UPLOAD_FROM", 0)
+    assert ladder.first(0) is None and ladder.first(1).route is Route.HANDOFF
+    without_tickets = Routes([Route.HANDOFF], env={}).ladder(negotiate.PROCESS_PUBLISH)
+    assert without_tickets.first(1 << 30) is None  # (the upload's ticket is needed too)

@@ -115,8 +115,11 @@ def test_a_corrupt_shared_executable_is_compiled_again(coordinator, start_worker
 
     [(got, err)] = wave(env_for(fresh.target), 1, tmp_path / "b")
 
+    # The copy that proves corrupt is dropped and asked for again: the
+    # process that found it compiles the program in its place (the policy's
+    # re-ask), and any HIT after that is the new, verified copy.
     assert got["loss"] == good["loss"]
-    assert real_compiles(err) >= 1 and not any(d == "HIT" for d, _ in decisions(err))
+    assert real_compiles(err) >= 1 and any(d == "COMPILE" for d, _ in decisions(err))
 
 
 def test_a_plugin_of_another_major_version_is_passed_through(tmp_path):

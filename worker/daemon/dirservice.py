@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 
 from compilecast.config import WorkerConfig
-from compilecast.errors import PermissionDenied, Unauthenticated, Unavailable
+from compilecast.errors import CompilecastError, PermissionDenied, Unauthenticated, Unavailable
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 
@@ -55,16 +55,14 @@ def make_dirsync(cfg: WorkerConfig, token: str, metrics: WorkerMetrics) -> DirSy
                             key_file=cfg.coordinator_key_file)
         try:
             tenant = probe.revoked(since_revision=1 << 62).tenant or "default"
-        except grpc.RpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.UNAUTHENTICATED:
-                raise Unauthenticated("the coordinator does not know this credential: no "
-                                      "directory is kept for it") from None
-            if code == grpc.StatusCode.PERMISSION_DENIED:
-                raise PermissionDenied(f"the coordinator refuses this credential: "
-                                       f"{exc.details()}") from None
+        except Unauthenticated:
+            raise Unauthenticated("the coordinator does not know this credential: no "
+                                  "directory is kept for it") from None
+        except PermissionDenied as exc:
+            raise PermissionDenied(f"the coordinator refuses this credential: {exc}") from None
+        except CompilecastError as exc:
             raise Unavailable(f"the coordinator cannot check this credential now "
-                              f"({code.name})") from None
+                              f"({exc.status.name})") from None
         finally:
             probe.close()
         tenants[caller] = (tenant, time.monotonic())
@@ -104,9 +102,7 @@ class DirectoriesService:
     async def SyncDirectory(self, request, context):
         token, _ = self.caller(context)
         d = await asyncio.to_thread(self.dirsync.find, token, request.namespace_id)
-        try:
-            published, installed = await asyncio.to_thread(self.dirsync.sync, d)
-        except grpc.RpcError as exc:
-            raise Unavailable(f"coordinator: {exc.code().name}: {exc.details()}") from exc
+        # (the coordinator's refusals pass on as they are: its client's edge)
+        published, installed = await asyncio.to_thread(self.dirsync.sync, d)
         return pb.SyncDirectoryResponse(published=published, installed=installed,
                                         directory=await asyncio.to_thread(d.describe))

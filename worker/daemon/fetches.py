@@ -14,8 +14,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
-
 from compilecast import validate
 from compilecast.blobstore import aread
 from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamError
@@ -36,14 +34,18 @@ from .upstream import (
     RESUME_S,
     UPSTREAM_IDLE_S,
     CoordinatorLink,
+    Relayed,
     digest_matches,
     heartbeats_until,
     idle_timeout,
-    relay_error,
     ticketed,
 )
 
 log = logging.getLogger("compilecast.worker.daemon.service")
+
+# A fill's ways (negotiate.WORKER_FILL) from where its bytes come.
+FROM_PEER = (Route.RELAY_PLANE,)
+FROM_COORDINATOR = (Route.DATA_PLANE, Route.BUCKET_URL)
 
 
 
@@ -113,14 +115,14 @@ class Fetches:
         """The next Fetch of `dl`: the rest, from where it is. A peer relays
         from the first byte; only a first request takes zstd, a ticket or a URL."""
         fresh = not writer.size
-        return pb.FetchRequest(
+        request = pb.FetchRequest(
             key=dl.key, digest=dl.info.digest if dl.info else dl.digest,
             relay_address="" if dl.peer else dl.relay,
             offset=0 if dl.peer else writer.size,
-            accept_zstd=fresh,
-            accept_data_ticket=fresh and (dl.ladder.has(Route.RELAY_PLANE, dl.peer) if dl.peer
-                                          else dl.ladder.has(Route.DATA_PLANE)),
-            accept_url=fresh and not dl.peer and dl.ladder.has(Route.BUCKET_URL))
+            accept_zstd=fresh)
+        if fresh:
+            dl.ladder.offer(request, dl.peer, only=FROM_PEER if dl.peer else FROM_COORDINATOR)
+        return request
 
     async def _attempt(self, dl: _Download, fill: Fill, md: tuple, writer) -> bool:
         """One Fetch of what is missing, from the coordinator or a peer;
@@ -161,7 +163,7 @@ class Fetches:
                                     where=dl.peer)
             await self._rest_after(dl, writer, undecoded)
             raise undecoded from None
-        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+        except (Relayed, TimeoutError) as exc:
             await self._fetch_broke(dl, writer, exc)
             return True
         if redirect and not dl.peer and dl.relay:
@@ -231,7 +233,7 @@ class Fetches:
                         "the rest" if writer.size else "it", extra={"key": dl.key})
 
     async def _fetch_broke(self, dl: _Download, writer,
-                           exc: grpc.aio.AioRpcError | TimeoutError) -> None:
+                           exc: Relayed | TimeoutError) -> None:
         """A Fetch failed: resume from the coordinator (a peer's failure, or a
         replica restarting), or raise what ends the fill."""
         if not dl.peer:
@@ -239,8 +241,8 @@ class Fetches:
                 raise UpstreamError(Status.DEADLINE_EXCEEDED,
                                     f"coordinator: the fetch of {dl.key} moved nothing for "
                                     f"{UPSTREAM_IDLE_S:g}s") from None
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or not dl.resumes:
-                raise relay_error(exc) from None
+            if exc.code != Status.UNAVAILABLE or not dl.resumes:
+                raise exc from None
             # A replica restarting (a rolling update) or a reset connection: go
             # on from the bytes already here (served, never redirected: a peer
             # would start from the first byte).
@@ -248,10 +250,10 @@ class Fetches:
             if dl.inflate is not None:
                 await dl.inflate.cut(dl.key, "its zstd stream was cut off midway")
             log.warning("download of %s was cut off at byte %d (%s); resuming in %.0fs",
-                        dl.key, writer.size, exc.details(), pause, extra={"key": dl.key})
+                        dl.key, writer.size, exc.details, pause, extra={"key": dl.key})
             await asyncio.sleep(pause)
             return
-        why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "stalled"
+        why = exc.code.name if isinstance(exc, Relayed) else "stalled"
         log.warning("relay of %s from %s failed (%s) at byte %d; fetching the rest from the "
                     "coordinator", dl.key, dl.peer, why, writer.size)
         self.metrics.relays.labels("fallback").inc()

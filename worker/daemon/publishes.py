@@ -13,11 +13,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import grpc
-
 from compilecast import validate, wire
 from compilecast.errors import (
     InvalidRequest,
+    Status,
     TooMany,
     Unavailable,
 )
@@ -25,7 +24,6 @@ from compilecast.negotiate import WORKER_PUBLISH, Ladder, Route, RouteFailed, Ro
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk, publish_stream
 
-from ..inprocess import clientpublish
 from ..inprocess.received import UploadRefused
 from .dataplane import (
     answered,
@@ -42,6 +40,7 @@ from .metrics import WorkerMetrics
 from .upstream import (
     UPSTREAM_IDLE_S,
     CoordinatorLink,
+    Relayed,
     forward_publish,
     relay_error,
     unless_stalled,
@@ -169,9 +168,7 @@ class Publishes:
                     yield pb.PublishChunk(digest=header.digest)
 
             async def attempt(ladder: Ladder) -> pb.PublishResponse:
-                if not first and ladder.has(Route.UPLOAD_TICKET) \
-                        and ladder.has(Route.DATA_PLANE, where) \
-                        and header.size >= clientpublish.DATA_PLANE_UPLOAD_FROM:
+                if not first and ladder.first(header.size, where) is not None:
                     first.append(await anext(sending, None))
                     if first[0] is not None and not first[0].zstd_data:
                         return await self._upload(md, head.header, header, first[0], sending,
@@ -200,11 +197,11 @@ class Publishes:
         try:
             opened = await self.link.up.OpenUpload(pb.OpenUploadRequest(header=header),
                                                    timeout=self.link.rpc_timeout_s, metadata=md)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        except Relayed as exc:
+            if exc.code == Status.RESOURCE_EXHAUSTED:
                 # Too many tickets out (or too large: its Publish says so).
-                raise RouteFailed(Route.UPLOAD_TICKET, exc.details() or "") from None
-            raise relay_error(exc) from None
+                raise RouteFailed(Route.UPLOAD_TICKET, exc.details) from None
+            raise
         if not opened.HasField("ticket"):
             raise RouteFailed(Route.UPLOAD_TICKET,
                               f"{self.link.address} offers no upload tickets", lasting=True)

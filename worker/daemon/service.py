@@ -21,7 +21,7 @@ import time
 
 import grpc
 
-from compilecast import decide, decideserve, tracing, validate
+from compilecast import decide, decideserve, retry, tracing, validate
 from compilecast.decide import Decider
 from compilecast.errors import Status, Unimplemented, UpstreamError
 from compilecast.grpcutil import bearer, rpc_errors, token_from, unreachable
@@ -29,7 +29,6 @@ from compilecast.negotiate import Route, Routes
 from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.wire import WAIT_RETRY_S
 
 from .decisions import HostDecisions
 from .dirsync import DirSync
@@ -39,6 +38,7 @@ from .metrics import WorkerMetrics
 from .publishes import Publishes
 from .upstream import (
     CoordinatorLink,
+    Relayed,
     relay_error,
     relay_pieces,
 )
@@ -46,7 +46,7 @@ from .waits import HostWaits
 
 log = logging.getLogger(__name__)
 
-DEGRADED = {Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED}
+DEGRADED = retry.DEGRADED
 MAX_DECIDERS = 64  # upstream Decide streams kept open (one per caller credential)
 
 
@@ -119,7 +119,7 @@ class WorkerService(rpc.CompileCacheServicer):
         """The Decide stream to the coordinator for one upstream credential."""
         decider = self._deciders.pop(md, None)
         if decider is None:
-            decider = Decider(self.link.up, md, timeout_s=self.link.rpc_timeout_s,
+            decider = Decider(self.link.decisions, md, timeout_s=self.link.rpc_timeout_s,
                               gap_s=self.decide_gap_s)
             if len(self._deciders) >= MAX_DECIDERS:  # the least recently used goes
                 _, old = self._deciders.popitem(last=False)
@@ -227,24 +227,21 @@ class WorkerService(rpc.CompileCacheServicer):
                 return await self._decider(md).wait(req, until_publishing=until)
 
         deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms else None
-        for pause in (*WAIT_RETRY_S, None):
-            try:
-                return await self.waits.wait(md, request, until_publishing, upstream)
-            except UpstreamError as exc:
-                if exc.status not in DEGRADED:
-                    raise relay_error(exc) from None
-                left = None if deadline is None else deadline - time.monotonic()
-                if pause is None or (left is not None and left <= pause):
-                    return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
-                                        reason=self._local("wait", exc))
-                # A replica stopping (a rolling update) ends its waits: ask
-                # again, on a new stream, rather than have every waiter compile.
-                log.info("wait for %s was cut off (%s); asking again in %.1fs", request.key,
-                         exc, pause, extra={"key": request.key})
-                await asyncio.sleep(pause)
-                if deadline is not None:
-                    request.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        raise AssertionError("unreachable")
+
+        async def once() -> pb.WaitEvent:
+            if deadline is not None:
+                request.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            return await self.waits.wait(md, request, until_publishing, upstream)
+
+        # A replica stopping (a rolling update) ends its waits: asked again, on
+        # a new stream, rather than have every waiter compile (retry.RELAYED_WAIT).
+        try:
+            return await retry.RELAYED_WAIT.arun(once, what=f"the wait for {request.key}",
+                                                 deadline=deadline)
+        except UpstreamError as exc:
+            if exc.status not in DEGRADED:
+                raise relay_error(exc) from None
+            return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self._local("wait", exc))
 
     @rpc_errors
     async def Wait(self, request, context):
@@ -279,11 +276,8 @@ class WorkerService(rpc.CompileCacheServicer):
 
     async def _forward(self, method: str, request, context):
         """A unary call passed to the coordinator as is, under the caller's credential."""
-        try:
-            return await getattr(self.link.up, method)(request, timeout=self.link.rpc_timeout_s,
-                                                  metadata=self.link.credential(context)[1])
-        except grpc.aio.AioRpcError as exc:
-            raise relay_error(exc) from None
+        return await getattr(self.link.up, method)(request, timeout=self.link.rpc_timeout_s,
+                                                   metadata=self.link.credential(context)[1])
 
     @rpc_errors
     async def Release(self, request, context):
@@ -342,7 +336,7 @@ class WorkerService(rpc.CompileCacheServicer):
         try:
             resp = await self.link.up.Revoked(pb.RevokedRequest(), timeout=self.link.rpc_timeout_s,
                                          metadata=md)
-        except grpc.aio.AioRpcError:
+        except Relayed:
             return None
         if resp.tenant:
             self._tenants[ns] = resp.tenant
@@ -363,15 +357,14 @@ class WorkerService(rpc.CompileCacheServicer):
             await self.link.up.ReportHits(pb.ReportHitsRequest(hits=hits,
                                                           compile_seconds_saved=seconds),
                                      timeout=self.link.rpc_timeout_s, metadata=bearer(self.token))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in (grpc.StatusCode.PERMISSION_DENIED,
-                                  grpc.StatusCode.RESOURCE_EXHAUSTED):
-                log.debug("reporting %d hits failed: %s", hits, exc.code().name)
+        except Relayed as exc:
+            if exc.code not in (Status.PERMISSION_DENIED, Status.RESOURCE_EXHAUSTED):
+                log.debug("reporting %d hits failed: %s", hits, exc.code.name)
                 return  # reported with the next
             if not self._report_refused:  # refused for good: never counted
                 self._report_refused = True
                 log.warning("the coordinator does not count this worker's hits: %s "
-                            "(give the worker's token the worker permission)", exc.details())
+                            "(give the worker's token the worker permission)", exc.details)
         self._unreported[0] -= hits
         self._unreported[1] -= seconds
 
@@ -394,8 +387,8 @@ class WorkerService(rpc.CompileCacheServicer):
                                              "; ".join(sorted({r.reason for r in
                                                                resp.revocations}))[:200])
                     since[md] = resp.revision
-                except grpc.aio.AioRpcError as exc:
-                    log.debug("polling revocations failed: %s", exc.code().name)
+                except Relayed as exc:
+                    log.debug("polling revocations failed: %s", exc.code.name)
             await asyncio.sleep(every_s)
 
     # The farm's calls, for clients that only know their host's worker.
@@ -409,12 +402,10 @@ class WorkerService(rpc.CompileCacheServicer):
 
     @rpc_errors
     async def ListRecipes(self, request, context):
-        try:
-            async for recipe in self.link.up.ListRecipes(request, timeout=max(60.0, self.link.rpc_timeout_s),
-                                                    metadata=self.link.credential(context)[1]):
-                yield recipe
-        except grpc.aio.AioRpcError as exc:
-            raise relay_error(exc) from None
+        async for recipe in self.link.up.ListRecipes(
+                request, timeout=max(60.0, self.link.rpc_timeout_s),
+                metadata=self.link.credential(context)[1]):
+            yield recipe
 
     # The farm's claims and the hit reports are the coordinator's alone: farm
     # workers and host workers call it directly, never through a host's worker.
@@ -462,8 +453,8 @@ class WorkerService(rpc.CompileCacheServicer):
         try:
             up = await self.link.up.Status(request, timeout=timeout,
                                       metadata=self.link.credential(context)[1])
-        except grpc.aio.AioRpcError as exc:
-            resp.upstream_problem = f"coordinator {unreachable(exc)}"
+        except Relayed as exc:
+            resp.upstream_problem = f"coordinator {unreachable(UpstreamError(exc.code, exc.details))}"
         else:
             resp.CopyFrom(up)
             # Hits this worker answered from its host cache, and answers it shared

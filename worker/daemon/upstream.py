@@ -13,6 +13,7 @@ import grpc
 from compilecast import wire
 from compilecast.errors import Status, UpstreamError
 from compilecast.grpcutil import aio_channel, bearer, status, token_from
+from compilecast.rpcedge import aedged
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import HEARTBEAT_S, TRANSFER_S, DataChunk
@@ -40,7 +41,11 @@ class CoordinatorLink:
         self.token = token
         self.rpc_timeout_s = rpc_timeout_s
         self.channel = aio_channel(address, credentials)
-        self.up = wire.stub(self.channel)
+        # The link's error edge: a call upstream that fails raises Relayed,
+        # never gRPC's error (compilecast/rpcedge.py). The Decide stream's
+        # client (compilecast/decide.py) is an edge of its own, over `decisions`.
+        self.up = aedged(wire.stub(self.channel), relayed)
+        self.decisions = wire.stub(self.channel)
         self.peer_credentials = peer_credentials
         self._peers: dict[str, tuple[grpc.aio.Channel, rpc.CompileCacheStub]] = {}
         self.namespaces: dict[tuple, str] = {}  # upstream metadata -> host-cache namespace
@@ -48,7 +53,7 @@ class CoordinatorLink:
     def peer(self, address: str) -> rpc.CompileCacheStub:
         if address not in self._peers:
             channel = aio_channel(address, self.peer_credentials)
-            self._peers[address] = (channel, wire.stub(channel))
+            self._peers[address] = (channel, aedged(wire.stub(channel), relayed))
         return self._peers[address][1]
 
     def credential(self, context: grpc.aio.ServicerContext) -> tuple[str, tuple]:
@@ -153,11 +158,9 @@ async def forward_publish(stub, chunks: AsyncIterator[pb.PublishChunk], md: tupl
     call = stub.Publish(guarded(), timeout=TRANSFER_S, metadata=md)
     try:
         return await unless_stalled(call, moved, UPSTREAM_IDLE_S, what)
-    except (grpc.aio.AioRpcError, asyncio.CancelledError, UpstreamError) as exc:
+    except (asyncio.CancelledError, UpstreamError):
         if broken:
             raise broken[0] from None
-        if isinstance(exc, grpc.aio.AioRpcError):
-            raise relay_error(exc) from None
         raise
 
 
@@ -181,15 +184,31 @@ def ticketed(info: pb.ArtifactInfo, ticket: pb.DataTicket | None) -> pb.FetchChu
     return pb.FetchChunk(artifact=info, data_ticket=ticket) if ticket else None
 
 
-def relay_error(exc: grpc.aio.AioRpcError | UploadRefused | UpstreamError) -> UpstreamError:
-    """The coordinator's status for our caller; a stream reset or an upstream
-    bug (INTERNAL/UNKNOWN) is reported as UNAVAILABLE: retry or compile locally."""
+class Relayed(UpstreamError):
+    """A call upstream (to the coordinator, or a peer worker) that failed, as
+    the link's edge raises it: `status` is what the worker's own caller is
+    told (a stream reset or an upstream bug, INTERNAL or UNKNOWN, is
+    UNAVAILABLE: retry or compile locally); `code` and `details` are what the
+    call itself ended with."""
+
+    def __init__(self, code: Status, details: str) -> None:
+        super().__init__(Status.UNAVAILABLE if code in (Status.INTERNAL, Status.UNKNOWN)
+                         else code, f"coordinator: {details}")
+        self.code = code
+        self.details = details
+
+
+def relayed(exc: grpc.RpcError) -> Relayed:
+    """The edge's error for a failed call upstream."""
+    code = exc.code() if callable(getattr(exc, "code", None)) else None
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    return Relayed(status(code) if code is not None else Status.UNKNOWN, details or "")
+
+
+def relay_error(exc: UploadRefused | UpstreamError) -> UpstreamError:
+    """The coordinator's status for our caller (see Relayed)."""
+    if isinstance(exc, Relayed):
+        return exc
     if isinstance(exc, UploadRefused):
-        code, details = exc.status, exc.details
-    elif isinstance(exc, UpstreamError):
-        code, details = exc.status, str(exc)
-    else:
-        code, details = status(exc.code()), exc.details()
-    if code in (Status.INTERNAL, Status.UNKNOWN):
-        code = Status.UNAVAILABLE
-    return UpstreamError(code, f"coordinator: {details}")
+        return Relayed(exc.status, exc.details)
+    return Relayed(exc.status, str(exc))

@@ -13,7 +13,8 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -29,6 +30,7 @@ from compilecast.negotiate import (
     Route,
     RouteFailed,
     Routes,
+    Way,
     carry,
 )
 from compilecast.rpcedge import edged
@@ -94,6 +96,9 @@ class CacheClient:
             + ([Route.LOCAL_FILE, Route.GROWING_FILE] if unix else [])
             + ([Route.HANDOFF] if unix and handoff_supported() else [])
             + ([Route.DATA_PLANE, Route.DATA_WAIT] if not unix and creds is None else []))
+        # Each way a fetch's answer may name, and who takes it from there.
+        self._takers: dict[Route, Callable[[str, pb.ArtifactInfo, Any], bytes]] = {Route.LOCAL_FILE: self._take_local_file,
+                        Route.DATA_PLANE: self._take_data_plane}
         self.leases = LeaseKeepers(self.keepalive)
         self.publisher = Publisher(self.stub, target, self.routes, self.leases, self.describe,
                                    timeout_s=timeout_s, stall_s=stall_s)
@@ -202,10 +207,8 @@ class CacheClient:
                                 reason="share-binary timeout passed; compile locally"), None
         timeout_s = max(0.001, timeout_s)
         call = self.stub.Wait(
-            pb.WaitRequest(key=key, requester=(identity or self.identity).requester(),
-                           timeout_ms=max(1, int(timeout_s * 1000)),
-                           accept_data_wait=ladder.has(Route.DATA_WAIT)
-                           and ladder.has(Route.DATA_PLANE)),
+            ladder.offer(pb.WaitRequest(key=key, requester=(identity or self.identity).requester(),
+                                        timeout_ms=max(1, int(timeout_s * 1000)))),
             timeout=timeout_s + self.timeout_s,
         )
         for event in call:
@@ -305,43 +308,46 @@ class CacheClient:
         with the bytes or with one of them, which this end then takes
         (RouteFailed where it cannot)."""
         try:
-            info, got = self._fetch_stream(key, digest, ladder.has(Route.LOCAL_FILE),
-                                           ladder.has(Route.DATA_PLANE),
-                                           ladder.has(Route.GROWING_FILE))
+            info, way, answer = self._fetch_stream(key, digest, ladder)
         except Unfollowable as exc:
             # Asked again: the file is then whole in the host cache, or comes
             # over the socket.
             raise RouteFailed(Route.GROWING_FILE, f"cannot follow {exc.path} "
                               f"({exc.__cause__ or exc})", lasting=not on_this_host(exc.path)) \
                 from None
-        if isinstance(got, bytes):
-            return info, got
-        if isinstance(got, pb.DataTicket):
-            try:
-                return info, read_data_plane(key, info, got, self.target, self.stall_s)
-            except (OSError, CorruptBlob) as exc:
-                # Unreachable, stalled or dripping: it would again, so off for
-                # this process (only the first transfer pays the stall bound).
-                # A connection cut midway, or bytes that do not verify, cost
-                # nothing to try again: not.
-                lasting = isinstance(exc, Unreachable | TimeoutError) or \
-                    getattr(exc, "errno", None) == errno.ETIMEDOUT
-                raise RouteFailed(Route.DATA_PLANE, str(exc), lasting=lasting) from None
+        if way is None:  # the gRPC stream's bytes, verified
+            return info, answer
+        return info, self._takers[way.route](key, info, answer)
+
+    def _take_data_plane(self, key: str, info: pb.ArtifactInfo,
+                         ticket: pb.DataTicket) -> bytes:
         try:
-            return info, read_local(key, info, got)
+            return read_data_plane(key, info, ticket, self.target, self.stall_s)
         except (OSError, CorruptBlob) as exc:
-            raise RouteFailed(Route.LOCAL_FILE, f"cannot read {got} ({exc})",
-                              lasting=isinstance(exc, OSError) and not on_this_host(got)) \
+            # Unreachable, stalled or dripping: it would again, so off for
+            # this process (only the first transfer pays the stall bound).
+            # A connection cut midway, or bytes that do not verify, cost
+            # nothing to try again: not.
+            lasting = isinstance(exc, Unreachable | TimeoutError) or \
+                getattr(exc, "errno", None) == errno.ETIMEDOUT
+            raise RouteFailed(Route.DATA_PLANE, str(exc), lasting=lasting) from None
+
+    def _take_local_file(self, key: str, info: pb.ArtifactInfo, path: str) -> bytes:
+        try:
+            return read_local(key, info, path)
+        except (OSError, CorruptBlob) as exc:
+            raise RouteFailed(Route.LOCAL_FILE, f"cannot read {path} ({exc})",
+                              lasting=isinstance(exc, OSError) and not on_this_host(path)) \
                 from None
 
-    def _fetch_stream(self, key: str, digest: str, local: bool, data_plane: bool = False,
-                      growing: bool = False
-                      ) -> tuple[pb.ArtifactInfo, bytes | str | pb.DataTicket]:
-        """The artifact's info and its verified bytes, or with `local` the
-        path of the file the worker answered with instead, or with
-        `data_plane` the coordinator's ticket for its bytes. With `local` and
-        `growing`, the worker may go on in its file as it writes it;
-        Unfollowable when that file cannot be read here."""
+    def _fetch_stream(self, key: str, digest: str, ladder: Ladder
+                      ) -> tuple[pb.ArtifactInfo, Way | None, Any]:
+        """The artifact's info, None and its verified bytes; or the way (of
+        those `ladder` offers) the server answered with instead and that
+        way's answer (the host cache file's path, a data plane's ticket). Where
+        the growing file is offered, the worker may go on in its file as it
+        writes it; Unfollowable when that file cannot be read here."""
+        request = ladder.offer(pb.FetchRequest(key=key, digest=digest, accept_zstd=True))
         info = None
         received = Received(key)
         h = Sha256()  # on a thread of its own for a big artifact: overlaps receiving
@@ -352,11 +358,7 @@ class CacheClient:
             received.add(data)
 
         inflate = None
-        call = self.stub.Fetch(pb.FetchRequest(key=key, digest=digest, accept_zstd=True,
-                                               accept_local_file=local,
-                                               accept_growing_file=local and growing,
-                                               accept_data_ticket=data_plane),
-                               timeout=TRANSFER_S)
+        call = self.stub.Fetch(request, timeout=TRANSFER_S)
         with Watchdog(self.stall_s).watching(call.cancel) as dog, contextlib.closing(h):
             try:
                 for chunk in call:
@@ -366,15 +368,13 @@ class CacheClient:
                         continue
                     if chunk.HasField("artifact"):
                         info = chunk.artifact
-                        elsewhere = (chunk.local_path if local and chunk.local_path else
-                                     chunk.data_ticket if data_plane
-                                     and chunk.HasField("data_ticket") else None)
-                        if elsewhere is not None:
+                        way = ladder.taken(chunk, request)
+                        if way is not None:
                             if digest and info.digest != digest:
                                 raise CorruptBlob(f"the server answered {key} with "
                                                   f"{info.digest}, not {digest}")
                             call.cancel()  # (its only message)
-                            return info, elsewhere
+                            return info, way, getattr(chunk, way.answer)
                         received.expect(info.size)
                     if chunk.zstd_data:
                         if inflate is None:
@@ -401,7 +401,7 @@ class CacheClient:
         if h.hexdigest() != info.digest:
             raise CorruptBlob(f"fetched bytes of {key} hash to {h.hexdigest()}, "
                               f"expected {info.digest}; discarded")
-        return info, received.result()
+        return info, None, received.result()
 
     def purge(self, keys: list[str], digests: Sequence[str] = (), reason: str = "", *,
               dry_run: bool = False) -> pb.PurgeResponse:

@@ -31,10 +31,6 @@ from .received import (
 
 log = logging.getLogger("compilecast.worker.inprocess.client")
 
-# Smaller publishes go over gRPC: below this the upload's extra round trips (the
-# ticket, the connection, the go) cost more than its cheaper bytes save
-# (bench/publish.py: 0.1 MB 1.42x and 4 MB 1.22x the time, 16 MB 0.95x).
-DATA_PLANE_UPLOAD_FROM = 16 << 20
 
 
 class LeaseKeepers:
@@ -147,17 +143,17 @@ class Publisher:
         """The publish over the first route left that suits it (an upload for
         a ticket: a handoff to this host's worker, or the coordinator's data
         plane), else the Publish stream."""
-        if ladder.has(Route.UPLOAD_TICKET) and len(data) >= max(DATA_PLANE_UPLOAD_FROM, 1):
-            if ladder.has(Route.HANDOFF):
-                room = memory_headroom()
-                # A handed file would hold the bytes a second time: near a
-                # memory limit, they go to the worker in pieces instead.
-                if room is None or room >= len(data) + HANDOFF_SPARE:
-                    return self._upload(header, data, Route.HANDOFF)
-                log.info("%d MB of memory left: the publish of %s goes over gRPC",
-                         room >> 20, header.key, extra={"key": header.key})
-            elif ladder.has(Route.DATA_PLANE):
-                return self._upload(header, data, Route.DATA_PLANE)
+        way = ladder.first(len(data))  # (an upload's ways suit big publishes only)
+        if way is not None and way.route is Route.HANDOFF:
+            room = memory_headroom()
+            # A handed file would hold the bytes a second time: near a
+            # memory limit, they go to the worker in pieces instead.
+            if room is None or room >= len(data) + HANDOFF_SPARE:
+                return self._upload(header, data, Route.HANDOFF)
+            log.info("%d MB of memory left: the publish of %s goes over gRPC",
+                     room >> 20, header.key, extra={"key": header.key})
+        elif way is not None:
+            return self._upload(header, data, way.route)
         return self._send(header, data)
 
     def _upload(self, header: pb.PublishHeader, data: bytes, route: Route) -> pb.ArtifactInfo:
