@@ -21,7 +21,7 @@ TORCH_XLA := .venv/torch-xla
 TORCH_XLA_RELEASES := 2.7 2.9
 TORCH_CUDA := .venv/torch-cuda-libs
 
-.PHONY: install package tools prometheus demo test test-matrix test-fast lint typecheck proto bench bench-smoke clean
+.PHONY: install package tools prometheus demo test test-matrix test-fast lint typecheck resolve proto bench bench-smoke clean
 
 $(VENV)/bin/python:
 ifdef UV
@@ -89,9 +89,23 @@ typecheck: package
 	$(PY) scripts/typecheck_tree.py build/typecheck
 	$(PY) -m mypy
 
+# Pyright (editors' language servers) resolves compilecast.worker.* and
+# compilecast.coordinator.* from a checkout through the same tree of links
+# (pyrightconfig.json); scripts/resolve_check.py fails on any import of ours
+# it cannot resolve.
+PYRIGHT_VERSION := 1.1.414
+PYRIGHT := build/pyright/node_modules/.bin/pyright
+$(PYRIGHT):
+	mkdir -p build/pyright
+	cd build/pyright && npm install --no-audit --no-fund --silent pyright@$(PYRIGHT_VERSION)
+
+resolve: typecheck $(PYRIGHT)
+	$(PY) scripts/resolve_check.py $(PYRIGHT)
+
 test: install
 	$(PY) -m ruff check .
 	$(MAKE) typecheck
+	$(MAKE) resolve
 	$(HELM) lint --strict helm/compilecast
 	HELM=$(HELM) $(PY) -m pytest
 
