@@ -13,10 +13,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from compilecast import tracing, validate
 from compilecast.blobstore import amake_room, aread
-from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
     AlreadyPublished,
     CorruptBlob,
@@ -48,7 +49,6 @@ from .keystate import (
 )
 from .keyview import KeyView
 from .leases import LeasePool
-from .metrics import CoordinatorMetrics
 from .presence import Presence
 from .records import (
     DEFAULT_TENANT,
@@ -81,13 +81,39 @@ def _store_zstd(writer, inflate: Inflate, stream) -> None:
         raise InvalidRequest(f"zstd_data: {exc}") from None
 
 
+@dataclass(frozen=True)
+class ArtifactSettings:
+    publish_stream_readers: int = 0  # waiters an upload in progress streams to (0: none)
+    max_artifact_bytes: int = 4 << 30  # a larger publish is refused
+    local_marker_ttl_s: int = 30  # how long a "compile locally" verdict stands
+
+
+class ArtifactMetrics(Protocol):
+    """What the artifacts' way in and out records (CoordinatorMetrics is one)."""
+
+    @property
+    def bytes(self) -> Any: ...
+
+    @property
+    def corrupt_blobs(self) -> Any: ...
+
+    @property
+    def publishes(self) -> Any: ...
+
+    @property
+    def releases(self) -> Any: ...
+
+    @property
+    def streamed_while_publishing(self) -> Any: ...
+
+
 class Artifacts:
     """Publish, Release, KeepAlive and Fetch of one replica."""
 
-    def __init__(self, cfg: CoordinatorConfig, view: KeyView, claims: Claims, etcd: Etcd,
-                 store: ArtifactStore, presence: Presence, metrics: CoordinatorMetrics,
+    def __init__(self, settings: ArtifactSettings, view: KeyView, claims: Claims, etcd: Etcd,
+                 store: ArtifactStore, presence: Presence, metrics: ArtifactMetrics,
                  uploads: Uploads, farm: Farm, leases: LeasePool) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.view = view
         self.claims = claims
         self.etcd = etcd
@@ -132,7 +158,7 @@ class Artifacts:
             raise
 
     def _checked_header(self, header: pb.PublishHeader) -> str:
-        key = validate.publish_header(header, self.cfg.max_artifact_bytes)
+        key = validate.publish_header(header, self.settings.max_artifact_bytes)
         if header.HasField("recipe"):
             validate.recipe(header.recipe, need_target=False)
         return key
@@ -266,7 +292,7 @@ class Artifacts:
         claim was no longer held."""
         ops = [op_delete(self.view.k(kind, sk))]
         if why is not None:
-            marker_lease = await self.etcd.grant(self.cfg.local_marker_ttl_s)
+            marker_lease = await self.etcd.grant(self.settings.local_marker_ttl_s)
             body = json.dumps({"reason": f"{why}; compile locally", "cause": cause,
                                "detail": detail[:validate.MAX_DETAIL_LEN]})
             ops.append(op_put(self.view.k("x", sk), body.encode(), lease=marker_lease))
@@ -323,7 +349,7 @@ class Artifacts:
                 self.metrics.streamed_while_publishing.inc()
                 return upload.info, self._counted(stream_upload(
                     upload, offset, lambda at: self._stream(sk, upload.info, at),
-                    self.cfg.publish_stream_readers))
+                    self.settings.publish_stream_readers))
             info = read_info(key, rec.value)
             if info is None:
                 await self.view.drop_unreadable(sk, "a", rec)

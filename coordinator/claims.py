@@ -11,9 +11,9 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from compilecast.config import CoordinatorConfig
 from compilecast.errors import LeaseError, Unavailable
 from compilecast.v1 import cache_pb2 as pb
 
@@ -21,18 +21,33 @@ from .etcd import KV, Etcd, GuardedBatcher, cmp_absent, cmp_mod_revision, op_put
 from .keystate import KeyState, holder_name, lease_owner, local_verdict
 from .keyview import KeyView
 from .leases import LeasePool
-from .metrics import CoordinatorMetrics
 from .records import DEFAULT_TENANT, KeyRecords, json_dict, plain, scope, tenant_of
 
 log = logging.getLogger("compilecast.coordinator.state")
 
 
+@dataclass(frozen=True)
+class ClaimSettings:
+    publish_stream_readers: int = 0  # waiters an upload in progress streams to (0: none)
+
+
+class ClaimMetrics(Protocol):
+    """What the claims record (CoordinatorMetrics is one)."""
+
+    @property
+    def compiles(self) -> Any: ...
+
+    def count_decision(self, tenant: str, decision: pb.Decision.ValueType, n: int = 1) -> None: ...
+
+    def observe_etcd_decision(self, decision: pb.Decision.ValueType, seconds: float) -> None: ...
+
+
 class Claims:
     """Taking and checking compile leases, and deciding an Acquire."""
 
-    def __init__(self, cfg: CoordinatorConfig, view: KeyView, etcd: Etcd, leases: LeasePool,
-                 records: KeyRecords, metrics: CoordinatorMetrics) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: ClaimSettings, view: KeyView, etcd: Etcd, leases: LeasePool,
+                 records: KeyRecords, metrics: ClaimMetrics) -> None:
+        self.settings = settings
         self.view = view
         self.etcd = etcd
         self.leases = leases
@@ -98,7 +113,7 @@ class Claims:
     def takes_digest_last(self) -> bool:
         """Whether holders may send the digest after the bytes: not when the
         waiters read an upload as it arrives (they are told its digest)."""
-        return self.cfg.publish_stream_readers == 0
+        return self.settings.publish_stream_readers == 0
 
     async def check_holder(self, sk: str, lease: pb.Lease,
                            requester: pb.Requester | None = None) -> str:

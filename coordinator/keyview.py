@@ -14,15 +14,14 @@ import collections
 import json
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from compilecast.config import CoordinatorConfig
 from compilecast.errors import Unavailable
 from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import KV, Etcd, cmp_mod_revision, op_delete
 from .keystate import RECORD_KINDS, RECORDS, KeyState, holder_name
-from .metrics import CoordinatorMetrics
 from .presence import Presence
 from .records import json_dict, plain, read_info, scope
 from .watch import WatchHub
@@ -34,12 +33,26 @@ INDEX_MAX = 200_000
 RELEASED_KEPT = 100_000  # keys whose claim's end is remembered (for waiters)
 
 
+@dataclass(frozen=True)
+class ViewSettings:
+    designated_grace_s: float = 10.0  # a job's waiter that never saw the claim waits this long
+
+
+class ViewMetrics(Protocol):
+    """What the key view records (CoordinatorMetrics is one)."""
+
+    @property
+    def etcd_unavailable(self) -> Any: ...
+
+    def saved(self, tenant: str, seconds: float) -> None: ...
+
+
 class KeyView:
     """What this replica knows of each key, and how it reads what it does not."""
 
-    def __init__(self, cfg: CoordinatorConfig, etcd: Etcd, hub: WatchHub, presence: Presence,
-                 metrics: CoordinatorMetrics) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: ViewSettings, etcd: Etcd, hub: WatchHub, presence: Presence,
+                 metrics: ViewMetrics) -> None:
+        self.settings = settings
         self.etcd = etcd
         self.hub = hub
         self.presence = presence
@@ -135,7 +148,7 @@ class KeyView:
         designated process came and went (a failed publish, a release), and
         nobody holds it now."""
         ended = self._released.get(sk)
-        return ended is not None and now - ended < self.cfg.designated_grace_s
+        return ended is not None and now - ended < self.settings.designated_grace_s
 
     def claim_reason(self, sk: str) -> str | None:
         """The WAIT reason for a claim the watch reported, or None (none, or

@@ -7,6 +7,8 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from compilecast import validate
 from compilecast.config import CoordinatorConfig
@@ -33,7 +35,6 @@ from .keystate import (
 )
 from .keyview import KeyView
 from .leases import Session
-from .metrics import CoordinatorMetrics
 from .records import (
     DEFAULT_TENANT,
     KeyRecords,
@@ -95,13 +96,34 @@ def describe_store(cfg: CoordinatorConfig) -> str:
 log = logging.getLogger("compilecast.coordinator.state")
 
 
+@dataclass(frozen=True)
+class OperationSettings:
+    store_type: str = "disk"
+    store_max_bytes: int = 0  # 0: unbounded
+    store_description: str = ""  # where the store is, for Status
+
+
+class OperationMetrics(Protocol):
+    """What the operators' calls record (CoordinatorMetrics is one)."""
+
+    @property
+    def purges(self) -> Any: ...
+
+    @property
+    def tally(self) -> Any: ...
+
+    def of(self, tenant: str) -> Any: ...
+
+    def host_hits(self, tenant: str, hits: int, seconds: float) -> None: ...
+
+
 class Operations:
     """Purge, Revoked, ReportHits and Status of one replica."""
 
-    def __init__(self, cfg: CoordinatorConfig, view: KeyView, waiting: Waiting,
+    def __init__(self, settings: OperationSettings, view: KeyView, waiting: Waiting,
                  session: Session, etcd: Etcd, store: ArtifactStore,
-                 metrics: CoordinatorMetrics, records: KeyRecords, farm: Farm) -> None:
-        self.cfg = cfg
+                 metrics: OperationMetrics, records: KeyRecords, farm: Farm) -> None:
+        self.settings = settings
         self.view = view
         self.waiting = waiting
         self.session = session
@@ -243,9 +265,9 @@ class Operations:
         tally, replica = self.metrics.of(tenant), self.metrics.tally
         resp.hits, resp.misses = tally.hits + tally.host_hits, tally.misses
         resp.compile_seconds_saved = tally.saved_s
-        resp.store_bytes, resp.store_max_bytes = self.store.stored_bytes, self.cfg.store_max_bytes
-        resp.store = describe_store(self.cfg)
-        if self.cfg.store_type == "s3":
+        resp.store_bytes, resp.store_max_bytes = self.store.stored_bytes, self.settings.store_max_bytes
+        resp.store = self.settings.store_description
+        if self.settings.store_type == "s3":
             resp.bucket_errors = replica.bucket_errors
             resp.bucket_local_hits = replica.bucket_local_hits
             resp.bucket_local_misses = replica.bucket_local_misses

@@ -37,20 +37,20 @@ from compilecast.config import CoordinatorConfig
 from compilecast.serving import Background, cancel_all
 from compilecast.store import ArtifactStore
 
-from .artifacts import Artifacts
-from .claims import Claims
+from .artifacts import Artifacts, ArtifactSettings
+from .claims import Claims, ClaimSettings
 from .etcd import Etcd
 from .farm import Farm
-from .keyview import KeyView
+from .keyview import KeyView, ViewSettings
 from .leases import LeasePool, Session
 from .metrics import CoordinatorMetrics
-from .operations import Operations
+from .operations import Operations, OperationSettings, describe_store
 from .presence import Presence
 from .records import KeyRecords
 from .relay import RelayTrees
 from .sweep import IndexSweeper
 from .uploads import Uploads
-from .waiting import Waiting
+from .waiting import Waiting, WaitSettings
 from .watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ class CoordinatorState:
         self.presence = Presence(store, metrics.bucket_stalls)
         metrics.bucket_checks_waiting.set_function(lambda: self.presence.waiting)
         self.hub = WatchHub(etcd, cfg.etcd_prefix.rstrip("/").encode())
-        self.view = KeyView(cfg, etcd, self.hub, self.presence, metrics)
+        self.view = KeyView(ViewSettings(designated_grace_s=cfg.designated_grace_s), etcd,
+                            self.hub, self.presence, metrics)
         self.records = KeyRecords(etcd, self.hub.prefix, metrics)
         self.sweeper = IndexSweeper(etcd, self.hub.prefix, self.presence, self.records, metrics,
                                     record_max_age_s=cfg.key_record_days * 86400,
@@ -82,13 +83,26 @@ class CoordinatorState:
         self.leases = LeasePool(etcd, cfg.lease_ttl_s)
         self.session = Session(etcd, cfg.lease_ttl_s)
         self.background = Background(log)
-        self.claims = Claims(cfg, self.view, etcd, self.leases, self.records, metrics)
-        self.artifacts = Artifacts(cfg, self.view, self.claims, etcd, store, self.presence,
-                                   metrics, self.uploads, self.farm, self.leases)
-        self.waiting = Waiting(cfg, self.view, self.claims, self.session, etcd, metrics,
-                               self.records, self.uploads, self.background)
-        self.operations = Operations(cfg, self.view, self.waiting, self.session, etcd, store,
-                                     metrics, self.records, self.farm)
+        self.claims = Claims(ClaimSettings(publish_stream_readers=cfg.publish_stream_readers),
+                             self.view, etcd, self.leases, self.records, metrics)
+        self.artifacts = Artifacts(
+            ArtifactSettings(publish_stream_readers=cfg.publish_stream_readers,
+                             max_artifact_bytes=cfg.max_artifact_bytes,
+                             local_marker_ttl_s=cfg.local_marker_ttl_s),
+            self.view, self.claims, etcd, store, self.presence, metrics, self.uploads,
+            self.farm, self.leases)
+        self.waiting = Waiting(
+            WaitSettings(
+                share_binary_between_hosts_timeout_ms=cfg.share_binary_between_hosts_timeout_ms,
+                publish_stream_readers=cfg.publish_stream_readers,
+                hedge_min_s=cfg.hedge_min_s, hedge_factor=cfg.hedge_factor,
+                designated_grace_s=cfg.designated_grace_s),
+            self.view, self.claims, self.session, etcd, metrics, self.records, self.uploads,
+            self.background)
+        self.operations = Operations(
+            OperationSettings(store_type=cfg.store_type, store_max_bytes=cfg.store_max_bytes,
+                              store_description=describe_store(cfg)),
+            self.view, self.waiting, self.session, etcd, store, metrics, self.records, self.farm)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:

@@ -12,9 +12,9 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from compilecast import validate
-from compilecast.config import CoordinatorConfig
 from compilecast.errors import (
     InvalidRequest,
     Unavailable,
@@ -33,7 +33,6 @@ from .keystate import (
 )
 from .keyview import KeyView
 from .leases import Session
-from .metrics import CoordinatorMetrics
 from .records import (
     DEFAULT_TENANT,
     KeyRecords,
@@ -68,13 +67,38 @@ class _Wait:
     free_since: float | None = None  # the key free, with nobody holding it, since
 
 
+@dataclass(frozen=True)
+class WaitSettings:
+    share_binary_between_hosts_timeout_ms: int = 20 * 60 * 1000  # a wait's longest
+    publish_stream_readers: int = 0  # waiters an upload in progress streams to (0: none)
+    hedge_factor: float = 3.0  # hedge a holder compiling this many times the longest known (0: never)
+    hedge_min_s: float = 120.0  # never a holder younger than this
+    designated_grace_s: float = 10.0  # a job's waiter waits this long for its designated process
+
+
+class WaitMetrics(Protocol):
+    """What the waits record (CoordinatorMetrics is one)."""
+
+    @property
+    def compiles(self) -> Any: ...
+
+    @property
+    def wait_seconds(self) -> Any: ...
+
+    @property
+    def waiters(self) -> Any: ...
+
+    @property
+    def waits(self) -> Any: ...
+
+
 class Waiting:
     """Wait, and this replica's waiter records."""
 
-    def __init__(self, cfg: CoordinatorConfig, view: KeyView, claims: Claims, session: Session,
-                 etcd: Etcd, metrics: CoordinatorMetrics, records: KeyRecords, uploads: Uploads,
+    def __init__(self, settings: WaitSettings, view: KeyView, claims: Claims, session: Session,
+                 etcd: Etcd, metrics: WaitMetrics, records: KeyRecords, uploads: Uploads,
                  background: Background) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.view = view
         self.claims = claims
         self.session = session
@@ -106,7 +130,7 @@ class Waiting:
         validate.requester(req)
         if timeout_ms < 0:
             raise InvalidRequest("timeout_ms must be >= 0")
-        return (timeout_ms or self.cfg.share_binary_between_hosts_timeout_ms) / 1000.0
+        return (timeout_ms or self.settings.share_binary_between_hosts_timeout_ms) / 1000.0
 
     async def wait(self, key: str, req: pb.Requester, timeout_ms: int, *,
                    tenant: str = DEFAULT_TENANT, may_publish: bool = True) -> AsyncIterator[pb.WaitEvent]:
@@ -190,7 +214,7 @@ class Waiting:
         assert st is not None
         if st.local:
             return st, [pb.WaitEvent(decision=pb.COMPILE_LOCALLY, **local_verdict(st.local))], True
-        upload = self.uploads.get(w.sk) if self.cfg.publish_stream_readers else None
+        upload = self.uploads.get(w.sk) if self.settings.publish_stream_readers else None
         if upload is not None and upload is not w.announced:
             w.announced = upload  # once per upload: fetching it streams it
             return st, [pb.WaitEvent(decision=pb.WAIT, artifact=upload.info,
@@ -235,14 +259,14 @@ class Waiting:
         req = w.req
         return w.may_publish and (
             not req.job or w.seen_holder or req.process_id == req.designated_process
-            or now - w.start >= self.cfg.designated_grace_s
+            or now - w.start >= self.settings.designated_grace_s
             or self.view.released_lately(w.sk, now))
 
     async def _maybe_hedge(self, sk: str, rank: str, req: pb.Requester, st: KeyState,
                            may_publish: bool, expected: list[float | None]) -> pb.Lease | None:
         """Hedge a holder that runs far past the program's expected compile
         time: the lowest waiter gets a hedge lease (P/h) and compiles too."""
-        factor = self.cfg.hedge_factor
+        factor = self.settings.hedge_factor
         if factor <= 0 or not may_publish or st.lease is None or st.hedge is not None:
             return None
         if not expected:
@@ -251,7 +275,7 @@ class Waiting:
         if expected[0] is None:
             return None  # never seen this program compile: nothing to compare with
         age = time.time() - st.lease.get("granted", time.time())
-        if age < max(self.cfg.hedge_min_s, factor * expected[0]):
+        if age < max(self.settings.hedge_min_s, factor * expected[0]):
             return None
         if await self._waiter_position(sk, rank) != 0:
             return None
