@@ -21,6 +21,9 @@ from typing import Any
 
 import yaml
 
+from compilecast import validate
+from compilecast.errors import InvalidRequest
+
 ENV_PREFIX = "COMPILECAST_"
 
 
@@ -281,6 +284,10 @@ class WorkerConfig(Checked):
         metadata=_help("host cache directory"),
     )
     cache_max_bytes: int = field(default=20 << 30, metadata=_help("host cache size bound"))
+    job: str = field(default="", metadata=_help(
+        "the job this host runs (at most 128 of [A-Za-z0-9._:-]): its manifest's artifacts are "
+        "prefetched into the host cache at start and its keys' HITs answered here "
+        "(a caller's own job, Requester.job, too)"))
     cache_min_free_bytes: int = field(
         default=2 << 30,
         metadata=_help("space the host cache leaves free on its disk for the jobs on the host: "
@@ -395,7 +402,15 @@ class WorkerConfig(Checked):
             listen,
             lambda: _address(self.coordinator, "coordinator"),
             lambda: _times(self),
+            lambda: _job(self.job),
         ]
+
+
+def _job(value: str) -> None:
+    try:
+        validate.job(value)
+    except InvalidRequest as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # etcd's longest lease (MaxLeaseTTL); a TTL beyond it is refused on every grant.

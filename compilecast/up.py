@@ -55,6 +55,7 @@ class UpConfig:
     # and metrics off. Nothing listens on the network (a TPU VM's default).
     no_tcp: bool = False
     otlp_endpoint: str = ""  # an OpenTelemetry collector both roles trace to ("": the env's)
+    job: str = ""  # the host's job: its manifest is prefetched at start ("": the env's)
 
     @property
     def sockets(self) -> Path:
@@ -300,6 +301,7 @@ def configs(cfg: UpConfig, env: dict[str, str] | None = None
         "metrics_host": "127.0.0.1",
         **({"metrics_port": 0, "data_plane": False} if cfg.no_tcp else {}),
         **({"otlp_endpoint": cfg.otlp_endpoint} if cfg.otlp_endpoint else {}),
+        **({"job": cfg.job} if cfg.job else {}),
     })
     return ccfg, wcfg
 

@@ -99,6 +99,15 @@ def acquire_request(r: pb.AcquireRequest) -> None:
     key(r.key)
     requester(r.requester)
     components(r.key_components, r.program_name)
+    job(r.manifest_job, "manifest_job")
+
+
+def job(value: str, what: str = "job") -> str:
+    """A job's name (a manifest's, a recipe's): at most 128 of [A-Za-z0-9._:-]."""
+    if not JOB_RE.match(value):
+        raise InvalidRequest(f"{what} {value[:80]!r} is invalid: use at most 128 of "
+                             "[A-Za-z0-9._:-]")
+    return value
 
 
 def publish_header(header: pb.PublishHeader, max_size: int) -> str:

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 
 from compilecast import decide, decideserve, tracing, validate
-from compilecast.errors import TooMany
+from compilecast.errors import InvalidRequest, TooMany
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -38,9 +38,12 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def Acquire(self, request, context):
         who = self.auth.identify(context)
         validate.acquire_request(request)
-        return await self.state.claims.acquire(request.key, request.requester,
-                                        dict(request.key_components), request.program_name,
-                                        tenant=who.tenant, may_publish=who.can_publish)
+        answer = await self.state.claims.acquire(request.key, request.requester,
+                                                 dict(request.key_components),
+                                                 request.program_name, tenant=who.tenant,
+                                                 may_publish=who.can_publish)
+        self.state.manifests.note(who.tenant, [request], [answer])
+        return answer
 
     async def _acquire_many(self, requests, who) -> list[pb.AcquireResponse]:
         """A checked batch, decided concurrently: etcd pipelines the misses' writes."""
@@ -56,15 +59,24 @@ class CoordinatorService(rpc.CompileCacheServicer):
         limit: contextlib.AbstractAsyncContextManager[object]
         if len(requests) == 1:  # the common message of a Decide stream
             limit = contextlib.nullcontext()
-            return [await one(requests[0])]
-        limit = asyncio.Semaphore(64)
-        return await asyncio.gather(*(one(r) for r in requests))
+            answers = [await one(requests[0])]
+        else:
+            limit = asyncio.Semaphore(64)
+            answers = await asyncio.gather(*(one(r) for r in requests))
+        self.state.manifests.note(who.tenant, requests, answers)
+        return answers
+
+    def _decided_now(self, requests, who, partial: bool = False):
+        answers = self.state.claims.decided_now([r.key for r in requests], tenant=who.tenant,
+                                                partial=partial)
+        self.state.manifests.note(who.tenant, requests, answers)
+        return answers
 
     @rpc_errors
     async def AcquireMany(self, request, context):
         who = self.auth.identify(context)
         decide.check_batch(request.requests)  # all checked before any is decided
-        responses = (self.state.claims.decided_now([r.key for r in request.requests], tenant=who.tenant)
+        responses = (self._decided_now(request.requests, who)
                      or await self._acquire_many(request.requests, who))
         return pb.AcquireManyResponse(responses=responses)
 
@@ -76,8 +88,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
             async for answer in decideserve.serve(
                     request_iterator, lambda rs: self._acquire_many(rs, who),
                     wait=lambda r, until: decide.ending_event(self._wait(r, who), until),
-                    decide_now=lambda rs, partial: self.state.claims.decided_now(
-                        [r.key for r in rs], tenant=who.tenant, partial=partial),
+                    decide_now=lambda rs, partial: self._decided_now(rs, who, partial),
                     streams=self.streams, advice=self.advice):
                 yield answer
         finally:
@@ -229,6 +240,17 @@ class CoordinatorService(rpc.CompileCacheServicer):
         self.state.operations.report_hits(request.hits, request.compile_seconds_saved,
                                           tenant=who.tenant, reporter=f"{who.name}@{host}")
         return pb.ReportHitsResponse()
+
+    @rpc_errors
+    async def GetManifest(self, request, context):
+        who = self.auth.identify(context)
+        if not request.job:
+            raise InvalidRequest("name the job whose manifest to get")
+        validate.job(request.job)
+        if request.held_digest:
+            validate.digest(request.held_digest)
+        return await self.state.manifests.manifest(who.tenant, request.job,
+                                                   request.held_digest)
 
     # -- ahead-of-time compiles -----------------------------------------
     @rpc_errors

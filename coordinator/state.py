@@ -43,6 +43,7 @@ from .etcd import Etcd
 from .farm import Farm
 from .keyview import KeyView, ViewSettings
 from .leases import LeasePool, Session
+from .manifests import Manifests
 from .metrics import CoordinatorMetrics
 from .operations import Operations, OperationSettings, describe_store
 from .presence import Presence
@@ -99,6 +100,7 @@ class CoordinatorState:
                 designated_grace_s=cfg.designated_grace_s),
             self.view, self.claims, self.session, etcd, metrics, self.records, self.uploads,
             self.background)
+        self.manifests = Manifests(etcd, self.view, self.hub.prefix)
         self.operations = Operations(
             OperationSettings(store_type=cfg.store_type, store_max_bytes=cfg.store_max_bytes,
                               store_description=describe_store(cfg)),

@@ -113,6 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             setattr(cfg, name, getattr(args, name))
     cfg.no_tcp = args.no_tcp
     cfg.otlp_endpoint = args.otlp_endpoint
+    cfg.job = args.job
     return run(cfg)
 
 
@@ -351,6 +352,10 @@ def _add_servers(sub) -> None:
     p.add_argument("--otlp-endpoint", default="",
                    help="an OpenTelemetry collector (OTLP/HTTP) the coordinator and the worker "
                         "trace to (default: $COMPILECAST_OTLP_ENDPOINT)")
+    p.add_argument("--job", default="",
+                   help="the job this host runs: its manifest's artifacts are prefetched into "
+                        "the host cache at start, its keys' HITs answered by the worker "
+                        "(default: $COMPILECAST_JOB)")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("coordinator", help="run a coordinator replica")

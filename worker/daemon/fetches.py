@@ -353,6 +353,23 @@ class Fetches:
         async for chunk in self._following(fill, available):
             yield chunk
 
+    async def prefetch(self, ns: str, md: tuple, key: str, digest: str) -> bool:
+        """Bring `key`'s artifact (`digest`) into the host cache, downloaded
+        once however many ask, without reading it: whether the host cache
+        kept it. Raises what the download failed with (a purged or lost
+        artifact: NOT_FOUND; bytes that do not verify)."""
+        info = await asyncio.to_thread(self.cache.lookup, ns, key)
+        if info is not None and info.digest == digest:
+            return True
+        fill = self.fills.get((ns, key))
+        if fill is None:
+            fill = self.fills[(ns, key)] = Fill(Fill.MAX_BACKLOG if self.relay_address else 0)
+            self.background.spawn(self._run_fill(fill, ns, md, key, digest))
+        got = await asyncio.shield(fill.done)
+        if got is not None and got.digest != digest:
+            raise CorruptBlob(f"{key} is now {got.digest}, not {digest}")
+        return fill.kept
+
     async def relay_ticket(self, ns: str, request: pb.FetchRequest) -> pb.FetchChunk | None:
         """For a peer's relay Fetch that takes a data ticket: the artifact's
         header with a ticket of this worker's relay data plane, where its

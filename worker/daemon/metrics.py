@@ -27,6 +27,21 @@ class WorkerMetrics:
             "compile, wait, or compile_locally (decided upstream or by fallback)",
             ["result"], registry=registry,
         )
+        self.manifest_hits = Counter(
+            "compilecast_worker_manifest_hits",
+            "Acquires answered HIT from a job's manifest (counted among lookups' host_hit)",
+            registry=registry,
+        )
+        self.prefetched = Counter(
+            "compilecast_worker_prefetched_artifacts",
+            "Artifacts of a job's manifest fetched into the host cache before they were asked for",
+            registry=registry,
+        )
+        self.prefetched_bytes = Counter(
+            "compilecast_worker_prefetched_bytes",
+            "Bytes of a job's manifest fetched into the host cache before they were asked for",
+            registry=registry,
+        )
         self.fallbacks = Counter(
             "compilecast_worker_fallbacks",
             "Requests answered 'compile locally' because the coordinator was unreachable",

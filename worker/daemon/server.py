@@ -78,6 +78,7 @@ class Worker(Role):
                                      wake_on_host_publish=cfg.wake_on_host_publish,
                                      data_plane=cfg.data_plane and upstream_creds is None,
                                      bucket_urls=cfg.bucket_urls,
+                                     job=cfg.job,
                                      # Peers serve with the same certificates as the
                                      # coordinator's CA signs (one PKI per release).
                                      peer_credentials=upstream_creds,
@@ -129,6 +130,8 @@ class Worker(Role):
         self._hit_reports = asyncio.create_task(self.service.report_hits(HIT_REPORT_S))
         self._keep_free = asyncio.create_task(self._give_way())
         self._dir_sync = asyncio.create_task(self.dirs.run(cfg.dir_sync_s))
+        if self.cfg.job:  # the host's job: its manifest, prefetched while the framework starts
+            self.service.learn_job(self.cfg.job)
 
     def _caller(self, context) -> tuple[str, str]:
         """A caller's token ("" : none, or this worker's) and host-cache namespace."""

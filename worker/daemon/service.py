@@ -23,7 +23,7 @@ import grpc
 
 from compilecast import decide, decideserve, retry, tracing, validate
 from compilecast.decide import Decider
-from compilecast.errors import Status, Unimplemented, UpstreamError
+from compilecast.errors import CompilecastError, Status, Unimplemented, UpstreamError
 from compilecast.grpcutil import bearer, rpc_errors, token_from, unreachable
 from compilecast.negotiate import Route, Routes
 from compilecast.serving import Background
@@ -34,6 +34,7 @@ from .decisions import HostDecisions
 from .dirsync import DirSync
 from .fetches import Fetches
 from .hostcache import HostCache, HostCopies
+from .manifests import HostManifests
 from .metrics import WorkerMetrics
 from .publishes import Publishes
 from .upstream import (
@@ -62,8 +63,9 @@ class WorkerService(rpc.CompileCacheServicer):
                  relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None,
                  local_files: bool = True,
                  data_plane: bool = False, wake_on_host_publish: bool = False,
-                 bucket_urls: bool = True) -> None:
+                 bucket_urls: bool = True, job: str = "") -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
+        self.job = job  # this host's job (`up --job`): its manifest's keys are answered here
         # The routes besides gRPC this worker may take (compilecast/negotiate.py):
         # whole downloads and uploads over the coordinator's data plane
         # (plaintext only), a bucket's presigned URLs, peers' relay data
@@ -87,6 +89,9 @@ class WorkerService(rpc.CompileCacheServicer):
                                self.background, relay_address=relay_address)
         self.publishes = Publishes(self.link, cache, self.copies, metrics, self.routes,
                                    self.waits, wake_on_host_publish=wake_on_host_publish)
+        self.manifests = HostManifests(self.link, self.fetches,
+                                       max_bytes=cache.store.max_bytes or 0,
+                                       counted=self._prefetched)
         self.dirs: DirSync | None = None  # the host's synced directories (server.py)
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self._tenants: dict[str, str] = {}  # host-cache namespace -> its tenant, once known
@@ -109,6 +114,7 @@ class WorkerService(rpc.CompileCacheServicer):
     async def close(self) -> None:
         for decider in [*self._deciders.values(), *self._retiring]:
             await decider.close()
+        await self.manifests.close()
         await self.link.close()
 
     def _local(self, rpc_name: str, exc: UpstreamError) -> str:
@@ -145,6 +151,12 @@ class WorkerService(rpc.CompileCacheServicer):
                 self.metrics.key_seconds.observe(r.key_seconds)
         keys = [r.key for r in requests]  # one trip to a thread for the batch's lookups
         found = await asyncio.to_thread(lambda: [self.cache.lookup(ns, k) for k in keys])
+        for r in requests:  # the job whose manifest records the key (coordinator/manifests.py)
+            r.manifest_job = r.manifest_job or r.requester.job or self.job
+            self.manifests.learn(ns, md, r.manifest_job)
+        # A host cache hit, else a manifest's entry for exactly the key (its
+        # bytes verified as every fetch's: worker/daemon/manifests.py).
+        found = [info or self._from_manifest(ns, k) for info, k in zip(found, keys, strict=True)]
         answers = [pb.AcquireResponse(decision=pb.HIT, artifact=info) if info else None
                    for info in found]
         ask = [r for r, a in zip(requests, answers, strict=True) if a is None]
@@ -185,6 +197,21 @@ class WorkerService(rpc.CompileCacheServicer):
                     self._unreported[1] += a.artifact.compile_time_seconds
             out.append(a)
         return out
+
+    def learn_job(self, job: str) -> None:
+        """This host runs `job` (as this worker's own credential): its manifest
+        is asked for and prefetched now."""
+        self.manifests.learn("host", bearer(self.token), job)
+
+    def _prefetched(self, size: int) -> None:
+        self.metrics.prefetched.inc()
+        self.metrics.prefetched_bytes.inc(size)
+
+    def _from_manifest(self, ns: str, key: str) -> pb.ArtifactInfo | None:
+        info = self.manifests.answer(ns, key)
+        if info is not None:
+            self.metrics.manifest_hits.inc()
+        return info
 
     @rpc_errors
     async def Acquire(self, request, context):
@@ -304,6 +331,10 @@ class WorkerService(rpc.CompileCacheServicer):
         return resp
 
     @rpc_errors
+    async def GetManifest(self, request, context):
+        return await self._forward("GetManifest", request, context)
+
+    @rpc_errors
     async def Revoked(self, request, context):
         return await self._forward("Revoked", request, context)
 
@@ -321,6 +352,7 @@ class WorkerService(rpc.CompileCacheServicer):
             known = await self._tenant_of(other)
             if known is not None and tenant:
                 (mine if known == tenant else others).add(other)
+        self.manifests.revoke(digests)
         for digest in await asyncio.to_thread(self.cache.revoke, digests, named, mine, others):
             self.metrics.revoked.inc()
             log.warning("dropped revoked artifact %s from the host cache (%s)", digest, why)
@@ -429,8 +461,14 @@ class WorkerService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Fetch(self, request, context):
         ns, md = self.link.credential(context)
-        async for chunk in self.fetches.fetch(ns, md, request):
-            yield chunk
+        try:
+            async for chunk in self.fetches.fetch(ns, md, request):
+                yield chunk
+        except CompilecastError:
+            # A manifest's entry for it proved stale (purged, lost, another
+            # digest): the process's next ask goes upstream.
+            self.manifests.forget(ns, request.key)
+            raise
 
     @rpc_errors
     async def Publish(self, request_iterator, context):
@@ -483,6 +521,8 @@ class WorkerService(rpc.CompileCacheServicer):
         if self.dirs is not None:
             resp.directories.extend(await asyncio.to_thread(self.dirs.status))
         resp.pjrt_compiles.extend(self.metrics.pjrt_status())
+        resp.prefetches.extend(self.manifests.status())
+        resp.manifest_hits = self.manifests.hits
 
 
 class RelayService(rpc.CompileCacheServicer):

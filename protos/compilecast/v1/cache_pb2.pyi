@@ -340,6 +340,7 @@ class AcquireRequest(_message.Message):
     PROGRAM_NAME_FIELD_NUMBER: _builtins.int
     KEY_SECONDS_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    MANIFEST_JOB_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The cache key: 1-200 characters of [A-Za-z0-9._-]."""
     program_name: _builtins.str
@@ -349,6 +350,11 @@ class AcquireRequest(_message.Message):
     key_seconds: _builtins.float
     """Optional: seconds the client spent computing the key (for the worker's
     key-time histogram); 0 when unknown.
+    """
+    manifest_job: _builtins.str
+    """Optional: the job whose manifest records this key (a worker started
+    with --job, or its callers' job), at most 128 characters. The
+    coordinator records the key under the job once (GetManifest).
     """
     @_builtins.property
     def requester(self) -> Global___Requester: ...
@@ -374,10 +380,11 @@ class AcquireRequest(_message.Message):
         program_name: _builtins.str = ...,
         key_seconds: _builtins.float = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        manifest_job: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["requester", b"requester"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "key_components", b"key_components", "key_seconds", b"key_seconds", "program_name", b"program_name", "requester", b"requester", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "key_components", b"key_components", "key_seconds", b"key_seconds", "manifest_job", b"manifest_job", "program_name", b"program_name", "requester", b"requester", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1523,6 +1530,8 @@ class StatusResponse(_message.Message):
     BUCKET_LOCAL_MISSES_FIELD_NUMBER: _builtins.int
     DIRECTORIES_FIELD_NUMBER: _builtins.int
     PJRT_COMPILES_FIELD_NUMBER: _builtins.int
+    PREFETCHES_FIELD_NUMBER: _builtins.int
+    MANIFEST_HITS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"coordinator" or "worker"."""
     artifacts: _builtins.int
@@ -1588,6 +1597,8 @@ class StatusResponse(_message.Message):
     """
     bucket_local_hits: _builtins.int
     bucket_local_misses: _builtins.int
+    manifest_hits: _builtins.int
+    """From a worker: HITs it answered from a manifest."""
     @_builtins.property
     def in_flight(self) -> _containers.RepeatedCompositeFieldContainer[Global___InFlight]: ...
     @_builtins.property
@@ -1607,6 +1618,10 @@ class StatusResponse(_message.Message):
         """From a worker: the compiles of frameworks on an interposed PJRT plugin,
         per platform (docs/pjrt.md).
         """
+
+    @_builtins.property
+    def prefetches(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobPrefetch]:
+        """From a worker: the jobs whose manifests it holds, and their prefetch."""
 
     def __init__(
         self,
@@ -1648,10 +1663,12 @@ class StatusResponse(_message.Message):
         bucket_local_misses: _builtins.int = ...,
         directories: _abc.Iterable[Global___SyncedDirectory] | None = ...,
         pjrt_compiles: _abc.Iterable[Global___PjrtCompiles] | None = ...,
+        prefetches: _abc.Iterable[Global___JobPrefetch] | None = ...,
+        manifest_hits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "bucket_errors", b"bucket_errors", "bucket_local_hits", b"bucket_local_hits", "bucket_local_misses", b"bucket_local_misses", "compile_seconds_saved", b"compile_seconds_saved", "compiles_in_flight", b"compiles_in_flight", "coordinator_loop_busy", b"coordinator_loop_busy", "decide_gap_ms", b"decide_gap_ms", "directories", b"directories", "etcd_write_p50_ms", b"etcd_write_p50_ms", "etcd_write_p99_ms", b"etcd_write_p99_ms", "etcd_writes_sampled", b"etcd_writes_sampled", "hits", b"hits", "host_cache_bytes", b"host_cache_bytes", "host_cache_max_bytes", b"host_cache_max_bytes", "host_cache_min_free_bytes", b"host_cache_min_free_bytes", "host_disk_free_bytes", b"host_disk_free_bytes", "host_uncached", b"host_uncached", "in_flight", b"in_flight", "jobs", b"jobs", "misses", b"misses", "pjrt_compiles", b"pjrt_compiles", "recent_misses", b"recent_misses", "revoked", b"revoked", "role", b"role", "store", b"store", "store_bytes", b"store_bytes", "store_max_bytes", b"store_max_bytes", "tasks_done", b"tasks_done", "tasks_failed", b"tasks_failed", "tasks_queued", b"tasks_queued", "tasks_running", b"tasks_running", "upstream", b"upstream", "upstream_healthy", b"upstream_healthy", "upstream_problem", b"upstream_problem", "waiters", b"waiters", "waiting_here", b"waiting_here"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "bucket_errors", b"bucket_errors", "bucket_local_hits", b"bucket_local_hits", "bucket_local_misses", b"bucket_local_misses", "compile_seconds_saved", b"compile_seconds_saved", "compiles_in_flight", b"compiles_in_flight", "coordinator_loop_busy", b"coordinator_loop_busy", "decide_gap_ms", b"decide_gap_ms", "directories", b"directories", "etcd_write_p50_ms", b"etcd_write_p50_ms", "etcd_write_p99_ms", b"etcd_write_p99_ms", "etcd_writes_sampled", b"etcd_writes_sampled", "hits", b"hits", "host_cache_bytes", b"host_cache_bytes", "host_cache_max_bytes", b"host_cache_max_bytes", "host_cache_min_free_bytes", b"host_cache_min_free_bytes", "host_disk_free_bytes", b"host_disk_free_bytes", "host_uncached", b"host_uncached", "in_flight", b"in_flight", "jobs", b"jobs", "manifest_hits", b"manifest_hits", "misses", b"misses", "pjrt_compiles", b"pjrt_compiles", "prefetches", b"prefetches", "recent_misses", b"recent_misses", "revoked", b"revoked", "role", b"role", "store", b"store", "store_bytes", b"store_bytes", "store_max_bytes", b"store_max_bytes", "tasks_done", b"tasks_done", "tasks_failed", b"tasks_failed", "tasks_queued", b"tasks_queued", "tasks_running", b"tasks_running", "upstream", b"upstream", "upstream_healthy", b"upstream_healthy", "upstream_problem", b"upstream_problem", "waiters", b"waiters", "waiting_here", b"waiting_here"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1766,8 +1783,11 @@ class Target(_message.Message):
     platform: _builtins.str
     """"tpu", "gpu" or "cpu"."""
     topology: _builtins.str
-    """A compile-only topology name for jax.experimental.topologies
-    (e.g. "v5e:2x2"); "" means the local devices of the compiling process.
+    """A compile-only topology for jax.experimental.topologies: libtpu's name
+    and its options, as `compilecast precompile --topology` resolves what a
+    user types (e.g. "v5e:2x2", "v5e:1x1,chips_per_host_bounds=1x1x1",
+    "v5e:4x4,num_slices=2"); "" means the local devices of the compiling
+    process.
     """
     platform_version: _builtins.str
     """Of the compiler that produced a recorded artifact (informational)."""
@@ -1866,6 +1886,109 @@ class Recipe(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Recipe: _TypeAlias = Recipe  # noqa: Y015
+
+@_typing.final
+class ManifestRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    HELD_DIGEST_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """The job, 1-128 characters."""
+    held_digest: _builtins.str
+    """The digest of the manifest the caller holds: an unchanged manifest
+    comes back without its entries.
+    """
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        held_digest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held_digest", b"held_digest", "job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ManifestRequest: _TypeAlias = ManifestRequest  # noqa: Y015
+
+@_typing.final
+class Manifest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    UNPUBLISHED_FIELD_NUMBER: _builtins.int
+    UNCHANGED_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    digest: _builtins.str
+    """Lowercase hex sha256 of the entries as sent (content-addressed: two
+    replicas that read the same keys send the same digest).
+    """
+    unpublished: _builtins.int
+    """Keys recorded for the job that have no artifact (yet): compiling, or
+    compiled locally.
+    """
+    unchanged: _builtins.bool
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ArtifactInfo]:
+        """The entries, in key order (each an artifact's index entry); empty when
+        held_digest named this manifest.
+        """
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        entries: _abc.Iterable[Global___ArtifactInfo] | None = ...,
+        unpublished: _builtins.int = ...,
+        unchanged: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "entries", b"entries", "job", b"job", "unchanged", b"unchanged", "unpublished", b"unpublished"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Manifest: _TypeAlias = Manifest  # noqa: Y015
+
+@_typing.final
+class JobPrefetch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    ARTIFACTS_DONE_FIELD_NUMBER: _builtins.int
+    ARTIFACTS_TOTAL_FIELD_NUMBER: _builtins.int
+    BYTES_DONE_FIELD_NUMBER: _builtins.int
+    BYTES_TOTAL_FIELD_NUMBER: _builtins.int
+    STOPPED_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    artifacts_done: _builtins.int
+    artifacts_total: _builtins.int
+    bytes_done: _builtins.int
+    bytes_total: _builtins.int
+    stopped: _builtins.str
+    """Why it stopped short of the total, if it did (the host cache is full)."""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        artifacts_done: _builtins.int = ...,
+        artifacts_total: _builtins.int = ...,
+        bytes_done: _builtins.int = ...,
+        bytes_total: _builtins.int = ...,
+        stopped: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts_done", b"artifacts_done", "artifacts_total", b"artifacts_total", "bytes_done", b"bytes_done", "bytes_total", b"bytes_total", "job", b"job", "stopped", b"stopped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobPrefetch: _TypeAlias = JobPrefetch  # noqa: Y015
 
 @_typing.final
 class ListRecipesRequest(_message.Message):

@@ -5,7 +5,7 @@ import warnings
 
 from compilecast.v1 import cache_pb2 as compilecast_dot_v1_dot_cache__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -113,6 +113,11 @@ class CompileCacheStub:
                 '/compilecast.v1.CompileCache/ListRecipes',
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.ListRecipesRequest.SerializeToString,
                 response_deserializer=compilecast_dot_v1_dot_cache__pb2.Recipe.FromString,
+                _registered_method=True)
+        self.GetManifest = channel.unary_unary(
+                '/compilecast.v1.CompileCache/GetManifest',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.ManifestRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.Manifest.FromString,
                 _registered_method=True)
         self.SubmitCompiles = channel.unary_unary(
                 '/compilecast.v1.CompileCache/SubmitCompiles',
@@ -265,6 +270,15 @@ class CompileCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetManifest(self, request, context):
+        """The job's manifest: every key its processes asked for that is published,
+        with its artifact's digest and size (the caller's tenant). A worker that
+        holds it answers those exact keys' HITs itself, and prefetches them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitCompiles(self, request, context):
         """Queue compiles for the farm (needs publish permission).
         """
@@ -382,6 +396,11 @@ def add_CompileCacheServicer_to_server(servicer, server):
                     servicer.ListRecipes,
                     request_deserializer=compilecast_dot_v1_dot_cache__pb2.ListRecipesRequest.FromString,
                     response_serializer=compilecast_dot_v1_dot_cache__pb2.Recipe.SerializeToString,
+            ),
+            'GetManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetManifest,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.ManifestRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.Manifest.SerializeToString,
             ),
             'SubmitCompiles': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitCompiles,
@@ -841,6 +860,33 @@ class CompileCache:
             '/compilecast.v1.CompileCache/ListRecipes',
             compilecast_dot_v1_dot_cache__pb2.ListRecipesRequest.SerializeToString,
             compilecast_dot_v1_dot_cache__pb2.Recipe.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compilecast.v1.CompileCache/GetManifest',
+            compilecast_dot_v1_dot_cache__pb2.ManifestRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.Manifest.FromString,
             options,
             channel_credentials,
             insecure,

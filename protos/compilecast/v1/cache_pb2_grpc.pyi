@@ -94,6 +94,11 @@ class CompileCacheStub:
     """Ahead-of-time compiles (coordinator only).
     The recipes recorded with the artifacts of a job.
     """
+    GetManifest: _grpc.UnaryUnaryMultiCallable[_cache_pb2.ManifestRequest, _cache_pb2.Manifest]
+    """The job's manifest: every key its processes asked for that is published,
+    with its artifact's digest and size (the caller's tenant). A worker that
+    holds it answers those exact keys' HITs itself, and prefetches them.
+    """
     SubmitCompiles: _grpc.UnaryUnaryMultiCallable[_cache_pb2.SubmitCompilesRequest, _cache_pb2.SubmitCompilesResponse]
     """Queue compiles for the farm (needs publish permission)."""
     ClaimCompile: _grpc.UnaryUnaryMultiCallable[_cache_pb2.ClaimCompileRequest, _cache_pb2.ClaimCompileResponse]
@@ -154,6 +159,11 @@ class CompileCacheAsyncStub(CompileCacheStub):
     ListRecipes: _aio.UnaryStreamMultiCallable[_cache_pb2.ListRecipesRequest, _cache_pb2.Recipe]  # type: ignore[assignment]
     """Ahead-of-time compiles (coordinator only).
     The recipes recorded with the artifacts of a job.
+    """
+    GetManifest: _aio.UnaryUnaryMultiCallable[_cache_pb2.ManifestRequest, _cache_pb2.Manifest]  # type: ignore[assignment]
+    """The job's manifest: every key its processes asked for that is published,
+    with its artifact's digest and size (the caller's tenant). A worker that
+    holds it answers those exact keys' HITs itself, and prefetches them.
     """
     SubmitCompiles: _aio.UnaryUnaryMultiCallable[_cache_pb2.SubmitCompilesRequest, _cache_pb2.SubmitCompilesResponse]  # type: ignore[assignment]
     """Queue compiles for the farm (needs publish permission)."""
@@ -308,6 +318,17 @@ class CompileCacheServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_cache_pb2.Recipe], _abc.AsyncIterator[_cache_pb2.Recipe]]:
         """Ahead-of-time compiles (coordinator only).
         The recipes recorded with the artifacts of a job.
+        """
+
+    @_abc_1.abstractmethod
+    def GetManifest(
+        self,
+        request: _cache_pb2.ManifestRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.Manifest, _abc.Awaitable[_cache_pb2.Manifest]]:
+        """The job's manifest: every key its processes asked for that is published,
+        with its artifact's digest and size (the caller's tenant). A worker that
+        holds it answers those exact keys' HITs itself, and prefetches them.
         """
 
     @_abc_1.abstractmethod

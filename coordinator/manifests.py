@@ -1,0 +1,145 @@
+"""A job's manifest: the keys its processes asked for, each with its
+artifact's index entry, so that a pod's warm start costs a call a host, not
+a decision a host and program (docs/architecture.md, "A pod's start").
+
+A worker names its job on the requests it sends up (AcquireRequest.
+manifest_job); the first time a replica sees a key of a job it records it in
+etcd, P/j/<tenant>/<job digest>/<key> (one write per job and key on each
+replica, however many hosts ask: etcd's writes grow with programs, not hosts
+x programs). GetManifest reads the job's keys and their published entries
+(the key view's memory first, etcd for the rest) and sends them in key
+order with the digest of what it sends: a caller that holds that digest gets
+"unchanged" and no entries. A built manifest serves every caller for
+BUILT_S, then is read again.
+
+A manifest entry is a claim to be checked, never trusted: a worker answers
+only that exact key with it, and every byte it then serves is verified
+against the digest; a purged or lost artifact fails its fetch, and the key is
+asked for as any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import time
+
+from compilecast.v1 import cache_pb2 as pb
+
+from .etcd import Etcd, WriteBatcher
+from .keyview import KeyView
+from .records import read_info, scope
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS = 100_000  # recorded keys of one job (past it: not recorded)
+JOBS_NOTED = 4096  # jobs whose recorded keys a replica remembers (LRU)
+BUILT_S = 2.0  # a built manifest serves callers this long
+PAGE = 1000  # keys read from etcd a range
+
+
+def job_digest(tenant: str, job: str) -> str:
+    return hashlib.sha256(f"{tenant}\0{job}".encode()).hexdigest()[:32]
+
+
+class Manifests:
+    def __init__(self, etcd: Etcd, view: KeyView, prefix: bytes) -> None:
+        self.etcd = etcd
+        self.view = view
+        self.prefix = prefix
+        self._writes = WriteBatcher(etcd)
+        # (tenant, job) -> the keys recorded (by this replica, or found in etcd)
+        self._noted: collections.OrderedDict[tuple[str, str], set[str]] = \
+            collections.OrderedDict()
+        # (tenant, job) -> (when built, its manifest) and builds in flight
+        self._built: dict[tuple[str, str], tuple[float, pb.Manifest]] = {}
+        self._building: dict[tuple[str, str], asyncio.Future[pb.Manifest]] = {}
+        self.recorded = 0  # keys this replica wrote (Status, tests)
+
+    def _job_prefix(self, tenant: str, job: str) -> bytes:
+        return self.prefix + f"/j/{job_digest(tenant, job)}/".encode()
+
+    # -- recording ----------------------------------------------------------------
+    def note(self, tenant: str, requests: list[pb.AcquireRequest],
+             answers: list[pb.AcquireResponse | None] | None) -> None:
+        """Record the keys of `requests` that name a job (those answered, and
+        not refused), each once per replica."""
+        if answers is None:
+            return
+        for r, a in zip(requests, answers, strict=False):
+            if r.manifest_job and a is not None and a.decision != pb.DECISION_UNSPECIFIED:
+                self._record(tenant, r.manifest_job, r.key)
+
+    def _record(self, tenant: str, job: str, key: str) -> None:
+        noted = self._noted.get((tenant, job))
+        if noted is None:
+            noted = self._noted[(tenant, job)] = set()
+            while len(self._noted) > JOBS_NOTED:
+                self._noted.popitem(last=False)
+        else:
+            self._noted.move_to_end((tenant, job))
+        if key in noted or len(noted) >= MAX_KEYS:
+            return
+        noted.add(key)
+        self.recorded += 1
+        task = asyncio.ensure_future(
+            self._writes.put(self._job_prefix(tenant, job) + key.encode(), b""))
+        task.add_done_callback(_logged)
+
+    # -- reading ------------------------------------------------------------------
+    async def manifest(self, tenant: str, job: str, held_digest: str = "") -> pb.Manifest:
+        """The job's manifest (see the module's docstring)."""
+        now = time.monotonic()
+        built = self._built.get((tenant, job))
+        if built is None or now - built[0] > BUILT_S:
+            building = self._building.get((tenant, job))
+            if building is None:
+                building = asyncio.ensure_future(self._build(tenant, job))
+                self._building[(tenant, job)] = building
+                building.add_done_callback(lambda _: self._building.pop((tenant, job), None))
+            made = await asyncio.shield(building)
+            built = (time.monotonic(), made)
+            self._built[(tenant, job)] = built
+            while len(self._built) > JOBS_NOTED:
+                self._built.pop(next(iter(self._built)))
+        made = built[1]
+        if held_digest and held_digest == made.digest:
+            return pb.Manifest(job=job, digest=made.digest, unpublished=made.unpublished,
+                               unchanged=True)
+        return made
+
+    async def _build(self, tenant: str, job: str) -> pb.Manifest:
+        prefix = self._job_prefix(tenant, job)
+        keys = [kv.key[len(prefix):].decode(errors="replace")
+                async for kv in self.etcd.scan_prefix(prefix, page=PAGE)]
+        noted = self._noted.get((tenant, job))
+        if noted is not None:  # (what this replica recorded whose write is still queued)
+            keys = sorted(set(keys) | noted)
+        entries: list[pb.ArtifactInfo] = []
+        unknown: list[str] = []
+        for key in keys:
+            info = self.view.cached_artifact(scope(tenant, key))
+            if info is not None:
+                entries.append(info)
+            else:
+                unknown.append(key)
+        if unknown:
+            found = await self.etcd.get_many([self.view.k("a", scope(tenant, k))
+                                              for k in unknown])
+            for key, kv in zip(unknown, found, strict=True):
+                info = read_info(key, kv.value) if kv is not None else None
+                if info is not None:
+                    entries.append(info)
+        entries.sort(key=lambda e: e.key)
+        h = hashlib.sha256()
+        for e in entries:
+            h.update(e.SerializeToString(deterministic=True))
+        return pb.Manifest(job=job, digest=h.hexdigest(), entries=entries,
+                           unpublished=len(keys) - len(entries))
+
+
+def _logged(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("recording a manifest key failed: %s", task.exception())

@@ -1,0 +1,183 @@
+"""The manifests of the jobs a host runs (coordinator/manifests.py): a warm
+start in a call per host and job, not a decision per host and program.
+
+A worker learns a job's name from `compilecast up --job` (COMPILECAST_JOB)
+or from its callers' requests (Requester.job), names it on the requests it
+sends up (the coordinator records the job's keys), and asks once for the
+job's manifest with the credential of the caller that named it. Then:
+
+- an Acquire for a key the manifest names, of that caller's host-cache
+  namespace, is answered HIT here, with the manifest's entry: that exact key
+  only, and the bytes the process then fetches are verified against the
+  entry's digest as every fetch's are;
+- the manifest's artifacts are fetched into the host cache meanwhile
+  (PREFETCHES at a time), while their total fits the host cache's bound;
+  `compilecast status` shows how far it got;
+- an entry that proves stale (a fetch of it fails: purged, lost, another
+  digest) or whose digest is revoked is dropped, and its key is asked for as
+  any other: a manifest never makes a wrong hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from compilecast.errors import CompilecastError
+from compilecast.v1 import cache_pb2 as pb
+
+from .fetches import Fetches
+from .upstream import CoordinatorLink
+
+log = logging.getLogger(__name__)
+
+PREFETCHES = 4  # artifacts of one job fetched into the host cache at once
+MAX_JOBS = 64  # jobs whose manifests a worker holds (past it: the oldest goes)
+MAX_ENTRIES = 200_000  # manifest entries a worker holds in all
+RETRY_S = 30.0  # a manifest that could not be had is asked for again after this
+
+
+@dataclass
+class _Job:
+    ns: str
+    job: str
+    md: tuple
+    asked: float
+    task: asyncio.Task | None = None
+    held_digest: str = ""
+    keys: set[str] = field(default_factory=set)
+    progress: pb.JobPrefetch = field(default_factory=pb.JobPrefetch)
+    problem: str = ""
+
+
+class HostManifests:
+    def __init__(self, link: CoordinatorLink, fetches: Fetches, *, max_bytes: int,
+                 counted: Callable[[int], None] = lambda size: None) -> None:
+        self.link = link
+        self.fetches = fetches
+        self.max_bytes = max_bytes  # the host cache's bound: what a job's prefetch may fill
+        self.counted = counted  # an artifact of `size` bytes prefetched (metrics)
+        self.jobs: collections.OrderedDict[tuple[str, str], _Job] = collections.OrderedDict()
+        self.entries: dict[str, dict[str, pb.ArtifactInfo]] = {}  # ns -> key -> entry
+        self.held = 0  # entries in all
+        self.hits = 0  # Acquires answered from a manifest
+
+    # -- learning a job ---------------------------------------------------------------
+    def learn(self, ns: str, md: tuple, job: str) -> None:
+        """A caller of namespace `ns` (credential `md`) runs `job`: its manifest
+        is asked for, once (again after RETRY_S where that failed)."""
+        if not job:
+            return
+        known = self.jobs.get((ns, job))
+        if known is not None:
+            if known.problem and time.monotonic() - known.asked > RETRY_S \
+                    and (known.task is None or known.task.done()):
+                known.asked, known.problem = time.monotonic(), ""
+                known.task = asyncio.ensure_future(self._load(known))
+            return
+        if len(self.jobs) >= MAX_JOBS:
+            _, old = self.jobs.popitem(last=False)
+            self._drop_job(old)
+        entry = self.jobs[(ns, job)] = _Job(ns, job, md, time.monotonic(),
+                                            progress=pb.JobPrefetch(job=job))
+        entry.task = asyncio.ensure_future(self._load(entry))
+
+    def _drop_job(self, j: _Job) -> None:
+        if j.task is not None:
+            j.task.cancel()
+        mine = self.entries.get(j.ns, {})
+        for key in j.keys:
+            if mine.pop(key, None) is not None:
+                self.held -= 1
+
+    async def _load(self, j: _Job) -> None:
+        try:
+            manifest = await self.link.up.GetManifest(
+                pb.ManifestRequest(job=j.job, held_digest=j.held_digest),
+                timeout=self.link.rpc_timeout_s, metadata=j.md)
+        except CompilecastError as exc:
+            j.problem = f"the manifest could not be had ({exc.status.name})"
+            log.info("job %s: %s; its keys are asked for one by one", j.job, j.problem)
+            return
+        if manifest.unchanged:
+            return
+        j.held_digest = manifest.digest
+        mine = self.entries.setdefault(j.ns, {})
+        for e in manifest.entries:
+            if self.held >= MAX_ENTRIES:
+                break
+            if e.key not in mine:
+                self.held += 1
+            mine[e.key] = e
+            j.keys.add(e.key)
+        j.progress.artifacts_total = len(manifest.entries)
+        j.progress.bytes_total = sum(e.size for e in manifest.entries)
+        log.info("job %s: manifest of %d artifacts (%d bytes); prefetching", j.job,
+                 len(manifest.entries), j.progress.bytes_total)
+        await self._prefetch(j, list(manifest.entries))
+
+    async def _prefetch(self, j: _Job, entries: list[pb.ArtifactInfo]) -> None:
+        room = self.max_bytes
+        todo: asyncio.Queue[pb.ArtifactInfo] = asyncio.Queue()
+        for e in entries:
+            if e.size > room:
+                j.progress.stopped = (f"the host cache's bound ({self.max_bytes} bytes) holds "
+                                      f"{j.progress.artifacts_total - todo.qsize()} fewer")
+                break
+            room -= e.size
+            todo.put_nowait(e)
+
+        async def one() -> None:
+            while not todo.empty():
+                e = todo.get_nowait()
+                try:
+                    await self.fetches.prefetch(j.ns, j.md, e.key, e.digest)
+                except CompilecastError as exc:
+                    log.info("job %s: %s did not prefetch (%s); it is asked for", j.job,
+                             e.key, exc.status.name, extra={"key": e.key})
+                    self.forget(j.ns, e.key)
+                    continue
+                j.progress.artifacts_done += 1
+                j.progress.bytes_done += e.size
+                self.counted(e.size)
+
+        await asyncio.gather(*(one() for _ in range(PREFETCHES)))
+
+    # -- answering ----------------------------------------------------------------
+    def answer(self, ns: str, key: str) -> pb.ArtifactInfo | None:
+        """The manifest's entry for exactly `key` in namespace `ns`, if any."""
+        mine = self.entries.get(ns)
+        info = mine.get(key) if mine else None
+        if info is not None:
+            self.hits += 1
+        return info
+
+    def forget(self, ns: str, key: str) -> None:
+        """A stale entry (its fetch failed): the key is asked for as any other."""
+        mine = self.entries.get(ns)
+        if mine is not None and mine.pop(key, None) is not None:
+            self.held -= 1
+
+    def revoke(self, digests: set[str]) -> None:
+        """Purged artifacts: no entry names them any more."""
+        for mine in self.entries.values():
+            for key in [k for k, e in mine.items() if e.digest in digests]:
+                del mine[key]
+                self.held -= 1
+
+    def status(self) -> list[pb.JobPrefetch]:
+        return [pb.JobPrefetch(job=j.job, artifacts_done=j.progress.artifacts_done,
+                               artifacts_total=j.progress.artifacts_total,
+                               bytes_done=j.progress.bytes_done,
+                               bytes_total=j.progress.bytes_total,
+                               stopped=j.problem or j.progress.stopped)
+                for j in self.jobs.values()]
+
+    async def close(self) -> None:
+        for j in self.jobs.values():
+            if j.task is not None:
+                j.task.cancel()
