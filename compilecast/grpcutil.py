@@ -275,7 +275,7 @@ def add_service(server: grpc.aio.Server, servicer: object, service_descriptor: A
     handlers = {}
     for method in service_descriptor.methods:
         parse = _parser(message_classes[method.input_type.full_name])
-        serialize = (wire.serialize if method.output_type.full_name in wire.BULK
+        serialize = (wire.serialize if method.output_type.full_name in wire.BULK + wire.SERIALIZED
                      else message_classes[method.output_type.full_name].SerializeToString)
         shape, make = _SHAPES[(method.client_streaming, method.server_streaming)]
         fn = getattr(servicer, method.name)

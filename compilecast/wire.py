@@ -227,7 +227,9 @@ def _encode(data: bytes | memoryview, tag: int = DATA_TAG) -> bytes:
     return b"".join((bytes((tag,)), _varint(len(data)), data))
 
 
-def serialize(msg: Message | DataChunk) -> bytes:
+def serialize(msg: Message | DataChunk | bytes) -> bytes:
+    if isinstance(msg, bytes):  # serialized once, sent to many (SERIALIZED)
+        return msg
     if isinstance(msg, DataChunk):
         if msg.wire is not None:
             return msg.wire
@@ -269,6 +271,8 @@ def parser(cls: type[Message]) -> Callable[[bytes], Message | DataChunk]:
 
 # Messages whose streams carry artifact bytes.
 BULK = (pb.FetchChunk.DESCRIPTOR.full_name, pb.PublishChunk.DESCRIPTOR.full_name)
+# Answers a handler may give already serialized (one job's manifest, sent to every host).
+SERIALIZED = (pb.Manifest.DESCRIPTOR.full_name,)
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["CompileCache"].full_name
 _FETCH = f"/{_SERVICE}/Fetch"
@@ -286,7 +290,7 @@ def stub(channel: Any) -> rpc.CompileCacheStub:
     return s
 
 
-__all__ = ["BULK", "DataChunk", "Zstd", "parser", "serialize", "stub"]
+__all__ = ["BULK", "SERIALIZED", "DataChunk", "Zstd", "parser", "serialize", "stub"]
 
 
 async def publish_stream(request_iterator: AsyncIterator[pb.PublishChunk | DataChunk]

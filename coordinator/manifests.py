@@ -53,8 +53,9 @@ class Manifests:
         # (tenant, job) -> the keys recorded (by this replica, or found in etcd)
         self._noted: collections.OrderedDict[tuple[str, str], set[str]] = \
             collections.OrderedDict()
-        # (tenant, job) -> (when built, its manifest) and builds in flight
-        self._built: dict[tuple[str, str], tuple[float, pb.Manifest]] = {}
+        # (tenant, job) -> (when built, its manifest, serialized once for all
+        # callers) and builds in flight
+        self._built: dict[tuple[str, str], tuple[float, pb.Manifest, bytes]] = {}
         self._building: dict[tuple[str, str], asyncio.Future[pb.Manifest]] = {}
         self.recorded = 0  # keys this replica wrote (Status, tests)
 
@@ -89,8 +90,10 @@ class Manifests:
         task.add_done_callback(_logged)
 
     # -- reading ------------------------------------------------------------------
-    async def manifest(self, tenant: str, job: str, held_digest: str = "") -> pb.Manifest:
-        """The job's manifest (see the module's docstring)."""
+    async def manifest(self, tenant: str, job: str, held_digest: str = ""
+                       ) -> pb.Manifest | bytes:
+        """The job's manifest (see the module's docstring), serialized once
+        for every caller that gets it whole (wire.SERIALIZED)."""
         now = time.monotonic()
         built = self._built.get((tenant, job))
         if built is None or now - built[0] > BUILT_S:
@@ -100,7 +103,7 @@ class Manifests:
                 self._building[(tenant, job)] = building
                 building.add_done_callback(lambda _: self._building.pop((tenant, job), None))
             made = await asyncio.shield(building)
-            built = (time.monotonic(), made)
+            built = (time.monotonic(), made, made.SerializeToString())
             self._built[(tenant, job)] = built
             while len(self._built) > JOBS_NOTED:
                 self._built.pop(next(iter(self._built)))
@@ -108,7 +111,7 @@ class Manifests:
         if held_digest and held_digest == made.digest:
             return pb.Manifest(job=job, digest=made.digest, unpublished=made.unpublished,
                                unchanged=True)
-        return made
+        return built[2]
 
     async def _build(self, tenant: str, job: str) -> pb.Manifest:
         prefix = self._job_prefix(tenant, job)

@@ -14,7 +14,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.inprocess import policy
 from compilecast.worker.inprocess.client import CacheClient, ClientShell, Identity
 
-from .conftest import eventually
+from .conftest import cc, eventually
 
 JOB = "train-a"
 
@@ -65,6 +65,8 @@ def test_a_warm_host_of_the_job_holds_every_byte_and_asks_nothing(coordinator, s
                       "the job's manifest prefetched", 120)
     assert done.artifacts_total == 1000
     assert done.bytes_done == done.bytes_total == sum(len(d) for d in artifacts.values())
+    shown = cc("status", "--worker", second.target).stdout
+    assert f"job          {JOB}: 1,000/1,000 artifacts" in shown
 
     asked = decisions_upstream(coordinator)
     keys = list(artifacts)

@@ -91,6 +91,17 @@ def _print_status(st, worker: str) -> None:
               f"{m.age_seconds:.0f}s ago")
     _print_pjrt(st)
     _print_directories(st)
+    _print_prefetches(st)
+
+
+def _print_prefetches(st) -> None:
+    for p in st.prefetches:
+        gb = 1e9
+        print(f"job          {p.job}: {p.artifacts_done:,}/{p.artifacts_total:,} artifacts, "
+              f"{p.bytes_done / gb:.1f} of {p.bytes_total / gb:.1f} GB"
+              + (f" ({p.stopped})" if p.stopped else ""))
+    if st.manifest_hits:
+        print(f"manifest     {st.manifest_hits:,} hits answered from the jobs' manifests")
 
 
 def _print_pjrt(st) -> None:
