@@ -17,6 +17,8 @@ share-binary timeout) ends them sooner.
              in a rolling update ends its waits), within the deadline
     FETCH    a fetch cut off after its first message (CutOff)
     PUBLISH  a publish cut off: the lease still holds and the bytes are here
+    RESUME   a worker's download the coordinator cut off (UNAVAILABLE): it goes
+             on from the byte it had, at the replica that took the address
 """
 
 from __future__ import annotations
@@ -106,4 +108,5 @@ ACQUIRE = Retry("acquire", (1.0, 2.0), unavailable)
 WAIT = Retry("wait", WAIT_RETRY_S, degraded, ran_s=CUT_AFTER_S)
 FETCH = Retry("fetch", (1.0, 4.0), cut_off)
 PUBLISH = Retry("publish", (1.0, 4.0), unavailable)
+RESUME = Retry("resume", (1.0, 4.0), unavailable)
 RELAYED_WAIT = Retry("wait upstream", WAIT_RETRY_S, degraded)

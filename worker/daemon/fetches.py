@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from compilecast import validate
+from compilecast import retry, validate
 from compilecast.blobstore import aread
 from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamError
 from compilecast.negotiate import WORKER_FILL, Ladder, Route, RouteFailed, Routes, acarry
@@ -31,7 +31,6 @@ from .metrics import WorkerMetrics
 from .relayplane import RelayPlane
 from .upstream import (
     PEER_IDLE_S,
-    RESUME_S,
     UPSTREAM_IDLE_S,
     CoordinatorLink,
     Relayed,
@@ -57,7 +56,9 @@ class _Download:
     digest: str
     relay: str  # this worker's relay address, offered to the coordinator ("": none)
     ladder: Ladder  # the routes it may still take
-    resumes: list[float] = field(default_factory=lambda: list(RESUME_S))
+    # The pauses of the resumes left (retry.RESUME: a download the coordinator
+    # cut off goes on from the byte it had).
+    resumes: list[float] = field(default_factory=lambda: list(retry.RESUME.pauses))
     info: pb.ArtifactInfo | None = None
     peer: str = ""  # the peer worker relaying it ("": the coordinator)
     inflate: Inflating | None = None  # decoding this attempt's zstd stream
@@ -241,7 +242,7 @@ class Fetches:
                 raise UpstreamError(Status.DEADLINE_EXCEEDED,
                                     f"coordinator: the fetch of {dl.key} moved nothing for "
                                     f"{UPSTREAM_IDLE_S:g}s") from None
-            if exc.code != Status.UNAVAILABLE or not dl.resumes:
+            if not retry.RESUME.when(exc) or not dl.resumes:
                 raise exc from None
             # A replica restarting (a rolling update) or a reset connection: go
             # on from the bytes already here (served, never redirected: a peer

@@ -22,7 +22,6 @@ from ..inprocess.received import UploadRefused
 
 PEER_IDLE_S = 30.0  # a relaying peer that sends nothing this long is left for the coordinator
 UPSTREAM_IDLE_S = 120.0  # a coordinator stream silent this long (it heartbeats every 10 s) failed
-RESUME_S = (1.0, 4.0)  # a download the coordinator cut off resumes after these, where it was
 MAX_CREDENTIALS = 256  # callers' credentials whose host-cache namespace is remembered
 
 
