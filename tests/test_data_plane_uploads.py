@@ -89,14 +89,15 @@ def still_held(coordinator, c: CacheClient, key: str, lease: pb.Lease) -> bool:
 def refused_while_sending(coordinator, c: CacheClient, lease: pb.Lease) -> grpc.RpcError:
     """The error of `c`'s publish of more than the socket buffers take,
     which the coordinator refuses after its first piece (over its limit)."""
-    real = coordinator.state.artifacts.publish
+    artifacts = coordinator.state.artifacts
+    real, settings = artifacts.publish, artifacts.settings
 
     async def over_the_limit(header, chunks, *, tenant):
-        coordinator.state.cfg.max_artifact_bytes = 1024
+        artifacts.settings = dataclasses.replace(settings, max_artifact_bytes=1024)
         try:
             return await real(header, chunks, tenant=tenant)
         finally:
-            coordinator.state.cfg.max_artifact_bytes = 1 << 40
+            artifacts.settings = dataclasses.replace(settings, max_artifact_bytes=1 << 40)
 
     coordinator.state.artifacts.publish = over_the_limit
     try:
