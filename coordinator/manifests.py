@@ -34,8 +34,10 @@ from .records import read_info, scope
 
 log = logging.getLogger(__name__)
 
-MAX_KEYS = 100_000  # recorded keys of one job (past it: not recorded)
+MAX_KEYS = 20_000  # recorded keys of one job (past it: not recorded; a manifest fits a message)
 JOBS_NOTED = 4096  # jobs whose recorded keys a replica remembers (LRU)
+NOTED_KEYS = 1_000_000  # keys a replica remembers in all (past it: the oldest jobs go)
+BUILT_KEPT = 16  # built manifests kept (each up to a few MB)
 BUILT_S = 2.0  # a built manifest serves callers this long
 PAGE = 1000  # keys read from etcd a range
 
@@ -58,6 +60,7 @@ class Manifests:
         self._built: dict[tuple[str, str], tuple[float, pb.Manifest, bytes]] = {}
         self._building: dict[tuple[str, str], asyncio.Future[pb.Manifest]] = {}
         self.recorded = 0  # keys this replica wrote (Status, tests)
+        self._noted_keys = 0
 
     def _job_prefix(self, tenant: str, job: str) -> bytes:
         return self.prefix + f"/j/{job_digest(tenant, job)}/".encode()
@@ -77,13 +80,16 @@ class Manifests:
         noted = self._noted.get((tenant, job))
         if noted is None:
             noted = self._noted[(tenant, job)] = set()
-            while len(self._noted) > JOBS_NOTED:
-                self._noted.popitem(last=False)
         else:
             self._noted.move_to_end((tenant, job))
         if key in noted or len(noted) >= MAX_KEYS:
             return
         noted.add(key)
+        self._noted_keys += 1
+        # (a job forgotten here is recorded in etcd: its keys are written again at most)
+        while len(self._noted) > JOBS_NOTED or self._noted_keys > NOTED_KEYS:
+            _, dropped = self._noted.popitem(last=False)
+            self._noted_keys -= len(dropped)
         self.recorded += 1
         task = asyncio.ensure_future(
             self._writes.put(self._job_prefix(tenant, job) + key.encode(), b""))
@@ -105,7 +111,7 @@ class Manifests:
             made = await asyncio.shield(building)
             built = (time.monotonic(), made, made.SerializeToString())
             self._built[(tenant, job)] = built
-            while len(self._built) > JOBS_NOTED:
+            while len(self._built) > BUILT_KEPT:
                 self._built.pop(next(iter(self._built)))
         made = built[1]
         if held_digest and held_digest == made.digest:
