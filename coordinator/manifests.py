@@ -6,7 +6,8 @@ A worker names its job on the requests it sends up (AcquireRequest.
 manifest_job); the first time a replica sees a key of a job it records it in
 etcd, P/j/<tenant>/<job digest>/<key> (one write per job and key on each
 replica, however many hosts ask: etcd's writes grow with programs, not hosts
-x programs). GetManifest reads the job's keys and their published entries
+x programs), under a lease of RECORD_TTL_S: a job nobody runs for that long
+leaves nothing behind (a replica writes a key again after REWRITE_S). GetManifest reads the job's keys and their published entries
 (the key view's memory first, etcd for the rest) and sends them in key
 order with the digest of what it sends: a caller that holds that digest gets
 "unchanged" and no entries. A built manifest serves every caller for
@@ -39,6 +40,8 @@ JOBS_NOTED = 4096  # jobs whose recorded keys a replica remembers (LRU)
 NOTED_KEYS = 1_000_000  # keys a replica remembers in all (past it: the oldest jobs go)
 BUILT_KEPT = 16  # built manifests kept (each up to a few MB)
 BUILT_S = 2.0  # a built manifest serves callers this long
+RECORD_TTL_S = 30 * 86400  # a job's record of a key lasts this long unless written again
+REWRITE_S = 86400  # a replica writes a key it recorded again after this (on a new ask)
 PAGE = 1000  # keys read from etcd a range
 
 
@@ -52,9 +55,10 @@ class Manifests:
         self.view = view
         self.prefix = prefix
         self._writes = WriteBatcher(etcd)
-        # (tenant, job) -> the keys recorded (by this replica, or found in etcd)
-        self._noted: collections.OrderedDict[tuple[str, str], set[str]] = \
+        # (tenant, job) -> the keys this replica recorded, and when
+        self._noted: collections.OrderedDict[tuple[str, str], dict[str, float]] = \
             collections.OrderedDict()
+        self._lease: tuple[float, asyncio.Future[int]] | None = None  # (granted, its id)
         # (tenant, job) -> (when built, its manifest, serialized once for all
         # callers) and builds in flight
         self._built: dict[tuple[str, str], tuple[float, pb.Manifest, bytes]] = {}
@@ -79,21 +83,32 @@ class Manifests:
     def _record(self, tenant: str, job: str, key: str) -> None:
         noted = self._noted.get((tenant, job))
         if noted is None:
-            noted = self._noted[(tenant, job)] = set()
+            noted = self._noted[(tenant, job)] = {}
         else:
             self._noted.move_to_end((tenant, job))
-        if key in noted or len(noted) >= MAX_KEYS:
+        now = time.monotonic()
+        when = noted.get(key)
+        if (when is not None and now - when < REWRITE_S) or \
+                (when is None and len(noted) >= MAX_KEYS):
             return
-        noted.add(key)
-        self._noted_keys += 1
+        if when is None:
+            self._noted_keys += 1
+        noted[key] = now
         # (a job forgotten here is recorded in etcd: its keys are written again at most)
         while len(self._noted) > JOBS_NOTED or self._noted_keys > NOTED_KEYS:
             _, dropped = self._noted.popitem(last=False)
             self._noted_keys -= len(dropped)
         self.recorded += 1
-        task = asyncio.ensure_future(
-            self._writes.put(self._job_prefix(tenant, job) + key.encode(), b""))
+        task = asyncio.ensure_future(self._write(self._job_prefix(tenant, job) + key.encode()))
         task.add_done_callback(_logged)
+
+    async def _write(self, record: bytes) -> None:
+        now = time.monotonic()
+        if self._lease is None or now - self._lease[0] > REWRITE_S or \
+                (self._lease[1].done() and self._lease[1].exception() is not None):
+            self._lease = (now, asyncio.ensure_future(self.etcd.grant(RECORD_TTL_S)))
+        lease = await asyncio.shield(self._lease[1])
+        await self._writes.put(record, b"", lease)
 
     # -- reading ------------------------------------------------------------------
     async def manifest(self, tenant: str, job: str, held_digest: str = ""
@@ -125,7 +140,7 @@ class Manifests:
                 async for kv in self.etcd.scan_prefix(prefix, page=PAGE)]
         noted = self._noted.get((tenant, job))
         if noted is not None:  # (what this replica recorded whose write is still queued)
-            keys = sorted(set(keys) | noted)
+            keys = sorted(set(keys) | set(noted))
         entries: list[pb.ArtifactInfo] = []
         unknown: list[str] = []
         for key in keys:

@@ -36,7 +36,7 @@ from .upstream import CoordinatorLink
 log = logging.getLogger(__name__)
 
 PREFETCHES = 4  # artifacts of one job fetched into the host cache at once
-MAX_JOBS = 64  # jobs whose manifests a worker holds (past it: the oldest goes)
+MAX_JOBS = 64  # jobs whose manifests a worker holds (past it: no other is asked for)
 MAX_ENTRIES = 200_000  # manifest entries a worker holds in all
 RETRY_S = 30.0  # a manifest that could not be had is asked for again after this
 
@@ -49,7 +49,6 @@ class _Job:
     asked: float
     task: asyncio.Task | None = None
     held_digest: str = ""
-    keys: set[str] = field(default_factory=set)
     progress: pb.JobPrefetch = field(default_factory=pb.JobPrefetch)
     problem: str = ""
 
@@ -65,6 +64,7 @@ class HostManifests:
         self.entries: dict[str, dict[str, pb.ArtifactInfo]] = {}  # ns -> key -> entry
         self.held = 0  # entries in all
         self.hits = 0  # Acquires answered from a manifest
+        self.full = False  # MAX_JOBS held (said once)
 
     # -- learning a job ---------------------------------------------------------------
     def learn(self, ns: str, md: tuple, job: str) -> None:
@@ -79,20 +79,15 @@ class HostManifests:
                 known.asked, known.problem = time.monotonic(), ""
                 known.task = asyncio.ensure_future(self._load(known))
             return
-        if len(self.jobs) >= MAX_JOBS:
-            _, old = self.jobs.popitem(last=False)
-            self._drop_job(old)
+        if len(self.jobs) >= MAX_JOBS:  # (a caller naming job after job costs nothing more)
+            if not self.full:
+                self.full = True
+                log.warning("%d jobs' manifests held: job %s is asked for key by key",
+                            MAX_JOBS, job)
+            return
         entry = self.jobs[(ns, job)] = _Job(ns, job, md, time.monotonic(),
                                             progress=pb.JobPrefetch(job=job))
         entry.task = asyncio.ensure_future(self._load(entry))
-
-    def _drop_job(self, j: _Job) -> None:
-        if j.task is not None:
-            j.task.cancel()
-        mine = self.entries.get(j.ns, {})
-        for key in j.keys:
-            if mine.pop(key, None) is not None:
-                self.held -= 1
 
     async def _load(self, j: _Job) -> None:
         try:
@@ -113,7 +108,6 @@ class HostManifests:
             if e.key not in mine:
                 self.held += 1
             mine[e.key] = e
-            j.keys.add(e.key)
         j.progress.artifacts_total = len(manifest.entries)
         j.progress.bytes_total = sum(e.size for e in manifest.entries)
         log.info("job %s: manifest of %d artifacts (%d bytes); prefetching", j.job,
