@@ -1,16 +1,18 @@
 """Bytes as they arrive, for stores and clients alike: hashing them on a
 thread of its own once they are many (Sha256), decoding a zstd stream
-(Inflate), and the marker of a blob stored raw. A process that fetches an
+(Inflate), the marker of a blob stored raw, and the pace a stream must
+keep (due, idle_timeout). A process that fetches an
 artifact needs these, not a store.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zstandard
@@ -22,6 +24,22 @@ CHUNK = 2 << 20  # a blob is read, and its zstd stream decoded, in pieces of thi
 RAW_MAGIC = b"CCRAW01\n"  # a stored blob that is not zstd
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes (a stored blob that is)
 
+
+
+async def idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
+    """The stream's items; TimeoutError when none comes for `idle_s` (a stalled peer)."""
+    it = stream.__aiter__()
+    try:
+        while True:
+            try:
+                item = await (asyncio.wait_for(it.__anext__(), idle_s) if idle_s
+                              else it.__anext__())
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if hasattr(stream, "cancel"):
+            stream.cancel()
 
 
 def due(start: float, got: int, slack_s: float, rate: float) -> float:

@@ -41,10 +41,7 @@ def digest(value: str) -> str:
 
 
 def requester(req: pb.Requester) -> None:
-    if not JOB_RE.match(req.job):
-        raise InvalidRequest(
-            f"requester.job {req.job[:80]!r} is invalid: use at most 128 of [A-Za-z0-9._:-]"
-        )
+    job(req.job, "requester.job")
     if req.job and (req.process_id < 0 or req.designated_process < 0):
         raise InvalidRequest("requester.process_id and designated_process must be >= 0")
     if len(req.client) > MAX_CLIENT_LEN:
@@ -152,9 +149,7 @@ def recipe(r: pb.Recipe, *, need_target: bool) -> None:
 
     if r.key:
         key(r.key)
-    if not JOB_RE.match(r.job):
-        raise InvalidRequest(f"recipe.job {r.job[:80]!r} is invalid: use at most 128 of "
-                             "[A-Za-z0-9._:-]")
+    job(r.job, "recipe.job")
     if not PROGRAM_NAME_RE.match(r.program_name):
         raise InvalidRequest("recipe.program_name must be at most 200 printable ASCII characters")
     if not ENTRY_RE.match(r.entry):

@@ -7,10 +7,11 @@ test of the coordinator runs it whole, over real etcd."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -70,6 +71,18 @@ class Parts:
                          self.etcd, self.store, self.presence,  # type: ignore[arg-type]
                          self.metrics, self.uploads, self.farm, self.leases)
 
+    @contextlib.contextmanager
+    def publishing(self) -> Iterator[tuple[KeyView, Claims, Artifacts]]:
+        """A key view, its claims and the artifacts' component, closed after."""
+        view = self.view()
+        claims = self.claims(view)
+        artifacts = self.artifacts(view, claims)
+        try:
+            yield view, claims, artifacts
+        finally:
+            artifacts.close()
+            self.presence.close()
+
     def waiting(self, view: KeyView, claims: Claims, **settings) -> Waiting:
         return Waiting(WaitSettings(**settings), view, claims, self.session,
                        self.etcd, self.metrics, self.records,  # type: ignore[arg-type]
@@ -78,6 +91,12 @@ class Parts:
 
 async def chunks(data: bytes) -> AsyncIterator[DataChunk]:
     yield DataChunk(data)
+
+
+async def published(claims: Claims, artifacts: Artifacts, data: bytes) -> pb.ArtifactInfo:
+    """KEY claimed (it is a miss) and `data` published under its lease."""
+    lease = (await claims.acquire(KEY, ME)).lease
+    return await artifacts.publish(header(lease, data), chunks(data))
 
 
 def header(lease: pb.Lease, data: bytes) -> pb.PublishHeader:
@@ -119,9 +138,9 @@ def test_the_claims_alone_give_one_lease_and_tell_the_rest_to_wait(tmp_path):
         parts = Parts(tmp_path)
         claims = parts.claims(parts.view())
         first = await claims.acquire(KEY, ME, {"program": "p"}, "train")
-        second = await claims.acquire(KEY, OTHER)
+        other = await claims.acquire(KEY, OTHER)
         assert first.decision == pb.COMPILE and first.lease.id
-        assert second.decision == pb.WAIT
+        assert other.decision == pb.WAIT
         assert await claims.check_holder("default/" + KEY, first.lease) is not None
         with pytest.raises(LeaseError):
             await claims.check_holder("default/" + KEY, pb.Lease(id=first.lease.id + 1,
@@ -136,10 +155,7 @@ def test_the_claims_alone_give_one_lease_and_tell_the_rest_to_wait(tmp_path):
 def test_the_artifacts_alone_take_a_holders_publish_and_serve_it_verified(tmp_path):
     async def main():
         parts = Parts(tmp_path)
-        view = parts.view()
-        claims = parts.claims(view)
-        artifacts = parts.artifacts(view, claims)
-        try:
+        with parts.publishing() as (_, claims, artifacts):
             lease = (await claims.acquire(KEY, ME)).lease
             data = b"executable" * 1000
             with pytest.raises(LeaseError):  # only the lease holder publishes
@@ -151,9 +167,6 @@ def test_the_artifacts_alone_take_a_holders_publish_and_serve_it_verified(tmp_pa
             assert got.digest == info.digest
             assert b"".join([bytes(c.data) async for c in body]) == data
             assert (await claims.acquire(KEY, OTHER)).decision == pb.HIT
-        finally:
-            artifacts.close()
-            parts.presence.close()
 
     run(main())
 
@@ -161,35 +174,31 @@ def test_the_artifacts_alone_take_a_holders_publish_and_serve_it_verified(tmp_pa
 def test_the_waits_alone_end_with_the_hit_of_a_publish(tmp_path):
     async def main():
         parts = Parts(tmp_path)
-        view = parts.view()
-        claims = parts.claims(view)
-        artifacts = parts.artifacts(view, claims)
-        waiting = parts.waiting(view, claims, share_binary_between_hosts_timeout_ms=30_000)
-        watch = asyncio.create_task(parts.hub.run())
-        try:
-            await parts.hub.ready.wait()
-            lease = (await claims.acquire(KEY, ME)).lease
-            assert (await claims.acquire(KEY, OTHER)).decision == pb.WAIT
-            events: list[pb.WaitEvent] = []
+        with parts.publishing() as (view, claims, artifacts):
+            waiting = parts.waiting(view, claims, share_binary_between_hosts_timeout_ms=30_000)
+            watch = asyncio.create_task(parts.hub.run())
+            try:
+                await parts.hub.ready.wait()
+                lease = (await claims.acquire(KEY, ME)).lease
+                assert (await claims.acquire(KEY, OTHER)).decision == pb.WAIT
+                events: list[pb.WaitEvent] = []
 
-            async def wait() -> None:
-                async for event in waiting.wait(KEY, OTHER, 30_000):
-                    events.append(event)
-                    if event.decision != pb.WAIT:
-                        return
+                async def wait() -> None:
+                    async for event in waiting.wait(KEY, OTHER, 30_000):
+                        events.append(event)
+                        if event.decision != pb.WAIT:
+                            return
 
-            waiter = asyncio.create_task(wait())
-            # (the waiter reads the key's state, then waits on the watch: a
-            # publish before or after that ends it the same way)
-            data = b"compiled" * 100
-            await artifacts.publish(header(lease, data), chunks(data))
-            await asyncio.wait_for(waiter, 30)
-            assert events[-1].decision == pb.HIT
-            assert events[-1].artifact.digest == hashlib.sha256(data).hexdigest()
-        finally:
-            watch.cancel()
-            artifacts.close()
-            parts.presence.close()
+                waiter = asyncio.create_task(wait())
+                # (the waiter reads the key's state, then waits on the watch: a
+                # publish before or after that ends it the same way)
+                data = b"compiled" * 100
+                await artifacts.publish(header(lease, data), chunks(data))
+                await asyncio.wait_for(waiter, 30)
+                assert events[-1].decision == pb.HIT
+                assert events[-1].artifact.digest == hashlib.sha256(data).hexdigest()
+            finally:
+                watch.cancel()
 
     run(main())
 
@@ -197,17 +206,12 @@ def test_the_waits_alone_end_with_the_hit_of_a_publish(tmp_path):
 def test_the_operations_alone_purge_a_key_and_revoke_its_bytes(tmp_path):
     async def main():
         parts = Parts(tmp_path)
-        view = parts.view()
-        claims = parts.claims(view)
-        artifacts = parts.artifacts(view, claims)
-        waiting = parts.waiting(view, claims)
-        operations = Operations(OperationSettings(store_description="disk (test)"), view,
-                                waiting, parts.session, parts.etcd,  # type: ignore[arg-type]
-                                parts.store, parts.metrics, parts.records, parts.farm)
-        try:
-            lease = (await claims.acquire(KEY, ME)).lease
-            data = b"to purge" * 10
-            info = await artifacts.publish(header(lease, data), chunks(data))
+        with parts.publishing() as (view, claims, artifacts):
+            waiting = parts.waiting(view, claims)
+            operations = Operations(OperationSettings(store_description="disk (test)"), view,
+                                    waiting, parts.session, parts.etcd,  # type: ignore[arg-type]
+                                    parts.store, parts.metrics, parts.records, parts.farm)
+            info = await published(claims, artifacts, b"to purge" * 10)
             dry = await operations.purge([KEY], [], "test", dry_run=True)
             assert list(dry.purged) == [KEY] and (await claims.acquire(KEY, OTHER)).decision \
                 == pb.HIT
@@ -218,8 +222,5 @@ def test_the_operations_alone_purge_a_key_and_revoke_its_bytes(tmp_path):
             view.forget_artifact("default/" + KEY, parts.etcd.revision)  # (the watch's news)
             assert (await claims.acquire(KEY, OTHER)).decision == pb.COMPILE
             assert (await operations.status()).store == "disk (test)"
-        finally:
-            artifacts.close()
-            parts.presence.close()
 
     run(main())

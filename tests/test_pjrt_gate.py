@@ -110,9 +110,9 @@ def test_what_changes_an_executable_changes_the_key(tmp_path, monkeypatch):
     assert key(compile_of(devices=tpu)) == key(compile_of(devices=shuffled)) != base
     assert key(compile_of(devices=tpu.replace("num_cores=1", "num_cores=2"))) != key(
         compile_of(devices=tpu))
-    two = "0 0 cpu\n  a=1\n1 0 cpu\n  a=2\n"
-    assert key(compile_of(devices=two)) == key(compile_of(devices="1 0 cpu\n  a=2\n0 0 cpu\n  a=1\n"))
-    assert key(compile_of(devices=two)) != key(compile_of(devices="0 0 cpu\n  a=2\n1 0 cpu\n  a=1\n"))
+    two = "0 0 chip\n  a=1\n1 0 chip\n  a=2\n"
+    assert key(compile_of(devices=two)) == key(compile_of(devices="1 0 chip\n  a=2\n0 0 chip\n  a=1\n"))
+    assert key(compile_of(devices=two)) != key(compile_of(devices="0 0 chip\n  a=2\n1 0 chip\n  a=1\n"))
     # The host CPU on a CPU platform.
     monkeypatch.setattr(pjrtkeys.keys, "host_cpu_digest", lambda: "another CPU")
     assert key(compile_of()) != base

@@ -19,7 +19,7 @@ from compilecast.blobstore import aread
 from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamError
 from compilecast.negotiate import WORKER_FILL, Ladder, Route, RouteFailed, Routes, acarry
 from compilecast.serving import Background
-from compilecast.streams import RAW_MAGIC
+from compilecast.streams import RAW_MAGIC, idle_timeout
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import HEARTBEAT_S, TRANSFER_S, DataChunk
 
@@ -36,7 +36,6 @@ from .upstream import (
     Relayed,
     digest_matches,
     heartbeats_until,
-    idle_timeout,
     ticketed,
 )
 
@@ -317,12 +316,7 @@ class Fetches:
             return
         self.metrics.fetches.labels("coordinator").inc()
         while True:
-            fill = self.fills.get((ns, request.key))
-            if fill is None:
-                # Peers join a running download late: keep its head for them.
-                fill = self.fills[(ns, request.key)] = Fill(
-                    Fill.MAX_BACKLOG if self.relay_address else 0)
-                self.background.spawn(self._run_fill(fill, ns, md, request.key, request.digest))
+            fill = self._fill(ns, md, request.key, request.digest)
             reader = fill.join(request.accept_zstd)
             if reader is not None:
                 break
@@ -354,6 +348,15 @@ class Fetches:
         async for chunk in self._following(fill, available):
             yield chunk
 
+    def _fill(self, ns: str, md: tuple, key: str, digest: str) -> Fill:
+        """The host cache's download of `key`: the one under way, else a new one."""
+        fill = self.fills.get((ns, key))
+        if fill is None:
+            # Peers join a running download late: keep its head for them.
+            fill = self.fills[(ns, key)] = Fill(Fill.MAX_BACKLOG if self.relay_address else 0)
+            self.background.spawn(self._run_fill(fill, ns, md, key, digest))
+        return fill
+
     async def prefetch(self, ns: str, md: tuple, key: str, digest: str) -> bool:
         """Bring `key`'s artifact (`digest`) into the host cache, downloaded
         once however many ask, without reading it: whether the host cache
@@ -362,10 +365,7 @@ class Fetches:
         info = await asyncio.to_thread(self.cache.lookup, ns, key)
         if info is not None and info.digest == digest:
             return True
-        fill = self.fills.get((ns, key))
-        if fill is None:
-            fill = self.fills[(ns, key)] = Fill(Fill.MAX_BACKLOG if self.relay_address else 0)
-            self.background.spawn(self._run_fill(fill, ns, md, key, digest))
+        fill = self._fill(ns, md, key, digest)
         got = await asyncio.shield(fill.done)
         if got is not None and got.digest != digest:
             raise CorruptBlob(f"{key} is now {got.digest}, not {digest}")

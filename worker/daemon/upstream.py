@@ -78,22 +78,6 @@ class CoordinatorLink:
 
 
 
-async def idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
-    """The stream's items; TimeoutError when none comes for `idle_s` (a stalled peer)."""
-    it = stream.__aiter__()
-    try:
-        while True:
-            try:
-                item = await (asyncio.wait_for(it.__anext__(), idle_s) if idle_s
-                              else it.__anext__())
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        if hasattr(stream, "cancel"):
-            stream.cancel()
-
-
 RELAY_PIECE = 512 << 10  # bytes of a message to a peer (chunks arrive 2 MiB at a time)
 
 

@@ -13,14 +13,14 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import Callable
 
 from compilecast import retry, wire
 from compilecast.decide import ends_wait
 from compilecast.errors import AlreadyPublished, CompilecastError, CorruptBlob, CutOff, Unavailable
 from compilecast.grpcutil import aio_channel
 from compilecast.rpcedge import aedged
+from compilecast.streams import idle_timeout
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import TRANSFER_S
 
@@ -91,7 +91,7 @@ class AsyncCacheClient:
         h = hashlib.sha256()
         held = 0
         try:
-            async for chunk in _stalling(call, self.rpc_s, key):
+            async for chunk in idle_timeout(call, self.rpc_s):
                 if chunk.HasField("artifact") and not held:
                     if chunk.artifact.digest != digest:
                         raise CorruptBlob(f"the worker answered {key} with "
@@ -101,6 +101,8 @@ class AsyncCacheClient:
                 if chunk.data:
                     h.update(chunk.data)
                     parts.append(chunk.data)
+        except TimeoutError:
+            raise Stalled(f"the fetch of {key} moved nothing for {self.rpc_s:g}s") from None
         except Unavailable as exc:
             if held and not isinstance(exc, CutOff):
                 raise CutOff(str(exc)) from None
@@ -164,15 +166,3 @@ class AsyncCacheClient:
         await self.stub.Release(pb.ReleaseRequest(key=key, lease=lease, reason=reason,
                                                   detail=detail[:1000]),
                                 timeout=self.rpc_s, metadata=md)
-
-
-async def _stalling(call: Any, stall_s: float, key: str) -> AsyncIterator[Any]:
-    """The messages of a stream, given up (Stalled) when none came for `stall_s`."""
-    it = call.__aiter__()
-    while True:
-        try:
-            yield await asyncio.wait_for(it.__anext__(), stall_s)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise Stalled(f"the fetch of {key} moved nothing for {stall_s:g}s") from None

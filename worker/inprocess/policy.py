@@ -29,9 +29,9 @@ TTL/3, at least every KEEPALIVE_MIN_S (`keepalive_every`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from compilecast.errors import CompilecastError, CorruptBlob, InvalidRequest, NotFound, TooMany
 from compilecast.v1 import cache_pb2 as pb
@@ -85,10 +85,8 @@ class Shell(Protocol):
 class Ask:
     """-> pb.AcquireResponse"""
 
+    op: ClassVar[str] = "ask"
     request: pb.AcquireRequest
-
-    def to(self, shell: Shell) -> Any:
-        return shell.ask(self)
 
 
 @dataclass(frozen=True)
@@ -96,29 +94,26 @@ class Await:
     """-> (pb.WaitEvent that ended the wait, its verified bytes or None):
     a shell may fetch as the holder publishes and send both."""
 
+    op: ClassVar[str] = "await_"
     key: str
     identity: Identity
     timeout_s: float
-
-    def to(self, shell: Shell) -> Any:
-        return shell.await_(self)
 
 
 @dataclass(frozen=True)
 class Fetch:
     """-> bytes, verified against `digest` (CorruptBlob where they are not)"""
 
+    op: ClassVar[str] = "fetch"
     key: str
     digest: str
-
-    def to(self, shell: Shell) -> Any:
-        return shell.fetch(self)
 
 
 @dataclass(frozen=True)
 class Publish:
     """-> pb.ArtifactInfo"""
 
+    op: ClassVar[str] = "publish"
     key: str
     lease: pb.Lease
     data: bytes
@@ -126,26 +121,26 @@ class Publish:
     identity: Identity
     recipe: pb.Recipe | None = None
 
-    def to(self, shell: Shell) -> Any:
-        return shell.publish(self)
-
 
 @dataclass(frozen=True)
 class Release:
     """-> None. `trace`: the W3C context of the decision that granted the lease."""
 
+    op: ClassVar[str] = "release"
     key: str
     lease: pb.Lease
     reason: pb.ReleaseReason.ValueType
     detail: str
     trace: dict = field(default_factory=dict)
 
-    def to(self, shell: Shell) -> Any:
-        return shell.release(self)
-
 
 Step = Ask | Await | Fetch | Publish | Release
 Policy = Generator[Step, Any, T]
+
+
+def carried_out(step: Step, shell: Shell) -> Any:
+    """What `shell` makes of `step`: the shell's method the step names (`op`)."""
+    return getattr(shell, step.op)(step)
 
 
 # -- the outcomes ----------------------------------------------------------------------
@@ -247,12 +242,11 @@ def settle(step: Publish, *, trace: dict | None = None) -> Policy[Settled]:
 def drive(policy: Policy[T], shell: Shell) -> T:
     """Carry out `policy` with a synchronous shell: its outcome, or the
     error it did not handle."""
-    carry_out: Callable[[Step], Any] = lambda step: step.to(shell)  # noqa: E731
     try:
         step = next(policy)
         while True:
             try:
-                result = carry_out(step)
+                result = carried_out(step, shell)
             except Exception as exc:
                 step = policy.throw(exc)
             else:
@@ -267,7 +261,7 @@ async def adrive(policy: Policy[T], shell: Shell) -> T:
         step = next(policy)
         while True:
             try:
-                pending: Awaitable[Any] = step.to(shell)
+                pending: Awaitable[Any] = carried_out(step, shell)
                 result = await pending
             except Exception as exc:
                 step = policy.throw(exc)
