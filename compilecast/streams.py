@@ -25,6 +25,23 @@ RAW_MAGIC = b"CCRAW01\n"  # a stored blob that is not zstd
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes (a stored blob that is)
 
 
+async def opened(opener: Callable[..., Any], *args: Any) -> Any:
+    """`opener(*args)` run on a thread: what it opened (a file, a response;
+    anything with close(), or None). When the caller is cancelled meanwhile,
+    what the thread still opens is closed as it comes, not left to the
+    garbage collector with its descriptor."""
+    task = asyncio.ensure_future(asyncio.to_thread(opener, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_close_result)
+        raise
+
+
+def _close_result(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is None and task.result() is not None:
+        task.result().close()
+
 
 async def idle_timeout(stream, idle_s: float | None) -> AsyncIterator:
     """The stream's items; TimeoutError when none comes for `idle_s` (a stalled peer)."""

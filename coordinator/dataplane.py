@@ -69,7 +69,7 @@ from compilecast import validate
 from compilecast.decide import ending_event
 from compilecast.errors import CompilecastError
 from compilecast.store import ArtifactStore
-from compilecast.streams import CHUNK
+from compilecast.streams import CHUNK, opened
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DATA_PLANE_REQUEST as REQUEST_MAGIC
 from compilecast.wire import DATA_PLANE_UPLOAD as UPLOAD_MAGIC
@@ -147,7 +147,7 @@ class DataPlane(TicketServer):
         self._expire()
         if len(self._tickets) >= MAX_TICKETS:
             return None
-        f = await asyncio.to_thread(self.store.open_sendable, info.digest, zstd_ok)
+        f = await opened(self.store.open_sendable, info.digest, zstd_ok)
         if f is None:
             return None
         return self._issue(self._tickets, _Ticket(f, time.monotonic() + TICKET_S))
@@ -244,8 +244,8 @@ class DataPlane(TicketServer):
             else:
                 event = ending.result()
                 if event.decision == pb.HIT:
-                    blob = await asyncio.to_thread(self.store.open_sendable,
-                                                   event.artifact.digest, True)
+                    blob = await opened(self.store.open_sendable,
+                                        event.artifact.digest, True)
                 event.data_follows = blob is not None
                 frame = status_frame(0, event.SerializeToString())
             if blob is not None:

@@ -82,3 +82,36 @@ def test_generated_protobuf_stubs_interoperate(coordinator):
     assert c.fetch("interop")[1] == data
     c.close()
     channel.close()
+
+
+def test_a_file_opened_for_a_cancelled_caller_is_closed_not_leaked(tmp_path):
+    import asyncio
+    import threading
+
+    from compilecast.streams import opened
+
+    path = tmp_path / "blob"
+    path.write_bytes(b"x")
+    go, files = threading.Event(), []
+
+    def slow_open():
+        go.wait()
+        files.append(open(path, "rb"))
+        return files[-1]
+
+    async def main():
+        caller = asyncio.ensure_future(opened(slow_open))
+        await asyncio.sleep(0)  # (the thread started: the caller awaits it)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        go.set()
+        for _ in range(3000):  # the thread's file, closed when it comes
+            if files and files[0].closed:
+                break
+            await asyncio.sleep(0.01)
+        assert files and files[0].closed, "the file opened for the cancelled caller is open"
+        with await opened(open, path, "rb") as f:  # an uncancelled caller gets its file
+            assert f.read() == b"x"
+
+    asyncio.run(main())

@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 
 from compilecast.negotiate import Route, RouteFailed
+from compilecast.streams import opened
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
 
@@ -36,7 +37,7 @@ async def with_bucket_url(call, used: list[Route]) -> AsyncIterator:
         yield pb.FetchChunk(artifact=info)
         used.append(Route.BUCKET_URL)
         try:
-            resp = await asyncio.to_thread(urllib.request.urlopen, chunk.url, timeout=CONNECT_S)
+            resp = await opened(urllib.request.urlopen, chunk.url, CONNECT_S)
         except urllib.error.HTTPError as exc:
             raise RouteFailed(Route.BUCKET_URL, f"the bucket answered its presigned GET with "
                               f"{exc.code}") from None

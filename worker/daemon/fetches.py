@@ -19,7 +19,7 @@ from compilecast.blobstore import aread
 from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamError
 from compilecast.negotiate import WORKER_FILL, Ladder, Route, RouteFailed, Routes, acarry
 from compilecast.serving import Background
-from compilecast.streams import RAW_MAGIC, idle_timeout
+from compilecast.streams import RAW_MAGIC, idle_timeout, opened
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import HEARTBEAT_S, TRANSFER_S, DataChunk
 
@@ -393,7 +393,7 @@ class Fetches:
             if fill.readable() is not None and info is not None and fill.writer is not None \
                     and digest_matches(info, request.digest):
                 try:
-                    f = await asyncio.to_thread(open, fill.writer.path, "rb")
+                    f = await opened(open, fill.writer.path, "rb")
                 except OSError:  # committed (renamed) meanwhile: the gRPC path reads the blob
                     return None
                 return ticketed(info, self.relay_plane.offer(f, len(RAW_MAGIC) + info.size,
@@ -403,8 +403,8 @@ class Fetches:
         info = await asyncio.to_thread(self.cache.lookup, ns, request.key)
         if info is None or not digest_matches(info, request.digest):
             return None
-        sendable = await asyncio.to_thread(self.cache.store.open_sendable, info.digest,
-                                           request.accept_zstd)
+        sendable = await opened(self.cache.store.open_sendable, info.digest,
+                                request.accept_zstd)
         if sendable is None:
             return None
         return ticketed(info, self.relay_plane.offer(sendable,
