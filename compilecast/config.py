@@ -288,6 +288,9 @@ class WorkerConfig(Checked):
         "the job this host runs (at most 128 of [A-Za-z0-9._:-]): its manifest's artifacts are "
         "prefetched into the host cache at start and its keys' HITs answered here "
         "(a caller's own job, Requester.job, too)"))
+    job_streams: bool = field(default=True, metadata=_help(
+        "a job's processes that do not compile a program wait for it on one stream per host "
+        "and job (WatchJob), not with a request and a wait per key; off: key by key"))
     cache_min_free_bytes: int = field(
         default=2 << 30,
         metadata=_help("space the host cache leaves free on its disk for the jobs on the host: "

@@ -19,6 +19,9 @@ share-binary timeout) ends them sooner.
     PUBLISH  a publish cut off: the lease still holds and the bytes are here
     RESUME   a worker's download the coordinator cut off (UNAVAILABLE): it goes
              on from the byte it had, at the replica that took the address
+    JOB_STREAM  a host's stream for its job's waits, ended or refused: opened
+             again after each pause in turn, the last for ever after (its
+             waits go upstream key by key meanwhile)
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ class Retry:
     pauses: tuple[float, ...]
     when: Callable[[BaseException], bool]
     ran_s: float = 0.0
+
+    def pause(self, tries: int) -> float:
+        """The pause before try `tries` (from 0) again; the last one past the end."""
+        return self.pauses[min(tries, len(self.pauses) - 1)]
 
     def _again(self, exc: BaseException, pause: float | None, began: float,
                deadline: float | None) -> bool:
@@ -110,3 +117,4 @@ FETCH = Retry("fetch", (1.0, 4.0), cut_off)
 PUBLISH = Retry("publish", (1.0, 4.0), unavailable)
 RESUME = Retry("resume", (1.0, 4.0), unavailable)
 RELAYED_WAIT = Retry("wait upstream", WAIT_RETRY_S, degraded)
+JOB_STREAM = Retry("job stream", (1.0, 2.0, 5.0, 10.0, 30.0), degraded)

@@ -271,8 +271,8 @@ def parser(cls: type[Message]) -> Callable[[bytes], Message | DataChunk]:
 
 # Messages whose streams carry artifact bytes.
 BULK = (pb.FetchChunk.DESCRIPTOR.full_name, pb.PublishChunk.DESCRIPTOR.full_name)
-# Answers a handler may give already serialized (one job's manifest, sent to every host).
-SERIALIZED = (pb.Manifest.DESCRIPTOR.full_name,)
+# Answers a handler may give already serialized (one job's manifest or news, sent to every host).
+SERIALIZED = (pb.Manifest.DESCRIPTOR.full_name, pb.JobEvents.DESCRIPTOR.full_name)
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["CompileCache"].full_name
 _FETCH = f"/{_SERVICE}/Fetch"

@@ -252,6 +252,13 @@ class CoordinatorService(rpc.CompileCacheServicer):
         return await self.state.manifests.manifest(who.tenant, request.job,
                                                    request.held_digest)
 
+    @rpc_errors
+    async def WatchJob(self, request_iterator, context):
+        who = self.auth.identify(context)
+        async for events in self.state.job_watches.serve(request_iterator, tenant=who.tenant,
+                                                         may_publish=who.can_publish):
+            yield events
+
     # -- ahead-of-time compiles -----------------------------------------
     @rpc_errors
     async def ListRecipes(self, request, context):

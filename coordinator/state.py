@@ -36,6 +36,7 @@ import logging
 from compilecast.config import CoordinatorConfig
 from compilecast.serving import Background, cancel_all
 from compilecast.store import ArtifactStore
+from compilecast.v1 import cache_pb2 as pb
 
 from .artifacts import Artifacts, ArtifactSettings
 from .claims import Claims, ClaimSettings
@@ -43,6 +44,7 @@ from .etcd import Etcd
 from .farm import Farm
 from .keyview import KeyView, ViewSettings
 from .leases import LeasePool, Session
+from .jobwatch import JobWatches
 from .manifests import Manifests
 from .metrics import CoordinatorMetrics
 from .operations import Operations, OperationSettings, describe_store
@@ -101,11 +103,16 @@ class CoordinatorState:
             self.view, self.claims, self.session, etcd, metrics, self.records, self.uploads,
             self.background)
         self.manifests = Manifests(etcd, self.view, self.hub.prefix)
+        self.job_watches = JobWatches(self.waiting, self.view, self._give_back)
         self.operations = Operations(
             OperationSettings(store_type=cfg.store_type, store_max_bytes=cfg.store_max_bytes,
                               store_description=describe_store(cfg)),
             self.view, self.waiting, self.session, etcd, store, metrics, self.records, self.farm)
         self._tasks: list[asyncio.Task[None]] = []
+
+    async def _give_back(self, key: str, lease: pb.Lease, tenant: str) -> None:
+        await self.artifacts.release(key, lease, pb.ABANDONED, "its host's job stream ended",
+                                     tenant=tenant)
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self.hub.run(), name="watch-hub"))
@@ -113,6 +120,7 @@ class CoordinatorState:
         await self.hub.ready.wait()
 
     async def stop(self) -> None:
+        self.job_watches.close()
         await cancel_all(self._tasks)  # the session keeper could swallow one cancel
         await self.records.close()
         await self.leases.close()

@@ -128,7 +128,7 @@ def test_a_caller_that_gives_up_ends_its_wait_on_the_coordinator(coordinator, lo
 
 def test_a_process_waiting_behind_a_worker_waits_on_its_stream(coordinator, start_worker):
     target = coordinator.cfg.listen
-    w = start_worker(target)
+    w = start_worker(target, job_streams=False)  # (its job's own stream: test_job_streams.py)
     holder, lease = claimed(target, "k")
     proc = CacheClient(w.cfg.listen, identity=Identity(job="j", process_id=1), timeout_s=10)
     try:

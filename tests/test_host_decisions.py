@@ -148,8 +148,9 @@ def test_a_hosts_processes_get_their_answers_and_every_one_is_counted_once(
     once, before and after the designated process (on another host) has
     compiled them. Whatever was shared, each gets the coordinator's answer,
     and each answer is counted once: by the coordinator if it went upstream,
-    by the worker if another process's request answered it."""
-    w = start_worker(coordinator.cfg.listen)
+    by the worker if another process's request answered it (without the
+    job's stream: tests/test_job_streams.py)."""
+    w = start_worker(coordinator.cfg.listen, job_streams=False)
     keys = [f"prog{i}" for i in range(6)]
     procs = [CacheClient(w.cfg.listen, timeout_s=10,
                          identity=Identity(job="j", process_id=p, designated_process=0,

@@ -99,7 +99,8 @@ def _print_prefetches(st) -> None:
         gb = 1e9
         print(f"job          {p.job}: {p.artifacts_done:,}/{p.artifacts_total:,} artifacts, "
               f"{p.bytes_done / gb:.1f} of {p.bytes_total / gb:.1f} GB"
-              + (f" ({p.stopped})" if p.stopped else ""))
+              + (f" ({p.stopped})" if p.stopped else "")
+              + (f"; its stream open, {p.stream_waits:,} waits on it" if p.stream_open else ""))
     if st.manifest_hits:
         print(f"manifest     {st.manifest_hits:,} hits answered from the jobs' manifests")
 

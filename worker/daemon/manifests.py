@@ -15,7 +15,11 @@ job's manifest with the credential of the caller that named it. Then:
   `compilecast status` shows how far it got;
 - an entry that proves stale (a fetch of it fails: purged, lost, another
   digest) or whose digest is revoked is dropped, and its key is asked for as
-  any other: a manifest never makes a wrong hit.
+  any other: a manifest never makes a wrong hit;
+- the job's stream (worker/daemon/jobstream.py) carries the waits of the
+  job's processes that do not compile a program themselves, and the job's
+  publishes, which the manifest then answers too: a cold start in a stream a
+  host, not a request and a wait per host and program.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from compilecast.errors import CompilecastError
 from compilecast.v1 import cache_pb2 as pb
 
 from .fetches import Fetches
+from .jobstream import JobStream
 from .upstream import CoordinatorLink
 
 log = logging.getLogger(__name__)
@@ -51,15 +56,18 @@ class _Job:
     held_digest: str = ""
     progress: pb.JobPrefetch = field(default_factory=pb.JobPrefetch)
     problem: str = ""
+    stream: JobStream | None = None
 
 
 class HostManifests:
     def __init__(self, link: CoordinatorLink, fetches: Fetches, *, max_bytes: int,
-                 counted: Callable[[int], None] = lambda size: None) -> None:
+                 counted: Callable[[int], None] = lambda size: None,
+                 streams: bool = True) -> None:
         self.link = link
         self.fetches = fetches
         self.max_bytes = max_bytes  # the host cache's bound: what a job's prefetch may fill
         self.counted = counted  # an artifact of `size` bytes prefetched (metrics)
+        self.streams = streams  # open each job's stream (worker/daemon/jobstream.py)
         self.jobs: collections.OrderedDict[tuple[str, str], _Job] = collections.OrderedDict()
         self.entries: dict[str, dict[str, pb.ArtifactInfo]] = {}  # ns -> key -> entry
         self.held = 0  # entries in all
@@ -88,6 +96,8 @@ class HostManifests:
         entry = self.jobs[(ns, job)] = _Job(ns, job, md, time.monotonic(),
                                             progress=pb.JobPrefetch(job=job))
         entry.task = asyncio.ensure_future(self._load(entry))
+        if self.streams:
+            entry.stream = JobStream(self.link, md, job, lambda infos: self._add(ns, infos))
 
     async def _load(self, j: _Job) -> None:
         try:
@@ -101,18 +111,21 @@ class HostManifests:
         if manifest.unchanged:
             return
         j.held_digest = manifest.digest
-        mine = self.entries.setdefault(j.ns, {})
-        for e in manifest.entries:
-            if self.held >= MAX_ENTRIES:
-                break
-            if e.key not in mine:
-                self.held += 1
-            mine[e.key] = e
+        self._add(j.ns, manifest.entries)
         j.progress.artifacts_total = len(manifest.entries)
         j.progress.bytes_total = sum(e.size for e in manifest.entries)
         log.info("job %s: manifest of %d artifacts (%d bytes); prefetching", j.job,
                  len(manifest.entries), j.progress.bytes_total)
         await self._prefetch(j, list(manifest.entries))
+
+    def _add(self, ns: str, entries) -> None:
+        mine = self.entries.setdefault(ns, {})
+        for e in entries:
+            if self.held >= MAX_ENTRIES:
+                break
+            if e.key not in mine:
+                self.held += 1
+            mine[e.key] = e
 
     async def _prefetch(self, j: _Job, entries: list[pb.ArtifactInfo]) -> None:
         room = self.max_bytes
@@ -150,6 +163,15 @@ class HostManifests:
             self.hits += 1
         return info
 
+    def stream(self, ns: str, requester: pb.Requester) -> JobStream | None:
+        """The open stream that carries this requester's waits: of its job,
+        when it does not compile the program itself (None otherwise)."""
+        if not requester.job or requester.process_id == requester.designated_process:
+            return None
+        j = self.jobs.get((ns, requester.job))
+        s = j.stream if j is not None else None
+        return s if s is not None and s.live else None
+
     def forget(self, ns: str, key: str) -> None:
         """A stale entry (its fetch failed): the key is asked for as any other."""
         mine = self.entries.get(ns)
@@ -168,10 +190,14 @@ class HostManifests:
                                artifacts_total=j.progress.artifacts_total,
                                bytes_done=j.progress.bytes_done,
                                bytes_total=j.progress.bytes_total,
-                               stopped=j.problem or j.progress.stopped)
+                               stopped=j.problem or j.progress.stopped,
+                               stream_open=j.stream is not None and j.stream.live,
+                               stream_waits=j.stream.waiting if j.stream is not None else 0)
                 for j in self.jobs.values()]
 
     async def close(self) -> None:
         for j in self.jobs.values():
             if j.task is not None:
                 j.task.cancel()
+            if j.stream is not None:
+                await j.stream.close()

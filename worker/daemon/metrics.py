@@ -66,15 +66,16 @@ class WorkerMetrics:
         )
         self.waits = Counter(
             "compilecast_worker_waits",
-            "Waits of this host's processes: upstream (sent to the coordinator) or joined "
-            "(shared another local process's upstream wait for the same key)",
+            "Waits of this host's processes: upstream (sent to the coordinator), joined "
+            "(shared another local process's upstream wait for the same key) or stream "
+            "(ended by the job's stream)",
             ["how"], registry=registry,
         )
         self.decisions = Counter(
             "compilecast_worker_decisions",
             "Requests of this host's processes that the host cache did not answer: upstream "
-            "(sent to the coordinator) or joined (answered by another local process's request "
-            "for the same key)",
+            "(sent to the coordinator), joined (answered by another local process's request "
+            "for the same key) or stream (WAIT here: the job's stream waits for the key)",
             ["how"], registry=registry,
         )
         self.compile_seconds_saved = Counter(

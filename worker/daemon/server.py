@@ -78,7 +78,7 @@ class Worker(Role):
                                      wake_on_host_publish=cfg.wake_on_host_publish,
                                      data_plane=cfg.data_plane and upstream_creds is None,
                                      bucket_urls=cfg.bucket_urls,
-                                     job=cfg.job,
+                                     job=cfg.job, job_streams=cfg.job_streams,
                                      # Peers serve with the same certificates as the
                                      # coordinator's CA signs (one PKI per release).
                                      peer_credentials=upstream_creds,

@@ -63,7 +63,7 @@ class WorkerService(rpc.CompileCacheServicer):
                  relay_address: str = "", peer_credentials: grpc.ChannelCredentials | None = None,
                  local_files: bool = True,
                  data_plane: bool = False, wake_on_host_publish: bool = False,
-                 bucket_urls: bool = True, job: str = "") -> None:
+                 bucket_urls: bool = True, job: str = "", job_streams: bool = True) -> None:
         self.share_binary_timeout_ms = share_binary_timeout_ms
         self.job = job  # this host's job (`up --job`): its manifest's keys are answered here
         # The routes besides gRPC this worker may take (compilecast/negotiate.py):
@@ -91,7 +91,7 @@ class WorkerService(rpc.CompileCacheServicer):
                                    self.waits, wake_on_host_publish=wake_on_host_publish)
         self.manifests = HostManifests(self.link, self.fetches,
                                        max_bytes=cache.store.max_bytes or 0,
-                                       counted=self._prefetched)
+                                       counted=self._prefetched, streams=job_streams)
         self.dirs: DirSync | None = None  # the host's synced directories (server.py)
         self._deciders: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
         self._tenants: dict[str, str] = {}  # host-cache namespace -> its tenant, once known
@@ -159,6 +159,11 @@ class WorkerService(rpc.CompileCacheServicer):
         found = [info or self._from_manifest(ns, k) for info, k in zip(found, keys, strict=True)]
         answers = [pb.AcquireResponse(decision=pb.HIT, artifact=info) if info else None
                    for info in found]
+        for i, r in enumerate(requests):  # a waiter of its job's designated process: no upstream
+            if answers[i] is None and self.manifests.stream(ns, r.requester) is not None:
+                answers[i] = pb.AcquireResponse(decision=pb.WAIT, reason=(
+                    f"process {r.requester.designated_process} of job {r.requester.job} "
+                    "compiles; the job's stream tells this host"))
         ask = [r for r, a in zip(requests, answers, strict=True) if a is None]
         upstream: list[tuple[pb.AcquireResponse, bool]] = []
         if ask:
@@ -180,6 +185,11 @@ class WorkerService(rpc.CompileCacheServicer):
         it = iter(upstream)
         out = []
         for local in answers:
+            if local is not None and local.decision == pb.WAIT:  # the job's stream waits
+                self.metrics.lookups.labels("wait").inc()
+                self.metrics.decisions.labels("stream").inc()
+                out.append(local)
+                continue
             if local is not None:  # the host cache's hit: the coordinator never saw it
                 self.metrics.lookups.labels("host_hit").inc()
                 self.metrics.compile_seconds_saved.inc(local.artifact.compile_time_seconds)
@@ -228,7 +238,7 @@ class WorkerService(rpc.CompileCacheServicer):
         ns, md = self.link.credential(context)
         async for answer in decideserve.serve(
                 request_iterator, lambda rs: self._acquire_many(rs, ns, md),
-                wait=lambda r, until: self._wait_once(self._bounded(r), md, until),
+                wait=lambda r, until: self._wait_once(self._bounded(r), ns, md, until),
                 streams=self.streams):
             yield answer
 
@@ -240,14 +250,25 @@ class WorkerService(rpc.CompileCacheServicer):
                                      self.share_binary_timeout_ms)
         return request
 
-    async def _wait_once(self, request: pb.WaitRequest, md: tuple,
+    async def _wait_once(self, request: pb.WaitRequest, ns: str, md: tuple,
                          until_publishing: bool) -> pb.WaitEvent:
         """A wait (`_bounded` already), shared with this host's other waits
         for the key (one upstream wait for all: worker/daemon/waits.py) and sent over
-        the Decide stream (a message, not a call of its own); an unreachable
+        the job's stream (worker/daemon/jobstream.py) or else the Decide
+        stream (a message, not a call of its own); an unreachable
         coordinator means COMPILE_LOCALLY."""
 
         async def upstream(req: pb.WaitRequest, until: bool) -> pb.WaitEvent:
+            stream = self.manifests.stream(ns, req.requester)
+            if stream is not None:
+                info = self._from_manifest(ns, req.key)  # (the stream told of it meanwhile)
+                if info is not None:
+                    return pb.WaitEvent(decision=pb.HIT, artifact=info)
+                event = await stream.wait(req)
+                if event is not None:
+                    self.metrics.waits.labels("stream").inc()
+                    return event
+            self.metrics.waits.labels("upstream").inc()
             with tracing.span("worker.upstream.wait", key=req.key):
                 req.ClearField("trace_context")  # ours, never a caller's map
                 tracing.inject(req.trace_context)
@@ -275,7 +296,7 @@ class WorkerService(rpc.CompileCacheServicer):
         ns, md = self.link.credential(context)
         request = self._bounded(request)
         deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms else None
-        event = await self._wait_once(request, md, until_publishing=True)
+        event = await self._wait_once(request, ns, md, until_publishing=True)
         yield event
         if event.decision != pb.WAIT:
             return
@@ -299,7 +320,7 @@ class WorkerService(rpc.CompileCacheServicer):
                 return
             if deadline is not None:
                 request.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        yield await self._wait_once(request, md, until_publishing=False)
+        yield await self._wait_once(request, ns, md, until_publishing=False)
 
     async def _forward(self, method: str, request, context):
         """A unary call passed to the coordinator as is, under the caller's credential."""

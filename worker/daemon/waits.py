@@ -62,8 +62,8 @@ class _Group:
 
 
 class HostWaits:
-    """`counted` (optional): a Counter labelled by "upstream" (a wait sent to
-    the coordinator) and "joined" (a wait that shared one)."""
+    """`counted` (optional): a Counter labelled by "joined" (a wait that
+    shared another's); the upstream function counts what it sends."""
 
     def __init__(self, counted=None) -> None:
         self._groups: dict[tuple, _Group] = {}
@@ -134,8 +134,7 @@ class HostWaits:
                 last = max(bounded) if len(bounded) == len(deadlines) else None
                 request.timeout_ms = 0 if last is None else max(
                     1, int((last - time.monotonic()) * 1000))
-                self._count("upstream")
-                try:
+                try:  # (counted by the caller's upstream: sent up, or on the job's stream)
                     event = await upstream(request, until_publishing)
                 except Exception as exc:  # each caller handles it as its own
                     for w in group.waiters:

@@ -1956,6 +1956,101 @@ class Manifest(_message.Message):
 Global___Manifest: _TypeAlias = Manifest  # noqa: Y015
 
 @_typing.final
+class JobWatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    WAITS_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """The job (1-128 characters), in the first message (later ones may omit it)."""
+    @_builtins.property
+    def waits(self) -> _containers.RepeatedCompositeFieldContainer[Global___WaitRequest]:
+        """Keys the host now waits for, each once a stream, under the requester of
+        its lowest waiting process (at most 1,000 a message). timeout_ms and
+        accept_data_wait are ignored: the host keeps its own timeouts.
+        """
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        waits: _abc.Iterable[Global___WaitRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "waits", b"waits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobWatchRequest: _TypeAlias = JobWatchRequest  # noqa: Y015
+
+@_typing.final
+class KeyTurn(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    @_builtins.property
+    def event(self) -> Global___WaitEvent:
+        """COMPILE with its lease: the host's process that asked under `key` compiles."""
+
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        event: Global___WaitEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeyTurn: _TypeAlias = KeyTurn  # noqa: Y015
+
+@_typing.final
+class JobEvents(_message.Message):
+    """The first message of a WatchJob stream is empty: the stream is open."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PUBLISHED_FIELD_NUMBER: _builtins.int
+    ASK_FIELD_NUMBER: _builtins.int
+    TURNS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def published(self) -> _containers.RepeatedCompositeFieldContainer[Global___ArtifactInfo]:
+        """Artifacts of the job published since the last message (every stream of
+        the job gets them; a key already published when asked: that stream).
+        """
+
+    @_builtins.property
+    def ask(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Keys whose wait here ended without an artifact (its compile failed, the
+        share-binary timeout passed, the stream's host was to compile and is
+        gone): the host asks for them one by one, as without a stream.
+        """
+
+    @_builtins.property
+    def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyTurn]:
+        """Keys this stream's host is to compile (only to that stream)."""
+
+    def __init__(
+        self,
+        *,
+        published: _abc.Iterable[Global___ArtifactInfo] | None = ...,
+        ask: _abc.Iterable[_builtins.str] | None = ...,
+        turns: _abc.Iterable[Global___KeyTurn] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "published", b"published", "turns", b"turns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobEvents: _TypeAlias = JobEvents  # noqa: Y015
+
+@_typing.final
 class JobPrefetch(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1965,6 +2060,8 @@ class JobPrefetch(_message.Message):
     BYTES_DONE_FIELD_NUMBER: _builtins.int
     BYTES_TOTAL_FIELD_NUMBER: _builtins.int
     STOPPED_FIELD_NUMBER: _builtins.int
+    STREAM_OPEN_FIELD_NUMBER: _builtins.int
+    STREAM_WAITS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     artifacts_done: _builtins.int
     artifacts_total: _builtins.int
@@ -1972,6 +2069,10 @@ class JobPrefetch(_message.Message):
     bytes_total: _builtins.int
     stopped: _builtins.str
     """Why it stopped short of the total, if it did (the host cache is full)."""
+    stream_open: _builtins.bool
+    """The job's stream is open: the waits of its processes go on it."""
+    stream_waits: _builtins.int
+    """Of this host's waits, those on the stream now."""
     def __init__(
         self,
         *,
@@ -1981,10 +2082,12 @@ class JobPrefetch(_message.Message):
         bytes_done: _builtins.int = ...,
         bytes_total: _builtins.int = ...,
         stopped: _builtins.str = ...,
+        stream_open: _builtins.bool = ...,
+        stream_waits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts_done", b"artifacts_done", "artifacts_total", b"artifacts_total", "bytes_done", b"bytes_done", "bytes_total", b"bytes_total", "job", b"job", "stopped", b"stopped"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts_done", b"artifacts_done", "artifacts_total", b"artifacts_total", "bytes_done", b"bytes_done", "bytes_total", b"bytes_total", "job", b"job", "stopped", b"stopped", "stream_open", b"stream_open", "stream_waits", b"stream_waits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -119,6 +119,11 @@ class CompileCacheStub:
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.ManifestRequest.SerializeToString,
                 response_deserializer=compilecast_dot_v1_dot_cache__pb2.Manifest.FromString,
                 _registered_method=True)
+        self.WatchJob = channel.stream_stream(
+                '/compilecast.v1.CompileCache/WatchJob',
+                request_serializer=compilecast_dot_v1_dot_cache__pb2.JobWatchRequest.SerializeToString,
+                response_deserializer=compilecast_dot_v1_dot_cache__pb2.JobEvents.FromString,
+                _registered_method=True)
         self.SubmitCompiles = channel.unary_unary(
                 '/compilecast.v1.CompileCache/SubmitCompiles',
                 request_serializer=compilecast_dot_v1_dot_cache__pb2.SubmitCompilesRequest.SerializeToString,
@@ -279,6 +284,15 @@ class CompileCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchJob(self, request_iterator, context):
+        """One stream per host and job: the host names the keys its processes wait
+        for, and hears of the job's publishes, of its turn to compile a key
+        (promoted, or a hedge), and of the keys to ask for one by one again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitCompiles(self, request, context):
         """Queue compiles for the farm (needs publish permission).
         """
@@ -401,6 +415,11 @@ def add_CompileCacheServicer_to_server(servicer, server):
                     servicer.GetManifest,
                     request_deserializer=compilecast_dot_v1_dot_cache__pb2.ManifestRequest.FromString,
                     response_serializer=compilecast_dot_v1_dot_cache__pb2.Manifest.SerializeToString,
+            ),
+            'WatchJob': grpc.stream_stream_rpc_method_handler(
+                    servicer.WatchJob,
+                    request_deserializer=compilecast_dot_v1_dot_cache__pb2.JobWatchRequest.FromString,
+                    response_serializer=compilecast_dot_v1_dot_cache__pb2.JobEvents.SerializeToString,
             ),
             'SubmitCompiles': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitCompiles,
@@ -887,6 +906,33 @@ class CompileCache:
             '/compilecast.v1.CompileCache/GetManifest',
             compilecast_dot_v1_dot_cache__pb2.ManifestRequest.SerializeToString,
             compilecast_dot_v1_dot_cache__pb2.Manifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchJob(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/compilecast.v1.CompileCache/WatchJob',
+            compilecast_dot_v1_dot_cache__pb2.JobWatchRequest.SerializeToString,
+            compilecast_dot_v1_dot_cache__pb2.JobEvents.FromString,
             options,
             channel_credentials,
             insecure,

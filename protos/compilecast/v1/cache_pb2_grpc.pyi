@@ -99,6 +99,11 @@ class CompileCacheStub:
     with its artifact's digest and size (the caller's tenant). A worker that
     holds it answers those exact keys' HITs itself, and prefetches them.
     """
+    WatchJob: _grpc.StreamStreamMultiCallable[_cache_pb2.JobWatchRequest, _cache_pb2.JobEvents]
+    """One stream per host and job: the host names the keys its processes wait
+    for, and hears of the job's publishes, of its turn to compile a key
+    (promoted, or a hedge), and of the keys to ask for one by one again.
+    """
     SubmitCompiles: _grpc.UnaryUnaryMultiCallable[_cache_pb2.SubmitCompilesRequest, _cache_pb2.SubmitCompilesResponse]
     """Queue compiles for the farm (needs publish permission)."""
     ClaimCompile: _grpc.UnaryUnaryMultiCallable[_cache_pb2.ClaimCompileRequest, _cache_pb2.ClaimCompileResponse]
@@ -164,6 +169,11 @@ class CompileCacheAsyncStub(CompileCacheStub):
     """The job's manifest: every key its processes asked for that is published,
     with its artifact's digest and size (the caller's tenant). A worker that
     holds it answers those exact keys' HITs itself, and prefetches them.
+    """
+    WatchJob: _aio.StreamStreamMultiCallable[_cache_pb2.JobWatchRequest, _cache_pb2.JobEvents]  # type: ignore[assignment]
+    """One stream per host and job: the host names the keys its processes wait
+    for, and hears of the job's publishes, of its turn to compile a key
+    (promoted, or a hedge), and of the keys to ask for one by one again.
     """
     SubmitCompiles: _aio.UnaryUnaryMultiCallable[_cache_pb2.SubmitCompilesRequest, _cache_pb2.SubmitCompilesResponse]  # type: ignore[assignment]
     """Queue compiles for the farm (needs publish permission)."""
@@ -329,6 +339,17 @@ class CompileCacheServicer(metaclass=_abc_1.ABCMeta):
         """The job's manifest: every key its processes asked for that is published,
         with its artifact's digest and size (the caller's tenant). A worker that
         holds it answers those exact keys' HITs itself, and prefetches them.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchJob(
+        self,
+        request_iterator: _MaybeAsyncIterator[_cache_pb2.JobWatchRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cache_pb2.JobEvents], _abc.AsyncIterator[_cache_pb2.JobEvents]]:
+        """One stream per host and job: the host names the keys its processes wait
+        for, and hears of the job's publishes, of its turn to compile a key
+        (promoted, or a hedge), and of the keys to ask for one by one again.
         """
 
     @_abc_1.abstractmethod

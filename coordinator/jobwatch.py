@@ -1,0 +1,259 @@
+"""A pod's cold start: one stream per host and job (WatchJob), not a
+request and a wait per host and program (docs/architecture.md, "A pod's
+cold start").
+
+A host's worker opens one stream for its job and names on it each key its
+processes wait for, under the requester of its lowest waiting process. This
+replica then waits for each key of the job once, whatever the number of
+hosts, in the name of the stream whose process ranks first (the lowest
+process id, JAX's order among a program's waiters): the wait is `Waiting.
+wait`, the same wait a process's Wait call has, so the rules of who
+compiles are the same, and so is failover (its waiter record in etcd, its
+promotion when the holder dies, its hedge of a holder far past its time).
+Its end goes to the hosts:
+
+- HIT: the artifact goes to every stream of the job in the next message
+  (serialized once for all of them, FLUSH_S after the first news);
+- COMPILE (a promotion or a hedge): to the first-ranked stream alone, as a
+  KeyTurn with the lease; the key is then waited for again (the new holder's
+  publish is the HIT everyone gets). A host whose waiter left meanwhile gives
+  the lease back; a second turn for the same stream ends the key's wait here
+  (below);
+- anything else (the holder's compile failed, the key is compiled locally,
+  the share-binary timeout passed, the first-ranked host is gone when its
+  turn comes): the key goes to every stream as one to ask for one by one, as
+  without a stream, and the replica stops waiting for it.
+
+Bounds: MAX_STREAMS streams on a replica, MAX_KEYS keys waited for a job, a
+stream's unsent messages (QUEUED: a host that reads too slowly is cut off and
+asks key by key), MAX_WAITS keys a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from compilecast import validate
+from compilecast.errors import InvalidRequest, TooMany
+from compilecast.v1 import cache_pb2 as pb
+
+from .keyview import KeyView
+from .manifests import MAX_KEYS
+from .records import scope
+from .waiting import Waiting
+
+log = logging.getLogger(__name__)
+
+MAX_STREAMS = 20_000  # job streams held by a replica
+MAX_WAITS = 1000  # keys a message may name
+QUEUED = 1024  # messages a stream has not sent yet; past it the stream is ended
+FLUSH_S = 0.02  # news of a job is gathered this long into one message
+END = object()  # a stream's queue: the stream ends
+
+
+@dataclass(eq=False)
+class _Stream:
+    may_publish: bool
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    open: bool = True
+
+    def send(self, message: pb.JobEvents | bytes) -> None:
+        if not self.open:
+            return
+        if self.queue.qsize() >= QUEUED:  # a host that does not read: it asks key by key
+            self.end()
+            return
+        self.queue.put_nowait(message)
+
+    def end(self) -> None:
+        if self.open:
+            self.open = False
+            self.queue.put_nowait(END)
+
+
+@dataclass(eq=False)
+class _Key:
+    first: tuple[int, _Stream, pb.Requester]  # the stream whose process ranks first
+    task: asyncio.Task | None = None
+    turned: set[_Stream] = field(default_factory=set)  # streams given a turn at the key
+
+
+@dataclass(eq=False)
+class _Job:
+    tenant: str
+    job: str
+    streams: set[_Stream] = field(default_factory=set)
+    keys: dict[str, _Key] = field(default_factory=dict)
+    published: list[pb.ArtifactInfo] = field(default_factory=list)
+    ask: list[str] = field(default_factory=list)
+    flush: asyncio.TimerHandle | None = None
+
+
+# A turn nobody takes (its host's stream ended), given back: (key, lease, tenant)
+GiveBack = Callable[[str, pb.Lease, str], Awaitable[None]]
+
+
+class JobWatches:
+    def __init__(self, waiting: Waiting, view: KeyView, give_back: GiveBack) -> None:
+        self.waiting = waiting
+        self.view = view
+        self.give_back = give_back
+        self._jobs: dict[tuple[str, str], _Job] = {}
+        self.streams = 0  # open now (Status, tests)
+        self.turns = 0  # keys given to a stream's host to compile
+
+    async def serve(self, requests: AsyncIterator[pb.JobWatchRequest], *, tenant: str,
+                    may_publish: bool) -> AsyncIterator[pb.JobEvents | bytes]:
+        """The stream's events, to the end of `requests` (or past its bound)."""
+        it = requests.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        if not first.job:
+            raise InvalidRequest("name the job to watch in the stream's first message")
+        validate.job(first.job)
+        if self.streams >= MAX_STREAMS:
+            raise TooMany(f"{MAX_STREAMS} job streams are open on this replica; "
+                          "ask key by key")
+        job = self._jobs.get((tenant, first.job))
+        if job is None:
+            job = self._jobs[(tenant, first.job)] = _Job(tenant, first.job)
+        me = _Stream(may_publish)
+        job.streams.add(me)
+        self.streams += 1
+        reader = asyncio.ensure_future(self._read(job, me, first, it))
+        try:
+            yield pb.JobEvents()  # open
+            while True:
+                message = await me.queue.get()
+                if message is END:
+                    break
+                yield message
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
+        finally:
+            me.open = False
+            reader.cancel()
+            self.streams -= 1
+            job.streams.discard(me)
+            if not job.streams:
+                self._drop(job)
+
+    async def _read(self, job: _Job, me: _Stream, first: pb.JobWatchRequest,
+                    it: AsyncIterator[pb.JobWatchRequest]) -> None:
+        try:
+            message = first
+            while True:
+                if len(message.waits) > MAX_WAITS:
+                    raise InvalidRequest(f"at most {MAX_WAITS} keys a message")
+                if message.job and message.job != job.job:
+                    raise InvalidRequest("a stream watches one job")
+                for w in message.waits:
+                    validate.key(w.key)
+                    validate.requester(w.requester)
+                for w in message.waits:
+                    self._want(job, me, w)
+                try:
+                    message = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+        finally:
+            me.end()
+
+    def _want(self, job: _Job, me: _Stream, w: pb.WaitRequest) -> None:
+        """The host of `me` waits for `w.key`."""
+        info = self.view.cached_artifact(scope(job.tenant, w.key))
+        if info is not None:  # published already: to this stream alone
+            self.view.hit(job.tenant, info)
+            me.send(pb.JobEvents(published=[info]))
+            return
+        rank = w.requester.process_id
+        k = job.keys.get(w.key)
+        if k is None:
+            if len(job.keys) >= MAX_KEYS:
+                me.send(pb.JobEvents(ask=[w.key]))
+                return
+            k = job.keys[w.key] = _Key((rank, me, w.requester))
+            k.task = asyncio.ensure_future(self._wait(job, w.key, k))
+        elif rank < k.first[0] or not k.first[1].open:
+            k.first = (rank, me, w.requester)
+
+    async def _wait(self, job: _Job, key: str, k: _Key) -> None:
+        """Wait for `key` in the name of its first-ranked stream until it is
+        published, or until the hosts are to ask for it one by one."""
+        try:
+            while True:
+                _, stream, requester = k.first
+                async with contextlib.aclosing(self.waiting.wait(
+                        key, requester, 0, tenant=job.tenant,
+                        may_publish=stream.may_publish)) as events:
+                    end = pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended")
+                    async for event in events:
+                        if event.decision != pb.WAIT:
+                            end = event
+                            break
+                if end.decision == pb.HIT:
+                    self._news(job, published=end.artifact)
+                    return
+                if end.decision != pb.COMPILE:
+                    log.info("job %s: hosts ask for %s one by one (%s: %s)", job.job, key,
+                             pb.Decision.Name(end.decision), end.reason)
+                    self._news(job, ask=key)
+                    return
+                if not stream.open or stream in k.turned:
+                    # Its host went, or had the turn already (its process left
+                    # since): the hosts ask for the key one by one.
+                    with contextlib.suppress(Exception):  # (else it expires)
+                        await self.give_back(key, end.lease, job.tenant)
+                    self._news(job, ask=key)
+                    return
+                k.turned.add(stream)
+                self.turns += 1
+                stream.send(pb.JobEvents(turns=[pb.KeyTurn(key=key, event=end)]))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # (etcd gone, a bug): the hosts ask key by key
+            log.info("job %s: the wait for %s failed (%s); its hosts ask for it", job.job, key,
+                     exc)
+            self._news(job, ask=key)
+        finally:
+            if job.keys.get(key) is k:
+                del job.keys[key]
+
+    def _news(self, job: _Job, *, published: pb.ArtifactInfo | None = None,
+              ask: str | None = None) -> None:
+        if published is not None:
+            job.published.append(published)
+        if ask is not None:
+            job.ask.append(ask)
+        if job.flush is None:
+            job.flush = asyncio.get_running_loop().call_later(FLUSH_S, self._flush, job)
+
+    def _flush(self, job: _Job) -> None:
+        job.flush = None
+        message = pb.JobEvents(published=job.published, ask=job.ask).SerializeToString()
+        job.published, job.ask = [], []
+        for s in list(job.streams):
+            s.send(message)  # (serialized once, sent to every host: wire.SERIALIZED)
+
+    def _drop(self, job: _Job) -> None:
+        """The job's last stream ended: its waits end too."""
+        if self._jobs.get((job.tenant, job.job)) is job:
+            del self._jobs[(job.tenant, job.job)]
+        for k in list(job.keys.values()):
+            if k.task is not None:
+                k.task.cancel()
+        if job.flush is not None:
+            job.flush.cancel()
+
+    def close(self) -> None:
+        """Every stream ends (this replica stops): their hosts open them again
+        elsewhere, and ask key by key meanwhile."""
+        for job in list(self._jobs.values()):
+            for s in list(job.streams):
+                s.end()

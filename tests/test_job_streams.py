@@ -1,0 +1,114 @@
+"""A pod's cold start on one stream a host and job (coordinator/jobwatch.py,
+worker/daemon/jobstream.py): the job's processes that do not compile a
+program wait for it on their host's stream, not with a request and a wait a
+key upstream; the designated process compiles, and when it dies another
+host's process is given the turn. Real etcd, coordinators and workers on
+loopback, more keys than one etcd transaction holds."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker.inprocess import policy
+from compilecast.worker.inprocess.client import CacheClient, ClientShell, Identity
+
+from .conftest import eventually, sample
+
+JOB = "train-cold"
+HOSTS = 3  # besides the designated process's
+
+
+def process_of(host, process_id: int) -> tuple[CacheClient, Identity]:
+    me = Identity(job=JOB, process_id=process_id, designated_process=0,
+                  client=f"process-{process_id}")
+    return CacheClient(host.target, timeout_s=60, identity=me), me
+
+
+def decided(client: CacheClient, me: Identity, key: str) -> policy.Decision:
+    return policy.drive(policy.decide(policy.acquire_request(key, me), me, 120.0),
+                        ClientShell(client))
+
+
+def stream_open(host) -> pb.JobPrefetch | None:
+    st = CacheClient(host.target).status()
+    return next((p for p in st.prefetches if p.job == JOB and p.stream_open), None)
+
+
+def coordinator_asked(coordinator) -> int:
+    """Acquires the coordinator answered (not the hits workers report)."""
+    return sum(sample(coordinator, "compilecast_coordinator_lookups_total", result=r)
+               for r in ("hit", "miss"))
+
+
+def test_a_cold_start_waits_on_one_stream_a_host(coordinator, start_worker):
+    n = 300
+    artifacts = {f"prog{i:05d}": f"executable {i}".encode() * 40 for i in range(n)}
+    keys = list(artifacts)
+    hosts = [start_worker(coordinator.cfg.listen, f"h{i}", job=JOB) for i in range(HOSTS + 1)]
+    for h in hosts:
+        eventually(lambda h=h: stream_open(h), "the job's stream open", 30)
+    asked_before = coordinator_asked(coordinator)
+
+    def waiter(i: int) -> list[policy.Decision]:  # process i of the job, on host i
+        c, me = process_of(hosts[i], i)
+        return [decided(c, me, k) for k in keys]
+
+    with concurrent.futures.ThreadPoolExecutor(HOSTS) as pool:
+        waiting = [pool.submit(waiter, i) for i in range(1, HOSTS + 1)]
+        eventually(lambda: coordinator.state.job_watches.streams == HOSTS + 1, "streams up", 30)
+        designated, me = process_of(hosts[0], 0)
+        for key in keys:  # JAX's rule: process 0 compiles every program
+            got = decided(designated, me, key)
+            assert got.kind == "COMPILE", got
+            designated.publish(key, got.lease, artifacts[key], 1.0)
+        answers = [w.result(timeout=300) for w in waiting]
+
+    for got in answers:
+        assert [d.kind for d in got] == ["HIT"] * n
+        assert [d.data for d in got] == list(artifacts.values())  # verified bytes
+    # The coordinator decided the designated process's keys alone (a miss
+    # each): no host's waiting process sent a request or a wait a key.
+    assert coordinator_asked(coordinator) - asked_before == n
+    for h in hosts[1:]:
+        assert sample(h, "compilecast_worker_waits_total", how="upstream") == 0
+        assert sample(h, "compilecast_worker_waits_total", how="stream") > 0
+        assert sample(h, "compilecast_worker_decisions_total", how="upstream") == 0
+
+
+def test_when_the_designated_process_dies_a_waiting_host_is_given_the_turn(
+        coordinator, start_worker):
+    hosts = [start_worker(coordinator.cfg.listen, f"h{i}", job=JOB) for i in range(3)]
+    for h in hosts:
+        eventually(lambda h=h: stream_open(h), "the job's stream open", 30)
+    designated, me = process_of(hosts[0], 0)
+    keys = [f"big{i}" for i in range(3)]
+    leases = {}
+    for key in keys:
+        got = decided(designated, me, key)
+        assert got.kind == "COMPILE"
+        leases[key] = got.lease
+        designated.keep_lease(key, got.lease)  # compiling, as long as it lives
+
+    def process(i: int, key: str) -> tuple[str, bytes]:
+        c, me = process_of(hosts[i], i)
+        got = decided(c, me, key)
+        if got.kind == "COMPILE":  # its turn: it compiles and publishes
+            c.publish(key, got.lease, f"compiled by {i}: {key}".encode(), 1.0)
+            return "COMPILE", f"compiled by {i}: {key}".encode()
+        return got.kind, got.data
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        waiting = {(i, k): pool.submit(process, i, k) for i in (1, 2) for k in keys}
+        eventually(lambda: sum(p.stream_waits for h in hosts[1:]
+                               for p in CacheClient(h.target).status().prefetches) == 6,
+                   "both hosts wait on their streams", 30)
+        for key in keys:  # the designated process dies: its leases are given up
+            designated.stop_lease(key, leases[key])
+            designated.release(key, leases[key], pb.ABANDONED, "killed")
+        ends = {ik: w.result(timeout=120) for ik, w in waiting.items()}
+    for key in keys:  # one waiting host is given the turn; the other gets its executable
+        kinds = sorted(ends[(i, key)][0] for i in (1, 2))
+        assert kinds == ["COMPILE", "HIT"], (key, kinds)
+        assert ends[(1, key)][1] == ends[(2, key)][1]
+    assert coordinator.state.job_watches.turns == len(keys)

@@ -1,0 +1,144 @@
+"""A host's one stream for its job's waits (coordinator/jobwatch.py): the
+keys its processes wait for go up on it, each once, and their ends come
+back on it (a publish, the host's turn to compile, or "ask for it one by
+one"), instead of a wait upstream per key.
+
+It serves waits of a job's processes that are not the program's designated
+process (that one asks for its lease, as always). A wait the stream cannot
+serve (not open yet, broken, or the coordinator says "ask") is answered
+None, and its caller waits upstream as without a stream: a stream is a way
+to learn sooner and cheaper, never a reason to hang or to compile. A broken
+stream is opened again after a pause (retry.JOB_STREAM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from compilecast import retry
+from compilecast.errors import CompilecastError
+from compilecast.v1 import cache_pb2 as pb
+
+from .upstream import CoordinatorLink
+
+log = logging.getLogger(__name__)
+
+MAX_WAITS = 1000  # keys a message names (the coordinator's bound)
+
+
+class JobStream:
+    """`published`: the job's artifacts as they are published (the host's
+    manifest learns them)."""
+
+    def __init__(self, link: CoordinatorLink, md: tuple, job: str,
+                 published: Callable[[list[pb.ArtifactInfo]], None]) -> None:
+        self.link = link
+        self.md = md
+        self.job = job
+        self.published = published
+        self.live = False  # open: the coordinator said so
+        self.opened = 0  # times it opened (status, tests)
+        self._waiting: dict[str, asyncio.Future[pb.WaitEvent | None]] = {}
+        self._outbox: list[pb.WaitRequest] = []
+        self._more = asyncio.Event()
+        self._releases: set[asyncio.Future[None]] = set()
+        self._task = asyncio.ensure_future(self._run())
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    async def wait(self, request: pb.WaitRequest) -> pb.WaitEvent | None:
+        """The event that ends this host's wait for `request.key` (a HIT, or
+        COMPILE: its turn), or None: wait upstream, as without a stream."""
+        if not self.live:
+            return None
+        done = self._waiting.get(request.key)
+        if done is None:
+            done = self._waiting[request.key] = asyncio.get_running_loop().create_future()
+            self._outbox.append(pb.WaitRequest(key=request.key, requester=request.requester))
+            self._more.set()
+        return await asyncio.shield(done)
+
+    async def _run(self) -> None:
+        tries = 0  # since it was last open
+        while True:
+            opened = self.opened
+            try:
+                await self._follow()
+            except CompilecastError as exc:
+                log.info("job %s: its stream ended (%s: %s); its waits go upstream key by "
+                         "key", self.job, exc.status.name, exc)
+            finally:
+                self.live = False
+                self._end_all()
+            tries = 0 if self.opened > opened else tries + 1
+            await asyncio.sleep(retry.JOB_STREAM.pause(tries))
+
+    async def _follow(self) -> None:
+        call = self.link.up.WatchJob(self._requests(), metadata=self.md)
+        try:
+            async for events in call:
+                if not self.live:
+                    self.live = True
+                    self.opened += 1
+                    continue
+                self._take(events)
+        finally:
+            call.cancel()
+
+    async def _requests(self) -> AsyncIterator[pb.JobWatchRequest]:
+        yield pb.JobWatchRequest(job=self.job)
+        while True:
+            await self._more.wait()
+            self._more.clear()
+            while self._outbox:
+                page, self._outbox = self._outbox[:MAX_WAITS], self._outbox[MAX_WAITS:]
+                yield pb.JobWatchRequest(waits=page)
+
+    def _take(self, events: pb.JobEvents) -> None:
+        if events.published:
+            self.published(list(events.published))
+        for info in events.published:
+            self._end(info.key, pb.WaitEvent(decision=pb.HIT, artifact=info))
+        for key in events.ask:
+            self._end(key, None)
+        for turn in events.turns:
+            if not self._end(turn.key, turn.event):  # nobody here waits for it now
+                self._give_back(turn)
+
+    def _end(self, key: str, event: pb.WaitEvent | None) -> bool:
+        done = self._waiting.pop(key, None)
+        if done is None or done.done():
+            return False
+        done.set_result(event)
+        return True
+
+    def _give_back(self, turn: pb.KeyTurn) -> None:
+        """A turn to compile that no process here takes: released, so that
+        another is given it now rather than when its lease expires."""
+        async def release() -> None:
+            try:
+                await self.link.up.Release(pb.ReleaseRequest(
+                    key=turn.key, lease=turn.event.lease, reason=pb.ABANDONED,
+                    detail="no process of this host waits for it any more"),
+                    timeout=self.link.rpc_timeout_s, metadata=self.md)
+            except CompilecastError as exc:
+                log.info("job %s: a turn at %s not given back (%s); its lease expires",
+                         self.job, turn.key, exc.status.name)
+
+        self._releases.add(task := asyncio.ensure_future(release()))
+        task.add_done_callback(self._releases.discard)
+
+    def _end_all(self) -> None:
+        waiting, self._waiting, self._outbox = self._waiting, {}, []
+        for done in waiting.values():
+            if not done.done():
+                done.set_result(None)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._end_all()
