@@ -42,9 +42,9 @@ from .artifacts import Artifacts, ArtifactSettings
 from .claims import Claims, ClaimSettings
 from .etcd import Etcd
 from .farm import Farm
+from .jobwatch import JobWatches
 from .keyview import KeyView, ViewSettings
 from .leases import LeasePool, Session
-from .jobwatch import JobWatches
 from .manifests import Manifests
 from .metrics import CoordinatorMetrics
 from .operations import Operations, OperationSettings, describe_store

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -133,7 +133,8 @@ class Waiting:
         return (timeout_ms or self.settings.share_binary_between_hosts_timeout_ms) / 1000.0
 
     async def wait(self, key: str, req: pb.Requester, timeout_ms: int, *,
-                   tenant: str = DEFAULT_TENANT, may_publish: bool = True) -> AsyncIterator[pb.WaitEvent]:
+                   tenant: str = DEFAULT_TENANT, may_publish: bool = True
+                   ) -> AsyncGenerator[pb.WaitEvent, None]:
         timeout = self.wait_timeout_s(key, req, timeout_ms)
         start = time.monotonic()
         w = _Wait(scope(tenant, key), req, may_publish, start,

@@ -467,6 +467,12 @@ class WorkerService(rpc.CompileCacheServicer):
         raise Unimplemented("ClaimCompile is the coordinator's: a farm worker calls it there")
 
     @rpc_errors
+    async def WatchJob(self, request_iterator, context):
+        raise Unimplemented("WatchJob is the coordinator's: a worker holds its host's stream, "
+                            "and its processes wait here with Wait")
+        yield  # (a stream's handler)
+
+    @rpc_errors
     async def RenewClaim(self, request, context):
         raise Unimplemented("RenewClaim is the coordinator's: a farm worker calls it there")
 

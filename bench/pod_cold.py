@@ -1,0 +1,214 @@
+"""A pod's cold start at scale: H hosts x M programs of one job that nobody
+has compiled, asked two ways of one coordinator (and etcd), side by side in
+one run:
+
+- by stream (WatchJob): each host opens one stream for the job and names on
+  it, program after program, the key its processes wait for next; it goes on
+  when it hears of that key's publish (the job's news, sent to every host);
+- per key (the path without a stream, in its most favorable form): each
+  host asks for the key (Acquire: WAIT), then waits for it (Wait, until the
+  HIT), program after program.
+
+One designated process compiles the M programs in turn (`--compile-ms`
+each: Acquire, the compile's time, Publish), as JAX's rule makes process 0
+compile a program its devices span. Hosts are workers as the protocol sees
+them: many to this process, over a few channels. Measured: the coordinator's
+and etcd's CPU-seconds, the compiles' time (the last publish), and the time
+until every host holds every HIT; the per-key path's cost is fitted a
+host-program, the stream's a host and a program.
+
+    python bench/pod_cold.py [--hosts 100 300 1000] [--programs 1000]
+                             [--per-key 100] [--compile-ms 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _servers import Stack, cpu_seconds
+
+from compilecast import wire
+from compilecast.v1 import cache_pb2 as pb
+
+CHANNELS = 8
+
+
+def keys_of(job: str, m: int) -> list[str]:
+    return [f"{job}-prog{i:06d}" for i in range(m)]
+
+
+async def compile_all(stub, job: str, keys: list[str], compile_s: float) -> float:
+    """The designated process compiles and publishes each key in turn: when the last landed."""
+    me = pb.Requester(job=job, process_id=0, designated_process=0, client="designated")
+    for k in keys:
+        a = await stub.Acquire(pb.AcquireRequest(key=k, requester=me), timeout=60)
+        assert a.decision == pb.COMPILE, a
+        await asyncio.sleep(compile_s)
+        data = f"executable of {k}".encode().ljust(1024, b".")
+        header = pb.PublishHeader(key=k, lease=a.lease, size=len(data), requester=me,
+                                  digest=hashlib.sha256(data).hexdigest(),
+                                  compile_time_seconds=compile_s)
+        await stub.Publish(iter([pb.PublishChunk(header=header), wire.DataChunk(data)]),
+                           timeout=60)
+    return time.monotonic()
+
+
+async def host_by_stream(stub, job: str, pid: int, keys: list[str], opened: asyncio.Event,
+                         ready: list[int], h: int) -> float:
+    """A host that waits for each key on its job's stream: when it held every HIT."""
+    me = pb.Requester(job=job, process_id=pid, designated_process=0, client=f"host{pid}")
+    heard: set[str] = set()
+    news = asyncio.Event()
+    wants: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def requests():
+        yield pb.JobWatchRequest(job=job)
+        while (k := await wants.get()) is not None:
+            yield pb.JobWatchRequest(waits=[pb.WaitRequest(key=k, requester=me)])
+
+    call = stub.WatchJob(requests())
+    reader_done = asyncio.get_running_loop().create_future()
+
+    async def read() -> None:
+        first = True
+        async for events in call:
+            if first:
+                first = False
+                ready[0] += 1
+                if ready[0] == h:
+                    opened.set()
+                continue
+            for info in events.published:
+                heard.add(info.key)
+            assert not events.ask and not events.turns, events
+            news.set()
+        reader_done.set_result(None)
+
+    reader = asyncio.ensure_future(read())
+    await opened.wait()
+    for k in keys:
+        if k not in heard:
+            wants.put_nowait(k)
+            while k not in heard:
+                news.clear()
+                await news.wait()
+    done = time.monotonic()
+    wants.put_nowait(None)
+    call.cancel()
+    reader.cancel()
+    return done
+
+
+async def host_per_key(stub, job: str, pid: int, keys: list[str], start: asyncio.Event) -> float:
+    me = pb.Requester(job=job, process_id=pid, designated_process=0, client=f"host{pid}")
+    await start.wait()
+    for k in keys:
+        a = await stub.Acquire(pb.AcquireRequest(key=k, requester=me), timeout=600)
+        if a.decision == pb.HIT:
+            continue
+        assert a.decision == pb.WAIT, a
+        async for event in stub.Wait(pb.WaitRequest(key=k, requester=me), timeout=600):
+            if event.decision == pb.HIT:
+                break
+            assert event.decision == pb.WAIT, event
+    return time.monotonic()
+
+
+async def one_run(stubs, procs, way: str, h: int, m: int, compile_s: float, n: int) -> dict:
+    job = f"cold-{way}-{h}-{n}"
+    keys = keys_of(job, m)
+    start = asyncio.Event()
+    ready = [0]
+    if way == "stream":
+        hosts = [asyncio.ensure_future(host_by_stream(stubs[i % CHANNELS], job, i + 1, keys,
+                                                      start, ready, h)) for i in range(h)]
+        await start.wait()  # every stream open
+    else:
+        hosts = [asyncio.ensure_future(host_per_key(stubs[i % CHANNELS], job, i + 1, keys,
+                                                    start)) for i in range(h)]
+    before = {k: cpu_seconds(p) for k, p in procs.items()}
+    began = time.monotonic()
+    start.set()
+    compiled = await compile_all(stubs[0], job, keys, compile_s)
+    ends = await asyncio.gather(*hosts)
+    used = {k: cpu_seconds(p) - before[k] for k, p in procs.items()}
+    compiles_s, all_s = compiled - began, max(ends) - began
+    row = {"way": way, "hosts": h, "programs": m, "compiles_s": compiles_s, "every_hit_s": all_s,
+           "over_compiles": all_s / compiles_s, "cpu_s": used}
+    print(f"{way:>6}: {h:>5} hosts x {m:>5} programs: compiles {compiles_s:6.1f} s, every "
+          f"host holds every HIT at {all_s:6.1f} s ({all_s / compiles_s:.3f}x); CPU-s "
+          f"coordinator {used['coordinator']:.2f}, etcd {used['etcd']:.2f}", flush=True)
+    return row
+
+
+def fit_line(rows: list[dict]) -> tuple[float, float]:
+    """Coordinator CPU-s = base + slope x hosts, by least squares."""
+    xs = [r["hosts"] for r in rows]
+    ys = [r["cpu_s"]["coordinator"] for r in rows]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return my - slope * mx, slope
+
+
+async def run(args) -> dict:
+    out: dict = {"stream": [], "per_key": []}
+    with tempfile.TemporaryDirectory(prefix="pod-cold-") as root:
+        stack = Stack(Path(root))
+        try:
+            target, coordinator = stack.coordinator()
+            procs = {"coordinator": coordinator.pid, "etcd": stack.procs[0].pid}
+            channels = [grpc.aio.insecure_channel(target) for _ in range(CHANNELS)]
+            stubs = [wire.stub(ch) for ch in channels]
+            compile_s = args.compile_ms / 1000
+            for n, h in enumerate(args.per_key_hosts):
+                out["per_key"].append(await one_run(stubs, procs, "perkey", h, args.programs,
+                                                    compile_s, n))
+            for n, h in enumerate(args.hosts):
+                out["stream"].append(await one_run(stubs, procs, "stream", h, args.programs,
+                                                   compile_s, n))
+            for ch in channels:
+                await ch.close()
+        finally:
+            stack.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", type=int, nargs="+", default=[100, 300, 1000])
+    ap.add_argument("--per-key-hosts", type=int, nargs="+", default=[30, 100])
+    ap.add_argument("--programs", type=int, default=1000)
+    ap.add_argument("--compile-ms", type=float, default=20.0)
+    args = ap.parse_args()
+    out = asyncio.run(run(args))
+    m = args.programs
+    per = [r["cpu_s"]["coordinator"] / (r["hosts"] * m) for r in out["per_key"]]
+    a_host_program = sum(per) / len(per)
+    base, slope = fit_line(out["stream"])
+    stream_10k = base + slope * 10_000
+    per_key_10k = a_host_program * 10_000 * m
+    out["fit"] = {"per_key_us_a_host_program": a_host_program * 1e6,
+                  "stream_ms_a_host": slope * 1e3, "stream_base_s": base,
+                  "stream_10k_cpu_s": stream_10k, "per_key_10k_cpu_s": per_key_10k}
+    print(f"fit: per key {a_host_program * 1e6:.1f} us of coordinator CPU a host-program; "
+          f"by stream {slope * 1e3:.1f} ms a host ({m} programs) + {base:.1f} s")
+    print(f"10,000 hosts x {m:,} programs, cold, coordinator CPU-s: by stream "
+          f"{stream_10k:.0f}; per key {per_key_10k:.0f} "
+          f"({per_key_10k / stream_10k:.0f}x)" if stream_10k > 0 else "")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
