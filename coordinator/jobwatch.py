@@ -2,27 +2,33 @@
 request and a wait per host and program (docs/architecture.md, "A pod's
 cold start").
 
-A host's worker opens one stream for its job and names on it each key its
-processes wait for, under the requester of its lowest waiting process. This
-replica then waits for each key of the job once, whatever the number of
-hosts, in the name of the stream whose process ranks first (the lowest
-process id, JAX's order among a program's waiters): the wait is `Waiting.
-wait`, the same wait a process's Wait call has, so the rules of who
+A host's worker opens one stream for its job and says on it which of the
+job's processes it serves ranks first (the lowest process id, JAX's order
+among a program's waiters). When the job's designated process is granted a
+key's lease (an Acquire naming the job), this replica tells every stream of
+the job that the key is being compiled ("claimed") and waits for it once,
+whatever the number of hosts, in the name of the first-ranked stream; a
+host's process that waits for a claimed key names nothing upstream. A key
+nobody claimed (the designated process never asked for it) is named by the
+hosts that wait for it, and waited for the same way. The wait is
+`Waiting.wait`, the one a process's Wait call has, so the rules of who
 compiles are the same, and so is failover (its waiter record in etcd, its
 promotion when the holder dies, its hedge of a holder far past its time).
 Its end goes to the hosts:
 
-- HIT: the artifact goes to every stream of the job in the next message
-  (serialized once for all of them, FLUSH_S after the first news);
+- HIT: the artifact goes to every stream of the job (the job's news,
+  serialized once for all of them, gathered for `flush_s`: longer for more
+  streams, so that a job's news costs a replica a bounded share of a core
+  however many hosts it has);
 - COMPILE (a promotion or a hedge): to the first-ranked stream alone, as a
   KeyTurn with the lease; the key is then waited for again (the new holder's
   publish is the HIT everyone gets). A host whose waiter left meanwhile gives
-  the lease back; a second turn for the same stream ends the key's wait here
-  (below);
+  the lease back; a second turn for the same stream, or a turn for a stream
+  that is gone, ends the key's wait here (below);
 - anything else (the holder's compile failed, the key is compiled locally,
-  the share-binary timeout passed, the first-ranked host is gone when its
-  turn comes): the key goes to every stream as one to ask for one by one, as
-  without a stream, and the replica stops waiting for it.
+  the share-binary timeout passed): the key goes to every stream as one to
+  ask for one by one, as without a stream, and the replica stops waiting for
+  it.
 
 Bounds: MAX_STREAMS streams on a replica, MAX_KEYS keys waited for a job, a
 stream's unsent messages (QUEUED: a host that reads too slowly is cut off and
@@ -51,7 +57,8 @@ log = logging.getLogger(__name__)
 MAX_STREAMS = 20_000  # job streams held by a replica
 MAX_WAITS = 1000  # keys a message may name
 QUEUED = 1024  # messages a stream has not sent yet; past it the stream is ended
-FLUSH_S = 0.02  # news of a job is gathered this long into one message
+FLUSH_S = (0.02, 1.0)  # a job's news is gathered at least, at most this long into a message
+SEND_S = 1e-4  # gathered this long a stream: sending costs a replica ~1/5 of a core at most
 END = object()  # a stream's queue: the stream ends
 
 
@@ -60,6 +67,7 @@ class _Stream:
     may_publish: bool
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     open: bool = True
+    first: First | None = None  # the first-ranked process its host serves, once said
 
     def send(self, message: pb.JobEvents | bytes) -> None:
         if not self.open:
@@ -75,9 +83,12 @@ class _Stream:
             self.queue.put_nowait(END)
 
 
+First = tuple[int, _Stream, pb.Requester]  # a stream whose host's process ranks first
+
+
 @dataclass(eq=False)
 class _Key:
-    first: tuple[int, _Stream, pb.Requester]  # the stream whose process ranks first
+    first: First | None  # of the streams that named the key
     task: asyncio.Task | None = None
     turned: set[_Stream] = field(default_factory=set)  # streams given a turn at the key
 
@@ -87,10 +98,52 @@ class _Job:
     tenant: str
     job: str
     streams: set[_Stream] = field(default_factory=set)
+    first: First | None = None  # of all its streams
+    ranked: asyncio.Event = field(default_factory=asyncio.Event)  # first is an open stream
     keys: dict[str, _Key] = field(default_factory=dict)
     published: list[pb.ArtifactInfo] = field(default_factory=list)
     ask: list[str] = field(default_factory=list)
+    claimed: list[str] = field(default_factory=list)
     flush: asyncio.TimerHandle | None = None
+
+    def ranks_first(self, first: First | None, rank: int, stream: _Stream) -> bool:
+        return first is None or rank < first[0] or not first[1].open
+
+    def rank(self) -> None:
+        """The job's first-ranked stream, again (one of them said who it serves, or ended)."""
+        said = [s.first for s in self.streams if s.open and s.first is not None]
+        self.first = min(said, key=lambda f: f[0]) if said else None
+        if self.first is None:
+            self.ranked.clear()
+        else:
+            self.ranked.set()
+
+
+async def _end_of(events: AsyncIterator[pb.WaitEvent],
+                  until: asyncio.Event | None) -> pb.WaitEvent | None:
+    """The event that ends a wait; None when `until` is set first."""
+
+    async def ending() -> pb.WaitEvent:
+        async for event in events:
+            if event.decision != pb.WAIT:
+                return event
+        return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended")
+
+    if until is None:
+        return await ending()
+    end, ranked = asyncio.ensure_future(ending()), asyncio.ensure_future(until.wait())
+    try:
+        await asyncio.wait({end, ranked}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (end, ranked):
+            task.cancel()
+        await asyncio.gather(end, ranked, return_exceptions=True)
+    return end.result() if end.done() and not end.cancelled() else None
+
+
+def flush_s(streams: int) -> float:
+    """How long a job's news is gathered, for a job of `streams` streams."""
+    return min(FLUSH_S[1], max(FLUSH_S[0], streams * SEND_S))
 
 
 # A turn nobody takes (its host's stream ended), given back: (key, lease, tenant)
@@ -105,6 +158,7 @@ class JobWatches:
         self._jobs: dict[tuple[str, str], _Job] = {}
         self.streams = 0  # open now (Status, tests)
         self.turns = 0  # keys given to a stream's host to compile
+        self.named = 0  # keys hosts named (nobody had claimed them that they knew of)
 
     async def serve(self, requests: AsyncIterator[pb.JobWatchRequest], *, tenant: str,
                     may_publish: bool) -> AsyncIterator[pb.JobEvents | bytes]:
@@ -143,6 +197,8 @@ class JobWatches:
             job.streams.discard(me)
             if not job.streams:
                 self._drop(job)
+            elif job.first is not None and job.first[1] is me:
+                job.rank()
 
     async def _read(self, job: _Job, me: _Stream, first: pb.JobWatchRequest,
                     it: AsyncIterator[pb.JobWatchRequest]) -> None:
@@ -156,6 +212,15 @@ class JobWatches:
                 for w in message.waits:
                     validate.key(w.key)
                     validate.requester(w.requester)
+                if message.HasField("requester"):
+                    r = message.requester
+                    validate.requester(r)
+                    if r.job != job.job:
+                        raise InvalidRequest("the stream's requester runs another job")
+                    if me.first is None or r.process_id < me.first[0]:
+                        me.first = (r.process_id, me, r)
+                        job.rank()
+                self.named += len(message.waits)
                 for w in message.waits:
                     self._want(job, me, w)
                 try:
@@ -175,28 +240,50 @@ class JobWatches:
         rank = w.requester.process_id
         k = job.keys.get(w.key)
         if k is None:
-            if len(job.keys) >= MAX_KEYS:
+            if not self._watch(job, w.key, (rank, me, w.requester)):
                 me.send(pb.JobEvents(ask=[w.key]))
-                return
-            k = job.keys[w.key] = _Key((rank, me, w.requester))
-            k.task = asyncio.ensure_future(self._wait(job, w.key, k))
-        elif rank < k.first[0] or not k.first[1].open:
+        elif job.ranks_first(k.first, rank, me):
             k.first = (rank, me, w.requester)
+
+    def _watch(self, job: _Job, key: str, first: First | None) -> bool:
+        """Wait for `key` here (False past MAX_KEYS)."""
+        if len(job.keys) >= MAX_KEYS:
+            return False
+        k = job.keys[key] = _Key(first)
+        k.task = asyncio.ensure_future(self._wait(job, key, k))
+        return True
+
+    def noted(self, tenant: str, requests, answers) -> None:
+        """Acquires answered (service.py): a key of a job with streams whose
+        lease was granted is claimed, and waited for here."""
+        if not self._jobs or answers is None:
+            return
+        for r, a in zip(requests, answers, strict=False):
+            if a is None or a.decision != pb.COMPILE:
+                continue
+            job = self._jobs.get((tenant, r.manifest_job or r.requester.job))
+            if job is None or r.key in job.keys:
+                continue
+            if self._watch(job, r.key, None):
+                self._news(job, claimed=r.key)
 
     async def _wait(self, job: _Job, key: str, k: _Key) -> None:
         """Wait for `key` in the name of its first-ranked stream until it is
         published, or until the hosts are to ask for it one by one."""
         try:
             while True:
-                _, stream, requester = k.first
+                first = k.first if k.first is not None and k.first[1].open else job.first
+                if first is None:  # no host said who it serves yet: one that takes no turn
+                    first = (-1, _Stream(False, open=False),
+                             pb.Requester(job=job.job, process_id=(1 << 31) - 1,
+                                          designated_process=0, client="a job's stream"))
+                _, stream, requester = first
                 async with contextlib.aclosing(self.waiting.wait(
                         key, requester, 0, tenant=job.tenant,
                         may_publish=stream.may_publish)) as events:
-                    end = pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended")
-                    async for event in events:
-                        if event.decision != pb.WAIT:
-                            end = event
-                            break
+                    end = await _end_of(events, None if stream.open else job.ranked)
+                if end is None:  # a host said who it serves: wait in its name
+                    continue
                 if end.decision == pb.HIT:
                     self._news(job, published=end.artifact)
                     return
@@ -226,18 +313,22 @@ class JobWatches:
                 del job.keys[key]
 
     def _news(self, job: _Job, *, published: pb.ArtifactInfo | None = None,
-              ask: str | None = None) -> None:
+              ask: str | None = None, claimed: str | None = None) -> None:
         if published is not None:
             job.published.append(published)
         if ask is not None:
             job.ask.append(ask)
+        if claimed is not None:
+            job.claimed.append(claimed)
         if job.flush is None:
-            job.flush = asyncio.get_running_loop().call_later(FLUSH_S, self._flush, job)
+            job.flush = asyncio.get_running_loop().call_later(
+                flush_s(len(job.streams)), self._flush, job)
 
     def _flush(self, job: _Job) -> None:
         job.flush = None
-        message = pb.JobEvents(published=job.published, ask=job.ask).SerializeToString()
-        job.published, job.ask = [], []
+        message = pb.JobEvents(published=job.published, ask=job.ask,
+                               claimed=job.claimed).SerializeToString()
+        job.published, job.ask, job.claimed = [], [], []
         for s in list(job.streams):
             s.send(message)  # (serialized once, sent to every host: wire.SERIALIZED)
 

@@ -42,7 +42,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
                                                  dict(request.key_components),
                                                  request.program_name, tenant=who.tenant,
                                                  may_publish=who.can_publish)
-        self.state.manifests.note(who.tenant, [request], [answer])
+        self._noted(who.tenant, [request], [answer])
         return answer
 
     async def _acquire_many(self, requests, who) -> list[pb.AcquireResponse]:
@@ -63,13 +63,19 @@ class CoordinatorService(rpc.CompileCacheServicer):
         else:
             limit = asyncio.Semaphore(64)
             answers = await asyncio.gather(*(one(r) for r in requests))
-        self.state.manifests.note(who.tenant, requests, answers)
+        self._noted(who.tenant, requests, answers)
         return answers
+
+    def _noted(self, tenant: str, requests, answers) -> None:
+        """What the answers mean for the requests' jobs: their manifests'
+        keys, and the keys their streams hear are claimed."""
+        self.state.manifests.note(tenant, requests, answers)
+        self.state.job_watches.noted(tenant, requests, answers)
 
     def _decided_now(self, requests, who, partial: bool = False):
         answers = self.state.claims.decided_now([r.key for r in requests], tenant=who.tenant,
                                                 partial=partial)
-        self.state.manifests.note(who.tenant, requests, answers)
+        self._noted(who.tenant, requests, answers)
         return answers
 
     @rpc_errors

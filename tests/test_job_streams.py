@@ -70,6 +70,8 @@ def test_a_cold_start_waits_on_one_stream_a_host(coordinator, start_worker):
     # The coordinator decided the designated process's keys alone (a miss
     # each): no host's waiting process sent a request or a wait a key.
     assert coordinator_asked(coordinator) - asked_before == n
+    # Nor named the keys on its stream, save a key not claimed soon enough.
+    assert coordinator.state.job_watches.named < n
     for h in hosts[1:]:
         assert sample(h, "compilecast_worker_waits_total", how="upstream") == 0
         assert sample(h, "compilecast_worker_waits_total", how="stream") > 0

@@ -1,7 +1,12 @@
 """A host's one stream for its job's waits (coordinator/jobwatch.py): the
-keys its processes wait for go up on it, each once, and their ends come
-back on it (a publish, the host's turn to compile, or "ask for it one by
-one"), instead of a wait upstream per key.
+host's processes' waits end on what it hears there (a publish, the host's
+turn to compile, or "ask for it one by one"), instead of a wait upstream per
+key and host.
+
+The stream says which of the job's processes this host serves ranks first.
+A key the coordinator says is claimed (the designated process compiles it)
+is named nowhere: its publish comes to every host. A key waited for here
+that nobody has claimed after NAME_AFTER_S is named upstream, once.
 
 It serves waits of a job's processes that are not the program's designated
 process (that one asks for its lease, as always). A wait the stream cannot
@@ -26,6 +31,8 @@ from .upstream import CoordinatorLink
 log = logging.getLogger(__name__)
 
 MAX_WAITS = 1000  # keys a message names (the coordinator's bound)
+NAME_AFTER_S = 1.0  # a key nobody has claimed is named upstream after this long
+MAX_CLAIMED = 100_000  # claimed keys remembered (past it, the oldest go: those are named)
 
 
 class JobStream:
@@ -41,6 +48,9 @@ class JobStream:
         self.live = False  # open: the coordinator said so
         self.opened = 0  # times it opened (status, tests)
         self._waiting: dict[str, asyncio.Future[pb.WaitEvent | None]] = {}
+        self._claimed: dict[str, None] = {}  # (in the order heard)
+        self._first: pb.Requester | None = None  # the first-ranked process here, once said
+        self._said = False
         self._outbox: list[pb.WaitRequest] = []
         self._more = asyncio.Event()
         self._releases: set[asyncio.Future[None]] = set()
@@ -55,12 +65,26 @@ class JobStream:
         COMPILE: its turn), or None: wait upstream, as without a stream."""
         if not self.live:
             return None
+        r = request.requester
+        if self._first is None or r.process_id < self._first.process_id:
+            self._first, self._said = pb.Requester(), False
+            self._first.CopyFrom(r)
+            self._more.set()
         done = self._waiting.get(request.key)
         if done is None:
-            done = self._waiting[request.key] = asyncio.get_running_loop().create_future()
-            self._outbox.append(pb.WaitRequest(key=request.key, requester=request.requester))
-            self._more.set()
+            loop = asyncio.get_running_loop()
+            done = self._waiting[request.key] = loop.create_future()
+            if request.key not in self._claimed:
+                loop.call_later(NAME_AFTER_S, self._name, done,
+                                pb.WaitRequest(key=request.key, requester=r))
         return await asyncio.shield(done)
+
+    def _name(self, done: asyncio.Future, request: pb.WaitRequest) -> None:
+        """Name a key still waited for that nobody has claimed."""
+        if self.live and self._waiting.get(request.key) is done and \
+                request.key not in self._claimed:
+            self._outbox.append(request)
+            self._more.set()
 
     async def _run(self) -> None:
         tries = 0  # since it was last open
@@ -94,11 +118,20 @@ class JobStream:
         while True:
             await self._more.wait()
             self._more.clear()
+            if self._first is not None and not self._said:
+                self._said = True
+                yield pb.JobWatchRequest(requester=self._first)
             while self._outbox:
                 page, self._outbox = self._outbox[:MAX_WAITS], self._outbox[MAX_WAITS:]
                 yield pb.JobWatchRequest(waits=page)
 
     def _take(self, events: pb.JobEvents) -> None:
+        for key in events.claimed:
+            self._claimed[key] = None
+        while len(self._claimed) > MAX_CLAIMED:
+            del self._claimed[next(iter(self._claimed))]
+        for info in events.published:
+            self._claimed.pop(info.key, None)
         if events.published:
             self.published(list(events.published))
         for info in events.published:
@@ -134,6 +167,9 @@ class JobStream:
 
     def _end_all(self) -> None:
         waiting, self._waiting, self._outbox = self._waiting, {}, []
+        self._claimed.clear()  # (heard again on the next stream)
+        self._said = False
+        self._more.set()  # (the next stream says who ranks first here)
         for done in waiting.values():
             if not done.done():
                 done.set_result(None)

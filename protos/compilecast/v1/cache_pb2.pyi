@@ -1961,13 +1961,21 @@ class JobWatchRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     WAITS_FIELD_NUMBER: _builtins.int
+    REQUESTER_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """The job (1-128 characters), in the first message (later ones may omit it)."""
     @_builtins.property
     def waits(self) -> _containers.RepeatedCompositeFieldContainer[Global___WaitRequest]:
-        """Keys the host now waits for, each once a stream, under the requester of
-        its lowest waiting process (at most 1,000 a message). timeout_ms and
+        """Keys the host waits for that nobody compiles that it knows of (none of
+        the job's `claimed`), each once a stream, under the requester of its
+        lowest waiting process (at most 1,000 a message). timeout_ms and
         accept_data_wait are ignored: the host keeps its own timeouts.
+        """
+
+    @_builtins.property
+    def requester(self) -> Global___Requester:
+        """The host's first-ranked process of the job so far (the lowest process
+        id): a compiler that dies may hand its turn to this host, in its name.
         """
 
     def __init__(
@@ -1975,10 +1983,11 @@ class JobWatchRequest(_message.Message):
         *,
         job: _builtins.str = ...,
         waits: _abc.Iterable[Global___WaitRequest] | None = ...,
+        requester: Global___Requester | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["requester", b"requester"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "waits", b"waits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "requester", b"requester", "waits", b"waits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2018,6 +2027,7 @@ class JobEvents(_message.Message):
     PUBLISHED_FIELD_NUMBER: _builtins.int
     ASK_FIELD_NUMBER: _builtins.int
     TURNS_FIELD_NUMBER: _builtins.int
+    CLAIMED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def published(self) -> _containers.RepeatedCompositeFieldContainer[Global___ArtifactInfo]:
         """Artifacts of the job published since the last message (every stream of
@@ -2035,16 +2045,23 @@ class JobEvents(_message.Message):
     def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyTurn]:
         """Keys this stream's host is to compile (only to that stream)."""
 
+    @_builtins.property
+    def claimed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Keys of the job a process has begun to compile (its lease granted): a
+        host that waits for one hears of its publish without naming it.
+        """
+
     def __init__(
         self,
         *,
         published: _abc.Iterable[Global___ArtifactInfo] | None = ...,
         ask: _abc.Iterable[_builtins.str] | None = ...,
         turns: _abc.Iterable[Global___KeyTurn] | None = ...,
+        claimed: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "published", b"published", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "claimed", b"claimed", "published", b"published", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
