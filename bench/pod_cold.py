@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +46,8 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.daemon.jobstream import NAME_AFTER_S
 
 CHANNELS = 8
+HOSTS_A_CHANNEL = 100  # (a real host has a connection of its own)
+HOSTS_A_PROCESS = 500  # hosts a client process holds (a real host is a process of its own)
 
 
 def keys_of(job: str, m: int) -> list[str]:
@@ -98,6 +101,8 @@ async def host_by_stream(stub, job: str, pid: int, keys: list[str], opened: asyn
             news.set()
 
     reader = asyncio.ensure_future(read())
+    reader.add_done_callback(lambda t: t.cancelled() or t.exception() is None or print(
+        f"host {pid}: its stream failed: {t.exception()!r}", file=sys.stderr, flush=True))
     await opened.wait()
     for k in keys:
         named_at = time.monotonic() + NAME_AFTER_S
@@ -134,32 +139,69 @@ async def host_per_key(stub, job: str, pid: int, keys: list[str], start: asyncio
     return time.monotonic()
 
 
-async def one_run(stubs, procs, way: str, h: int, m: int, compile_s: float, n: int) -> dict:
+async def stream_hosts(target: str, job: str, first: int, h: int, m: int) -> None:
+    """A child process: hosts first..first+h-1 by stream. Prints "ready" when
+    every stream is open, starts on a line of stdin, and prints its hosts'
+    last end (time.monotonic, one clock for the machine's processes) and the
+    keys they named."""
+    keys = keys_of(job, m)
+    channels = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(max(1, h // HOSTS_A_CHANNEL))]
+    stubs = [wire.stub(ch) for ch in channels]
+    opened, ready = asyncio.Event(), [0]
+    hosts = [asyncio.ensure_future(host_by_stream(stubs[i % len(stubs)], job, first + i, keys,
+                                                  opened, ready, h)) for i in range(h)]
+    await opened.wait()
+    print("ready", flush=True)
+    await asyncio.to_thread(sys.stdin.readline)
+    ends = await asyncio.gather(*hosts)
+    print(json.dumps({"end": max(ends), "named": named[0]}), flush=True)
+
+
+async def one_run(stubs, target: str, procs, way: str, h: int, m: int, compile_s: float,
+                  n: int) -> dict:
     job = f"cold-{way}-{h}-{n}"
     keys = keys_of(job, m)
     start = asyncio.Event()
-    ready = [0]
-    if way == "stream":
-        hosts = [asyncio.ensure_future(host_by_stream(stubs[i % CHANNELS], job, i + 1, keys,
-                                                      start, ready, h)) for i in range(h)]
-        await start.wait()  # every stream open
+    children: list[subprocess.Popen] = []
+    if way == "stream":  # hosts in processes of HOSTS_A_PROCESS (as hosts are processes)
+        for first in range(0, h, HOSTS_A_PROCESS):
+            children.append(subprocess.Popen(  # noqa: ASYNC220 (started before the clock)
+                [sys.executable, __file__, "--child", target, job, str(first + 1),
+                 str(min(HOSTS_A_PROCESS, h - first)), str(m)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for c in children:
+            assert c.stdout is not None
+            line = await asyncio.to_thread(c.stdout.readline)
+            assert line.strip() == "ready", line
+        hosts = []
     else:
         hosts = [asyncio.ensure_future(host_per_key(stubs[i % CHANNELS], job, i + 1, keys,
                                                     start)) for i in range(h)]
     before = {k: cpu_seconds(p) for k, p in procs.items()}
-    named[0] = 0
     began = time.monotonic()
     start.set()
+    for c in children:
+        assert c.stdin is not None
+        c.stdin.write("go\n")
+        c.stdin.flush()
     compiled = await compile_all(stubs[0], job, keys, compile_s)
-    ends = await asyncio.gather(*hosts)
+    ends = list(await asyncio.gather(*hosts))
+    named_here = 0
+    for c in children:
+        assert c.stdout is not None
+        got = json.loads(await asyncio.to_thread(c.stdout.readline))
+        ends.append(got["end"])
+        named_here += got["named"]
+        c.wait()
     used = {k: cpu_seconds(p) - before[k] for k, p in procs.items()}
     compiles_s, all_s = compiled - began, max(ends) - began
     row = {"way": way, "hosts": h, "programs": m, "compiles_s": compiles_s, "every_hit_s": all_s,
-           "over_compiles": all_s / compiles_s, "cpu_s": used, "named": named[0]}
+           "over_compiles": all_s / compiles_s, "cpu_s": used, "named": named_here}
     print(f"{way:>6}: {h:>5} hosts x {m:>5} programs: compiles {compiles_s:6.1f} s, every "
           f"host holds every HIT at {all_s:6.1f} s ({all_s / compiles_s:.3f}x); CPU-s "
           f"coordinator {used['coordinator']:.2f}, etcd {used['etcd']:.2f}"
-          + (f"; {named[0]} keys named upstream" if way == "stream" else ""), flush=True)
+          + (f"; {named_here} keys named upstream" if way == "stream" else ""), flush=True)
     return row
 
 
@@ -185,10 +227,10 @@ async def run(args) -> dict:
             stubs = [wire.stub(ch) for ch in channels]
             compile_s = args.compile_ms / 1000
             for n, h in enumerate(args.per_key_hosts):
-                out["per_key"].append(await one_run(stubs, procs, "perkey", h, args.programs,
+                out["per_key"].append(await one_run(stubs, target, procs, "perkey", h, args.programs,
                                                     compile_s, n))
             for n, h in enumerate(args.hosts):
-                out["stream"].append(await one_run(stubs, procs, "stream", h, args.programs,
+                out["stream"].append(await one_run(stubs, target, procs, "stream", h, args.programs,
                                                    compile_s, n))
             for ch in channels:
                 await ch.close()
@@ -197,7 +239,29 @@ async def run(args) -> dict:
     return out
 
 
+def report(out: dict, m: int) -> dict:
+    """Each path's coordinator CPU-s fitted as base + slope x hosts (the base:
+    the designated process's compiles and the replica's own waits), and
+    10,000 hosts x M programs each way."""
+    pk_base, pk_slope = fit_line(out["per_key"])
+    st_base, st_slope = fit_line(out["stream"])
+    per_key_10k, stream_10k = pk_base + pk_slope * 10_000, st_base + st_slope * 10_000
+    fitted = {"per_key_ms_a_host": pk_slope * 1e3, "per_key_base_s": pk_base,
+              "stream_ms_a_host": st_slope * 1e3, "stream_base_s": st_base,
+              "per_key_10k_cpu_s": per_key_10k, "stream_10k_cpu_s": stream_10k}
+    print(f"fit: per key {pk_slope * 1e3:.0f} ms of coordinator CPU a host ({m} programs: "
+          f"{pk_slope / m * 1e6:.0f} us a host-program) + {pk_base:.1f} s; by stream "
+          f"{st_slope * 1e3:.2f} ms a host + {st_base:.1f} s")
+    print(f"10,000 hosts x {m:,} programs, cold, coordinator CPU-s: by stream "
+          f"{stream_10k:.0f}; per key {per_key_10k:.0f} ({per_key_10k / stream_10k:.0f}x)")
+    return fitted
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        target, job, first, h, m = sys.argv[2:7]
+        asyncio.run(stream_hosts(target, job, int(first), int(h), int(m)))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, nargs="+", default=[100, 300, 1000])
     ap.add_argument("--per-key-hosts", type=int, nargs="+", default=[30, 100])
@@ -205,20 +269,7 @@ def main() -> None:
     ap.add_argument("--compile-ms", type=float, default=20.0)
     args = ap.parse_args()
     out = asyncio.run(run(args))
-    m = args.programs
-    per = [r["cpu_s"]["coordinator"] / (r["hosts"] * m) for r in out["per_key"]]
-    a_host_program = sum(per) / len(per)
-    base, slope = fit_line(out["stream"])
-    stream_10k = base + slope * 10_000
-    per_key_10k = a_host_program * 10_000 * m
-    out["fit"] = {"per_key_us_a_host_program": a_host_program * 1e6,
-                  "stream_ms_a_host": slope * 1e3, "stream_base_s": base,
-                  "stream_10k_cpu_s": stream_10k, "per_key_10k_cpu_s": per_key_10k}
-    print(f"fit: per key {a_host_program * 1e6:.1f} us of coordinator CPU a host-program; "
-          f"by stream {slope * 1e3:.1f} ms a host ({m} programs) + {base:.1f} s")
-    print(f"10,000 hosts x {m:,} programs, cold, coordinator CPU-s: by stream "
-          f"{stream_10k:.0f}; per key {per_key_10k:.0f} "
-          f"({per_key_10k / stream_10k:.0f}x)" if stream_10k > 0 else "")
+    out["fit"] = report(out, args.programs)
     print(json.dumps(out))
 
 

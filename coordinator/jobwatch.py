@@ -233,8 +233,7 @@ class JobWatches:
     def _want(self, job: _Job, me: _Stream, w: pb.WaitRequest) -> None:
         """The host of `me` waits for `w.key`."""
         info = self.view.cached_artifact(scope(job.tenant, w.key))
-        if info is not None:  # published already: to this stream alone
-            self.view.hit(job.tenant, info)
+        if info is not None:  # published already: to this stream alone (its host counts it)
             me.send(pb.JobEvents(published=[info]))
             return
         rank = w.requester.process_id

@@ -192,9 +192,7 @@ class WorkerService(rpc.CompileCacheServicer):
                 continue
             if local is not None:  # the host cache's hit: the coordinator never saw it
                 self.metrics.lookups.labels("host_hit").inc()
-                self.metrics.compile_seconds_saved.inc(local.artifact.compile_time_seconds)
-                self._unreported[0] += 1
-                self._unreported[1] += local.artifact.compile_time_seconds
+                self._saved_here(local.artifact)
                 out.append(local)
                 continue
             a, joined = next(it)
@@ -202,11 +200,16 @@ class WorkerService(rpc.CompileCacheServicer):
             if joined:  # nor this one: another's request was (for Status)
                 self._joined[a.decision == pb.HIT] += 1
                 if a.decision == pb.HIT:
-                    self.metrics.compile_seconds_saved.inc(a.artifact.compile_time_seconds)
-                    self._unreported[0] += 1
-                    self._unreported[1] += a.artifact.compile_time_seconds
+                    self._saved_here(a.artifact)
             out.append(a)
         return out
+
+    def _saved_here(self, info: pb.ArtifactInfo) -> None:
+        """A hit the coordinator did not answer: its saved compile counted
+        here, and reported (ReportHits)."""
+        self.metrics.compile_seconds_saved.inc(info.compile_time_seconds)
+        self._unreported[0] += 1
+        self._unreported[1] += info.compile_time_seconds
 
     def learn_job(self, job: str) -> None:
         """This host runs `job` (as this worker's own credential): its manifest
@@ -263,10 +266,13 @@ class WorkerService(rpc.CompileCacheServicer):
             if stream is not None:
                 info = self._from_manifest(ns, req.key)  # (the stream told of it meanwhile)
                 if info is not None:
+                    self._saved_here(info)
                     return pb.WaitEvent(decision=pb.HIT, artifact=info)
                 event = await stream.wait(req)
                 if event is not None:
                     self.metrics.waits.labels("stream").inc()
+                    if event.decision == pb.HIT:  # (the coordinator answered no wait of ours)
+                        self._saved_here(event.artifact)
                     return event
             self.metrics.waits.labels("upstream").inc()
             with tracing.span("worker.upstream.wait", key=req.key):
