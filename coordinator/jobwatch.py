@@ -106,17 +106,26 @@ class _Job:
     claimed: list[str] = field(default_factory=list)
     flush: asyncio.TimerHandle | None = None
 
-    def ranks_first(self, first: First | None, rank: int, stream: _Stream) -> bool:
-        return first is None or rank < first[0] or not first[1].open
+    def said(self, first: First) -> None:
+        """A stream said which process its host serves first."""
+        if _before(first[0], self.first):
+            self.first = first
+        self.ranked.set()
 
-    def rank(self) -> None:
-        """The job's first-ranked stream, again (one of them said who it serves, or ended)."""
-        said = [s.first for s in self.streams if s.open and s.first is not None]
-        self.first = min(said, key=lambda f: f[0]) if said else None
-        if self.first is None:
-            self.ranked.clear()
-        else:
-            self.ranked.set()
+    def first_open(self) -> First | None:
+        """Its first-ranked open stream that said whom it serves (counted
+        again, over its streams, only when the one it had has ended)."""
+        if self.first is not None and not self.first[1].open:
+            said = [s.first for s in self.streams if s.open and s.first is not None]
+            self.first = min(said, key=lambda f: f[0]) if said else None
+            if self.first is None:
+                self.ranked.clear()
+        return self.first
+
+
+def _before(rank: int, first: First | None) -> bool:
+    """Whether a process of `rank` goes before `first` (or there is none, or it ended)."""
+    return first is None or rank < first[0] or not first[1].open
 
 
 async def _end_of(events: AsyncIterator[pb.WaitEvent],
@@ -197,8 +206,6 @@ class JobWatches:
             job.streams.discard(me)
             if not job.streams:
                 self._drop(job)
-            elif job.first is not None and job.first[1] is me:
-                job.rank()
 
     async def _read(self, job: _Job, me: _Stream, first: pb.JobWatchRequest,
                     it: AsyncIterator[pb.JobWatchRequest]) -> None:
@@ -217,9 +224,9 @@ class JobWatches:
                     validate.requester(r)
                     if r.job != job.job:
                         raise InvalidRequest("the stream's requester runs another job")
-                    if me.first is None or r.process_id < me.first[0]:
+                    if _before(r.process_id, me.first):
                         me.first = (r.process_id, me, r)
-                        job.rank()
+                        job.said(me.first)
                 self.named += len(message.waits)
                 for w in message.waits:
                     self._want(job, me, w)
@@ -241,7 +248,7 @@ class JobWatches:
         if k is None:
             if not self._watch(job, w.key, (rank, me, w.requester)):
                 me.send(pb.JobEvents(ask=[w.key]))
-        elif job.ranks_first(k.first, rank, me):
+        elif _before(rank, k.first):
             k.first = (rank, me, w.requester)
 
     def _watch(self, job: _Job, key: str, first: First | None) -> bool:
@@ -271,7 +278,7 @@ class JobWatches:
         published, or until the hosts are to ask for it one by one."""
         try:
             while True:
-                first = k.first if k.first is not None and k.first[1].open else job.first
+                first = k.first if k.first is not None and k.first[1].open else job.first_open()
                 if first is None:  # no host said who it serves yet: one that takes no turn
                     first = (-1, _Stream(False, open=False),
                              pb.Requester(job=job.job, process_id=(1 << 31) - 1,

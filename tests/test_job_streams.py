@@ -114,3 +114,29 @@ def test_when_the_designated_process_dies_a_waiting_host_is_given_the_turn(
         assert kinds == ["COMPILE", "HIT"], (key, kinds)
         assert ends[(1, key)][1] == ends[(2, key)][1]
     assert coordinator.state.job_watches.turns == len(keys)
+
+
+def test_a_failed_compile_sends_every_host_to_ask_and_each_compiles_locally(
+        coordinator, start_worker):
+    hosts = [start_worker(coordinator.cfg.listen, f"h{i}", job=JOB) for i in range(3)]
+    for h in hosts:
+        eventually(lambda h=h: stream_open(h), "the job's stream open", 30)
+    designated, me = process_of(hosts[0], 0)
+    got = decided(designated, me, "broken")
+    assert got.kind == "COMPILE"
+    designated.keep_lease("broken", got.lease)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(lambda i=i: decided(*process_of(hosts[i], i), "broken"))
+                   for i in (1, 2)]
+        eventually(lambda: sum(p.stream_waits for h in hosts[1:]
+                               for p in CacheClient(h.target).status().prefetches) == 2,
+                   "both hosts wait on their streams", 30)
+        designated.stop_lease("broken", got.lease)
+        designated.release("broken", got.lease, pb.COMPILE_FAILED, "it raised")
+        ends = [w.result(timeout=120) for w in waiting]
+    # The stream said "ask": each host asked on its own, and was told what the
+    # per-key path tells: the compile raised, compile locally.
+    assert [e.kind for e in ends] == ["LOCAL", "LOCAL"], ends
+    assert all("compile failed" in e.reason for e in ends), ends
+    for h in hosts[1:]:
+        assert sample(h, "compilecast_worker_waits_total", how="upstream") >= 1
