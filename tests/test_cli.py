@@ -115,7 +115,9 @@ def test_config_prints_values_and_sources():
 def test_status_shows_jobs_and_explained_misses(coordinator, start_worker):
     from compilecast.worker.inprocess.client import CacheClient, Identity
 
-    worker = start_worker(coordinator.cfg.listen)
+    # (key by key: with the job's stream, the coordinator waits once for each
+    # key the job compiles, whoever waits: tests/test_job_streams.py)
+    worker = start_worker(coordinator.cfg.listen, job_streams=False)
     holder = CacheClient(worker.target, identity=Identity(job="train-7", process_id=0))
     holder.acquire("k1", components={"program": "a", "platform": "cpu"},
                    program_name="jit_step")

@@ -37,7 +37,7 @@ def _job(target: str, n: int, shapes: list[str], *flags: str, env: dict | None =
                                *flags, *(only or {}).get(i, [])],
                               env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(n)]
-    return collect(procs, timeout_s=240)
+    return collect(procs, timeout_s=int(os.environ.get("SHAPES_TIMEOUT", 240)))
 
 
 def _shape(reports: list[dict], shape: str) -> list[dict]:

@@ -138,5 +138,9 @@ def test_a_failed_compile_sends_every_host_to_ask_and_each_compiles_locally(
     # per-key path tells: the compile raised, compile locally.
     assert [e.kind for e in ends] == ["LOCAL", "LOCAL"], ends
     assert all("compile failed" in e.reason for e in ends), ends
+    # A process that comes to the key later is not left waiting on a stream
+    # that said "ask" of it: it is told the same.
+    again = decided(*process_of(hosts[1], 1), "broken")
+    assert again.kind == "LOCAL" and "compile failed" in again.reason, again
     for h in hosts[1:]:
         assert sample(h, "compilecast_worker_waits_total", how="upstream") >= 1

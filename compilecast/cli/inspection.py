@@ -63,7 +63,8 @@ def _print_status(st, worker: str) -> None:
               f" (disk: {human_size(st.host_disk_free_bytes)} free, "
               f"{human_size(st.host_cache_min_free_bytes)} kept free for jobs{full})")
     print(f"in flight    {st.compiles_in_flight} compiles, {st.waiters} waiters "
-          f"(upstream: one per host and key); {st.waiting_here} processes waiting here")
+          f"(upstream: one per host and key; a job's streams: one per key); "
+          f"{st.waiting_here} processes waiting here")
     print(f"lookups      {st.hits} hits, {st.misses} misses (hit ratio {ratio})")
     if st.coordinator_loop_busy:  # 0: an older coordinator, or one just started
         gap = (f"; asks workers for {st.decide_gap_ms} ms between Decide messages"

@@ -10,8 +10,8 @@ that nobody has claimed after NAME_AFTER_S is named upstream, once.
 
 It serves waits of a job's processes that are not the program's designated
 process (that one asks for its lease, as always). A wait the stream cannot
-serve (not open yet, broken, or the coordinator says "ask") is answered
-None, and its caller waits upstream as without a stream: a stream is a way
+serve (not open yet, broken, or the coordinator said "ask" of its key, then
+or before) is answered None, and its caller waits upstream as without a stream: a stream is a way
 to learn sooner and cheaper, never a reason to hang or to compile. A broken
 stream is opened again after a pause (retry.JOB_STREAM).
 """
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 MAX_WAITS = 1000  # keys a message names (the coordinator's bound)
 NAME_AFTER_S = 1.0  # a key nobody has claimed is named upstream after this long
-MAX_CLAIMED = 100_000  # claimed keys remembered (past it, the oldest go: those are named)
+MAX_CLAIMED = 100_000  # claimed keys remembered, and asked ones (past it, the oldest go)
 
 
 class JobStream:
@@ -49,6 +49,7 @@ class JobStream:
         self.opened = 0  # times it opened (status, tests)
         self._waiting: dict[str, asyncio.Future[pb.WaitEvent | None]] = {}
         self._claimed: dict[str, None] = {}  # (in the order heard)
+        self._asked: dict[str, None] = {}  # keys to ask for one by one, as the stream said
         self._first: pb.Requester | None = None  # the first-ranked process here, once said
         self._said = False
         self._outbox: list[pb.WaitRequest] = []
@@ -63,7 +64,7 @@ class JobStream:
     async def wait(self, request: pb.WaitRequest) -> pb.WaitEvent | None:
         """The event that ends this host's wait for `request.key` (a HIT, or
         COMPILE: its turn), or None: wait upstream, as without a stream."""
-        if not self.live:
+        if not self.live or request.key in self._asked:
             return None
         r = request.requester
         if self._first is None or r.process_id < self._first.process_id:
@@ -128,8 +129,13 @@ class JobStream:
     def _take(self, events: pb.JobEvents) -> None:
         for key in events.claimed:
             self._claimed[key] = None
-        while len(self._claimed) > MAX_CLAIMED:
-            del self._claimed[next(iter(self._claimed))]
+            self._asked.pop(key, None)
+        for key in events.ask:  # (its wait here ended: a claim of it says nothing now)
+            self._claimed.pop(key, None)
+            self._asked[key] = None
+        for keys in (self._claimed, self._asked):
+            while len(keys) > MAX_CLAIMED:
+                del keys[next(iter(keys))]
         for info in events.published:
             self._claimed.pop(info.key, None)
         if events.published:
@@ -168,6 +174,7 @@ class JobStream:
     def _end_all(self) -> None:
         waiting, self._waiting, self._outbox = self._waiting, {}, []
         self._claimed.clear()  # (heard again on the next stream)
+        self._asked.clear()
         self._said = False
         self._more.set()  # (the next stream says who ranks first here)
         for done in waiting.values():
