@@ -16,6 +16,8 @@ compiles are the same, and so is failover (its waiter record in etcd, its
 promotion when the holder dies, its hedge of a holder far past its time).
 Its end goes to the hosts:
 
+- an upload's start (a coordinator that streams uploads to waiters): the
+  artifact goes to every stream as `publishing`, and the wait goes on;
 - HIT: the artifact goes to every stream of the job (the job's news,
   serialized once for all of them, gathered for `flush_s`: longer for more
   streams, so that a job's news costs a replica a bounded share of a core
@@ -104,6 +106,7 @@ class _Job:
     published: list[pb.ArtifactInfo] = field(default_factory=list)
     ask: list[str] = field(default_factory=list)
     claimed: list[str] = field(default_factory=list)
+    publishing: list[pb.ArtifactInfo] = field(default_factory=list)
     flush: asyncio.TimerHandle | None = None
 
     def said(self, first: First) -> None:
@@ -128,14 +131,17 @@ def _before(rank: int, first: First | None) -> bool:
     return first is None or rank < first[0] or not first[1].open
 
 
-async def _end_of(events: AsyncIterator[pb.WaitEvent],
-                  until: asyncio.Event | None) -> pb.WaitEvent | None:
-    """The event that ends a wait; None when `until` is set first."""
+async def _end_of(events: AsyncIterator[pb.WaitEvent], until: asyncio.Event | None,
+                  publishing: Callable[[pb.ArtifactInfo], None]) -> pb.WaitEvent | None:
+    """The event that ends a wait (an upload's start told to `publishing`);
+    None when `until` is set first."""
 
     async def ending() -> pb.WaitEvent:
         async for event in events:
             if event.decision != pb.WAIT:
                 return event
+            if event.HasField("artifact"):
+                publishing(event.artifact)
         return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="the wait ended")
 
     if until is None:
@@ -287,7 +293,8 @@ class JobWatches:
                 async with contextlib.aclosing(self.waiting.wait(
                         key, requester, 0, tenant=job.tenant,
                         may_publish=stream.may_publish)) as events:
-                    end = await _end_of(events, None if stream.open else job.ranked)
+                    end = await _end_of(events, None if stream.open else job.ranked,
+                                        lambda info: self._news(job, publishing=info))
                 if end is None:  # a host said who it serves: wait in its name
                     continue
                 if end.decision == pb.HIT:
@@ -319,9 +326,12 @@ class JobWatches:
                 del job.keys[key]
 
     def _news(self, job: _Job, *, published: pb.ArtifactInfo | None = None,
-              ask: str | None = None, claimed: str | None = None) -> None:
+              ask: str | None = None, claimed: str | None = None,
+              publishing: pb.ArtifactInfo | None = None) -> None:
         if published is not None:
             job.published.append(published)
+        if publishing is not None:
+            job.publishing.append(publishing)
         if ask is not None:
             job.ask.append(ask)
         if claimed is not None:
@@ -332,9 +342,9 @@ class JobWatches:
 
     def _flush(self, job: _Job) -> None:
         job.flush = None
-        message = pb.JobEvents(published=job.published, ask=job.ask,
-                               claimed=job.claimed).SerializeToString()
-        job.published, job.ask, job.claimed = [], [], []
+        message = pb.JobEvents(published=job.published, ask=job.ask, claimed=job.claimed,
+                               publishing=job.publishing).SerializeToString()
+        job.published, job.ask, job.claimed, job.publishing = [], [], [], []
         for s in list(job.streams):
             s.send(message)  # (serialized once, sent to every host: wire.SERIALIZED)
 

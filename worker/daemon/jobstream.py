@@ -61,9 +61,18 @@ class JobStream:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    async def wait(self, request: pb.WaitRequest) -> pb.WaitEvent | None:
-        """The event that ends this host's wait for `request.key` (a HIT, or
-        COMPILE: its turn), or None: wait upstream, as without a stream."""
+    async def wait(self, request: pb.WaitRequest,
+                   until_publishing: bool = False) -> pb.WaitEvent | None:
+        """The event that ends this host's wait for `request.key` (a HIT,
+        COMPILE: its turn, and with `until_publishing` the start of its
+        upload: WAIT with the artifact), or None: wait upstream, as without a
+        stream."""
+        while True:
+            event = await self._next(request)
+            if event is None or event.decision != pb.WAIT or until_publishing:
+                return event
+
+    async def _next(self, request: pb.WaitRequest) -> pb.WaitEvent | None:
         if not self.live or request.key in self._asked:
             return None
         r = request.requester
@@ -140,6 +149,9 @@ class JobStream:
             self._claimed.pop(info.key, None)
         if events.published:
             self.published(list(events.published))
+        for info in events.publishing:
+            self._end(info.key, pb.WaitEvent(decision=pb.WAIT, artifact=info,
+                                             reason="publishing: a fetch streams the bytes"))
         for info in events.published:
             self._end(info.key, pb.WaitEvent(decision=pb.HIT, artifact=info))
         for key in events.ask:

@@ -68,7 +68,7 @@ class WorkerMetrics:
             "compilecast_worker_waits",
             "Waits of this host's processes: upstream (sent to the coordinator), joined "
             "(shared another local process's upstream wait for the same key) or stream "
-            "(ended by the job's stream)",
+            "(on the job's stream; one the stream sends back to ask goes upstream too)",
             ["how"], registry=registry,
         )
         self.decisions = Counter(

@@ -268,9 +268,9 @@ class WorkerService(rpc.CompileCacheServicer):
                 if info is not None:
                     self._saved_here(info)
                     return pb.WaitEvent(decision=pb.HIT, artifact=info)
-                event = await stream.wait(req)
+                self.metrics.waits.labels("stream").inc()  # (sent on it; maybe upstream next)
+                event = await stream.wait(req, until)
                 if event is not None:
-                    self.metrics.waits.labels("stream").inc()
                     if event.decision == pb.HIT:  # (the coordinator answered no wait of ours)
                         self._saved_here(event.artifact)
                     return event

@@ -2028,6 +2028,7 @@ class JobEvents(_message.Message):
     ASK_FIELD_NUMBER: _builtins.int
     TURNS_FIELD_NUMBER: _builtins.int
     CLAIMED_FIELD_NUMBER: _builtins.int
+    PUBLISHING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def published(self) -> _containers.RepeatedCompositeFieldContainer[Global___ArtifactInfo]:
         """Artifacts of the job published since the last message (every stream of
@@ -2051,6 +2052,13 @@ class JobEvents(_message.Message):
         host that waits for one hears of its publish without naming it.
         """
 
+    @_builtins.property
+    def publishing(self) -> _containers.RepeatedCompositeFieldContainer[Global___ArtifactInfo]:
+        """Artifacts of the job whose upload has begun, from a coordinator that
+        streams uploads to their waiters (publish_stream_readers): a fetch of
+        one's digest streams its bytes as they arrive; its publish follows.
+        """
+
     def __init__(
         self,
         *,
@@ -2058,10 +2066,11 @@ class JobEvents(_message.Message):
         ask: _abc.Iterable[_builtins.str] | None = ...,
         turns: _abc.Iterable[Global___KeyTurn] | None = ...,
         claimed: _abc.Iterable[_builtins.str] | None = ...,
+        publishing: _abc.Iterable[Global___ArtifactInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "claimed", b"claimed", "published", b"published", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "claimed", b"claimed", "published", b"published", "publishing", b"publishing", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
