@@ -10,6 +10,7 @@ the worker verifies its digest as for every download.
 from __future__ import annotations
 
 import asyncio
+import functools
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -37,7 +38,8 @@ async def with_bucket_url(call, used: list[Route]) -> AsyncIterator:
         yield pb.FetchChunk(artifact=info)
         used.append(Route.BUCKET_URL)
         try:
-            resp = await opened(urllib.request.urlopen, chunk.url, CONNECT_S)
+            resp = await opened(functools.partial(urllib.request.urlopen, chunk.url,
+                                                   timeout=CONNECT_S))
         except urllib.error.HTTPError as exc:
             raise RouteFailed(Route.BUCKET_URL, f"the bucket answered its presigned GET with "
                               f"{exc.code}") from None
