@@ -288,3 +288,12 @@ def page_reporting_held(margin: int = 2 << 30):
     finally:
         with open(PAGE_REPORTING, "w") as f:
             f.write(was + "\n")
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(base, slope) of y = base + slope x, by least squares (slope 0 for one x)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return my - slope * mx, slope

@@ -39,7 +39,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, cpu_seconds
+from _servers import Stack, cpu_seconds, fit_line
 
 from compilecast import wire
 from compilecast.v1 import cache_pb2 as pb
@@ -205,15 +205,9 @@ async def one_run(stubs, target: str, procs, way: str, h: int, m: int, compile_s
     return row
 
 
-def fit_line(rows: list[dict]) -> tuple[float, float]:
-    """Coordinator CPU-s = base + slope x hosts, by least squares."""
-    xs = [r["hosts"] for r in rows]
-    ys = [r["cpu_s"]["coordinator"] for r in rows]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
-    return my - slope * mx, slope
+def cpu_line(rows: list[dict]) -> tuple[float, float]:
+    """Coordinator CPU-s = base + slope x hosts."""
+    return fit_line([r["hosts"] for r in rows], [r["cpu_s"]["coordinator"] for r in rows])
 
 
 async def run(args) -> dict:
@@ -243,8 +237,8 @@ def report(out: dict, m: int) -> dict:
     """Each path's coordinator CPU-s fitted as base + slope x hosts (the base:
     the designated process's compiles and the replica's own waits), and
     10,000 hosts x M programs each way."""
-    pk_base, pk_slope = fit_line(out["per_key"])
-    st_base, st_slope = fit_line(out["stream"])
+    pk_base, pk_slope = cpu_line(out["per_key"])
+    st_base, st_slope = cpu_line(out["stream"])
     per_key_10k, stream_10k = pk_base + pk_slope * 10_000, st_base + st_slope * 10_000
     fitted = {"per_key_ms_a_host": pk_slope * 1e3, "per_key_base_s": pk_base,
               "stream_ms_a_host": st_slope * 1e3, "stream_base_s": st_base,

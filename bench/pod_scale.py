@@ -40,7 +40,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, cpu_seconds
+from _servers import Stack, cpu_seconds, fit_line
 
 from compilecast import wire
 from compilecast.decide import Decider
@@ -216,13 +216,7 @@ def fit(out: dict) -> dict:
     a_decision = sum(per) / len(per)
     a_request = out["per_request"]["cpu_s"]["coordinator"] / out["per_request"]["decisions"]
     rows = out["manifest"]
-    xs = [r["hosts"] for r in rows]
-    ys = [r["cpu_s"]["coordinator"] for r in rows]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
-    base = my - slope * mx
+    base, slope = fit_line([r["hosts"] for r in rows], [r["cpu_s"]["coordinator"] for r in rows])
     m = rows[0]["programs"]
     manifest_10k = base + slope * 10_000
     per_key_10k = a_decision * 10_000 * 1_000

@@ -35,6 +35,21 @@ def stream_open(host) -> pb.JobPrefetch | None:
     return next((p for p in st.prefetches if p.job == JOB and p.stream_open), None)
 
 
+def hosts_of_the_job(coordinator, start_worker, n: int) -> list:
+    """`n` hosts (workers) of JOB, each with its job's stream open."""
+    hosts = [start_worker(coordinator.cfg.listen, f"h{i}", job=JOB) for i in range(n)]
+    for h in hosts:
+        eventually(lambda h=h: stream_open(h), "the job's stream open", 30)
+    return hosts
+
+
+def waits_on_streams(hosts: list, n: int) -> None:
+    """Until `hosts` hold `n` waits on their streams in all."""
+    eventually(lambda: sum(p.stream_waits for h in hosts
+                           for p in CacheClient(h.target).status().prefetches) == n,
+               f"{n} waits on the hosts' streams", 30)
+
+
 def coordinator_asked(coordinator) -> int:
     """Acquires the coordinator answered (not the hits workers report)."""
     return sum(sample(coordinator, "compilecast_coordinator_lookups_total", result=r)
@@ -45,9 +60,7 @@ def test_a_cold_start_waits_on_one_stream_a_host(coordinator, start_worker):
     n = 300
     artifacts = {f"prog{i:05d}": f"executable {i}".encode() * 40 for i in range(n)}
     keys = list(artifacts)
-    hosts = [start_worker(coordinator.cfg.listen, f"h{i}", job=JOB) for i in range(HOSTS + 1)]
-    for h in hosts:
-        eventually(lambda h=h: stream_open(h), "the job's stream open", 30)
+    hosts = hosts_of_the_job(coordinator, start_worker, HOSTS + 1)
     asked_before = coordinator_asked(coordinator)
 
     def waiter(i: int) -> list[policy.Decision]:  # process i of the job, on host i
@@ -80,9 +93,7 @@ def test_a_cold_start_waits_on_one_stream_a_host(coordinator, start_worker):
 
 def test_when_the_designated_process_dies_a_waiting_host_is_given_the_turn(
         coordinator, start_worker):
-    hosts = [start_worker(coordinator.cfg.listen, f"h{i}", job=JOB) for i in range(3)]
-    for h in hosts:
-        eventually(lambda h=h: stream_open(h), "the job's stream open", 30)
+    hosts = hosts_of_the_job(coordinator, start_worker, 3)
     designated, me = process_of(hosts[0], 0)
     keys = [f"big{i}" for i in range(3)]
     leases = {}
@@ -102,9 +113,7 @@ def test_when_the_designated_process_dies_a_waiting_host_is_given_the_turn(
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         waiting = {(i, k): pool.submit(process, i, k) for i in (1, 2) for k in keys}
-        eventually(lambda: sum(p.stream_waits for h in hosts[1:]
-                               for p in CacheClient(h.target).status().prefetches) == 6,
-                   "both hosts wait on their streams", 30)
+        waits_on_streams(hosts[1:], 6)
         for key in keys:  # the designated process dies: its leases are given up
             designated.stop_lease(key, leases[key])
             designated.release(key, leases[key], pb.ABANDONED, "killed")
@@ -118,9 +127,7 @@ def test_when_the_designated_process_dies_a_waiting_host_is_given_the_turn(
 
 def test_a_failed_compile_sends_every_host_to_ask_and_each_compiles_locally(
         coordinator, start_worker):
-    hosts = [start_worker(coordinator.cfg.listen, f"h{i}", job=JOB) for i in range(3)]
-    for h in hosts:
-        eventually(lambda h=h: stream_open(h), "the job's stream open", 30)
+    hosts = hosts_of_the_job(coordinator, start_worker, 3)
     designated, me = process_of(hosts[0], 0)
     got = decided(designated, me, "broken")
     assert got.kind == "COMPILE"
@@ -128,9 +135,7 @@ def test_a_failed_compile_sends_every_host_to_ask_and_each_compiles_locally(
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         waiting = [pool.submit(lambda i=i: decided(*process_of(hosts[i], i), "broken"))
                    for i in (1, 2)]
-        eventually(lambda: sum(p.stream_waits for h in hosts[1:]
-                               for p in CacheClient(h.target).status().prefetches) == 2,
-                   "both hosts wait on their streams", 30)
+        waits_on_streams(hosts[1:], 2)
         designated.stop_lease("broken", got.lease)
         designated.release("broken", got.lease, pb.COMPILE_FAILED, "it raised")
         ends = [w.result(timeout=120) for w in waiting]
