@@ -230,7 +230,9 @@ class JobWatches:
                     validate.requester(r)
                     if r.job != job.job:
                         raise InvalidRequest("the stream's requester runs another job")
-                    if _before(r.process_id, me.first):
+                    # A stream that may not publish ranks nowhere: a wait in its
+                    # name is never promoted, so a turn must never wait on it.
+                    if me.may_publish and _before(r.process_id, me.first):
                         me.first = (r.process_id, me, r)
                         job.said(me.first)
                 self.named += len(message.waits)
@@ -250,12 +252,13 @@ class JobWatches:
             me.send(pb.JobEvents(published=[info]))
             return
         rank = w.requester.process_id
+        mine = (rank, me, w.requester) if me.may_publish else None  # (a reader ranks nowhere)
         k = job.keys.get(w.key)
         if k is None:
-            if not self._watch(job, w.key, (rank, me, w.requester)):
+            if not self._watch(job, w.key, mine):
                 me.send(pb.JobEvents(ask=[w.key]))
-        elif _before(rank, k.first):
-            k.first = (rank, me, w.requester)
+        elif mine is not None and _before(rank, k.first):
+            k.first = mine
 
     def _watch(self, job: _Job, key: str, first: First | None) -> bool:
         """Wait for `key` here (False past MAX_KEYS)."""

@@ -149,3 +149,79 @@ def test_a_failed_compile_sends_every_host_to_ask_and_each_compiles_locally(
     assert again.kind == "LOCAL" and "compile failed" in again.reason, again
     for h in hosts[1:]:
         assert sample(h, "compilecast_worker_waits_total", how="upstream") >= 1
+
+
+class ReadOnlyStream:
+    """A job stream opened with a read-only token that says it serves the
+    job's process 0, as an outsider with read rights can."""
+
+    def __init__(self, target: str, token: str, job: str, process_id: int = 0) -> None:
+        import queue
+        import threading
+
+        import grpc
+
+        from compilecast.grpcutil import bearer
+        from compilecast.v1 import cache_pb2_grpc as rpc
+
+        self._out: queue.Queue = queue.Queue()
+        self._channel = grpc.insecure_channel(target)
+        self.heard: list[pb.JobEvents] = []
+        self.opened = threading.Event()
+        me = pb.Requester(job=job, process_id=process_id, designated_process=0, client="reader")
+        for m in (pb.JobWatchRequest(job=job), pb.JobWatchRequest(requester=me),
+                  # named after the rank is said: once named, the rank was heard
+                  pb.JobWatchRequest(waits=[pb.WaitRequest(key="decoy", requester=me)])):
+            self._out.put(m)
+        self._call = rpc.CompileCacheStub(self._channel).WatchJob(
+            iter(self._out.get, None), metadata=bearer(token))
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        import grpc
+        try:
+            for events in self._call:
+                self.opened.set()
+                self.heard.append(events)
+        except grpc.RpcError:
+            pass
+
+    def close(self) -> None:
+        self._out.put(None)
+        self._call.cancel()
+        self._channel.close()
+
+
+def test_a_read_only_stream_that_says_it_ranks_first_never_holds_up_a_failover(
+        start_coordinator, tokens_file, start_worker, tmp_path):
+    secured = start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+    token = tmp_path / "worker.token"
+    token.write_text("a-worker")
+    honest = start_worker(secured.cfg.listen, "honest", job=JOB, token_file=str(token))
+    eventually(lambda: stream_open(honest), "the honest host's stream open", 30)
+    reader = ReadOnlyStream(secured.cfg.listen, "a-read", JOB)
+    try:
+        # The reader's rank was heard (it named a key after saying it).
+        eventually(lambda: secured.state.job_watches.named >= 1, "the reader's rank heard", 30)
+        designated = CacheClient(secured.cfg.listen, timeout_s=60, token="a-pub",
+                                 identity=Identity(job=JOB, process_id=0, designated_process=0,
+                                                   client="designated"))
+        me = designated.identity
+        got = decided(designated, me, "big")
+        assert got.kind == "COMPILE"
+        designated.keep_lease("big", got.lease)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiter = pool.submit(lambda: decided(*process_of(honest, 1), "big"))
+            waits_on_streams([honest], 1)
+            designated.stop_lease("big", got.lease)  # the designated process dies
+            designated.release("big", got.lease, pb.ABANDONED, "killed")
+            # The honest host, which may publish, gets the turn; the reader's
+            # claim to rank first held nothing (before: nothing until the
+            # share-binary timeout, then LOCAL).
+            end = waiter.result(timeout=300)
+        assert end.kind == "COMPILE", end
+        assert secured.state.job_watches.turns == 1
+        assert not any(e.turns for e in reader.heard)
+    finally:
+        reader.close()
