@@ -62,6 +62,16 @@ def rpc_problem(exc: grpc.RpcError | CompilecastError) -> str:
     return f"{code.name}: {details}"
 
 
+def one_line(exc: BaseException) -> str:
+    """Any failure as one line for a log: a call's status and details (no
+    gRPC repr of five lines), else its type and the first line of its text."""
+    if isinstance(exc, CompilecastError) or (isinstance(exc, grpc.RpcError)
+                                              and callable(getattr(exc, "code", None))):
+        return rpc_problem(exc)
+    text = str(exc).splitlines()
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+
+
 def unreachable(exc: grpc.RpcError | CompilecastError) -> str:
     """rpc_problem for a server that did not answer: always "unreachable",
     with why (a connection that failed) or the status (a deadline)."""

@@ -46,6 +46,11 @@ OUT_OF_SPACE_HELP = ("its database passed its space quota and it refuses writes 
 MAX_TXN_OPS = 128
 
 
+def lease_gone(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether etcd refused a write because its lease no longer exists."""
+    return exc.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in (exc.details() or "")
+
+
 class TxnTooLarge(ValueError):
     """A txn beyond MAX_TXN_OPS: a bug of its caller, which must batch."""
 

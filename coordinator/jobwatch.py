@@ -32,9 +32,11 @@ Its end goes to the hosts:
   ask for one by one, as without a stream, and the replica stops waiting for
   it.
 
-Bounds: MAX_STREAMS streams on a replica, MAX_KEYS keys waited for a job, a
-stream's unsent messages (QUEUED: a host that reads too slowly is cut off and
-asks key by key), MAX_WAITS keys a message.
+Bounds: MAX_STREAMS streams on a replica, TENANT_STREAMS of them a tenant's,
+IDENTITY_STREAMS an identity's (READER_STREAMS one that may only read),
+MAX_KEYS keys waited for a job, a stream's unsent messages (QUEUED: a host
+that reads too slowly is ended with RESOURCE_EXHAUSTED and asks key by key),
+MAX_WAITS keys a message.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 
 from compilecast import validate
 from compilecast.errors import InvalidRequest, TooMany
+from compilecast.grpcutil import one_line
 from compilecast.v1 import cache_pb2 as pb
 
 from .keyview import KeyView
@@ -57,6 +60,9 @@ from .waiting import Waiting
 log = logging.getLogger(__name__)
 
 MAX_STREAMS = 20_000  # job streams held by a replica
+TENANT_STREAMS = 15_000  # of them by one tenant (the others keep a quarter)
+IDENTITY_STREAMS = TENANT_STREAMS  # by one identity that may publish (a job's worker token)
+READER_STREAMS = 1_000  # by one identity that may only read
 MAX_WAITS = 1000  # keys a message may name
 QUEUED = 1024  # messages a stream has not sent yet; past it the stream is ended
 FLUSH_S = (0.02, 1.0)  # a job's news is gathered at least, at most this long into a message
@@ -70,11 +76,13 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     open: bool = True
     first: First | None = None  # the first-ranked process its host serves, once said
+    behind: bool = False  # ended because its host read too slowly
 
     def send(self, message: pb.JobEvents | bytes) -> None:
         if not self.open:
             return
         if self.queue.qsize() >= QUEUED:  # a host that does not read: it asks key by key
+            self.behind = True
             self.end()
             return
         self.queue.put_nowait(message)
@@ -171,12 +179,27 @@ class JobWatches:
         self.view = view
         self.give_back = give_back
         self._jobs: dict[tuple[str, str], _Job] = {}
+        self._held: dict[str | tuple[str, str], int] = {}  # open streams by tenant, identity
         self.streams = 0  # open now (Status, tests)
         self.turns = 0  # keys given to a stream's host to compile
         self.named = 0  # keys hosts named (nobody had claimed them that they knew of)
 
+    def _admit(self, tenant: str, identity: str, may_publish: bool) -> None:
+        """TooMany past a bound: the replica's, its tenant's, its identity's
+        (a reader's is smaller: it holds a stream of news and takes no turn)."""
+        if self.streams >= MAX_STREAMS:
+            raise TooMany(f"{MAX_STREAMS} job streams are open on this replica; "
+                          "ask key by key")
+        if self._held.get(tenant, 0) >= TENANT_STREAMS:
+            raise TooMany(f"tenant {tenant!r} holds {TENANT_STREAMS} job streams on this "
+                          "replica; ask key by key")
+        most = IDENTITY_STREAMS if may_publish else READER_STREAMS
+        if self._held.get((tenant, identity), 0) >= most:
+            raise TooMany(f"{identity!r} holds {most} job streams on this replica"
+                          f"{'' if may_publish else ' (it may not publish)'}; ask key by key")
+
     async def serve(self, requests: AsyncIterator[pb.JobWatchRequest], *, tenant: str,
-                    may_publish: bool) -> AsyncIterator[pb.JobEvents | bytes]:
+                    identity: str = "", may_publish: bool) -> AsyncIterator[pb.JobEvents | bytes]:
         """The stream's events, to the end of `requests` (or past its bound)."""
         it = requests.__aiter__()
         try:
@@ -186,15 +209,16 @@ class JobWatches:
         if not first.job:
             raise InvalidRequest("name the job to watch in the stream's first message")
         validate.job(first.job)
-        if self.streams >= MAX_STREAMS:
-            raise TooMany(f"{MAX_STREAMS} job streams are open on this replica; "
-                          "ask key by key")
+        self._admit(tenant, identity, may_publish)
         job = self._jobs.get((tenant, first.job))
         if job is None:
             job = self._jobs[(tenant, first.job)] = _Job(tenant, first.job)
         me = _Stream(may_publish)
         job.streams.add(me)
         self.streams += 1
+        held = (tenant, identity)
+        self._held[tenant] = self._held.get(tenant, 0) + 1
+        self._held[held] = self._held.get(held, 0) + 1
         reader = asyncio.ensure_future(self._read(job, me, first, it))
         try:
             yield pb.JobEvents()  # open
@@ -205,10 +229,17 @@ class JobWatches:
                 yield message
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 raise reader.exception()  # type: ignore[misc]
+            if me.behind:
+                raise TooMany(f"the host read too slowly ({QUEUED} messages unsent); "
+                              "open the stream again, and ask key by key meanwhile")
         finally:
             me.open = False
             reader.cancel()
             self.streams -= 1
+            for k in (tenant, held):
+                self._held[k] -= 1
+                if not self._held[k]:
+                    del self._held[k]
             job.streams.discard(me)
             if not job.streams:
                 self._drop(job)
@@ -322,7 +353,7 @@ class JobWatches:
             raise
         except Exception as exc:  # (etcd gone, a bug): the hosts ask key by key
             log.info("job %s: the wait for %s failed (%s); its hosts ask for it", job.job, key,
-                     exc)
+                     one_line(exc))
             self._news(job, ask=key)
         finally:
             if job.keys.get(key) is k:

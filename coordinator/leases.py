@@ -221,6 +221,16 @@ class Session:
             self._lease = await self.etcd.grant(self.ttl_s)
         return self._lease
 
+    def lost(self, lease_id: int) -> bool:
+        """etcd no longer knows `lease_id` (it expired while the replica's
+        loop was busy past its TTL): the next write takes a new one. True
+        for the first caller that says so (it writes the records again)."""
+        if self._lease != lease_id:
+            return False
+        log.warning("the session lease expired; its records are written again on a new one")
+        self._lease = 0
+        return True
+
     async def keep(self) -> None:
         """Keep the lease alive (a task of the replica's, until cancelled)."""
         while True:

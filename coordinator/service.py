@@ -262,6 +262,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def WatchJob(self, request_iterator, context):
         who = self.auth.identify(context)
         async for events in self.state.job_watches.serve(request_iterator, tenant=who.tenant,
+                                                         identity=who.name,
                                                          may_publish=who.can_publish):
             yield events
 

@@ -14,6 +14,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import grpc
+
 from compilecast import validate
 from compilecast.errors import (
     InvalidRequest,
@@ -23,7 +25,7 @@ from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
 
 from .claims import Claims
-from .etcd import Etcd, WriteBatcher
+from .etcd import Etcd, WriteBatcher, lease_gone
 from .keystate import (
     KeyState,
     KeyWaiters,
@@ -198,7 +200,7 @@ class Waiting:
                 here.remove(w.rank, req.job)
                 if not here.count:
                     del self._waiting[w.sk]
-                self.background.spawn(self._forget(w.sk))
+                self.background.spawn(self._rewrite(w.sk))
 
     async def _look(self, w: _Wait) -> tuple[KeyState | None, list[pb.WaitEvent], bool]:
         """What the waited key is now: its state, the events to send (a HIT,
@@ -312,8 +314,22 @@ class Waiting:
             here = self._waiting.get(sk)
             if here is None:
                 await self._waiter_writes.delete(self._waiters_key(sk), written_before=True)
-            else:
+                return
+            try:
                 await self._waiter_writes.put(self._waiters_key(sk), here.record(), lease=lease)
+            except grpc.aio.AioRpcError as exc:
+                if not lease_gone(exc):
+                    raise
+                # The session lease expired under a burst (the loop fell
+                # behind its keepalive): written again on a new lease, once.
+                if self.session.lost(lease):  # every record of this replica's went with it
+                    for other in self._waiting:
+                        if other != sk:
+                            self.background.spawn(self._rewrite(other))
+                lease = await self.session.lease()
+                if (here := self._waiting.get(sk)) is not None:
+                    await self._waiter_writes.put(self._waiters_key(sk), here.record(),
+                                                  lease=lease)
         except Exception as exc:  # Unavailable (or a bug): the waiters hear of it
             if not flush.done():
                 flush.set_exception(exc)
@@ -327,7 +343,7 @@ class Waiting:
             if self._waiter_flushes.get(sk) is flush:
                 del self._waiter_flushes[sk]
 
-    async def _forget(self, sk: str) -> None:
+    async def _rewrite(self, sk: str) -> None:
         with contextlib.suppress(Exception):
             await self._write_waiters(sk)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import grpc
+
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.inprocess import policy
 from compilecast.worker.inprocess.client import CacheClient, ClientShell, Identity
@@ -151,11 +153,13 @@ def test_a_failed_compile_sends_every_host_to_ask_and_each_compiles_locally(
         assert sample(h, "compilecast_worker_waits_total", how="upstream") >= 1
 
 
-class ReadOnlyStream:
-    """A job stream opened with a read-only token that says it serves the
-    job's process 0, as an outsider with read rights can."""
+class RawStream:
+    """A job stream opened as an outsider can: any token, saying it serves
+    `process_id` of the job, naming `keys` after saying so (once named, the
+    rank was heard)."""
 
-    def __init__(self, target: str, token: str, job: str, process_id: int = 0) -> None:
+    def __init__(self, target: str, token: str, job: str, process_id: int = 0,
+                 keys: tuple[str, ...] = ("decoy",)) -> None:
         import queue
         import threading
 
@@ -168,11 +172,14 @@ class ReadOnlyStream:
         self._channel = grpc.insecure_channel(target)
         self.heard: list[pb.JobEvents] = []
         self.opened = threading.Event()
-        me = pb.Requester(job=job, process_id=process_id, designated_process=0, client="reader")
-        for m in (pb.JobWatchRequest(job=job), pb.JobWatchRequest(requester=me),
-                  # named after the rank is said: once named, the rank was heard
-                  pb.JobWatchRequest(waits=[pb.WaitRequest(key="decoy", requester=me)])):
-            self._out.put(m)
+        self.ended = threading.Event()
+        self.code: grpc.StatusCode | None = None
+        me = pb.Requester(job=job, process_id=process_id, designated_process=0, client="raw")
+        self._out.put(pb.JobWatchRequest(job=job))
+        self._out.put(pb.JobWatchRequest(requester=me))
+        for i in range(0, len(keys), 1000):
+            self._out.put(pb.JobWatchRequest(waits=[pb.WaitRequest(key=k, requester=me)
+                                                    for k in keys[i:i + 1000]]))
         self._call = rpc.CompileCacheStub(self._channel).WatchJob(
             iter(self._out.get, None), metadata=bearer(token))
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -184,8 +191,13 @@ class ReadOnlyStream:
             for events in self._call:
                 self.opened.set()
                 self.heard.append(events)
-        except grpc.RpcError:
-            pass
+        except grpc.RpcError as exc:
+            self.code = exc.code()
+        finally:
+            self.ended.set()
+
+    def asked(self) -> list[str]:
+        return [k for e in list(self.heard) for k in e.ask]
 
     def close(self) -> None:
         self._out.put(None)
@@ -200,7 +212,7 @@ def test_a_read_only_stream_that_says_it_ranks_first_never_holds_up_a_failover(
     token.write_text("a-worker")
     honest = start_worker(secured.cfg.listen, "honest", job=JOB, token_file=str(token))
     eventually(lambda: stream_open(honest), "the honest host's stream open", 30)
-    reader = ReadOnlyStream(secured.cfg.listen, "a-read", JOB)
+    reader = RawStream(secured.cfg.listen, "a-read", JOB)
     try:
         # The reader's rank was heard (it named a key after saying it).
         eventually(lambda: secured.state.job_watches.named >= 1, "the reader's rank heard", 30)
@@ -225,3 +237,56 @@ def test_a_read_only_stream_that_says_it_ranks_first_never_holds_up_a_failover(
         assert not any(e.turns for e in reader.heard)
     finally:
         reader.close()
+
+
+def test_job_stream_waits_survive_the_loss_of_the_replica_s_session_lease(coordinator):
+    """A burst that keeps a replica's loop past its lease's TTL loses the
+    lease its waiter records live on: the waits go on, on a new one."""
+    state = coordinator.state
+    lost = coordinator.lt.run(state.session.lease())
+    coordinator.lt.run(state.etcd.revoke(lost))
+    keys = tuple(f"nobody-claims-{i:05d}" for i in range(300))
+    stream = RawStream(coordinator.cfg.listen, "", JOB, process_id=1, keys=keys)
+    records = state.view.k("w", "")
+    try:
+        def settled():
+            if stream.asked():
+                return True
+            return len(coordinator.lt.run(state.etcd.get_prefix(records))) >= len(keys)
+        eventually(settled, "every key's waiter record written, or a key given up", 60)
+        assert stream.asked() == []  # (before: "ask" for each key whose record failed)
+        assert len(coordinator.lt.run(state.etcd.get_prefix(records))) == len(keys)
+        assert coordinator.lt.run(state.session.lease()) != lost
+    finally:
+        stream.close()
+
+
+def test_a_reader_cannot_take_every_stream_of_a_replica(start_coordinator, tokens_file,
+                                                         monkeypatch):
+    from compilecast.coordinator import jobwatch
+
+    monkeypatch.setattr(jobwatch, "READER_STREAMS", 4)
+    monkeypatch.setattr(jobwatch, "TENANT_STREAMS", 6)
+    secured = start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+    target = secured.cfg.listen
+    opened = []
+    try:
+        def stream(token: str, job: str = JOB) -> RawStream:
+            s = RawStream(target, token, job, process_id=5, keys=())
+            opened.append(s)
+            eventually(lambda: s.opened.is_set() or s.ended.is_set(), "the stream answered", 30)
+            return s
+
+        readers = [stream("a-read") for _ in range(4)]
+        assert all(r.opened.is_set() for r in readers)
+        refused = stream("a-read")  # past its identity's bound: the true status, not INTERNAL
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # The tenant's publishing hosts still get streams, up to the tenant's bound.
+        assert all(stream("a-pub").opened.is_set() for _ in range(2))
+        over = stream("a-pub", "another-job")
+        assert over.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Another tenant is untouched by what team-a holds.
+        assert stream("b-pub").opened.is_set()
+    finally:
+        for s in opened:
+            s.close()
