@@ -26,6 +26,7 @@ import collections
 import hashlib
 import logging
 import time
+from dataclasses import dataclass, field
 
 from compilecast.v1 import cache_pb2 as pb
 
@@ -45,6 +46,16 @@ REWRITE_S = 86400  # a replica writes a key it recorded again after this (on a n
 PAGE = 1000  # keys read from etcd a range
 
 
+@dataclass(eq=False)
+class _JobKeys:
+    """A job's keys as this replica knows them: recorded (and when), and
+    those asked for while the stored ones are read in."""
+
+    keys: dict[str, float] = field(default_factory=dict)
+    pending: dict[str, None] = field(default_factory=dict)
+    loading: asyncio.Future[None] | None = None
+
+
 def job_digest(tenant: str, job: str) -> str:
     return hashlib.sha256(f"{tenant}\0{job}".encode()).hexdigest()[:32]
 
@@ -56,7 +67,7 @@ class Manifests:
         self.prefix = prefix
         self._writes = WriteBatcher(etcd)
         # (tenant, job) -> the keys this replica recorded, and when
-        self._noted: collections.OrderedDict[tuple[str, str], dict[str, float]] = \
+        self._noted: collections.OrderedDict[tuple[str, str], _JobKeys] = \
             collections.OrderedDict()
         self._lease: tuple[float, asyncio.Future[int]] | None = None  # (granted, its id)
         # (tenant, job) -> (when built, its manifest, serialized once for all
@@ -71,10 +82,12 @@ class Manifests:
 
     # -- recording ----------------------------------------------------------------
     def note(self, tenant: str, requests: list[pb.AcquireRequest],
-             answers: list[pb.AcquireResponse | None] | None) -> None:
+             answers: list[pb.AcquireResponse | None] | None, *, may_publish: bool) -> None:
         """Record the keys of `requests` that name a job (those answered, and
-        not refused), each once per replica."""
-        if answers is None:
+        not refused), each once per replica. An identity that may not
+        publish records nothing: it could grow a job's manifest, which every
+        host of the job prefetches."""
+        if answers is None or not may_publish:
             return
         for r, a in zip(requests, answers, strict=False):
             if r.manifest_job and a is not None and a.decision != pb.DECISION_UNSPECIFIED:
@@ -83,24 +96,55 @@ class Manifests:
     def _record(self, tenant: str, job: str, key: str) -> None:
         noted = self._noted.get((tenant, job))
         if noted is None:
-            noted = self._noted[(tenant, job)] = {}
+            # A job this replica does not remember: the keys stored for it
+            # (by any replica, before) are read first, so that its bound
+            # holds where the keys are kept, not only while remembered here.
+            noted = self._noted[(tenant, job)] = _JobKeys()
+            noted.loading = asyncio.ensure_future(self._load(tenant, job, noted))
+            noted.loading.add_done_callback(_logged)
         else:
             self._noted.move_to_end((tenant, job))
+        if noted.loading is not None:
+            if len(noted.pending) < MAX_KEYS:
+                noted.pending[key] = None
+            return
         now = time.monotonic()
-        when = noted.get(key)
+        when = noted.keys.get(key)
         if (when is not None and now - when < REWRITE_S) or \
-                (when is None and len(noted) >= MAX_KEYS):
+                (when is None and len(noted.keys) >= MAX_KEYS):
             return
         if when is None:
             self._noted_keys += 1
-        noted[key] = now
-        # (a job forgotten here is recorded in etcd: its keys are written again at most)
-        while len(self._noted) > JOBS_NOTED or self._noted_keys > NOTED_KEYS:
-            _, dropped = self._noted.popitem(last=False)
-            self._noted_keys -= len(dropped)
+        noted.keys[key] = now
+        self._forget_oldest()
         self.recorded += 1
         task = asyncio.ensure_future(self._write(self._job_prefix(tenant, job) + key.encode()))
         task.add_done_callback(_logged)
+
+    async def _load(self, tenant: str, job: str, noted: _JobKeys) -> None:
+        prefix = self._job_prefix(tenant, job)
+        try:
+            async for kv in self.etcd.scan_prefix(prefix, page=PAGE):
+                if len(noted.keys) >= MAX_KEYS:
+                    break
+                # (stored before: written again on this replica's first ask)
+                noted.keys.setdefault(kv.key[len(prefix):].decode(errors="replace"), -REWRITE_S)
+        finally:
+            self._noted_keys += len(noted.keys)
+            noted.loading = None
+            pending, noted.pending = noted.pending, {}
+            if self._noted.get((tenant, job)) is noted:
+                self._forget_oldest()
+                for key in pending:
+                    self._record(tenant, job, key)
+
+    def _forget_oldest(self) -> None:
+        # (a job forgotten here is recorded in etcd: read again when it returns)
+        while len(self._noted) > JOBS_NOTED or self._noted_keys > NOTED_KEYS:
+            _, dropped = self._noted.popitem(last=False)
+            self._noted_keys -= len(dropped.keys) if dropped.loading is None else 0
+            if dropped.loading is not None:
+                dropped.loading.cancel()
 
     async def _write(self, record: bytes) -> None:
         now = time.monotonic()
@@ -140,7 +184,7 @@ class Manifests:
                 async for kv in self.etcd.scan_prefix(prefix, page=PAGE)]
         noted = self._noted.get((tenant, job))
         if noted is not None:  # (what this replica recorded whose write is still queued)
-            keys = sorted(set(keys) | set(noted))
+            keys = sorted(set(keys) | set(noted.keys))
         entries: list[pb.ArtifactInfo] = []
         unknown: list[str] = []
         for key in keys:

@@ -15,7 +15,7 @@ from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import publish_stream
 
-from .auth import Authenticator
+from .auth import Authenticator, Principal
 from .dataplane import DataPlane
 from .records import scope
 from .relay import check_address
@@ -42,7 +42,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
                                                  dict(request.key_components),
                                                  request.program_name, tenant=who.tenant,
                                                  may_publish=who.can_publish)
-        self._noted(who.tenant, [request], [answer])
+        self._noted(who, [request], [answer])
         return answer
 
     async def _acquire_many(self, requests, who) -> list[pb.AcquireResponse]:
@@ -63,19 +63,19 @@ class CoordinatorService(rpc.CompileCacheServicer):
         else:
             limit = asyncio.Semaphore(64)
             answers = await asyncio.gather(*(one(r) for r in requests))
-        self._noted(who.tenant, requests, answers)
+        self._noted(who, requests, answers)
         return answers
 
-    def _noted(self, tenant: str, requests, answers) -> None:
+    def _noted(self, who: Principal, requests, answers) -> None:
         """What the answers mean for the requests' jobs: their manifests'
         keys, and the keys their streams hear are claimed."""
-        self.state.manifests.note(tenant, requests, answers)
-        self.state.job_watches.noted(tenant, requests, answers)
+        self.state.manifests.note(who.tenant, requests, answers, may_publish=who.can_publish)
+        self.state.job_watches.noted(who.tenant, requests, answers)
 
     def _decided_now(self, requests, who, partial: bool = False):
         answers = self.state.claims.decided_now([r.key for r in requests], tenant=who.tenant,
                                                 partial=partial)
-        self._noted(who.tenant, requests, answers)
+        self._noted(who, requests, answers)
         return answers
 
     @rpc_errors

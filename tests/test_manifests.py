@@ -155,3 +155,54 @@ def test_a_purge_during_the_prefetch_ends_in_correct_answers(coordinator, start_
     for key in keys[50::25]:
         got = decided(c, key)
         assert got.kind == "HIT" and got.data == artifacts[key]
+
+
+def _ask(target: str, token: str, job: str, keys: list[str]) -> None:
+    """AcquireMany for `keys`, naming `job`'s manifest, as a worker of the job does."""
+    c = CacheClient(target, timeout_s=30, token=token)
+    me = Identity(job=job, process_id=0, designated_process=0).requester()
+    c.stub.AcquireMany(pb.AcquireManyRequest(requests=[
+        pb.AcquireRequest(key=k, requester=me, manifest_job=job) for k in keys]), timeout=60)
+    c.close()
+
+
+def _manifest_keys(target: str, job: str) -> int:
+    m = CacheClient(target, token="a-pub").stub.GetManifest(pb.ManifestRequest(job=job),
+                                                            timeout=60)
+    return len(m.entries) + m.unpublished
+
+
+def test_a_job_s_key_bound_holds_where_its_keys_are_stored(start_coordinator, tokens_file,
+                                                          monkeypatch):
+    from compilecast.coordinator import manifests
+
+    bound = 300
+    monkeypatch.setattr(manifests, "MAX_KEYS", bound)
+    monkeypatch.setattr(manifests, "JOBS_NOTED", 1)  # the replica remembers one job
+    secured = start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+    target, state = secured.cfg.listen, secured.state
+    stored = state.manifests.prefix + f"/j/{manifests.job_digest('team-a', 'big-job')}/".encode()
+    _ask(target, "a-pub", "big-job", [f"first{i:04d}" for i in range(bound)])
+    eventually(lambda: len(secured.lt.run(state.etcd.get_prefix(stored))) == bound,
+               "the job's keys stored", 30)
+    _ask(target, "a-pub", "other-job", ["other"])  # the replica forgets big-job
+    _ask(target, "a-pub", "big-job", [f"more{i:04d}" for i in range(bound)])
+    # (before: the forgotten job recorded another `bound` keys, and more each time)
+    assert _manifest_keys(target, "big-job") == bound
+    assert len(secured.lt.run(state.etcd.get_prefix(stored))) == bound
+
+
+def test_a_reader_cannot_grow_or_add_to_a_job_s_manifest(start_coordinator, tokens_file):
+    secured = start_coordinator(auth_tokens_file=str(tokens_file), allow_unauthenticated=False)
+    target = secured.cfg.listen
+    c = CacheClient(target, timeout_s=30, token="a-pub")
+    (answer,) = c.acquire_many(["published-elsewhere"])
+    c.publish("published-elsewhere", answer.lease, b"an executable of team-a's", 1.0)
+    _ask(target, "a-pub", "train-b", [f"prog{i:04d}" for i in range(1000)])
+    before = eventually(lambda: secured.state.manifests.recorded >= 1000 and
+                        secured.state.manifests.recorded, "the job's keys recorded", 30)
+    # A reader names 1,000 keys of its own and a published artifact under the job.
+    _ask(target, "a-read", "train-b", [f"junk{i:04d}" for i in range(999)] +
+         ["published-elsewhere"])
+    assert secured.state.manifests.recorded == before
+    assert _manifest_keys(target, "train-b") == 1000
