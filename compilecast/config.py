@@ -16,6 +16,7 @@ import re
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -231,7 +232,7 @@ class CoordinatorConfig(Checked):
                 raise ConfigError("etcd_endpoints is empty")
             for endpoint in self.etcd_endpoints.split(","):
                 if endpoint.strip():
-                    _address(endpoint.strip().removeprefix("http://").removeprefix("https://"),
+                    check_address(endpoint.strip().removeprefix("http://").removeprefix("https://"),
                              "etcd_endpoints")
             if not self.etcd_prefix.startswith("/"):
                 raise ConfigError(f"etcd_prefix {self.etcd_prefix!r} must start with '/'")
@@ -261,7 +262,7 @@ class CoordinatorConfig(Checked):
             store, counts, data_plane,
             lambda: _not_negative(self, "store_reverify_s", "decide_busy_gap_ms"),
             etcd,
-            lambda: _address(self.listen, "listen"),
+            lambda: check_address(self.listen, "listen"),
             lambda: _pair(self, "tls_cert_file", "tls_key_file"),
             lambda: _pair(self, "etcd_cert_file", "etcd_key_file"),
             tls, auth,
@@ -387,7 +388,7 @@ class WorkerConfig(Checked):
                 _hostport(self.relay_data_listen, "relay_data_listen")
 
         def listen() -> None:
-            _address(self.listen, "listen")
+            check_address(self.listen, "listen")
 
         return [
             lambda: _no_nul(self),
@@ -403,7 +404,7 @@ class WorkerConfig(Checked):
             lambda: _readable(self, "token_file", "coordinator_ca_file", "coordinator_cert_file",
                               "coordinator_key_file", "tls_cert_file", "tls_key_file"),
             listen,
-            lambda: _address(self.coordinator, "coordinator"),
+            lambda: check_address(self.coordinator, "coordinator"),
             lambda: _times(self),
             lambda: _job(self.job),
         ]
@@ -489,8 +490,9 @@ def _readable(cfg: Any, *names: str) -> None:
 UNIX_PATH_MAX = 107  # a unix socket's path, in bytes (sun_path, less its NUL)
 
 
-def _address(value: str, name: str) -> None:
-    """host:port, or unix:///an/absolute/path a socket can have."""
+def check_address(value: str, name: str) -> None:
+    """host:port, or unix:///an/absolute/path a socket can have;
+    ConfigError naming `name` otherwise."""
     if value.startswith("unix:"):
         path = value.removeprefix("unix://") if value.startswith("unix://") else ""
         if not path.startswith("/"):
@@ -529,13 +531,28 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
 
 def parse_size(raw: Any) -> int:
     """Bytes from an int or a size as Kubernetes writes one: 180Gi, 500M,
-    1.5Ti (binary with i, decimal without)."""
+    1.5Ti (binary with i, decimal without); ValueError for anything else,
+    or for a size of 2**63 bytes or more."""
     if isinstance(raw, int) and not isinstance(raw, bool):
-        return raw
-    m = _SIZE.fullmatch(str(raw))
-    if m is None:
-        raise ValueError(raw)
-    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+        value = raw
+    else:
+        m = _SIZE.fullmatch(str(raw))
+        if m is None or len(m.group(1)) > 40:  # (no size has 40 digits)
+            raise ValueError("not a size")
+        value = int(Decimal(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+    if not -2**63 <= value < 2**63:
+        raise ValueError("out of range")
+    return value
+
+
+def shown(raw: Any) -> str:
+    """A setting's value as a message quotes it: its repr, cut short (an
+    integer too long to print is named, not printed)."""
+    try:
+        text = repr(raw)
+    except ValueError:  # an int of more digits than Python prints
+        return "<an integer of thousands of digits>"
+    return text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
 
 
 def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
@@ -545,15 +562,15 @@ def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
         try:
             return parse_size(raw)
         except ValueError:
-            raise ConfigError(f"{f.name}={raw!r} from {source} is not a size in bytes "
-                              "(e.g. 500000000, 500M, 180Gi)") from None
+            raise ConfigError(f"{f.name}={shown(raw)} from {source} is not a size in bytes "
+                              "below 2**63 (e.g. 500000000, 500M, 180Gi)") from None
     if typ is bool:
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()
         if text in _TRUE | _FALSE:
             return text in _TRUE
-        raise ConfigError(f"{f.name}={raw!r} from {source} is not a boolean (true/false)")
+        raise ConfigError(f"{f.name}={shown(raw)} from {source} is not a boolean (true/false)")
     # A YAML file's values come typed: take them only as what they are (a map
     # is no string, 2.7 no integer, true no number).
     wrong = isinstance(raw, (bool, dict, list)) or raw is None \
@@ -566,11 +583,12 @@ def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
     if value is None or (typ is float and not math.isfinite(value)) \
             or (typ is int and not -2**63 <= value < 2**63):
         kind = {int: "an integer", float: "a finite number", str: "a string"}.get(typ, typ.__name__)
-        raise ConfigError(f"{f.name}={raw!r} from {source} is not {kind}")
+        raise ConfigError(f"{f.name}={shown(raw)} from {source} is not {kind}")
     return value
 
 
-MAX_SETTINGS_FILE = 16 << 20  # a config, tokens, certificate or token file's bytes
+MAX_SETTINGS_FILE = 16 << 20  # a tokens, certificate or token file's bytes
+MAX_CONFIG_FILE = 256 << 10  # a config file's: every setting fits in a few KiB
 MAX_YAML_ALIASES = 64  # aliases (*name) in one YAML file: anchors, not bombs
 
 
@@ -595,7 +613,8 @@ def read_small_file(path: str, what: str, max_bytes: int = MAX_SETTINGS_FILE) ->
     finally:
         os.close(fd)
     if len(data) > max_bytes:
-        raise ConfigError(f"{what} {path} is larger than {max_bytes >> 20} MiB")
+        bound = f"{max_bytes >> 20} MiB" if max_bytes >= 1 << 20 else f"{max_bytes >> 10} KiB"
+        raise ConfigError(f"{what} {path} is larger than {bound}")
     return data
 
 
@@ -626,12 +645,12 @@ class _SettingsLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_yaml(path: str, what: str) -> Any:
+def read_yaml(path: str, what: str, max_bytes: int = MAX_SETTINGS_FILE) -> Any:
     """A YAML file's content; ConfigError naming `what` when it cannot be
     read (read_small_file) or is not UTF-8 YAML, names a key twice in a
     mapping or has more than MAX_YAML_ALIASES aliases."""
     try:
-        text = read_small_file(path, what).decode("utf-8")
+        text = read_small_file(path, what, max_bytes).decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{what} {path} is not UTF-8 text") from None
     try:
@@ -641,6 +660,9 @@ def read_yaml(path: str, what: str) -> Any:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{what} {path} is not valid YAML: "
                           f"{' '.join(str(exc).split())[:300]}") from None
+    except ValueError as exc:  # an integer longer than Python reads (4,300 digits)
+        raise ConfigError(f"{what} {path} holds a value that cannot be read: "
+                          f"{str(exc).splitlines()[0][:200]}") from None
 
 
 def load(cls: type, *, flags: dict[str, Any] | None = None,
@@ -657,13 +679,14 @@ def load(cls: type, *, flags: dict[str, Any] | None = None,
         env = os.environ
     file_values: dict[str, Any] = {}
     if file:
-        file_values = read_yaml(file, "config file") or {}
+        file_values = read_yaml(file, "config file", MAX_CONFIG_FILE) or {}
         if not isinstance(file_values, dict):
             raise ConfigError(f"config file {file} must hold a mapping of settings")
     known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = {str(k) for k in file_values if k not in known}
+    unknown = sorted(str(k)[:60] for k in file_values if k not in known)
     if unknown:
-        raise ConfigError(f"unknown settings in {file}: {', '.join(sorted(unknown))}")
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        raise ConfigError(f"unknown settings in {file}: {', '.join(unknown[:10])}{more}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name, f in known.items():

@@ -87,11 +87,16 @@ def _claim_socket(address: str, setting: str) -> None:
     would orphan that process: a second worker on a host taking over the
     first's socket)."""
     path = address.removeprefix("unix://")
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    directory = os.path.dirname(path) or "."
+    try:  # its own directory at most (0700), never a tree of them
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
     except OSError as exc:
         raise ListenError(f"cannot listen on {address} ({setting}): cannot make its "
-                          f"directory: {exc.strerror or exc}") from None
+                          f"directory {directory}: {exc.strerror or exc}"
+                          f"{' (make its parent first)' if isinstance(exc, FileNotFoundError) else ''}"
+                          ) from None
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:

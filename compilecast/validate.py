@@ -100,10 +100,11 @@ def acquire_request(r: pb.AcquireRequest) -> None:
 
 
 def job(value: str, what: str = "job") -> str:
-    """A job's name (a manifest's, a recipe's): at most 128 of [A-Za-z0-9._:-]."""
-    if not JOB_RE.match(value):
+    """A job's name (a manifest's, a recipe's): at most 128 of [A-Za-z0-9._:-],
+    not dots alone (a name "." or ".." reads as a path)."""
+    if not JOB_RE.match(value) or (value and not value.strip(".")):
         raise InvalidRequest(f"{what} {value[:80]!r} is invalid: use at most 128 of "
-                             "[A-Za-z0-9._:-]")
+                             "[A-Za-z0-9._:-], not dots alone")
     return value
 
 

@@ -92,8 +92,9 @@ class Farm:
         return recipe
 
     async def list_recipes(self, tenant: str, job: str) -> AsyncIterator[pb.Recipe]:
-        if not job or not validate.JOB_RE.match(job):
-            raise InvalidRequest("job must be 1-128 of [A-Za-z0-9._:-]")
+        if not job:
+            raise InvalidRequest("name the job whose recipes to list")
+        validate.job(job)
         for kv in await self.etcd.get_prefix(self._k("r", tenant, self._job_hash(job) + "/")):
             digest = kv.value.decode()
             try:

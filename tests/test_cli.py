@@ -499,3 +499,30 @@ def test_any_command_line_is_answered_without_a_traceback(argv):
     code, err = _in_process(["--log-level", "critical", *argv] if argv[:1] == ["up"] else argv)
     assert isinstance(code, int), (argv, code)
     assert "shows where" not in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_relative_unix_address_is_one_line_at_every_command():
+    for args in (("status", "--worker", "unix://rel"), ("ls", "--coordinator", "unix://rel"),
+                 ("explain", "a", "b", "--worker", "unix://rel")):
+        r = cc(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.strip().count("\n") == 0, (args, r.stderr)
+        assert "unix:///absolute/path" in r.stderr
+
+
+def test_a_worker_makes_its_socket_s_directory_but_never_a_tree_of_them(tmp_path):
+    missing = tmp_path / "missing"
+    r = cc("worker", "--listen", f"unix://{missing}/dir/w.sock", "--coordinator", "127.0.0.1:1",
+           "--cache-dir", str(tmp_path / "cache"), "--metrics-port", "0")
+    assert r.returncode != 0 and "make its parent first" in r.stderr, r.stderr
+    assert not missing.exists()
+
+
+def test_a_job_named_by_dots_alone_is_refused():
+    from compilecast import validate
+    from compilecast.errors import InvalidRequest
+
+    for name in (".", "..", "..."):
+        with pytest.raises(InvalidRequest, match="not dots alone"):
+            validate.job(name)
+    assert validate.job("train.v2..a") == "train.v2..a"

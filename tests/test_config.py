@@ -236,9 +236,9 @@ def test_a_setting_with_a_nul_is_a_configuration_error(role, name):
 
 # -- hostile settings: each refused in one line naming the setting, never a Python error
 
-def _refused(**kw) -> str:
+def _refused(env_over: dict | None = None, **kw) -> str:
     with pytest.raises(ConfigError) as err:
-        load(WorkerConfig, env={}, **kw)
+        load(WorkerConfig, env=env_over or {}, **kw)
     message = str(err.value)
     assert "\n" not in message and "Error" not in message.split(":")[0]
     return message
@@ -280,8 +280,27 @@ def test_settings_files_must_be_bounded_regular_files(tmp_path):
     big = tmp_path / "big.yaml"
     with open(big, "wb") as f:
         f.truncate((16 << 20) + 1)
-    assert "larger than 16 MiB" in _refused(file=str(big))
+    assert "larger than 256 KiB" in _refused(file=str(big))  # a config file's bound
     # A token file is read the same way by the worker.
     from compilecast.config import read_small_file
     with pytest.raises(ConfigError, match="not a regular file"):
         read_small_file(str(fifo), "token_file")
+
+
+def test_numbers_too_large_for_a_setting_are_refused_in_one_line(tmp_path):
+    ones = "1" * 400  # (as a float: infinity)
+    message = _refused(env_over={"COMPILECAST_CACHE_MAX_BYTES": ones})
+    assert "cache_max_bytes" in message and "below 2**63" in message and len(message) < 300
+    assert "cache_max_bytes" in _refused(env_over={"COMPILECAST_CACHE_MAX_BYTES": "9" * 30 + "Gi"})
+    huge = tmp_path / "huge.yaml"  # more digits than Python reads an int of
+    huge.write_text(f"cache_max_bytes: {'7' * 5000}\n")
+    assert "cannot be read" in _refused(file=str(huge))
+    assert "rpc_timeout_s" in _refused(flags={"rpc_timeout_s": "9" * 5000})
+
+
+def test_a_config_file_of_many_unknown_settings_is_refused_naming_a_few(tmp_path):
+    many = tmp_path / "many.yaml"
+    many.write_text("".join(f"k{i}: 1\n" for i in range(20_000)))  # under the file's bound
+    message = _refused(file=str(many))
+    assert "unknown settings" in message and "and 19990 more" in message
+    assert len(message) < 500

@@ -16,6 +16,7 @@ from compilecast.config import (
     ConfigError,
     CoordinatorConfig,
     WorkerConfig,
+    check_address,
     default_worker_target,
     env_name,
     flag_name,
@@ -460,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
+        for flag in ("worker", "coordinator"):  # (as the servers' flags are checked)
+            if isinstance(getattr(args, flag, None), str) and getattr(args, flag):
+                check_address(getattr(args, flag), f"--{flag}")
         return int(args.fn(args) or 0)
     except ConfigError as exc:
         print(f"compilecast: configuration error: {exc}", file=sys.stderr)
