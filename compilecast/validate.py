@@ -18,6 +18,7 @@ MAX_CLIENT_LEN = 256
 MAX_DETAIL_LEN = 1024
 MAX_PURGE_NAMES = 10_000  # keys and digests one Purge names
 PURGE_PAGE = 1_000  # what a client names in one Purge, sending more in pages
+MAX_SECONDS_PER_HIT = 86_400.0  # the compile time one hit can be said to have saved
 
 
 def key(value: str) -> str:

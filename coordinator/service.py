@@ -17,6 +17,7 @@ from compilecast.wire import publish_stream
 
 from .auth import Authenticator, Principal
 from .dataplane import DataPlane
+from .operations import reporter_host
 from .records import scope
 from .relay import check_address
 from .state import CoordinatorState
@@ -242,7 +243,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def ReportHits(self, request, context):
         who = self.auth.identify(context)
         who.require_worker()
-        host = (context.peer() or "").rpartition(":")[0]  # a worker: one identity on one host
+        host = reporter_host(context.peer() or "")  # a worker: one identity on one host
         self.state.operations.report_hits(request.hits, request.compile_seconds_saved,
                                           tenant=who.tenant, reporter=f"{who.name}@{host}")
         return pb.ReportHitsResponse()

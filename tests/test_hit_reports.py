@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from compilecast.coordinator.operations import HitReports
+from compilecast.coordinator.operations import HitReports, reporter_host
 from compilecast.errors import TooMany
 from compilecast.grpcutil import bearer
 from compilecast.v1 import cache_pb2 as pb
@@ -59,11 +59,30 @@ def test_a_reporter_is_bounded_in_rate_and_in_seconds_a_hit(secured):
     # The reporters' clock stands still: no hit a worker answers can refill its bucket.
     secured.state.operations.reports.clock = lambda: 0.0
     start = a.status().hits
-    assert report(target, "a-worker", 1, 86_400.0 * 2) == grpc.StatusCode.INVALID_ARGUMENT
-    assert report(target, "a-worker", 10_000_000, 0.0) == grpc.StatusCode.OK  # the burst
+    assert report(target, "a-worker", 9_999_999, 0.0) == grpc.StatusCode.OK  # the burst
     # Right after it: far more than a host can have answered since.
     assert report(target, "a-worker", 10_000_000, 0.0) == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert a.status().hits == start + 10_000_000  # the refused report counted nothing
+    assert a.status().hits == start + 9_999_999  # the refused report counted nothing
+    # A hit said to save two days counts, with a day's seconds (before: refused,
+    # and the worker sent it again forever with every later hit in it).
+    saved = a.status().compile_seconds_saved
+    assert report(target, "a-worker", 1, 86_400.0 * 2) == grpc.StatusCode.OK
+    assert a.status().hits == start + 10_000_000
+    assert a.status().compile_seconds_saved == pytest.approx(saved + 86_400.0)
+
+
+def test_a_reporter_s_host_is_its_address_its_loopback_or_its_ipv6_64():
+    assert reporter_host("ipv4:10.1.2.3:5555") == "10.1.2.3"
+    assert reporter_host("ipv4:127.0.0.9:5555") == reporter_host("ipv6:[::1]:1") == "loopback"
+    assert reporter_host("ipv6:[2001:db8::1]:80") == reporter_host("ipv6:[2001:db8::ffff]:81")
+    assert reporter_host("ipv6:[2001:db8:0:1::1]:80") != reporter_host("ipv6:[2001:db8::1]:80")
+    assert reporter_host("unix:/run/cc.sock") == "unix"
+    # One worker token from 20 loopback addresses: one bucket, one burst.
+    reports = HitReports(clock=lambda: 0.0)
+    reports.take(f"w@{reporter_host('ipv4:127.0.0.1:1')}", int(HitReports.BURST))
+    for i in range(2, 21):
+        with pytest.raises(TooMany):
+            reports.take(f"w@{reporter_host(f'ipv4:127.0.0.{i}:1')}", 1000)
 
 
 def test_the_bucket_refills_with_time_and_forgets_the_oldest_reporters():

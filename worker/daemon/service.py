@@ -100,7 +100,7 @@ class WorkerService(rpc.CompileCacheServicer):
         # Hits answered here, and the compile time they saved, not reported to
         # the coordinator yet (report_hits).
         self._unreported: list[float] = [0, 0.0]
-        self._report_refused = False  # the coordinator refused a report for good (logged once)
+        self._report_refused: set[Status] = set()  # kinds of refusal of a report, logged once
         self._upstream_answered = metrics.upstream_decision_seconds.labels("answered")
         self._upstream_unreachable = metrics.upstream_decision_seconds.labels("unreachable")
         self.metrics.waiting.set_function(lambda: self.waits.waiting)
@@ -209,7 +209,7 @@ class WorkerService(rpc.CompileCacheServicer):
         here, and reported (ReportHits)."""
         self.metrics.compile_seconds_saved.inc(info.compile_time_seconds)
         self._unreported[0] += 1
-        self._unreported[1] += info.compile_time_seconds
+        self._unreported[1] += min(info.compile_time_seconds, validate.MAX_SECONDS_PER_HIT)
 
     def learn_job(self, job: str) -> None:
         """This host runs `job` (as this worker's own credential): its manifest
@@ -417,13 +417,17 @@ class WorkerService(rpc.CompileCacheServicer):
                                                           compile_seconds_saved=seconds),
                                      timeout=self.link.rpc_timeout_s, metadata=bearer(self.token))
         except Relayed as exc:
-            if exc.code not in (Status.PERMISSION_DENIED, Status.RESOURCE_EXHAUSTED):
+            if exc.code in (Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED, Status.CANCELLED):
                 log.debug("reporting %d hits failed: %s", hits, exc.code.name)
                 return  # reported with the next
-            if not self._report_refused:  # refused for good: never counted
-                self._report_refused = True
-                log.warning("the coordinator does not count this worker's hits: %s "
-                            "(give the worker's token the worker permission)", exc.details)
+            # Refused, not failed: sent again it would be refused again, with
+            # every later hit held in it. Dropped; said once a kind.
+            if exc.code not in self._report_refused:
+                self._report_refused.add(exc.code)
+                log.warning("the coordinator did not count %d of this worker's hits: %s: %s%s",
+                            hits, exc.code.name, exc.details,
+                            " (give the worker's token the worker permission)"
+                            if exc.code == Status.PERMISSION_DENIED else "")
         self._unreported[0] -= hits
         self._unreported[1] -= seconds
 
