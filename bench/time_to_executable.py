@@ -7,8 +7,8 @@ For each N it starts N JAX processes that begin the same training step at the
 same moment and reports XLA compiles per program and the wall time from the
 common start until the last process holds its executable (its first step
 done). Then the same for a real 4-process jax.distributed job.
-On CPU, loading a serialized executable costs nearly as much as compiling it,
-so these runs show the protocol's overhead and compile counts, not TPU savings.
+On CPU a compile of this step is a small part of its first step's time, so
+these runs show the protocol's overhead and compile counts, not TPU savings.
 
     python bench/time_to_executable.py --tpu v5e:4x4 [--n 4 16] [--layers 64] [--width 1024]
                                        [--tpu-weights] [--tpu-after] [--tpu-pairs K]

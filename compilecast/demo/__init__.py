@@ -57,16 +57,32 @@ def run_wave(label: str, n: int, target: str, args, ref: dict | None, **kw) -> l
     return reports
 
 
+def compared(label: str, seconds: float, base: float) -> str:
+    """What one run's time was against the run without compilecast, in words
+    that follow from the two figures."""
+    ratio = seconds / base
+    if ratio < 0.95:
+        return f"{label}: {ratio:.2f}x the time without compilecast ({base - seconds:.2f}s less)"
+    if ratio > 1.05:
+        return f"{label}: {ratio:.2f}x the time without compilecast ({seconds - base:.2f}s more)"
+    return f"{label}: about the time without compilecast ({ratio:.2f}x)"
+
+
 def summary(rounds: list[tuple[str, list[dict]]]) -> None:
     print("\n[summary] the same measurement each time: from the common start to the first "
           "step's result, slowest process")
-    for label, reports in rounds:
-        print(f"  {label:28s} {sum(r['xla_compiles'] for r in reports)} XLA compile(s)  "
-              f"{max(r['seconds'] for r in reports):6.2f}s")
-    print("On CPU, loading an executable costs nearly as much as compiling it, so the times "
-          "stay close:\nwhat to read here is the compile count. On TPU and GPU, where a "
-          "compile takes minutes\nand a load seconds, each compile saved is that time saved "
-          "on every host (BENCHMARKS.md).")
+    slowest = {label: max(r["seconds"] for r in reports) for label, reports in rounds}
+    compiles = {label: sum(r["xla_compiles"] for r in reports) for label, reports in rounds}
+    for label, _ in rounds:
+        print(f"  {label:28s} {compiles[label]} XLA compile(s)  {slowest[label]:6.2f}s")
+    (base_label, _), *others = rounds
+    base = slowest[base_label]
+    for label, _ in others:
+        print("  " + compared(label, slowest[label], base))
+    saved = compiles[base_label] - min(compiles[label] for label, _ in others)
+    print(f"compilecast saved up to {saved} of {compiles[base_label]} XLA compiles a run. A "
+          "compile of this step takes seconds on CPU; on TPU and GPU it takes minutes, and "
+          "each\ncompile saved is that time saved on every host (BENCHMARKS.md).")
 
 
 def main(argv: list[str] | None = None) -> int:
