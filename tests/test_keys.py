@@ -508,26 +508,56 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from compilecast.worker.keylib import keys
+from compilecast.worker.keylib import hlocanon, keys
 
-def digest(names, shape, x_axis, w_axis):
+try:
+    from jax import shard_map
+except ImportError:
+    from jax.experimental.shard_map import shard_map
+
+def jitted(mesh, x_axis, w_axis):
+    return jax.jit(lambda x, w: jnp.tanh(x @ w),
+                   in_shardings=(NamedSharding(mesh, P(x_axis, None)),
+                                 NamedSharding(mesh, P(None, w_axis))),
+                   out_shardings=NamedSharding(mesh, P(x_axis, w_axis)))
+
+def constrained(mesh, x_axis, w_axis):
+    def f(x, w):
+        y = jax.lax.with_sharding_constraint(x @ w, NamedSharding(mesh, P(x_axis, w_axis)))
+        return jnp.tanh(y).sum()
+    return jax.jit(f)
+
+def mapped(mesh, x_axis, w_axis):
+    def body(x, w):
+        return jax.lax.psum(jnp.tanh(x @ w), x_axis)
+    return jax.jit(shard_map(body, mesh=mesh, in_specs=(P(x_axis, None), P(None, w_axis)),
+                             out_specs=P(None, w_axis)))
+
+def digests(make, names, shape, x_axis, w_axis):
     mesh = Mesh(np.array(jax.devices()).reshape(*shape), names)
-    f = jax.jit(lambda x, w: jnp.tanh(x @ w),
-                in_shardings=(NamedSharding(mesh, P(x_axis, None)),
-                              NamedSharding(mesh, P(None, w_axis))),
-                out_shardings=NamedSharding(mesh, P(x_axis, w_axis)))
-    module = f.lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compiler_ir()
+    lowered = make(mesh, x_axis, w_axis).lower(jnp.ones((8, 8)), jnp.ones((8, 8)))
+    module = lowered.compiler_ir()
     before = str(module)
-    got = keys.program_digest(module, keys.default_config())[0]
+    mlir = keys.program_digest(module, keys.default_config())[0]
     assert str(module) == before  # the caller's module as it was
-    return got
+    proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+    hlo = keys.program_key(proto)
+    renamer = hlocanon.axis_renamer(proto)
+    assert renamer is not None  # (named by position already: nothing to rename)
+    assert hlocanon.canonical_hlo(proto, rename=renamer) == \
+        hlocanon.canonical_hlo_py(proto, rename=renamer)  # the C walk and the Python one
+    return {"mlir": mlir, "hlo": hlo.components["program"]}
 
-print(json.dumps({
-    "data/model": digest(("data", "model"), (2, 2), "data", "model"),
-    "batch/tensor": digest(("batch", "tensor"), (2, 2), "batch", "tensor"),
-    "swapped use": digest(("data", "model"), (2, 2), "model", "data"),
-    "other shape": digest(("data", "model"), (4, 1), "data", "model"),
-}))
+out = {}
+for name, make in (("jit", jitted), ("constraint", constrained), ("shard_map", mapped)):
+    for form in ("mlir", "hlo"):
+        out[f"{name} {form}"] = {
+            "data/model": digests(make, ("data", "model"), (2, 2), "data", "model")[form],
+            "batch/tensor": digests(make, ("batch", "tensor"), (2, 2), "batch", "tensor")[form],
+            "swapped use": digests(make, ("data", "model"), (2, 2), "model", "data")[form],
+            "other shape": digests(make, ("data", "model"), (4, 1), "data", "model")[form],
+        }
+print(json.dumps(out))
 '''
 
 
@@ -541,6 +571,10 @@ def test_mesh_axes_renamed_consistently_share_a_key():
     done = subprocess.run([sys.executable, "-c", MESHES], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["data/model"] == got["batch/tensor"]
-    assert len({got["data/model"], got["swapped use"], got["other shape"]}) == 3
+    every = json.loads(done.stdout.strip().splitlines()[-1])
+    # jit's shardings, with_sharding_constraint and shard_map, each in the MLIR
+    # form and the HLO form (hlo_proto: Shardy's frontend attributes).
+    assert len(every) == 6
+    for what, got in every.items():
+        assert got["data/model"] == got["batch/tensor"], what
+        assert len({got["data/model"], got["swapped use"], got["other shape"]}) == 3, what

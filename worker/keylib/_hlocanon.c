@@ -306,6 +306,7 @@ typedef struct {
     const char *err;
     int single, retry;
     PyObject *kernel;     /* NULL, or the hook splitting a tpu_custom_call's backend_config */
+    PyObject *rename;     /* NULL, or the hook naming an "xla.sdy." attribute's mesh axes */
     PyThreadState **ts;   /* to take the GIL back for the hook */
     PyObject *hook_error; /* the exception the hook raised (re-raised at the end) */
     /* configuration: fields dropped as kind * 1000 + field, frontend attribute keys */
@@ -599,6 +600,50 @@ static int ignored_attribute(const Ctx *c, const Field *f) {
     return 0;
 }
 
+/* Is this frontend attribute one of Shardy's ("xla.sdy." key)? -1: malformed. */
+static int sdy_attribute(const Field *f) {
+    const uint8_t *q = f->vs, *key = NULL;
+    size_t klen = 0;
+    Field g;
+    int r;
+    while ((r = next_field(&q, f->ve, &g)) > 0)
+        if (g.num == 1 && g.wire == LEN) {
+            key = g.vs;
+            klen = (size_t)(g.ve - g.vs);
+        }
+    if (r < 0) return -1;
+    return klen >= 8 && memcmp(key, "xla.sdy.", 8) == 0;
+}
+
+/* A Shardy attribute (the whole map entry) through the rename hook
+ * (hlocanon.axis_renamer), its bytes into `b`: 0, or -1 failed. */
+static __attribute__((noinline)) int renamed(Ctx *c, const Field *f, Buf *b) {
+    PyEval_RestoreThread(*c->ts);
+    PyObject *arg = PyBytes_FromStringAndSize((const char *)f->start,
+                                              (Py_ssize_t)(f->ve - f->start));
+    PyObject *r = arg ? PyObject_CallOneArg(c->rename, arg) : NULL;
+    Py_XDECREF(arg);
+    int rc = -1;
+    if (!r) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        c->hook_error = value;
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        c->err = "the rename hook failed";
+    } else if (!PyBytes_Check(r)) {
+        c->err = "the rename hook must return bytes";
+    } else if (put(b, (const uint8_t *)PyBytes_AS_STRING(r), (size_t)PyBytes_GET_SIZE(r))) {
+        c->err = "out of memory";
+    } else {
+        rc = 0;
+    }
+    Py_XDECREF(r);
+    *c->ts = PyEval_SaveThread();
+    return rc;
+}
+
 /* A tpu_custom_call's backend_config through the kernel hook (worker/keylib/mosaic.py):
  * 1 written as a group under field 43 + KERNEL ({1: before, 2: kernel digest,
  * 3: after}), 0 kept as it is (the hook said None), -1 failed. */
@@ -748,7 +793,16 @@ static int emit(Ctx *c, int kind, const uint8_t *p, const uint8_t *end, Buf *o, 
                 if (ignored) break;
             }
             Entry *e = push_entry(&es, &nes, &capes);
-            if (!e || put(&e->b, f.start, (size_t)(f.ve - f.start))) {
+            if (!e) { c->err = "out of memory"; goto out; }
+            if (c->rename) {
+                int sdy = sdy_attribute(&f);
+                if (sdy < 0) { c->err = "malformed protobuf"; goto out; }
+                if (sdy) {
+                    if (renamed(c, &f, &e->b)) goto out;
+                    break;
+                }
+            }
+            if (put(&e->b, f.start, (size_t)(f.ve - f.start))) {
                 c->err = "out of memory";
                 goto out;
             }
@@ -857,16 +911,19 @@ static int configure(Ctx *c, PyObject *drops, PyObject *attributes) {
 
 /* Canonical bytes (hasher NULL), or the sha256 hex digest of them. */
 static PyObject *canonical(PyObject *args, int digest) {
-    PyObject *arg, *drops = NULL, *attributes = NULL, *kernel = Py_None;
-    if (!PyArg_ParseTuple(args, "O|OOO", &arg, &drops, &attributes, &kernel)) return NULL;
-    if (kernel != Py_None && !PyCallable_Check(kernel)) {
-        PyErr_SetString(PyExc_TypeError, "kernel must be callable or None");
+    PyObject *arg, *drops = NULL, *attributes = NULL, *kernel = Py_None, *rename = Py_None;
+    if (!PyArg_ParseTuple(args, "O|OOOO", &arg, &drops, &attributes, &kernel, &rename))
+        return NULL;
+    if ((kernel != Py_None && !PyCallable_Check(kernel)) ||
+        (rename != Py_None && !PyCallable_Check(rename))) {
+        PyErr_SetString(PyExc_TypeError, "kernel and rename must be callable or None");
         return NULL;
     }
     Ctx c;
     memset(&c, 0, sizeof(c));
     if (configure(&c, drops, attributes) < 0) return NULL;
     c.kernel = kernel == Py_None ? NULL : kernel;
+    c.rename = rename == Py_None ? NULL : rename;
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     Buf o = {0};
@@ -915,7 +972,7 @@ static PyObject *canonical_hlo_sha256(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"canonical_hlo", canonical_hlo, METH_VARARGS,
-     "canonical_hlo(data, drops=(), attributes=(), kernel=None): canonical bytes of a "
+     "canonical_hlo(data, drops=(), attributes=(), kernel=None, rename=None): canonical bytes of a "
      "serialized HloModuleProto (see hlocanon.py)."},
     {"canonical_hlo_sha256", canonical_hlo_sha256, METH_VARARGS,
      "sha256 hex digest of canonical_hlo(data), without holding the canonical bytes."},

@@ -21,6 +21,11 @@ in the key (a miss at worst, never a collision). What changes:
   (a map too) by their bytes;
 - configurable (KeyConfig): frontend attributes whose key is on the ignore
   list, and the fields named in HLO_FIELDS that a deployment also drops;
+- renamed (with axis_renamer's hook): a Shardy frontend attribute's ("xla.sdy."
+  key) mesh axis names, by their position in the module's meshes ("axis0",
+  "axis1"...), as the MLIR form's key names them; written as a group under field
+  2 + RENAMED. Axis names are metadata: renamed consistently, the executable
+  is the same;
 - a Pallas/Mosaic TPU kernel call (custom_call_target "tpu_custom_call"
   before its backend_config): the config is written as the kernel hook
   (worker/keylib/mosaic.py) splits it, the kernel's bytecode replaced by the digest
@@ -35,6 +40,7 @@ otherwise; both produce the same bytes (tests/test_hlocanon.py).
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,6 +60,7 @@ def checked_split(hook: Callable[[bytes], Any],
 VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
 UNRESOLVED = 1 << 28  # added to the field number of a reference that resolves to nothing
 KERNEL = 1 << 27  # added to backend_config's number when the kernel hook splits it
+RENAMED = 1 << 26  # added to an attribute's field number when its mesh axes are renamed
 CUSTOM_CALL_TARGET, BACKEND_CONFIG = 28, 43  # HloInstructionProto
 MAX_DEPTH = 64  # nested messages (shardings inside shardings) deeper than this are refused
 
@@ -183,9 +190,11 @@ def _last_varint(buf: bytes, vs: int, ve: int, number: int) -> int:
 
 class _Module:
     def __init__(self, buf: bytes, drops: tuple[int, ...] = (),
-                 attributes: tuple[bytes, ...] = (), kernel: Any = None) -> None:
+                 attributes: tuple[bytes, ...] = (), kernel: Any = None,
+                 rename: Callable[[bytes], bytes] | None = None) -> None:
         self.buf = buf
         self.kernel = kernel
+        self.rename = rename
         self.drops = {(code // 1000, code % 1000) for code in drops}
         self.attributes = set(attributes)  # frontend attribute keys to drop
         self.comps: dict[int, int] = {}  # raw computation id -> position
@@ -339,15 +348,96 @@ def _attribute(m: _Module, wire: int, s: int, vs: int, ve: int) -> bytes | None:
                 key = m.buf[vs2:ve2]
         if key in m.attributes:
             return None
+    if m.rename is not None and _attribute_key(m.buf, vs, ve).startswith(SDY):
+        return _renamed(m.rename, m.buf[s:ve])
     return m.buf[s:ve]
 
 
+SDY = b"xla.sdy."  # the frontend attributes that carry Shardy's meshes and shardings
+
+
+def _attribute_key(buf: bytes | memoryview, vs: int, ve: int) -> bytes:
+    key = b""
+    for g, w, _s, vs2, ve2, _v in fields(buf, vs, ve):
+        if g == 1 and w == LEN:
+            key = bytes(buf[vs2:ve2])
+    return key
+
+
+def _renamed(rename: Callable[[bytes], bytes], entry: bytes) -> bytes:
+    out = rename(entry)
+    if not isinstance(out, bytes):
+        raise ValueError("the rename hook must return bytes")
+    return out
+
+
+_QUOTED = re.compile(rb'"((?:[^"\\]|\\.)*)"')
+_MESH_AXIS = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*=\s*\d+')
+MESHES = b"xla.sdy.meshes"
+
+
+def axis_renamer(module_bytes: bytes | memoryview) -> Callable[[bytes], bytes] | None:
+    """The hook that writes a Shardy frontend attribute (an "xla.sdy."
+    entry) with its mesh axes named by position ("axis0", "axis1"...), as
+    the MLIR form's key has them (keys.mesh_axis_renames): a program whose
+    mesh axes were renamed consistently compiles to the same executable.
+    None when the module names no mesh, its axes are named so already, or
+    its meshes disagree on a name's position (keyed by the names it has: a
+    miss at worst). Reads the module's own fields only, not its computations."""
+    buf = memoryview(module_bytes)
+    meshes = b""
+    for f, wire, _s, vs, ve, _v in fields(buf, 0, len(buf)):
+        if f != 19 or wire != LEN:  # HloModuleProto.frontend_attributes
+            continue
+        for g, w, _s2, vs2, ve2, _v2 in fields(buf, vs, ve):
+            if g != 1 or w != LEN:
+                continue
+            value = b""
+            key = b""
+            for h, w3, _s3, vs3, ve3, _v3 in fields(buf, vs2, ve2):
+                if h == 1 and w3 == LEN:
+                    key = bytes(buf[vs3:ve3])
+                elif h == 2 and w3 == LEN:
+                    value = bytes(buf[vs3:ve3])
+            if key == MESHES:
+                meshes = value
+    renames: dict[bytes, bytes] = {}
+    for mesh in meshes.split(b"#sdy.mesh<")[1:]:
+        for i, name in enumerate(_MESH_AXIS.findall(mesh.split(b">", 1)[0])):
+            if renames.setdefault(name, b"axis%d" % i) != b"axis%d" % i:
+                return None
+    if not any(old != new for old, new in renames.items()):
+        return None
+
+    def rename(entry: bytes) -> bytes:
+        """A map entry {1: key, 2: value} with the value's quoted axis names
+        renamed; written as a group (field 2 + RENAMED), so it can never
+        read as an entry the program had."""
+        key = value = b""
+        tag_len = 0
+        _tag, i = _read_varint(entry, 0, len(entry))
+        _n, start = _read_varint(entry, i, len(entry))
+        tag_len = start
+        for h, w, _s, vs, ve, _v in fields(entry, tag_len, len(entry)):
+            if h == 1 and w == LEN:
+                key = entry[vs:ve]
+            elif h == 2 and w == LEN:
+                value = entry[vs:ve]
+        value = _QUOTED.sub(lambda m: b'"' + renames.get(m.group(1), m.group(1)) + b'"', value)
+        body = (varint((1 << 3) | LEN) + varint(len(key)) + key +
+                varint((2 << 3) | LEN) + varint(len(value)) + value)
+        return varint(((2 + RENAMED) << 3) | SGROUP) + body + varint(((2 + RENAMED) << 3) | EGROUP)
+
+    return rename
+
+
 def canonical_hlo_py(module_bytes: bytes, drops: tuple[int, ...] = (),
-                     attributes: tuple[bytes, ...] = (), kernel: Any = None) -> bytes:
+                     attributes: tuple[bytes, ...] = (), kernel: Any = None,
+                     rename: Callable[[bytes], bytes] | None = None) -> bytes:
     """The reference implementation (pure Python). `drops`: field_drops()
     codes; `attributes`: frontend attribute keys to leave out; `kernel`: the
     hook that splits a tpu_custom_call's backend_config, or None."""
-    m = _Module(bytes(module_bytes), drops, attributes, kernel)
+    m = _Module(bytes(module_bytes), drops, attributes, kernel, rename)
     out = bytearray()
     _emit(m, MODULE, 0, len(m.buf), out, None)
     return bytes(out)
@@ -363,18 +453,21 @@ except ImportError:  # not built (a source checkout): same bytes, slower
 
 
 def canonical_hlo(module_bytes: bytes, drops: tuple[int, ...] = (),
-                  attributes: tuple[bytes, ...] = (), kernel: Any = None) -> bytes:
-    """Canonical bytes of an HloModuleProto; ValueError if it is malformed."""
+                  attributes: tuple[bytes, ...] = (), kernel: Any = None,
+                  rename: Callable[[bytes], bytes] | None = None) -> bytes:
+    """Canonical bytes of an HloModuleProto; ValueError if it is malformed.
+    `rename`: axis_renamer's hook for the module, or None."""
     if _native is not None:
-        return _native(module_bytes, drops, attributes, kernel)
-    return canonical_hlo_py(module_bytes, drops, attributes, kernel)
+        return _native(module_bytes, drops, attributes, kernel, rename)
+    return canonical_hlo_py(module_bytes, drops, attributes, kernel, rename)
 
 
 def canonical_sha256(module_bytes: bytes | memoryview, drops: tuple[int, ...] = (),
-                     attributes: tuple[bytes, ...] = (), kernel: Any = None) -> str:
+                     attributes: tuple[bytes, ...] = (), kernel: Any = None,
+                     rename: Callable[[bytes], bytes] | None = None) -> str:
     """sha256 (hex) of `canonical_hlo(...)`. The C version hashes as it goes
     and never holds the canonical module."""
     if _native_sha256 is not None:
-        return _native_sha256(module_bytes, drops, attributes, kernel)
+        return _native_sha256(module_bytes, drops, attributes, kernel, rename)
     return hashlib.sha256(canonical_hlo_py(bytes(module_bytes), drops, attributes,
-                                           kernel)).hexdigest()
+                                           kernel, rename)).hexdigest()

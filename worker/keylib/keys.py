@@ -75,13 +75,14 @@ class _JaxAdapter:
 
 jax_adapter: Any = _JaxAdapter()
 
-KEY_VERSION = "7"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon;
+KEY_VERSION = "8"  # 2: topology with device coordinates and slice size; 3: HLO protos via hlocanon;
 # 4: xla_flags as XLA reads them (last of a repeated flag, quoted values, flag files), and the
 # host CPU (CPU platform) and JAX's custom_hook (when set) as components; 5: MLIR programs
 # by mlircanon's canonical stream (one walk) instead of a canonicalized module's bytecode;
 # 6: a Shardy mesh's axis names by their position (renamed consistently, one key); 7: the MLIR
 # stream's version 4 (constants where used, identity converts, DEFAULT-only precisions: one
-# digest through the JAX door and the PJRT interposer), whose grammar differs from 3's
+# digest through the JAX door and the PJRT interposer), whose grammar differs from 3's; 8: an
+# HLO proto's Shardy attributes with the mesh axes named by position, as 6 has them for MLIR
 KEY_PREFIX = "cc1-"
 DEFAULT_IGNORED_ATTRIBUTES = ("jax.arg_info", "jax.result_info")
 MLIR_BYTECODE_MAGIC = b"ML\xefR"
@@ -515,7 +516,8 @@ def _hlo_text(data: bytes, cfg: KeyConfig) -> str | None:
 
 def _hlo_digest(module_bytes: bytes | memoryview, cfg: KeyConfig) -> str:
     # Computed even with include_metadata: it validates the module.
-    canonical = hlocanon.canonical_sha256(module_bytes, *cfg.hlo_config, mosaic.kernel_part)
+    canonical = hlocanon.canonical_sha256(module_bytes, *cfg.hlo_config, mosaic.kernel_part,
+                                          hlocanon.axis_renamer(module_bytes))
     return _digest(module_bytes) if cfg.include_metadata else canonical
 
 
