@@ -394,7 +394,7 @@ def test_the_plugin_library_hashed_is_root_s_or_the_caller_s_regular_file_alone(
         pjrtkeys._plugin_digests.clear()
         assert "not hashed" in pjrtkeys.library_digest(str(mine), 12345)
         assert pjrtkeys.library_digest(str(mine), other) == expected
-    assert "not a regular file" in pjrtkeys.library_digest("/dev/zero", me)
+    assert "not a library's path" in pjrtkeys.library_digest("/dev/zero", me)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     assert "not a regular file" in pjrtkeys.library_digest(str(fifo), me)
@@ -402,6 +402,39 @@ def test_the_plugin_library_hashed_is_root_s_or_the_caller_s_regular_file_alone(
     with open(sparse, "wb") as f:
         f.truncate(pjrtkeys.MAX_PLUGIN_BYTES + 1)
     assert "not hashed" in pjrtkeys.library_digest(str(sparse), me)
+
+
+def test_a_plugin_library_is_hashed_only_when_the_caller_loaded_it(tmp_path):
+    import mmap
+
+    lib = tmp_path / "plugin.so"
+    shutil.copyfile(plugin_file(), lib)
+    expected = hashlib.sha256(lib.read_bytes()).hexdigest()
+    me, pid = os.geteuid(), os.getpid()
+    pjrtkeys._plugin_digests.clear()
+    # A file the calling process has not loaded is never opened, let alone read.
+    assert "not loaded by the calling process" in pjrtkeys.library_digest(str(lib), me, pid)
+    for secret in ("/etc/shadow", "/etc/passwd"):
+        assert "not read" in pjrtkeys.library_digest(secret, me, pid)
+    for name in ("/proc/self/mem", "/proc/self/environ", "/sys/kernel/notes", "/dev/zero"):
+        assert "not a library's path" in pjrtkeys.library_digest(name, me, pid)
+    link = tmp_path / "to-proc"
+    link.symlink_to("/proc/self/mem")
+    assert "not a library's path" in pjrtkeys.library_digest(str(link), me, pid)
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ):
+        # Loaded (mapped): hashed; known now, it needs no hashing thread.
+        assert pjrtkeys.library_digest(str(lib), me, pid, hash_new=False) is None
+        assert pjrtkeys.library_digest(str(lib), me, pid) == expected
+        assert pjrtkeys.library_digest(str(lib), me, pid, hash_new=False) == expected
+    # A mapped file that is no library (a caller can map any file it reads).
+    text = tmp_path / "notes.txt"
+    text.write_bytes(b"not an ELF file" * 100)
+    with open(text, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ):
+        assert "not a shared library" in pjrtkeys.library_digest(str(text), me, pid)
+    # A library anyone may write is no build anyone can vouch for.
+    lib.chmod(0o666)
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ):
+        assert "writable by others" in pjrtkeys.library_digest(str(lib), 12345 if me else -1, pid)
 
 
 def test_an_announced_blob_holds_only_what_has_arrived(gate):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -367,6 +368,7 @@ class PjrtGate:
         self.socket_gid = os.getegid()
         # Keying parses programs: CPU work, on two threads of the gate's own.
         self.keying = ThreadPoolExecutor(2, thread_name_prefix="compilecast-pjrt-key")
+        self.hashing = ThreadPoolExecutor(1, thread_name_prefix="compilecast-pjrt-hash")
         self.keys: dict[str, asyncio.Future[Key]] = {}  # fingerprint -> its key, made once
         self.fetching: dict[str, asyncio.Future[bytes]] = {}  # digest -> its fetch in flight
         # digest -> [its verified bytes, the answers carrying them not written yet]
@@ -398,6 +400,7 @@ class PjrtGate:
         if self.upstream is not None:
             await self.upstream.close()
         self.keying.shutdown(wait=False, cancel_futures=True)
+        self.hashing.shutdown(wait=False, cancel_futures=True)
 
     @property
     def client(self) -> AsyncCacheClient:
@@ -514,7 +517,7 @@ class PjrtGate:
         print_ = await loop.run_in_executor(self.keying, pjrtkeys.fingerprint, c)
         made = self.keys.get(print_)
         if made is None:
-            made = loop.run_in_executor(self.keying, pjrtkeys.compile_key, c)
+            made = asyncio.ensure_future(self._make_key(c))
             self.keys[print_] = made
             while len(self.keys) > KEYS_KEPT:
                 self.keys.pop(next(iter(self.keys)))
@@ -523,6 +526,17 @@ class PjrtGate:
         except Exception:
             self.keys.pop(print_, None)
             raise
+
+    async def _make_key(self, c: pjrtkeys.Compile) -> Key:
+        loop = asyncio.get_running_loop()
+        pid = int(c.header.get("pid") or 0)
+        plugin = await loop.run_in_executor(self.keying, functools.partial(
+            pjrtkeys.plugin_component, c.plugin, c.uid, pid, hash_new=False))
+        if plugin is None:  # a library not hashed yet: on a thread of its own, so that
+            # no compile whose library is known waits behind it
+            plugin = await loop.run_in_executor(self.hashing, pjrtkeys.plugin_component,
+                                                c.plugin, c.uid, pid)
+        return await loop.run_in_executor(self.keying, pjrtkeys.compile_key, c, plugin)
 
     async def fetch(self, key: str, digest: str, md: tuple) -> bytes:
         """The verified bytes of `digest`, fetched once for the compiles that

@@ -139,21 +139,59 @@ _plugin_digests: dict[tuple, str] = {}
 _plugin_lock = threading.Lock()
 
 
-def library_digest(path: str, uid: int = -1) -> str:
-    """sha256 of a plugin library, hashed once per file version (device,
-    inode, size, modification time). Only a regular file of at most
-    MAX_PLUGIN_BYTES owned by root or by `uid` (the caller; -1: any) is
-    hashed: a caller cannot make the worker read another user's files."""
+NOT_LIBRARIES = ("/proc/", "/sys/", "/dev/")  # never opened for a key, whatever a caller names
+ELF_MAGIC = b"\x7fELF"
+
+
+def _mapped_by(pid: int, path: str) -> set[tuple[int, int, int]] | None:
+    """(major, minor, inode) of each mapping of `path` in process `pid`'s
+    address space; None when its mappings cannot be read."""
+    found: set[tuple[int, int, int]] = set()
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].rstrip(b"\n") == os.fsencode(path):
+                    major, _, minor = parts[3].partition(b":")
+                    found.add((int(major, 16), int(minor, 16), int(parts[4])))
+    except (OSError, ValueError):
+        return None
+    return found
+
+
+def library_digest(path: str, uid: int = -1, pid: int = 0, *, hash_new: bool = True
+                   ) -> str | None:
+    """sha256 of a plugin library, hashed once per file version (device,
+    inode, size, modification time). Only a file the calling process `pid`
+    has mapped (a library it loaded; 0: not checked, for callers inside the
+    worker), a regular ELF file of at most MAX_PLUGIN_BYTES owned by root or
+    by `uid` (the caller; -1: any) and writable by no one else, is hashed: a
+    caller cannot make the worker read another user's files, a secret of
+    root's, or /proc. Any other file is keyed by what can be seen of it,
+    never its bytes (a miss at worst). With hash_new=False, None where the
+    file would have to be hashed now (its digest is not known yet)."""
+    real = os.path.realpath(path)
+    if not os.path.isabs(path) or real.startswith(NOT_LIBRARIES):
+        return f"{path}: not a library's path; not read"
+    mapped = _mapped_by(pid, real) if pid > 0 else None
+    if pid > 0 and not mapped:
+        return f"{path}: not loaded by the calling process; not read"
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         return f"unreadable {path}: {exc.strerror}"
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return f"not a regular file: {path}"
+        seen = f"{path}: {st.st_size} bytes at {st.st_mtime_ns}"
+        if mapped is not None and (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) \
+                not in mapped:
+            return f"{seen}, not the file the calling process loaded; not hashed"
         if uid >= 0 and st.st_uid not in (0, uid):
             return f"{path}: owned by uid {st.st_uid}, neither root nor the caller; not hashed"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and st.st_uid != uid:
+            return f"{seen}, writable by others; not hashed"
         version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         with _plugin_lock:
             known = _plugin_digests.get(version)
@@ -161,10 +199,15 @@ def library_digest(path: str, uid: int = -1) -> str:
             return known
         if st.st_size > MAX_PLUGIN_BYTES:
             return f"{path}: {st.st_size} bytes, not hashed"
+        if not hash_new:
+            return None
         h = hashlib.sha256()
         with os.fdopen(os.dup(fd), "rb") as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
+            if (first := f.read(8 << 20))[:4] != ELF_MAGIC:
+                return f"{seen}, not a shared library; not hashed"
+            while first:
+                h.update(first)
+                first = f.read(8 << 20)
         digest = h.hexdigest()
         with _plugin_lock:
             if len(_plugin_digests) >= 64:
@@ -200,19 +243,31 @@ def fingerprint(c: Compile) -> str:
     return h.hexdigest()
 
 
-def plugin_component(plugin: str, uid: int = -1) -> str:
-    """The plugin's library digest (a file of root's or `uid`'s), API
-    version and reported attributes."""
+def plugin_component(plugin: str, uid: int = -1, pid: int = 0, *, hash_new: bool = True
+                     ) -> str | None:
+    """The plugin's library digest (library_digest: a file the caller
+    loaded, of root's or `uid`'s), API version and reported attributes; with
+    hash_new=False, None where its library must be hashed first."""
     lines = plugin.splitlines()
     path = next((line[5:] for line in lines if line.startswith("path=")), "")
     rest = sorted(line for line in lines if not line.startswith("path="))
-    return _digest("\n".join([f"library {library_digest(path, uid) if path else '-'}", *rest]))
+    library = library_digest(path, uid, pid, hash_new=hash_new) if path else "-"
+    if library is None:
+        return None
+    return _digest("\n".join([f"library {library}", *rest]))
 
 
 # -- the key ----------------------------------------------------------------------
 
-def compile_key(c: Compile) -> keys.Key:
-    """The key of an interposed compile (see the module's docstring)."""
+def _plugin_of(c: Compile) -> str:
+    made = plugin_component(c.plugin, c.uid, int(c.header.get("pid") or 0))
+    assert made is not None  # (hashed when new)
+    return made
+
+
+def compile_key(c: Compile, plugin: str | None = None) -> keys.Key:
+    """The key of an interposed compile (see the module's docstring);
+    `plugin`: its plugin_component, when already made."""
     program, fmt, unparsed = program_component(c.program, str(c.header.get("format", "")))
     options, options_read = options_component(c.options)
     flags = xlaflags.describe(jax_adapter.excluded_xla_flags(), environ=c.env, argv=[])
@@ -221,7 +276,7 @@ def compile_key(c: Compile) -> keys.Key:
         "program_format": fmt,
         "compile_options": options,
         "platform": _digest(f"{c.platform}\n{c.header.get('platform_version', '')}"),
-        "plugin": plugin_component(c.plugin, c.uid),
+        "plugin": plugin or _plugin_of(c),
         "topology": _digest(canonical_devices(c.devices)),
         "xla_flags": _digest("\n".join(flags)),
         "key_version": PJRT_KEY_VERSION,
