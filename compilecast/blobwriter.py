@@ -222,13 +222,31 @@ class BlobWriter:
             self._zw, self._probe, self._raw = None, [], False
             self._remove()
 
+    def restart(self) -> bool:
+        """Start the blob again from its first byte, where none has been
+        taken yet (a zstd stream whose first frame did not decode): its file
+        emptied, nothing decided. False where it cannot (bytes taken, or the
+        blob no longer kept)."""
+        if self.size or self.discarded or self._file is None:
+            return False
+        try:
+            self._file.seek(0)
+            self._file.truncate()
+        except OSError as exc:
+            self._write_failed(exc)
+            return False
+        self._zw, self._raw, self._as_sent, self._probe, self._probed = None, False, False, [], 0
+        return True
+
     def store_raw(self) -> None:
         """Store the blob raw from its first byte, without the probe: for
         bytes their sender stored raw (its own probe of the same first MiB
         said no). Readers may follow the file from the first write on."""
+        if self.discarded:  # (the rest is hashed, not kept)
+            return
         if self.size or self._probed or self._zw is not None or self._as_sent:
             raise ValueError("a blob is stored raw without the probe from its first byte")
-        if self._raw or self.discarded:
+        if self._raw:
             return
         self._raw = True
         try:

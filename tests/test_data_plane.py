@@ -317,7 +317,8 @@ class BadDataPlane:
     """A data plane that misbehaves, where a ticket points (as a faulty
     network or a broken replica would): `stall` takes the connection and
     sends nothing, `drip` sends a byte now and then, `garbage` sends bytes
-    that are no blob. Counts the connections it took."""
+    that are no blob, `zstd garbage` a zstd frame's magic and bytes that do
+    not decode. Counts the connections it took."""
 
     def __init__(self, how: str) -> None:
         import threading
@@ -346,6 +347,9 @@ class BadDataPlane:
                 if self.how == "garbage":
                     conn.sendall(os.urandom(3 << 20))
                     return
+                if self.how == "zstd garbage":  # a zstd frame's magic, then no frame
+                    conn.sendall(b"\x28\xb5\x2f\xfd" + os.urandom(3 << 20))
+                    return
                 while not self.stop.wait(0.2):
                     if self.how == "drip":
                         conn.sendall(b"C")
@@ -367,7 +371,7 @@ def fast_stalls(monkeypatch):
     monkeypatch.setattr(worker_end, "DATA_PLANE_STALL_S", 1.0)
 
 
-@pytest.mark.parametrize("how", ["stall", "drip", "garbage"])
+@pytest.mark.parametrize("how", ["stall", "drip", "garbage", "zstd garbage"])
 @pytest.mark.parametrize("through", ["process", "worker"])
 def test_a_stalling_dripping_or_garbling_data_plane_ends_in_the_right_bytes_over_grpc(
         start_coordinator, start_worker, fast_stalls, how, through):
@@ -385,7 +389,7 @@ def test_a_stalling_dripping_or_garbling_data_plane_ends_in_the_right_bytes_over
         assert client.fetch("k")[1] == RANDOM
         assert bad.connections == 1
         assert client.fetch("k2")[1] == COMPRESSIBLE
-        if how == "garbage":  # fails at once: tried again next time, costing nothing
+        if how in ("garbage", "zstd garbage"):  # fails at once: tried again next time, free
             assert routes.on(Route.DATA_PLANE) and bad.connections == 2
         else:  # only the first fetch pays the stall bound: off for the end's life
             assert not routes.on(Route.DATA_PLANE) and bad.connections == 1

@@ -220,7 +220,10 @@ class Fetches:
     async def _rest_after(self, dl: _Download, writer, failure: RouteFailed) -> None:
         """A route of the fill's failed: where the rest comes from."""
         if dl.inflate is not None:
-            await dl.inflate.cut(dl.key, "its zstd stream over another route was cut off")
+            # Nothing of it decoded (its first frame was bad): the copy starts
+            # again whole, and is kept; else it is not (its stream is cut).
+            await dl.inflate.cut(dl.key, "its zstd stream over another route was cut off",
+                                 keep=writer.restart())
         if dl.peer and not failure.lasting:  # as for a failed relay: the rest from the coordinator
             self.metrics.relays.labels("fallback").inc()
             log.warning("relay of %s from %s: %s; fetching the rest from the coordinator",

@@ -280,11 +280,13 @@ class Inflating:
             self._stop.set()  # cancelled or failed: the thread stops at its next piece
             raise
 
-    async def cut(self, key: str, why: str) -> None:
+    async def cut(self, key: str, why: str, *, keep: bool = False) -> None:
         """The stream stopped midway and the rest comes decoded: the host
-        cache keeps no copy (its stream is not whole), and the fill's zstd
-        readers fetch the rest elsewhere."""
-        self._writer.stop_keeping(why)
+        cache keeps no copy (its stream is not whole; `keep`: the copy was
+        started again from its first byte), and the fill's zstd readers
+        fetch the rest elsewhere."""
+        if not keep:
+            self._writer.stop_keeping(why)
         await self._fill.cut_zstd(f"the relay's download of {key} was cut off")
 
 

@@ -379,7 +379,16 @@ class CacheClient:
                     if chunk.zstd_data:
                         if inflate is None:
                             inflate = inflater(key, info, received, take)
-                        inflate.feed(chunk.zstd_data)
+                        try:
+                            inflate.feed(chunk.zstd_data)
+                        except CorruptBlob as exc:
+                            # A stream relayed as it came (a worker's fill from
+                            # a data plane or a peer) whose source sent a bad
+                            # frame: the relay takes another route, and its
+                            # copy is whole after it. Asked again (retry.FETCH);
+                            # what comes is verified as ever.
+                            raise CutOff(f"fetch of {key}: its zstd stream does not decode "
+                                         f"({exc})") from None
                     elif chunk.data:
                         if inflate is not None:
                             raise CorruptBlob(f"fetch of {key} mixed zstd_data and data")
