@@ -36,8 +36,9 @@ def env_for(worker_target: str | None, *, interposed: bool = True) -> dict:
     return env
 
 
-def wave(env: dict, n: int, tmp: Path) -> list[tuple[dict, str]]:
-    """`n` processes that start their training step together."""
+def wave(env: dict, n: int, tmp: Path, timeout_s: float = 300) -> list[tuple[dict, str]]:
+    """`n` processes that start their training step together (killed, and
+    the test failed, past `timeout_s`)."""
     tmp.mkdir(parents=True, exist_ok=True)
     go = tmp / "go"
     procs = [subprocess.Popen([sys.executable, str(PROC), "--ready", str(tmp / f"ready{i}"),
@@ -48,7 +49,13 @@ def wave(env: dict, n: int, tmp: Path) -> list[tuple[dict, str]]:
     go.touch()
     out = []
     for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
+        try:
+            stdout, stderr = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+                q.communicate()
+            raise
         assert p.returncode == 0, stderr[-3000:]
         out.append((json.loads(stdout.strip().splitlines()[-1]), stderr))
     return out
@@ -284,6 +291,17 @@ class _DrippingGate(_ScriptedGate):
         try:
             conn.recv(1 << 20)
             self.asked += 1
+            if self.how == "heartbeats that say the answer comes within a second":
+                while True:
+                    conn.sendall(frame("WAITING 1"))
+                    time.sleep(0.5)
+            if self.how == "a payload that drips after its header":
+                reply = frame("HIT cc1-x " + "0" * 64, b"x" * 1000)
+                conn.sendall(reply[:-1000])  # the header and the payload's size at once
+                for i in range(len(reply) - 1000, len(reply)):
+                    conn.sendall(reply[i:i + 1])
+                    time.sleep(0.5)
+                return
             if self.how == "a payload one byte at a time":
                 reply = frame("HIT cc1-x " + "0" * 64, b"x" * 1000)
                 for i in range(len(reply)):
@@ -321,6 +339,27 @@ def test_each_exchange_ends_by_its_one_deadline_whatever_the_worker_sends(tmp_pa
     env = env_for(f"unix://{tmp_path}/w.sock")
     env.update({"COMPILECAST_PJRT_SILENCE_S": "3600", **bound})
     [(got, err)] = wave(env, 1, tmp_path / "run")
+    assert got["loss"] == baseline["loss"] and gate.asked >= 1
+    assert real_compiles(err) == gate.asked
+
+
+@pytest.mark.parametrize("how, bound", [
+    ("heartbeats that say the answer comes within a second", {}),
+    ("a payload that drips after its header", {"COMPILECAST_PJRT_PUBLISH_S": "2"}),
+])
+def test_heartbeats_never_hold_an_exchange_past_what_it_can_need(tmp_path, how, bound):
+    """With the exchange's own bound at its 25-minute default: a worker
+    whose heartbeats say the answer comes within a second is waited for
+    that long (and the silence bound) only; a HIT's payload, once its size
+    is known, only as long as its bytes can need (before: each held the
+    framework until the 25 minutes had passed)."""
+    gate = _DrippingGate(str(tmp_path / "w.sock.pjrt"), how)
+    baseline = wave(env_for(None, interposed=False), 1, tmp_path / "plain")[0][0]
+    env = env_for(f"unix://{tmp_path}/w.sock")
+    env.update({"COMPILECAST_PJRT_SILENCE_S": "1", **bound})
+    env.pop("COMPILECAST_PJRT_TIMEOUT_S", None)
+    env.pop("COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", None)
+    [(got, err)] = wave(env, 1, tmp_path / "run", timeout_s=240)
     assert got["loss"] == baseline["loss"] and gate.asked >= 1
     assert real_compiles(err) == gate.asked
 

@@ -20,7 +20,10 @@
  * COMPILECAST_PJRT_TIMEOUT_S or the share-binary timeout
  * (COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS, after which the worker
  * ends any wait) plus the silence bound, whichever is first; the publish, by
- * COMPILECAST_PJRT_PUBLISH_S plus the executable's size at 4 MiB/s. The
+ * COMPILECAST_PJRT_PUBLISH_S plus the executable's size at 4 MiB/s, and so is
+ * a reply's payload once its size is known. A heartbeat ("WAITING <s>") says
+ * the answer comes within s seconds: the deadline comes in to that (plus the
+ * silence bound), never goes out, however many heartbeats follow. The
  * compile options a COMPILE hands back that the plugin refuses are dropped:
  * the compile is made again with the framework's own.
  * Anything else (no worker, a refused load, a protocol error, an unknown
@@ -374,6 +377,12 @@ static int read_all(int fd, void *data, size_t n) {
   return 0;
 }
 
+/* How long `size` bytes over the worker's socket may take: COMPILECAST_PJRT_PUBLISH_S
+   plus the size at 4 MiB/s (a publish, a HIT's executable). */
+static double transfer_s(uint64_t size) {
+  return setting_s("COMPILECAST_PJRT_PUBLISH_S", 60.0) + (double)size / (4 << 20);
+}
+
 /* A frame: "CCP2", u32 header size, header, u8 count, then count times a u64
    size and its bytes. */
 static int send_frame(int fd, const char *header, int count, const void *const *blobs,
@@ -409,6 +418,10 @@ static int read_one(int fd, reply *r) {
   if (!count) return 0;
   if (read_all(fd, &r->payload_size, 8)) return -1;
   if (r->payload_size > ((uint64_t)1 << 40)) return -1;
+  /* The payload is bounded by what a local socket needs for its bytes
+     (however they trickle), as a publish is. */
+  double bytes_by = now() + transfer_s(r->payload_size);
+  if (bytes_by < deadline) deadline = bytes_by;
   if (r->payload_size) {
     r->payload = malloc(r->payload_size);
     if (!r->payload) return -1;
@@ -421,10 +434,17 @@ static int read_one(int fd, reply *r) {
   return 0;
 }
 
+/* A heartbeat ("WAITING <s>") says the answer comes within s seconds: the
+   deadline is brought in to that (and the silence bound), never pushed out. */
 static int read_reply(int fd, reply *r) {
   for (;;) {
     if (read_one(fd, r)) return -1;
-    if (strcmp(r->header, "WAITING") != 0) return 0;
+    if (strncmp(r->header, "WAITING", 7) != 0 || (r->header[7] && r->header[7] != ' ')) return 0;
+    if (r->header[7] == ' ') {
+      double within = strtod(r->header + 8, NULL);
+      if (within >= 0 && now() + within + silence_s < deadline)
+        deadline = now() + within + silence_s;
+    }
     free(r->payload);
   }
 }
@@ -612,7 +632,7 @@ static void publish(int fd, Client_Compile_Args *args, double seconds) {
     uint64_t size = s.bytes_size;
     /* The publish is bounded afresh (the compile itself may take long), by
        what a local socket needs for the bytes: the framework waits for it. */
-    deadline = now() + setting_s("COMPILECAST_PJRT_PUBLISH_S", 60.0) + (double)size / (4 << 20);
+    deadline = now() + transfer_s(size);
     if (send_frame(fd, header, 1, &blob, &size) == 0) {
       reply r;
       if (read_reply(fd, &r) == 0) {

@@ -11,7 +11,11 @@ caller's token (the same namespace, tenant and permissions), so the host
 cache, the single-flight waits and fetches, the leases and the digests are
 the core's. Nothing here holds a thread while it waits.
 
-    WAITING         a heartbeat, every GATE_HEARTBEAT_S while the answer is pending
+    WAITING <s>     a heartbeat, every GATE_HEARTBEAT_S while the answer is pending:
+                    the answer comes within <s> seconds (a decision: the
+                    wait's share-binary timeout and a fetch's allowance; a
+                    publish: its upload's), and the interposer waits no
+                    longer, however many heartbeats follow
     HIT <key> <sha256>  + the verified serialized executable
     COMPILE <key>   the interposer holds the lease, + the compile options to
                     use where they differ (a GPU job's compile that waits for
@@ -80,6 +84,8 @@ MAX_TEXT = 16 << 20  # devices, plugin, environment, token
 MAX_BLOB = 1 << 40  # a program or an executable (the memory budget bounds them first)
 BLOB_PIECE = 1 << 20  # a blob is charged to the budget and timed a piece at a time
 GATE_HEARTBEAT_S = 2.0
+FETCH_AFTER_WAIT_S = 120.0  # a decision's fetch of the executable, after its wait
+PUBLISH_ALLOWANCE_S = 60.0  # a publish's upload: this, plus its size at GateLimits.min_rate
 KEYS_KEPT = 1024  # keys remembered by fingerprint
 
 
@@ -471,7 +477,8 @@ class PjrtGate:
         decided = asyncio.ensure_future(self._decide(c))
         answer = None
         try:
-            answer = await self._with_heartbeat(writer, decided)
+            answer = await self._with_heartbeat(
+                writer, decided, self.wait_timeout_s + FETCH_AFTER_WAIT_S)
             writer.write(answer.frame())
             await writer.drain()
         finally:
@@ -497,15 +504,18 @@ class PjrtGate:
                                               "the interposed compile ended without a publish",
                                               md)
 
-    async def _with_heartbeat(self, writer: asyncio.StreamWriter, work):
-        """`work`'s result, with a WAITING frame every GATE_HEARTBEAT_S meanwhile."""
+    async def _with_heartbeat(self, writer: asyncio.StreamWriter, work, within_s: float):
+        """`work`'s result, with a WAITING frame every GATE_HEARTBEAT_S
+        meanwhile, each saying how long the answer can still take (it ends
+        within `within_s` of now)."""
         task = asyncio.ensure_future(work)
+        until = time.monotonic() + within_s
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=GATE_HEARTBEAT_S)
                 if done:
                     return task.result()
-                writer.write(frame("WAITING"))
+                writer.write(frame(f"WAITING {max(0.0, until - time.monotonic()):.0f}"))
                 await writer.drain()
         finally:
             task.cancel()
@@ -619,7 +629,8 @@ class PjrtGate:
         except ValueError:
             seconds = 0.0
         settled = await self._with_heartbeat(writer, policy.adrive(policy.settle(policy.Publish(
-            answer.key, answer.lease, data, seconds, answer.identity)), shell))
+            answer.key, answer.lease, data, seconds, answer.identity)), shell),
+            PUBLISH_ALLOWANCE_S + len(data) / self.limits.min_rate)
         if not settled.published:
             writer.write(frame(f"FAILED {settled.problem}"[:1000]))
             return settled.released
