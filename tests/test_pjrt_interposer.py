@@ -293,7 +293,7 @@ class _DrippingGate(_ScriptedGate):
             self.asked += 1
             if self.how == "heartbeats that say the answer comes within a second":
                 while True:
-                    conn.sendall(frame("WAITING 1"))
+                    conn.sendall(frame("WAITING", b"1"))
                     time.sleep(0.5)
             if self.how == "a payload that drips after its header":
                 reply = frame("HIT cc1-x " + "0" * 64, b"x" * 1000)

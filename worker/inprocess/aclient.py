@@ -15,9 +15,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from compilecast import retry, wire
+from compilecast import retry, validate, wire
 from compilecast.decide import ends_wait
-from compilecast.errors import AlreadyPublished, CompilecastError, CorruptBlob, CutOff, Unavailable
+from compilecast.errors import CompilecastError, CorruptBlob, CutOff, Unavailable
 from compilecast.grpcutil import aio_channel
 from compilecast.rpcedge import aedged
 from compilecast.streams import idle_timeout
@@ -135,34 +135,21 @@ class AsyncCacheClient:
         header = pb.PublishHeader(key=key, lease=lease, size=len(data),
                                   compile_time_seconds=seconds, requester=identity.requester(),
                                   digest=digest)
-        tries = 0
 
         async def once() -> pb.ArtifactInfo:
-            nonlocal tries
-            tries += 1
-            try:
-                got = await self.stub.Publish(publish_messages(header, data),
-                                              timeout=TRANSFER_S, metadata=md)
-            except AlreadyPublished:
-                if tries > 1:  # an earlier try's answer was lost: ours, when the digest is
-                    mine = await self._published_as(key, digest, md)
-                    if mine is not None:
-                        return mine
-                raise
+            got = await self.stub.Publish(publish_messages(header, data),
+                                          timeout=TRANSFER_S, metadata=md)
             return got.artifact
 
+        # (AlreadyPublished after a lost answer: the policy's settle finds its own bytes)
         return await retry.PUBLISH.arun(once, what=f"the publish of {key}")
 
-    async def _published_as(self, key: str, digest: str, md: tuple) -> pb.ArtifactInfo | None:
-        try:
-            described = await self.stub.DescribeKey(pb.DescribeKeyRequest(key=key),
-                                                    timeout=self.rpc_s, metadata=md)
-        except CompilecastError:
-            return None
-        return described.artifact if described.artifact.digest == digest else None
+    async def describe(self, key: str, md: tuple) -> pb.DescribeKeyResponse:
+        return await self.stub.DescribeKey(pb.DescribeKeyRequest(key=key), timeout=self.rpc_s,
+                                           metadata=md)
 
     async def release(self, key: str, lease: pb.Lease, reason: pb.ReleaseReason.ValueType,
                       detail: str, md: tuple) -> None:
         await self.stub.Release(pb.ReleaseRequest(key=key, lease=lease, reason=reason,
-                                                  detail=detail[:1000]),
+                                                  detail=detail[:validate.MAX_DETAIL_LEN]),
                                 timeout=self.rpc_s, metadata=md)

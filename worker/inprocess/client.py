@@ -100,7 +100,7 @@ class CacheClient:
         self._takers: dict[Route, Callable[[str, pb.ArtifactInfo, Any], bytes]] = {Route.LOCAL_FILE: self._take_local_file,
                         Route.DATA_PLANE: self._take_data_plane}
         self.leases = LeaseKeepers(self.keepalive)
-        self.publisher = Publisher(self.stub, target, self.routes, self.leases, self.describe,
+        self.publisher = Publisher(self.stub, target, self.routes, self.leases,
                                    timeout_s=timeout_s, stall_s=stall_s)
 
     def close(self) -> None:
@@ -440,7 +440,8 @@ class CacheClient:
     def release(self, key: str, lease: pb.Lease, reason: pb.ReleaseReason.ValueType,
                 detail: str = "") -> None:
         self.stub.Release(pb.ReleaseRequest(key=key, lease=lease, reason=reason,
-                                            detail=detail[:1024]), timeout=self.timeout_s)
+                                            detail=detail[:validate.MAX_DETAIL_LEN]),
+                          timeout=self.timeout_s)
 
     def keepalive(self, key: str, lease: pb.Lease) -> int:
         return self.stub.KeepAlive(pb.KeepAliveRequest(key=key, lease=lease),
@@ -469,7 +470,8 @@ class CacheClient:
 
     def finish(self, task_id: str, claim: pb.Lease, ok: bool, detail: str, key: str = "") -> None:
         self.stub.FinishCompile(pb.FinishCompileRequest(task_id=task_id, claim=claim, ok=ok,
-                                                        detail=detail[:1024], key=key),
+                                                        detail=detail[:validate.MAX_DETAIL_LEN],
+                                                        key=key),
                                 timeout=self.timeout_s)
 
     def tasks(self, task_ids: Sequence[str] = ()) -> list[pb.TaskStatus]:
@@ -503,6 +505,9 @@ class ClientShell:
     def release(self, step: policy.Release) -> None:
         with tracing.resumed(step.trace):  # in the trace of the decision that granted it
             self.client.release(step.key, step.lease, step.reason, step.detail)
+
+    def describe(self, step: policy.Describe) -> pb.DescribeKeyResponse:
+        return self.client.describe(step.key)
 
 
 class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from compilecast import retry
-from compilecast.errors import AlreadyPublished, CompilecastError, TooMany
+from compilecast.errors import CompilecastError, TooMany
 from compilecast.negotiate import PROCESS_PUBLISH, Ladder, Route, RouteFailed, Routes, carry
 from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
@@ -85,13 +85,11 @@ class Publisher:
     again when cut off."""
 
     def __init__(self, stub: rpc.CompileCacheStub, target: str, routes: Routes,
-                 keepers: LeaseKeepers, describe: Callable[[str], pb.DescribeKeyResponse], *,
-                 timeout_s: float, stall_s: float) -> None:
+                 keepers: LeaseKeepers, *, timeout_s: float, stall_s: float) -> None:
         self.stub = stub
         self.target = target
         self.routes = routes
         self.keepers = keepers
-        self.describe = describe
         self.timeout_s = timeout_s
         self.stall_s = stall_s
 
@@ -109,34 +107,18 @@ class Publisher:
             header.digest = hashlib.sha256(data).hexdigest()
         self.keepers.publishing.add((key, lease.id))
         ladder = self.routes.ladder(PROCESS_PUBLISH, key=key)
-        tries = 0
 
         def once() -> pb.ArtifactInfo:
-            nonlocal tries
-            tries += 1
-            try:
-                return carry(ladder, lambda ladder: self._publish_via(header, data, ladder))
-            except AlreadyPublished:
-                if tries > 1 or ladder.failures:  # an earlier try's answer was lost
-                    mine = self._published_as(key, header.digest or
-                                              hashlib.sha256(data).hexdigest())
-                    if mine is not None:
-                        return mine
-                raise
+            return carry(ladder, lambda ladder: self._publish_via(header, data, ladder))
 
         try:
             # A replica restarting or gone (a rolling update): the lease still
             # holds and the bytes are here, so it is tried again (retry.PUBLISH).
+            # AlreadyPublished after a lost answer: the policy's settle finds
+            # its own bytes there (policy.py).
             return retry.PUBLISH.run(once, what=f"the publish of {key}")
         finally:
             self.keepers.publishing.discard((key, lease.id))
-
-    def _published_as(self, key: str, digest: str) -> pb.ArtifactInfo | None:
-        try:
-            info = self.describe(key).artifact
-        except CompilecastError:
-            return None
-        return info if info.digest == digest else None
 
     def _publish_via(self, header: pb.PublishHeader, data: bytes,
                      ladder: Ladder) -> pb.ArtifactInfo:

@@ -17,9 +17,13 @@ error (compilecast's own: the clients' edges raise nothing else).
              all, so that the process that found it compiles in its place.
              A caller that may not publish (no token where the worker has
              one) gives a COMPILE's lease back at once and compiles locally.
-    settle   Publish; refused for what it is (too large, no room): Release
-             PUBLISH_REFUSED, so every waiter compiles at once; any other
-             failure: Release ABANDONED, and a waiter is promoted.
+    settle   Publish; taken already (AlreadyPublished): Describe the key, and
+             bytes of the same digest there are this publish's (an earlier
+             try's answer lost, or a hedge that made the same bytes); refused
+             for what it is (too large, no room): Release PUBLISH_REFUSED,
+             so every waiter compiles at once; any other failure: Release
+             ABANDONED, and a waiter is promoted. A release's detail is cut
+             to what the wire takes (validate.MAX_DETAIL_LEN).
 
 And the rules every door shares: the key's components go up only from a
 job's designated process (`acquire_request`), and a lease is renewed every
@@ -28,12 +32,21 @@ TTL/3, at least every KEEPALIVE_MIN_S (`keepalive_every`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Awaitable, Generator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from compilecast.errors import CompilecastError, CorruptBlob, InvalidRequest, NotFound, TooMany
+from compilecast import validate
+from compilecast.errors import (
+    AlreadyPublished,
+    CompilecastError,
+    CorruptBlob,
+    InvalidRequest,
+    NotFound,
+    TooMany,
+)
 from compilecast.v1 import cache_pb2 as pb
 
 from .identity import Identity
@@ -79,6 +92,8 @@ class Shell(Protocol):
     def publish(self, step: Publish) -> Any: ...
 
     def release(self, step: Release) -> Any: ...
+
+    def describe(self, step: Describe) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -134,7 +149,21 @@ class Release:
     trace: dict = field(default_factory=dict)
 
 
-Step = Ask | Await | Fetch | Publish | Release
+@dataclass(frozen=True)
+class Describe:
+    """-> pb.DescribeKeyResponse (what the key holds now)"""
+
+    op: ClassVar[str] = "describe"
+    key: str
+
+
+def release(key: str, lease: pb.Lease, reason: pb.ReleaseReason.ValueType, detail: str,
+            trace: dict | None = None) -> Release:
+    """The Release step, its detail cut to what the wire takes."""
+    return Release(key, lease, reason, detail[:validate.MAX_DETAIL_LEN], trace or {})
+
+
+Step = Ask | Await | Fetch | Publish | Release | Describe
 Policy = Generator[Step, Any, T]
 
 
@@ -208,7 +237,7 @@ def decide(request: pb.AcquireRequest, identity: Identity, wait_s: float, *,
 
 def _give_back(key: str, lease: pb.Lease, why: str) -> Generator[Step, Any, bool]:
     try:
-        yield Release(key, lease, pb.ABANDONED, why)
+        yield release(key, lease, pb.ABANDONED, why)
     except CompilecastError as exc:
         log.info("compilecast: release of %s failed (%s); the lease lapses", key,
                  exc.status.name, extra={"key": key})
@@ -220,21 +249,45 @@ def settle(step: Publish, *, trace: dict | None = None) -> Policy[Settled]:
     """Publish the holder's executable; give the lease back where that fails."""
     try:
         info = yield step
+    except AlreadyPublished as exc:
+        mine = yield from _published_as(step)
+        if mine is not None:
+            return Settled(True, artifact=mine)
+        problem = f"{exc.status.name}: {exc}"
+        yield from _released(step, pb.ABANDONED, problem, trace)
+        return Settled(False, problem=problem, released=True)
     except CompilecastError as exc:
         problem = f"{exc.status.name}: {exc}"
         # Refused for what it is (too large, no room): every waiter's publish
         # would be refused too, so they compile at once instead of each being
         # promoted and compiling in turn.
         refused = isinstance(exc, TooMany | InvalidRequest)
-        try:
-            yield Release(step.key, step.lease, pb.PUBLISH_REFUSED if refused else pb.ABANDONED,
-                          problem, trace or {})
-        except CompilecastError as failed:
-            log.warning("compilecast: release of %s failed (%s); the lease lapses in %ss",
-                        step.key, failed.status.name, step.lease.ttl_seconds)
-            return Settled(False, problem=problem)
-        return Settled(False, problem=problem, released=True)
+        released = yield from _released(
+            step, pb.PUBLISH_REFUSED if refused else pb.ABANDONED, problem, trace)
+        return Settled(False, problem=problem, released=released)
     return Settled(True, artifact=info)
+
+
+def _published_as(step: Publish) -> Generator[Step, Any, pb.ArtifactInfo | None]:
+    """What the key holds, when it is this publish's bytes."""
+    try:
+        described: pb.DescribeKeyResponse = yield Describe(step.key)
+    except CompilecastError:
+        return None
+    mine = described.HasField("artifact") and \
+        described.artifact.digest == hashlib.sha256(step.data).hexdigest()
+    return described.artifact if mine else None
+
+
+def _released(step: Publish, reason: pb.ReleaseReason.ValueType, problem: str,
+              trace: dict | None) -> Generator[Step, Any, bool]:
+    try:
+        yield release(step.key, step.lease, reason, problem, trace)
+    except CompilecastError as failed:
+        log.warning("compilecast: release of %s failed (%s); the lease lapses in %ss",
+                    step.key, failed.status.name, step.lease.ttl_seconds)
+        return False
+    return True
 
 
 # -- the shells' loops --------------------------------------------------------------------

@@ -21,9 +21,10 @@
  * (COMPILECAST_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS, after which the worker
  * ends any wait) plus the silence bound, whichever is first; the publish, by
  * COMPILECAST_PJRT_PUBLISH_S plus the executable's size at 4 MiB/s, and so is
- * a reply's payload once its size is known. A heartbeat ("WAITING <s>") says
- * the answer comes within s seconds: the deadline comes in to that (plus the
- * silence bound), never goes out, however many heartbeats follow. The
+ * a reply's payload once its size is known. A heartbeat (WAITING, its payload
+ * the seconds s as text) says the answer comes within s seconds: the deadline
+ * comes in to that (plus the silence bound), never goes out, however many
+ * heartbeats follow. The
  * compile options a COMPILE hands back that the plugin refuses are dropped:
  * the compile is made again with the framework's own.
  * Anything else (no worker, a refused load, a protocol error, an unknown
@@ -434,15 +435,20 @@ static int read_one(int fd, reply *r) {
   return 0;
 }
 
-/* A heartbeat ("WAITING <s>") says the answer comes within s seconds: the
-   deadline is brought in to that (and the silence bound), never pushed out. */
+/* A heartbeat ("WAITING", its payload the seconds "s" as text) says the
+   answer comes within s seconds: the deadline is brought in to that (and the
+   silence bound), never pushed out. (A heartbeat without one says nothing.) */
 static int read_reply(int fd, reply *r) {
   for (;;) {
     if (read_one(fd, r)) return -1;
-    if (strncmp(r->header, "WAITING", 7) != 0 || (r->header[7] && r->header[7] != ' ')) return 0;
-    if (r->header[7] == ' ') {
-      double within = strtod(r->header + 8, NULL);
-      if (within >= 0 && now() + within + silence_s < deadline)
+    if (strcmp(r->header, "WAITING") != 0) return 0;
+    if (r->payload && r->payload_size > 0 && r->payload_size < 32) {
+      char text[32];
+      memcpy(text, r->payload, r->payload_size);
+      text[r->payload_size] = 0;
+      char *end = NULL;
+      double within = strtod(text, &end);
+      if (end != text && within >= 0 && now() + within + silence_s < deadline)
         deadline = now() + within + silence_s;
     }
     free(r->payload);

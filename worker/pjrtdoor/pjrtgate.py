@@ -11,8 +11,9 @@ caller's token (the same namespace, tenant and permissions), so the host
 cache, the single-flight waits and fetches, the leases and the digests are
 the core's. Nothing here holds a thread while it waits.
 
-    WAITING <s>     a heartbeat, every GATE_HEARTBEAT_S while the answer is pending:
-                    the answer comes within <s> seconds (a decision: the
+    WAITING + <s>   a heartbeat, every GATE_HEARTBEAT_S while the answer is pending,
+                    its payload the seconds (text) within which the answer
+                    comes (a decision: the
                     wait's share-binary timeout and a fetch's allowance; a
                     publish: its upload's), and the interposer waits no
                     longer, however many heartbeats follow
@@ -329,6 +330,9 @@ class GateShell:
     async def release(self, step: policy.Release) -> None:
         await self.client.release(step.key, step.lease, step.reason, step.detail, self.md)
 
+    async def describe(self, step: policy.Describe) -> pb.DescribeKeyResponse:
+        return await self.client.describe(step.key, self.md)
+
 
 # -- the gate --------------------------------------------------------------------------
 
@@ -515,7 +519,8 @@ class PjrtGate:
                 done, _ = await asyncio.wait({task}, timeout=GATE_HEARTBEAT_S)
                 if done:
                     return task.result()
-                writer.write(frame(f"WAITING {max(0.0, until - time.monotonic()):.0f}"))
+                within = max(0.0, until - time.monotonic())
+                writer.write(frame("WAITING", f"{within:.0f}".encode()))
                 await writer.drain()
         finally:
             task.cancel()
