@@ -107,6 +107,8 @@ async def host_by_stream(stub, job: str, pid: int, keys: list[str], opened: asyn
     for k in keys:
         named_at = time.monotonic() + NAME_AFTER_S
         while k not in heard:
+            if reader.done():  # its stream failed or ended: this host ends with it
+                raise RuntimeError(f"host {pid}: its stream ended before {k} was published")
             if k not in claimed and named_at and time.monotonic() >= named_at:
                 wants.put_nowait(k)
                 named[0] += 1
@@ -153,7 +155,8 @@ async def stream_hosts(target: str, job: str, first: int, h: int, m: int) -> Non
                                                   opened, ready, h)) for i in range(h)]
     await opened.wait()
     print("ready", flush=True)
-    await asyncio.to_thread(sys.stdin.readline)
+    if (await asyncio.to_thread(sys.stdin.readline)).strip() != "go":
+        raise SystemExit("the bench went away")  # (stdin closed: the parent failed)
     ends = await asyncio.gather(*hosts)
     print(json.dumps({"end": max(ends), "named": named[0]}), flush=True)
 
@@ -178,22 +181,31 @@ async def one_run(stubs, target: str, procs, way: str, h: int, m: int, compile_s
     else:
         hosts = [asyncio.ensure_future(host_per_key(stubs[i % CHANNELS], job, i + 1, keys,
                                                     start)) for i in range(h)]
-    before = {k: cpu_seconds(p) for k, p in procs.items()}
-    began = time.monotonic()
-    start.set()
-    for c in children:
-        assert c.stdin is not None
-        c.stdin.write("go\n")
-        c.stdin.flush()
-    compiled = await compile_all(stubs[0], job, keys, compile_s)
-    ends = list(await asyncio.gather(*hosts))
-    named_here = 0
-    for c in children:
-        assert c.stdout is not None
-        got = json.loads(await asyncio.to_thread(c.stdout.readline))
-        ends.append(got["end"])
-        named_here += got["named"]
-        c.wait()
+    try:
+        before = {k: cpu_seconds(p) for k, p in procs.items()}
+        began = time.monotonic()
+        start.set()
+        for c in children:
+            assert c.stdin is not None
+            c.stdin.write("go\n")
+            c.stdin.flush()
+        compiled = await compile_all(stubs[0], job, keys, compile_s)
+        ends = list(await asyncio.gather(*hosts))
+        named_here = 0
+        for c in children:
+            assert c.stdout is not None
+            line = await asyncio.to_thread(c.stdout.readline)
+            if not line:
+                raise RuntimeError(f"a process of hosts failed (rc {c.wait()})")
+            got = json.loads(line)
+            ends.append(got["end"])
+            named_here += got["named"]
+            c.wait()
+    finally:  # a failed run leaves no process of hosts behind
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
     used = {k: cpu_seconds(p) - before[k] for k, p in procs.items()}
     compiles_s, all_s = compiled - began, max(ends) - began
     row = {"way": way, "hosts": h, "programs": m, "compiles_s": compiles_s, "every_hit_s": all_s,

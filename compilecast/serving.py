@@ -31,7 +31,19 @@ log = logging.getLogger(__name__)
 # one of ours already serves would bind it too and silently take half of its
 # connections (a leftover coordinator answering for a new one). Ours bind
 # alone, so a taken port is a ListenError.
-SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
+#
+# gRPC core keeps the calls that arrived before the application picked them up
+# (grpc.aio picks them up one at a time); past its soft limit (1,000 by
+# default) it cancels new ones at random, and grpc.aio reports that to the
+# client as INTERNAL. A pod's start opens a stream per host at once, so the
+# backlog is set above every bound of ours (jobwatch.MAX_STREAMS job streams,
+# a replica's Decide streams and waits): a call past one of those is answered
+# by us, RESOURCE_EXHAUSTED with why, never cancelled by the transport.
+MAX_PENDING_CALLS = 32_768  # calls arrived and not yet picked up (gRPC core's soft limit)
+MAX_PENDING_CALLS_HARD = 40_960  # past it gRPC core refuses every new call
+SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0),
+                  ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                  ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS_HARD)]
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CompileCache"].full_name
 

@@ -31,7 +31,10 @@ from .upstream import CoordinatorLink
 log = logging.getLogger(__name__)
 
 MAX_WAITS = 1000  # keys a message names (the coordinator's bound)
-NAME_AFTER_S = 1.0  # a key nobody has claimed is named upstream after this long
+# A key nobody has claimed is named upstream after this long: well above the
+# longest a replica gathers a job's news (jobwatch.FLUSH_S, 1 s at 10,000
+# streams), so that a claim reaches every host before any names the key.
+NAME_AFTER_S = 3.0
 MAX_CLAIMED = 100_000  # claimed keys remembered, and asked ones (past it, the oldest go)
 
 
