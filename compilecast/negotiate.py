@@ -3,7 +3,7 @@ one place that says which of them an end may still take.
 
 The gRPC stream (Fetch, Publish) is always there and always the last rung.
 Each route below exists for one case and is measured against the stream on
-that case (docs/architecture.md, "Routes"):
+that case (docs/architecture/transfers.md, "Routes"):
 
     fetch, a process from its host's worker:
         LOCAL_FILE    the host cache's file, read and verified by the process

@@ -1,5 +1,5 @@
 """A pod's cold start: one stream per host and job (WatchJob), not a
-request and a wait per host and program (docs/architecture.md, "A pod's
+request and a wait per host and program (docs/architecture/pod-start.md, "A pod's
 cold start").
 
 A host's worker opens one stream for its job and says on it which of the

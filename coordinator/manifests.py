@@ -1,6 +1,6 @@
 """A job's manifest: the keys its processes asked for, each with its
 artifact's index entry, so that a pod's warm start costs a call a host, not
-a decision a host and program (docs/architecture.md, "A pod's start").
+a decision a host and program (docs/architecture/pod-start.md, "A pod's start").
 
 A worker names its job on the requests it sends up (AcquireRequest.
 manifest_job); the first time a replica sees a key of a job it records it in

@@ -1,4 +1,4 @@
-"""The house's layers (docs/architecture.md, "Layout of the tree"): the core
+"""The house's layers (docs/architecture/layout.md, "Layout of the tree"): the core
 folder imports neither the worker nor the coordinator, those two import each
 other never, and none of them imports an entry point back. Every import
 counts, the ones inside functions too."""
@@ -102,7 +102,7 @@ def test_the_rule_sees_an_import_inside_a_function(tmp_path):
     assert _violations("compilecast", "cli", found) == []
 
 
-# The worker's runtimes (docs/architecture.md, "The worker's runtimes") are its
+# The worker's runtimes (docs/architecture/components.md, "The worker's runtimes") are its
 # sub-packages, and a runtime imports only itself and the runtimes below it.
 # The in-process client sits below the daemon (the daemon is a client of the
 # coordinator too), never the reverse.

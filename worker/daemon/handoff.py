@@ -15,7 +15,7 @@ socket, a unix socket next to its gRPC one:
 
 The worker checks that the file is sealed and of the header's size, maps it
 read-only and publishes it as the chunks of a Publish stream from that
-process (docs/architecture.md, "A host's processes hand their publishes
+process (docs/architecture/transfers.md, "A host's processes hand their publishes
 over"): its copy in the host cache, the bytes on to the coordinator, under
 the caller's credential, with every check the coordinator makes. The seals make the bytes immutable from
 the moment the worker holds them: what it hashes, keeps and sends is one
