@@ -221,11 +221,19 @@ class Session:
             self._lease = await self.etcd.grant(self.ttl_s)
         return self._lease
 
-    def lost(self, lease_id: int) -> bool:
-        """etcd no longer knows `lease_id` (it expired while the replica's
-        loop was busy past its TTL): the next write takes a new one. True
-        for the first caller that says so (it writes the records again)."""
+    async def lost(self, lease_id: int) -> bool:
+        """A write on `lease_id` was refused for want of its lease: whether
+        it is gone (it expired while the replica's loop was busy past its
+        TTL; the next write takes a new one) and this caller is the first to
+        say so (it writes the replica's records again). A lease still there
+        (a write of the same batch named an older one) is kept."""
         if self._lease != lease_id:
+            return False
+        try:
+            gone = await self.etcd.keepalive_once(lease_id) <= 0
+        except Exception:  # (etcd unreachable: the write's caller hears that itself)
+            return False
+        if not gone or self._lease != lease_id:
             return False
         log.warning("the session lease expired; its records are written again on a new one")
         self._lease = 0

@@ -51,6 +51,7 @@ PROMOTION_STAGGER_S = 0.5
 # How long a change of a replica's waiters of a key waits to be written with
 # the changes after it (a pod's job start brings a thousand in a few tenths).
 WAITER_FLUSH_S = 0.02
+LEASE_RETRIES = 3  # a waiter record written again on a new session lease, at most
 
 
 @dataclass
@@ -311,25 +312,27 @@ class Waiting:
             lease = await self.session.lease()
             if self._waiter_flushes.get(sk) is flush:  # later changes make a write of their own
                 del self._waiter_flushes[sk]
-            here = self._waiting.get(sk)
-            if here is None:
-                await self._waiter_writes.delete(self._waiters_key(sk), written_before=True)
-                return
-            try:
-                await self._waiter_writes.put(self._waiters_key(sk), here.record(), lease=lease)
-            except grpc.aio.AioRpcError as exc:
-                if not lease_gone(exc):
-                    raise
-                # The session lease expired under a burst (the loop fell
-                # behind its keepalive): written again on a new lease, once.
-                if self.session.lost(lease):  # every record of this replica's went with it
-                    for other in self._waiting:
-                        if other != sk:
-                            self.background.spawn(self._rewrite(other))
-                lease = await self.session.lease()
-                if (here := self._waiting.get(sk)) is not None:
-                    await self._waiter_writes.put(self._waiters_key(sk), here.record(),
-                                                  lease=lease)
+            for attempt in range(LEASE_RETRIES + 1):
+                here = self._waiting.get(sk)
+                try:
+                    if here is None:
+                        await self._waiter_writes.delete(self._waiters_key(sk),
+                                                         written_before=True)
+                    else:
+                        await self._waiter_writes.put(self._waiters_key(sk), here.record(),
+                                                      lease=lease)
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    # The session lease expired under a burst (the loop fell
+                    # behind its keepalive), or a write of this batch still
+                    # named it: written again on the new one.
+                    if not lease_gone(exc) or attempt == LEASE_RETRIES:
+                        raise
+                    if await self.session.lost(lease):  # every record of the replica's went too
+                        for other in self._waiting:
+                            if other != sk:
+                                self.background.spawn(self._rewrite(other))
+                    lease = await self.session.lease()
         except Exception as exc:  # Unavailable (or a bug): the waiters hear of it
             if not flush.done():
                 flush.set_exception(exc)

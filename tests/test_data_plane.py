@@ -243,7 +243,7 @@ def test_a_workers_download_takes_the_data_plane(coordinator, start_worker, kind
     data = KINDS[kind]
     published(coordinator, "k", data)
     worker = start_worker(coordinator.cfg.listen)
-    assert worker.service.routes.on(Route.DATA_PLANE)
+    assert worker.parts.routes.on(Route.DATA_PLANE)
     assert CacheClient(worker.target).fetch("k")[1] == data
     assert taken(worker) == 1 and sends(coordinator) == 1 and taken(worker, "fallback") == 0
     assert worker.cache.lookup("host", "k") is not None  # kept: the next process reads it here
@@ -264,7 +264,7 @@ def test_a_worker_that_cannot_reach_the_data_plane_stops_asking(start_coordinato
     published(coordinator, "k2", COMPRESSIBLE)
     worker = start_worker(coordinator.cfg.listen)
     assert CacheClient(worker.target).fetch("k")[1] == RANDOM
-    assert taken(worker, "fallback") == 1 and not worker.service.routes.on(Route.DATA_PLANE)
+    assert taken(worker, "fallback") == 1 and not worker.parts.routes.on(Route.DATA_PLANE)
     assert CacheClient(worker.target).fetch("k2")[1] == COMPRESSIBLE
     assert tickets(coordinator) == 1  # the second download did not ask
 
@@ -287,7 +287,7 @@ def test_a_workers_download_cut_short_gets_the_rest_over_grpc(coordinator, start
     worker = start_worker(coordinator.cfg.listen)
     assert CacheClient(worker.target).fetch("k")[1] == data
     assert taken(worker, "fallback") == 1
-    assert worker.service.routes.on(Route.DATA_PLANE)  # it was reachable: asked again next time
+    assert worker.parts.routes.on(Route.DATA_PLANE)  # it was reachable: asked again next time
 
 
 def test_a_coordinator_on_all_addresses_serves_a_data_plane_only_where_told(
@@ -382,7 +382,7 @@ def test_a_stalling_dripping_or_garbling_data_plane_ends_in_the_right_bytes_over
         published(coordinator, "k2", COMPRESSIBLE)
         if through == "worker":
             worker = start_worker(coordinator.cfg.listen)
-            client, routes = CacheClient(worker.target, timeout_s=30), worker.service.routes
+            client, routes = CacheClient(worker.target, timeout_s=30), worker.parts.routes
         else:
             client = CacheClient(coordinator.cfg.listen, timeout_s=30)
             routes = client.routes

@@ -394,7 +394,7 @@ def test_a_worker_whose_upload_breaks_sends_the_retry_over_grpc(coordinator, sta
     monkeypatch.setattr(dataplane, "_receive", real)
     resp = c.acquire("k2")
     c.publish("k2", resp.lease, DATA[::-1], 2.0)
-    assert uploads(coordinator) == 1 and w.service.routes.on(Route.UPLOAD_TICKET)
+    assert uploads(coordinator) == 1 and w.parts.routes.on(Route.UPLOAD_TICKET)
 
 
 def test_an_upload_a_worker_sends_refused_is_the_holders_error(coordinator, start_worker):
@@ -414,7 +414,7 @@ def test_a_worker_publishes_over_grpc_where_the_coordinator_takes_no_uploads(
     w, c, lease = through_worker(start_worker, off)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert bytes_in(off) == len(DATA)
-    assert not w.service.routes.on(Route.UPLOAD_TICKET)  # not asked again
+    assert not w.parts.routes.on(Route.UPLOAD_TICKET)  # not asked again
     resp = c.acquire("k2")
     c.publish("k2", resp.lease, DATA[::-1], 2.0)
     assert bytes_in(off) == 2 * len(DATA)

@@ -137,7 +137,7 @@ def test_a_process_waiting_behind_a_worker_waits_on_its_stream(coordinator, star
         event = proc.wait("k", 10)
         assert event.decision == pb.HIT and event.artifact.size == len(DATA)
         # The acquire and the wait went over the worker's one stream.
-        assert sum(d.messages for d in w.service._deciders.values()) == 2
+        assert sum(d.messages for d in w.parts.deciders.open.values()) == 2
         assert coordinator.registry.get_sample_value(
             "compilecast_coordinator_decide_streams") == 1
     finally:
@@ -243,9 +243,9 @@ def test_a_worker_retiring_a_stream_lets_its_waits_end(start_coordinator, tokens
                                                        start_worker, monkeypatch):
     """A worker keeps a bounded number of upstream streams (one per caller
     credential); the one it evicts is closed only once its waits have ended."""
-    from compilecast.worker.daemon import service
+    from compilecast.worker.daemon import deciders
 
-    monkeypatch.setattr(service, "MAX_DECIDERS", 1)
+    monkeypatch.setattr(deciders, "MAX_DECIDERS", 1)
     coordinator = start_coordinator(auth_tokens_file=str(tokens_file),
                                     allow_unauthenticated=False)
     w = start_worker(coordinator.cfg.listen)
@@ -262,11 +262,11 @@ def test_a_worker_retiring_a_stream_lets_its_waits_end(start_coordinator, tokens
         eventually(lambda: coordinator.registry.get_sample_value(
             "compilecast_coordinator_waiters") == 1, "the wait reached the coordinator")
         assert other.acquire("elsewhere").decision == pb.COMPILE  # evicts team-a's stream
-        assert len(w.service._retiring) == 1
+        assert len(w.parts.deciders.retiring) == 1
         holder.publish("k", lease, DATA, 1.0)
         waiting.join(10)
         assert got and got[0].decision == pb.HIT
-        eventually(lambda: not w.service._retiring, "the retired stream closed", 5)
+        eventually(lambda: not w.parts.deciders.retiring, "the retired stream closed", 5)
     finally:
         for c in (holder, waiter, other):
             c.close()

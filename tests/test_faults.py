@@ -357,7 +357,7 @@ def test_a_host_cache_that_cannot_keep_a_download_serves_it_without_a_copy(
         assert via_worker.fetch("k")[1] == data
     assert worker.cache.lookup("host", "k") is None
     assert worker.metrics.registry.get_sample_value("compilecast_worker_uncached_total") == 2
-    assert not worker.service.fetches.fills
+    assert not worker.parts.fetches.fills
     tmp.unlink()
     assert via_worker.fetch("k")[1] == data
     assert worker.cache.lookup("host", "k") is not None

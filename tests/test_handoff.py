@@ -185,14 +185,14 @@ def test_heartbeats_keep_a_slow_publish_waiting(coordinator, start_worker, monke
     the worker's empty frames meanwhile keep it from giving up."""
     monkeypatch.setattr(handoff, "HEARTBEAT_S", 0.05)
     w = start_worker(coordinator.cfg.listen)
-    real = w.service.publishes.publish_handoff
+    real = w.parts.publishes.publish_handoff
 
     async def slow(*args):
         import asyncio
         await asyncio.sleep(1.0)
         return await real(*args)
 
-    w.service.publishes.handoffs._publish = slow
+    w.parts.publishes.handoffs._publish = slow
     c, lease = holder(w)
     c.publisher.stall_s = 0.5
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
@@ -201,7 +201,7 @@ def test_heartbeats_keep_a_slow_publish_waiting(coordinator, start_worker, monke
 def test_without_the_handoff_socket_a_publish_goes_over_grpc(coordinator, start_worker):
     w = start_worker(coordinator.cfg.listen)
     c, lease = holder(w)
-    os.unlink(w.service.publishes.handoffs.path)  # a container that does not see it, say
+    os.unlink(w.parts.publishes.handoffs.path)  # a container that does not see it, say
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert not c.routes.on(Route.HANDOFF)  # not tried again
     assert w.cache.store.has(DIGEST)
@@ -211,7 +211,7 @@ def test_a_worker_on_tcp_takes_no_handoffs(coordinator, start_worker):
     from .conftest import free_port
 
     w = start_worker(coordinator.cfg.listen, listen=f"127.0.0.1:{free_port()}")
-    assert w.service.publishes.handoffs is None
+    assert w.parts.publishes.handoffs is None
     c = CacheClient(w.target, timeout_s=10, identity=Identity(job="j"))
     assert not c.routes.on(Route.HANDOFF)
     resp = c.stub.OpenUpload(pb.OpenUploadRequest(header=pb.PublishHeader(key="k")),
@@ -227,7 +227,7 @@ def test_near_a_memory_limit_a_publish_goes_over_grpc(coordinator, start_worker,
     monkeypatch.setattr(client_mod, "memory_headroom", lambda: len(DATA) * 2)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert handoffs(w) == 0 and w.cache.store.has(DIGEST)
-    assert not w.service.publishes.handoffs._tickets  # none asked for
+    assert not w.parts.publishes.handoffs._tickets  # none asked for
     assert c.routes.on(Route.HANDOFF)  # asked again next time
     monkeypatch.setattr(client_mod, "memory_headroom", lambda: None)  # unknown: hand over
     resp = c.acquire("k2")
@@ -274,7 +274,7 @@ def test_a_worker_whose_handoff_socket_cannot_be_made_serves_publishes_over_grpc
     path += "y" * (95 - len(path)) + ".sock"  # 100 bytes: 108 with .handoff
     w = start_worker(coordinator.cfg.listen, listen=f"unix://{path}")
     try:
-        assert w.service.publishes.handoffs is None
+        assert w.parts.publishes.handoffs is None
         c, lease = holder(w)
         assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
         assert not c.routes.on(Route.UPLOAD_TICKET)  # no ticket offered: not asked again
@@ -300,7 +300,7 @@ def test_a_worker_that_stops_mid_publish_leaves_the_holder_an_error(coordinator,
         began.set()
         await asyncio.sleep(3600)
 
-    w.service.publishes.handoffs._publish = stuck
+    w.parts.publishes.handoffs._publish = stuck
     c, lease = holder(w)
     threading.Thread(target=lambda: began.wait(10) and w.stop(), daemon=True).start()
     with pytest.raises(CALL_ERRORS) as err:
@@ -319,7 +319,7 @@ def test_a_hosts_waiters_follow_a_handed_publish(coordinator, start_worker):
 
     host = HostWaiting(coordinator, start_worker, wake_on_host_publish=True)
     w = host.worker
-    real = w.service.publishes.publish_handoff
+    real = w.parts.publishes.publish_handoff
 
     async def slowly(ns, md, header, chunks):
         async def paced():
@@ -329,7 +329,7 @@ def test_a_hosts_waiters_follow_a_handed_publish(coordinator, start_worker):
 
         return await real(ns, md, header, paced())
 
-    w.service.publishes.handoffs._publish = slowly
+    w.parts.publishes.handoffs._publish = slowly
     assert host.holder.publish("k", host.lease, DATA, 2.0).digest == DIGEST
     event, got = host.result()
     assert event.decision == pb.HIT and got == DATA

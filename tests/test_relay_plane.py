@@ -55,7 +55,7 @@ def test_peers_take_relays_over_the_relay_data_plane(start_coordinator, start_wo
         assert taken == sent == redirected
     else:
         assert taken == sent == 0
-        assert all(w.service.fetches.relay_plane is None for w in workers)
+        assert all(w.parts.fetches.relay_plane is None for w in workers)
     for w in workers:  # each host cache holds the verified artifact
         assert w.cache.lookup("host", "big") is not None
 
@@ -81,7 +81,7 @@ def test_a_relay_plane_that_cannot_be_reached_relays_over_grpc(start_coordinator
     publish(coordinator, "k", data)
     first = plane_worker(start_worker, coordinator, "first")
     assert CacheClient(first.target).fetch("k")[1] == data
-    first.lt.run(_close_server(first.service.fetches.relay_plane))
+    first.lt.run(_close_server(first.parts.fetches.relay_plane))
     second = plane_worker(start_worker, coordinator, "second")
     before = egress(coordinator)
     assert CacheClient(second.target).fetch("k")[1] == data
@@ -89,8 +89,8 @@ def test_a_relay_plane_that_cannot_be_reached_relays_over_grpc(start_coordinator
     assert sample(second, "compilecast_worker_relays_total", "event", "redirected") == 1
     assert sample(second, "compilecast_worker_relays_total", "event", "data_plane") == 0
     assert sample(second, "compilecast_worker_relays_total", "event", "fallback") == 0
-    assert not second.service.routes.on(Route.RELAY_PLANE, first.cfg.relay_listen)
-    assert second.service.routes.on(Route.RELAY_PLANE, "another-peer:7642")
+    assert not second.parts.routes.on(Route.RELAY_PLANE, first.cfg.relay_listen)
+    assert second.parts.routes.on(Route.RELAY_PLANE, "another-peer:7642")
 
 
 async def _close_server(plane: RelayPlane) -> None:
@@ -148,7 +148,7 @@ def test_a_relay_plane_connection_without_a_valid_ticket_gets_nothing(
         start_coordinator, start_worker):
     coordinator = start_coordinator(relay_fanout=2)
     worker = plane_worker(start_worker, coordinator, "w")
-    port = worker.service.fetches.relay_plane.port
+    port = worker.parts.fetches.relay_plane.port
     for hello in (DATA_PLANE_REQUEST + b"x" * 32, b"CCPUT01\n" + b"x" * 32):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(hello)

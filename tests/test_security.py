@@ -137,7 +137,7 @@ def test_no_relay_data_plane_where_the_relay_serves_tls(start_coordinator, start
                           tls_key_file=str(pki / "server.key"),
                           relay_listen=f"127.0.0.1:{port}", relay_advertise=f"127.0.0.1:{port}",
                           relay_data_listen="auto")
-    assert worker.relay_server is not None and worker.service.fetches.relay_plane is None
+    assert worker.relay_server is not None and worker.parts.fetches.relay_plane is None
 
 
 def test_mtls_requires_a_client_certificate(start_coordinator, pki, start_worker):

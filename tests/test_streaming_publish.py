@@ -433,7 +433,7 @@ class HostWaiting:
         self.thread = threading.Thread(
             target=lambda: self.out.append(waiter.wait_and_fetch("k", 60)), daemon=True)
         self.thread.start()
-        assert _until(lambda: self.worker.service.waits.waiting == 1)
+        assert _until(lambda: self.worker.parts.waits.waiting == 1)
 
     def upload(self, data: bytes) -> HeldUpload:
         return HeldUpload(self.holder, "k", self.lease, data, digest_last=True)
@@ -494,7 +494,7 @@ def test_by_default_a_hosts_waiters_are_woken_when_its_publish_ends(coordinator,
     up = host.upload(data)
     assert up.sent_head.wait(10)
     host.thread.join(1.0)
-    assert host.thread.is_alive() and host.worker.service.waits.waiting == 1  # not woken
+    assert host.thread.is_alive() and host.worker.parts.waits.waiting == 1  # not woken
     up.go.set()
     event, got = host.result()
     assert event.decision == pb.HIT and got == data

@@ -107,7 +107,7 @@ def fetching_through_a_worker(coordinator, start_worker, data: bytes | None = No
     out: list = []
     t = threading.Thread(target=lambda: out.append(CacheClient(worker.target).fetch("k")[1]))
     t.start()
-    eventually(lambda: any(f.started for f in worker.service.fetches.fills.values()),
+    eventually(lambda: any(f.started for f in worker.parts.fetches.fills.values()),
                "the download under way")
     return data, worker, t, out
 
@@ -293,7 +293,7 @@ def test_a_wait_cut_off_by_a_worker_restart_is_sent_again(coordinator, start_wor
     assert waiter.acquire("k").decision == pb.WAIT
 
     def interrupt() -> None:
-        eventually(lambda: worker.service.waits.waiting, "the process waiting at its worker")
+        eventually(lambda: worker.parts.waits.waiting, "the process waiting at its worker")
         time.sleep(0.6)  # running for a while: a cut, not a refusal
         restart_worker(worker, started)
 

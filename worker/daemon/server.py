@@ -24,6 +24,7 @@ from .hostcache import HostCache
 from .metrics import WorkerMetrics
 from .relayplane import RelayPlane
 from .service import RelayService, WorkerService
+from .wiring import Channels, WorkerParts, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -70,22 +71,18 @@ class Worker(Role):
         if cfg.relay_listen:
             port = cfg.relay_listen.rpartition(":")[2]
             relay_address = cfg.relay_advertise or f"{socket.getfqdn()}:{port}"
-        self.service = WorkerService(cfg.coordinator, self.cache, self.metrics,
-                                     token=token,
-                                     credentials=upstream_creds,
-                                     relay_address=relay_address,
-                                     local_files=cfg.local_files,
-                                     wake_on_host_publish=cfg.wake_on_host_publish,
-                                     data_plane=cfg.data_plane and upstream_creds is None,
-                                     bucket_urls=cfg.bucket_urls,
-                                     job=cfg.job, job_streams=cfg.job_streams,
-                                     # Peers serve with the same certificates as the
-                                     # coordinator's CA signs (one PKI per release).
-                                     peer_credentials=upstream_creds,
-                                     rpc_timeout_s=self.cfg.rpc_timeout_s,
-                                     decide_gap_s=self.cfg.decide_gap_ms / 1000,
-                                     share_binary_timeout_ms=(
-                                         self.cfg.share_binary_between_hosts_timeout_ms))
+        settings = WorkerSettings(
+            cfg.coordinator, rpc_timeout_s=cfg.rpc_timeout_s,
+            share_binary_timeout_ms=cfg.share_binary_between_hosts_timeout_ms,
+            decide_gap_s=cfg.decide_gap_ms / 1000, token=token, relay_address=relay_address,
+            local_files=cfg.local_files, data_plane=cfg.data_plane and upstream_creds is None,
+            wake_on_host_publish=cfg.wake_on_host_publish, bucket_urls=cfg.bucket_urls,
+            job=cfg.job, job_streams=cfg.job_streams)
+        # Peers serve with the same certificates as the coordinator's CA signs
+        # (one PKI per release).
+        self.parts = WorkerParts(settings, self.cache, self.metrics,
+                                 Channels(upstream=upstream_creds, peers=upstream_creds))
+        self.service = WorkerService(self.parts)
         self.server_streams = self.service.streams
         self.dirs = make_dirsync(cfg, token, self.metrics)
         self.service.dirs = self.dirs
@@ -114,10 +111,10 @@ class Worker(Role):
             os.chmod(address.removeprefix("unix://"), 0o660)
             if handoff_supported():  # this host's processes hand their publishes over
                 handoffs = Handoffs(f"{address.removeprefix('unix://')}.handoff",
-                                    self.service.publishes.publish_handoff, self.metrics.handoffs)
+                                    self.parts.publishes.publish_handoff, self.metrics.handoffs)
                 try:
                     await handoffs.start()
-                    self.service.publishes.handoffs = handoffs
+                    self.parts.publishes.handoffs = handoffs
                 except OSError as exc:  # a path too long for a socket, say: gRPC serves
                     log.warning("publishes are not handed over: cannot listen on %s (%s)",
                                 handoffs.path, exc)
@@ -126,18 +123,18 @@ class Worker(Role):
         log.info("worker listening on %s (coordinator %s, host cache %s)", address,
                  self.cfg.coordinator, self.cfg.cache_dir)
         self._revocations = asyncio.create_task(
-            self.service.sync_revocations(self.cfg.revocation_poll_s))
-        self._hit_reports = asyncio.create_task(self.service.report_hits(HIT_REPORT_S))
+            self.parts.revocations.run(self.cfg.revocation_poll_s))
+        self._hit_reports = asyncio.create_task(self.parts.reports.run(HIT_REPORT_S))
         self._keep_free = asyncio.create_task(self._give_way())
         self._dir_sync = asyncio.create_task(self.dirs.run(cfg.dir_sync_s))
         if self.cfg.job:  # the host's job: its manifest, prefetched while the framework starts
-            self.service.learn_job(self.cfg.job)
+            self.parts.manifests.learn("host", bearer(token), self.cfg.job)
 
     def _caller(self, context) -> tuple[str, str]:
         """A caller's token ("" : none, or this worker's) and host-cache namespace."""
-        scope, _ = self.service.link.credential(context)
+        scope, _ = self.parts.link.credential(context)
         token = token_from(context) or ""
-        return ("" if token == self.service.token else token), scope
+        return ("" if token == self.parts.link.token else token), scope
 
     async def _pjrt_gate(self, address: str) -> None:
         """The socket of the host's interposed PJRT compiles (worker/pjrtdoor/pjrtgate.py)."""
@@ -145,7 +142,7 @@ class Worker(Role):
         gate = PjrtGate(f"{address.removeprefix('unix://')}.pjrt", address,
                         wait_timeout_s=timeout_ms / 1000,
                         count=self.metrics.count_pjrt,
-                        tokens_required=bool(self.service.token))
+                        tokens_required=bool(self.parts.link.token))
         try:
             await gate.start()
             self.pjrt_gate = gate
@@ -166,7 +163,7 @@ class Worker(Role):
             address = cfg.relay_listen.rpartition(":")[0] + ":0"
         plane = RelayPlane(address, self.metrics.relay_data_plane)
         await plane.start()
-        self.service.fetches.relay_plane = plane
+        self.parts.fetches.relay_plane = plane
 
     async def _give_way(self) -> None:
         """The host's jobs come first: while their files leave the disk with
@@ -184,18 +181,18 @@ class Worker(Role):
         if self._hit_reports is not None:  # the last hits counted, before going
             self._hit_reports.cancel()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.service.report_hits_now(), 2.0)
+                await asyncio.wait_for(self.parts.reports.report_now(), 2.0)
         for task in (self._revocations, self._keep_free, self._dir_sync):
             if task is not None:
                 task.cancel()
-        if self.service.publishes.handoffs is not None:
-            await self.service.publishes.handoffs.stop()
+        if self.parts.publishes.handoffs is not None:
+            await self.parts.publishes.handoffs.stop()
         if self.pjrt_gate is not None:
             await self.pjrt_gate.stop()
         if self.relay_server is not None:
             await self.relay_server.stop(2.0)
-        if self.service.fetches.relay_plane is not None:
-            await self.service.fetches.relay_plane.stop()
+        if self.parts.fetches.relay_plane is not None:
+            await self.parts.fetches.relay_plane.stop()
         await self.service.close()
 
 
