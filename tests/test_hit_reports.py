@@ -110,7 +110,7 @@ def test_a_worker_reports_its_host_hits_with_its_token(secured, start_worker, tm
     start = CacheClient(secured.cfg.listen, token="a-pub").status().hits
     for _ in range(3):
         assert c.acquire("k").decision == pb.HIT  # the host cache answers
-    worker.lt.run(worker.parts.reports.report_now())
+    worker.lt.run(worker.parts.hits.report_now())
     eventually(lambda: CacheClient(secured.cfg.listen, token="a-pub").status().hits >= start + 3,
                "team-a counts the worker's hits")
 

@@ -35,7 +35,7 @@ from .decisions import HostDecisions
 from .hostcache import HostCache
 from .manifests import HostManifests
 from .metrics import WorkerMetrics
-from .reports import HitReports
+from .reports import HostHits
 from .upstream import CoordinatorLink, relay_error
 from .waits import HostWaits
 
@@ -49,7 +49,7 @@ class Source(Protocol):
 
 
 class HostCacheSource:
-    def __init__(self, cache: HostCache, reports: HitReports, metrics: WorkerMetrics) -> None:
+    def __init__(self, cache: HostCache, reports: HostHits, metrics: WorkerMetrics) -> None:
         self.cache = cache
         self.reports = reports
         self.metrics = metrics
@@ -62,7 +62,7 @@ class HostCacheSource:
                 answers[i] = hit_here(info, self.reports, self.metrics)
 
 
-def hit_here(info: pb.ArtifactInfo, reports: HitReports,
+def hit_here(info: pb.ArtifactInfo, reports: HostHits,
              metrics: WorkerMetrics) -> pb.AcquireResponse:
     """A HIT answered on the host: the coordinator never saw it (reported)."""
     metrics.lookups.labels("host_hit").inc()
@@ -74,7 +74,7 @@ class ManifestSource:
     """Also where a request learns its job: the job whose manifest records
     the key (coordinator/manifests.py), this host's own when it names none."""
 
-    def __init__(self, manifests: HostManifests, reports: HitReports, metrics: WorkerMetrics,
+    def __init__(self, manifests: HostManifests, reports: HostHits, metrics: WorkerMetrics,
                  *, job: str) -> None:
         self.manifests = manifests
         self.reports = reports
@@ -112,7 +112,7 @@ class StreamSource:
 
 class Upstream:
     def __init__(self, link: CoordinatorLink, decisions: HostDecisions, deciders: Deciders,
-                 reports: HitReports, metrics: WorkerMetrics) -> None:
+                 reports: HostHits, metrics: WorkerMetrics) -> None:
         self.link = link
         self.decisions = decisions
         self.deciders = deciders
@@ -164,14 +164,16 @@ class Upstream:
 
 
 class Answers:
-    """`sources`, in order, then `upstream`; `share_binary_timeout_ms`: the
-    longest a wait of this host's lasts (0: as the caller asks)."""
+    """`sources`, in order, then `upstream`; `jobs`: the manifests a wait
+    looks at first (their streams, and what the streams told of); and
+    `share_binary_timeout_ms`: the longest a wait of this host's lasts (0:
+    as the caller asks)."""
 
-    def __init__(self, sources: tuple[HostCacheSource, ManifestSource, StreamSource],
-                 upstream: Upstream, waits: HostWaits, metrics: WorkerMetrics, *,
+    def __init__(self, sources: Sequence[Source], upstream: Upstream, waits: HostWaits,
+                 metrics: WorkerMetrics, *, jobs: ManifestSource | None,
                  share_binary_timeout_ms: int) -> None:
-        self.sources: tuple[Source, ...] = sources
-        self.manifest, self.stream = sources[1], sources[2]
+        self.sources = tuple(sources)
+        self.jobs = jobs
         self.upstream = upstream
         self.waits = waits
         self.metrics = metrics
@@ -205,9 +207,10 @@ class Answers:
         COMPILE_LOCALLY."""
 
         async def one(req: pb.WaitRequest, until: bool) -> pb.WaitEvent:
-            stream = self.manifest.manifests.stream(ns, req.requester)
-            if stream is not None:
-                info = self.manifest.entry(ns, req.key)  # (the stream told of it meanwhile)
+            jobs = self.jobs
+            stream = jobs.manifests.stream(ns, req.requester) if jobs is not None else None
+            if jobs is not None and stream is not None:
+                info = jobs.entry(ns, req.key)  # (the stream told of it meanwhile)
                 if info is not None:
                     self.upstream.reports.saved_here(info)
                     return pb.WaitEvent(decision=pb.HIT, artifact=info)

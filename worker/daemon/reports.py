@@ -1,6 +1,6 @@
 """What a worker tells the coordinator of its host, and hears back:
 
-- `HitReports`: the hits answered here (the host cache, a job's manifest or
+- `HostHits`: the hits answered here (the host cache, a job's manifest or
   stream, a request shared among the host's processes) and the compile time
   they saved, counted on the host and reported (ReportHits) every so often;
   a report the coordinator refuses is dropped and said once a kind, never
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 PASSING = (Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED, Status.CANCELLED)  # sent with the next
 
 
-class HitReports:
+class HostHits:
     def __init__(self, link: CoordinatorLink, metrics: WorkerMetrics) -> None:
         self.link = link
         self.metrics = metrics

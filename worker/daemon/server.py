@@ -124,7 +124,7 @@ class Worker(Role):
                  self.cfg.coordinator, self.cfg.cache_dir)
         self._revocations = asyncio.create_task(
             self.parts.revocations.run(self.cfg.revocation_poll_s))
-        self._hit_reports = asyncio.create_task(self.parts.reports.run(HIT_REPORT_S))
+        self._hit_reports = asyncio.create_task(self.parts.hits.run(HIT_REPORT_S))
         self._keep_free = asyncio.create_task(self._give_way())
         self._dir_sync = asyncio.create_task(self.dirs.run(cfg.dir_sync_s))
         if self.cfg.job:  # the host's job: its manifest, prefetched while the framework starts
@@ -181,7 +181,7 @@ class Worker(Role):
         if self._hit_reports is not None:  # the last hits counted, before going
             self._hit_reports.cancel()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.parts.reports.report_now(), 2.0)
+                await asyncio.wait_for(self.parts.hits.report_now(), 2.0)
         for task in (self._revocations, self._keep_free, self._dir_sync):
             if task is not None:
                 task.cancel()

@@ -219,7 +219,7 @@ class WorkerService(rpc.CompileCacheServicer):
             # Hits this worker answered from its host cache, and answers it
             # shared among its processes, reach the coordinator's counts with
             # the next report: until then, they are added here.
-            parts.reports.add_to(resp)
+            parts.hits.add_to(resp)
             resp.role = "worker"
             resp.upstream = f"coordinator {self.link.address}"
         resp.waiting_here = parts.waits.waiting

@@ -10,7 +10,7 @@ builds a replica's): the one place that knows how they connect.
     Fetches           host cache hits from disk, a miss downloaded once
     Publishes         a process's publish forwarded, the worker's copy kept
     HostManifests     the jobs this host runs: their manifests and streams
-    HitReports        hits answered here, reported
+    HostHits        hits answered here, reported
     Revocations       purged digests dropped from the host
     Answers           an Acquire's and a Wait's answer from its sources in order
 """
@@ -34,7 +34,7 @@ from .hostcache import HostCache, HostCopies
 from .manifests import HostManifests
 from .metrics import WorkerMetrics
 from .publishes import Publishes
-from .reports import HitReports, Revocations
+from .reports import HostHits, Revocations
 from .upstream import CoordinatorLink
 from .waits import HostWaits
 
@@ -94,15 +94,16 @@ class WorkerParts:
         self.manifests = HostManifests(self.link, self.fetches,
                                        max_bytes=cache.store.max_bytes or 0,
                                        counted=self._prefetched, streams=s.job_streams)
-        self.reports = HitReports(self.link, metrics)
+        self.hits = HostHits(self.link, metrics)
         self.revocations = Revocations(self.link, cache, self.manifests, metrics,
                                        self.deciders.credentials)
-        upstream = Upstream(self.link, self.decisions, self.deciders, self.reports, metrics)
+        upstream = Upstream(self.link, self.decisions, self.deciders, self.hits, metrics)
+        jobs = ManifestSource(self.manifests, self.hits, metrics, job=s.job)
         self.answers = Answers(
-            (HostCacheSource(cache, self.reports, metrics),
-             ManifestSource(self.manifests, self.reports, metrics, job=s.job),
+            (HostCacheSource(cache, self.hits, metrics), jobs,
              StreamSource(self.manifests, metrics)),
-            upstream, self.waits, metrics, share_binary_timeout_ms=s.share_binary_timeout_ms)
+            upstream, self.waits, metrics, jobs=jobs,
+            share_binary_timeout_ms=s.share_binary_timeout_ms)
         metrics.waiting.set_function(lambda: self.waits.waiting)
         metrics.cache_bytes.set_function(lambda: cache.store.stored_bytes)
 
