@@ -36,7 +36,7 @@ from compilecast.wire import DataChunk
 from .claims import Claims
 from .etcd import (
     KV,
-    Etcd,
+    EtcdClient,
     cmp_absent,
     cmp_mod_revision,
     op_delete,
@@ -110,7 +110,7 @@ class ArtifactMetrics(Protocol):
 class Artifacts:
     """Publish, Release, KeepAlive and Fetch of one replica."""
 
-    def __init__(self, settings: ArtifactSettings, view: KeyView, claims: Claims, etcd: Etcd,
+    def __init__(self, settings: ArtifactSettings, view: KeyView, claims: Claims, etcd: EtcdClient,
                  store: ArtifactStore, presence: Presence, metrics: ArtifactMetrics,
                  uploads: Uploads, farm: Farm, leases: LeasePool) -> None:
         self.settings = settings

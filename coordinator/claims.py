@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from compilecast.errors import LeaseError, Unavailable
 from compilecast.v1 import cache_pb2 as pb
 
-from .etcd import KV, Etcd, GuardedBatcher, cmp_absent, cmp_mod_revision, op_put
+from .etcd import KV, EtcdClient, GuardedBatcher, cmp_absent, cmp_mod_revision, op_put
 from .keystate import KeyState, holder_name, lease_owner, local_verdict
 from .keyview import KeyView
 from .leases import LeasePool
@@ -45,7 +45,7 @@ class ClaimMetrics(Protocol):
 class Claims:
     """Taking and checking compile leases, and deciding an Acquire."""
 
-    def __init__(self, settings: ClaimSettings, view: KeyView, etcd: Etcd, leases: LeasePool,
+    def __init__(self, settings: ClaimSettings, view: KeyView, etcd: EtcdClient, leases: LeasePool,
                  records: KeyRecords, metrics: ClaimMetrics) -> None:
         self.settings = settings
         self.view = view

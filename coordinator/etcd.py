@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from etcd3.etcdrpc import rpc_pb2 as pb
@@ -116,6 +116,49 @@ def check_txn_size(compare: Sequence, success: Sequence, failure: Sequence) -> N
         raise TxnTooLarge(f"a txn of {len(compare)} compares, {len(success)} ops and "
                           f"{len(failure)} failure ops: etcd takes at most {MAX_TXN_OPS} "
                           "of each; batch it")
+
+
+class EtcdClient(Protocol):
+    """The etcd calls a replica's components make: what `Etcd` does over
+    gRPC, and what a test's in-memory etcd (tests/fake_etcd.py) does at this
+    interface. Components name this, never the concrete client."""
+
+    endpoints: list[str]
+
+    async def get(self, key: bytes) -> KV | None: ...
+
+    async def page(self, prefix: bytes, start: bytes | None, limit: int) -> Any: ...
+
+    async def get_prefix(self, prefix: bytes, *, limit: int = 0,
+                         newest_first: bool = False) -> list[KV]: ...
+
+    def scan_prefix(self, prefix: bytes, *, page: int = 1000) -> AsyncIterator[KV]: ...
+
+    async def keys_between(self, start: bytes, end: bytes) -> set[bytes]: ...
+
+    async def changed_since(self, prefix: bytes, revision: int) -> tuple[list[KV], int]: ...
+
+    async def count_prefix(self, prefix: bytes) -> int: ...
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int: ...
+
+    async def delete(self, key: bytes) -> None: ...
+
+    async def txn(self, compare: Any, success: Any, failure: Any = (), *,
+                  label: str = "Txn") -> tuple[bool, int, list]: ...
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[KV | None]: ...
+
+    async def grant(self, ttl: int) -> int: ...
+
+    async def revoke(self, lease_id: int) -> None: ...
+
+    async def keepalive_once(self, lease_id: int) -> int: ...
+
+    async def health(self) -> tuple[bool, str]: ...
+
+    def watch_prefix(self, prefix: bytes, start_revision: int
+                     ) -> AsyncIterator[tuple[int, list[Any]]]: ...
 
 
 class Etcd:
@@ -378,7 +421,7 @@ class WriteBatcher:
     for all of them instead of one each. A write returns once its txn is
     applied; a failed txn fails every write in it."""
 
-    def __init__(self, etcd: Etcd, max_ops: int = 128) -> None:
+    def __init__(self, etcd: EtcdClient, max_ops: int = 128) -> None:
         self.etcd = etcd
         self.max_ops = max_ops
         self._queue: dict[bytes, tuple[Any, list[asyncio.Future]]] = {}
@@ -544,7 +587,7 @@ class GuardedBatcher:
     two such rounds, alone). The compares must be of the kinds `_holds`
     evaluates."""
 
-    def __init__(self, etcd: Etcd, *, max_items: int = 32, in_flight: int = 1,
+    def __init__(self, etcd: EtcdClient, *, max_items: int = 32, in_flight: int = 1,
                  full_in_flight: int = 4) -> None:
         self.etcd = etcd
         self.max_items = max_items  # 4 compares and reads each: etcd's 128-op limit

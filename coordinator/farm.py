@@ -33,7 +33,7 @@ from compilecast.errors import CorruptBlob, InvalidRequest, LeaseError, NotFound
 from compilecast.store import ArtifactStore
 from compilecast.v1 import cache_pb2 as pb
 
-from .etcd import Etcd, cmp_absent, cmp_mod_revision, op_delete, op_put
+from .etcd import EtcdClient, cmp_absent, cmp_mod_revision, op_delete, op_put
 from .metrics import CoordinatorMetrics
 from .records import json_dict
 
@@ -54,7 +54,7 @@ def new_task_id() -> str:
 
 
 class Farm:
-    def __init__(self, etcd: Etcd, store: ArtifactStore, prefix: bytes,
+    def __init__(self, etcd: EtcdClient, store: ArtifactStore, prefix: bytes,
                  metrics: CoordinatorMetrics, claim_ttl_s: int) -> None:
         self.etcd = etcd
         self.claiming = 0  # ClaimCompile calls waiting for a task now

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from compilecast.errors import Unavailable
 from compilecast.v1 import cache_pb2 as pb
 
-from .etcd import KV, Etcd, cmp_mod_revision, op_delete
+from .etcd import KV, EtcdClient, cmp_mod_revision, op_delete
 from .keystate import RECORD_KINDS, RECORDS, KeyState, holder_name
 from .presence import Presence
 from .records import json_dict, plain, read_info, scope
@@ -50,7 +50,7 @@ class ViewMetrics(Protocol):
 class KeyView:
     """What this replica knows of each key, and how it reads what it does not."""
 
-    def __init__(self, settings: ViewSettings, etcd: Etcd, hub: WatchHub, presence: Presence,
+    def __init__(self, settings: ViewSettings, etcd: EtcdClient, hub: WatchHub, presence: Presence,
                  metrics: ViewMetrics) -> None:
         self.settings = settings
         self.etcd = etcd

@@ -45,7 +45,7 @@ from compilecast import tracing
 from compilecast.errors import Unavailable
 from compilecast.serving import cancel_all
 
-from .etcd import Etcd
+from .etcd import EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ Lease = tuple[int, float]  # (lease id, granted or last renewed at, monotonic)
 class LeasePool:
     OWNERS_MAX = 8192  # owners remembered (least recently used forgotten)
 
-    def __init__(self, etcd: Etcd, ttl_s: int, *, size: int = 32) -> None:
+    def __init__(self, etcd: EtcdClient, ttl_s: int, *, size: int = 32) -> None:
         self.etcd = etcd
         self.ttl_s = ttl_s
         self.size = size
@@ -210,7 +210,7 @@ class Session:
     its own records (the P/w waiter records) live on, kept alive while the
     replica runs and revoked when it stops."""
 
-    def __init__(self, etcd: Etcd, ttl_s: int) -> None:
+    def __init__(self, etcd: EtcdClient, ttl_s: int) -> None:
         self.etcd = etcd
         self.ttl_s = max(ttl_s, 5)
         self.replica = uuid.uuid4().hex[:16]

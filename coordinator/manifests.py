@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from compilecast.v1 import cache_pb2 as pb
 
-from .etcd import Etcd, WriteBatcher
+from .etcd import EtcdClient, WriteBatcher
 from .keyview import KeyView
 from .records import read_info, scope
 
@@ -61,7 +61,7 @@ def job_digest(tenant: str, job: str) -> str:
 
 
 class Manifests:
-    def __init__(self, etcd: Etcd, view: KeyView, prefix: bytes) -> None:
+    def __init__(self, etcd: EtcdClient, view: KeyView, prefix: bytes) -> None:
         self.etcd = etcd
         self.view = view
         self.prefix = prefix

@@ -24,7 +24,7 @@ from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import (
     MAX_TXN_OPS,
-    Etcd,
+    EtcdClient,
     cmp_mod_revision,
     op_delete,
     op_put,
@@ -141,7 +141,7 @@ class Operations:
     """Purge, Revoked, ReportHits and Status of one replica."""
 
     def __init__(self, settings: OperationSettings, view: KeyView, waiting: Waiting,
-                 session: Session, etcd: Etcd, store: ArtifactStore,
+                 session: Session, etcd: EtcdClient, store: ArtifactStore,
                  metrics: OperationMetrics, records: KeyRecords, farm: Farm) -> None:
         self.settings = settings
         self.view = view

@@ -27,7 +27,7 @@ from compilecast.v1 import cache_pb2 as pb
 from .etcd import cmp_absent, op_put
 
 if TYPE_CHECKING:
-    from .etcd import KV, Etcd
+    from .etcd import KV, EtcdClient
     from .metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class KeyRecords:
     ROUND_GAP_S = 0.1
     CLOSE_S = 5.0  # the longest a stop waits for the keys waiting to be recorded
 
-    def __init__(self, etcd: Etcd, prefix: bytes, metrics: CoordinatorMetrics) -> None:
+    def __init__(self, etcd: EtcdClient, prefix: bytes, metrics: CoordinatorMetrics) -> None:
         self.etcd = etcd
         self.prefix = prefix
         self.metrics = metrics

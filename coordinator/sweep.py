@@ -33,7 +33,7 @@ from .records import json_dict
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .etcd import Etcd
+    from .etcd import EtcdClient
     from .metrics import CoordinatorMetrics
     from .presence import Presence
     from .records import KeyRecords
@@ -45,7 +45,7 @@ GUARDED_PER_TXN = 25  # 3 compares and 2 deletes each: within etcd's 128 ops per
 
 
 class IndexSweeper:
-    def __init__(self, etcd: Etcd, prefix: bytes, presence: Presence,
+    def __init__(self, etcd: EtcdClient, prefix: bytes, presence: Presence,
                  records: KeyRecords, metrics: CoordinatorMetrics, *,
                  record_max_age_s: float, forget: Callable[[str, int], None]) -> None:
         self.etcd = etcd

@@ -25,7 +25,7 @@ from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
 
 from .claims import Claims
-from .etcd import Etcd, WriteBatcher, lease_gone
+from .etcd import EtcdClient, WriteBatcher, lease_gone
 from .keystate import (
     KeyState,
     KeyWaiters,
@@ -99,7 +99,7 @@ class Waiting:
     """Wait, and this replica's waiter records."""
 
     def __init__(self, settings: WaitSettings, view: KeyView, claims: Claims, session: Session,
-                 etcd: Etcd, metrics: WaitMetrics, records: KeyRecords, uploads: Uploads,
+                 etcd: EtcdClient, metrics: WaitMetrics, records: KeyRecords, uploads: Uploads,
                  background: Background) -> None:
         self.settings = settings
         self.view = view

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from compilecast.errors import Unavailable
 
-from .etcd import Etcd
+from .etcd import EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Subscription:
 
 
 class WatchHub:
-    def __init__(self, etcd: Etcd, prefix: bytes) -> None:
+    def __init__(self, etcd: EtcdClient, prefix: bytes) -> None:
         self.etcd = etcd
         self.prefix = prefix
         self._subs: dict[str, set[Subscription]] = defaultdict(set)

@@ -50,25 +50,25 @@ class Parts:
         self.metrics = CoordinatorMetrics(CollectorRegistry())
         self.store = DiskBlobStore(tmp_path / "store")
         self.presence = Presence(self.store, self.metrics.bucket_stalls)
-        self.hub = WatchHub(self.etcd, PREFIX)  # type: ignore[arg-type]
-        self.records = KeyRecords(self.etcd, PREFIX, self.metrics)  # type: ignore[arg-type]
-        self.leases = LeasePool(self.etcd, 10)  # type: ignore[arg-type]
-        self.session = Session(self.etcd, 10)  # type: ignore[arg-type]
+        self.hub = WatchHub(self.etcd, PREFIX)
+        self.records = KeyRecords(self.etcd, PREFIX, self.metrics)
+        self.leases = LeasePool(self.etcd, 10)
+        self.session = Session(self.etcd, 10)
         self.uploads = Uploads(self.hub.wake)
-        self.farm = Farm(self.etcd, self.store, PREFIX, self.metrics, 10)  # type: ignore[arg-type]
+        self.farm = Farm(self.etcd, self.store, PREFIX, self.metrics, 10)
         self.background = Background(logging.getLogger("test"))
 
     def view(self, **settings) -> KeyView:
-        return KeyView(ViewSettings(**settings), self.etcd, self.hub,  # type: ignore[arg-type]
+        return KeyView(ViewSettings(**settings), self.etcd, self.hub,
                        self.presence, self.metrics)
 
     def claims(self, view: KeyView) -> Claims:
-        return Claims(ClaimSettings(), view, self.etcd, self.leases,  # type: ignore[arg-type]
+        return Claims(ClaimSettings(), view, self.etcd, self.leases,
                       self.records, self.metrics)
 
     def artifacts(self, view: KeyView, claims: Claims) -> Artifacts:
         return Artifacts(ArtifactSettings(max_artifact_bytes=1 << 20), view, claims,
-                         self.etcd, self.store, self.presence,  # type: ignore[arg-type]
+                         self.etcd, self.store, self.presence,
                          self.metrics, self.uploads, self.farm, self.leases)
 
     @contextlib.contextmanager
@@ -85,7 +85,7 @@ class Parts:
 
     def waiting(self, view: KeyView, claims: Claims, **settings) -> Waiting:
         return Waiting(WaitSettings(**settings), view, claims, self.session,
-                       self.etcd, self.metrics, self.records,  # type: ignore[arg-type]
+                       self.etcd, self.metrics, self.records,
                        self.uploads, self.background)
 
 
@@ -209,7 +209,7 @@ def test_the_operations_alone_purge_a_key_and_revoke_its_bytes(tmp_path):
         with parts.publishing() as (view, claims, artifacts):
             waiting = parts.waiting(view, claims)
             operations = Operations(OperationSettings(store_description="disk (test)"), view,
-                                    waiting, parts.session, parts.etcd,  # type: ignore[arg-type]
+                                    waiting, parts.session, parts.etcd,
                                     parts.store, parts.metrics, parts.records, parts.farm)
             info = await published(claims, artifacts, b"to purge" * 10)
             dry = await operations.purge([KEY], [], "test", dry_run=True)
