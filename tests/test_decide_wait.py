@@ -243,9 +243,9 @@ def test_a_worker_retiring_a_stream_lets_its_waits_end(start_coordinator, tokens
                                                        start_worker, monkeypatch):
     """A worker keeps a bounded number of upstream streams (one per caller
     credential); the one it evicts is closed only once its waits have ended."""
-    from compilecast.worker.daemon import deciders
+    from compilecast.worker.daemon import decisions
 
-    monkeypatch.setattr(deciders, "MAX_DECIDERS", 1)
+    monkeypatch.setattr(decisions, "MAX_DECIDERS", 1)
     coordinator = start_coordinator(auth_tokens_file=str(tokens_file),
                                     allow_unauthenticated=False)
     w = start_worker(coordinator.cfg.listen)

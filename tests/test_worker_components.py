@@ -23,8 +23,7 @@ from compilecast.worker.daemon.answers import (
     StreamSource,
     Upstream,
 )
-from compilecast.worker.daemon.deciders import Deciders
-from compilecast.worker.daemon.decisions import HostDecisions
+from compilecast.worker.daemon.decisions import Deciders, HostDecisions
 from compilecast.worker.daemon.hostcache import HostCache, HostCopies
 from compilecast.worker.daemon.metrics import WorkerMetrics
 from compilecast.worker.daemon.reports import HostHits, Revocations
@@ -268,7 +267,7 @@ def test_a_revocation_drops_the_entry_and_the_manifests_entry(cache, metrics):
 
 
 def test_deciders_keep_one_stream_a_credential_and_retire_the_oldest(monkeypatch):
-    from compilecast.worker.daemon import deciders as module
+    from compilecast.worker.daemon import decisions as module
 
     monkeypatch.setattr(module, "MAX_DECIDERS", 2)
 

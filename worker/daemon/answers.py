@@ -11,7 +11,7 @@ an ordered list of sources, each a component, the first that has one:
                       goes upstream
     Upstream          one request a key for all the host's callers
                       (worker/daemon/decisions.py), in one message of the
-                      credential's Decide stream (worker/daemon/deciders.py);
+                      credential's Decide stream (worker/daemon/decisions.py);
                       an unreachable coordinator: COMPILE_LOCALLY at once
 
 A wait goes the same way: the job's stream where it serves the waiter, else
@@ -30,8 +30,7 @@ from compilecast import decide, retry, tracing, validate
 from compilecast.errors import UpstreamError
 from compilecast.v1 import cache_pb2 as pb
 
-from .deciders import Deciders
-from .decisions import HostDecisions
+from .decisions import Deciders, HostDecisions
 from .hostcache import HostCache
 from .manifests import HostManifests
 from .metrics import WorkerMetrics

@@ -1,4 +1,5 @@
-"""A host's decisions for one key, sent to the coordinator as one.
+"""A host's decisions upstream: one request a key for all the host's callers
+(HostDecisions), on one Decide stream a credential (Deciders).
 
 On a GPU host every process (one per GPU) asks for the same programs at the
 same moment. A process's request for a key joins one that another process of
@@ -17,14 +18,23 @@ key and credential, and takes its answer, instead of going upstream too:
 The coordinator then counts one decision for the host's processes; the
 worker counts every process's answer (`compilecast_worker_lookups_total`,
 and `compilecast_worker_decisions_total{how="upstream"|"joined"}`).
+
+The Decide streams upstream (compilecast/decide.py's `Decider`) are one a
+caller credential, the least recently used closed past MAX_DECIDERS once its
+waits have ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Awaitable, Callable, Hashable
 
+from compilecast.decide import Decider
+from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
+
+from .upstream import CoordinatorLink
 
 Upstream = Callable[[list[pb.AcquireRequest]], Awaitable[list[pb.AcquireResponse]]]
 
@@ -112,3 +122,46 @@ class HostDecisions:
         decided = [a for a in answers if a is not None]
         assert len(decided) == len(answers)  # each joined, or asked upstream
         return list(zip(decided, joined, strict=True))
+
+
+MAX_DECIDERS = 64  # upstream Decide streams kept open (one per caller credential)
+
+
+class Deciders:
+    """`gap_s`: between two messages of a Decide stream upstream."""
+
+    def __init__(self, link: CoordinatorLink, background: Background, *, gap_s: float) -> None:
+        self.link = link
+        self.background = background
+        self.gap_s = gap_s
+        self.open: collections.OrderedDict[tuple, Decider] = collections.OrderedDict()
+        self.retiring: set[Decider] = set()  # evicted, closed once their waits end
+
+    def of(self, md: tuple) -> Decider:
+        """The Decide stream to the coordinator for one upstream credential."""
+        decider = self.open.pop(md, None)
+        if decider is None:
+            decider = Decider(self.link.decisions, md, timeout_s=self.link.rpc_timeout_s,
+                              gap_s=self.gap_s)
+            if len(self.open) >= MAX_DECIDERS:  # the least recently used goes
+                _, old = self.open.popitem(last=False)
+                self.retiring.add(old)  # closed at shutdown too, if its waits last that long
+                self.background.spawn(self._retire(old))
+        self.open[md] = decider
+        return decider
+
+    def credentials(self) -> list[tuple]:
+        """The credentials of the streams open now (the per-job tokens in use)."""
+        return list(self.open)
+
+    async def _retire(self, decider: Decider) -> None:
+        """Close a stream no longer used once its waits have ended (they may
+        last the share-binary timeout: cutting them would fail them)."""
+        try:
+            await decider.close(when_idle=True)
+        finally:
+            self.retiring.discard(decider)
+
+    async def close(self) -> None:
+        for decider in [*self.open.values(), *self.retiring]:
+            await decider.close()

@@ -27,8 +27,7 @@ from compilecast.negotiate import Route, Routes
 from compilecast.serving import Background
 
 from .answers import Answers, HostCacheSource, ManifestSource, StreamSource, Upstream
-from .deciders import Deciders
-from .decisions import HostDecisions
+from .decisions import Deciders, HostDecisions
 from .fetches import Fetches
 from .hostcache import HostCache, HostCopies
 from .manifests import HostManifests
