@@ -582,36 +582,48 @@ static Entry *push_entry(Entry **es, size_t *n, size_t *cap) {
     return &(*es)[(*n)++];
 }
 
-/* Is this frontend attribute's key on the ignore list? -1: malformed. */
-static int ignored_attribute(const Ctx *c, const Field *f) {
-    const uint8_t *q = f->vs, *key = NULL;
-    size_t klen = 0;
+/* A frontend attribute's key (the map entry's field 1): 0, or -1 malformed. */
+static int attribute_key(const Field *f, const uint8_t **key, size_t *klen) {
+    const uint8_t *q = f->vs;
     Field g;
     int r;
+    *key = NULL;
+    *klen = 0;
     while ((r = next_field(&q, f->ve, &g)) > 0)
         if (g.num == 1 && g.wire == LEN) {
-            key = g.vs;
-            klen = (size_t)(g.ve - g.vs);
+            *key = g.vs;
+            *klen = (size_t)(g.ve - g.vs);
         }
-    if (r < 0) return -1;
+    return r < 0 ? -1 : 0;
+}
+
+/* Is this frontend attribute's key on the ignore list? -1: malformed. */
+static int ignored_attribute(const Ctx *c, const Field *f) {
+    const uint8_t *key;
+    size_t klen;
+    if (attribute_key(f, &key, &klen)) return -1;
     for (int i = 0; i < c->nattr; i++)
         if ((size_t)c->attr_len[i] == klen && (klen == 0 || memcmp(c->attr[i], key, klen) == 0))
             return 1;
     return 0;
 }
 
+/* A hook raised (the GIL held): its exception kept, re-raised at the end. */
+static void hook_failed(Ctx *c, const char *why) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    c->hook_error = value;
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    c->err = why;
+}
+
 /* Is this frontend attribute one of Shardy's ("xla.sdy." key)? -1: malformed. */
 static int sdy_attribute(const Field *f) {
-    const uint8_t *q = f->vs, *key = NULL;
-    size_t klen = 0;
-    Field g;
-    int r;
-    while ((r = next_field(&q, f->ve, &g)) > 0)
-        if (g.num == 1 && g.wire == LEN) {
-            key = g.vs;
-            klen = (size_t)(g.ve - g.vs);
-        }
-    if (r < 0) return -1;
+    const uint8_t *key;
+    size_t klen;
+    if (attribute_key(f, &key, &klen)) return -1;
     return klen >= 8 && memcmp(key, "xla.sdy.", 8) == 0;
 }
 
@@ -625,13 +637,7 @@ static __attribute__((noinline)) int renamed(Ctx *c, const Field *f, Buf *b) {
     Py_XDECREF(arg);
     int rc = -1;
     if (!r) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        c->hook_error = value;
-        Py_XDECREF(type);
-        Py_XDECREF(tb);
-        c->err = "the rename hook failed";
+        hook_failed(c, "the rename hook failed");
     } else if (!PyBytes_Check(r)) {
         c->err = "the rename hook must return bytes";
     } else if (put(b, (const uint8_t *)PyBytes_AS_STRING(r), (size_t)PyBytes_GET_SIZE(r))) {
@@ -655,13 +661,7 @@ static __attribute__((noinline)) int kernel_config(Ctx *c, const Field *f, Buf *
     Py_XDECREF(arg);
     int rc = -1;
     if (!r) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        c->hook_error = value;
-        Py_XDECREF(type);
-        Py_XDECREF(tb);
-        c->err = "the kernel hook failed";
+        hook_failed(c, "the kernel hook failed");
     } else if (r == Py_None) {
         rc = 0;
     } else if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 3 ||
