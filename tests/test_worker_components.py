@@ -16,17 +16,13 @@ from compilecast.errors import Status
 from compilecast.negotiate import Route
 from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.daemon.answers import (
-    Answers,
-    HostCacheSource,
-    ManifestSource,
-    StreamSource,
-    Upstream,
-)
-from compilecast.worker.daemon.decisions import Deciders, HostDecisions
-from compilecast.worker.daemon.hostcache import HostCache, HostCopies
+from compilecast.worker.daemon.answers import Answers
+from compilecast.worker.daemon.decisions import Deciders, HostDecisions, Upstream
+from compilecast.worker.daemon.hits import HostHits
+from compilecast.worker.daemon.hostcache import HostCache, HostCacheSource, HostCopies
+from compilecast.worker.daemon.manifests import ManifestSource, StreamSource
 from compilecast.worker.daemon.metrics import WorkerMetrics
-from compilecast.worker.daemon.reports import HostHits, Revocations
+from compilecast.worker.daemon.revocations import Revocations
 from compilecast.worker.daemon.upstream import CoordinatorLink, Relayed
 from compilecast.worker.daemon.waits import HostWaits
 from compilecast.worker.daemon.wiring import WorkerParts, WorkerSettings
@@ -123,8 +119,8 @@ def test_the_host_cache_answers_what_it_holds_and_counts_it_saved(cache, metrics
     info = stored(cache, "host", "k1", seconds=2 * 86_400.0)
     hits = HostHits(FakeLink(), metrics)
     answers: list = [None, None]
-    run(HostCacheSource(cache, hits, metrics).answer("host", (), [request("k1"), request("k2")],
-                                                     answers))
+    run(HostCacheSource(cache, hits).answer("host", (), [request("k1"), request("k2")],
+                                            answers))
     assert answers[0].decision == pb.HIT and answers[0].artifact.digest == info.digest
     assert answers[1] is None  # not held: the next source's
     assert hits.unreported == [1, validate.MAX_SECONDS_PER_HIT]  # a day's at most
@@ -135,7 +131,7 @@ def test_the_host_cache_answers_what_it_holds_and_counts_it_saved(cache, metrics
 def test_another_namespace_s_entry_is_no_hit(cache, metrics):
     stored(cache, "job-token-a", "k1")
     answers: list = [None]
-    run(HostCacheSource(cache, HostHits(FakeLink(), metrics), metrics).answer(
+    run(HostCacheSource(cache, HostHits(FakeLink(), metrics)).answer(
         "host", (), [request("k1")], answers))
     assert answers == [None]
 

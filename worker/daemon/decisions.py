@@ -28,15 +28,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Awaitable, Callable, Hashable
 
+from compilecast import retry, tracing
 from compilecast.decide import Decider
+from compilecast.errors import UpstreamError
 from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
 
-from .upstream import CoordinatorLink
+from .hits import HostHits
+from .metrics import WorkerMetrics
+from .upstream import CoordinatorLink, relay_error
 
-Upstream = Callable[[list[pb.AcquireRequest]], Awaitable[list[pb.AcquireResponse]]]
+Asking = Callable[[list[pb.AcquireRequest]], Awaitable[list[pb.AcquireResponse]]]
 
 
 def _share_key(scope: Hashable, r: pb.AcquireRequest) -> tuple | None:
@@ -61,7 +66,7 @@ class HostDecisions:
             self._counted.labels(how).inc(n)
 
     async def decide(self, scope: Hashable, requests: list[pb.AcquireRequest],
-                     upstream: Upstream) -> list[tuple[pb.AcquireResponse, bool]]:
+                     upstream: Asking) -> list[tuple[pb.AcquireResponse, bool]]:
         """(answer, joined) for each request, in order; what `upstream` raises
         for the requests it was sent propagates."""
         self.deciding += len(requests)
@@ -71,7 +76,7 @@ class HostDecisions:
             self.deciding -= len(requests)
 
     async def _decide(self, scope: Hashable, requests: list[pb.AcquireRequest],
-                      upstream: Upstream) -> list[tuple[pb.AcquireResponse, bool]]:
+                      upstream: Asking) -> list[tuple[pb.AcquireResponse, bool]]:
         loop = asyncio.get_running_loop()
         send: list[int] = []
         led: dict[int, tuple[tuple, asyncio.Future]] = {}  # position in send -> share
@@ -165,3 +170,61 @@ class Deciders:
     async def close(self) -> None:
         for decider in [*self.open.values(), *self.retiring]:
             await decider.close()
+
+
+class Upstream:
+    """An Acquire's last source: one request a key for all the host's
+    callers, in one message of the credential's Decide stream; an
+    unreachable coordinator: COMPILE_LOCALLY at once. And a wait upstream,
+    a message of the same stream."""
+
+    def __init__(self, link: CoordinatorLink, decisions: HostDecisions, deciders: Deciders,
+                 hits: HostHits, metrics: WorkerMetrics) -> None:
+        self.link = link
+        self.decisions = decisions
+        self.deciders = deciders
+        self.hits = hits
+        self.metrics = metrics
+        self._answered = metrics.upstream_decision_seconds.labels("answered")
+        self._unreachable = metrics.upstream_decision_seconds.labels("unreachable")
+
+    def local(self, rpc_name: str, exc: UpstreamError) -> str:
+        """Why a caller compiles locally: the coordinator does not answer."""
+        self.metrics.fallbacks.labels(rpc_name).inc()
+        return f"coordinator {self.link.address} unreachable ({exc.status.name}); compile locally"
+
+    async def answer(self, ns, md, requests, answers) -> None:
+        ask = [r for r, a in zip(requests, answers, strict=True) if a is None]
+        if not ask:
+            return
+        start = time.perf_counter()
+        try:  # shared with this host's other requests for the key (worker/daemon/decisions.py)
+            with tracing.span("worker.upstream.decide", keys=len(ask)):
+                for r in ask:  # ours, never a caller's map
+                    r.ClearField("trace_context")
+                    tracing.inject(r.trace_context)
+                upstream = await self.decisions.decide(md, ask, self.deciders.of(md).decide)
+            self._answered.observe(time.perf_counter() - start)
+        except UpstreamError as exc:  # (the Decider's: compilecast/decide.py's edge)
+            if exc.status not in retry.DEGRADED:
+                raise relay_error(exc) from None
+            self._unreachable.observe(time.perf_counter() - start)
+            why = self.local("acquire", exc)
+            upstream = [(pb.AcquireResponse(decision=pb.COMPILE_LOCALLY, reason=why), False)
+                        for _ in ask]
+        it = iter(upstream)
+        for i, a in enumerate(answers):
+            if a is not None:
+                continue
+            got, joined = next(it)
+            self.metrics.lookups.labels(pb.Decision.Name(got.decision).lower()).inc()
+            if joined:  # nor this one: another's request was (for Status)
+                self.hits.shared(got)
+            answers[i] = got
+
+    async def wait(self, md: tuple, request: pb.WaitRequest, until: bool) -> pb.WaitEvent:
+        self.metrics.waits.labels("upstream").inc()
+        with tracing.span("worker.upstream.wait", key=request.key):
+            request.ClearField("trace_context")  # ours, never a caller's map
+            tracing.inject(request.trace_context)
+            return await self.deciders.of(md).wait(request, until_publishing=until)

@@ -35,7 +35,9 @@ from compilecast.errors import CompilecastError
 from compilecast.v1 import cache_pb2 as pb
 
 from .fetches import Fetches
+from .hits import HostHits
 from .jobstream import JobStream
+from .metrics import WorkerMetrics
 from .upstream import CoordinatorLink
 
 log = logging.getLogger(__name__)
@@ -201,3 +203,49 @@ class HostManifests:
                 j.task.cancel()
             if j.stream is not None:
                 await j.stream.close()
+
+
+class ManifestSource:
+    """An Acquire's source: a HIT from the job's manifest, for exactly the
+    keys it lists (every byte served for it is verified as any fetch's).
+    Also where a request learns its job: the job whose manifest records
+    the key (coordinator/manifests.py), this host's own when it names none."""
+
+    def __init__(self, manifests: HostManifests, hits: HostHits, metrics: WorkerMetrics,
+                 *, job: str) -> None:
+        self.manifests = manifests
+        self.hits = hits
+        self.metrics = metrics
+        self.job = job
+
+    async def answer(self, ns, md, requests, answers) -> None:
+        for i, r in enumerate(requests):
+            r.manifest_job = r.manifest_job or r.requester.job or self.job
+            self.manifests.learn(ns, md, r.manifest_job)
+            if answers[i] is None and (info := self.entry(ns, r.key)) is not None:
+                answers[i] = self.hits.answered_here(info)
+
+    def entry(self, ns: str, key: str) -> pb.ArtifactInfo | None:
+        info = self.manifests.answer(ns, key)
+        if info is not None:
+            self.metrics.manifest_hits.inc()
+        return info
+
+
+class StreamSource:
+    """An Acquire's source: WAIT for a process of a job whose stream is
+    open (the job's designated process compiles; the stream says when it
+    published): nothing goes upstream."""
+
+    def __init__(self, manifests: HostManifests, metrics: WorkerMetrics) -> None:
+        self.manifests = manifests
+        self.metrics = metrics
+
+    async def answer(self, ns, md, requests, answers) -> None:
+        for i, r in enumerate(requests):  # a waiter of its job's designated process
+            if answers[i] is None and self.manifests.stream(ns, r.requester) is not None:
+                answers[i] = pb.AcquireResponse(decision=pb.WAIT, reason=(
+                    f"process {r.requester.designated_process} of job {r.requester.job} "
+                    "compiles; the job's stream tells this host"))
+                self.metrics.lookups.labels("wait").inc()
+                self.metrics.decisions.labels("stream").inc()

@@ -12,7 +12,8 @@ builds a replica's): the one place that knows how they connect.
     HostManifests     the jobs this host runs: their manifests and streams
     HostHits        hits answered here, reported
     Revocations       purged digests dropped from the host
-    Answers           an Acquire's and a Wait's answer from its sources in order
+    Answers           an Acquire's and a Wait's answer from its sources in order:
+                      HostCacheSource, ManifestSource, StreamSource, Upstream
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from compilecast import decide
 from compilecast.negotiate import Route, Routes
 from compilecast.serving import Background
 
-from .answers import Answers, HostCacheSource, ManifestSource, StreamSource, Upstream
-from .decisions import Deciders, HostDecisions
+from .answers import Answers
+from .decisions import Deciders, HostDecisions, Upstream
 from .fetches import Fetches
-from .hostcache import HostCache, HostCopies
-from .manifests import HostManifests
+from .hits import HostHits
+from .hostcache import HostCache, HostCacheSource, HostCopies
+from .manifests import HostManifests, ManifestSource, StreamSource
 from .metrics import WorkerMetrics
 from .publishes import Publishes
-from .reports import HostHits, Revocations
+from .revocations import Revocations
 from .upstream import CoordinatorLink
 from .waits import HostWaits
 
@@ -99,7 +101,7 @@ class WorkerParts:
         upstream = Upstream(self.link, self.decisions, self.deciders, self.hits, metrics)
         jobs = ManifestSource(self.manifests, self.hits, metrics, job=s.job)
         self.answers = Answers(
-            (HostCacheSource(cache, self.hits, metrics), jobs,
+            (HostCacheSource(cache, self.hits), jobs,
              StreamSource(self.manifests, metrics)),
             upstream, self.waits, metrics, jobs=jobs,
             share_binary_timeout_ms=s.share_binary_timeout_ms)
