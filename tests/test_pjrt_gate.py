@@ -157,7 +157,11 @@ def request(c: pjrtkeys.Compile, token: str = "") -> bytes:
 
 def read_reply(s: socket.socket) -> tuple[str, bytes]:
     """The first frame that is not a heartbeat: (header, payload)."""
-    f = s.makefile("rb")
+    return reply_from(s.makefile("rb"))
+
+
+def reply_from(f) -> tuple[str, bytes]:
+    """`read_reply` from a socket's file already being read."""
     while True:
         assert f.read(4) == b"CCP2"
         n = int.from_bytes(f.read(4), "little")
@@ -307,16 +311,15 @@ def test_a_program_over_two_processes_is_compiled_by_its_designated_process(gate
     """The per-program rule through the gate: the other process asks first,
     and waits (heartbeats) until the designated one has published."""
     path, _, _ = gate
-    waiter = socket.socket(socket.AF_UNIX)
-    waiter.settimeout(60)
-    waiter.connect(path)
-    waiter.sendall(request(two_process_compile(1)))
-    f = waiter.makefile("rb")
-    assert f.read(4) == b"CCP2"  # a heartbeat: it waits, it does not compile
-    assert f.read(4 + len("WAITING") + 1)[4:] == b"WAITING\x01"
-    within = f.read(int.from_bytes(f.read(8), "little"))  # the seconds the answer can take
-    assert within.isdigit() and 0 < int(within) <= 20 * 60 + 120
-    with socket.socket(socket.AF_UNIX) as holder:
+    with socket.socket(socket.AF_UNIX) as waiter, socket.socket(socket.AF_UNIX) as holder:
+        waiter.settimeout(60)
+        waiter.connect(path)
+        waiter.sendall(request(two_process_compile(1)))
+        f = waiter.makefile("rb")
+        assert f.read(4) == b"CCP2"  # a heartbeat: it waits, it does not compile
+        assert f.read(4 + len("WAITING") + 1)[4:] == b"WAITING\x01"
+        within = f.read(int.from_bytes(f.read(8), "little"))  # the seconds the answer can take
+        assert within.isdigit() and 0 < int(within) <= 20 * 60 + 120
         holder.settimeout(60)
         holder.connect(path)
         holder.sendall(request(two_process_compile(0)))
@@ -324,8 +327,8 @@ def test_a_program_over_two_processes_is_compiled_by_its_designated_process(gate
         assert head.startswith("COMPILE ")
         holder.sendall(frame("publish 2.0", b"the job's executable"))
         assert read_reply(holder)[0].startswith("OK published")
-    head, payload = read_reply(waiter)
-    waiter.close()
+        head, payload = reply_from(f)
+        f.close()
     assert head.split()[:2] == ["HIT", head.split()[1]] and payload == b"the job's executable"
 
 
