@@ -349,8 +349,10 @@ def canonicalize(module: Any, cfg: KeyConfig, *, copy: bool = True) -> Any:
 # -- mesh axes -------------------------------------------------------------------
 
 # Attributes that name a Shardy mesh's axes (besides any "sdy."-prefixed one).
+# (`replica_groups`: a collective's groups by mesh axes, #stablehlo.axis_ref, as
+# JAX 0.12 lowers a psum inside shard_map.)
 _AXIS_ATTRS = frozenset({"mesh", "sharding", "arg_attrs", "res_attrs", "in_shardings",
-                         "out_shardings", "manual_axes", "stablehlo.mesh"})
+                         "out_shardings", "manual_axes", "stablehlo.mesh", "replica_groups"})
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _MESH_AXIS = re.compile(r'"((?:[^"\\]|\\.)*)"\s*=\s*\d+')
 
