@@ -46,9 +46,8 @@ OUT_OF_SPACE_HELP = ("its database passed its space quota and it refuses writes 
 MAX_TXN_OPS = 128
 
 
-def lease_gone(exc: grpc.aio.AioRpcError) -> bool:
-    """Whether etcd refused a write because its lease no longer exists."""
-    return exc.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in (exc.details() or "")
+class LeaseGone(Exception):
+    """etcd refused a write because its lease no longer exists (it expired)."""
 
 
 class TxnTooLarge(ValueError):
@@ -234,6 +233,8 @@ class Etcd:
                     delay *= 4
                     continue
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    if "lease not found" in (exc.details() or "") and service == "kv":
+                        raise LeaseGone(exc.details()) from None  # a write on an expired lease
                     raise  # e.g. revoking a lease that already expired
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED \
                         and "space exceeded" in (exc.details() or ""):

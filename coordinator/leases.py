@@ -235,7 +235,7 @@ class Session:
             return False
         if not gone or self._lease != lease_id:
             return False
-        log.warning("the session lease expired; its records are written again on a new one")
+        log.warning("the replica's lease expired; its records are written again on a new one")
         self._lease = 0
         return True
 

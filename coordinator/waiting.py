@@ -14,8 +14,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import grpc
-
 from compilecast import validate
 from compilecast.errors import (
     InvalidRequest,
@@ -25,7 +23,7 @@ from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
 
 from .claims import Claims
-from .etcd import EtcdClient, WriteBatcher, lease_gone
+from .etcd import EtcdClient, LeaseGone, WriteBatcher
 from .keystate import (
     KeyState,
     KeyWaiters,
@@ -322,11 +320,11 @@ class Waiting:
                         await self._waiter_writes.put(self._waiters_key(sk), here.record(),
                                                       lease=lease)
                     break
-                except grpc.aio.AioRpcError as exc:
-                    # The session lease expired under a burst (the loop fell
+                except LeaseGone:
+                    # The replica's lease expired under a burst (the loop fell
                     # behind its keepalive), or a write of this batch still
                     # named it: written again on the new one.
-                    if not lease_gone(exc) or attempt == LEASE_RETRIES:
+                    if attempt == LEASE_RETRIES:
                         raise
                     if await self.session.lost(lease):  # every record of the replica's went too
                         for other in self._waiting:
