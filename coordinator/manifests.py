@@ -130,10 +130,10 @@ class Manifests:
                 # (stored before: written again on this replica's first ask)
                 noted.keys.setdefault(kv.key[len(prefix):].decode(errors="replace"), -REWRITE_S)
         finally:
-            self._noted_keys += len(noted.keys)
             noted.loading = None
             pending, noted.pending = noted.pending, {}
-            if self._noted.get((tenant, job)) is noted:
+            if self._noted.get((tenant, job)) is noted:  # (else forgotten while read: uncounted)
+                self._noted_keys += len(noted.keys)
                 self._forget_oldest()
                 for key in pending:
                     self._record(tenant, job, key)

@@ -93,13 +93,13 @@ class Answers:
             if jobs is not None and stream is not None:
                 info = jobs.entry(ns, req.key)  # (the stream told of it meanwhile)
                 if info is not None:
-                    self.upstream.hits.saved_here(info)
+                    jobs.hits.saved_here(info)
                     return pb.WaitEvent(decision=pb.HIT, artifact=info)
                 self.metrics.waits.labels("stream").inc()  # (sent on it; maybe upstream next)
                 event = await stream.wait(req, until)
                 if event is not None:
                     if event.decision == pb.HIT:  # (the coordinator answered no wait of ours)
-                        self.upstream.hits.saved_here(event.artifact)
+                        jobs.hits.saved_here(event.artifact)
                     return event
             return await self.upstream.wait(md, req, until)
 

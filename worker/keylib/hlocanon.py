@@ -341,15 +341,12 @@ def _attribute(m: _Module, wire: int, s: int, vs: int, ve: int) -> bytes | None:
     entries are sorted by their bytes."""
     if wire != LEN:
         raise ValueError("a frontend attribute that is not a message")
-    if m.attributes:
-        key = b""
-        for g, w2, _s, vs2, ve2, _v in fields(m.buf, vs, ve):
-            if g == 1 and w2 == LEN:
-                key = m.buf[vs2:ve2]
+    if m.attributes or m.rename is not None:
+        key = _attribute_key(m.buf, vs, ve)
         if key in m.attributes:
             return None
-    if m.rename is not None and _attribute_key(m.buf, vs, ve).startswith(SDY):
-        return _renamed(m.rename, m.buf[s:ve])
+        if m.rename is not None and key.startswith(SDY):
+            return _renamed(m.rename, m.buf[s:ve])
     return m.buf[s:ve]
 
 
