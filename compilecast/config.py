@@ -162,6 +162,11 @@ class CoordinatorConfig(Checked):
             "workers fetching an artifact of S bytes at once are chained, each relaying to one "
             "(a whole link each), while the chain is shorter than S / this; later ones join a "
             "tree of relay_fanout peers per worker (0: never chain)"))
+    job_stream_fanout: int = field(
+        default=32, metadata=_help(
+            "streams of one job this replica serves itself; later ones go to a worker that "
+            "relays the job's news (relay_listen) and so down a tree of this many per node "
+            "(0: every stream here)"))
     publish_stream_readers: int = field(
         default=0, metadata=_help("waiters an upload in progress streams to as it arrives "
                                   "(later ones get the committed blob); 0: waiters fetch once "
@@ -217,7 +222,8 @@ class CoordinatorConfig(Checked):
                                   f"({self.max_artifact_bytes})")
 
         def counts() -> None:
-            for name in ("relay_fanout", "relay_chain_bytes", "publish_stream_readers"):
+            for name in ("relay_fanout", "relay_chain_bytes", "publish_stream_readers",
+                         "job_stream_fanout"):
                 if getattr(self, name) < 0:
                     raise ConfigError(f"{name} must be >= 0")
 
@@ -349,8 +355,12 @@ class WorkerConfig(Checked):
                                      "when a coordinator over one offers a presigned URL "
                                      "(the bytes do not go through the coordinator)"))
     relay_listen: str = field(
-        default="", metadata=_help("host:port where this worker relays artifacts it downloads "
-                                   "to other workers (empty: no relaying)"))
+        default="", metadata=_help("host:port where this worker relays artifacts it downloads, "
+                                   "and its jobs' news, to other workers (empty: no "
+                                   "relaying)"))
+    job_relay_fanout: int = field(
+        default=32, metadata=_help("peer workers this one relays a job's news to (with "
+                                   "relay_listen); later ones go further down the tree"))
     relay_advertise: str = field(
         default="", metadata=_help("host:port other workers dial for relayed artifacts "
                                    "(default: this host's name and relay_listen's port)"))
@@ -386,6 +396,8 @@ class WorkerConfig(Checked):
                 _hostport(self.relay_advertise, "relay_advertise")
             if self.relay_data_listen not in ("auto", "off"):
                 _hostport(self.relay_data_listen, "relay_data_listen")
+            if self.job_relay_fanout < 1:
+                raise ConfigError("job_relay_fanout must be >= 1")
 
         def listen() -> None:
             check_address(self.listen, "listen")

@@ -100,6 +100,15 @@ def acquire_request(r: pb.AcquireRequest) -> None:
     job(r.manifest_job, "manifest_job")
 
 
+def relay_address(address: str) -> str:
+    """A peer worker's host:port, as a request names where it relays."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(address) > 256 \
+            or any(c.isspace() or c == "/" for c in address):
+        raise InvalidRequest(f"relay_address {address[:80]!r} is invalid: use host:port")
+    return address
+
+
 def job(value: str, what: str = "job") -> str:
     """A job's name (a manifest's, a recipe's): at most 128 of [A-Za-z0-9._:-],
     not dots alone (a name "." or ".." reads as a path)."""

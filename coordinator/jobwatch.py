@@ -32,6 +32,17 @@ Its end goes to the hosts:
   ask for one by one, as without a stream, and the replica stops waiting for
   it.
 
+The tree (compilecast/jobtree.py): the replica serves `fanout` of a job's
+streams; a later one, from a host whose worker relays the job's news
+(relay_address), is pointed at a served stream of the same identity that
+relays (`relay_from`), and its worker serves it or points it further down
+(worker/daemon/jobrelay.py). A relay's stream is a host's stream as this
+replica sees it: it names its subtree's keys once and says its subtree's
+first-ranked process, so a turn given to it is passed down to that
+process's host. The news sent to every stream is numbered (the job's
+NewsLog: an epoch for this replica's run of the job, a seq a message), and
+a stream that opens again with the last it heard resumes after it.
+
 Bounds: MAX_STREAMS streams on a replica, TENANT_STREAMS of them a tenant's,
 IDENTITY_STREAMS an identity's (READER_STREAMS one that may only read),
 MAX_KEYS keys waited for a job, a stream's unsent messages (QUEUED: a host
@@ -44,12 +55,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from compilecast import validate
+from compilecast import jobtree, validate
 from compilecast.errors import InvalidRequest, TooMany
 from compilecast.grpcutil import one_line
+from compilecast.jobtree import QUEUED, Branch, NewsLog, Outbox
 from compilecast.v1 import cache_pb2 as pb
 
 from .keyview import KeyView
@@ -64,33 +77,27 @@ TENANT_STREAMS = 15_000  # of them by one tenant (the others keep a quarter)
 IDENTITY_STREAMS = TENANT_STREAMS  # by one identity that may publish (a job's worker token)
 READER_STREAMS = 1_000  # by one identity that may only read
 MAX_WAITS = 1000  # keys a message may name
-QUEUED = 1024  # messages a stream has not sent yet; past it the stream is ended
 FLUSH_S = (0.02, 1.0)  # a job's news is gathered at least, at most this long into a message
 SEND_S = 1e-4  # gathered this long a stream: sending costs a replica ~1/5 of a core at most
-END = object()  # a stream's queue: the stream ends
 
 
 @dataclass(eq=False)
 class _Stream:
     may_publish: bool
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    open: bool = True
+    identity: str = ""
+    branch: Branch = field(default_factory=lambda: Branch(""))  # where it relays the news
+    outbox: Outbox = field(default_factory=Outbox)
     first: First | None = None  # the first-ranked process its host serves, once said
-    behind: bool = False  # ended because its host read too slowly
+
+    @property
+    def open(self) -> bool:
+        return self.outbox.open
 
     def send(self, message: pb.JobEvents | bytes) -> None:
-        if not self.open:
-            return
-        if self.queue.qsize() >= QUEUED:  # a host that does not read: it asks key by key
-            self.behind = True
-            self.end()
-            return
-        self.queue.put_nowait(message)
+        self.outbox.send(message)  # (past its bound: ended, and its host asks key by key)
 
     def end(self) -> None:
-        if self.open:
-            self.open = False
-            self.queue.put_nowait(END)
+        self.outbox.end()
 
 
 First = tuple[int, _Stream, pb.Requester]  # a stream whose host's process ranks first
@@ -116,11 +123,17 @@ class _Job:
     claimed: list[str] = field(default_factory=list)
     publishing: list[pb.ArtifactInfo] = field(default_factory=list)
     flush: asyncio.TimerHandle | None = None
+    log: NewsLog = field(default_factory=lambda: NewsLog(os.urandom(8).hex()))
 
-    def said(self, first: First) -> None:
-        """A stream said which process its host serves first."""
+    def said(self, stream: _Stream, first: First) -> None:
+        """A stream said which process its host (a relay: its subtree) serves
+        first, in place of what it said before."""
+        was, stream.first = stream.first, first
         if _before(first[0], self.first):
             self.first = first
+        elif was is not None and self.first is was:  # its first went: counted again
+            said = [s.first for s in self.streams if s.open and s.first is not None]
+            self.first = min(said, key=lambda f: f[0])
         self.ranked.set()
 
     def first_open(self) -> First | None:
@@ -132,6 +145,12 @@ class _Job:
             if self.first is None:
                 self.ranked.clear()
         return self.first
+
+
+def _ended() -> Outbox:
+    outbox = Outbox()
+    outbox.end()
+    return outbox
 
 
 def _before(rank: int, first: First | None) -> bool:
@@ -174,15 +193,23 @@ GiveBack = Callable[[str, pb.Lease, str], Awaitable[None]]
 
 
 class JobWatches:
-    def __init__(self, waiting: Waiting, view: KeyView, give_back: GiveBack) -> None:
+    """`fanout`: streams of a job served here before newcomers go down the
+    tree (0: all of them here)."""
+
+    def __init__(self, waiting: Waiting, view: KeyView, give_back: GiveBack, *,
+                 fanout: int = jobtree.FANOUT) -> None:
         self.waiting = waiting
         self.view = view
         self.give_back = give_back
+        self.fanout = fanout
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._held: dict[str | tuple[str, str], int] = {}  # open streams by tenant, identity
         self.streams = 0  # open now (Status, tests)
         self.turns = 0  # keys given to a stream's host to compile
         self.named = 0  # keys hosts named (nobody had claimed them that they knew of)
+        self.redirected = 0  # streams pointed down the tree
+        self.resumed = 0  # streams that resumed the news after what they had heard
+        self.sent_bytes = 0  # the news's bytes sent on every stream (egress)
 
     def _admit(self, tenant: str, identity: str, may_publish: bool) -> None:
         """TooMany past a bound: the replica's, its tenant's, its identity's
@@ -209,31 +236,45 @@ class JobWatches:
         if not first.job:
             raise InvalidRequest("name the job to watch in the stream's first message")
         validate.job(first.job)
-        self._admit(tenant, identity, may_publish)
+        if first.relay_address:
+            validate.relay_address(first.relay_address)
         job = self._jobs.get((tenant, first.job))
+        if job is not None and not first.direct:
+            relay = jobtree.place([s.branch for s in job.streams if s.open and
+                                   s.identity == identity and s.may_publish == may_publish],
+                                  self.fanout)
+            if relay is not None:  # down the tree: its worker serves the newcomer
+                self.redirected += 1
+                yield pb.JobEvents(relay_from=relay.address)
+                return
+        self._admit(tenant, identity, may_publish)
         if job is None:
             job = self._jobs[(tenant, first.job)] = _Job(tenant, first.job)
-        me = _Stream(may_publish)
+        me = _Stream(may_publish, identity, Branch(first.relay_address))
         job.streams.add(me)
         self.streams += 1
         held = (tenant, identity)
         self._held[tenant] = self._held.get(tenant, 0) + 1
         self._held[held] = self._held.get(held, 0) + 1
+        news = job.log.after(first.since_epoch, first.since_seq) if first.since_epoch else None
+        self.resumed += news is not None
+        for message in news or ():
+            me.send(message)
         reader = asyncio.ensure_future(self._read(job, me, first, it))
         try:
-            yield pb.JobEvents()  # open
-            while True:
-                message = await me.queue.get()
-                if message is END:
-                    break
-                yield message
+            yield pb.JobEvents(epoch=job.log.epoch,  # open: the news follows from seq
+                               seq=first.since_seq if news is not None else job.log.seq,
+                               resumed=news is not None)
+            while (data := await me.outbox.next()) is not None:
+                self.sent_bytes += len(data)
+                yield data
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 raise reader.exception()  # type: ignore[misc]
-            if me.behind:
+            if me.outbox.behind:
                 raise TooMany(f"the host read too slowly ({QUEUED} messages unsent); "
                               "open the stream again, and ask key by key meanwhile")
         finally:
-            me.open = False
+            me.end()
             reader.cancel()
             self.streams -= 1
             for k in (tenant, held):
@@ -263,9 +304,8 @@ class JobWatches:
                         raise InvalidRequest("the stream's requester runs another job")
                     # A stream that may not publish ranks nowhere: a wait in its
                     # name is never promoted, so a turn must never wait on it.
-                    if me.may_publish and _before(r.process_id, me.first):
-                        me.first = (r.process_id, me, r)
-                        job.said(me.first)
+                    if me.may_publish:
+                        job.said(me, (r.process_id, me, r))
                 self.named += len(message.waits)
                 for w in message.waits:
                     self._want(job, me, w)
@@ -320,7 +360,7 @@ class JobWatches:
             while True:
                 first = k.first if k.first is not None and k.first[1].open else job.first_open()
                 if first is None:  # no host said who it serves yet: one that takes no turn
-                    first = (-1, _Stream(False, open=False),
+                    first = (-1, _Stream(False, outbox=_ended()),
                              pb.Requester(job=job.job, process_id=(1 << 31) - 1,
                                           designated_process=0, client="a job's stream"))
                 _, stream, requester = first
@@ -377,7 +417,9 @@ class JobWatches:
     def _flush(self, job: _Job) -> None:
         job.flush = None
         message = pb.JobEvents(published=job.published, ask=job.ask, claimed=job.claimed,
-                               publishing=job.publishing).SerializeToString()
+                               publishing=job.publishing, seq=job.log.seq + 1,
+                               epoch=job.log.epoch).SerializeToString()
+        job.log.add(job.log.seq + 1, message)
         job.published, job.ask, job.claimed, job.publishing = [], [], [], []
         for s in list(job.streams):
             s.send(message)  # (serialized once, sent to every host: wire.SERIALIZED)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from compilecast.errors import InvalidRequest
-
 
 @dataclass
 class _Node:
@@ -30,14 +28,6 @@ class _Node:
 
 
 MAX_TREES = 4096
-
-
-def check_address(address: str) -> str:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(address) > 256 \
-            or any(c.isspace() or c == "/" for c in address):
-        raise InvalidRequest(f"relay_address {address[:80]!r} is invalid: use host:port")
-    return address
 
 
 class RelayTrees:

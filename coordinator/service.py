@@ -19,7 +19,6 @@ from .auth import Authenticator, Principal
 from .dataplane import DataPlane
 from .operations import reporter_host
 from .records import scope
-from .relay import check_address
 from .state import CoordinatorState
 
 
@@ -167,7 +166,7 @@ class CoordinatorService(rpc.CompileCacheServicer):
                                               as_stored=request.accept_zstd)
         if request.relay_address and self.state.cfg.relay_fanout > 0:
             parent = self.state.relays.assign((who.tenant, info.digest),
-                                              check_address(request.relay_address), info.size)
+                                              validate.relay_address(request.relay_address), info.size)
             if parent is not None:
                 self.state.metrics.relays.inc()
                 yield pb.FetchChunk(artifact=info, relay_from=parent)

@@ -12,20 +12,34 @@ It serves waits of a job's processes that are not the program's designated
 process (that one asks for its lease, as always). A wait the stream cannot
 serve (not open yet, broken, or the coordinator said "ask" of its key, then
 or before) is answered None, and its caller waits upstream as without a stream: a stream is a way
-to learn sooner and cheaper, never a reason to hang or to compile. A broken
-stream is opened again after a pause (retry.JOB_STREAM).
+to learn sooner and cheaper, never a reason to hang or to compile.
+
+The stream may be served by the coordinator or by a peer worker that relays
+the job's news (compilecast/jobtree.py): the coordinator's first answer
+may point it there (`relay_from`), and a relay that fails it sends it back to
+the coordinator, to be served there (`direct`). A stream that breaks after it
+was open is opened again at once with the last news it heard (its waits are
+kept meanwhile): where the news is still held, it resumes after it; where
+not, the host names again what it waits for. Only when that reconnect
+fails do its waits go upstream, and it is opened again after a pause
+(retry.JOB_STREAM). A worker that relays (relay_address) serves its own
+subtree of the job's streams (worker/daemon/jobrelay.py): it names its
+children's keys upstream once, and says its subtree's first-ranked process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
-from compilecast import retry
+from compilecast import jobtree, retry
 from compilecast.errors import CompilecastError
+from compilecast.jobtree import NewsLog
 from compilecast.v1 import cache_pb2 as pb
 
+from .jobrelay import Subtree
 from .upstream import CoordinatorLink
 
 log = logging.getLogger(__name__)
@@ -36,25 +50,41 @@ MAX_WAITS = 1000  # keys a message names (the coordinator's bound)
 # streams), so that a claim reaches every host before any names the key.
 NAME_AFTER_S = 3.0
 MAX_CLAIMED = 100_000  # claimed keys remembered, and asked ones (past it, the oldest go)
+MAX_HOPS = 8  # relays a stream is pointed through before the coordinator serves it
+HELD_S = 1.0  # a stream open this long is opened again at once when it breaks
 
 
 class JobStream:
     """`published`: the job's artifacts as they are published (the host's
-    manifest learns them)."""
+    manifest learns them); `known`: a key's artifact where this host knows
+    it published (a child's wait answered at once); `relay_address`: where
+    this worker serves its subtree of the job's streams ("": it relays
+    nothing)."""
 
     def __init__(self, link: CoordinatorLink, md: tuple, job: str,
-                 published: Callable[[list[pb.ArtifactInfo]], None]) -> None:
+                 published: Callable[[list[pb.ArtifactInfo]], None], *,
+                 known: Callable[[str], pb.ArtifactInfo | None] = lambda key: None,
+                 relay_address: str = "", fanout: int = jobtree.FANOUT) -> None:
         self.link = link
         self.md = md
         self.job = job
         self.published = published
-        self.live = False  # open: the coordinator said so
+        self.known = known
+        self.relay_address = relay_address
+        self.log = NewsLog()  # the job's news as heard (what a reconnect resumes after)
+        self.subtree = Subtree(job, self, fanout=fanout) if relay_address else None
+        self.live = False  # open: the coordinator (or a relay) said so
+        self.upstream = ""  # the relay that serves it ("": the coordinator)
         self.opened = 0  # times it opened (status, tests)
+        self.resumed = 0  # of them, resuming the news after what it had heard
+        self.restarted = 0  # reopened where the news could not resume: waits named again
+        self._resuming = False  # broken, opened again at once: its waits are kept
+        self._named: dict[str, pb.WaitRequest] = {}  # named upstream, not answered yet
+        self._said_first: pb.Requester | None = None  # the rank said on this stream
         self._waiting: dict[str, asyncio.Future[pb.WaitEvent | None]] = {}
         self._claimed: dict[str, None] = {}  # (in the order heard)
         self._asked: dict[str, None] = {}  # keys to ask for one by one, as the stream said
         self._first: pb.Requester | None = None  # the first-ranked process here, once said
-        self._said = False
         self._outbox: list[pb.WaitRequest] = []
         self._more = asyncio.Event()
         self._releases: set[asyncio.Future[None]] = set()
@@ -76,11 +106,11 @@ class JobStream:
                 return event
 
     async def _next(self, request: pb.WaitRequest) -> pb.WaitEvent | None:
-        if not self.live or request.key in self._asked:
+        if not (self.live or self._resuming) or request.key in self._asked:
             return None
         r = request.requester
         if self._first is None or r.process_id < self._first.process_id:
-            self._first, self._said = pb.Requester(), False
+            self._first = pb.Requester()
             self._first.CopyFrom(r)
             self._more.set()
         done = self._waiting.get(request.key)
@@ -94,51 +124,131 @@ class JobStream:
 
     def _name(self, done: asyncio.Future, request: pb.WaitRequest) -> None:
         """Name a key still waited for that nobody has claimed."""
-        if self.live and self._waiting.get(request.key) is done and \
-                request.key not in self._claimed:
-            self._outbox.append(request)
-            self._more.set()
+        if (self.live or self._resuming) and self._waiting.get(request.key) is done:
+            self.name([request])
 
+    # -- what the subtree asks (worker/daemon/jobrelay.py's Upward) ---------------------
+    def name(self, requests: list[pb.WaitRequest]) -> None:
+        """Name keys upstream, once each while unanswered (none claimed: its
+        publish comes to every host)."""
+        for r in requests:
+            if r.key not in self._claimed and r.key not in self._named:
+                self._named[r.key] = r
+                self._outbox.append(r)
+        self._more.set()
+
+    def ranked(self) -> None:
+        """The subtree's first-ranked process may have changed: said again."""
+        self._more.set()
+
+    def _rank(self) -> pb.Requester | None:
+        """The first-ranked process of this host and its subtree."""
+        below = self.subtree.first() if self.subtree is not None else None
+        if self._first is None or (below is not None and
+                                   below.process_id < self._first.process_id):
+            return below
+        return self._first
+
+    # -- the stream ---------------------------------------------------------------------
     async def _run(self) -> None:
         tries = 0  # since it was last open
         while True:
-            opened = self.opened
+            opened, began = self.opened, time.monotonic()
             try:
                 await self._follow()
             except CompilecastError as exc:
-                log.info("job %s: its stream ended (%s: %s); its waits go upstream key by "
-                         "key", self.job, exc.status.name, exc)
-            finally:
-                self.live = False
-                self._end_all()
+                log.info("job %s: its stream ended (%s: %s)", self.job, exc.status.name, exc)
+            self.live = False
+            if self.opened > opened and time.monotonic() - began >= HELD_S \
+                    and not self._resuming:
+                self._resuming = True  # opened again at once, its waits kept
+                continue
+            self._resuming = False
+            self._end_all()  # its waits go upstream key by key meanwhile
             tries = 0 if self.opened > opened else tries + 1
             await asyncio.sleep(retry.JOB_STREAM.pause(tries))
 
     async def _follow(self) -> None:
-        call = self.link.up.WatchJob(self._requests(), metadata=self.md)
-        try:
-            async for events in call:
-                if not self.live:
-                    self.live = True
-                    self.opened += 1
+        """One stream, at the coordinator or at the relay it points to, to its end."""
+        target, direct = "", False
+        for hop in range(MAX_HOPS + 1):
+            stub = self.link.peer(target) if target else self.link.up
+            call = stub.WatchJob(self._requests(direct or hop == MAX_HOPS), metadata=self.md)
+            try:
+                messages = call.__aiter__()
+                try:
+                    opening = await messages.__anext__()
+                except CompilecastError as exc:
+                    if not target:
+                        raise
+                    log.info("job %s: relay %s failed the stream (%s); the coordinator "
+                             "serves it", self.job, target, exc.status.name)
+                    target, direct = "", True
                     continue
-                self._take(events)
-        finally:
-            call.cancel()
+                if opening.relay_from:  # down the tree
+                    target = opening.relay_from
+                    continue
+                self._opened(opening, target)
+                async for events in messages:
+                    self._take(events)
+                return
+            except StopAsyncIteration:
+                return
+            finally:
+                call.cancel()
 
-    async def _requests(self) -> AsyncIterator[pb.JobWatchRequest]:
-        yield pb.JobWatchRequest(job=self.job)
+    def _opened(self, opening: pb.JobEvents, target: str) -> None:
+        asked = bool(self.log.epoch)
+        self.live, self._resuming, self.upstream = True, False, target
+        self.opened += 1
+        again = list(self._named.values())  # (the stream that had them may have lost them)
+        if opening.resumed:
+            self.resumed += 1
+        else:
+            if asked:  # the news starts anew: what it waits for is named again
+                self.restarted += 1
+                log.info("job %s: its stream could not resume the news; its %d waits are "
+                         "named again", self.job, len(self._waiting))
+                self._claimed.clear()
+                self._asked.clear()
+                again += [pb.WaitRequest(key=k, requester=self._first or pb.Requester())
+                          for k in self._waiting if k not in self._named]
+                if self.subtree is not None:
+                    self.subtree.end_all()  # (its children open theirs again, and do the same)
+            self.log.restart(opening.epoch, opening.seq)
+        self._named.clear()
+        self._outbox = []
+        self.name(again)
+
+    async def _requests(self, direct: bool) -> AsyncIterator[pb.JobWatchRequest]:
+        rank = self._said_first = self._rank()
+        yield pb.JobWatchRequest(job=self.job, relay_address=self.relay_address,
+                                 since_epoch=self.log.epoch, since_seq=self.log.seq,
+                                 direct=direct, requester=rank)
         while True:
             await self._more.wait()
             self._more.clear()
-            if self._first is not None and not self._said:
-                self._said = True
-                yield pb.JobWatchRequest(requester=self._first)
+            rank = self._rank()
+            if rank is not None and (self._said_first is None
+                                     or rank.process_id != self._said_first.process_id):
+                self._said_first = rank
+                yield pb.JobWatchRequest(requester=rank)
             while self._outbox:
                 page, self._outbox = self._outbox[:MAX_WAITS], self._outbox[MAX_WAITS:]
                 yield pb.JobWatchRequest(waits=page)
 
     def _take(self, events: pb.JobEvents) -> None:
+        if events.seq:  # the job's news: kept, and passed on whole to the subtree
+            data = events.SerializeToString()
+            self.log.add(events.seq, data)
+            if self.subtree is not None:
+                self.subtree.news(data)
+        for info in events.published:
+            self._named.pop(info.key, None)
+        for key in events.ask:
+            self._named.pop(key, None)
+        if self.subtree is not None:
+            self.subtree.answered(events)
         for key in events.claimed:
             self._claimed[key] = None
             self._asked.pop(key, None)
@@ -160,8 +270,20 @@ class JobStream:
         for key in events.ask:
             self._end(key, None)
         for turn in events.turns:
-            if not self._end(turn.key, turn.event):  # nobody here waits for it now
+            if not self._turn(turn):  # nobody here or below waits for it now
                 self._give_back(turn)
+
+    def _turn(self, turn: pb.KeyTurn) -> bool:
+        """A turn to this host's first-ranked process where it ranks first in
+        the subtree and waits for the key, else to the subtree."""
+        below = self.subtree.first() if self.subtree is not None else None
+        mine = self._first is not None and turn.key in self._waiting and (
+            below is None or self._first.process_id <= below.process_id)
+        if mine:
+            return self._end(turn.key, turn.event)
+        if self.subtree is not None and self.subtree.turn(turn):
+            return True
+        return self._end(turn.key, turn.event)
 
     def _end(self, key: str, event: pb.WaitEvent | None) -> bool:
         done = self._waiting.pop(key, None)
@@ -190,8 +312,10 @@ class JobStream:
         waiting, self._waiting, self._outbox = self._waiting, {}, []
         self._claimed.clear()  # (heard again on the next stream)
         self._asked.clear()
-        self._said = False
-        self._more.set()  # (the next stream says who ranks first here)
+        self._named.clear()
+        self.log.restart("", 0)
+        if self.subtree is not None:
+            self.subtree.end_all()  # (its children open theirs elsewhere)
         for done in waiting.values():
             if not done.done():
                 done.set_result(None)

@@ -31,11 +31,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from compilecast import jobtree
 from compilecast.errors import CompilecastError
 from compilecast.v1 import cache_pb2 as pb
 
 from .fetches import Fetches
 from .hits import HostHits
+from .jobrelay import Subtree
 from .jobstream import JobStream
 from .metrics import WorkerMetrics
 from .upstream import CoordinatorLink
@@ -62,14 +64,20 @@ class _Job:
 
 
 class HostManifests:
+    """`relay_address`: where this worker relays its jobs' news to peers
+    ("": it does not), `fanout` peers a job."""
+
     def __init__(self, link: CoordinatorLink, fetches: Fetches, *, max_bytes: int,
                  counted: Callable[[int], None] = lambda size: None,
-                 streams: bool = True) -> None:
+                 streams: bool = True, relay_address: str = "",
+                 fanout: int = jobtree.FANOUT) -> None:
         self.link = link
         self.fetches = fetches
         self.max_bytes = max_bytes  # the host cache's bound: what a job's prefetch may fill
         self.counted = counted  # an artifact of `size` bytes prefetched (metrics)
         self.streams = streams  # open each job's stream (worker/daemon/jobstream.py)
+        self.relay_address = relay_address
+        self.fanout = fanout
         self.jobs: collections.OrderedDict[tuple[str, str], _Job] = collections.OrderedDict()
         self.entries: dict[str, dict[str, pb.ArtifactInfo]] = {}  # ns -> key -> entry
         self.held = 0  # entries in all
@@ -99,7 +107,9 @@ class HostManifests:
                                             progress=pb.JobPrefetch(job=job))
         entry.task = asyncio.ensure_future(self._load(entry))
         if self.streams:
-            entry.stream = JobStream(self.link, md, job, lambda infos: self._add(ns, infos))
+            entry.stream = JobStream(self.link, md, job, lambda infos: self._add(ns, infos),
+                                     known=lambda key: self.entries.get(ns, {}).get(key),
+                                     relay_address=self.relay_address, fanout=self.fanout)
 
     async def _load(self, j: _Job) -> None:
         try:
@@ -173,6 +183,15 @@ class HostManifests:
         j = self.jobs.get((ns, requester.job))
         s = j.stream if j is not None else None
         return s if s is not None and s.live else None
+
+    def subtree(self, ns: str, md: tuple, job: str) -> Subtree | None:
+        """The subtree of `job`'s streams this worker serves to a peer of
+        namespace `ns` whose credential is `md`: only where this host's own
+        stream of the job goes up with that credential (the peer may do what
+        this worker's stream may), and is open."""
+        j = self.jobs.get((ns, job))
+        s = j.stream if j is not None and j.md == md else None
+        return s.subtree if s is not None and s.live else None
 
     def forget(self, ns: str, key: str) -> None:
         """A stale entry (its fetch failed): the key is asked for as any other."""

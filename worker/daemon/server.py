@@ -77,7 +77,7 @@ class Worker(Role):
             decide_gap_s=cfg.decide_gap_ms / 1000, token=token, relay_address=relay_address,
             local_files=cfg.local_files, data_plane=cfg.data_plane and upstream_creds is None,
             wake_on_host_publish=cfg.wake_on_host_publish, bucket_urls=cfg.bucket_urls,
-            job=cfg.job, job_streams=cfg.job_streams)
+            job=cfg.job, job_streams=cfg.job_streams, job_relay_fanout=cfg.job_relay_fanout)
         # Peers serve with the same certificates as the coordinator's CA signs
         # (one PKI per release).
         self.parts = WorkerParts(settings, self.cache, self.metrics,
@@ -97,7 +97,7 @@ class Worker(Role):
                setting="listen")
         self.relay_server = None
         if cfg.relay_listen:
-            # (Fetch alone: the servicer's other calls answer UNIMPLEMENTED.)
+            # (Fetch and WatchJob: the servicer's other calls answer UNIMPLEMENTED.)
             relay = RelayService(self.service)  # type: ignore[abstract]
             self.relay_server, _ = make_server(relay)
             listen(self.relay_server, cfg.relay_listen, creds, setting="relay_listen")

@@ -22,8 +22,8 @@ import time
 
 import grpc
 
-from compilecast import decideserve
-from compilecast.errors import CompilecastError, Unimplemented, UpstreamError
+from compilecast import decideserve, validate
+from compilecast.errors import CompilecastError, NotFound, Unimplemented, UpstreamError
 from compilecast.grpcutil import rpc_errors, token_from, unreachable
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -237,14 +237,34 @@ class WorkerService(rpc.CompileCacheServicer):
 
 
 class RelayService(rpc.CompileCacheServicer):
-    """A worker's relay endpoint (TCP): Fetch only, for peer workers the
-    coordinator points here. Where workers hold a token, a peer must present
+    """A worker's relay endpoint (TCP): Fetch and WatchJob only, for peer
+    workers the coordinator points here. Where workers hold a token, a peer must present
     one: the workers' own (this host's namespace) or the per-job token its
     process used, which reaches only what that token fetched here or what the
     coordinator grants it."""
 
     def __init__(self, worker: WorkerService) -> None:
         self.worker = worker
+
+    @rpc_errors
+    async def WatchJob(self, request_iterator, context):
+        """A peer's stream of a job whose news this worker relays
+        (worker/daemon/jobrelay.py)."""
+        if self.worker.link.token and not token_from(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "relayed news needs a token")
+        ns, md = self.worker.link.credential(context)
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        validate.job(first.job)
+        subtree = self.worker.parts.manifests.subtree(ns, md, first.job)
+        if subtree is None:
+            raise NotFound(f"this worker relays no news of job {first.job!r} for "
+                                     "this credential; open the stream at the coordinator")
+        async for events in subtree.serve(first, it):
+            yield events
 
     @rpc_errors
     async def Fetch(self, request, context):

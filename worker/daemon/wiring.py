@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from compilecast import decide
+from compilecast import decide, jobtree
 from compilecast.negotiate import Route, Routes
 from compilecast.serving import Background
 
@@ -58,6 +58,7 @@ class WorkerSettings:
     bucket_urls: bool = True  # a bucket's presigned URLs
     job: str = ""  # this host's job (`up --job`): its manifest's keys are answered here
     job_streams: bool = True  # a job's waits on one stream a host
+    job_relay_fanout: int = jobtree.FANOUT  # peers this worker relays a job's news to
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,9 @@ class WorkerParts:
                                    self.waits, wake_on_host_publish=s.wake_on_host_publish)
         self.manifests = HostManifests(self.link, self.fetches,
                                        max_bytes=cache.store.max_bytes or 0,
-                                       counted=self._prefetched, streams=s.job_streams)
+                                       counted=self._prefetched, streams=s.job_streams,
+                                       relay_address=s.relay_address,
+                                       fanout=s.job_relay_fanout)
         self.hits = HostHits(self.link, metrics)
         self.revocations = Revocations(self.link, cache, self.manifests, metrics,
                                        self.deciders.credentials)

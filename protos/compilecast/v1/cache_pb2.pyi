@@ -1962,8 +1962,28 @@ class JobWatchRequest(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     WAITS_FIELD_NUMBER: _builtins.int
     REQUESTER_FIELD_NUMBER: _builtins.int
+    RELAY_ADDRESS_FIELD_NUMBER: _builtins.int
+    SINCE_EPOCH_FIELD_NUMBER: _builtins.int
+    SINCE_SEQ_FIELD_NUMBER: _builtins.int
+    DIRECT_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """The job (1-128 characters), in the first message (later ones may omit it)."""
+    relay_address: _builtins.str
+    """First message: where this host's worker serves the job's news to peer
+    workers (host:port; "" relays nothing). A replica whose job has
+    job_stream_fanout streams, or a relay with as many children, may answer
+    with relay_from instead of serving the stream.
+    """
+    since_epoch: _builtins.str
+    """First message: the last news the host heard (JobEvents.epoch and seq):
+    a stream resumes after it where the news is still held, and neither
+    replays nor skips any.
+    """
+    since_seq: _builtins.int
+    direct: _builtins.bool
+    """First message: serve this stream here, never redirect it (a relay it was
+    sent to failed it).
+    """
     @_builtins.property
     def waits(self) -> _containers.RepeatedCompositeFieldContainer[Global___WaitRequest]:
         """Keys the host waits for that nobody compiles that it knows of (none of
@@ -1976,6 +1996,7 @@ class JobWatchRequest(_message.Message):
     def requester(self) -> Global___Requester:
         """The host's first-ranked process of the job so far (the lowest process
         id): a compiler that dies may hand its turn to this host, in its name.
+        A relay says its subtree's; a later message replaces what a stream said.
         """
 
     def __init__(
@@ -1984,10 +2005,14 @@ class JobWatchRequest(_message.Message):
         job: _builtins.str = ...,
         waits: _abc.Iterable[Global___WaitRequest] | None = ...,
         requester: Global___Requester | None = ...,
+        relay_address: _builtins.str = ...,
+        since_epoch: _builtins.str = ...,
+        since_seq: _builtins.int = ...,
+        direct: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["requester", b"requester"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "requester", b"requester", "waits", b"waits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["direct", b"direct", "job", b"job", "relay_address", b"relay_address", "requester", b"requester", "since_epoch", b"since_epoch", "since_seq", b"since_seq", "waits", b"waits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2029,6 +2054,27 @@ class JobEvents(_message.Message):
     TURNS_FIELD_NUMBER: _builtins.int
     CLAIMED_FIELD_NUMBER: _builtins.int
     PUBLISHING_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
+    RELAY_FROM_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """The job's news is numbered: every message sent to all of a job's
+    streams carries its seq (1, 2, ...) and the epoch that numbers it (a
+    replica's run of the job); a message to one stream carries neither.
+    The first message carries the last seq sent so far. Messages may come
+    joined (a protobuf's concatenation: their lists, the last seq).
+    """
+    epoch: _builtins.str
+    resumed: _builtins.bool
+    """First message only: the stream resumed after the since_seq asked for
+    (the news in between follows). False when it was asked and could not
+    be: the host names its waits again and reads the job's manifest again.
+    """
+    relay_from: _builtins.str
+    """First message only, and then the stream ends: watch the job at this
+    peer worker (host:port) instead, a relay of the job's news.
+    """
     @_builtins.property
     def published(self) -> _containers.RepeatedCompositeFieldContainer[Global___ArtifactInfo]:
         """Artifacts of the job published since the last message (every stream of
@@ -2067,10 +2113,14 @@ class JobEvents(_message.Message):
         turns: _abc.Iterable[Global___KeyTurn] | None = ...,
         claimed: _abc.Iterable[_builtins.str] | None = ...,
         publishing: _abc.Iterable[Global___ArtifactInfo] | None = ...,
+        seq: _builtins.int = ...,
+        epoch: _builtins.str = ...,
+        resumed: _builtins.bool = ...,
+        relay_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "claimed", b"claimed", "published", b"published", "publishing", b"publishing", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "claimed", b"claimed", "epoch", b"epoch", "published", b"published", "publishing", b"publishing", "relay_from", b"relay_from", "resumed", b"resumed", "seq", b"seq", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,157 @@
+"""A job's news down a tree (docs/architecture/pod-start.md, "The tree"): what
+the replica (coordinator/jobwatch.py) and every relaying worker
+(worker/daemon/jobrelay.py) share.
+
+A job's streams form a tree: the replica serves at most `fanout` of a job's
+streams itself, and points any later one (its first message answered with
+`relay_from`) at the stream of a host whose worker relays the job's news
+(it said a relay_address); that worker serves `fanout` children and points
+later ones further down, the same way. Three levels of 32 cover 32,768
+hosts; the replica's streams, its work and its bytes for a job do not grow
+with the job's hosts.
+
+The news is numbered where it starts (the replica: an epoch for its run of
+the job, a seq a message) and every node keeps the last of it (NewsLog): a
+stream that breaks (its relay died) opens again, anywhere in the tree, with
+the last seq it heard, and gets what followed: nothing replayed, nothing
+skipped. A node that no longer holds what followed says so, and the host
+asks again for what it still waits for: a relay's death costs its subtree
+a reconnect, never an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+FANOUT = 32  # a node's streams of one job (then newcomers go down the tree)
+LOG_MESSAGES = 4096  # the job's last news held by a node, for streams that resume
+LOG_BYTES = 16 << 20  # and at most these bytes of it
+QUEUED = 1024  # messages a stream has not sent yet; past it the stream is ended
+
+
+class NewsLog:
+    """The last news of a job, numbered: (epoch, seq) -> the message's bytes."""
+
+    def __init__(self, epoch: str = "", *, messages: int = LOG_MESSAGES,
+                 max_bytes: int = LOG_BYTES) -> None:
+        self.epoch = epoch
+        self.seq = 0  # the last message's
+        self.max_messages = messages
+        self.max_bytes = max_bytes
+        self._held: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._bytes = 0
+
+    def restart(self, epoch: str, seq: int) -> None:
+        """The news is numbered anew (another epoch) from `seq`: nothing held resumes."""
+        self.epoch, self.seq = epoch, seq
+        self._held.clear()
+        self._bytes = 0
+
+    def add(self, seq: int, data: bytes) -> None:
+        self.seq = seq
+        self._held.append((seq, data))
+        self._bytes += len(data)
+        while self._held and (len(self._held) > self.max_messages
+                              or self._bytes > self.max_bytes):
+            self._bytes -= len(self._held.popleft()[1])
+
+    def after(self, epoch: str, seq: int) -> list[bytes] | None:
+        """The messages that followed (epoch, seq), in order; None where this
+        log cannot say: another epoch, what followed no longer held, or a seq
+        inside a message held (news joined on its way here: what follows
+        that seq alone is not a message of its own)."""
+        if not epoch or epoch != self.epoch or not 0 <= seq <= self.seq:
+            return None
+        if seq == self.seq:
+            return []
+        held = list(self._held)
+        for i, (s, _) in enumerate(held):
+            if s == seq:
+                return [data for _, data in held[i + 1:]]
+        return None
+
+
+@dataclass(eq=False)
+class Branch:
+    """A stream a node serves, as placement sees it."""
+
+    address: str  # where its worker relays the job's news ("": it does not)
+    placed: int = 0  # newcomers pointed at it
+
+
+def place(branches: Iterable[Branch], fanout: int) -> Branch | None:
+    """Where a newcomer goes: None while the node serves fewer than `fanout`
+    streams (or none of them relays: it serves the newcomer itself), else
+    the relaying branch that was given the fewest."""
+    branches = list(branches)
+    if fanout <= 0 or len(branches) < fanout:
+        return None
+    relays = [b for b in branches if b.address]
+    if not relays:
+        return None
+    best = min(relays, key=lambda b: b.placed)
+    best.placed += 1
+    return best
+
+
+class Message(Protocol):
+    def SerializeToString(self) -> bytes: ...
+
+
+class Outbox:
+    """A stream's messages not sent yet: the job's news (serialized once for
+    every stream) and messages to this stream alone (a turn, an answer).
+
+    News waiting for a slow stream goes as one message: a protobuf's
+    serialized messages, concatenated, parse as their merge (each list the
+    lists in order, the seq the last one's), so a stream that falls behind
+    costs its sender one write, not one a message. A message to the stream
+    alone is never joined to news: a relay passes news on whole, and what is
+    this stream's alone must not go further. Past `bound` messages the
+    stream is ended (`behind`): its host reads too slowly."""
+
+    def __init__(self, bound: int = QUEUED) -> None:
+        self.bound = bound
+        self.open = True
+        self.behind = False
+        self.sent_bytes = 0
+        self._items: collections.deque[bytes | Message] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def send(self, message: bytes | Message) -> None:
+        if not self.open:
+            return
+        if len(self._items) >= self.bound:
+            self.behind = True
+            self.end()
+            return
+        self._items.append(message)
+        self._ready.set()
+
+    def end(self) -> None:
+        self.open = False
+        self._ready.set()
+
+    async def next(self) -> bytes | None:
+        """What to write next (news waiting joined), or None: the stream ends
+        (what was queued before its end is written first)."""
+        while not self._items:
+            if not self.open:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        first = self._items.popleft()
+        if not isinstance(first, bytes):
+            data = first.SerializeToString()
+        else:
+            run = [first]
+            while self._items and isinstance(more := self._items[0], bytes):
+                self._items.popleft()
+                run.append(more)
+            data = b"".join(run)
+        self.sent_bytes += len(data)
+        return data
