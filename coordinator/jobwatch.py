@@ -77,6 +77,8 @@ TENANT_STREAMS = 15_000  # of them by one tenant (the others keep a quarter)
 IDENTITY_STREAMS = TENANT_STREAMS  # by one identity that may publish (a job's worker token)
 READER_STREAMS = 1_000  # by one identity that may only read
 MAX_WAITS = 1000  # keys a message may name
+LINGER_S = 30.0  # a job whose streams all ended is kept this long (its news, its waits)
+MAX_LINGERING = 1024  # jobs kept so at once
 FLUSH_S = (0.02, 1.0)  # a job's news is gathered at least, at most this long into a message
 SEND_S = 1e-4  # gathered this long a stream: sending costs a replica ~1/5 of a core at most
 
@@ -123,6 +125,7 @@ class _Job:
     claimed: list[str] = field(default_factory=list)
     publishing: list[pb.ArtifactInfo] = field(default_factory=list)
     flush: asyncio.TimerHandle | None = None
+    linger: asyncio.TimerHandle | None = None  # its streams all ended: dropped then
     log: NewsLog = field(default_factory=lambda: NewsLog(os.urandom(8).hex()))
 
     def said(self, stream: _Stream, first: First) -> None:
@@ -210,6 +213,8 @@ class JobWatches:
         self.redirected = 0  # streams pointed down the tree
         self.resumed = 0  # streams that resumed the news after what they had heard
         self.sent_bytes = 0  # the news's bytes sent on every stream (egress)
+        self.lingering = 0  # jobs whose streams all ended, kept a while
+        self.closed = False
 
     def _admit(self, tenant: str, identity: str, may_publish: bool) -> None:
         """TooMany past a bound: the replica's, its tenant's, its identity's
@@ -239,6 +244,10 @@ class JobWatches:
         if first.relay_address:
             validate.relay_address(first.relay_address)
         job = self._jobs.get((tenant, first.job))
+        if job is not None and job.linger is not None:  # its streams come back
+            job.linger.cancel()
+            job.linger = None
+            self.lingering -= 1
         if job is not None and not first.direct:
             relay = jobtree.place([s.branch for s in job.streams if s.open and
                                    s.identity == identity and s.may_publish == may_publish],
@@ -283,7 +292,7 @@ class JobWatches:
                     del self._held[k]
             job.streams.discard(me)
             if not job.streams:
-                self._drop(job)
+                self._linger(job)
 
     async def _read(self, job: _Job, me: _Stream, first: pb.JobWatchRequest,
                     it: AsyncIterator[pb.JobWatchRequest]) -> None:
@@ -424,8 +433,22 @@ class JobWatches:
         for s in list(job.streams):
             s.send(message)  # (serialized once, sent to every host: wire.SERIALIZED)
 
+    def _linger(self, job: _Job) -> None:
+        """The job's last stream ended: its news and waits are kept LINGER_S
+        for a stream that opens again (its relay died) to resume, then dropped
+        (at once past MAX_LINGERING jobs)."""
+        if self.closed or self.lingering >= MAX_LINGERING:
+            self._drop(job)
+            return
+        self.lingering += 1
+        job.linger = asyncio.get_running_loop().call_later(LINGER_S, self._drop, job)
+
     def _drop(self, job: _Job) -> None:
-        """The job's last stream ended: its waits end too."""
+        """The job's last stream ended (LINGER_S ago): its waits end too."""
+        if job.linger is not None:
+            job.linger.cancel()
+            job.linger = None
+            self.lingering -= 1
         if self._jobs.get((job.tenant, job.job)) is job:
             del self._jobs[(job.tenant, job.job)]
         for k in list(job.keys.values()):
@@ -437,6 +460,8 @@ class JobWatches:
     def close(self) -> None:
         """Every stream ends (this replica stops): their hosts open them again
         elsewhere, and ask key by key meanwhile."""
+        self.closed = True
         for job in list(self._jobs.values()):
             for s in list(job.streams):
                 s.end()
+            self._drop(job)

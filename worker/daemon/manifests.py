@@ -213,7 +213,8 @@ class HostManifests:
                                bytes_total=j.progress.bytes_total,
                                stopped=j.problem or j.progress.stopped,
                                stream_open=j.stream is not None and j.stream.live,
-                               stream_waits=j.stream.waiting if j.stream is not None else 0)
+                               stream_waits=j.stream.waiting if j.stream is not None else 0,
+                               **(_tree(j.stream) if j.stream is not None else {}))
                 for j in self.jobs.values()]
 
     async def close(self) -> None:
@@ -222,6 +223,13 @@ class HostManifests:
                 j.task.cancel()
             if j.stream is not None:
                 await j.stream.close()
+
+
+def _tree(stream: JobStream) -> dict:
+    """Where a job's stream hangs in the tree of its news (status)."""
+    return {"stream_via": stream.upstream, "stream_resumes": stream.resumed,
+            "stream_restarts": stream.restarted,
+            "stream_children": len(stream.subtree.children) if stream.subtree else 0}
 
 
 class ManifestSource:

@@ -2138,6 +2138,10 @@ class JobPrefetch(_message.Message):
     STOPPED_FIELD_NUMBER: _builtins.int
     STREAM_OPEN_FIELD_NUMBER: _builtins.int
     STREAM_WAITS_FIELD_NUMBER: _builtins.int
+    STREAM_VIA_FIELD_NUMBER: _builtins.int
+    STREAM_RESUMES_FIELD_NUMBER: _builtins.int
+    STREAM_RESTARTS_FIELD_NUMBER: _builtins.int
+    STREAM_CHILDREN_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     artifacts_done: _builtins.int
     artifacts_total: _builtins.int
@@ -2149,6 +2153,14 @@ class JobPrefetch(_message.Message):
     """The job's stream is open: the waits of its processes go on it."""
     stream_waits: _builtins.int
     """Of this host's waits, those on the stream now."""
+    stream_via: _builtins.str
+    """The relay worker (host:port) that serves the stream; empty: the coordinator."""
+    stream_resumes: _builtins.int
+    """Times the stream opened again and resumed the news after what it had heard."""
+    stream_restarts: _builtins.int
+    """Times it opened again where the news could not resume (its waits named again)."""
+    stream_children: _builtins.int
+    """Peer workers this worker serves the job's news to."""
     def __init__(
         self,
         *,
@@ -2160,10 +2172,14 @@ class JobPrefetch(_message.Message):
         stopped: _builtins.str = ...,
         stream_open: _builtins.bool = ...,
         stream_waits: _builtins.int = ...,
+        stream_via: _builtins.str = ...,
+        stream_resumes: _builtins.int = ...,
+        stream_restarts: _builtins.int = ...,
+        stream_children: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts_done", b"artifacts_done", "artifacts_total", b"artifacts_total", "bytes_done", b"bytes_done", "bytes_total", b"bytes_total", "job", b"job", "stopped", b"stopped", "stream_open", b"stream_open", "stream_waits", b"stream_waits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts_done", b"artifacts_done", "artifacts_total", b"artifacts_total", "bytes_done", b"bytes_done", "bytes_total", b"bytes_total", "job", b"job", "stopped", b"stopped", "stream_children", b"stream_children", "stream_open", b"stream_open", "stream_restarts", b"stream_restarts", "stream_resumes", b"stream_resumes", "stream_via", b"stream_via", "stream_waits", b"stream_waits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,236 @@
+"""A job's news down a tree (compilecast/jobtree.py, coordinator/jobwatch.py,
+worker/daemon/jobrelay.py): the replica serves job_stream_fanout streams of a
+job, workers that relay serve the rest; a relay that dies costs its subtree a
+reconnect, never an answer; a reconnect resumes the news. Real etcd, a
+coordinator and workers on loopback; the relay killed is a process of its
+own, killed with SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from compilecast.jobtree import Branch, NewsLog, Outbox, place
+from compilecast.launch import free_port
+from compilecast.v1 import cache_pb2 as pb
+from compilecast.worker.inprocess.client import CacheClient, wait_until_healthy
+
+from .conftest import eventually
+from .test_job_streams import decided, process_of
+
+JOB = "train-cold"
+
+
+# -- the parts alone ----------------------------------------------------------------------
+def test_the_news_log_resumes_after_a_message_it_holds_and_nowhere_else():
+    log = NewsLog("e1", messages=100)
+    for seq in range(1, 301):
+        log.add(seq, f"m{seq}".encode())
+    assert log.after("e1", 300) == []
+    assert log.after("e1", 250) == [f"m{s}".encode() for s in range(251, 301)]
+    assert log.after("e1", 201) == [f"m{s}".encode() for s in range(202, 301)]
+    assert log.after("e1", 150) is None  # what followed it is no longer held
+    assert log.after("e2", 250) is None  # another run of the job
+    assert log.after("e1", 301) is None  # never sent
+    joined = NewsLog("e1")
+    joined.add(3, b"m1m2m3")  # news joined on its way: 1 and 2 are not messages here
+    joined.add(4, b"m4")
+    assert joined.after("e1", 3) == [b"m4"]
+    assert joined.after("e1", 2) is None
+
+
+def test_placement_fills_a_node_then_sends_newcomers_to_its_least_given_relay():
+    branches = [Branch(f"10.0.0.{i}:1") for i in range(3)] + [Branch("")]
+    assert place(branches[:3], 4) is None  # room here
+    got = [place(branches, 4) for _ in range(9)]
+    assert {b.address for b in got if b} == {b.address for b in branches[:3]}
+    assert sorted(b.placed for b in branches[:3]) == [3, 3, 3]
+    assert place([Branch("")] * 4, 4) is None  # nobody relays: served here
+
+
+def test_an_outbox_joins_waiting_news_but_never_a_message_of_its_stream_alone():
+    async def run() -> list[pb.JobEvents]:
+        box = Outbox(bound=10)
+        box.send(pb.JobEvents(seq=1, claimed=["a"]).SerializeToString())
+        box.send(pb.JobEvents(seq=2, claimed=["b"]).SerializeToString())
+        box.send(pb.JobEvents(turns=[pb.KeyTurn(key="a")]))
+        box.send(pb.JobEvents(seq=3, claimed=["c"]).SerializeToString())
+        box.end()
+        out = []
+        while (data := await box.next()) is not None:
+            out.append(pb.JobEvents.FromString(data))
+        return out
+
+    got = asyncio.run(run())
+    assert [(e.seq, list(e.claimed), [t.key for t in e.turns]) for e in got] == [
+        (2, ["a", "b"], []), (0, [], ["a"]), (3, ["c"], [])]
+
+
+def test_an_outbox_past_its_bound_ends_its_stream():
+    box = Outbox(bound=3)
+    for i in range(5):
+        box.send(str(i).encode())
+    assert box.behind and not box.open
+
+
+# -- with real servers ----------------------------------------------------------------
+def relay_of(port: int) -> dict:
+    return {"relay_listen": f"127.0.0.1:{port}", "relay_advertise": f"127.0.0.1:{port}"}
+
+
+def stream_of(host) -> pb.JobPrefetch | None:
+    st = CacheClient(host.target).status()
+    return next((p for p in st.prefetches if p.job == JOB and p.stream_open), None)
+
+
+def relaying_hosts(coordinator, start_worker, n: int) -> list:
+    """`n` workers of JOB that relay its news, each with its stream open."""
+    hosts = []
+    for i in range(n):  # (one by one: the tree's shape follows the order they come in)
+        hosts.append(start_worker(coordinator.cfg.listen, f"h{i}", job=JOB,
+                                  **relay_of(free_port())))
+        eventually(lambda h=hosts[-1]: stream_of(h), "the job's stream open", 30)
+    return hosts
+
+
+def test_a_cold_start_down_a_tree_holds_every_hit_and_the_replica_serves_the_fanout(
+        start_coordinator, start_worker):
+    coordinator = start_coordinator(job_stream_fanout=2)
+    hosts = relaying_hosts(coordinator, start_worker, 6)
+    watches = coordinator.state.job_watches
+    assert watches.streams == 2 and watches.redirected >= 4
+    via = [stream_of(h).stream_via for h in hosts]
+    assert via[:2] == ["", ""] and all(via[2:]), via  # the rest hang from relays
+    relays = {h.cfg.relay_advertise: stream_of(h).stream_children for h in hosts}
+    assert sum(relays.values()) == 4
+    n = 300
+    artifacts = {f"prog{i:05d}": f"executable {i}".encode() * 40 for i in range(n)}
+    keys = list(artifacts)
+
+    def waiter(i: int) -> list:
+        c, me = process_of(hosts[i], i)
+        return [decided(c, me, k) for k in keys]
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        waiting = [pool.submit(waiter, i) for i in range(1, 6)]
+        designated, me = process_of(hosts[0], 0)
+        for key in keys:
+            got = decided(designated, me, key)
+            assert got.kind == "COMPILE", got
+            designated.publish(key, got.lease, artifacts[key], 1.0)
+        answers = [w.result(timeout=300) for w in waiting]
+    for got in answers:
+        assert [d.kind for d in got] == ["HIT"] * n
+        assert [d.data for d in got] == list(artifacts.values())
+    assert watches.streams == 2  # still: the replica's streams did not grow with hosts
+    assert watches.named < n
+
+
+def test_when_the_designated_process_dies_the_turn_goes_down_the_tree(
+        start_coordinator, start_worker):
+    coordinator = start_coordinator(job_stream_fanout=1)
+    hosts = relaying_hosts(coordinator, start_worker, 3)  # a chain: h0 <- h1 <- h2
+    assert [bool(stream_of(h).stream_via) for h in hosts] == [False, True, True]
+    designated, me = process_of(hosts[0], 0)
+    got = decided(designated, me, "big")
+    assert got.kind == "COMPILE"
+    designated.keep_lease("big", got.lease)
+
+    def process(i: int) -> tuple[str, bytes]:
+        c, me = process_of(hosts[i], i)
+        got = decided(c, me, "big")
+        if got.kind == "COMPILE":
+            c.publish("big", got.lease, f"compiled by {i}".encode(), 1.0)
+            return "COMPILE", f"compiled by {i}".encode()
+        return got.kind, got.data
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        ends = {i: pool.submit(process, i) for i in (2, 1)}
+        eventually(lambda: sum(stream_of(h).stream_waits for h in hosts[1:]) == 2,
+                   "the waits on the streams", 30)
+        designated.stop_lease("big", got.lease)
+        designated.release("big", got.lease, pb.ABANDONED, "killed")
+        got_ends = {i: f.result(timeout=120) for i, f in ends.items()}
+    # The first-ranked process (1, a relay's host) is given the turn; 2 gets its bytes.
+    assert got_ends == {1: ("COMPILE", b"compiled by 1"), 2: ("HIT", b"compiled by 1")}
+    assert coordinator.state.job_watches.turns == 1
+
+
+def worker_process(coordinator: str, tmp_path, name: str, port: int) -> tuple:
+    sock = f"unix:///tmp/cc-{uuid.uuid4().hex[:8]}.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILECAST_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "compilecast.cli", "--log-level", "warning", "worker",
+         "--listen", sock, "--coordinator", coordinator, "--cache-dir",
+         str(tmp_path / name), "--metrics-port", "0", "--job", JOB,
+         "--relay-listen", f"127.0.0.1:{port}", "--relay-advertise", f"127.0.0.1:{port}"],
+        env=env)
+    wait_until_healthy(sock, 60)
+    return proc, sock
+
+
+class Target:
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+
+@pytest.mark.parametrize("kill", ["SIGKILL"])
+def test_a_relay_killed_mid_job_costs_its_subtree_a_reconnect_never_an_answer(
+        start_coordinator, tmp_path, kill):
+    coordinator = start_coordinator(job_stream_fanout=1)
+    relay, relay_sock = worker_process(coordinator.cfg.listen, tmp_path, "relay", free_port())
+    procs = [relay]
+    try:
+        eventually(lambda: stream_of(Target(relay_sock)), "the relay's stream open", 30)
+        below, below_sock = worker_process(coordinator.cfg.listen, tmp_path, "below",
+                                           free_port())
+        procs.append(below)
+        host = Target(below_sock)
+        eventually(lambda: (s := stream_of(host)) and s.stream_via, "hung from the relay", 30)
+        n = 400
+        artifacts = {f"prog{i:05d}": f"executable {i}".encode() * 40 for i in range(n)}
+        keys = list(artifacts)
+        done: list = []
+
+        def waiter() -> None:
+            c, me = process_of(host, 1)
+            for k in keys:
+                done.append(decided(c, me, k))
+
+        designated, me = process_of(Target(coordinator.cfg.listen), 0)
+        watches = coordinator.state.job_watches
+        named = watches.named
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(waiter)
+            for i, key in enumerate(keys):
+                if i == n // 2:  # mid-job: the relay dies
+                    eventually(lambda: len(done) == n // 2, "half the job's hits", 120)
+                    os.kill(relay.pid, getattr(signal, kill))
+                    relay.wait(30)
+                got = decided(designated, me, key)
+                assert got.kind == "COMPILE", got
+                designated.publish(key, got.lease, artifacts[key], 1.0)
+            waiting.result(timeout=300)
+        assert [d.kind for d in done] == ["HIT"] * n
+        assert [d.data for d in done] == list(artifacts.values())
+        after = stream_of(host)
+        assert after.stream_via == ""  # the coordinator serves it now
+        # It resumed the news where it was (nothing replayed, nothing lost):
+        # it named nothing, and sent no key upstream.
+        assert after.stream_resumes == 1 and after.stream_restarts == 0
+        assert watches.resumed >= 1
+        assert watches.named == named
+        metrics = CacheClient(below_sock).status()
+        assert metrics.prefetches
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(30)
