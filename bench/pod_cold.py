@@ -27,23 +27,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, cpu_seconds, fit_line
+from _servers import Stack, cpu_seconds, scraped
 
-from compilecast import wire
+from compilecast import jobtree, wire
+from compilecast.decide import Decider
+from compilecast.launch import free_port
+from compilecast.serving import make_server
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.worker.daemon.jobstream import NAME_AFTER_S
+from compilecast.v1 import cache_pb2_grpc as rpc
+from compilecast.worker.daemon import jobrelay
+from compilecast.worker.daemon.jobstream import JobStream
+from compilecast.worker.daemon.upstream import CoordinatorLink
 
 CHANNELS = 8
 HOSTS_A_CHANNEL = 100  # (a real host has a connection of its own)
@@ -70,119 +77,169 @@ async def compile_all(stub, job: str, keys: list[str], compile_s: float) -> floa
     return time.monotonic()
 
 
-async def host_by_stream(stub, job: str, pid: int, keys: list[str], opened: asyncio.Event,
-                         ready: list[int], h: int) -> float:
-    """A host that waits for each key on its job's stream: when it held every HIT."""
-    me = pb.Requester(job=job, process_id=pid, designated_process=0, client=f"host{pid}")
-    heard: set[str] = set()
-    claimed: set[str] = set()
-    news = asyncio.Event()
-    wants: asyncio.Queue[str | None] = asyncio.Queue()
+class Relay(rpc.CompileCacheServicer):
+    """A simulated host's relay endpoint: WatchJob of its job's subtree (as a
+    worker's RelayService serves it)."""
 
-    async def requests():
-        yield pb.JobWatchRequest(job=job, requester=me)
-        while (k := await wants.get()) is not None:
-            yield pb.JobWatchRequest(waits=[pb.WaitRequest(key=k, requester=me)])
+    stream: JobStream | None = None
 
-    call = stub.WatchJob(requests())
+    async def WatchJob(self, request_iterator, context):
+        async for events in jobrelay.watch(
+                request_iterator, lambda job: self.stream.subtree if self.stream else None):
+            yield events
 
-    async def read() -> None:
-        first = True
-        async for events in call:
-            if first:
-                first = False
-                ready[0] += 1
-                if ready[0] == h:
-                    opened.set()
+
+async def stream_hosts(target: str, job: str, ranks: list[int], m: int, relays: int,
+                       fanout: int) -> None:
+    """A child process: the hosts of `ranks` by stream, each the worker's own
+    JobStream (worker/daemon/jobstream.py); a host of rank <= `relays` relays
+    the job's news to its subtree (jobrelay.py) from a gRPC server of its own.
+    Opens the relays' streams ("relays"), then on a line of stdin the
+    others' ("ready"), then on another runs: prints its hosts' last end
+    (time.monotonic, one clock for the machine's processes) and how many
+    streams failed a wait."""
+    keys = keys_of(job, m)
+    links = [CoordinatorLink(target, token="", rpc_timeout_s=60)
+             for _ in range(max(1, len(ranks) // HOSTS_A_CHANNEL))]
+    servers: list[grpc.aio.Server] = []
+    streams: dict[int, JobStream] = {}
+    heard: dict[int, set[str]] = {}
+
+    async def open_hosts(these: list[int]) -> None:
+        for rank in these:
+            got = heard[rank] = set()
+            relay = Relay()
+            address = ""
+            if rank <= relays:  # (served as a worker's relay service is: wire.SERIALIZED)
+                server, _ = make_server(relay)
+                address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+                await server.start()
+                servers.append(server)
+            relay.stream = streams[rank] = JobStream(
+                links[rank % len(links)], (), job,
+                lambda infos, got=got: got.update(i.key for i in infos),
+                relay_address=address, fanout=fanout)
+        waited = 0
+        while not all(streams[r].live for r in these):
+            await asyncio.sleep(0.05)
+            waited += 1
+            if waited % 200 == 0:
+                print(f"not open after {waited / 20:.0f} s: hosts "
+                      f"{[r for r in these if not streams[r].live][:20]}", file=sys.stderr,
+                      flush=True)
+
+    await open_hosts([r for r in ranks if r <= relays])
+    print("relays", flush=True)
+    await step("leaves")
+    await open_hosts([r for r in ranks if r > relays])
+    print("ready", flush=True)
+    await step("go")
+    cpu0 = time.process_time()
+    failed = [0]
+
+    async def host(rank: int) -> float:
+        me = pb.Requester(job=job, process_id=rank, designated_process=0, client=f"host{rank}")
+        stream, got = streams[rank], heard[rank]
+        for k in keys:
+            if k in got:
                 continue
-            claimed.update(events.claimed)
-            heard.update(info.key for info in events.published)
-            assert not events.ask and not events.turns, events
-            news.set()
+            event = await stream.wait(pb.WaitRequest(key=k, requester=me))
+            if event is None or event.decision != pb.HIT:  # (the stream could not serve it)
+                failed[0] += 1
+                raise RuntimeError(f"host {rank}: {k} ended {event}")
+        return time.monotonic()
 
-    reader = asyncio.ensure_future(read())
-    reader.add_done_callback(lambda t: t.cancelled() or t.exception() is None or print(
-        f"host {pid}: its stream failed: {t.exception()!r}", file=sys.stderr, flush=True))
-    await opened.wait()
-    for k in keys:
-        named_at = time.monotonic() + NAME_AFTER_S
-        while k not in heard:
-            if reader.done():  # its stream failed or ended: this host ends with it
-                raise RuntimeError(f"host {pid}: its stream ended before {k} was published")
-            if k not in claimed and named_at and time.monotonic() >= named_at:
-                wants.put_nowait(k)
-                named[0] += 1
-                named_at = 0.0
-            news.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(news.wait(), NAME_AFTER_S)
-    done = time.monotonic()
-    wants.put_nowait(None)
-    call.cancel()
-    reader.cancel()
-    return done
+    ends = await asyncio.gather(*(host(r) for r in ranks))
+    print(json.dumps({"end": max(ends), "failed": failed[0], "cpu_s": time.process_time() - cpu0,
+                      "children": {r: len(s.subtree.children) for r, s in streams.items()
+                                   if s.subtree is not None and s.subtree.children}}),
+          flush=True)
+    for s in streams.values():
+        await s.close()
+    for server in servers:
+        await server.stop(None)
+    for link in links:
+        await link.close()
 
 
-named = [0]  # keys the hosts named upstream (nobody had claimed them yet)
+async def step(word: str) -> None:
+    if (await asyncio.to_thread(sys.stdin.readline)).strip() != word:
+        raise SystemExit("the bench went away")  # (stdin closed: the parent failed)
 
 
-async def host_per_key(stub, job: str, pid: int, keys: list[str], start: asyncio.Event) -> float:
+async def host_per_key(decider: Decider, job: str, pid: int, keys: list[str],
+                       start: asyncio.Event) -> float:
+    """A host without a stream: a decision and a wait a key, on a Decide
+    stream upstream (as a worker's Deciders send them)."""
     me = pb.Requester(job=job, process_id=pid, designated_process=0, client=f"host{pid}")
     await start.wait()
     for k in keys:
-        a = await stub.Acquire(pb.AcquireRequest(key=k, requester=me), timeout=600)
+        a = (await decider.decide([pb.AcquireRequest(key=k, requester=me)]))[0]
         if a.decision == pb.HIT:
             continue
         assert a.decision == pb.WAIT, a
-        async for event in stub.Wait(pb.WaitRequest(key=k, requester=me), timeout=600):
-            if event.decision == pb.HIT:
-                break
-            assert event.decision == pb.WAIT, event
+        event = await decider.wait(pb.WaitRequest(key=k, requester=me, timeout_ms=600_000))
+        assert event.decision == pb.HIT, event
     return time.monotonic()
 
 
-async def stream_hosts(target: str, job: str, first: int, h: int, m: int) -> None:
-    """A child process: hosts first..first+h-1 by stream. Prints "ready" when
-    every stream is open, starts on a line of stdin, and prints its hosts'
-    last end (time.monotonic, one clock for the machine's processes) and the
-    keys they named."""
-    keys = keys_of(job, m)
-    channels = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(max(1, h // HOSTS_A_CHANNEL))]
-    stubs = [wire.stub(ch) for ch in channels]
-    opened, ready = asyncio.Event(), [0]
-    hosts = [asyncio.ensure_future(host_by_stream(stubs[i % len(stubs)], job, first + i, keys,
-                                                  opened, ready, h)) for i in range(h)]
-    await opened.wait()
-    print("ready", flush=True)
-    if (await asyncio.to_thread(sys.stdin.readline)).strip() != "go":
-        raise SystemExit("the bench went away")  # (stdin closed: the parent failed)
-    ends = await asyncio.gather(*hosts)
-    print(json.dumps({"end": max(ends), "named": named[0]}), flush=True)
+def tree_relays(hosts: int, fanout: int) -> int:
+    """Hosts that relay: the nodes that have children in the tree that forms
+    when every host relays and they come in rank order (the replica's
+    `fanout`, then `fanout` under each of those; further hosts under those)."""
+    if hosts <= fanout:
+        return 0
+    return fanout + min(fanout * fanout, max(0, hosts - fanout - fanout * fanout))
 
 
-async def one_run(stubs, target: str, procs, way: str, h: int, m: int, compile_s: float,
-                  n: int) -> dict:
+@dataclass
+class Replica:
+    """The coordinator under measure: its address, the processes whose CPU
+    is counted, and its /metrics."""
+
+    target: str
+    pids: dict[str, int]
+    metrics_port: int
+    ip: str
+
+
+async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
+                  n: int, fanout: int) -> dict:
     job = f"cold-{way}-{h}-{n}"
     keys = keys_of(job, m)
+    target = replica.target
     start = asyncio.Event()
     children: list[subprocess.Popen] = []
+    stubs = [wire.stub(grpc.aio.insecure_channel(target)) for _ in range(CHANNELS)]
+    deciders = [Decider(s, timeout_s=600) for s in stubs]
+    relays = tree_relays(h, fanout)
+    streams = 0.0
     if way == "stream":  # hosts in processes of HOSTS_A_PROCESS (as hosts are processes)
-        for first in range(0, h, HOSTS_A_PROCESS):
+        every = (h + HOSTS_A_PROCESS - 1) // HOSTS_A_PROCESS  # (ranks dealt out in turn)
+        for p in range(every):
             children.append(subprocess.Popen(  # noqa: ASYNC220 (started before the clock)
-                [sys.executable, __file__, "--child", target, job, str(first + 1),
-                 str(min(HOSTS_A_PROCESS, h - first)), str(m)],
+                [sys.executable, __file__, "--child", target, job, f"{p + 1}:{every}:{h}",
+                 str(m), str(relays), str(fanout)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-        for c in children:
-            assert c.stdout is not None
-            line = await asyncio.to_thread(c.stdout.readline)
-            assert line.strip() == "ready", line
+        for word, then in (("relays", "leaves"), ("ready", None)):
+            for c in children:
+                assert c.stdout is not None
+                line = await asyncio.to_thread(c.stdout.readline)
+                if line.strip() != word:
+                    raise RuntimeError(f"a process of hosts failed (rc {c.poll()}): {line!r}")
+            for c in children if then else ():
+                assert c.stdin is not None
+                c.stdin.write(f"{then}\n")
+                c.stdin.flush()
+        streams = scraped(replica.metrics_port, "compilecast_coordinator_job_streams",
+                          replica.ip)  # (every host's stream open)
         hosts = []
     else:
-        hosts = [asyncio.ensure_future(host_per_key(stubs[i % CHANNELS], job, i + 1, keys,
+        hosts = [asyncio.ensure_future(host_per_key(deciders[i % CHANNELS], job, i + 1, keys,
                                                     start)) for i in range(h)]
     try:
-        before = {k: cpu_seconds(p) for k, p in procs.items()}
+        before = {k: cpu_seconds(p) for k, p in replica.pids.items()}
+        seen = {k: scraped(replica.metrics_port, k[0], replica.ip, k[1]) for k in COUNTED}
         began = time.monotonic()
         start.set()
         for c in children:
@@ -191,7 +248,8 @@ async def one_run(stubs, target: str, procs, way: str, h: int, m: int, compile_s
             c.stdin.flush()
         compiled = await compile_all(stubs[0], job, keys, compile_s)
         ends = list(await asyncio.gather(*hosts))
-        named_here = 0
+        per_relay: list[int] = []
+        hosts_cpu = 0.0
         for c in children:
             assert c.stdout is not None
             line = await asyncio.to_thread(c.stdout.readline)
@@ -199,27 +257,44 @@ async def one_run(stubs, target: str, procs, way: str, h: int, m: int, compile_s
                 raise RuntimeError(f"a process of hosts failed (rc {c.wait()})")
             got = json.loads(line)
             ends.append(got["end"])
-            named_here += got["named"]
+            per_relay += got["children"].values()
+            hosts_cpu += got["cpu_s"]
             c.wait()
     finally:  # a failed run leaves no process of hosts behind
         for c in children:
             if c.poll() is None:
                 c.kill()
                 c.wait()
-    used = {k: cpu_seconds(p) - before[k] for k, p in procs.items()}
+        for d in deciders:
+            await d.close()
+    used = {k: cpu_seconds(p) - before[k] for k, p in replica.pids.items()}
+    counted = {k: scraped(replica.metrics_port, k[0], replica.ip, k[1]) - seen[k] for k in COUNTED}
     compiles_s, all_s = compiled - began, max(ends) - began
     row = {"way": way, "hosts": h, "programs": m, "compiles_s": compiles_s, "every_hit_s": all_s,
-           "over_compiles": all_s / compiles_s, "cpu_s": used, "named": named_here}
+           "over_compiles": all_s / compiles_s, "cpu_s": used}
+    if way == "stream":
+        row.update(named=int(counted[NAMED]), egress_bytes=int(counted[NEWS]),
+                   streams_per_job=int(streams), relays=len(per_relay),
+                   most_children=max(per_relay, default=0),
+                   refused_publishes=int(counted[PUBLISHES] - counted[PUBLISHED]),
+                   hosts_cpu_s=hosts_cpu)
     print(f"{way:>6}: {h:>5} hosts x {m:>5} programs: compiles {compiles_s:6.1f} s, every "
           f"host holds every HIT at {all_s:6.1f} s ({all_s / compiles_s:.3f}x); CPU-s "
           f"coordinator {used['coordinator']:.2f}, etcd {used['etcd']:.2f}"
-          + (f"; {named_here} keys named upstream" if way == "stream" else ""), flush=True)
+          + (f"; {row['named']} keys named upstream; the replica served {row['streams_per_job']}"
+             f" streams of the job, sent {row['egress_bytes']:,} bytes of news; {row['relays']} "
+             f"relays (at most {row['most_children']} children); the hosts' CPU-s "
+             f"{row['hosts_cpu_s']:.1f}" if way == "stream" else ""),
+          flush=True)
     return row
 
 
-def cpu_line(rows: list[dict]) -> tuple[float, float]:
-    """Coordinator CPU-s = base + slope x hosts."""
-    return fit_line([r["hosts"] for r in rows], [r["cpu_s"]["coordinator"] for r in rows])
+# The coordinator's counters a run reads (name, labels): its difference over the run.
+NAMED = ("compilecast_coordinator_job_stream_events_total", 'event="named"')
+NEWS = ("compilecast_coordinator_job_news_bytes_total", "")
+PUBLISHES = ("compilecast_coordinator_publishes_total", "")
+PUBLISHED = ("compilecast_coordinator_publishes_total", 'outcome="ok"')
+COUNTED = (NAMED, NEWS, PUBLISHES, PUBLISHED)
 
 
 async def run(args) -> dict:
@@ -227,55 +302,67 @@ async def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="pod-cold-") as root:
         stack = Stack(Path(root))
         try:
-            target, coordinator = stack.coordinator()
-            procs = {"coordinator": coordinator.pid, "etcd": stack.procs[0].pid}
-            channels = [grpc.aio.insecure_channel(target) for _ in range(CHANNELS)]
-            stubs = [wire.stub(ch) for ch in channels]
+            port = free_port()
+            target, coordinator = stack.coordinator(extra=(
+                "--metrics-port", str(port), "--job-stream-fanout", str(args.fanout)))
+            replica = Replica(target, {"coordinator": coordinator.pid,
+                                       "etcd": stack.procs[0].pid}, port, stack.ip)
             compile_s = args.compile_ms / 1000
             for n, h in enumerate(args.per_key_hosts):
-                out["per_key"].append(await one_run(stubs, target, procs, "perkey", h, args.programs,
-                                                    compile_s, n))
+                out["per_key"].append(await one_run(replica, "perkey", h, args.programs,
+                                                    compile_s, n, args.fanout))
             for n, h in enumerate(args.hosts):
-                out["stream"].append(await one_run(stubs, target, procs, "stream", h, args.programs,
-                                                   compile_s, n))
-            for ch in channels:
-                await ch.close()
+                out["stream"].append(await one_run(replica, "stream", h, args.programs,
+                                                   compile_s, n, args.fanout))
         finally:
             stack.close()
     return out
 
 
-def report(out: dict, m: int) -> dict:
-    """Each path's coordinator CPU-s fitted as base + slope x hosts (the base:
-    the designated process's compiles and the replica's own waits), and
-    10,000 hosts x M programs each way."""
-    pk_base, pk_slope = cpu_line(out["per_key"])
-    st_base, st_slope = cpu_line(out["stream"])
-    per_key_10k, stream_10k = pk_base + pk_slope * 10_000, st_base + st_slope * 10_000
-    fitted = {"per_key_ms_a_host": pk_slope * 1e3, "per_key_base_s": pk_base,
-              "stream_ms_a_host": st_slope * 1e3, "stream_base_s": st_base,
-              "per_key_10k_cpu_s": per_key_10k, "stream_10k_cpu_s": stream_10k}
-    print(f"fit: per key {pk_slope * 1e3:.0f} ms of coordinator CPU a host ({m} programs: "
-          f"{pk_slope / m * 1e6:.0f} us a host-program) + {pk_base:.1f} s; by stream "
-          f"{st_slope * 1e3:.2f} ms a host + {st_base:.1f} s")
-    print(f"10,000 hosts x {m:,} programs, cold, coordinator CPU-s: by stream "
-          f"{stream_10k:.0f}; per key {per_key_10k:.0f} ({per_key_10k / stream_10k:.0f}x)")
-    return fitted
+def report(out: dict) -> dict:
+    """The per-key path's coordinator CPU-s a host (its rows' CPU over their
+    hosts: each host costs its own decisions and waits), and the stream's
+    against it at each stream row's size."""
+    if not out["per_key"] or not out["stream"]:
+        return {}
+    a_host = [r["cpu_s"]["coordinator"] / r["hosts"] for r in out["per_key"]]
+    mean = sum(a_host) / len(a_host)
+    spread = (max(a_host) - min(a_host)) / 2
+    per = {"per_key_cpu_s_a_host": mean, "spread": spread, "rows": []}
+    for r in out["stream"]:
+        per_key = mean * r["hosts"]
+        per["rows"].append({"hosts": r["hosts"], "per_key_cpu_s": per_key,
+                            "stream_cpu_s": r["cpu_s"]["coordinator"],
+                            "times": per_key / r["cpu_s"]["coordinator"]})
+        print(f"{r['hosts']:,} hosts: per key {per_key:.0f} +- {spread * r['hosts']:.0f} "
+              f"coordinator CPU-s ({mean * 1e3:.1f} ms a host, its rows' own), by stream "
+              f"{r['cpu_s']['coordinator']:.1f} ({per_key / r['cpu_s']['coordinator']:.0f}x "
+              "less)")
+    return per
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        target, job, first, h, m = sys.argv[2:7]
-        asyncio.run(stream_hosts(target, job, int(first), int(h), int(m)))
+        target, job, deal, m, relays, fanout = sys.argv[2:8]
+        p, every, h = (int(x) for x in deal.split(":"))
+        run_hosts = lambda: asyncio.run(stream_hosts(  # noqa: E731
+            target, job, list(range(p, h + 1, every)), int(m), int(relays), int(fanout)))
+        if out := os.environ.get("POD_COLD_PROFILE"):  # where a process of hosts spends
+            import cProfile
+            cProfile.runctx("run_hosts()", globals(), {"run_hosts": run_hosts}, f"{out}.{p}")
+        else:
+            run_hosts()
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, nargs="+", default=[100, 300, 1000])
     ap.add_argument("--per-key-hosts", type=int, nargs="+", default=[30, 100])
     ap.add_argument("--programs", type=int, default=1000)
     ap.add_argument("--compile-ms", type=float, default=20.0)
+    ap.add_argument("--fanout", type=int, default=jobtree.FANOUT,
+                    help="the replica's job_stream_fanout, and each relay's")
     args = ap.parse_args()
     out = asyncio.run(run(args))
-    out["fit"] = report(out, args.programs)
+    out["per_key_at_stream_sizes"] = report(out)
     print(json.dumps(out))
 
 

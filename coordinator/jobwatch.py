@@ -20,8 +20,8 @@ Its end goes to the hosts:
   artifact goes to every stream as `publishing`, and the wait goes on;
 - HIT: the artifact goes to every stream of the job (the job's news,
   serialized once for all of them, gathered for `flush_s`: longer for more
-  streams, so that a job's news costs a replica a bounded share of a core
-  however many hosts it has);
+  hosts, which streams say they serve, so that a job's news costs its
+  fleet a bounded share of a core however many hosts it has);
 - COMPILE (a promotion or a hedge): to the first-ranked stream alone, as a
   KeyTurn with the lease; the key is then waited for again (the new holder's
   publish is the HIT everyone gets). A host whose waiter left meanwhile gives
@@ -67,6 +67,7 @@ from compilecast.v1 import cache_pb2 as pb
 
 from .keyview import KeyView
 from .manifests import MAX_KEYS
+from .metrics import CoordinatorMetrics
 from .records import scope
 from .waiting import Waiting
 
@@ -80,7 +81,11 @@ MAX_WAITS = 1000  # keys a message may name
 LINGER_S = 30.0  # a job whose streams all ended is kept this long (its news, its waits)
 MAX_LINGERING = 1024  # jobs kept so at once
 FLUSH_S = (0.02, 1.0)  # a job's news is gathered at least, at most this long into a message
-SEND_S = 1e-4  # gathered this long a stream: sending costs a replica ~1/5 of a core at most
+# Gathered this long a host of the job: every host reads every message (~0.1 ms
+# of a core, a relay's sends included), so a job's news costs its whole fleet
+# about a core at most, however many hosts it has (a star's replica: ~1/5 of one).
+SEND_S = 1e-4
+MAX_HOSTS = 1 << 20  # hosts a stream may say it serves
 
 
 @dataclass(eq=False)
@@ -90,6 +95,7 @@ class _Stream:
     branch: Branch = field(default_factory=lambda: Branch(""))  # where it relays the news
     outbox: Outbox = field(default_factory=Outbox)
     first: First | None = None  # the first-ranked process its host serves, once said
+    hosts: int = 1  # it serves (a relay: its subtree's)
 
     @property
     def open(self) -> bool:
@@ -186,9 +192,9 @@ async def _end_of(events: AsyncIterator[pb.WaitEvent], until: asyncio.Event | No
     return end.result() if end.done() and not end.cancelled() else None
 
 
-def flush_s(streams: int) -> float:
-    """How long a job's news is gathered, for a job of `streams` streams."""
-    return min(FLUSH_S[1], max(FLUSH_S[0], streams * SEND_S))
+def flush_s(hosts: int) -> float:
+    """How long a job's news is gathered, for a job of `hosts` hosts."""
+    return min(FLUSH_S[1], max(FLUSH_S[0], hosts * SEND_S))
 
 
 # A turn nobody takes (its host's stream ended), given back: (key, lease, tenant)
@@ -199,12 +205,14 @@ class JobWatches:
     """`fanout`: streams of a job served here before newcomers go down the
     tree (0: all of them here)."""
 
-    def __init__(self, waiting: Waiting, view: KeyView, give_back: GiveBack, *,
-                 fanout: int = jobtree.FANOUT) -> None:
+    def __init__(self, waiting: Waiting, view: KeyView, give_back: GiveBack,
+                 metrics: CoordinatorMetrics, *, fanout: int = jobtree.FANOUT) -> None:
         self.waiting = waiting
         self.view = view
         self.give_back = give_back
+        self.metrics = metrics
         self.fanout = fanout
+        metrics.job_streams.set_function(lambda: self.streams)
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._held: dict[str | tuple[str, str], int] = {}  # open streams by tenant, identity
         self.streams = 0  # open now (Status, tests)
@@ -254,6 +262,7 @@ class JobWatches:
                                   self.fanout)
             if relay is not None:  # down the tree: its worker serves the newcomer
                 self.redirected += 1
+                self.metrics.job_stream_events.labels("redirected").inc()
                 yield pb.JobEvents(relay_from=relay.address)
                 return
         self._admit(tenant, identity, may_publish)
@@ -266,7 +275,9 @@ class JobWatches:
         self._held[tenant] = self._held.get(tenant, 0) + 1
         self._held[held] = self._held.get(held, 0) + 1
         news = job.log.after(first.since_epoch, first.since_seq) if first.since_epoch else None
-        self.resumed += news is not None
+        if news is not None:
+            self.resumed += 1
+            self.metrics.job_stream_events.labels("resumed").inc()
         for message in news or ():
             me.send(message)
         reader = asyncio.ensure_future(self._read(job, me, first, it))
@@ -276,6 +287,7 @@ class JobWatches:
                                resumed=news is not None)
             while (data := await me.outbox.next()) is not None:
                 self.sent_bytes += len(data)
+                self.metrics.job_news_bytes.inc(len(data))
                 yield data
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 raise reader.exception()  # type: ignore[misc]
@@ -306,6 +318,8 @@ class JobWatches:
                 for w in message.waits:
                     validate.key(w.key)
                     validate.requester(w.requester)
+                if message.hosts:
+                    me.hosts = min(max(1, message.hosts), MAX_HOSTS)
                 if message.HasField("requester"):
                     r = message.requester
                     validate.requester(r)
@@ -315,7 +329,9 @@ class JobWatches:
                     # name is never promoted, so a turn must never wait on it.
                     if me.may_publish:
                         job.said(me, (r.process_id, me, r))
-                self.named += len(message.waits)
+                if message.waits:
+                    self.named += len(message.waits)
+                    self.metrics.job_stream_events.labels("named").inc(len(message.waits))
                 for w in message.waits:
                     self._want(job, me, w)
                 try:
@@ -421,7 +437,7 @@ class JobWatches:
             job.claimed.append(claimed)
         if job.flush is None:
             job.flush = asyncio.get_running_loop().call_later(
-                flush_s(len(job.streams)), self._flush, job)
+                flush_s(sum(s.hosts for s in job.streams)), self._flush, job)
 
     def _flush(self, job: _Job) -> None:
         job.flush = None

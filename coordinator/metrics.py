@@ -239,6 +239,24 @@ class CoordinatorMetrics:
             "Fetches sent to a peer worker that is downloading or holds the artifact",
             registry=registry,
         )
+        self.job_streams = Gauge(
+            "compilecast_coordinator_job_streams",
+            "Job streams (WatchJob) this replica serves now: at most job_stream_fanout a "
+            "job, the rest hang from workers that relay the job's news",
+            registry=registry,
+        )
+        self.job_stream_events = Counter(
+            "compilecast_coordinator_job_stream_events",
+            "Job streams by what happened: redirected (pointed at a relaying worker), "
+            "resumed (opened again after the news it had heard), named (keys hosts named "
+            "that nobody had claimed)",
+            ["event"], registry=registry,
+        )
+        self.job_news_bytes = Counter(
+            "compilecast_coordinator_job_news_bytes",
+            "Bytes of job news (publishes, claims, turns) sent on job streams",
+            registry=registry,
+        )
 
     def _etcd(self, registry: CollectorRegistry) -> None:
         """etcd, the sweeps, operators' purges and farm tasks."""

@@ -103,7 +103,7 @@ class CoordinatorState:
             self.view, self.claims, self.session, etcd, metrics, self.records, self.uploads,
             self.background)
         self.manifests = Manifests(etcd, self.view, self.hub.prefix)
-        self.job_watches = JobWatches(self.waiting, self.view, self._give_back,
+        self.job_watches = JobWatches(self.waiting, self.view, self._give_back, metrics,
                                       fanout=cfg.job_stream_fanout)
         self.operations = Operations(
             OperationSettings(store_type=cfg.store_type, store_max_bytes=cfg.store_max_bytes,

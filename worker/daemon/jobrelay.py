@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from compilecast import jobtree, validate
-from compilecast.errors import InvalidRequest, TooMany
+from compilecast.errors import InvalidRequest, NotFound, TooMany
 from compilecast.jobtree import QUEUED, Branch, NewsLog, Outbox
 from compilecast.v1 import cache_pb2 as pb
 
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 MAX_WAITS = 1000  # keys a message names
 MAX_NAMED = 100_000  # keys children named that are still waited for
+MAX_HOSTS = 1 << 20  # hosts a child may say its subtree has
 
 
 @dataclass(eq=False)
@@ -46,6 +47,7 @@ class _Child:
     branch: Branch
     outbox: Outbox = field(default_factory=Outbox)
     first: pb.Requester | None = None  # the first-ranked process of its subtree
+    hosts: int = 1  # of its subtree
 
     @property
     def open(self) -> bool:
@@ -66,7 +68,7 @@ class Upward(Protocol):
 
     def name(self, requests: list[pb.WaitRequest]) -> None: ...
 
-    def ranked(self) -> None: ...  # the subtree's first-ranked process may have changed
+    def changed(self) -> None: ...  # the subtree's first-ranked process or hosts may have
 
 
 class Subtree:
@@ -77,6 +79,10 @@ class Subtree:
         self.children: set[_Child] = set()
         self._named: dict[str, set[_Child]] = {}  # key -> children waiting for it
         self.redirected = 0  # children pointed further down
+
+    def hosts(self) -> int:
+        """The hosts below this one (its open children's subtrees)."""
+        return sum(c.hosts for c in self.children if c.open)
 
     def first(self) -> pb.Requester | None:
         """The subtree's first-ranked process (of the open children)."""
@@ -122,8 +128,7 @@ class Subtree:
             self.children.discard(me)
             for waiting in self._named.values():
                 waiting.discard(me)
-            if me.first is not None:
-                self.up.ranked()
+            self.up.changed()
 
     async def _read(self, me: _Child, first: pb.JobWatchRequest,
                     it: AsyncIterator[pb.JobWatchRequest]) -> None:
@@ -137,12 +142,15 @@ class Subtree:
                 for w in message.waits:
                     validate.key(w.key)
                     validate.requester(w.requester)
+                if message.hosts:
+                    me.hosts = min(max(1, message.hosts), MAX_HOSTS)
+                    self.up.changed()
                 if message.HasField("requester"):
                     validate.requester(message.requester)
                     if message.requester.job != self.job:
                         raise InvalidRequest("the stream's requester runs another job")
                     me.first = message.requester
-                    self.up.ranked()
+                    self.up.changed()
                 self._want(me, message.waits)
                 try:
                     message = await it.__anext__()
@@ -212,4 +220,24 @@ class Subtree:
         for c in list(self.children):
             c.end()
         self._named.clear()
+
+
+async def watch(requests: AsyncIterator[pb.JobWatchRequest],
+                subtree_of: Callable[[str], Subtree | None]
+                ) -> AsyncIterator[bytes | pb.JobEvents]:
+    """A peer's WatchJob at a relaying worker: served by the subtree of the
+    job its first message names (`subtree_of`; None: this worker relays no
+    news of it, NOT_FOUND, and the peer opens its stream at the coordinator)."""
+    it = requests.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        return
+    validate.job(first.job)
+    subtree = subtree_of(first.job)
+    if subtree is None:
+        raise NotFound(f"this worker relays no news of job {first.job!r} for this "
+                       "credential; open the stream at the coordinator")
+    async for events in subtree.serve(first, it):
+        yield events
 

@@ -137,9 +137,13 @@ class JobStream:
                 self._outbox.append(r)
         self._more.set()
 
-    def ranked(self) -> None:
-        """The subtree's first-ranked process may have changed: said again."""
+    def changed(self) -> None:
+        """The subtree's first-ranked process or its hosts may have changed:
+        said again."""
         self._more.set()
+
+    def _hosts(self) -> int:
+        return 1 + (self.subtree.hosts() if self.subtree is not None else 0)
 
     def _rank(self) -> pb.Requester | None:
         """The first-ranked process of this host and its subtree."""
@@ -222,17 +226,22 @@ class JobStream:
 
     async def _requests(self, direct: bool) -> AsyncIterator[pb.JobWatchRequest]:
         rank = self._said_first = self._rank()
+        hosts = self._hosts()
         yield pb.JobWatchRequest(job=self.job, relay_address=self.relay_address,
                                  since_epoch=self.log.epoch, since_seq=self.log.seq,
-                                 direct=direct, requester=rank)
+                                 direct=direct, requester=rank, hosts=hosts)
         while True:
             await self._more.wait()
             self._more.clear()
-            rank = self._rank()
+            rank, said = self._rank(), pb.JobWatchRequest()
             if rank is not None and (self._said_first is None
                                      or rank.process_id != self._said_first.process_id):
                 self._said_first = rank
-                yield pb.JobWatchRequest(requester=rank)
+                said.requester.CopyFrom(rank)
+            if self._hosts() != hosts:
+                hosts = said.hosts = self._hosts()
+            if said.hosts or said.HasField("requester"):
+                yield said
             while self._outbox:
                 page, self._outbox = self._outbox[:MAX_WAITS], self._outbox[MAX_WAITS:]
                 yield pb.JobWatchRequest(waits=page)

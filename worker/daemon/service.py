@@ -22,12 +22,13 @@ import time
 
 import grpc
 
-from compilecast import decideserve, validate
-from compilecast.errors import CompilecastError, NotFound, Unimplemented, UpstreamError
+from compilecast import decideserve
+from compilecast.errors import CompilecastError, Unimplemented, UpstreamError
 from compilecast.grpcutil import rpc_errors, token_from, unreachable
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 
+from . import jobrelay
 from .dirsync import DirSync
 from .upstream import Relayed, relay_pieces
 from .wiring import WorkerParts
@@ -253,17 +254,8 @@ class RelayService(rpc.CompileCacheServicer):
         if self.worker.link.token and not token_from(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "relayed news needs a token")
         ns, md = self.worker.link.credential(context)
-        it = request_iterator.__aiter__()
-        try:
-            first = await it.__anext__()
-        except StopAsyncIteration:
-            return
-        validate.job(first.job)
-        subtree = self.worker.parts.manifests.subtree(ns, md, first.job)
-        if subtree is None:
-            raise NotFound(f"this worker relays no news of job {first.job!r} for "
-                                     "this credential; open the stream at the coordinator")
-        async for events in subtree.serve(first, it):
+        async for events in jobrelay.watch(
+                request_iterator, lambda job: self.worker.parts.manifests.subtree(ns, md, job)):
             yield events
 
     @rpc_errors

@@ -1966,6 +1966,7 @@ class JobWatchRequest(_message.Message):
     SINCE_EPOCH_FIELD_NUMBER: _builtins.int
     SINCE_SEQ_FIELD_NUMBER: _builtins.int
     DIRECT_FIELD_NUMBER: _builtins.int
+    HOSTS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """The job (1-128 characters), in the first message (later ones may omit it)."""
     relay_address: _builtins.str
@@ -1983,6 +1984,11 @@ class JobWatchRequest(_message.Message):
     direct: _builtins.bool
     """First message: serve this stream here, never redirect it (a relay it was
     sent to failed it).
+    """
+    hosts: _builtins.int
+    """The hosts this stream serves: its own (0 counts as 1), and a relay's
+    whole subtree; said again as it changes. The replica gathers a job's
+    news longer for more hosts (every host handles every message).
     """
     @_builtins.property
     def waits(self) -> _containers.RepeatedCompositeFieldContainer[Global___WaitRequest]:
@@ -2009,10 +2015,11 @@ class JobWatchRequest(_message.Message):
         since_epoch: _builtins.str = ...,
         since_seq: _builtins.int = ...,
         direct: _builtins.bool = ...,
+        hosts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["requester", b"requester"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["direct", b"direct", "job", b"job", "relay_address", b"relay_address", "requester", b"requester", "since_epoch", b"since_epoch", "since_seq", b"since_seq", "waits", b"waits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["direct", b"direct", "hosts", b"hosts", "job", b"job", "relay_address", b"relay_address", "requester", b"requester", "since_epoch", b"since_epoch", "since_seq", b"since_seq", "waits", b"waits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
