@@ -51,6 +51,10 @@ class NewsLog:
         self._held.clear()
         self._bytes = 0
 
+    def heard(self, seq: int) -> None:
+        """The news up to `seq` was heard, and is not kept (a node that relays nothing)."""
+        self.seq = seq
+
     def add(self, seq: int, data: bytes) -> None:
         self.seq = seq
         self._held.append((seq, data))

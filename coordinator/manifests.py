@@ -75,6 +75,7 @@ class Manifests:
         self._built: dict[tuple[str, str], tuple[float, pb.Manifest, bytes]] = {}
         self._building: dict[tuple[str, str], asyncio.Future[pb.Manifest]] = {}
         self.recorded = 0  # keys this replica wrote (Status, tests)
+        self.sent = 0  # manifests sent whole (not "unchanged"): the tree's relays serve the rest
         self._noted_keys = 0
 
     def _job_prefix(self, tenant: str, job: str) -> bytes:
@@ -176,6 +177,7 @@ class Manifests:
         if held_digest and held_digest == made.digest:
             return pb.Manifest(job=job, digest=made.digest, unpublished=made.unpublished,
                                unchanged=True)
+        self.sent += 1
         return built[2]
 
     async def _build(self, tenant: str, job: str) -> pb.Manifest:

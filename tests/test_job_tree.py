@@ -85,18 +85,18 @@ def relay_of(port: int) -> dict:
     return {"relay_listen": f"127.0.0.1:{port}", "relay_advertise": f"127.0.0.1:{port}"}
 
 
-def stream_of(host) -> pb.JobPrefetch | None:
+def stream_of(host, job: str = JOB) -> pb.JobPrefetch | None:
     st = CacheClient(host.target).status()
-    return next((p for p in st.prefetches if p.job == JOB and p.stream_open), None)
+    return next((p for p in st.prefetches if p.job == job and p.stream_open), None)
 
 
-def relaying_hosts(coordinator, start_worker, n: int) -> list:
-    """`n` workers of JOB that relay its news, each with its stream open."""
+def relaying_hosts(coordinator, start_worker, n: int, job: str = JOB) -> list:
+    """`n` workers of `job` that relay its news, each with its stream open."""
     hosts = []
     for i in range(n):  # (one by one: the tree's shape follows the order they come in)
-        hosts.append(start_worker(coordinator.cfg.listen, f"h{i}", job=JOB,
+        hosts.append(start_worker(coordinator.cfg.listen, f"h{i}", job=job,
                                   **relay_of(free_port())))
-        eventually(lambda h=hosts[-1]: stream_of(h), "the job's stream open", 30)
+        eventually(lambda h=hosts[-1]: stream_of(h, job), "the job's stream open", 30)
     return hosts
 
 
@@ -234,3 +234,24 @@ def test_a_relay_killed_mid_job_costs_its_subtree_a_reconnect_never_an_answer(
             if p.poll() is None:
                 p.terminate()
                 p.wait(30)
+
+
+def test_a_warm_start_s_manifest_comes_down_the_tree(start_coordinator, start_worker):
+    from .test_manifests import JOB as WARM
+    from .test_manifests import prefetch_of, published_job
+
+    coordinator = start_coordinator(job_stream_fanout=2)
+    artifacts = published_job(coordinator, start_worker, 1000)  # (its host relays nothing)
+    sent = coordinator.state.manifests.sent
+    hosts = relaying_hosts(coordinator, start_worker, 4, WARM)
+    below = [h for h in hosts if stream_of(h, WARM).stream_via]
+    assert len(below) >= 2
+    for h in hosts:
+        c = CacheClient(h.target, timeout_s=30)
+        eventually(lambda c=c: (p := prefetch_of(c)) and p.artifacts_done == 1000,
+                   "the job's manifest prefetched", 120)
+        got = c.acquire_many(list(artifacts)[:500])
+        assert all(a.decision == pb.HIT for a in got)
+    # The coordinator sent the manifest to the hosts it serves; those below
+    # had it from the relay they hang from.
+    assert coordinator.state.manifests.sent - sent == len(hosts) - len(below)

@@ -81,6 +81,7 @@ class JobStream:
         self._resuming = False  # broken, opened again at once: its waits are kept
         self._named: dict[str, pb.WaitRequest] = {}  # named upstream, not answered yet
         self._said_first: pb.Requester | None = None  # the rank said on this stream
+        self._open = asyncio.Event()  # it opened once
         self._waiting: dict[str, asyncio.Future[pb.WaitEvent | None]] = {}
         self._claimed: dict[str, None] = {}  # (in the order heard)
         self._asked: dict[str, None] = {}  # keys to ask for one by one, as the stream said
@@ -89,6 +90,15 @@ class JobStream:
         self._more = asyncio.Event()
         self._releases: set[asyncio.Future[None]] = set()
         self._task = asyncio.ensure_future(self._run())
+
+    async def placed(self, within_s: float) -> str:
+        """The relay it hangs from ("": the coordinator), once it opened;
+        "" too when it has not opened within `within_s`."""
+        try:
+            await asyncio.wait_for(self._open.wait(), within_s)
+        except TimeoutError:
+            return ""
+        return self.upstream
 
     @property
     def waiting(self) -> int:
@@ -205,6 +215,7 @@ class JobStream:
         asked = bool(self.log.epoch)
         self.live, self._resuming, self.upstream = True, False, target
         self.opened += 1
+        self._open.set()
         again = list(self._named.values())  # (the stream that had them may have lost them)
         if opening.resumed:
             self.resumed += 1
@@ -247,11 +258,12 @@ class JobStream:
                 yield pb.JobWatchRequest(waits=page)
 
     def _take(self, events: pb.JobEvents) -> None:
-        if events.seq:  # the job's news: kept, and passed on whole to the subtree
+        if events.seq and self.subtree is not None:  # kept, passed on whole to the subtree
             data = events.SerializeToString()
             self.log.add(events.seq, data)
-            if self.subtree is not None:
-                self.subtree.news(data)
+            self.subtree.news(data)
+        elif events.seq:
+            self.log.heard(events.seq)
         for info in events.published:
             self._named.pop(info.key, None)
         for key in events.ask:

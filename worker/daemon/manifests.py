@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from compilecast import jobtree
-from compilecast.errors import CompilecastError
+from compilecast.errors import CompilecastError, NotFound
 from compilecast.v1 import cache_pb2 as pb
 
 from .fetches import Fetches
@@ -48,6 +48,7 @@ PREFETCHES = 4  # artifacts of one job fetched into the host cache at once
 MAX_JOBS = 64  # jobs whose manifests a worker holds (past it: no other is asked for)
 MAX_ENTRIES = 200_000  # manifest entries a worker holds in all
 RETRY_S = 30.0  # a manifest that could not be had is asked for again after this
+PLACED_S = 5.0  # a job's manifest waits this long for its stream's place in the tree
 
 
 @dataclass
@@ -58,6 +59,7 @@ class _Job:
     asked: float
     task: asyncio.Task | None = None
     held_digest: str = ""
+    held: bytes = b""  # the manifest as it came (a relaying worker serves it to its subtree)
     progress: pb.JobPrefetch = field(default_factory=pb.JobPrefetch)
     problem: str = ""
     stream: JobStream | None = None
@@ -105,17 +107,27 @@ class HostManifests:
             return
         entry = self.jobs[(ns, job)] = _Job(ns, job, md, time.monotonic(),
                                             progress=pb.JobPrefetch(job=job))
-        entry.task = asyncio.ensure_future(self._load(entry))
         if self.streams:
             entry.stream = JobStream(self.link, md, job, lambda infos: self._add(ns, infos),
                                      known=lambda key: self.entries.get(ns, {}).get(key),
                                      relay_address=self.relay_address, fanout=self.fanout)
+        entry.task = asyncio.ensure_future(self._load(entry))
 
     async def _load(self, j: _Job) -> None:
+        request = pb.ManifestRequest(job=j.job, held_digest=j.held_digest)
+        manifest = None
+        via = await j.stream.placed(PLACED_S) if j.stream is not None else ""
+        if via:  # down the tree, as the job's news comes: the relay's own copy
+            try:
+                manifest = await self.link.peer(via).GetManifest(
+                    request, timeout=self.link.rpc_timeout_s, metadata=j.md)
+            except CompilecastError as exc:
+                log.info("job %s: relay %s had no manifest for it (%s); the coordinator's",
+                         j.job, via, exc.status.name)
         try:
-            manifest = await self.link.up.GetManifest(
-                pb.ManifestRequest(job=j.job, held_digest=j.held_digest),
-                timeout=self.link.rpc_timeout_s, metadata=j.md)
+            if manifest is None:
+                manifest = await self.link.up.GetManifest(
+                    request, timeout=self.link.rpc_timeout_s, metadata=j.md)
         except CompilecastError as exc:
             j.problem = f"the manifest could not be had ({exc.status.name})"
             log.info("job %s: %s; its keys are asked for one by one", j.job, j.problem)
@@ -123,6 +135,8 @@ class HostManifests:
         if manifest.unchanged:
             return
         j.held_digest = manifest.digest
+        if self.relay_address:
+            j.held = manifest.SerializeToString()
         self._add(j.ns, manifest.entries)
         j.progress.artifacts_total = len(manifest.entries)
         j.progress.bytes_total = sum(e.size for e in manifest.entries)
@@ -192,6 +206,21 @@ class HostManifests:
         j = self.jobs.get((ns, job))
         s = j.stream if j is not None and j.md == md else None
         return s.subtree if s is not None and s.live else None
+
+    async def relayed(self, ns: str, md: tuple, job: str, digest: str) -> pb.Manifest | bytes:
+        """The manifest of `job` this worker holds, for a peer of its subtree
+        (the credential its stream goes up with): as it came, or unchanged
+        when the peer holds `digest`; NotFound where it holds none."""
+        j = self.jobs.get((ns, job))
+        if j is None or j.md != md or j.stream is None or j.stream.subtree is None:
+            raise NotFound(f"this worker relays no manifest of job {job!r} for this credential")
+        if j.task is not None and not j.task.done():  # its own load under way
+            await asyncio.wait_for(asyncio.shield(j.task), self.link.rpc_timeout_s)
+        if not j.held_digest:
+            raise NotFound(f"this worker holds no manifest of job {job!r}")
+        if digest == j.held_digest:
+            return pb.Manifest(job=job, digest=digest, unchanged=True)
+        return j.held
 
     def forget(self, ns: str, key: str) -> None:
         """A stale entry (its fetch failed): the key is asked for as any other."""

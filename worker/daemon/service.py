@@ -22,7 +22,7 @@ import time
 
 import grpc
 
-from compilecast import decideserve
+from compilecast import decideserve, validate
 from compilecast.errors import CompilecastError, Unimplemented, UpstreamError
 from compilecast.grpcutil import rpc_errors, token_from, unreachable
 from compilecast.v1 import cache_pb2 as pb
@@ -238,8 +238,8 @@ class WorkerService(rpc.CompileCacheServicer):
 
 
 class RelayService(rpc.CompileCacheServicer):
-    """A worker's relay endpoint (TCP): Fetch and WatchJob only, for peer
-    workers the coordinator points here. Where workers hold a token, a peer must present
+    """A worker's relay endpoint (TCP): Fetch, WatchJob and GetManifest only,
+    for peer workers the coordinator (or a relay above) points here. Where workers hold a token, a peer must present
     one: the workers' own (this host's namespace) or the per-job token its
     process used, which reaches only what that token fetched here or what the
     coordinator grants it."""
@@ -257,6 +257,18 @@ class RelayService(rpc.CompileCacheServicer):
         async for events in jobrelay.watch(
                 request_iterator, lambda job: self.worker.parts.manifests.subtree(ns, md, job)):
             yield events
+
+    @rpc_errors
+    async def GetManifest(self, request, context):
+        """A peer's manifest of a job whose news this worker relays: its own copy."""
+        if self.worker.link.token and not token_from(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "relayed manifests need a token")
+        validate.job(request.job)
+        if request.held_digest:
+            validate.digest(request.held_digest)
+        ns, md = self.worker.link.credential(context)
+        return await self.worker.parts.manifests.relayed(ns, md, request.job,
+                                                         request.held_digest)
 
     @rpc_errors
     async def Fetch(self, request, context):
