@@ -61,20 +61,28 @@ def keys_of(job: str, m: int) -> list[str]:
     return [f"{job}-prog{i:06d}" for i in range(m)]
 
 
-async def compile_all(stub, job: str, keys: list[str], compile_s: float) -> float:
-    """The designated process compiles and publishes each key in turn: when the last landed."""
+async def compile_all(stub, job: str, keys: list[str], compile_s: float,
+                      dies: bool = False) -> float:
+    """The designated process compiles and publishes each key in turn: when
+    the last landed. With `dies`, it dies holding the last key's lease
+    (neither publishes, renews nor releases it): when it died."""
     me = pb.Requester(job=job, process_id=0, designated_process=0, client="designated")
-    for k in keys:
+    for i, k in enumerate(keys):
         a = await stub.Acquire(pb.AcquireRequest(key=k, requester=me), timeout=60)
         assert a.decision == pb.COMPILE, a
+        if dies and i == len(keys) - 1:
+            return time.time()
         await asyncio.sleep(compile_s)
-        data = f"executable of {k}".encode().ljust(1024, b".")
-        header = pb.PublishHeader(key=k, lease=a.lease, size=len(data), requester=me,
-                                  digest=hashlib.sha256(data).hexdigest(),
-                                  compile_time_seconds=compile_s)
-        await stub.Publish(iter([pb.PublishChunk(header=header), wire.DataChunk(data)]),
-                           timeout=60)
-    return time.monotonic()
+        await publish(stub, k, a.lease, me, compile_s)
+    return time.time()
+
+
+async def publish(stub, key: str, lease: pb.Lease, me: pb.Requester, compile_s: float) -> None:
+    data = f"executable of {key}".encode().ljust(1024, b".")
+    header = pb.PublishHeader(key=key, lease=lease, size=len(data), requester=me,
+                              digest=hashlib.sha256(data).hexdigest(),
+                              compile_time_seconds=compile_s)
+    await stub.Publish(iter([pb.PublishChunk(header=header), wire.DataChunk(data)]), timeout=60)
 
 
 class Relay(rpc.CompileCacheServicer):
@@ -90,7 +98,7 @@ class Relay(rpc.CompileCacheServicer):
 
 
 async def stream_hosts(target: str, job: str, ranks: list[int], m: int, relays: int,
-                       fanout: int) -> None:
+                       fanout: int, compile_s: float) -> None:
     """A child process: the hosts of `ranks` by stream, each the worker's own
     JobStream (worker/daemon/jobstream.py); a host of rank <= `relays` relays
     the job's news to its subtree (jobrelay.py) from a gRPC server of its own.
@@ -135,7 +143,7 @@ async def stream_hosts(target: str, job: str, ranks: list[int], m: int, relays: 
     print("ready", flush=True)
     await step("go")
     cpu0 = time.process_time()
-    failed = [0]
+    failed, turns = [0], []
 
     async def host(rank: int) -> float:
         me = pb.Requester(job=job, process_id=rank, designated_process=0, client=f"host{rank}")
@@ -144,13 +152,19 @@ async def stream_hosts(target: str, job: str, ranks: list[int], m: int, relays: 
             if k in got:
                 continue
             event = await stream.wait(pb.WaitRequest(key=k, requester=me))
+            if event is not None and event.decision == pb.COMPILE:  # its turn: it compiles
+                turns.append({"host": rank, "key": k, "at": time.time()})
+                await asyncio.sleep(compile_s)
+                await publish(stream.link.up, k, event.lease, me, compile_s)
+                continue
             if event is None or event.decision != pb.HIT:  # (the stream could not serve it)
                 failed[0] += 1
                 raise RuntimeError(f"host {rank}: {k} ended {event}")
-        return time.monotonic()
+        return time.time()
 
     ends = await asyncio.gather(*(host(r) for r in ranks))
-    print(json.dumps({"end": max(ends), "failed": failed[0], "cpu_s": time.process_time() - cpu0,
+    print(json.dumps({"end": max(ends), "failed": failed[0], "turns": turns,
+                      "cpu_s": time.process_time() - cpu0,
                       "children": {r: len(s.subtree.children) for r, s in streams.items()
                                    if s.subtree is not None and s.subtree.children}}),
           flush=True)
@@ -180,7 +194,7 @@ async def host_per_key(decider: Decider, job: str, pid: int, keys: list[str],
         assert a.decision == pb.WAIT, a
         event = await decider.wait(pb.WaitRequest(key=k, requester=me, timeout_ms=600_000))
         assert event.decision == pb.HIT, event
-    return time.monotonic()
+    return time.time()
 
 
 def tree_relays(hosts: int, fanout: int) -> int:
@@ -204,7 +218,7 @@ class Replica:
 
 
 async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
-                  n: int, fanout: int) -> dict:
+                  n: int, fanout: int, dies: bool = False) -> dict:
     job = f"cold-{way}-{h}-{n}"
     keys = keys_of(job, m)
     target = replica.target
@@ -219,7 +233,7 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
         for p in range(every):
             children.append(subprocess.Popen(  # noqa: ASYNC220 (started before the clock)
                 [sys.executable, __file__, "--child", target, job, f"{p + 1}:{every}:{h}",
-                 str(m), str(relays), str(fanout)],
+                 str(m), str(relays), str(fanout), str(compile_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for word, then in (("relays", "leaves"), ("ready", None)):
             for c in children:
@@ -240,15 +254,16 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
     try:
         before = {k: cpu_seconds(p) for k, p in replica.pids.items()}
         seen = {k: scraped(replica.metrics_port, k[0], replica.ip, k[1]) for k in COUNTED}
-        began = time.monotonic()
+        began = time.time()
         start.set()
         for c in children:
             assert c.stdin is not None
             c.stdin.write("go\n")
             c.stdin.flush()
-        compiled = await compile_all(stubs[0], job, keys, compile_s)
+        compiled = await compile_all(stubs[0], job, keys, compile_s, dies)
         ends = list(await asyncio.gather(*hosts))
         per_relay: list[int] = []
+        turns: list[dict] = []
         hosts_cpu = 0.0
         for c in children:
             assert c.stdout is not None
@@ -258,6 +273,7 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
             got = json.loads(line)
             ends.append(got["end"])
             per_relay += got["children"].values()
+            turns += got["turns"]
             hosts_cpu += got["cpu_s"]
             c.wait()
     finally:  # a failed run leaves no process of hosts behind
@@ -278,6 +294,13 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
                    most_children=max(per_relay, default=0),
                    refused_publishes=int(counted[PUBLISHES] - counted[PUBLISHED]),
                    hosts_cpu_s=hosts_cpu)
+    if dies:  # the designated process died holding the last key's lease
+        row["turns"] = [{"host": t["host"], "after_s": t["at"] - compiled} for t in turns]
+    if dies:
+        print(f"the designated process died holding {keys[-1]}: the turn went to "
+              + ", ".join(f"host {t['host']} after {t['after_s']:.1f} s" for t in row["turns"])
+              + f"; every host held every HIT {all_s - compiles_s:.1f} s after its death",
+              flush=True)
     print(f"{way:>6}: {h:>5} hosts x {m:>5} programs: compiles {compiles_s:6.1f} s, every "
           f"host holds every HIT at {all_s:6.1f} s ({all_s / compiles_s:.3f}x); CPU-s "
           f"coordinator {used['coordinator']:.2f}, etcd {used['etcd']:.2f}"
@@ -304,49 +327,55 @@ async def run(args) -> dict:
         try:
             port = free_port()
             target, coordinator = stack.coordinator(extra=(
-                "--metrics-port", str(port), "--job-stream-fanout", str(args.fanout)))
+                "--metrics-port", str(port), "--job-stream-fanout", str(args.fanout),
+                "--lease-ttl-s", str(args.lease_ttl_s)))
             replica = Replica(target, {"coordinator": coordinator.pid,
                                        "etcd": stack.procs[0].pid}, port, stack.ip)
             compile_s = args.compile_ms / 1000
             for n, h in enumerate(args.per_key_hosts):
-                out["per_key"].append(await one_run(replica, "perkey", h, args.programs,
+                out["per_key"].append(await one_run(replica, "perkey", h,
+                                                    args.per_key_programs or args.programs,
                                                     compile_s, n, args.fanout))
             for n, h in enumerate(args.hosts):
                 out["stream"].append(await one_run(replica, "stream", h, args.programs,
-                                                   compile_s, n, args.fanout))
+                                                   compile_s, n, args.fanout,
+                                                   args.designated_dies))
         finally:
             stack.close()
     return out
 
 
 def report(out: dict) -> dict:
-    """The per-key path's coordinator CPU-s a host (its rows' CPU over their
-    hosts: each host costs its own decisions and waits), and the stream's
-    against it at each stream row's size."""
+    """The per-key path's coordinator CPU-s a host and program, as its rows
+    measured it (each host pays its own decision and wait for each program:
+    nothing is shared across hosts or programs), at each stream row's size
+    against the stream's own, measured."""
     if not out["per_key"] or not out["stream"]:
         return {}
-    a_host = [r["cpu_s"]["coordinator"] / r["hosts"] for r in out["per_key"]]
-    mean = sum(a_host) / len(a_host)
-    spread = (max(a_host) - min(a_host)) / 2
-    per = {"per_key_cpu_s_a_host": mean, "spread": spread, "rows": []}
+    each = [r["cpu_s"]["coordinator"] / (r["hosts"] * r["programs"]) for r in out["per_key"]]
+    mean = sum(each) / len(each)
+    spread = (max(each) - min(each)) / 2
+    per = {"per_key_cpu_s_a_host_program": mean, "spread": spread, "rows": []}
     for r in out["stream"]:
-        per_key = mean * r["hosts"]
-        per["rows"].append({"hosts": r["hosts"], "per_key_cpu_s": per_key,
-                            "stream_cpu_s": r["cpu_s"]["coordinator"],
-                            "times": per_key / r["cpu_s"]["coordinator"]})
-        print(f"{r['hosts']:,} hosts: per key {per_key:.0f} +- {spread * r['hosts']:.0f} "
-              f"coordinator CPU-s ({mean * 1e3:.1f} ms a host, its rows' own), by stream "
-              f"{r['cpu_s']['coordinator']:.1f} ({per_key / r['cpu_s']['coordinator']:.0f}x "
-              "less)")
+        n = r["hosts"] * r["programs"]
+        per_key, stream = mean * n, r["cpu_s"]["coordinator"]
+        per["rows"].append({"hosts": r["hosts"], "programs": r["programs"],
+                            "per_key_cpu_s": per_key, "per_key_error_s": spread * n,
+                            "stream_cpu_s": stream, "times": per_key / stream})
+        print(f"{r['hosts']:,} hosts x {r['programs']:,} programs: per key {per_key:.0f} "
+              f"+- {spread * n:.0f} coordinator CPU-s ({mean * 1e6:.0f} us a host and program, "
+              f"as its rows measured it), by stream {stream:.1f} measured "
+              f"({per_key / stream:.0f}x less)")
     return per
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        target, job, deal, m, relays, fanout = sys.argv[2:8]
+        target, job, deal, m, relays, fanout, compile_s = sys.argv[2:9]
         p, every, h = (int(x) for x in deal.split(":"))
         run_hosts = lambda: asyncio.run(stream_hosts(  # noqa: E731
-            target, job, list(range(p, h + 1, every)), int(m), int(relays), int(fanout)))
+            target, job, list(range(p, h + 1, every)), int(m), int(relays), int(fanout),
+            float(compile_s)))
         if out := os.environ.get("POD_COLD_PROFILE"):  # where a process of hosts spends
             import cProfile
             cProfile.runctx("run_hosts()", globals(), {"run_hosts": run_hosts}, f"{out}.{p}")
@@ -357,9 +386,16 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, nargs="+", default=[100, 300, 1000])
     ap.add_argument("--per-key-hosts", type=int, nargs="+", default=[30, 100])
     ap.add_argument("--programs", type=int, default=1000)
+    ap.add_argument("--per-key-programs", type=int, default=0,
+                    help="programs of the per-key rows (default: --programs): the per-key "
+                         "path at the stream's hosts, on fewer programs")
     ap.add_argument("--compile-ms", type=float, default=20.0)
     ap.add_argument("--fanout", type=int, default=jobtree.FANOUT,
                     help="the replica's job_stream_fanout, and each relay's")
+    ap.add_argument("--designated-dies", action="store_true",
+                    help="by stream, the designated process dies holding the last program's "
+                         "lease: when a host is given the turn, against the lease's TTL")
+    ap.add_argument("--lease-ttl-s", type=int, default=10, help="the coordinator's lease_ttl_s")
     args = ap.parse_args()
     out = asyncio.run(run(args))
     out["per_key_at_stream_sizes"] = report(out)

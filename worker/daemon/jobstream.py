@@ -264,31 +264,34 @@ class JobStream:
             self.subtree.news(data)
         elif events.seq:
             self.log.heard(events.seq)
-        for info in events.published:
-            self._named.pop(info.key, None)
-        for key in events.ask:
-            self._named.pop(key, None)
+        published = list(events.published)  # (each read once: a message's fields cost a read)
+        asked = list(events.ask)
         if self.subtree is not None:
             self.subtree.answered(events)
         for key in events.claimed:
             self._claimed[key] = None
             self._asked.pop(key, None)
-        for key in events.ask:  # (its wait here ended: a claim of it says nothing now)
+        for key in asked:  # (its wait here ended: a claim of it says nothing now)
+            self._named.pop(key, None)
             self._claimed.pop(key, None)
             self._asked[key] = None
         for keys in (self._claimed, self._asked):
             while len(keys) > MAX_CLAIMED:
                 del keys[next(iter(keys))]
-        for info in events.published:
-            self._claimed.pop(info.key, None)
-        if events.published:
-            self.published(list(events.published))
+        for info in published:
+            key = info.key
+            self._named.pop(key, None)
+            self._claimed.pop(key, None)
+        if published:
+            self.published(published)
         for info in events.publishing:
-            self._end(info.key, pb.WaitEvent(decision=pb.WAIT, artifact=info,
-                                             reason="publishing: a fetch streams the bytes"))
-        for info in events.published:
-            self._end(info.key, pb.WaitEvent(decision=pb.HIT, artifact=info))
-        for key in events.ask:
+            if info.key in self._waiting:
+                self._end(info.key, pb.WaitEvent(decision=pb.WAIT, artifact=info,
+                                                 reason="publishing: a fetch streams the bytes"))
+        for info in published:
+            if info.key in self._waiting:  # (the event made only for a wait here)
+                self._end(info.key, pb.WaitEvent(decision=pb.HIT, artifact=info))
+        for key in asked:
             self._end(key, None)
         for turn in events.turns:
             if not self._turn(turn):  # nobody here or below waits for it now

@@ -60,6 +60,7 @@ class _Job:
     task: asyncio.Task | None = None
     held_digest: str = ""
     held: bytes = b""  # the manifest as it came (a relaying worker serves it to its subtree)
+    asked_once: asyncio.Event = field(default_factory=asyncio.Event)  # its first load answered
     progress: pb.JobPrefetch = field(default_factory=pb.JobPrefetch)
     problem: str = ""
     stream: JobStream | None = None
@@ -132,6 +133,8 @@ class HostManifests:
             j.problem = f"the manifest could not be had ({exc.status.name})"
             log.info("job %s: %s; its keys are asked for one by one", j.job, j.problem)
             return
+        finally:
+            j.asked_once.set()
         if manifest.unchanged:
             return
         j.held_digest = manifest.digest
@@ -214,8 +217,10 @@ class HostManifests:
         j = self.jobs.get((ns, job))
         if j is None or j.md != md or j.stream is None or j.stream.subtree is None:
             raise NotFound(f"this worker relays no manifest of job {job!r} for this credential")
-        if j.task is not None and not j.task.done():  # its own load under way
-            await asyncio.wait_for(asyncio.shield(j.task), self.link.rpc_timeout_s)
+        try:  # (its own load under way: its answer, not its prefetch)
+            await asyncio.wait_for(j.asked_once.wait(), self.link.rpc_timeout_s)
+        except TimeoutError:
+            raise NotFound(f"this worker is still asking for job {job!r}'s manifest") from None
         if not j.held_digest:
             raise NotFound(f"this worker holds no manifest of job {job!r}")
         if digest == j.held_digest:
