@@ -22,7 +22,7 @@ from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.inprocess.client import CacheClient, wait_until_healthy
 
-from .conftest import eventually
+from .conftest import cc, eventually
 from .test_job_streams import decided, process_of
 
 JOB = "train-cold"
@@ -110,6 +110,8 @@ def test_a_cold_start_down_a_tree_holds_every_hit_and_the_replica_serves_the_fan
     assert via[:2] == ["", ""] and all(via[2:]), via  # the rest hang from relays
     relays = {h.cfg.relay_advertise: stream_of(h).stream_children for h in hosts}
     assert sum(relays.values()) == 4
+    shown = cc("status", "--worker", hosts[5].target).stdout
+    assert f"from relay {via[5]}" in shown, shown
     n = 300
     artifacts = {f"prog{i:05d}": f"executable {i}".encode() * 40 for i in range(n)}
     keys = list(artifacts)

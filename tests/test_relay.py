@@ -307,8 +307,8 @@ def test_relay_trees_forget_old_nodes_and_stay_bounded(monkeypatch):
 @pytest.mark.parametrize("address", ["", "host", "host:", ":80", "host:0", "host:65536",
                                      "host:http", "a b:80", "a/b:80", "h" * 300 + ":80"])
 def test_a_bad_relay_address_is_refused(address):
-    from compilecast.validate import relay_address as check_address
     from compilecast.errors import InvalidRequest
+    from compilecast.validate import relay_address as check_address
 
     with pytest.raises(InvalidRequest, match="relay_address"):
         check_address(address)

@@ -95,13 +95,26 @@ def _print_status(st, worker: str) -> None:
     _print_prefetches(st)
 
 
+def _tree_place(p) -> str:
+    """Where a job's stream hangs in the tree of the job's news."""
+    if not p.stream_open:
+        return ""
+    said = [f"from relay {p.stream_via}" if p.stream_via else "from the coordinator"]
+    if p.stream_children:
+        said.append(f"relayed to {p.stream_children:,} peers")
+    if p.stream_resumes or p.stream_restarts:
+        said.append(f"resumed {p.stream_resumes:,}x, started over {p.stream_restarts:,}x")
+    return " (" + ", ".join(said) + ")"
+
+
 def _print_prefetches(st) -> None:
     for p in st.prefetches:
         gb = 1e9
         print(f"job          {p.job}: {p.artifacts_done:,}/{p.artifacts_total:,} artifacts, "
               f"{p.bytes_done / gb:.1f} of {p.bytes_total / gb:.1f} GB"
               + (f" ({p.stopped})" if p.stopped else "")
-              + (f"; its stream open, {p.stream_waits:,} waits on it" if p.stream_open else ""))
+              + (f"; its stream open, {p.stream_waits:,} waits on it" if p.stream_open else "")
+              + _tree_place(p))
     if st.manifest_hits:
         print(f"manifest     {st.manifest_hits:,} hits answered from the jobs' manifests")
 
