@@ -300,3 +300,85 @@ def test_the_parts_are_built_from_values_alone(cache, metrics):
             await parts.close()
 
     run(body())
+
+
+async def settled(done) -> None:
+    """Until `done()`: the tasks the test started have run their turns."""
+    for _ in range(1000):
+        if done():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("never settled")
+
+
+class FakeUpward:
+    """What a subtree asks of the stream it hangs from (jobrelay.Upward)."""
+
+    def __init__(self) -> None:
+        from compilecast.jobtree import NewsLog
+
+        self.log = NewsLog("e1")
+        self.log.add(1, b"")
+        self.named: list[str] = []
+        self.changes = 0
+        self.published: dict[str, pb.ArtifactInfo] = {}
+
+    def known(self, key: str) -> pb.ArtifactInfo | None:
+        return self.published.get(key)
+
+    def name(self, requests: list[pb.WaitRequest]) -> None:
+        self.named += [r.key for r in requests]
+
+    def changed(self) -> None:
+        self.changes += 1
+
+
+def test_a_subtree_names_a_key_once_answers_its_namers_and_turns_to_the_first_ranked():
+    from compilecast.worker.daemon.jobrelay import Subtree
+
+    async def main() -> None:
+        up = FakeUpward()
+        up.published["old"] = pb.ArtifactInfo(key="old", digest="a" * 64, size=1)
+        tree = Subtree("job", up, fanout=2)
+        inboxes: list[asyncio.Queue] = [asyncio.Queue() for _ in range(4)]
+        senders: list[asyncio.Queue] = [asyncio.Queue() for _ in range(4)]
+
+        async def requests(i: int):
+            while (m := await senders[i].get()) is not None:
+                yield m
+
+        async def child(i: int, relay: str) -> None:
+            first = pb.JobWatchRequest(job="job", relay_address=relay, since_epoch="e1",
+                                       since_seq=1, requester=pb.Requester(
+                                           job="job", process_id=10 - i, designated_process=0))
+            async for m in tree.serve(first, requests(i)):
+                await inboxes[i].put(pb.JobEvents.FromString(m) if isinstance(m, bytes) else m)
+
+        tasks = [asyncio.ensure_future(child(i, f"10.0.0.{i}:1" if i < 2 else ""))
+                 for i in range(3)]
+        opened = [await inboxes[i].get() for i in range(3)]
+        assert [o.resumed for o in opened[:2]] == [True, True]
+        assert opened[2].relay_from in ("10.0.0.0:1", "10.0.0.1:1")  # full: down the tree
+        await settled(lambda: tree.first() is not None and tree.first().process_id == 9)
+        assert len(tree.children) == 2
+        for i in (0, 1):  # both name k: it goes up once
+            senders[i].put_nowait(pb.JobWatchRequest(waits=[pb.WaitRequest(
+                key="k", requester=pb.Requester(job="job", process_id=10 - i))]))
+        senders[0].put_nowait(pb.JobWatchRequest(waits=[pb.WaitRequest(
+            key="old", requester=pb.Requester(job="job", process_id=10))]))
+        assert (await inboxes[0].get()).published[0].key == "old"  # known: answered here
+        await settled(lambda: up.named)
+        assert up.named == ["k"]
+        assert tree.turn(pb.KeyTurn(key="k"))
+        turned = await inboxes[1].get()  # process 9 ranks before process 10
+        assert [t.key for t in turned.turns] == ["k"] and inboxes[0].empty()
+        tree.answered(pb.JobEvents(published=[pb.ArtifactInfo(key="k", digest="b" * 64)]))
+        assert [(await inboxes[i].get()).published[0].key for i in (0, 1)] == ["k", "k"]
+        tree.news(pb.JobEvents(seq=2, claimed=["x"]).SerializeToString())
+        assert [list((await inboxes[i].get()).claimed) for i in (0, 1)] == [["x"], ["x"]]
+        for s in senders:
+            s.put_nowait(None)
+        await asyncio.gather(*tasks)
+        assert not tree.children and up.changes > 0
+
+    run(main())
