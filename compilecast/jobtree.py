@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Protocol
+
+from compilecast.errors import TooMany
+from compilecast.v1 import cache_pb2 as pb
 
 FANOUT = 32  # a node's streams of one job (then newcomers go down the tree)
 LOG_MESSAGES = 4096  # the job's last news held by a node, for streams that resume
@@ -159,3 +162,27 @@ class Outbox:
             data = b"".join(run)
         self.sent_bytes += len(data)
         return data
+
+
+def opened(log: NewsLog, first: pb.JobWatchRequest, outbox: Outbox) -> pb.JobEvents:
+    """A stream's first message (the news follows from its seq), the news
+    it missed queued behind it where it asked to resume and `log` holds
+    what followed (`resumed`)."""
+    news = log.after(first.since_epoch, first.since_seq) if first.since_epoch else None
+    for message in news or ():
+        outbox.send(message)
+    return pb.JobEvents(epoch=log.epoch, resumed=news is not None,
+                        seq=first.since_seq if news is not None else log.seq)
+
+
+async def sent(outbox: Outbox, reader: asyncio.Future, slow: str) -> AsyncIterator[bytes]:
+    """A stream's messages to its end; then what ended its `reader` (its
+    requests), or TooMany where its reader fell `outbox.bound` behind
+    (`slow`: what its host is to do)."""
+    while (data := await outbox.next()) is not None:
+        yield data
+    if reader.done() and not reader.cancelled() and (exc := reader.exception()) is not None:
+        raise exc
+    if outbox.behind:
+        raise TooMany(f"the stream was read too slowly ({outbox.bound} messages unsent); {slow}")
+

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from compilecast import jobtree, validate
 from compilecast.errors import InvalidRequest, TooMany
 from compilecast.grpcutil import one_line
-from compilecast.jobtree import QUEUED, Branch, NewsLog, Outbox
+from compilecast.jobtree import Branch, NewsLog, Outbox
 from compilecast.v1 import cache_pb2 as pb
 
 from .keyview import KeyView
@@ -274,26 +274,18 @@ class JobWatches:
         held = (tenant, identity)
         self._held[tenant] = self._held.get(tenant, 0) + 1
         self._held[held] = self._held.get(held, 0) + 1
-        news = job.log.after(first.since_epoch, first.since_seq) if first.since_epoch else None
-        if news is not None:
+        opening = jobtree.opened(job.log, first, me.outbox)
+        if opening.resumed:
             self.resumed += 1
             self.metrics.job_stream_events.labels("resumed").inc()
-        for message in news or ():
-            me.send(message)
         reader = asyncio.ensure_future(self._read(job, me, first, it))
         try:
-            yield pb.JobEvents(epoch=job.log.epoch,  # open: the news follows from seq
-                               seq=first.since_seq if news is not None else job.log.seq,
-                               resumed=news is not None)
-            while (data := await me.outbox.next()) is not None:
+            yield opening
+            async for data in jobtree.sent(me.outbox, reader, "open the stream again, and "
+                                                              "ask key by key meanwhile"):
                 self.sent_bytes += len(data)
                 self.metrics.job_news_bytes.inc(len(data))
                 yield data
-            if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                raise reader.exception()  # type: ignore[misc]
-            if me.outbox.behind:
-                raise TooMany(f"the host read too slowly ({QUEUED} messages unsent); "
-                              "open the stream again, and ask key by key meanwhile")
         finally:
             me.end()
             reader.cancel()

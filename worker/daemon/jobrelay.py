@@ -32,7 +32,7 @@ from typing import Protocol
 
 from compilecast import jobtree, validate
 from compilecast.errors import InvalidRequest, NotFound, TooMany
-from compilecast.jobtree import QUEUED, Branch, NewsLog, Outbox
+from compilecast.jobtree import Branch, NewsLog, Outbox
 from compilecast.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -106,22 +106,12 @@ class Subtree:
                           "peers; open the stream at the coordinator")
         me = _Child(Branch(first.relay_address))
         self.children.add(me)
-        news = self.up.log.after(first.since_epoch, first.since_seq) \
-            if first.since_epoch else None
-        for message in news or ():
-            me.send(message)
+        opening = jobtree.opened(self.up.log, first, me.outbox)
         reader = asyncio.ensure_future(self._read(me, first, requests))
         try:
-            yield pb.JobEvents(epoch=self.up.log.epoch,
-                               seq=first.since_seq if news is not None else self.up.log.seq,
-                               resumed=news is not None)
-            while (data := await me.outbox.next()) is not None:
+            yield opening
+            async for data in jobtree.sent(me.outbox, reader, "open the stream again"):
                 yield data
-            if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                raise reader.exception()  # type: ignore[misc]
-            if me.outbox.behind:
-                raise TooMany(f"the peer read too slowly ({QUEUED} messages unsent); open "
-                              "the stream again")
         finally:
             me.end()
             reader.cancel()
