@@ -27,13 +27,16 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from compilecast.errors import TooMany
+from compilecast import validate
+from compilecast.errors import InvalidRequest, TooMany
 from compilecast.v1 import cache_pb2 as pb
 
 FANOUT = 32  # a node's streams of one job (then newcomers go down the tree)
 LOG_MESSAGES = 4096  # the job's last news held by a node, for streams that resume
 LOG_BYTES = 16 << 20  # and at most these bytes of it
 QUEUED = 1024  # messages a stream has not sent yet; past it the stream is ended
+MAX_WAITS = 1000  # keys a stream's message may name
+MAX_HOSTS = 1 << 20  # hosts a stream may say it serves
 
 
 class NewsLog:
@@ -185,4 +188,21 @@ async def sent(outbox: Outbox, reader: asyncio.Future, slow: str) -> AsyncIterat
         raise exc
     if outbox.behind:
         raise TooMany(f"the stream was read too slowly ({outbox.bound} messages unsent); {slow}")
+
+
+def checked(message: pb.JobWatchRequest, job: str) -> int:
+    """A stream's request, checked as the replica and every relay check it
+    (InvalidRequest); the hosts it says it serves, bounded (0: it says none)."""
+    if message.job and message.job != job:
+        raise InvalidRequest("a stream watches one job")
+    if len(message.waits) > MAX_WAITS:
+        raise InvalidRequest(f"at most {MAX_WAITS} keys a message")
+    for w in message.waits:
+        validate.key(w.key)
+        validate.requester(w.requester)
+    if message.HasField("requester"):
+        validate.requester(message.requester)
+        if message.requester.job != job:
+            raise InvalidRequest("the stream's requester runs another job")
+    return min(max(1, message.hosts), MAX_HOSTS) if message.hosts else 0
 

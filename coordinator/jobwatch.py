@@ -77,7 +77,7 @@ MAX_STREAMS = 20_000  # job streams held by a replica
 TENANT_STREAMS = 15_000  # of them by one tenant (the others keep a quarter)
 IDENTITY_STREAMS = TENANT_STREAMS  # by one identity that may publish (a job's worker token)
 READER_STREAMS = 1_000  # by one identity that may only read
-MAX_WAITS = 1000  # keys a message may name
+MAX_WAITS = jobtree.MAX_WAITS  # keys a message may name
 LINGER_S = 30.0  # a job whose streams all ended is kept this long (its news, its waits)
 MAX_LINGERING = 1024  # jobs kept so at once
 FLUSH_S = (0.02, 1.0)  # a job's news is gathered at least, at most this long into a message
@@ -85,7 +85,6 @@ FLUSH_S = (0.02, 1.0)  # a job's news is gathered at least, at most this long in
 # of a core, a relay's sends included), so a job's news costs its whole fleet
 # about a core at most, however many hosts it has (a star's replica: ~1/5 of one).
 SEND_S = 1e-4
-MAX_HOSTS = 1 << 20  # hosts a stream may say it serves
 
 
 @dataclass(eq=False)
@@ -303,20 +302,10 @@ class JobWatches:
         try:
             message = first
             while True:
-                if len(message.waits) > MAX_WAITS:
-                    raise InvalidRequest(f"at most {MAX_WAITS} keys a message")
-                if message.job and message.job != job.job:
-                    raise InvalidRequest("a stream watches one job")
-                for w in message.waits:
-                    validate.key(w.key)
-                    validate.requester(w.requester)
-                if message.hosts:
-                    me.hosts = min(max(1, message.hosts), MAX_HOSTS)
+                if hosts := jobtree.checked(message, job.job):
+                    me.hosts = hosts
                 if message.HasField("requester"):
                     r = message.requester
-                    validate.requester(r)
-                    if r.job != job.job:
-                        raise InvalidRequest("the stream's requester runs another job")
                     # A stream that may not publish ranks nowhere: a wait in its
                     # name is never promoted, so a turn must never wait on it.
                     if me.may_publish:

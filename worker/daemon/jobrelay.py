@@ -31,15 +31,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from compilecast import jobtree, validate
-from compilecast.errors import InvalidRequest, NotFound, TooMany
+from compilecast.errors import NotFound, TooMany
 from compilecast.jobtree import Branch, NewsLog, Outbox
 from compilecast.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-MAX_WAITS = 1000  # keys a message names
 MAX_NAMED = 100_000  # keys children named that are still waited for
-MAX_HOSTS = 1 << 20  # hosts a child may say its subtree has
 
 
 @dataclass(eq=False)
@@ -125,20 +123,10 @@ class Subtree:
         try:
             message = first
             while True:
-                if message.job and message.job != self.job:
-                    raise InvalidRequest("a stream watches one job")
-                if len(message.waits) > MAX_WAITS:
-                    raise InvalidRequest(f"at most {MAX_WAITS} keys a message")
-                for w in message.waits:
-                    validate.key(w.key)
-                    validate.requester(w.requester)
-                if message.hosts:
-                    me.hosts = min(max(1, message.hosts), MAX_HOSTS)
+                if hosts := jobtree.checked(message, self.job):
+                    me.hosts = hosts
                     self.up.changed()
                 if message.HasField("requester"):
-                    validate.requester(message.requester)
-                    if message.requester.job != self.job:
-                        raise InvalidRequest("the stream's requester runs another job")
                     me.first = message.requester
                     self.up.changed()
                 self._want(me, message.waits)

@@ -44,7 +44,7 @@ from .upstream import CoordinatorLink
 
 log = logging.getLogger(__name__)
 
-MAX_WAITS = 1000  # keys a message names (the coordinator's bound)
+MAX_WAITS = jobtree.MAX_WAITS  # keys a message names (the bound of every node)
 # A key nobody has claimed is named upstream after this long: well above the
 # longest a replica gathers a job's news (jobwatch.FLUSH_S, 1 s at 10,000
 # streams), so that a claim reaches every host before any names the key.
