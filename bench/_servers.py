@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -137,6 +138,19 @@ class Stack:
                 p.wait(15)
         # Stores and host caches of GB-sized artifacts: never leave them behind.
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def go_built(command: str = ".") -> Path:
+    """A command of bench/loadgen (its package, "." or "./leaves") built (go
+    build caches: fast after the first time)."""
+    name = "loadgen" if command == "." else Path(command).name
+    out = Path(tempfile.gettempdir()) / f"compilecast-bench-{name}"
+    try:
+        subprocess.run(["go", "build", "-o", str(out), command],
+                       cwd=Path(__file__).parent / "loadgen", check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        sys.exit(f"this bench needs Go to build bench/loadgen/{command}: {exc}")
+    return out
 
 
 def peak_rss_mb(pid: int) -> float:

@@ -37,6 +37,7 @@ from _servers import (
     Stack,
     cpu_seconds,
     free_port,
+    go_built,
     histogram,
     histogram_quantile,
     metrics_text,
@@ -234,17 +235,6 @@ async def load(target: str, clients: int, seconds: float, hit_ratio: float,
     return run.latencies, run.decisions, run.errors, wall, run.by_decision, messages
 
 
-def go_loadgen() -> Path:
-    """bench/loadgen built (go build caches: fast after the first time)."""
-    out = Path(tempfile.gettempdir()) / "compilecast-bench-loadgen"
-    try:
-        subprocess.run(["go", "build", "-o", str(out), "."], cwd=Path(__file__).parent / "loadgen",
-                       check=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        sys.exit(f"--loadgen go needs Go to build bench/loadgen: {exc}")
-    return out
-
-
 def go_load(binary: Path, targets: list[str], args, hit_keys: list[str]) -> dict:
     """One run of the Go load generator (on CPU 1 with --pin); its JSON row."""
     cmd = [str(binary), "-target", ",".join(targets), "-clients", str(args.clients),
@@ -391,7 +381,7 @@ def main() -> None:
                  "and no --pod or --batch")
     if args.components_hits_every < 1:
         ap.error("--components-hits-every must be at least 1")
-    binary = go_loadgen() if args.loadgen == "go" else None
+    binary = go_built() if args.loadgen == "go" else None
     if args.ceiling:
         port = free_port()
         server = subprocess.Popen([sys.executable, str(Path(__file__).parent /

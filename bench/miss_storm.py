@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, cpu_seconds, free_port, scraped
-from decisions import go_loadgen
+from _servers import Stack, cpu_seconds, free_port, go_built, scraped
 
 
 def storm(binary: Path, components: int, rate: float, seconds: float) -> dict:
@@ -67,7 +66,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--components", type=int, nargs="+", default=[0, 11])
     args = ap.parse_args()
-    binary = go_loadgen()
+    binary = go_built()
     for n in args.components:
         row = storm(binary, n, args.rate, args.seconds)
         print(f"{row['misses']} misses at {args.rate:.0f}/s with {n} components: storm "

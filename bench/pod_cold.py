@@ -47,7 +47,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack, cpu_seconds, scraped
+from _servers import Stack, cpu_seconds, go_built, scraped
 
 from compilecast import jobtree, wire
 from compilecast.decide import Decider
@@ -56,12 +56,13 @@ from compilecast.serving import make_server
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.worker.daemon import jobrelay
-from compilecast.worker.daemon.jobstream import JobStream
+from compilecast.worker.daemon.jobstream import NAME_AFTER_S, JobStream
 from compilecast.worker.daemon.upstream import CoordinatorLink
 
 CHANNELS = 8
 HOSTS_A_CHANNEL = 100  # (a real host has a connection of its own)
 HOSTS_A_PROCESS = 500  # hosts a client process holds (a real host is a process of its own)
+PROFILE: list = []  # with POD_COLD_PROFILE, a process of hosts's profile of the run
 
 
 def keys_of(job: str, m: int) -> list[str]:
@@ -149,6 +150,8 @@ async def stream_hosts(target: str, job: str, ranks: list[int], m: int, relays: 
     await open_hosts([r for r in ranks if r > relays])
     print("ready", flush=True)
     await step("go")
+    for profile in PROFILE:  # (the run alone: from "go" to every host's end)
+        profile.enable()
     cpu0 = time.process_time()
     failed, turns = [0], []
 
@@ -170,11 +173,14 @@ async def stream_hosts(target: str, job: str, ranks: list[int], m: int, relays: 
         return time.time()
 
     ends = await asyncio.gather(*(host(r) for r in ranks))
-    print(json.dumps({"end": max(ends), "failed": failed[0], "turns": turns,
+    for profile in PROFILE:
+        profile.disable()
+    print(json.dumps({"end": max(ends), "first_end": min(ends), "failed": failed[0], "turns": turns,
                       "cpu_s": time.process_time() - cpu0,
                       "children": {r: len(s.subtree.children) for r, s in streams.items()
                                    if s.subtree is not None and s.subtree.children}}),
           flush=True)
+    await step("end")  # (its relays serve the leaves below them until every host is done)
     for s in streams.values():
         await s.close()
     for server in servers:
@@ -225,7 +231,7 @@ class Replica:
 
 
 async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
-                  n: int, fanout: int, dies: bool = False) -> dict:
+                  n: int, fanout: int, dies: bool = False, leaves: Path | None = None) -> dict:
     job = f"cold-{way}-{h}-{n}"
     keys = keys_of(job, m)
     target = replica.target
@@ -236,13 +242,19 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
     relays = tree_relays(h, fanout)
     streams = 0.0
     if way == "stream":  # hosts in processes of HOSTS_A_PROCESS (as hosts are processes)
-        every = (h + HOSTS_A_PROCESS - 1) // HOSTS_A_PROCESS  # (ranks dealt out in turn)
+        python = relays if leaves else h  # (the worker's JobStreams; the rest: Go leaves)
+        every = (python + HOSTS_A_PROCESS - 1) // HOSTS_A_PROCESS  # (ranks dealt out in turn)
         for p in range(every):
             children.append(subprocess.Popen(  # noqa: ASYNC220 (started before the clock)
-                [sys.executable, __file__, "--child", target, job, f"{p + 1}:{every}:{h}",
+                [sys.executable, __file__, "--child", target, job, f"{p + 1}:{every}:{python}",
                  str(m), str(relays), str(fanout), str(compile_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for word, then in (("relays", "leaves"), ("ready", None)):
+            if word == "ready" and leaves and python < h:  # (once the relays are open)
+                children.append(subprocess.Popen(  # noqa: ASYNC220
+                    [str(leaves), "-target", target, "-job", job, "-ranks", f"{python + 1}:{h}",
+                     "-programs", str(m), "-name-after", f"{NAME_AFTER_S}s"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
             for c in children:
                 assert c.stdout is not None
                 line = await asyncio.to_thread(c.stdout.readline)
@@ -271,7 +283,10 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
         ends = list(await asyncio.gather(*hosts))
         per_relay: list[int] = []
         turns: list[dict] = []
-        hosts_cpu = 0.0
+        hosts_cpu = leaves_cpu = 0.0
+        reopened = 0
+        leaf_ends: list[float] = []
+        relay_ends: list[float] = []
         for c in children:
             assert c.stdout is not None
             line = await asyncio.to_thread(c.stdout.readline)
@@ -279,9 +294,25 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
                 raise RuntimeError(f"a process of hosts failed (rc {c.wait()})")
             got = json.loads(line)
             ends.append(got["end"])
-            per_relay += got["children"].values()
-            turns += got["turns"]
-            hosts_cpu += got["cpu_s"]
+            if "hosts" in got:  # the Go leaves
+                if got["failed"] or got["turns"]:
+                    raise RuntimeError(f"{got['failed']} hosts at the leaves failed, "
+                                       f"{got['turns']} turns came to them: {got['failures']}")
+                leaves_cpu, reopened = got["cpu_s"], got["reopened"]
+                leaf_ends = got["ends"]
+            else:
+                per_relay += got["children"].values()
+                relay_ends += [got["first_end"], got["end"]]
+                turns += got["turns"]
+                hosts_cpu += got["cpu_s"]
+        used = {k: cpu_seconds(p) - before[k] for k, p in replica.pids.items()}
+        counted = {k: scraped(replica.metrics_port, k[0], replica.ip, k[1]) - seen[k]
+                   for k in COUNTED}
+        for c in children:  # every host done: the relays may stop
+            assert c.stdin is not None
+            c.stdin.write("end\n")
+            c.stdin.flush()
+        for c in children:
             c.wait()
     finally:  # a failed run leaves no process of hosts behind
         for c in children:
@@ -290,8 +321,6 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
                 c.wait()
         for d in deciders:
             await d.close()
-    used = {k: cpu_seconds(p) - before[k] for k, p in replica.pids.items()}
-    counted = {k: scraped(replica.metrics_port, k[0], replica.ip, k[1]) - seen[k] for k in COUNTED}
     compiles_s, all_s = compiled - began, max(ends) - began
     row = {"way": way, "hosts": h, "programs": m, "compiles_s": compiles_s, "every_hit_s": all_s,
            "over_compiles": all_s / compiles_s, "cpu_s": used}
@@ -300,7 +329,13 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
                    streams_per_job=int(streams), relays=len(per_relay),
                    most_children=max(per_relay, default=0),
                    refused_publishes=int(counted[PUBLISHES] - counted[PUBLISHED]),
-                   hosts_cpu_s=hosts_cpu)
+                   hosts_cpu_s=hosts_cpu, leaves=h - (relays if leaves else h),
+                   leaves_cpu_s=leaves_cpu, leaves_reopened=reopened,
+                   # after the last publish: the relays' first and last end; the
+                   # leaves' first, median, 99th percentile and last
+                   relays_end_s=[min(relay_ends, default=compiled) - compiled,
+                                 max(relay_ends, default=compiled) - compiled],
+                   leaves_end_s=[e - compiled for e in leaf_ends])
     if dies:  # the designated process died holding the last key's lease
         row["turns"] = [{"host": t["host"], "after_s": t["at"] - compiled} for t in turns]
     if dies:
@@ -313,8 +348,9 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
           f"coordinator {used['coordinator']:.2f}, etcd {used['etcd']:.2f}"
           + (f"; {row['named']} keys named upstream; the replica served {row['streams_per_job']}"
              f" streams of the job, sent {row['egress_bytes']:,} bytes of news; {row['relays']} "
-             f"relays (at most {row['most_children']} children); the hosts' CPU-s "
-             f"{row['hosts_cpu_s']:.1f}" if way == "stream" else ""),
+             f"relays (at most {row['most_children']} children); CPU-s of the hosts as "
+             f"JobStreams {row['hosts_cpu_s']:.1f}, of the {row['leaves']} at the leaves (Go) "
+             f"{row['leaves_cpu_s']:.1f}" if way == "stream" else ""),
           flush=True)
     return row
 
@@ -343,10 +379,11 @@ async def run(args) -> dict:
                 out["per_key"].append(await one_run(replica, "perkey", h,
                                                     args.per_key_programs or args.programs,
                                                     compile_s, n, args.fanout))
+            leaves = go_built("./leaves") if args.leaves == "go" else None
             for n, h in enumerate(args.hosts):
                 out["stream"].append(await one_run(replica, "stream", h, args.programs,
                                                    compile_s, n, args.fanout,
-                                                   args.designated_dies))
+                                                   args.designated_dies, leaves))
         finally:
             stack.close()
     return out
@@ -384,8 +421,10 @@ def main() -> None:
             target, job, list(range(p, h + 1, every)), int(m), int(relays), int(fanout),
             float(compile_s)))
         if out := os.environ.get("POD_COLD_PROFILE"):  # where a process of hosts spends
-            import cProfile
-            cProfile.runctx("run_hosts()", globals(), {"run_hosts": run_hosts}, f"{out}.{p}")
+            import cProfile  # (its CPU, not its wall time: a loop waiting is not spending)
+            PROFILE.append(cProfile.Profile(time.process_time))
+            run_hosts()
+            PROFILE[0].dump_stats(f"{out}.{p}")
         else:
             run_hosts()
         return
@@ -403,6 +442,10 @@ def main() -> None:
                     help="by stream, the designated process dies holding the last program's "
                          "lease: when a host is given the turn, against the lease's TTL")
     ap.add_argument("--lease-ttl-s", type=int, default=10, help="the coordinator's lease_ttl_s")
+    ap.add_argument("--leaves", choices=("go", "python"), default="go",
+                    help="the hosts at the leaves of the tree (that relay nothing): as the "
+                         "protocol sees them, from Go (bench/loadgen/leaves), or each the "
+                         "worker's own JobStream, as the relays are")
     args = ap.parse_args()
     out = asyncio.run(run(args))
     out["per_key_at_stream_sizes"] = report(out)

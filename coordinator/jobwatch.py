@@ -19,9 +19,10 @@ Its end goes to the hosts:
 - an upload's start (a coordinator that streams uploads to waiters): the
   artifact goes to every stream as `publishing`, and the wait goes on;
 - HIT: the artifact goes to every stream of the job (the job's news,
-  serialized once for all of them, gathered for `flush_s`: longer for more
-  hosts, which streams say they serve, so that a job's news costs its
-  fleet a bounded share of a core however many hosts it has);
+  serialized once for all of them, gathered for `flush_s` at most: longer
+  for more hosts, which streams say they serve, so that a job's news costs
+  its fleet a bounded share of a core however many hosts it has; news that
+  pauses leaves a tenth of that after its last event, Gather);
 - COMPILE (a promotion or a hedge): to the first-ranked stream alone, as a
   KeyTurn with the lease; the key is then waited for again (the new holder's
   publish is the HIT everyone gets). A host whose waiter left meanwhile gives
@@ -85,6 +86,54 @@ FLUSH_S = (0.02, 1.0)  # a job's news is gathered at least, at most this long in
 # of a core, a relay's sends included), so a job's news costs its whole fleet
 # about a core at most, however many hosts it has (a star's replica: ~1/5 of one).
 SEND_S = 1e-4
+QUIET = 0.1  # news quiet for this share of its gather leaves then (Gather)
+EARLY = 2  # times a job's news may leave early in a row (then one a gather)
+
+
+def flush_s(hosts: int) -> float:
+    """How long a job's news is gathered at most, for a job of `hosts` hosts."""
+    return min(FLUSH_S[1], max(FLUSH_S[0], hosts * SEND_S))
+
+
+@dataclass
+class Gather:
+    """When a job's gathered news leaves: once it is `most_s` old, or sooner
+    once no news has come for a tenth of that (QUIET), so that the news of a
+    burst's last event (a job's last program published) does not wait out
+    the gather. Leaving early takes one of EARLY tokens, which come back one
+    a `most_s`: a job's messages stay within two a `most_s` over time,
+    whatever the pattern of its news (news that never pauses leaves at the
+    gather's cadence, and keeps its tokens for its end)."""
+
+    began: float = -1.0  # when the news now gathered began (< 0: none gathered)
+    last: float = 0.0  # when the last of it came
+    tokens: float = EARLY  # to leave early, as counted at `counted`
+    counted: float = float("-inf")
+
+    def news(self, now: float) -> bool:
+        """News came at `now`; True where it begins a gather (to be checked at `due`)."""
+        self.last = now
+        if self.began < 0:
+            self.began = now
+            return True
+        return False
+
+    def _tokens(self, now: float, most_s: float) -> float:
+        return min(EARLY, self.tokens + (now - self.counted) / most_s)
+
+    def due(self, most_s: float) -> float:
+        """When what is gathered leaves."""
+        at, quiet = self.began + most_s, self.last + max(FLUSH_S[0], most_s * QUIET)
+        return min(at, quiet) if self._tokens(quiet, most_s) >= 1 else at
+
+    def leaves(self, now: float, most_s: float) -> bool:
+        """True where what is gathered leaves at `now` (and the gather ends)."""
+        if now < self.due(most_s) - 1e-3:
+            return False
+        if now < self.began + most_s - 1e-3:  # early: a token
+            self.tokens, self.counted = self._tokens(now, most_s) - 1, now
+        self.began = -1.0
+        return True
 
 
 @dataclass(eq=False)
@@ -129,7 +178,8 @@ class _Job:
     ask: list[str] = field(default_factory=list)
     claimed: list[str] = field(default_factory=list)
     publishing: list[pb.ArtifactInfo] = field(default_factory=list)
-    flush: asyncio.TimerHandle | None = None
+    gather: Gather = field(default_factory=Gather)  # when its news leaves
+    flush: asyncio.TimerHandle | None = None  # (the gather's next check)
     linger: asyncio.TimerHandle | None = None  # its streams all ended: dropped then
     log: NewsLog = field(default_factory=lambda: NewsLog(os.urandom(8).hex()))
 
@@ -189,11 +239,6 @@ async def _end_of(events: AsyncIterator[pb.WaitEvent], until: asyncio.Event | No
             task.cancel()
         await asyncio.gather(end, ranked, return_exceptions=True)
     return end.result() if end.done() and not end.cancelled() else None
-
-
-def flush_s(hosts: int) -> float:
-    """How long a job's news is gathered, for a job of `hosts` hosts."""
-    return min(FLUSH_S[1], max(FLUSH_S[0], hosts * SEND_S))
 
 
 # A turn nobody takes (its host's stream ended), given back: (key, lease, tenant)
@@ -416,9 +461,21 @@ class JobWatches:
             job.ask.append(ask)
         if claimed is not None:
             job.claimed.append(claimed)
-        if job.flush is None:
-            job.flush = asyncio.get_running_loop().call_later(
-                flush_s(sum(s.hosts for s in job.streams)), self._flush, job)
+        loop = asyncio.get_running_loop()
+        if job.gather.news(loop.time()):
+            job.flush = loop.call_at(job.gather.due(self._most_s(job)), self._due, job)
+
+    @staticmethod
+    def _most_s(job: _Job) -> float:
+        return flush_s(sum(s.hosts for s in job.streams))
+
+    def _due(self, job: _Job) -> None:
+        """The job's gather is checked: its news leaves, or is checked again."""
+        loop, most_s = asyncio.get_running_loop(), self._most_s(job)
+        if job.gather.leaves(loop.time(), most_s):
+            self._flush(job)
+        else:
+            job.flush = loop.call_at(job.gather.due(most_s), self._due, job)
 
     def _flush(self, job: _Job) -> None:
         job.flush = None

@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 
+from compilecast.coordinator.jobwatch import Gather
 from compilecast.jobtree import Branch, NewsLog, Outbox, place
 from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
@@ -71,6 +72,36 @@ def test_an_outbox_joins_waiting_news_but_never_a_message_of_its_stream_alone():
     got = asyncio.run(run())
     assert [(e.seq, list(e.claimed), [t.key for t in e.turns]) for e in got] == [
         (2, ["a", "b"], []), (0, [], ["a"]), (3, ["c"], [])]
+
+
+def test_a_gather_leaves_at_its_cadence_while_news_flows_and_soon_after_it_pauses():
+    """News that never pauses leaves once a gather is `most` old; news that
+    pauses leaves a tenth of that after its last event (so a burst's last
+    program does not wait out the gather), on a token that comes back once a
+    gather: early messages stay within two a gather however the news comes."""
+    most = 1.0
+    g = Gather()
+    assert g.news(0.0)
+    for t in (0.05, 0.1, 0.15, 0.2, 0.25):  # news every 50 ms: never quiet for 100 ms
+        assert not g.news(t)
+        assert not g.leaves(t, most)
+    assert g.due(most) == pytest.approx(0.35)  # quiet since 0.25
+    for t in [0.3 + 0.05 * i for i in range(14)]:
+        g.news(t)
+    assert g.due(most) == pytest.approx(1.0)  # (the news flowed: the gather's cadence)
+    assert not g.leaves(0.99 - 0.01, most) and g.leaves(1.0, most)
+    assert g.tokens == Gather().tokens  # (it left on time: no token spent)
+
+    ends, t = [], 2.0  # an event, then a pause: early, while a token is left
+    for _ in range(4):
+        assert g.news(t)
+        at = g.due(most)
+        assert not g.leaves(at - 0.01, most) and g.leaves(at, most)
+        ends.append(at - t)
+        t = at + 0.2
+    # two early (EARLY tokens), one at the cadence (0.6 of a token back), then
+    # one early again (a token back a gather)
+    assert ends == [pytest.approx(x) for x in (0.1, 0.1, 1.0, 0.1)]
 
 
 def test_an_outbox_past_its_bound_ends_its_stream():

@@ -30,8 +30,9 @@ import (
 	"sort"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
+
+	"compilecast/bench/loadgen/raw"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -46,16 +47,6 @@ const maxBatch = 1000 // requests per message, as compilecast.decide.MAX_BATCH
 
 var decisionNames = map[uint64]string{0: "DECISION_UNSPECIFIED", 1: "HIT", 2: "COMPILE",
 	3: "WAIT", 4: "COMPILE_LOCALLY"}
-
-// rawCodec sends and receives messages as the bytes we encode and decode.
-type rawCodec struct{}
-
-func (rawCodec) Marshal(v any) ([]byte, error) { return *(v.(*[]byte)), nil }
-func (rawCodec) Unmarshal(data []byte, v any) error {
-	*(v.(*[]byte)) = append([]byte(nil), data...)
-	return nil
-}
-func (rawCodec) Name() string { return "proto" }
 
 var decideDesc = &grpc.StreamDesc{StreamName: "Decide", ServerStreams: true, ClientStreams: true}
 
@@ -391,12 +382,6 @@ func quantiles(v []float64) [2]float64 {
 
 var start time.Time // when the clock started
 
-func cpuSeconds() float64 {
-	var ru syscall.Rusage
-	syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
-	return float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e9
-}
-
 func main() {
 	target := flag.String("target", "127.0.0.1:7070",
 		"the coordinator (host:port), or several, comma-separated: connections go round them")
@@ -431,7 +416,7 @@ func main() {
 	ss := make([]*stream, *streams)
 	for i := range ss {
 		cs, err := conns[i%len(conns)].NewStream(context.Background(), decideDesc,
-			"/compilecast.v1.CompileCache/Decide", grpc.ForceCodec(rawCodec{}))
+			"/compilecast.v1.CompileCache/Decide", grpc.ForceCodec(raw.Codec{}))
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "loadgen:", err)
 			os.Exit(1)
@@ -458,7 +443,7 @@ func main() {
 	}
 	run := fmt.Sprintf("%d-%d", os.Getpid(), time.Now().UnixNano())
 	rng := rand.New(rand.NewSource(0))
-	cpu0, t0 := cpuSeconds(), time.Now()
+	cpu0, t0 := raw.CPUSeconds(), time.Now()
 	start = t0
 	deadline := t0.Add(time.Duration(*seconds * float64(time.Second)))
 	due := t0
@@ -498,7 +483,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "loadgen: requests left unanswered after 60 s")
 	}
 	wall := time.Since(t0).Seconds()
-	cpu := cpuSeconds() - cpu0
+	cpu := raw.CPUSeconds() - cpu0
 	var all []float64
 	perSecond := make([][]float64, int(*seconds)+1)
 	by := map[string][]float64{}
