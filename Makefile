@@ -171,6 +171,7 @@ bench: install
 	$(PY) bench/pod_start.py --per-host 8
 	$(PY) bench/pod_start.py --components 11
 	$(PY) bench/pod_start.py --components 11 --components-from all
+	$(PY) bench/pod_cold.py --hosts 1200 10000 --per-key-hosts 5000 10000 --per-key-programs 5 --programs 100 --compile-ms 50
 	$(PY) bench/fanout.py
 	$(PY) bench/fanout.py --compressible
 	@# Hosts of their own (network namespaces, tc, CPU quotas) need root.
@@ -211,6 +212,7 @@ bench-smoke: install
 	$(PY) bench/lease_takes.py --seconds 2
 	$(PY) bench/renewals.py --count 20
 	$(PY) bench/pod_start.py --processes 20 --programs 2 --compile-s 0.2
+	$(PY) bench/pod_cold.py --hosts 60 --per-key-hosts 3 --per-key-programs 2 --programs 12 --fanout 4
 	$(PY) bench/sweep.py --entries 100 --records
 	$(PY) bench/listing.py --artifacts 300
 	$(PY) bench/tracing_exit.py --repeat 1

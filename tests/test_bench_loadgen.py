@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -83,3 +84,28 @@ def test_the_go_load_generator_settles_bundled_answers():
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok" in done.stdout
+
+
+def test_the_go_leaves_hold_every_hit_under_the_worker_s_relays():
+    """bench/pod_cold.py's hosts at the leaves of the tree (bench/loadgen/leaves,
+    WatchJob by hand) under relays that are the worker's own JobStreams, with
+    a real coordinator and etcd: every host holds every program's HIT (the
+    bench fails a host that does not), the replica serves its fanout, and the
+    Go decoder's own tests pass."""
+    if shutil.which("go") is None:
+        pytest.fail("Go is not installed (.ci/run builds helm with it)")
+    bench = LOADGEN.parent / "pod_cold.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--hosts", "60", "--per-key-hosts", "3",
+         "--per-key-programs", "2", "--programs", "12", "--compile-ms", "20", "--fanout", "4"],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.splitlines()[-1])["stream"][0]
+    assert row["hosts"] == 60 and row["relays"] == 20 and row["leaves"] == 40
+    assert row["streams_per_job"] == 4  # the replica's fanout, the rest down the tree
+    assert row["most_children"] <= 4
+    assert row["refused_publishes"] == 0
+    assert row["leaves_reopened"] == 0
+    tested = subprocess.run(["go", "test", "./leaves"], cwd=LOADGEN, capture_output=True,
+                            text=True, timeout=600)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
