@@ -87,7 +87,7 @@ FLUSH_S = (0.02, 1.0)  # a job's news is gathered at least, at most this long in
 # about a core at most, however many hosts it has (a star's replica: ~1/5 of one).
 SEND_S = 1e-4
 QUIET = 0.1  # news quiet for this share of its gather leaves then (Gather)
-EARLY = 2  # times a job's news may leave early in a row (then one a gather)
+EARLY = 2  # messages a job's news may send in a row (then one a gather: Gather)
 
 
 def flush_s(hosts: int) -> float:
@@ -97,17 +97,17 @@ def flush_s(hosts: int) -> float:
 
 @dataclass
 class Gather:
-    """When a job's gathered news leaves: once it is `most_s` old, or sooner
-    once no news has come for a tenth of that (QUIET), so that the news of a
-    burst's last event (a job's last program published) does not wait out
-    the gather. Leaving early takes one of EARLY tokens, which come back one
-    a `most_s`: a job's messages stay within two a `most_s` over time,
+    """When a job's gathered news leaves: once no news has come for a tenth
+    of the gather (QUIET), so that the last event of a burst (a job's last
+    program published) is not held for the whole of it, or once it is
+    `most_s` old; either way on a token, of EARLY held, which come back one
+    a `most_s`: a job's messages stay within one a gather over time,
     whatever the pattern of its news (news that never pauses leaves at the
-    gather's cadence, and keeps its tokens for its end)."""
+    gather's cadence and keeps a token for when it pauses)."""
 
     began: float = -1.0  # when the news now gathered began (< 0: none gathered)
     last: float = 0.0  # when the last of it came
-    tokens: float = EARLY  # to leave early, as counted at `counted`
+    tokens: float = EARLY  # as counted at `counted`
     counted: float = float("-inf")
 
     def news(self, now: float) -> bool:
@@ -123,15 +123,14 @@ class Gather:
 
     def due(self, most_s: float) -> float:
         """When what is gathered leaves."""
-        at, quiet = self.began + most_s, self.last + max(FLUSH_S[0], most_s * QUIET)
-        return min(at, quiet) if self._tokens(quiet, most_s) >= 1 else at
+        at = min(self.began + most_s, self.last + max(FLUSH_S[0], most_s * QUIET))
+        return at + max(0.0, 1 - self._tokens(at, most_s)) * most_s  # (a token back)
 
     def leaves(self, now: float, most_s: float) -> bool:
         """True where what is gathered leaves at `now` (and the gather ends)."""
         if now < self.due(most_s) - 1e-3:
             return False
-        if now < self.began + most_s - 1e-3:  # early: a token
-            self.tokens, self.counted = self._tokens(now, most_s) - 1, now
+        self.tokens, self.counted = max(0.0, self._tokens(now, most_s) - 1), now
         self.began = -1.0
         return True
 
