@@ -2,13 +2,18 @@
 has compiled, asked two ways of one coordinator (and etcd), side by side in
 one run:
 
-- by stream, down the tree (WatchJob): each host is the worker's own
-  JobStream (worker/daemon/jobstream.py); the replica serves `--fanout`
+- by stream, down the tree (WatchJob): the replica serves `--fanout`
   streams of the job and points the rest at hosts that relay the job's news
   (worker/daemon/jobrelay.py, each from a gRPC server of its own, as a
-  worker's relay port serves it), and so down the tree. A host waits for
-  each program in turn on its stream, naming a key upstream only when nobody
-  has claimed it within NAME_AFTER_S;
+  worker's relay port serves it), and so down the tree. Every host that
+  relays is the worker's own JobStream (worker/daemon/jobstream.py), 500 to
+  a client process; the hosts at the leaves (they relay nothing) are, by
+  default, hosts as the protocol sees them, from one Go process
+  (bench/loadgen/leaves: a WatchJob stream a host, the JobStream's rules)
+  that costs this machine a fraction of their CPU as Python processes
+  (`--leaves python`: JobStreams too). A host waits for each program in turn
+  on its stream, naming a key upstream only when nobody has claimed it
+  within NAME_AFTER_S;
 - per key (the path a worker takes without a stream): each host asks for
   the key and waits for it on Decide streams (compilecast/decide.py's
   Decider, as a worker's Deciders send them), program after program.
@@ -17,17 +22,19 @@ One designated process compiles the M programs in turn (`--compile-ms`
 each: Acquire, the compile's time, Publish), as JAX's rule makes process 0
 compile a program its devices span; with --designated-dies it dies holding
 the last program's lease, and the run says when a host was given the turn.
-Hosts are workers as the protocol sees them, 500 to a client process.
 Measured: the coordinator's and etcd's CPU-seconds, the compiles' time (the
 last publish), the time until every host holds every HIT, the keys named
 upstream, the streams the replica serves and the news's bytes it sent (its
-/metrics), the hosts' own CPU-seconds. The per-key path's coordinator CPU is
-taken a host and program from its rows (--per-key-programs: on fewer
-programs than the stream's) and set against each stream row.
+/metrics), the hosts' own CPU-seconds (the relays' and the leaves'), and
+when the relays and the leaves held every HIT after the last publish. The
+per-key path's coordinator CPU is taken a host and program from its rows
+(--per-key-programs: on fewer programs than the stream's) and set against
+each stream row.
 
     python bench/pod_cold.py [--hosts 1200 10000] [--programs 100] [--compile-ms 50]
                              [--per-key-hosts 5000 10000] [--per-key-programs 5]
                              [--fanout 32] [--designated-dies] [--lease-ttl-s 10]
+                             [--leaves go|python]
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import (
 	"fmt"
 	"os"
 	"runtime/debug"
+	"runtime/pprof"
 	"sort"
 	"strings"
 	"sync"
@@ -515,6 +516,12 @@ func main() {
 		os.Exit(1) // the bench went away
 	}
 	cpu0 := raw.CPUSeconds()
+	if out := os.Getenv("LEAVES_CPUPROFILE"); out != "" { // where the run's CPU goes
+		if f, err := os.Create(out); err == nil {
+			_ = pprof.StartCPUProfile(f)
+			defer pprof.StopCPUProfile()
+		}
+	}
 	p.reopened.Store(0)
 	type result struct {
 		end time.Time
