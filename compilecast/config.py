@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -568,7 +568,7 @@ def shown(raw: Any) -> str:
 
 
 def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
-    typ = f.type if isinstance(f.type, type) else \
+    typ: Any = f.type if isinstance(f.type, type) else \
         {"int": int, "float": float, "str": str, "bool": bool}[f.type]
     if typ is int and f.name.endswith("_bytes"):
         try:
@@ -588,8 +588,10 @@ def _coerce(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
     wrong = isinstance(raw, (bool, dict, list)) or raw is None \
         or (typ is str and not isinstance(raw, (str, int))) \
         or (typ is int and isinstance(raw, float))
+    convert = cast(Callable[[Any], Any], typ)
+    value: Any = None
     try:
-        value = None if wrong else typ(raw)
+        value = None if wrong else convert(raw)
     except (TypeError, ValueError, OverflowError):
         value = None
     if value is None or (typ is float and not math.isfinite(value)) \

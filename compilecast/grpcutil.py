@@ -161,6 +161,8 @@ def token_from(context: grpc.aio.ServicerContext) -> str | None:
     """The bearer token a call carries (`bearer`'s reverse); None without one."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
+            if not isinstance(value, str):  # (a -bin key's value alone is bytes)
+                raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
             scheme, _, token = value.partition(" ")
             if scheme.lower() == "bearer" and token:
                 return token.strip()

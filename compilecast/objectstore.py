@@ -65,7 +65,7 @@ class Bucket:
 
     def __init__(self, bucket: str, *, prefix: str = "", endpoint: str = "", region: str = "",
                  observe: Observe | None = None) -> None:
-        import boto3
+        import boto3.session
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 

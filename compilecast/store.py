@@ -37,6 +37,7 @@ class BlobSink(Protocol):
     @property
     def size(self) -> int:
         """Bytes written so far (uncompressed)."""
+        ...
 
     def write(self, data: bytes | memoryview) -> None: ...
 
@@ -78,6 +79,7 @@ class ArtifactStore(Protocol):
 
     def put_bytes(self, data: bytes) -> str:
         """Store a small in-memory blob; its digest."""
+        ...
 
     def read(self, digest: str, chunk_size: int = ..., *, offset: int = 0,
              as_stored: bool = False, scrub: bool = False) -> Iterator[bytes]: ...
@@ -88,9 +90,11 @@ class ArtifactStore(Protocol):
 
     def fits(self, nbytes: int) -> bool:
         """Whether a blob of `nbytes` fits as the store is (cheap)."""
+        ...
 
     def make_room(self, nbytes: int) -> bool:
         """Whether a blob of `nbytes` fits after evicting what the store may."""
+        ...
 
     def open_sendable(self, digest: str, zstd_ok: bool) -> Any:
         """A file of the blob to send as it is stored, or None (then `read`)."""

@@ -21,9 +21,10 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, cast, overload
 
+import grpc
 from google.protobuf.message import Message
 
 from compilecast import validate
@@ -279,9 +280,14 @@ _FETCH = f"/{_SERVICE}/Fetch"
 _PUBLISH = f"/{_SERVICE}/Publish"
 
 
-def stub(channel: Any) -> rpc.CompileCacheStub:
-    """A CompileCache stub (sync or aio channel) whose Fetch and Publish use
-    the codec above."""
+@overload
+def stub(channel: grpc.aio.Channel) -> rpc.CompileCacheAsyncStub: ...
+@overload
+def stub(channel: grpc.Channel) -> rpc.CompileCacheStub: ...  # type: ignore[overload-cannot-match]
+# (mypy reads grpc untyped, so both channels as Any; Pyright reads grpc's stubs)
+def stub(channel: Any) -> Any:
+    """A CompileCache stub (sync or aio channel: typed as each) whose Fetch
+    and Publish use the codec above."""
     s = rpc.CompileCacheStub(channel)
     s.Fetch = channel.unary_stream(_FETCH, request_serializer=pb.FetchRequest.SerializeToString,
                                    response_deserializer=parser(pb.FetchChunk))
@@ -290,7 +296,13 @@ def stub(channel: Any) -> rpc.CompileCacheStub:
     return s
 
 
-__all__ = ["BULK", "SERIALIZED", "DataChunk", "Zstd", "parser", "serialize", "stub"]
+__all__ = ["BULK", "SERIALIZED", "DataChunk", "Zstd", "as_chunks", "parser", "serialize", "stub"]
+
+
+def as_chunks(messages: Iterator[pb.PublishChunk | DataChunk]) -> Iterator[pb.PublishChunk]:
+    """A Publish's messages as the generated stub's type says it takes them
+    (stub()'s Publish takes DataChunk as well: its codec writes either)."""
+    return cast(Iterator[pb.PublishChunk], messages)
 
 
 async def publish_stream(request_iterator: AsyncIterator[pb.PublishChunk | DataChunk]

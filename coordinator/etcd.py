@@ -21,12 +21,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
-from etcd3.etcdrpc import rpc_pb2 as pb
-from etcd3.etcdrpc import rpc_pb2_grpc as rpc
+from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 from compilecast import tracing
 from compilecast.errors import Unavailable
 from compilecast.grpcutil import aio_channel, rpc_problem, unreachable
+
+# etcd3's generated messages and stubs carry no types (protoc's old output):
+# read as Any, and the answers they give as Any (Etcd._call).
+pb: Any = rpc_pb2
+rpc: Any = rpc_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +210,7 @@ class Etcd:
             await ch.close()
 
     async def _call(self, service: str, method: str, request, *, retries: int = 3,
-                    label: str = ""):
+                    label: str = "") -> Any:
         """One unary call with a deadline; on a transport failure, retry with
         backoff on the next member. Observed under `label` (default: the
         method's name)."""
@@ -219,7 +223,7 @@ class Etcd:
             finally:
                 self.observe(label or method, time.perf_counter() - start)
 
-    async def _call_retrying(self, service: str, method: str, request, retries: int):
+    async def _call_retrying(self, service: str, method: str, request, retries: int) -> Any:
         delay = 0.05
         for attempt in range(retries + 1):
             member = self._current

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections import Counter, OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from compilecast import tracing, validate
 from compilecast.errors import InvalidRequest, NotFound
@@ -225,7 +225,7 @@ class KeyRecords:
         # Expected compile times by (tenant, program name): looked up when
         # read, shared by every waiter of a pod for EXPECTED_TTL_S.
         self._expected: dict[tuple[str, str], tuple[float, asyncio.Future]] = {}
-        self._children: dict[str, object] = {}  # misses_by_component's, by component
+        self._children: dict[str, Any] = {}  # misses_by_component's, by component
 
     def _k(self, kind: str, sk: str) -> bytes:
         return self.prefix + f"/{kind}/{sk}".encode()

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 from compilecast import decide, decideserve, tracing, validate
 from compilecast.errors import InvalidRequest, TooMany
@@ -82,7 +83,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
     async def AcquireMany(self, request, context):
         who = self.auth.identify(context)
         decide.check_batch(request.requests)  # all checked before any is decided
-        responses = (self._decided_now(request.requests, who)
+        responses = (cast(list[pb.AcquireResponse] | None,  # (whole: every key, or None)
+                          self._decided_now(request.requests, who))
                      or await self._acquire_many(request.requests, who))
         return pb.AcquireManyResponse(responses=responses)
 

@@ -287,7 +287,7 @@ class Fetches:
             raise
 
     async def fetch(self, ns: str, md: tuple, request: pb.FetchRequest
-                    ) -> AsyncIterator[pb.FetchChunk]:
+                    ) -> AsyncIterator[pb.FetchChunk | DataChunk]:
         """A Fetch by a caller of namespace `ns`, with upstream metadata `md`."""
         validate.key(request.key)
         if request.digest:

@@ -133,6 +133,6 @@ async def _send(transport, ticket: _Ticket) -> int:
             break
         if ready > sent:
             sent += await loop.sendfile(transport, ticket.file, sent, ready - sent)
-        else:
+        elif fill is not None:
             await fill.changed(WAIT_S)
     return sent

@@ -20,10 +20,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
-
 from compilecast import decideserve, validate
-from compilecast.errors import CompilecastError, Unimplemented, UpstreamError
+from compilecast.errors import CompilecastError, Unauthenticated, Unimplemented, UpstreamError
 from compilecast.grpcutil import rpc_errors, token_from, unreachable
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -252,7 +250,7 @@ class RelayService(rpc.CompileCacheServicer):
         """A peer's stream of a job whose news this worker relays
         (worker/daemon/jobrelay.py)."""
         if self.worker.link.token and not token_from(context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "relayed news needs a token")
+            raise Unauthenticated("relayed news needs a token")
         ns, md = self.worker.link.credential(context)
         async for events in jobrelay.watch(
                 request_iterator, lambda job: self.worker.parts.manifests.subtree(ns, md, job)):
@@ -262,7 +260,7 @@ class RelayService(rpc.CompileCacheServicer):
     async def GetManifest(self, request, context):
         """A peer's manifest of a job whose news this worker relays: its own copy."""
         if self.worker.link.token and not token_from(context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "relayed manifests need a token")
+            raise Unauthenticated("relayed manifests need a token")
         validate.job(request.job)
         if request.held_digest:
             validate.digest(request.held_digest)
@@ -273,8 +271,7 @@ class RelayService(rpc.CompileCacheServicer):
     @rpc_errors
     async def Fetch(self, request, context):
         if self.worker.link.token and not token_from(context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "relay fetches need a token")
+            raise Unauthenticated("relay fetches need a token")
         ns, _ = self.worker.link.credential(context)
         head = await self.worker.parts.fetches.relay_ticket(ns, request)
         if head is not None:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -46,10 +46,10 @@ class CoordinatorLink:
         self.up = aedged(wire.stub(self.channel), relayed)
         self.decisions = wire.stub(self.channel)
         self.peer_credentials = peer_credentials
-        self._peers: dict[str, tuple[grpc.aio.Channel, rpc.CompileCacheStub]] = {}
+        self._peers: dict[str, tuple[grpc.aio.Channel, rpc.CompileCacheAsyncStub]] = {}
         self.namespaces: dict[tuple, str] = {}  # upstream metadata -> host-cache namespace
 
-    def peer(self, address: str) -> rpc.CompileCacheStub:
+    def peer(self, address: str) -> rpc.CompileCacheAsyncStub:
         if address not in self._peers:
             channel = aio_channel(address, self.peer_credentials)
             self._peers[address] = (channel, aedged(wire.stub(channel), relayed))
@@ -147,7 +147,8 @@ async def forward_publish(stub, chunks: AsyncIterator[pb.PublishChunk], md: tupl
         raise
 
 
-async def heartbeats_until(done: asyncio.Future, beat=pb.FetchChunk):
+async def heartbeats_until(done: asyncio.Future,
+                           beat: Callable[[], pb.FetchChunk] = pb.FetchChunk):
     """`beat()` (an empty FetchChunk), one every HEARTBEAT_S, until `done`
     is: a fetch that waits for its bytes shows its reader it is alive."""
     while not done.done():

@@ -22,7 +22,7 @@ from compilecast.grpcutil import aio_channel
 from compilecast.rpcedge import aedged
 from compilecast.streams import idle_timeout
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.wire import TRANSFER_S
+from compilecast.wire import TRANSFER_S, as_chunks
 
 from .clientpublish import publish_messages
 from .identity import Identity
@@ -137,7 +137,7 @@ class AsyncCacheClient:
                                   digest=digest)
 
         async def once() -> pb.ArtifactInfo:
-            got = await self.stub.Publish(publish_messages(header, data),
+            got = await self.stub.Publish(as_chunks(publish_messages(header, data)),
                                           timeout=TRANSFER_S, metadata=md)
             return got.artifact
 

@@ -17,7 +17,7 @@ from compilecast.negotiate import PROCESS_PUBLISH, Ladder, Route, RouteFailed, R
 from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
-from compilecast.wire import TRANSFER_S, DataChunk
+from compilecast.wire import TRANSFER_S, DataChunk, as_chunks
 
 from .dataplane import PUBLISH_CHUNK, upload_data_plane
 from .handoff import HANDOFF_SPARE, NoFile, hand_off, memory_headroom
@@ -180,7 +180,7 @@ class Publisher:
                 dog.tick()
                 yield message
 
-        call = self.stub.Publish.future(ticking(), timeout=TRANSFER_S)
+        call = self.stub.Publish.future(as_chunks(ticking()), timeout=TRANSFER_S)
         with dog.watching(call.cancel):
             try:
                 return call.result().artifact

@@ -47,11 +47,12 @@ log = logging.getLogger("compilecast.mlircanon")
 
 # -- the C path and its gate -------------------------------------------------------
 
+_native: Any  # the C extension, or None
 try:
     from . import _mlircanon as _native
 except ImportError:  # not built (no compiler at install): the reference only
     # (Every use is behind a check of this, or of the gate that checks it.)
-    _native = None  # type: ignore[assignment]
+    _native = None
 
 _state_lock = threading.Lock()
 _state: dict[str, Any] = {"native": None, "testing": False, "next_try": 0.0}

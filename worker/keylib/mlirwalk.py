@@ -59,7 +59,7 @@ writes the same bytes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from .hlocanon import checked_split
 
@@ -84,7 +84,7 @@ MAX_NESTING = 200  # operations in regions, or attributes in attributes (as _mli
 
 
 def ir_bindings() -> Any:
-    from ..xla.jax_adapter import ir
+    from ..xla.jax_adapter import ir  # pyright: ignore[reportPrivateImportUsage] (jax's, on purpose)
     return ir
 
 
@@ -215,7 +215,7 @@ class _Stream:
     def attr_content(self, a: Any) -> None:
         ir = self.ir
         if isinstance(a, ir.FlatSymbolRefAttr):
-            name = ir.FlatSymbolRefAttr(a).value
+            name = cast(str, ir.FlatSymbolRefAttr(a).value)
             self.buf += b"R"
             self.string(self.renames.get(name, name))
         elif isinstance(a, ir.ArrayAttr):

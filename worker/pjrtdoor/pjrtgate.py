@@ -491,6 +491,7 @@ class PjrtGate:
                 answer = decided.result()  # decided, then the caller went away
             if answer is not None:
                 self._sent(answer)
+        assert answer is not None  # (the try answered, or raised)
         self.count(platform, {"HIT": "hit", "COMPILE": "compile"}.get(answer.decision, "local"))
         if answer.decision != "COMPILE":
             return

@@ -39,9 +39,10 @@ def versions() -> dict:
 
 
 def step() -> dict:
-    import torch
-    import torch_xla.core.xla_model as xm
-    import torch_xla.debug.metrics as met
+    # (it runs in the virtualenv that has torch_xla: not this one)
+    import torch  # pyright: ignore[reportMissingImports]
+    import torch_xla.core.xla_model as xm  # pyright: ignore[reportMissingImports]
+    import torch_xla.debug.metrics as met  # pyright: ignore[reportMissingImports]
 
     dev = xm.xla_device()
     x = torch.arange(16, dtype=torch.float32, device=dev).reshape(4, 4)

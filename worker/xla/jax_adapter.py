@@ -41,6 +41,9 @@ which the tests require too): without it only Pallas kernels' keys lose
 their location-agnosticism, so install() does not need it.
 """
 
+# pyright: reportPrivateImportUsage=false
+# (The module that reaches JAX's private code, on purpose: see above.)
+
 from __future__ import annotations
 
 import contextlib
@@ -491,13 +494,13 @@ def mosaic_kernel_module(body: bytes) -> Any:
     from jax._src.lib import tpu
 
     with _mosaic_lock:
-        if _mosaic_ctx[0] is None or _mosaic_ctx[1] >= MOSAIC_CONTEXT_USES:
+        ctx, uses = _mosaic_ctx
+        if ctx is None or uses >= MOSAIC_CONTEXT_USES:
             ctx = _mlir.make_ir_context()
             tpu.register_dialect(ctx)
             ctx.allow_unregistered_dialects = True
-            _mosaic_ctx[:] = [ctx, 0]
-        ctx = _mosaic_ctx[0]
-        _mosaic_ctx[1] += 1
+            uses = 0
+        _mosaic_ctx[:] = [ctx, uses + 1]
         with ctx, ir.Location.unknown():
             return ir.Module.parse(body)
 
