@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from compilecast.deadline import Deadline
 from compilecast.errors import CompilecastError, CutOff, Status
 from compilecast.wire import WAIT_RETRY_S
 
@@ -72,13 +73,13 @@ class Retry:
         return self.pauses[min(tries, len(self.pauses) - 1)]
 
     def _again(self, exc: BaseException, pause: float | None, began: float,
-               deadline: float | None) -> bool:
+               deadline: Deadline | None) -> bool:
         now = time.monotonic()
         if pause is None or not self.when(exc) or now - began < self.ran_s:
             return False
-        return deadline is None or deadline - now > pause
+        return deadline is None or deadline.left_s() > pause
 
-    def run(self, attempt: Callable[[], T], *, what: str, deadline: float | None = None,
+    def run(self, attempt: Callable[[], T], *, what: str, deadline: Deadline | None = None,
             sleep: Callable[[float], None] = time.sleep) -> T:
         """`attempt()`, tried again by this policy: its result, or the last error."""
         for pause in (*self.pauses, None):
@@ -94,7 +95,7 @@ class Retry:
         raise AssertionError("unreachable")
 
     async def arun(self, attempt: Callable[[], Awaitable[T]], *, what: str,
-                   deadline: float | None = None) -> T:
+                   deadline: Deadline | None = None) -> T:
         """`run` for an asynchronous attempt."""
         for pause in (*self.pauses, None):
             began = time.monotonic()

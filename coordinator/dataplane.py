@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compilecast import validate
+from compilecast.deadline import Deadline
 from compilecast.decide import ending_event
 from compilecast.errors import CompilecastError
 from compilecast.store import ArtifactStore
@@ -97,7 +98,7 @@ DRAIN_S = 5.0  # after a refusal, what the client still sends is dropped for at 
 MAX_WAITS = MAX_CONNECTIONS // 2  # waits held here at once (each a connection); past it, gRPC
 
 Publish = Callable[[pb.PublishHeader, AsyncIterator[DataChunk]], Awaitable[pb.ArtifactInfo]]
-Waiting = Callable[[int], AsyncIterator[pb.WaitEvent]]  # a wait's events, given its ms left
+Waiting = Callable[[Deadline], AsyncIterator[pb.WaitEvent]]  # a wait's events, by a deadline
 
 
 @dataclass
@@ -116,7 +117,7 @@ class _Upload:
 @dataclass
 class _Wait:
     events: Waiting  # the caller's wait (Waiting.wait, with its request)
-    deadline: float  # monotonic: when it ends, as its Wait call set it
+    deadline: Deadline  # when it ends, as its Wait call set it
     expires: float
 
 
@@ -161,9 +162,9 @@ class DataPlane(TicketServer):
             return None
         return self._issue(self._uploads, _Upload(header, publish, time.monotonic() + TICKET_S))
 
-    def wait_ticket(self, events: Waiting, deadline: float) -> pb.DataTicket | None:
-        """A ticket to go on with a wait here: `events` (given the ms left
-        until `deadline`, monotonic) when its connection comes; None when
+    def wait_ticket(self, events: Waiting, deadline: Deadline) -> pb.DataTicket | None:
+        """A ticket to go on with a wait here: `events` (given `deadline`)
+        when its connection comes; None when
         MAX_WAITS are held or promised, or too many tickets are out (the
         wait then stays on its gRPC stream)."""
         self._expire()
@@ -224,8 +225,7 @@ class DataPlane(TicketServer):
         when this replica may send it."""
         self.waiting += 1
         try:
-            left_ms = max(1, int((wait.deadline - time.monotonic()) * 1000))
-            ending = asyncio.ensure_future(ending_event(wait.events(left_ms), True))
+            ending = asyncio.ensure_future(ending_event(wait.events(wait.deadline), True))
             gone = asyncio.ensure_future(reader.read(1))  # b"" (or a byte: no client of ours)
             try:
                 await asyncio.wait({ending, gone}, return_when=asyncio.FIRST_COMPLETED)

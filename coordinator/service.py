@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import time
 from collections.abc import AsyncIterator
 from typing import cast
 
 from compilecast import decide, decideserve, tracing, validate
+from compilecast.deadline import Deadline
 from compilecast.errors import InvalidRequest, TooMany
 from compilecast.grpcutil import rpc_errors
 from compilecast.v1 import cache_pb2 as pb
@@ -103,14 +103,14 @@ class CoordinatorService(rpc.CompileCacheServicer):
             self.state.metrics.decide_streams.dec()
 
     async def _wait(self, request: pb.WaitRequest, who,
-                    timeout_ms: int | None = None) -> AsyncIterator[pb.WaitEvent]:
+                    deadline: Deadline | None = None) -> AsyncIterator[pb.WaitEvent]:
         # (A span that is not made current: the generator may be closed from
         # another task.)
         with tracing.detached_span("coordinator.wait", tracing.carried(request.trace_context),
                                    key=request.key):
             async for event in self.state.waiting.wait(
                     request.key, request.requester,
-                    request.timeout_ms if timeout_ms is None else timeout_ms,
+                    request.timeout_ms if deadline is None else deadline,
                     tenant=who.tenant, may_publish=who.can_publish):
                 yield event
 
@@ -120,8 +120,8 @@ class CoordinatorService(rpc.CompileCacheServicer):
         if request.accept_data_wait and self.data_plane is not None:
             # The wait goes on over the data plane (coordinator/dataplane.py):
             # the caller blocks in a socket's recv, and a HIT brings the bytes.
-            deadline = time.monotonic() + self.state.waiting.wait_timeout_s(
-                request.key, request.requester, request.timeout_ms)
+            deadline = self.state.waiting.deadline(request.key, request.requester,
+                                                   request.timeout_ms)
             ticket = self.data_plane.wait_ticket(
                 functools.partial(self._wait, request, who), deadline)
             if ticket is not None:

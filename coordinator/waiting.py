@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from compilecast import validate
+from compilecast.deadline import Deadline
 from compilecast.errors import (
     InvalidRequest,
     Unavailable,
@@ -124,19 +125,22 @@ class Waiting:
         return [(plain(sk), dict(here.jobs)) for sk, here in self._waiting.items()
                 if tenant_of(sk) == tenant]
 
-    def wait_timeout_s(self, key: str, req: pb.Requester, timeout_ms: int) -> float:
-        """How long a wait with these arguments lasts; InvalidRequest when
-        they cannot be waited with."""
+    def deadline(self, key: str, req: pb.Requester, timeout_ms: int) -> Deadline:
+        """When a wait a request asks (`timeout_ms` of it; 0: this replica's
+        share-binary timeout) ends; InvalidRequest when it cannot be waited
+        with. (The replica's edge: from here the wait carries the deadline.)"""
         validate.key(key)
         validate.requester(req)
         if timeout_ms < 0:
             raise InvalidRequest("timeout_ms must be >= 0")
-        return (timeout_ms or self.settings.share_binary_between_hosts_timeout_ms) / 1000.0
+        return Deadline.after_ms(timeout_ms or self.settings.share_binary_between_hosts_timeout_ms)
 
-    async def wait(self, key: str, req: pb.Requester, timeout_ms: int, *,
+    async def wait(self, key: str, req: pb.Requester, within: int | Deadline, *,
                    tenant: str = DEFAULT_TENANT, may_publish: bool = True
                    ) -> AsyncGenerator[pb.WaitEvent, None]:
-        timeout = self.wait_timeout_s(key, req, timeout_ms)
+        """A wait's events by `within` (a deadline, or a request's
+        timeout_ms: see `deadline`)."""
+        deadline = within if isinstance(within, Deadline) else self.deadline(key, req, within)
         start = time.monotonic()
         w = _Wait(scope(tenant, key), req, may_publish, start,
                   f"{req.process_id:010d}" if req.job else f"9{time.time_ns():019d}")
@@ -176,15 +180,15 @@ class Waiting:
                 except Unavailable as exc:
                     yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason=self.view.etcd_down(exc))
                     return
-                now = time.monotonic()
-                if now >= start + timeout:
+                if deadline.passed:
                     w.outcome = "timeout"
                     yield pb.WaitEvent(
                         decision=pb.COMPILE_LOCALLY,
-                        reason=f"share-binary timeout of {timeout:.1f}s passed; compile locally",
+                        reason=f"share-binary timeout of {deadline.said()} passed; compile "
+                               "locally",
                     )
                     return
-                nap = min(start + timeout - now, WAIT_HEARTBEAT_S)
+                nap = min(deadline.left_s(), WAIT_HEARTBEAT_S)
                 if w.free_since is not None:
                     nap = min(nap, PROMOTION_STAGGER_S)
                 if not await sub.wait(nap):

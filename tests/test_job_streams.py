@@ -11,6 +11,7 @@ import concurrent.futures
 
 import grpc
 
+from compilecast.deadline import Deadline
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.inprocess import policy
 from compilecast.worker.inprocess.client import CacheClient, ClientShell, Identity
@@ -28,7 +29,7 @@ def process_of(host, process_id: int) -> tuple[CacheClient, Identity]:
 
 
 def decided(client: CacheClient, me: Identity, key: str) -> policy.Decision:
-    return policy.drive(policy.decide(policy.acquire_request(key, me), me, 120.0),
+    return policy.drive(policy.decide(policy.acquire_request(key, me), me, Deadline.after_s(120.0)),
                         ClientShell(client))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+from compilecast.deadline import Deadline
 from compilecast.errors import Unavailable
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.inprocess import policy
@@ -39,7 +40,7 @@ def decided(client: CacheClient, key: str) -> policy.Decision:
     an unavailable upstream is a local compile, as the door makes it."""
     me = Identity()
     try:
-        return policy.drive(policy.decide(policy.acquire_request(key, me), me, 10.0),
+        return policy.drive(policy.decide(policy.acquire_request(key, me), me, Deadline.after_s(10.0)),
                             ClientShell(client))
     except Unavailable as exc:
         return policy.Decision("LOCAL", key, reason=str(exc))

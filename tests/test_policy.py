@@ -11,6 +11,7 @@ import hashlib
 import pytest
 
 from compilecast import validate
+from compilecast.deadline import Deadline
 from compilecast.errors import (
     AlreadyPublished,
     CorruptBlob,
@@ -27,6 +28,7 @@ DATA = b"a serialized executable"
 INFO = pb.ArtifactInfo(key=KEY, digest=hashlib.sha256(DATA).hexdigest(), size=len(DATA))
 LEASE = pb.Lease(id=7, ttl_seconds=30)
 ME = Identity()
+WITHIN = Deadline.after_s(60.0)  # the door's share-binary deadline, made once
 
 
 class Script:
@@ -70,7 +72,7 @@ def hit(info: pb.ArtifactInfo = INFO) -> pb.AcquireResponse:
 
 
 def decide(shell: Script, *, may_publish: bool = True) -> policy.Decision:
-    got = policy.drive(policy.decide(policy.acquire_request(KEY, ME), ME, 60.0,
+    got = policy.drive(policy.decide(policy.acquire_request(KEY, ME), ME, WITHIN,
                                      may_publish=may_publish), shell)
     assert shell.done(), f"steps left untaken: {shell.script}"
     return got
@@ -88,7 +90,7 @@ def test_a_wait_that_ends_with_the_bytes_needs_no_fetch():
                    ("await_", (pb.WaitEvent(decision=pb.HIT, artifact=INFO), DATA)))
     got = decide(shell)
     assert (got.kind, got.data, got.waited) == ("HIT", DATA, True)
-    assert shell.steps[1] == policy.Await(KEY, ME, 60.0)
+    assert shell.steps[1] == policy.Await(KEY, ME, WITHIN)
 
 
 def test_a_wait_that_ends_as_the_holder_publishes_fetches_what_it_publishes():
@@ -251,5 +253,5 @@ def test_the_async_shell_drives_the_same_policy():
     shell = AsyncScript(("ask", hit()), ("fetch", CorruptBlob("bad")), ("ask", hit()),
                         ("fetch", DATA))
     got = asyncio.run(policy.adrive(
-        policy.decide(policy.acquire_request(KEY, ME), ME, 60.0), shell))
+        policy.decide(policy.acquire_request(KEY, ME), ME, WITHIN), shell))
     assert (got.kind, got.data) == ("HIT", DATA) and shell.sync.done()

@@ -21,11 +21,11 @@ for all: worker/daemon/waits.py), within the operator's share-binary timeout.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Protocol
 
 from compilecast import decide, retry, validate
+from compilecast.deadline import Deadline
 from compilecast.errors import UpstreamError
 from compilecast.v1 import cache_pb2 as pb
 
@@ -81,11 +81,14 @@ class Answers:
         return request
 
     async def wait(self, ns: str, md: tuple, request: pb.WaitRequest,
-                   until_publishing: bool) -> pb.WaitEvent:
+                   until_publishing: bool, deadline: Deadline | None = None) -> pb.WaitEvent:
         """A wait (`bounded` already), shared with this host's other waits
         for the key, over the job's stream or else the Decide stream (a
-        message, not a call of its own); an unreachable coordinator means
-        COMPILE_LOCALLY."""
+        message, not a call of its own), by `deadline` (default: as the
+        request says); an unreachable coordinator means COMPILE_LOCALLY."""
+        if deadline is None:
+            deadline = Deadline.after_ms(request.timeout_ms)
+        within = deadline
 
         async def one(req: pb.WaitRequest, until: bool) -> pb.WaitEvent:
             jobs = self.jobs
@@ -103,18 +106,15 @@ class Answers:
                     return event
             return await self.upstream.wait(md, req, until)
 
-        deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms else None
-
         async def once() -> pb.WaitEvent:
-            if deadline is not None:
-                request.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
-            return await self.waits.wait(md, request, until_publishing, one)
+            request.timeout_ms = within.left_ms()
+            return await self.waits.wait(md, request, until_publishing, one, within)
 
         # A replica stopping (a rolling update) ends its waits: asked again, on
         # a new stream, rather than have every waiter compile (retry.RELAYED_WAIT).
         try:
             return await retry.RELAYED_WAIT.arun(once, what=f"the wait for {request.key}",
-                                                 deadline=deadline)
+                                                 deadline=within)
         except UpstreamError as exc:
             if exc.status not in retry.DEGRADED:
                 raise relay_error(exc) from None

@@ -18,9 +18,9 @@ them) and nothing more.
 from __future__ import annotations
 
 import asyncio
-import time
 
 from compilecast import decideserve, validate
+from compilecast.deadline import Deadline
 from compilecast.errors import CompilecastError, Unauthenticated, Unimplemented, UpstreamError
 from compilecast.grpcutil import rpc_errors, token_from, unreachable
 from compilecast.v1 import cache_pb2 as pb
@@ -69,32 +69,27 @@ class WorkerService(rpc.CompileCacheServicer):
     async def Wait(self, request, context):
         ns, md = self.link.credential(context)
         request = self.answers.bounded(request)
-        deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms else None
-        event = await self.answers.wait(ns, md, request, until_publishing=True)
+        deadline = Deadline.after_ms(request.timeout_ms)  # (the wait's, from here on)
+        event = await self.answers.wait(ns, md, request, True, deadline)
         yield event
         if event.decision != pb.WAIT:
             return
         # The holder has started to publish: the caller may fetch now, or wait on.
-        if deadline is not None:
-            request.timeout_ms = int((deadline - time.monotonic()) * 1000)
-            if request.timeout_ms <= 0:
-                yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
-                                   reason="share-binary timeout passed; compile locally")
-                return
+        if deadline.passed:
+            yield pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
+                               reason="share-binary timeout passed; compile locally")
+            return
         copy = self.parts.copies.publishing.get((ns, request.key))
         if copy is not None:  # published through us: its end is the HIT, no wait upstream
             try:
-                info = await asyncio.wait_for(
-                    asyncio.shield(copy.done),
-                    None if deadline is None else max(0.0, deadline - time.monotonic()))
+                info = await asyncio.wait_for(asyncio.shield(copy.done),
+                                              deadline.left_s() if deadline.bounded else None)
             except Exception:  # (it failed, or time ran out: wait on upstream, as for any)
                 pass
             else:
                 yield pb.WaitEvent(decision=pb.HIT, artifact=info)
                 return
-            if deadline is not None:
-                request.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        yield await self.answers.wait(ns, md, request, until_publishing=False)
+        yield await self.answers.wait(ns, md, request, False, deadline)
 
     async def _forward(self, method: str, request, context):
         """A unary call passed to the coordinator as is, under the caller's credential."""

@@ -31,6 +31,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Hashable
 
+from compilecast.deadline import Deadline
 from compilecast.v1 import cache_pb2 as pb
 
 Upstream = Callable[[pb.WaitRequest, bool], Awaitable[pb.WaitEvent]]
@@ -42,11 +43,11 @@ EARLY_S = 0.5  # a COMPILE_LOCALLY this close to the upstream deadline is its ti
 class _Waiter:
     __slots__ = ("deadline", "done", "request")
 
-    def __init__(self, request: pb.WaitRequest, done: asyncio.Future) -> None:
+    def __init__(self, request: pb.WaitRequest, done: asyncio.Future,
+                 deadline: Deadline) -> None:
         self.request = request
         self.done = done
-        self.deadline = (time.monotonic() + request.timeout_ms / 1000.0
-                         if request.timeout_ms > 0 else None)
+        self.deadline = deadline
 
 
 def _rank(w: _Waiter) -> int:
@@ -79,25 +80,28 @@ class HostWaits:
             self._counted.labels(how).inc()
 
     async def wait(self, scope: Hashable, request: pb.WaitRequest, until_publishing: bool,
-                   upstream: Upstream) -> pb.WaitEvent:
-        """The event that ends this wait (see the module docstring); `scope`
-        (the upstream credential) separates waits that must not be shared."""
+                   upstream: Upstream, deadline: Deadline | None = None) -> pb.WaitEvent:
+        """The event that ends this wait (see the module docstring) by
+        `deadline` (default: as the request says); `scope` (the upstream
+        credential) separates waits that must not be shared."""
+        if deadline is None:
+            deadline = Deadline.after_ms(request.timeout_ms)
         gk = (scope, request.key, until_publishing)
         group = self._groups.get(gk)
         if group is None or (group.task is not None and group.task.cancelling()):
             group = self._groups[gk] = _Group()  # (a group whose last waiter left is ending)
         else:
             self._count("joined")
-        me = _Waiter(request, asyncio.get_running_loop().create_future())
+        me = _Waiter(request, asyncio.get_running_loop().create_future(), deadline)
         group.waiters.append(me)
         if group.task is None:
             group.task = asyncio.create_task(self._run(gk, group, upstream, until_publishing))
-        limit = None if me.deadline is None else me.deadline - time.monotonic() + GRACE_S
+        limit = deadline.left_s() + GRACE_S if deadline.bounded else None
         try:
             return await asyncio.wait_for(me.done, limit)
         except TimeoutError:
             return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
-                                reason=f"share-binary timeout of {request.timeout_ms / 1000:.1f}s "
+                                reason=f"share-binary timeout of {deadline.said()} "
                                        "passed; compile locally")
         finally:
             if me in group.waiters:
@@ -129,11 +133,8 @@ class HostWaits:
                 leader = min(group.waiters, key=_rank)
                 request = pb.WaitRequest()
                 request.CopyFrom(leader.request)
-                deadlines = [w.deadline for w in group.waiters]
-                bounded = [d for d in deadlines if d is not None]
-                last = max(bounded) if len(bounded) == len(deadlines) else None
-                request.timeout_ms = 0 if last is None else max(
-                    1, int((last - time.monotonic()) * 1000))
+                last = max((w.deadline for w in group.waiters), key=lambda d: d.at)
+                request.timeout_ms = last.left_ms()  # (0: one waits without a bound)
                 try:  # (counted by the caller's upstream: sent up, or on the job's stream)
                     event = await upstream(request, until_publishing)
                 except Exception as exc:  # each caller handles it as its own
@@ -154,10 +155,10 @@ class HostWaits:
                             taker.done.set_result(event)
                     continue
                 now = time.monotonic()
-                timed_out = (event.decision == pb.COMPILE_LOCALLY and last is not None
-                             and now >= last - EARLY_S)
+                timed_out = (event.decision == pb.COMPILE_LOCALLY and last.bounded
+                             and now >= last.at - EARLY_S)
                 for w in list(group.waiters):
-                    if timed_out and (w.deadline is None or w.deadline > now + EARLY_S):
+                    if timed_out and w.deadline.at > now + EARLY_S:
                         continue  # started waiting later: waits on
                     group.waiters.remove(w)
                     if not w.done.done():

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
 from collections.abc import Callable
 
 from compilecast import retry, validate, wire
+from compilecast.deadline import Deadline
 from compilecast.decide import ends_wait
 from compilecast.errors import CompilecastError, CorruptBlob, CutOff, Unavailable
 from compilecast.grpcutil import aio_channel
@@ -55,16 +55,16 @@ class AsyncCacheClient:
             lambda: self.stub.Acquire(request, timeout=self.rpc_s, metadata=md),
             what=f"the ask for {request.key}")
 
-    async def wait(self, key: str, identity: Identity, timeout_s: float,
+    async def wait(self, key: str, identity: Identity, deadline: Deadline,
                    md: tuple) -> pb.WaitEvent:
-        """The event that ends a wait for `key` (HIT, COMPILE, COMPILE_LOCALLY)."""
-        deadline = time.monotonic() + timeout_s
+        """The event that ends a wait for `key` (HIT, COMPILE, COMPILE_LOCALLY)
+        by `deadline` (the door's share-binary deadline)."""
 
         async def once() -> pb.WaitEvent:
-            left = max(0.001, deadline - time.monotonic())
             call = self.stub.Wait(pb.WaitRequest(key=key, requester=identity.requester(),
-                                                 timeout_ms=max(1, int(left * 1000))),
-                                  timeout=left + self.rpc_s, metadata=md)
+                                                 timeout_ms=deadline.left_ms()),
+                                  timeout=max(0.001, deadline.left_s()) + self.rpc_s,
+                                  metadata=md)
             try:
                 async for event in call:
                     if ends_wait(event, False):

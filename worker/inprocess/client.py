@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from compilecast import retry, tracing, validate, wire
+from compilecast.deadline import Deadline
 from compilecast.decide import ends_wait
 from compilecast.errors import CompilecastError, CorruptBlob, CutOff, Unavailable
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
@@ -175,41 +176,39 @@ class CacheClient:
         return self._directories.SyncDirectory(
             pb.SyncDirectoryRequest(kind=kind, namespace_id=namespace_id), timeout=timeout_s)
 
-    def wait(self, key: str, timeout_s: float, *, publishing: bool = False,
+    def wait(self, key: str, within: Deadline | float, *, publishing: bool = False,
              identity: Identity | None = None) -> pb.WaitEvent:
         """Wait until HIT, promotion (COMPILE) or COMPILE_LOCALLY; with
         `publishing`, also return the WAIT event that says the holder has
         started to publish (it carries the artifact: a fetch streams it).
 
-        Never blocks past `timeout_s` plus the call deadline slack: the server
-        ends the stream at timeout_s, and the client deadline backs it up. A
+        Never blocks past the deadline (`within`: a door's share-binary
+        deadline, or seconds from now) plus the call deadline slack: the
+        server ends the stream by it, and the client deadline backs it up. A
         wait that ran and then broke (UNAVAILABLE: the worker restarting) is
-        sent again within `timeout_s`; one refused at once is not.
+        sent again before the deadline; one refused at once is not.
         """
-        return self._wait(key, timeout_s, publishing, False, identity)[0]
+        return self._wait(key, Deadline.of(within), publishing, False, identity)[0]
 
-    def _wait(self, key: str, timeout_s: float, publishing: bool,
+    def _wait(self, key: str, deadline: Deadline, publishing: bool,
               data_wait: bool, identity: Identity | None) -> tuple[pb.WaitEvent, bytes | None]:
         """`wait`; with `data_wait`, over the coordinator's data plane where it
         offers that, and then with the verified bytes after a HIT when they
         came along (else None)."""
-        deadline = time.monotonic() + timeout_s
         ladder = self.routes.ladder(WAIT if data_wait else (), key=key)
         return retry.WAIT.run(lambda: carry(ladder, lambda ladder: self._wait_once(
             key, deadline, publishing, ladder, identity)), what=f"the wait for {key}",
             deadline=deadline)
 
-    def _wait_once(self, key: str, deadline: float, publishing: bool, ladder: Ladder,
+    def _wait_once(self, key: str, deadline: Deadline, publishing: bool, ladder: Ladder,
                    identity: Identity | None) -> tuple[pb.WaitEvent, bytes | None]:
-        timeout_s = deadline - time.monotonic()
-        if ladder.failures and timeout_s <= 0:  # the data plane's wait took it all
+        if ladder.failures and deadline.passed:  # the data plane's wait took it all
             return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                 reason="share-binary timeout passed; compile locally"), None
-        timeout_s = max(0.001, timeout_s)
         call = self.stub.Wait(
             ladder.offer(pb.WaitRequest(key=key, requester=(identity or self.identity).requester(),
-                                        timeout_ms=max(1, int(timeout_s * 1000)))),
-            timeout=timeout_s + self.timeout_s,
+                                        timeout_ms=deadline.left_ms())),
+            timeout=max(0.001, deadline.left_s()) + self.timeout_s,
         )
         for event in call:
             if event.HasField("data_ticket"):  # (the stream's only message)
@@ -225,7 +224,7 @@ class CacheClient:
         return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="wait stream ended early"), None
 
     def _wait_data_plane(self, key: str, ticket: pb.DataTicket,
-                         deadline: float) -> tuple[pb.WaitEvent, bytes | None]:
+                         deadline: Deadline) -> tuple[pb.WaitEvent, bytes | None]:
         """Go on with a wait over the coordinator's data plane (cache.proto,
         DataTicket): blocked in recv until the event that ends it, which may
         be the WAIT of a publish that started, and after a HIT the verified
@@ -238,7 +237,7 @@ class CacheClient:
         with sock, sock.makefile("rb", buffering=0) as answers:
             sock.sendall(wire.DATA_PLANE_WAIT + ticket.token)
             # The coordinator answers by the deadline (COMPILE_LOCALLY at worst).
-            sock.settimeout(max(0.001, deadline - time.monotonic()) + self.timeout_s)
+            sock.settimeout(max(0.001, deadline.left_s()) + self.timeout_s)
             try:
                 event = pb.WaitEvent.FromString(answer_status(answers, where))
             except UploadRefused as exc:
@@ -256,23 +255,23 @@ class CacheClient:
                          "(%s); fetching them", key, exc, extra={"key": key})
                 return event, None
 
-    def wait_and_fetch(self, key: str, timeout_s: float, *,
+    def wait_and_fetch(self, key: str, within: Deadline | float, *,
                        identity: Identity | None = None) -> tuple[pb.WaitEvent, bytes | None]:
         """Wait as `wait` does and fetch the artifact as soon as its holder
         starts to publish it, so the download overlaps the upload. Returns a
         HIT event and the verified bytes, or the event that ended the wait
         (COMPILE, COMPILE_LOCALLY) and None. If that early fetch fails (the
         publish failed midway), the wait goes on for the published artifact
-        within the same `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
+        before the same deadline."""
+        deadline = Deadline.of(within)
         early = True
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if deadline.passed:
                 return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
-                                    reason=f"share-binary timeout of {timeout_s:.1f}s passed"), None
+                                    reason=f"share-binary timeout of {deadline.said()} "
+                                           "passed"), None
             # The first wait may go over the data plane, and bring the bytes.
-            event, data = self._wait(key, left, early, early, identity)
+            event, data = self._wait(key, deadline, early, early, identity)
             if data is not None:
                 return event, data
             if event.decision not in (pb.HIT, pb.WAIT):
@@ -493,7 +492,7 @@ class ClientShell:
         log.info("compilecast: waiting for %s", step.key, extra={"key": step.key})
         # Fetched as soon as the holder starts publishing: the bytes stream
         # here while they upload.
-        return self.client.wait_and_fetch(step.key, step.timeout_s, identity=step.identity)
+        return self.client.wait_and_fetch(step.key, step.deadline, identity=step.identity)
 
     def fetch(self, step: policy.Fetch) -> bytes:
         return self.client.fetch(step.key, step.digest)[1]  # verified against the digest

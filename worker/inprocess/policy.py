@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from compilecast import validate
+from compilecast.deadline import Deadline
 from compilecast.errors import (
     AlreadyPublished,
     CompilecastError,
@@ -112,7 +113,7 @@ class Await:
     op: ClassVar[str] = "await_"
     key: str
     identity: Identity
-    timeout_s: float
+    deadline: Deadline  # the door's share-binary deadline
 
 
 @dataclass(frozen=True)
@@ -197,16 +198,18 @@ class Settled:
 
 # -- the policies ---------------------------------------------------------------------
 
-def decide(request: pb.AcquireRequest, identity: Identity, wait_s: float, *,
+def decide(request: pb.AcquireRequest, identity: Identity, deadline: Deadline, *,
            may_publish: bool = True) -> Policy[Decision]:
-    """HIT, COMPILE or LOCAL for `request` (see the module's docstring)."""
+    """HIT, COMPILE or LOCAL for `request` (see the module's docstring); a
+    wait for it ends by `deadline` (the door's share-binary deadline, made
+    where the decision began: every wait of it shares it)."""
     key = request.key
     for attempt in range(CORRUPT_ASKS):
         answer: pb.AcquireResponse = yield Ask(request)
         decision, artifact, lease = answer.decision, answer.artifact, answer.lease
         reason, cause, waited, data = answer.reason, answer.local_cause, False, None
         if decision == pb.WAIT:
-            event, data = yield Await(key, identity, wait_s)
+            event, data = yield Await(key, identity, deadline)
             decision, artifact, lease = event.decision, event.artifact, event.lease
             reason, cause, waited = event.reason, event.local_cause, True
             if decision == pb.WAIT:  # the holder publishes: its bytes, as a HIT's

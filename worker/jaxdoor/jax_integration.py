@@ -32,6 +32,7 @@ from typing import Any
 
 from compilecast import tracing
 from compilecast.config import default_worker_target
+from compilecast.deadline import Deadline
 from compilecast.errors import (
     CompilecastError,
     CorruptBlob,
@@ -135,9 +136,10 @@ class CompilecastCache(jax_adapter.CacheInterface):
                            if jax_adapter.process_identity() is not None else "")
         return job[:128]
 
-    def _wait_timeout_s(self) -> float:
-        ms = self.timeout_ms or jax_adapter.settings()["share_binary_between_hosts_timeout_ms"]
-        return ms / 1000.0
+    def _deadline(self) -> Deadline:
+        """A wait's share-binary deadline, made where a decision begins."""
+        return Deadline.after_ms(
+            self.timeout_ms or jax_adapter.settings()["share_binary_between_hosts_timeout_ms"])
 
     # -- failure handling -------------------------------------------------
     def _fallback(self, key: str, why: str, *, compiled: bool = False) -> None:
@@ -213,7 +215,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
         ident = self._identity(program)
         request = policy.acquire_request(key, ident, components=components, program_name=name,
                                          key_seconds=key_s)
-        decided = policy.drive(policy.decide(request, ident, self._wait_timeout_s()),
+        decided = policy.drive(policy.decide(request, ident, self._deadline()),
                                self._shell)
         if decided.waited:
             self.stats.waits += 1
@@ -314,7 +316,7 @@ class CompilecastCache(jax_adapter.CacheInterface):
             resp = self.client.acquire(key, program_name="fdo_profile", identity=me)
             decision, artifact, lease = resp.decision, resp.artifact, resp.lease
             if decision == pb.WAIT:
-                event = self.client.wait(key, self._wait_timeout_s(), identity=me)
+                event = self.client.wait(key, self._deadline(), identity=me)
                 decision, artifact, lease = event.decision, event.artifact, event.lease
             if decision == pb.HIT:
                 _, got = self.client.fetch(key, artifact.digest)  # verified

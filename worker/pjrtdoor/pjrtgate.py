@@ -62,6 +62,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from compilecast.deadline import Deadline
 from compilecast.errors import CompilecastError
 from compilecast.grpcutil import bearer
 from compilecast.streams import due
@@ -318,7 +319,7 @@ class GateShell:
         return await self.client.acquire(step.request, self.md)
 
     async def await_(self, step: policy.Await) -> tuple[pb.WaitEvent, None]:
-        return await self.client.wait(step.key, step.identity, step.timeout_s, self.md), None
+        return await self.client.wait(step.key, step.identity, step.deadline, self.md), None
 
     async def fetch(self, step: policy.Fetch) -> bytes:
         return await self.gate.fetch(step.key, step.digest, self.md)
@@ -478,11 +479,12 @@ class PjrtGate:
                         uid: int) -> None:
         c = await self._request(frames, pid, uid)
         platform = c.platform[:32] or "?"
-        decided = asyncio.ensure_future(self._decide(c))
+        deadline = Deadline.after_s(self.wait_timeout_s)  # (the share-binary one, made here)
+        decided = asyncio.ensure_future(self._decide(c, deadline))
         answer = None
         try:
             answer = await self._with_heartbeat(
-                writer, decided, self.wait_timeout_s + FETCH_AFTER_WAIT_S)
+                writer, decided, deadline.left_s() + FETCH_AFTER_WAIT_S)
             writer.write(answer.frame())
             await writer.drain()
         finally:
@@ -586,7 +588,7 @@ class PjrtGate:
             del self.payloads[answer.digest]
             self.budget.give(len(held[0]))
 
-    async def _decide(self, c: pjrtkeys.Compile) -> Answer:
+    async def _decide(self, c: pjrtkeys.Compile, deadline: Deadline) -> Answer:
         try:
             made = await self._key(c)
             ident = identity(c.owners(), int(c.header.get("process_index", 0) or 0),
@@ -596,7 +598,7 @@ class PjrtGate:
             # The worker has a credential of its own: a caller without one may
             # read (hits) but never hold a lease or publish under the worker's.
             decided = await policy.adrive(
-                policy.decide(request, ident, self.wait_timeout_s,
+                policy.decide(request, ident, deadline,
                               may_publish=not (self.tokens_required and not c.token)),
                 GateShell(self, bearer(c.token)))
             if decided.kind == "HIT":
