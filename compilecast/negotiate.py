@@ -27,7 +27,8 @@ an operator switched off (COMPILECAST_<NAME>=0 where a route has a variable).
 Each transfer (a fetch, a publish, a fill) takes a `Ladder`: the routes of
 its end's order that are on, and what a failure means, decided in one place
 (`Ladder.failed`), and one loop (`carry`, `acarry`) around the transfer's
-attempt. A route's end raises `RouteFailed`; then:
+attempt, which also tries an attempt cut off again (its retry policy, within
+its deadline) on the same ladder. A route's end raises `RouteFailed`; then:
   - the transfer goes on without that route (down the ladder, at last the
     gRPC stream), and a later transfer tries it again;
   - a failure that will fail again (`lasting`: an address that cannot be
@@ -41,9 +42,13 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
+
+from compilecast.deadline import Deadline
+from compilecast.retry import Retry, aattempts, attempts
 
 log = logging.getLogger("compilecast.routes")
 
@@ -201,6 +206,14 @@ class Ladder:
         """The first way still open that suits a transfer of `size` bytes."""
         return next((w for w in self.ways if w.suits(size) and self.open(w, where)), None)
 
+    def handled(self, exc: Exception) -> bool:
+        """Whether `exc` is a route's failure, taken (`failed`): the
+        transfer goes on down the ladder."""
+        if not isinstance(exc, RouteFailed):
+            return False
+        self.failed(exc)
+        return True
+
     def failed(self, failure: RouteFailed) -> None:
         """What a failure means: the transfer goes on without the route
         (toward `where` only, when a place is named); a lasting failure also
@@ -226,20 +239,21 @@ def _set(message: object, name: str) -> bool:
         return bool(getattr(message, name))
 
 
-def carry(ladder: Ladder, attempt: Callable[[Ladder], T]) -> T:
-    """Run a transfer's `attempt` on its ladder until it no longer fails on
-    a route: its result, or the error of its last rung."""
-    while True:
-        try:
-            return attempt(ladder)
-        except RouteFailed as failure:
-            ladder.failed(failure)
+def carry(ladder: Ladder, attempt: Callable[[Ladder], T], *, again: Retry | None = None,
+          what: str = "a transfer", deadline: Deadline | None = None,
+          sleep: Callable[[float], None] = time.sleep) -> T:
+    """Run a transfer's `attempt` on its ladder, in one loop: a route that
+    fails sends it down the ladder (`Ladder.failed`); an attempt cut off as
+    `again` says (a worker restarting, a replica that went away) is tried
+    again on the same ladder after its pause, before `deadline`; anything
+    else is the transfer's error (as is the last rung's)."""
+    return attempts(lambda: attempt(ladder), again, what=what, deadline=deadline, sleep=sleep,
+                    handled=ladder.handled)
 
 
-async def acarry(ladder: Ladder, attempt: Callable[[Ladder], Awaitable[T]]) -> T:
+async def acarry(ladder: Ladder, attempt: Callable[[Ladder], Awaitable[T]], *,
+                 again: Retry | None = None, what: str = "a transfer",
+                 deadline: Deadline | None = None) -> T:
     """`carry` for an asynchronous attempt."""
-    while True:
-        try:
-            return await attempt(ladder)
-        except RouteFailed as failure:
-            ladder.failed(failure)
+    return await aattempts(lambda: attempt(ladder), again, what=what, deadline=deadline,
+                           handled=ladder.handled)

@@ -72,42 +72,73 @@ class Retry:
         """The pause before try `tries` (from 0) again; the last one past the end."""
         return self.pauses[min(tries, len(self.pauses) - 1)]
 
-    def _again(self, exc: BaseException, pause: float | None, began: float,
-               deadline: Deadline | None) -> bool:
-        now = time.monotonic()
-        if pause is None or not self.when(exc) or now - began < self.ran_s:
-            return False
-        return deadline is None or deadline.left_s() > pause
+    def after(self, exc: BaseException, tries: int, began: float,
+              deadline: Deadline | None = None) -> float | None:
+        """The pause before a try again, after `exc` ended try `tries` (from
+        0, begun at `began`); None: not again (not this policy's error, a
+        refusal at once, no tries left, or no time left before `deadline`)."""
+        if tries >= len(self.pauses) or not self.when(exc) \
+                or time.monotonic() - began < self.ran_s:
+            return None
+        pause = self.pauses[tries]
+        return pause if deadline is None or deadline.left_s() > pause else None
 
     def run(self, attempt: Callable[[], T], *, what: str, deadline: Deadline | None = None,
             sleep: Callable[[float], None] = time.sleep) -> T:
         """`attempt()`, tried again by this policy: its result, or the last error."""
-        for pause in (*self.pauses, None):
-            began = time.monotonic()
-            try:
-                return attempt()
-            except Exception as exc:
-                if not self._again(exc, pause, began, deadline):
-                    raise
-                assert pause is not None
-                log.warning("%s was cut off (%s); trying again in %.1fs", what, exc, pause)
-                sleep(pause)
-        raise AssertionError("unreachable")
+        return attempts(attempt, self, what=what, deadline=deadline, sleep=sleep)
 
     async def arun(self, attempt: Callable[[], Awaitable[T]], *, what: str,
                    deadline: Deadline | None = None) -> T:
         """`run` for an asynchronous attempt."""
-        for pause in (*self.pauses, None):
-            began = time.monotonic()
-            try:
-                return await attempt()
-            except Exception as exc:
-                if not self._again(exc, pause, began, deadline):
-                    raise
-                assert pause is not None
-                log.warning("%s was cut off (%s); trying again in %.1fs", what, exc, pause)
-                await asyncio.sleep(pause)
-        raise AssertionError("unreachable")
+        return await aattempts(attempt, self, what=what, deadline=deadline)
+
+
+def _never(exc: Exception) -> bool:
+    return False
+
+
+def attempts(attempt: Callable[[], T], again: Retry | None, *, what: str,
+             deadline: Deadline | None = None, sleep: Callable[[float], None] = time.sleep,
+             handled: Callable[[Exception], bool] = _never) -> T:
+    """`attempt()` until it returns: an error `handled` takes (True: a
+    transfer's route failed, and its ladder goes on without it) is tried
+    again at once; one that cut it off, as `again` says (Retry.after), after
+    that policy's pause; any other is raised."""
+    tries = 0
+    while True:
+        began = time.monotonic()
+        try:
+            return attempt()
+        except Exception as exc:
+            if handled(exc):
+                continue
+            pause = None if again is None else again.after(exc, tries, began, deadline)
+            if pause is None:
+                raise
+            log.warning("%s was cut off (%s); trying again in %.1fs", what, exc, pause)
+            sleep(pause)
+        tries += 1
+
+
+async def aattempts(attempt: Callable[[], Awaitable[T]], again: Retry | None, *, what: str,
+                    deadline: Deadline | None = None,
+                    handled: Callable[[Exception], bool] = _never) -> T:
+    """`attempts` for an asynchronous attempt."""
+    tries = 0
+    while True:
+        began = time.monotonic()
+        try:
+            return await attempt()
+        except Exception as exc:
+            if handled(exc):
+                continue
+            pause = None if again is None else again.after(exc, tries, began, deadline)
+            if pause is None:
+                raise
+            log.warning("%s was cut off (%s); trying again in %.1fs", what, exc, pause)
+            await asyncio.sleep(pause)
+        tries += 1
 
 
 CUT_AFTER_S = 0.5  # a call that failed later than this had been running: cut off, not refused

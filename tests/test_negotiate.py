@@ -7,7 +7,10 @@ import asyncio
 import pytest
 
 from compilecast import negotiate
+from compilecast.deadline import Deadline
+from compilecast.errors import Unavailable
 from compilecast.negotiate import MAX_FAILURES, Route, RouteFailed, Routes, Way, acarry, carry
+from compilecast.retry import Retry
 from compilecast.v1 import cache_pb2 as pb
 
 
@@ -101,6 +104,34 @@ def test_the_last_rungs_error_is_the_transfers():
         raise ValueError("refused over gRPC")
     with pytest.raises(ValueError, match="refused over gRPC"):
         carry(routes.ladder(ways(Route.DATA_PLANE)), attempt)
+
+
+def test_a_transfer_cut_off_is_tried_again_on_its_ladder_within_its_deadline():
+    """One loop: a route that fails sends the transfer down its ladder; a
+    cut-off (the retry policy's error: a worker restarting) is tried again
+    after its pause, on the same ladder (the failed route stays off for it),
+    and not once no pause fits before the deadline."""
+    routes = Routes([Route.LOCAL_FILE, Route.DATA_PLANE], env={})
+    policy = Retry("test", (0.5, 0.5), lambda exc: isinstance(exc, Unavailable))
+    offered, paused = [], []
+
+    def attempt(ladder):
+        offered.append([r for r in (Route.LOCAL_FILE, Route.DATA_PLANE) if is_open(ladder, r)])
+        if is_open(ladder, Route.LOCAL_FILE):
+            raise RouteFailed(Route.LOCAL_FILE, "moved")
+        if len(offered) < 4:
+            raise Unavailable("the worker restarts")
+        return "DATA_PLANE"
+    assert carry(routes.ladder(ways(Route.LOCAL_FILE, Route.DATA_PLANE)), attempt,
+                 again=policy, what="a fetch", sleep=paused.append) == "DATA_PLANE"
+    assert offered == [[Route.LOCAL_FILE, Route.DATA_PLANE]] + [[Route.DATA_PLANE]] * 3
+    assert paused == [0.5, 0.5]
+
+    offered.clear()
+    with pytest.raises(Unavailable):  # no pause fits before the deadline: no try again
+        carry(routes.ladder(ways(Route.DATA_PLANE)), attempt, again=policy, what="a fetch",
+              deadline=Deadline.after_s(0.2), sleep=paused.append)
+    assert len(offered) == 1
 
 
 def test_an_asynchronous_transfer_takes_the_same_ladder():

@@ -195,10 +195,9 @@ class CacheClient:
         """`wait`; with `data_wait`, over the coordinator's data plane where it
         offers that, and then with the verified bytes after a HIT when they
         came along (else None)."""
-        ladder = self.routes.ladder(WAIT if data_wait else (), key=key)
-        return retry.WAIT.run(lambda: carry(ladder, lambda ladder: self._wait_once(
-            key, deadline, publishing, ladder, identity)), what=f"the wait for {key}",
-            deadline=deadline)
+        return carry(self.routes.ladder(WAIT if data_wait else (), key=key),
+                     lambda ladder: self._wait_once(key, deadline, publishing, ladder, identity),
+                     again=retry.WAIT, what=f"the wait for {key}", deadline=deadline)
 
     def _wait_once(self, key: str, deadline: Deadline, publishing: bool, ladder: Ladder,
                    identity: Identity | None) -> tuple[pb.WaitEvent, bytes | None]:
@@ -295,12 +294,9 @@ class CacheClient:
         and raises Stalled when nothing came for `stall_s`. A fetch cut off
         midway (UNAVAILABLE after its header: the worker restarting) is tried
         again; one refused from the start is not (nobody there: fail fast)."""
-        return retry.FETCH.run(lambda: self._fetch_once(key, digest),
-                               what=f"the fetch of {key}")
-
-    def _fetch_once(self, key: str, digest: str) -> tuple[pb.ArtifactInfo, bytes]:
         return carry(self.routes.ladder(PROCESS_FETCH, key=key),
-                     lambda ladder: self._fetch_via(key, digest, ladder))
+                     lambda ladder: self._fetch_via(key, digest, ladder),
+                     again=retry.FETCH, what=f"the fetch of {key}")
 
     def _fetch_via(self, key: str, digest: str, ladder: Ladder) -> tuple[pb.ArtifactInfo, bytes]:
         """One ask, offering the routes left on `ladder`: the server answers

@@ -106,17 +106,14 @@ class Publisher:
         if not lease.takes_digest_last:
             header.digest = hashlib.sha256(data).hexdigest()
         self.keepers.publishing.add((key, lease.id))
-        ladder = self.routes.ladder(PROCESS_PUBLISH, key=key)
-
-        def once() -> pb.ArtifactInfo:
-            return carry(ladder, lambda ladder: self._publish_via(header, data, ladder))
-
         try:
             # A replica restarting or gone (a rolling update): the lease still
-            # holds and the bytes are here, so it is tried again (retry.PUBLISH).
-            # AlreadyPublished after a lost answer: the policy's settle finds
-            # its own bytes there (policy.py).
-            return retry.PUBLISH.run(once, what=f"the publish of {key}")
+            # holds and the bytes are here, so it is tried again (retry.PUBLISH),
+            # on the same ladder. AlreadyPublished after a lost answer: the
+            # policy's settle finds its own bytes there (policy.py).
+            return carry(self.routes.ladder(PROCESS_PUBLISH, key=key),
+                         lambda ladder: self._publish_via(header, data, ladder),
+                         again=retry.PUBLISH, what=f"the publish of {key}")
         finally:
             self.keepers.publishing.discard((key, lease.id))
 
