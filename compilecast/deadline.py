@@ -60,9 +60,6 @@ class Deadline:
     def passed(self) -> bool:
         return time.monotonic() >= self.at
 
-    def earlier(self, other: Deadline) -> Deadline:
-        return self if self.at <= other.at else other
-
     def said(self) -> str:
         """Its length as a message names it ("20.0s")."""
         return f"{self.length_s:.1f}s" if self.bounded else "no limit"
