@@ -98,6 +98,15 @@ def _never(exc: Exception) -> bool:
     return False
 
 
+def _pause(exc: Exception, again: Retry | None, tries: int, began: float,
+           deadline: Deadline | None, what: str) -> float | None:
+    """The pause before trying again after `exc` (said in the log), or None: raised."""
+    pause = None if again is None else again.after(exc, tries, began, deadline)
+    if pause is not None:
+        log.warning("%s was cut off (%s); trying again in %.1fs", what, exc, pause)
+    return pause
+
+
 def attempts(attempt: Callable[[], T], again: Retry | None, *, what: str,
              deadline: Deadline | None = None, sleep: Callable[[float], None] = time.sleep,
              handled: Callable[[Exception], bool] = _never) -> T:
@@ -113,10 +122,9 @@ def attempts(attempt: Callable[[], T], again: Retry | None, *, what: str,
         except Exception as exc:
             if handled(exc):
                 continue
-            pause = None if again is None else again.after(exc, tries, began, deadline)
+            pause = _pause(exc, again, tries, began, deadline, what)
             if pause is None:
                 raise
-            log.warning("%s was cut off (%s); trying again in %.1fs", what, exc, pause)
             sleep(pause)
         tries += 1
 
@@ -133,10 +141,9 @@ async def aattempts(attempt: Callable[[], Awaitable[T]], again: Retry | None, *,
         except Exception as exc:
             if handled(exc):
                 continue
-            pause = None if again is None else again.after(exc, tries, began, deadline)
+            pause = _pause(exc, again, tries, began, deadline, what)
             if pause is None:
                 raise
-            log.warning("%s was cut off (%s); trying again in %.1fs", what, exc, pause)
             await asyncio.sleep(pause)
         tries += 1
 

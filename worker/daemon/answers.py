@@ -86,9 +86,7 @@ class Answers:
         for the key, over the job's stream or else the Decide stream (a
         message, not a call of its own), by `deadline` (default: as the
         request says); an unreachable coordinator means COMPILE_LOCALLY."""
-        if deadline is None:
-            deadline = Deadline.after_ms(request.timeout_ms)
-        within = deadline
+        within = deadline if deadline is not None else Deadline.after_ms(request.timeout_ms)
 
         async def one(req: pb.WaitRequest, until: bool) -> pb.WaitEvent:
             jobs = self.jobs
