@@ -20,9 +20,13 @@ that case (docs/architecture/transfers.md, "Routes"):
         UPLOAD_TICKET the server hands out upload tickets (OpenUpload): the data
                       plane's upload, or with HANDOFF the handoff's ticket
 
-Each end (a CacheClient, a worker) holds one `Routes`: the routes offered at
-its start (what its settings, its channel and the host allow), less those
-an operator switched off (COMPILECAST_<NAME>=0 where a route has a variable).
+Each end (a CacheClient, a worker) builds a `RouteEnd` for each route it
+offers: what that end does on the route (how it takes a fetch's answer from
+there, how it sends a publish there, whether it suits a transfer) and what
+its failures are. The end's `Routes` are those of its RouteEnds (`Routes.of`),
+less those an operator switched off (COMPILECAST_<NAME>=0 where a route has
+a variable); a transfer finds the RouteEnd of the way it takes in its end's
+`Ends` (the takers, the senders).
 
 Each transfer (a fetch, a publish, a fill) takes a `Ladder`: the routes of
 its end's order that are on, and what a failure means, decided in one place
@@ -45,7 +49,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 from compilecast.deadline import Deadline
 from compilecast.retry import Retry, aattempts, attempts
@@ -102,8 +106,9 @@ class Way:
 # carries it (a fetch offers the routes it takes and its server picks among
 # them; a publish takes the first that suits it). The tables build both the
 # offer (`Ladder.offer`) and the dispatch of the answer (`Ladder.taken`).
-PROCESS_FETCH = (Way(Route.LOCAL_FILE, "accept_local_file", answer="local_path"),
-                 Way(Route.GROWING_FILE, "accept_growing_file", needs=(Route.LOCAL_FILE,)),
+HOST_FILE = Way(Route.LOCAL_FILE, "accept_local_file", answer="local_path")
+GROWING_HOST_FILE = Way(Route.GROWING_FILE, "accept_growing_file", needs=(Route.LOCAL_FILE,))
+PROCESS_FETCH = (HOST_FILE, GROWING_HOST_FILE,
                  Way(Route.DATA_PLANE, "accept_data_ticket", answer="data_ticket"))
 WAIT = (Way(Route.DATA_WAIT, "accept_data_wait", needs=(Route.DATA_PLANE,),
             answer="data_ticket"),)
@@ -115,8 +120,57 @@ WORKER_FILL = (Way(Route.RELAY_PLANE, "accept_data_ticket", answer="data_ticket"
 WORKER_PUBLISH = (Way(Route.DATA_PLANE, needs=(Route.UPLOAD_TICKET,), upload=True),)
 
 
+class RouteEnd:
+    """What one end does on one route: the route (`route`, and the routes it
+    brings along, `also`), whether it suits a transfer of so many bytes
+    (`suits`), and how it takes or sends there (its kind's methods: a fetch's
+    taker, a publish's sender); its failures are raised as its route's
+    (`failed`)."""
+
+    route: ClassVar[Route]
+    also: ClassVar[tuple[Route, ...]] = ()
+
+    def suits(self, size: int) -> bool:
+        return True
+
+    def failed(self, why: str, *, lasting: bool = False, where: str = "") -> RouteFailed:
+        """This route's failure (see RouteFailed)."""
+        return RouteFailed(self.route, why, lasting=lasting, where=where)
+
+
+E = TypeVar("E", bound=RouteEnd)
+
+
+class Ends(Generic[E]):
+    """One end's RouteEnds of one kind (those that take a fetch's answer,
+    those that send a publish), found by the way a transfer takes."""
+
+    def __init__(self, ends: Iterable[E | None]) -> None:
+        self._by_route = {r: e for e in ends if e is not None for r in (e.route, *e.also)}
+
+    def of(self, way: Way) -> E:
+        return self._by_route[way.route]
+
+    def first(self, ladder: Ladder, size: int, where: str = "") -> E | None:
+        """The end of the first way still open on `ladder` (toward `where`)
+        that suits a transfer of `size` bytes, as the way and its end say."""
+        for way in ladder.ways:
+            end = self._by_route.get(way.route)
+            if end is not None and way.suits(size) and ladder.open(way, where) \
+                    and end.suits(size):
+                return end
+        return None
+
+
 class Routes:
     """The routes one end may still take (see the module's docstring)."""
+
+    @classmethod
+    def of(cls, ends: Iterable[RouteEnd | type[RouteEnd] | None],
+           env: Mapping[str, str] | None = None) -> Routes:
+        """The routes of `ends` (what this end built, or the kinds it
+        offers; None: one it did not)."""
+        return cls((r for e in ends if e is not None for r in (e.route, *e.also)), env)
 
     def __init__(self, offered: Iterable[Route],
                  env: Mapping[str, str] | None = None) -> None:
@@ -141,6 +195,11 @@ class Routes:
             log.info("route %s off%s: %s", route.name.lower(),
                      f" toward {where}" if where else "", why)
         return was
+
+    def answers(self, request: object, way: Way) -> bool:
+        """Whether this end, the far end of a transfer, may answer `request`
+        by `way`: the request offers it, and the route is on here."""
+        return bool(getattr(request, way.offers, False)) and self.on(way.route)
 
     def taken(self) -> list[str]:
         """The routes on, by name (for status and logs)."""
@@ -201,6 +260,11 @@ class Ladder:
             if way.answer and getattr(request, way.offers, False) and _set(answer, way.answer):
                 return way
         return None
+
+    def offered(self, request: object, route: Route) -> bool:
+        """Whether `request` offers a way of `route` (its field is set)."""
+        return any(w.route is route and w.offers and getattr(request, w.offers, False)
+                   for w in self.ways)
 
     def first(self, size: int, where: str = "") -> Way | None:
         """The first way still open that suits a transfer of `size` bytes."""

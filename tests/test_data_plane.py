@@ -218,7 +218,8 @@ def test_a_data_plane_is_dialed_by_name_and_an_unresolvable_one_is_unreachable()
     """A ticket's host goes to the resolver as it is (a name, or a non-ASCII
     name through the idna codec): a name that resolves connects, one that
     does not is Unreachable, saying which address."""
-    from compilecast.worker.inprocess.client import Unreachable, connect_data_plane
+    from compilecast.worker.inprocess.dataplane import connect_data_plane
+    from compilecast.worker.inprocess.received import Unreachable
 
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]

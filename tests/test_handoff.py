@@ -23,8 +23,9 @@ from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.daemon import handoff
 from compilecast.worker.inprocess import clientpublish as client_mod
+from compilecast.worker.inprocess import routeends
 from compilecast.worker.inprocess.client import CacheClient, Identity
-from compilecast.worker.inprocess.handoff import SEALS, handoff_supported
+from compilecast.worker.inprocess.handoff import SEALS, handoff_supported, memory_headroom
 
 from .conftest import CALL_ERRORS, details_of, recv_exactly, sample, status_code
 
@@ -224,12 +225,12 @@ def test_near_a_memory_limit_a_publish_goes_over_grpc(coordinator, start_worker,
     than that (and a margin), the holder sends them in pieces instead."""
     w = start_worker(coordinator.cfg.listen)
     c, lease = holder(w)
-    monkeypatch.setattr(client_mod, "memory_headroom", lambda: len(DATA) * 2)
+    monkeypatch.setattr(routeends, "memory_headroom", lambda: len(DATA) * 2)
     assert c.publish("k", lease, DATA, 2.0).digest == DIGEST
     assert handoffs(w) == 0 and w.cache.store.has(DIGEST)
     assert not w.parts.publishes.handoffs._tickets  # none asked for
     assert c.routes.on(Route.HANDOFF)  # asked again next time
-    monkeypatch.setattr(client_mod, "memory_headroom", lambda: None)  # unknown: hand over
+    monkeypatch.setattr(routeends, "memory_headroom", lambda: None)  # unknown: hand over
     resp = c.acquire("k2")
     c.publish("k2", resp.lease, DATA[::-1], 2.0)
     assert handoffs(w) == 1
@@ -252,18 +253,18 @@ def test_memory_headroom_reads_cgroup_v2_and_v1(tmp_path):
         "pod/c1/memory.max": f"{1024 * mib}\n", "pod/c1/memory.current": f"{900 * mib}\n",
         "pod/c1/memory.stat": f"anon 1\ninactive_file {100 * mib}\nactive_file 5\n"},
         available_kb=8 << 20)
-    assert client_mod.memory_headroom(*v2) == 224 * mib  # 1024 - (900 - 100)
+    assert memory_headroom(*v2) == 224 * mib  # 1024 - (900 - 100)
     v1 = fake_system(tmp_path / "v1", "4:memory:/job", {
         "memory/job/memory.limit_in_bytes": f"{2048 * mib}\n",
         "memory/job/memory.usage_in_bytes": f"{1024 * mib}\n",
         "memory/job/memory.stat": f"cache 7\ntotal_inactive_file {24 * mib}\n"},
         available_kb=512 << 10)  # the host has less left than the cgroup: it decides
-    assert client_mod.memory_headroom(*v1) == 512 * mib
+    assert memory_headroom(*v1) == 512 * mib
     unlimited = fake_system(tmp_path / "none", "0::/", {
         "memory.max": "max\n", "memory.current": "5\n", "memory.stat": ""},
         available_kb=3 << 20)
-    assert client_mod.memory_headroom(*unlimited) == 3 << 30
-    assert client_mod.memory_headroom(str(tmp_path / "absent"), str(tmp_path)) is None
+    assert memory_headroom(*unlimited) == 3 << 30
+    assert memory_headroom(str(tmp_path / "absent"), str(tmp_path)) is None
 
 
 def test_a_worker_whose_handoff_socket_cannot_be_made_serves_publishes_over_grpc(

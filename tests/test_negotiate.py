@@ -194,3 +194,75 @@ def test_an_upload_suits_big_publishes_only(monkeypatch):
     assert ladder.first(0) is None and ladder.first(1).route is Route.HANDOFF
     without_tickets = Routes([Route.HANDOFF], env={}).ladder(negotiate.PROCESS_PUBLISH)
     assert without_tickets.first(1 << 30) is None  # (the upload's ticket is needed too)
+
+
+class Kept(negotiate.RouteEnd):
+    """A route's end as a test drives it: it says whether it suits (while
+    `room` holds the bytes), and takes what it is handed."""
+
+    def __init__(self, room: int = 1 << 40) -> None:
+        self.room = room
+        self.took: list[object] = []
+
+    def suits(self, size: int) -> bool:
+        return size <= self.room
+
+    def take(self, answer: object) -> object:
+        self.took.append(answer)
+        return answer
+
+
+def kept(route: Route, room: int = 1 << 40, also: tuple[Route, ...] = ()) -> Kept:
+    """A Kept end of `route` (and of the routes it brings along, `also`)."""
+    kind = type(f"Kept{route.name}", (Kept,), {"route": route, "also": also})
+    return kind(room)
+
+
+def test_an_end_s_routes_are_those_of_the_route_ends_it_built():
+    plane = kept(Route.DATA_PLANE, also=(Route.DATA_WAIT,))
+    routes = Routes.of([kept(Route.UPLOAD_TICKET), None, plane],
+                       env={"COMPILECAST_DATA_WAITS": "0"})
+    assert routes.taken() == ["data_plane", "upload_ticket"]  # the waits switched off
+    assert plane.failed("cut", where="peer").route is Route.DATA_PLANE
+    failure = plane.failed("refused", lasting=True)
+    assert failure.lasting and failure.why == "refused" and failure.where == ""
+
+
+def test_the_way_a_far_end_took_finds_the_route_end_that_takes_it():
+    local, plane = kept(Route.LOCAL_FILE), kept(Route.DATA_PLANE, also=(Route.DATA_WAIT,))
+    takers = negotiate.Ends([local, None, plane])
+    routes = Routes.of([local, plane], env={})
+    ladder = routes.ladder(negotiate.PROCESS_FETCH)
+    offered = ladder.offer(pb.FetchRequest(key="k"))
+    answer = pb.FetchChunk(artifact=pb.ArtifactInfo(digest="d"), local_path="/cache/d")
+    way = ladder.taken(answer, offered)
+    assert way is not None and takers.of(way).take(answer.local_path) == "/cache/d"
+    assert local.took == ["/cache/d"] and plane.took == []
+    # A way of a route an end brings along finds that end (a data wait: the data plane's).
+    wait = routes.ladder(negotiate.WAIT)
+    event = pb.WaitEvent(data_ticket=pb.DataTicket(token=b"t"))
+    way = wait.taken(event, wait.offer(pb.WaitRequest(key="k")))
+    assert way is not None and takers.of(way) is plane
+
+
+def test_a_publish_takes_the_first_sender_whose_way_and_end_both_suit():
+    big = negotiate.UPLOAD_FROM
+    handoff, plane = kept(Route.HANDOFF, room=big), kept(Route.DATA_PLANE)
+    senders = negotiate.Ends([handoff, plane])
+    ladder = Routes.of([kept(Route.UPLOAD_TICKET), handoff, plane],
+                       env={}).ladder(negotiate.PROCESS_PUBLISH)
+    assert senders.first(ladder, big - 1) is None  # the ways: uploads suit big publishes only
+    assert senders.first(ladder, big) is handoff
+    assert senders.first(ladder, big + 1) is plane  # the handoff's end: no room for it
+    ladder.failed(plane.failed("cut"))
+    assert senders.first(ladder, big + 1) is None and senders.first(ladder, big) is handoff
+
+
+def test_a_far_end_answers_by_a_way_only_when_offered_and_on_there():
+    routes = Routes([Route.LOCAL_FILE], env={})
+    offered = pb.FetchRequest(key="k", accept_local_file=True, accept_growing_file=True)
+    assert routes.answers(offered, negotiate.HOST_FILE)
+    assert not routes.answers(offered, negotiate.GROWING_HOST_FILE)  # off here
+    assert not routes.answers(pb.FetchRequest(key="k"), negotiate.HOST_FILE)  # not offered
+    routes.off(Route.LOCAL_FILE, "gone")
+    assert not routes.answers(offered, negotiate.HOST_FILE)

@@ -15,47 +15,53 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 
-from compilecast.negotiate import Route, RouteFailed
+from compilecast.negotiate import Route
 from compilecast.streams import opened
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
+
+from .dataplane import FillEnd
 
 PIECE = 4 << 20
 CONNECT_S = 10.0
 
 
-async def with_bucket_url(call, used: list[Route]) -> AsyncIterator:
-    """A Fetch call's chunks, where a URL (the only message, next to the
-    artifact) stands for the chunks its GET brings, as a gRPC fetch of the
-    raw artifact would send them. Appends BUCKET_URL to `used` once the URL
-    is taken; RouteFailed when the GET fails or ends short (lasting: it
-    could not connect)."""
-    async for chunk in call:
-        if not (chunk.HasField("artifact") and chunk.url):
-            yield chunk
-            continue
-        info = chunk.artifact
-        yield pb.FetchChunk(artifact=info)
-        used.append(Route.BUCKET_URL)
-        try:
-            resp = await opened(functools.partial(urllib.request.urlopen, chunk.url,
-                                                   timeout=CONNECT_S))
-        except urllib.error.HTTPError as exc:
-            raise RouteFailed(Route.BUCKET_URL, f"the bucket answered its presigned GET with "
-                              f"{exc.code}") from None
-        except (OSError, ValueError) as exc:
-            raise RouteFailed(Route.BUCKET_URL, f"the bucket could not be reached: {exc}",
-                              lasting=True) from None
-        got = 0
-        with resp:
+class BucketUrl(FillEnd):
+    """The bucket itself, by the presigned GET a Fetch was answered with."""
+
+    route = Route.BUCKET_URL
+
+    async def chunks(self, call, target: str, used: list[FillEnd],
+                     where: str = "") -> AsyncIterator:
+        """A URL (the only message, next to the artifact) stands for the
+        chunks its GET brings, as a gRPC fetch of the raw artifact would
+        send them; this route's failure when the GET fails or ends short
+        (lasting: it could not connect)."""
+        async for chunk in call:
+            if not (chunk.HasField("artifact") and chunk.url):
+                yield chunk
+                continue
+            info = chunk.artifact
+            yield pb.FetchChunk(artifact=info)
+            used.append(self)
             try:
-                while piece := await asyncio.to_thread(resp.read, PIECE):
-                    got += len(piece)
-                    yield DataChunk(piece)
-            except OSError as exc:
-                raise RouteFailed(Route.BUCKET_URL, f"the bucket's GET broke off after {got} "
-                                  f"bytes: {exc}") from None
-        if got != info.size:
-            raise RouteFailed(Route.BUCKET_URL, f"the bucket's GET sent {got} of {info.size} "
-                              f"bytes")
-        return
+                resp = await opened(functools.partial(urllib.request.urlopen, chunk.url,
+                                                       timeout=CONNECT_S))
+            except urllib.error.HTTPError as exc:
+                raise self.failed(f"the bucket answered its presigned GET with "
+                                  f"{exc.code}") from None
+            except (OSError, ValueError) as exc:
+                raise self.failed(f"the bucket could not be reached: {exc}",
+                                  lasting=True) from None
+            got = 0
+            with resp:
+                try:
+                    while piece := await asyncio.to_thread(resp.read, PIECE):
+                        got += len(piece)
+                        yield DataChunk(piece)
+                except OSError as exc:
+                    raise self.failed(f"the bucket's GET broke off after {got} "
+                                      f"bytes: {exc}") from None
+            if got != info.size:
+                raise self.failed(f"the bucket's GET sent {got} of {info.size} bytes")
+            return

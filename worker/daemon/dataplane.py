@@ -1,6 +1,7 @@
-"""The worker's end of the coordinator's data plane (coordinator/dataplane.py):
-downloads whose bytes a Fetch call's ticket stands for, and the connection
-and status frames of an upload (worker/daemon/service.py, WorkerService._upload)."""
+"""The worker's end of the coordinator's data plane (coordinator/dataplane.py)
+and of a peer's relay plane: downloads whose bytes a Fetch call's ticket
+stands for (`DataPlaneFill`, `RelayFill`: a fill's ends of those routes),
+and the connection and status frames of an upload (worker/daemon/publishes.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 from compilecast import wire
-from compilecast.negotiate import Route, RouteFailed
+from compilecast.negotiate import Route, RouteEnd
 from compilecast.streams import RAW_MAGIC, ZSTD_MAGIC, due
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk
@@ -55,7 +56,7 @@ async def _recv_piece(loop, sock: socket.socket, least: int = DATA_PLANE_PIECE) 
 
 
 async def _paced_piece(loop, sock: socket.socket, least: int, start: float, got: int,
-                       route: Route, where: str) -> memoryview:
+                       end: RouteEnd, where: str) -> memoryview:
     """The next piece of a download begun at `start` with `got` bytes come,
     due DATA_PLANE_STALL_S plus those bytes at DATA_PLANE_MIN_RATE after the
     start: a stalled or dripping data plane fails the route, lasting (only
@@ -64,14 +65,14 @@ async def _paced_piece(loop, sock: socket.socket, least: int, start: float, got:
     try:
         return await asyncio.wait_for(_recv_piece(loop, sock, least), max(0.0, left))
     except TimeoutError:
-        raise RouteFailed(route, f"its data plane fell behind {DATA_PLANE_MIN_RATE >> 20} MiB/s",
-                          lasting=True, where=where) from None
+        raise end.failed(f"its data plane fell behind {DATA_PLANE_MIN_RATE >> 20} MiB/s",
+                         lasting=True, where=where) from None
 
 
-async def dial(ticket: pb.DataTicket, target: str, route: Route = Route.DATA_PLANE,
+async def dial(ticket: pb.DataTicket, target: str, end: RouteEnd,
                where: str = "") -> socket.socket:
-    """A non-blocking connection to the data plane of `ticket`; RouteFailed
-    (`route`, toward `where`: lasting) when it cannot be made."""
+    """A non-blocking connection to the data plane of `ticket`; the failure
+    of `end`'s route (toward `where`: lasting) when it cannot be made."""
     loop = asyncio.get_running_loop()
     sock = None
     try:
@@ -84,8 +85,8 @@ async def dial(ticket: pb.DataTicket, target: str, route: Route = Route.DATA_PLA
     except (OSError, TimeoutError) as exc:
         if sock is not None:
             sock.close()
-        raise RouteFailed(route, f"cannot connect to its data plane: {exc!r}",
-                          lasting=True, where=where) from None
+        raise end.failed(f"cannot connect to its data plane: {exc!r}",
+                         lasting=True, where=where) from None
     return sock
 
 
@@ -121,45 +122,69 @@ def answered(sock: socket.socket) -> bool:
     return True  # a byte, or its end
 
 
-async def with_data_plane(call, target: str, used: list[Route],
-                          least: int = DATA_PLANE_PIECE, *, route: Route = Route.DATA_PLANE,
-                          where: str = "") -> AsyncIterator:
-    """A Fetch call's chunks, where a data ticket (the only message, next to
-    the artifact) stands for the chunks its connection brings: the stored
-    blob, raw after RAW_MAGIC (data) or one zstd stream (zstd_data), as a
-    gRPC fetch would send it. Appends `route` (DATA_PLANE, or RELAY_PLANE
-    toward the peer `where`) to `used` once the ticket is taken; RouteFailed
-    when the connection fails or ends short of a raw blob. `least`: see
-    _recv_piece."""
-    async for chunk in call:
-        if not (chunk.HasField("artifact") and chunk.HasField("data_ticket")):
-            yield chunk
-            continue
-        info = chunk.artifact
-        yield pb.FetchChunk(artifact=info)
-        used.append(route)
-        loop = asyncio.get_running_loop()
-        with await dial(chunk.data_ticket, target, route, where) as sock:
-            if least < DATA_PLANE_PIECE:  # a peer on a slow link: woken for `least`, not a packet
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, least)
-            start, got = time.monotonic(), 0
-            try:
-                await loop.sock_sendall(sock, wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
-                piece = await _paced_piece(loop, sock, least, start, got, route, where)
-                raw = piece[:len(RAW_MAGIC)] == RAW_MAGIC  # else the zstd stream's first bytes
-                if not raw and len(piece) and piece[:len(ZSTD_MAGIC)] != ZSTD_MAGIC[:len(piece)]:
-                    raise RouteFailed(route, "its data plane sent neither a raw blob nor a zstd "
-                                      "stream", where=where)
-                piece = piece[len(RAW_MAGIC):] if raw else piece
-                while len(piece):
-                    got += len(piece)
-                    yield DataChunk(piece) if raw else DataChunk(b"", piece)
-                    piece = await _paced_piece(loop, sock, least, start, got, route, where)
-            except OSError as exc:
-                raise RouteFailed(route, f"its data plane broke off: {exc}",
-                                  where=where) from None
-            if raw and got != info.size:
-                raise RouteFailed(route, f"its data plane sent {got} of {info.size} bytes",
-                                  where=where)
-        return
+class FillEnd(RouteEnd):
+    """A route a fill's Fetch may be answered with: how the worker takes the
+    bytes from there. `chunks` is the call's chunks, where the answer that
+    names this route stands for the chunks that route brings, as a gRPC
+    fetch would send them; it appends itself to `used` once it took the
+    answer, and raises its route's failure (toward `where`, a peer) when
+    they do not come whole."""
+
+    def chunks(self, call, target: str, used: list[FillEnd],
+               where: str = "") -> AsyncIterator:
+        raise NotImplementedError
+
+
+class DataPlaneFill(FillEnd):
+    """The coordinator's data plane, for the ticket a Fetch was answered
+    with: the stored blob, raw after RAW_MAGIC (data) or one zstd stream
+    (zstd_data)."""
+
+    route = Route.DATA_PLANE
+    least = DATA_PLANE_PIECE  # see _recv_piece
+
+    async def chunks(self, call, target: str, used: list[FillEnd],
+                     where: str = "") -> AsyncIterator:
+        async for chunk in call:
+            if not (chunk.HasField("artifact") and chunk.HasField("data_ticket")):
+                yield chunk
+                continue
+            info = chunk.artifact
+            yield pb.FetchChunk(artifact=info)
+            used.append(self)
+            loop = asyncio.get_running_loop()
+            least = self.least
+            with await dial(chunk.data_ticket, target, self, where) as sock:
+                if least < DATA_PLANE_PIECE:  # a peer on a slow link: woken for `least`
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, least)
+                start, got = time.monotonic(), 0
+                try:
+                    await loop.sock_sendall(sock,
+                                            wire.DATA_PLANE_REQUEST + chunk.data_ticket.token)
+                    piece = await _paced_piece(loop, sock, least, start, got, self, where)
+                    raw = piece[:len(RAW_MAGIC)] == RAW_MAGIC  # else the zstd stream's first bytes
+                    if not raw and len(piece) and \
+                            piece[:len(ZSTD_MAGIC)] != ZSTD_MAGIC[:len(piece)]:
+                        raise self.failed("its data plane sent neither a raw blob nor a zstd "
+                                          "stream", where=where)
+                    piece = piece[len(RAW_MAGIC):] if raw else piece
+                    while len(piece):
+                        got += len(piece)
+                        yield DataChunk(piece) if raw else DataChunk(b"", piece)
+                        piece = await _paced_piece(loop, sock, least, start, got, self, where)
+                except OSError as exc:
+                    raise self.failed(f"its data plane broke off: {exc}", where=where) from None
+                if raw and got != info.size:
+                    raise self.failed(f"its data plane sent {got} of {info.size} bytes",
+                                      where=where)
+            return
+
+
+class RelayFill(DataPlaneFill):
+    """A peer worker's relay plane (worker/daemon/relayplane.py), the same
+    protocol as the coordinator's data plane: bytes go on as they come, not
+    a whole piece at a time (each hop of a chain would delay the stream)."""
+
+    route = Route.RELAY_PLANE
+    least = RELAY_LEAST

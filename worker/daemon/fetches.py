@@ -17,14 +17,24 @@ from dataclasses import dataclass, field
 from compilecast import retry, validate
 from compilecast.blobstore import aread
 from compilecast.errors import CorruptBlob, InvalidRequest, Status, UpstreamError
-from compilecast.negotiate import WORKER_FILL, Ladder, Route, RouteFailed, Routes, acarry
+from compilecast.negotiate import (
+    GROWING_HOST_FILE,
+    HOST_FILE,
+    WORKER_FILL,
+    Ladder,
+    Route,
+    RouteEnd,
+    RouteFailed,
+    Routes,
+    acarry,
+)
 from compilecast.serving import Background
 from compilecast.streams import RAW_MAGIC, idle_timeout, opened
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import HEARTBEAT_S, TRANSFER_S, DataChunk
 
-from .bucketurl import with_bucket_url
-from .dataplane import DATA_PLANE_PIECE, RELAY_LEAST, with_data_plane
+from .bucketurl import BucketUrl
+from .dataplane import DataPlaneFill, FillEnd, RelayFill
 from .fill import Fill, Inflating, following_fill
 from .hostcache import HostCache, HostCopies
 from .metrics import WorkerMetrics
@@ -41,10 +51,29 @@ from .upstream import (
 
 log = logging.getLogger("compilecast.worker.daemon.service")
 
-# A fill's ways (negotiate.WORKER_FILL) from where its bytes come.
-FROM_PEER = (Route.RELAY_PLANE,)
-FROM_COORDINATOR = (Route.DATA_PLANE, Route.BUCKET_URL)
 
+
+class HostFiles(RouteEnd):
+    """This host's processes read the host cache's files themselves: the
+    file a fetch is answered with, whole (LOCAL_FILE), or as a fill writes
+    it (GROWING_FILE, Fill's followers)."""
+
+    route = Route.LOCAL_FILE
+    also = (Route.GROWING_FILE,)
+
+    def __init__(self, cache: HostCache, metrics: WorkerMetrics) -> None:
+        self.cache = cache
+        self.metrics = metrics
+
+    def answer(self, info: pb.ArtifactInfo) -> pb.FetchChunk | None:
+        """A fetch's answer by the host cache's file, which the process reads
+        and verifies (if the file went meanwhile, it asks again without);
+        None when the file is not there to hand out."""
+        path = self.cache.store.hand_out(info.digest)
+        if path is None:
+            return None
+        self.metrics.local_files.inc()
+        return pb.FetchChunk(artifact=info, local_path=path)
 
 
 @dataclass
@@ -78,6 +107,10 @@ class Fetches:
         self.relay_address = relay_address  # this worker's, offered to the coordinator
         self.fills: dict[tuple[str, str], Fill] = {}  # (namespace, key) -> its download
         self.relay_plane: RelayPlane | None = None  # relays sent with sendfile (server.py)
+        # A fill's ends of its routes (negotiate.WORKER_FILL), by where its bytes come from.
+        self.from_peer: tuple[FillEnd, ...] = (RelayFill(),)
+        self.from_coordinator: tuple[FillEnd, ...] = (DataPlaneFill(), BucketUrl())
+        self.host_files = HostFiles(cache, metrics)  # this host's processes' routes
 
     async def _run_fill(self, fill: Fill, ns: str, md: tuple, key: str, digest: str) -> None:
         """Download `key` into the host cache once, however many ask, passing
@@ -121,8 +154,11 @@ class Fetches:
             offset=0 if dl.peer else writer.size,
             accept_zstd=fresh)
         if fresh:
-            dl.ladder.offer(request, dl.peer, only=FROM_PEER if dl.peer else FROM_COORDINATOR)
+            dl.ladder.offer(request, dl.peer, only=[end.route for end in self._ends(dl)])
         return request
+
+    def _ends(self, dl: _Download) -> tuple[FillEnd, ...]:
+        return self.from_peer if dl.peer else self.from_coordinator
 
     async def _attempt(self, dl: _Download, fill: Fill, md: tuple, writer) -> bool:
         """One Fetch of what is missing, from the coordinator or a peer;
@@ -134,20 +170,16 @@ class Fetches:
         dl.inflate = None
         request = self._fetch_request(dl, writer)
         stub = self.link.peer(dl.peer) if dl.peer else self.link.up
-        used: list[Route] = []
+        used: list[FillEnd] = []
         try:
             chunks = stub.Fetch(request, timeout=TRANSFER_S, metadata=md)
-            if request.accept_data_ticket:  # (every other chunk passes straight on)
-                chunks = with_data_plane(
-                    chunks, dl.peer or self.link.address, used,
-                    RELAY_LEAST if dl.peer else DATA_PLANE_PIECE,
-                    route=Route.RELAY_PLANE if dl.peer else Route.DATA_PLANE, where=dl.peer)
-            if request.accept_url:
-                chunks = with_bucket_url(chunks, used)
+            for end in self._ends(dl):  # each route offered takes its answer's place
+                if dl.ladder.offered(request, end.route):
+                    chunks = end.chunks(chunks, dl.peer or self.link.address, used, dl.peer)
             redirect = await self._take(dl, fill, writer, request, chunks)
             if used and dl.info is not None and writer.size != dl.info.size:
-                raise RouteFailed(used[0], f"its stream ended at byte {writer.size} of "
-                                  f"{dl.info.size}", where=dl.peer)
+                raise used[0].failed(f"its stream ended at byte {writer.size} of "
+                                     f"{dl.info.size}", where=dl.peer)
             if used:
                 (self.metrics.relays.labels("data_plane") if dl.peer
                  else self.metrics.data_plane.labels("taken")).inc()
@@ -159,8 +191,7 @@ class Fetches:
                 raise
             # What a data plane sent does not decode: that route's failure, not
             # the blob's; the rest comes over the gRPC stream.
-            undecoded = RouteFailed(used[0], f"what it sent does not decode ({exc})",
-                                    where=dl.peer)
+            undecoded = used[0].failed(f"what it sent does not decode ({exc})", where=dl.peer)
             await self._rest_after(dl, writer, undecoded)
             raise undecoded from None
         except (Relayed, TimeoutError) as exc:
@@ -266,13 +297,10 @@ class Fetches:
 
     async def _serve_blob(self, info: pb.ArtifactInfo, ns: str, key: str,
                           request: pb.FetchRequest):
-        if request.accept_local_file and self.routes.on(Route.LOCAL_FILE):
-            # A process on this host reads the host cache's file itself (and
-            # verifies it); if the file went meanwhile, it asks again without.
-            path = self.cache.store.hand_out(info.digest)
-            if path is not None:
-                self.metrics.local_files.inc()
-                yield pb.FetchChunk(artifact=info, local_path=path)
+        if self.routes.answers(request, HOST_FILE):
+            answer = self.host_files.answer(info)
+            if answer is not None:
+                yield answer
                 return
         yield pb.FetchChunk(artifact=info)
         served = self.metrics.bytes.labels("served")
@@ -299,8 +327,7 @@ class Fetches:
         # A process on this host follows the host cache's file instead, from
         # the byte it has, once the fill stores the bytes raw (from the first byte
         # when they came raw, else after the first MiB's probe).
-        follow = request.accept_growing_file and request.accept_local_file \
-            and self.routes.on(Route.GROWING_FILE)
+        follow = request.accept_local_file and self.routes.answers(request, GROWING_HOST_FILE)
         if info is None and publishing is not None:
             # A process of this host is publishing it through us: the one asking
             # reads our copy (as it is written, or once it is in), instead of our

@@ -20,7 +20,7 @@ from compilecast.errors import (
     TooMany,
     Unavailable,
 )
-from compilecast.negotiate import WORKER_PUBLISH, Ladder, Route, RouteFailed, Routes, acarry
+from compilecast.negotiate import WORKER_PUBLISH, Ends, Ladder, Route, RouteEnd, Routes, acarry
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.wire import DataChunk, publish_stream
 
@@ -65,6 +65,7 @@ class Publishes:
         # This host's waiters woken as a publish through us begins (they follow our copy).
         self.wake_on_host_publish = wake_on_host_publish
         self.handoffs: Handoffs | None = None  # publishes handed over as files (server.py)
+        self.senders = Ends[DataPlaneUpload]([DataPlaneUpload(link)])  # negotiate.WORKER_PUBLISH
 
     async def publish(self, ns: str, md: tuple,
                       request_iterator: AsyncIterator[pb.PublishChunk]) -> pb.PublishResponse:
@@ -168,11 +169,12 @@ class Publishes:
                     yield pb.PublishChunk(digest=header.digest)
 
             async def attempt(ladder: Ladder) -> pb.PublishResponse:
-                if not first and ladder.first(header.size, where) is not None:
+                upload = self.senders.first(ladder, header.size, where) if not first else None
+                if upload is not None:
                     first.append(await anext(sending, None))
                     if first[0] is not None and not first[0].zstd_data:
-                        return await self._upload(md, head.header, header, first[0], sending,
-                                                  moved, ladder, where)
+                        return await upload.send(md, head.header, header, first[0], sending,
+                                                 moved, ladder, where)
                 return await forward_publish(self.link.up, forward(), md, moved,
                                              f"the publish of {header.key}")
 
@@ -182,36 +184,60 @@ class Publishes:
         self.metrics.bytes.labels("published").inc(header.size)
         return resp
 
-    async def _upload(self, md: tuple, header: pb.PublishHeader, ending: pb.PublishHeader,
-                      first, rest: AsyncIterator, moved: list[float], ladder: Ladder,
-                      where: str) -> pb.PublishResponse:
-        """Send a publish's raw bytes (`first`, then `rest`) over the
-        coordinator's data plane, as a process's client does (cache.proto,
-        OpenUpload); RouteFailed, with nothing of `rest` read, where they
-        must go over gRPC instead. `header` is the publish's header as it
-        came, and `ending` the same once `rest` has ended (with a digest sent
-        last). A refusal is the coordinator's status, as its Publish stream
-        would have ended with; an upload that broke off is UNAVAILABLE, and
-        the holder's next try goes over gRPC (the route is off toward
-        `where`, the artifact)."""
+
+class UploadTickets(RouteEnd):
+    """The coordinator's upload tickets (OpenUpload), which a publish over
+    its data plane goes with."""
+
+    route = Route.UPLOAD_TICKET
+
+    def __init__(self, link: CoordinatorLink) -> None:
+        self.link = link
+
+    async def open(self, md: tuple, header: pb.PublishHeader) -> pb.DataTicket:
         try:
             opened = await self.link.up.OpenUpload(pb.OpenUploadRequest(header=header),
                                                    timeout=self.link.rpc_timeout_s, metadata=md)
         except Relayed as exc:
             if exc.code == Status.RESOURCE_EXHAUSTED:
                 # Too many tickets out (or too large: its Publish says so).
-                raise RouteFailed(Route.UPLOAD_TICKET, exc.details) from None
+                raise self.failed(exc.details) from None
             raise
         if not opened.HasField("ticket"):
-            raise RouteFailed(Route.UPLOAD_TICKET,
-                              f"{self.link.address} offers no upload tickets", lasting=True)
-        sock = await dial(opened.ticket, self.link.address)
+            raise self.failed(f"{self.link.address} offers no upload tickets", lasting=True)
+        return opened.ticket
+
+
+class DataPlaneUpload(RouteEnd):
+    """A publish's raw bytes over the coordinator's data plane, for a ticket;
+    it suits big publishes only (negotiate.UPLOAD_FROM, the way's)."""
+
+    route = Route.DATA_PLANE
+
+    def __init__(self, link: CoordinatorLink) -> None:
+        self.link = link
+        self.tickets = UploadTickets(link)
+
+    async def send(self, md: tuple, header: pb.PublishHeader, ending: pb.PublishHeader,
+                   first, rest: AsyncIterator, moved: list[float], ladder: Ladder,
+                   where: str) -> pb.PublishResponse:
+        """Send a publish's raw bytes (`first`, then `rest`) over the
+        coordinator's data plane, as a process's client does (cache.proto,
+        OpenUpload); a route's failure, with nothing of `rest` read, where
+        they must go over gRPC instead. `header` is the publish's header as it
+        came, and `ending` the same once `rest` has ended (with a digest sent
+        last). A refusal is the coordinator's status, as its Publish stream
+        would have ended with; an upload that broke off is UNAVAILABLE, and
+        the holder's next try goes over gRPC (the route is off toward
+        `where`, the artifact)."""
+        ticket = await self.tickets.open(md, header)
+        sock = await dial(ticket, self.link.address, self)
         where_to = "the coordinator's data plane"
         later = not header.digest  # known once `rest` has ended: sent after the bytes
         loop = asyncio.get_running_loop()
 
         async def send() -> pb.PublishResponse:
-            await loop.sock_sendall(sock, wire.DATA_PLANE_UPLOAD + opened.ticket.token)
+            await loop.sock_sendall(sock, wire.DATA_PLANE_UPLOAD + ticket.token)
             await upload_status(loop, sock, where_to)  # go
             chunk = first
             while chunk is not None:
@@ -233,8 +259,8 @@ class Publishes:
                 except OSError as exc:
                     with contextlib.suppress(OSError, TimeoutError):  # a refusal sent before?
                         await asyncio.wait_for(upload_status(loop, sock, where_to), 1.0)
-                    ladder.failed(RouteFailed(Route.DATA_PLANE, f"the upload broke off ({exc})",
-                                              lasting=True, where=where))
+                    ladder.failed(self.failed(f"the upload broke off ({exc})", lasting=True,
+                                              where=where))
                     raise Unavailable(f"the upload of {header.key} to {where_to} broke off "
                                       f"({exc})") from None
             except UploadRefused as exc:

@@ -18,7 +18,7 @@ the bytes:
   raw, or as the zstd stream it keeps to a peer that decodes it.
 The connection carries what the coordinator's data plane carries (RAW_MAGIC
 then the artifact, or one zstd stream), so the peer reads it with the same
-code (worker/daemon/dataplane.py, with_data_plane) and verifies the digest. A
+code (worker/daemon/dataplane.py, RelayFill) and verifies the digest. A
 download that fails, or whose file stops being kept, ends the connection
 short: the peer fetches the rest from the coordinator, from where it got to.
 Offered only where the relay's gRPC port is plaintext too: the token stands

@@ -24,17 +24,19 @@ from dataclasses import dataclass
 import grpc
 
 from compilecast import decide, jobtree
-from compilecast.negotiate import Route, Routes
+from compilecast.negotiate import Routes
 from compilecast.serving import Background
 
 from .answers import Answers
+from .bucketurl import BucketUrl
+from .dataplane import DataPlaneFill, RelayFill
 from .decisions import Deciders, HostDecisions, Upstream
-from .fetches import Fetches
+from .fetches import Fetches, HostFiles
 from .hits import HostHits
 from .hostcache import HostCache, HostCacheSource, HostCopies
 from .manifests import HostManifests, ManifestSource, StreamSource
 from .metrics import WorkerMetrics
-from .publishes import Publishes
+from .publishes import Publishes, UploadTickets
 from .revocations import Revocations
 from .upstream import CoordinatorLink
 from .waits import HostWaits
@@ -75,12 +77,11 @@ class WorkerParts:
         s = self.settings = settings
         self.cache = cache
         self.metrics = metrics
-        self.routes = Routes(
-            [Route.UPLOAD_TICKET, Route.RELAY_PLANE]
-            + [route for route, offered in ((Route.DATA_PLANE, s.data_plane),
-                                            (Route.BUCKET_URL, s.bucket_urls),
-                                            (Route.LOCAL_FILE, s.local_files),
-                                            (Route.GROWING_FILE, s.local_files)) if offered])
+        # The routes besides gRPC this worker offers: the kinds of its ends of them.
+        self.routes = Routes.of([UploadTickets, RelayFill,
+                                 DataPlaneFill if s.data_plane else None,
+                                 BucketUrl if s.bucket_urls else None,
+                                 HostFiles if s.local_files else None])
         self.link = CoordinatorLink(s.coordinator, token=s.token, rpc_timeout_s=s.rpc_timeout_s,
                                     credentials=channels.upstream,
                                     peer_credentials=channels.peers)

@@ -9,31 +9,20 @@ Lease keepalives run on a daemon thread that never blocks the caller.
 from __future__ import annotations
 
 import contextlib
-import errno
+import functools
 import logging
-import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from compilecast import retry, tracing, validate, wire
 from compilecast.deadline import Deadline
 from compilecast.decide import ends_wait
 from compilecast.errors import CompilecastError, CorruptBlob, CutOff, Unavailable
 from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
-from compilecast.negotiate import (
-    PROCESS_FETCH,
-    WAIT,
-    Ladder,
-    Route,
-    RouteFailed,
-    Routes,
-    Way,
-    carry,
-)
+from compilecast.negotiate import PROCESS_FETCH, WAIT, Ends, Ladder, Routes, Way, carry
 from compilecast.rpcedge import edged
 from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
@@ -42,31 +31,23 @@ from compilecast.wire import TRANSFER_S
 
 from . import policy
 from .clientpublish import LeaseKeepers, Publisher
-from .dataplane import answer_status, connect_data_plane, read_data_plane
 from .handoff import handoff_supported
 from .identity import Identity
 from .policy import acquire_request
-from .received import (
-    Follower,
-    Received,
-    Stalled,
-    Unfollowable,
-    Unreachable,
-    UploadRefused,
-    Watchdog,
-    inflater,
-    read_local,
-    read_stored,
+from .received import Follower, Received, Stalled, Unfollowable, Watchdog, inflater
+from .routeends import (
+    DataPlane,
+    GrowingFile,
+    Handoff,
+    LocalFile,
+    Sender,
+    Taker,
+    UploadTickets,
 )
 
 log = logging.getLogger(__name__)
 
 STALL_S = 60.0  # a transfer that moves nothing for this long is given up
-
-
-def on_this_host(path: str) -> bool:
-    """Whether the host cache a worker's file is in is on this host."""
-    return os.path.isdir(os.path.dirname(path))
 
 
 class CacheClient:
@@ -86,23 +67,26 @@ class CacheClient:
         # The one gRPC edge: every call raises compilecast's errors (compilecast/rpcedge.py).
         self.stub = edged(wire.stub(self._channel))
         self._directories = edged(rpc.HostDirectoriesStub(self._channel))  # the host's worker only
-        # The routes besides gRPC this process may take (compilecast/negotiate.py):
+        # The routes besides gRPC this process may take (compilecast/negotiate.py),
+        # each built as this process's end of it (worker/inprocess/routeends.py):
         # to this host's worker (a unix socket), fetches answered with the host
         # cache's file, or its file as the worker writes it, and publishes
         # handed over as sealed memory files; from a coordinator (plaintext
-        # TCP), whole artifacts and waits over its data plane.
+        # TCP), whole artifacts, uploads and waits over its data plane.
         unix = target.startswith("unix:")
-        self.routes = Routes(
-            [Route.UPLOAD_TICKET]
-            + ([Route.LOCAL_FILE, Route.GROWING_FILE] if unix else [])
-            + ([Route.HANDOFF] if unix and handoff_supported() else [])
-            + ([Route.DATA_PLANE, Route.DATA_WAIT] if not unix and creds is None else []))
-        # Each way a fetch's answer may name, and who takes it from there.
-        self._takers: dict[Route, Callable[[str, pb.ArtifactInfo, Any], bytes]] = {Route.LOCAL_FILE: self._take_local_file,
-                        Route.DATA_PLANE: self._take_data_plane}
+        tickets = UploadTickets(self.stub, target, timeout_s=timeout_s)
+        local = LocalFile() if unix else None
+        self.growing = GrowingFile()
+        handoff = Handoff(stall_s=stall_s) if unix and handoff_supported() else None
+        plane = DataPlane(target, stall_s=stall_s, timeout_s=timeout_s) \
+            if not unix and creds is None else None
+        self.routes = Routes.of([tickets, local, self.growing if unix else None, handoff, plane])
+        self.takers = Ends[Taker]([local, plane])  # a fetch's answer, and a wait's
+        self.waiters = Ends[DataPlane]([plane])
         self.leases = LeaseKeepers(self.keepalive)
         self.publisher = Publisher(self.stub, target, self.routes, self.leases,
-                                   timeout_s=timeout_s, stall_s=stall_s)
+                                   tickets=tickets, senders=Ends[Sender]([handoff, plane]),
+                                   stall_s=stall_s)
 
     def close(self) -> None:
         self.leases.close()
@@ -133,7 +117,8 @@ class CacheClient:
 
     def ask(self, request: pb.AcquireRequest) -> pb.AcquireResponse:
         """Acquire, asked again while the worker restarts (retry.ACQUIRE)."""
-        return retry.ACQUIRE.run(lambda: self.stub.Acquire(request, timeout=self.timeout_s),
+        return retry.ACQUIRE.run(functools.partial(self.stub.Acquire, request,
+                                                   timeout=self.timeout_s),
                                  what=f"the ask for {request.key}")
 
     def acquire_many(self, keys: list[str]) -> list[pb.AcquireResponse]:
@@ -204,55 +189,19 @@ class CacheClient:
         if ladder.failures and deadline.passed:  # the data plane's wait took it all
             return pb.WaitEvent(decision=pb.COMPILE_LOCALLY,
                                 reason="share-binary timeout passed; compile locally"), None
-        call = self.stub.Wait(
-            ladder.offer(pb.WaitRequest(key=key, requester=(identity or self.identity).requester(),
-                                        timeout_ms=deadline.left_ms())),
-            timeout=max(0.001, deadline.left_s()) + self.timeout_s,
-        )
+        request = ladder.offer(pb.WaitRequest(
+            key=key, requester=(identity or self.identity).requester(),
+            timeout_ms=deadline.left_ms()))
+        call = self.stub.Wait(request, timeout=max(0.001, deadline.left_s()) + self.timeout_s)
         for event in call:
-            if event.HasField("data_ticket"):  # (the stream's only message)
+            way = ladder.taken(event, request)
+            if way is not None:  # the wait goes on there (the stream's only message)
                 call.cancel()
-                try:
-                    return self._wait_data_plane(key, event.data_ticket, deadline)
-                except OSError as exc:
-                    raise RouteFailed(Route.DATA_PLANE, f"the wait over it broke off ({exc})",
-                                      lasting=isinstance(exc, Unreachable)) from None
+                return self.waiters.of(way).wait(key, event.data_ticket, deadline)
             if ends_wait(event, publishing):
                 call.cancel()
                 return event, None
         return pb.WaitEvent(decision=pb.COMPILE_LOCALLY, reason="wait stream ended early"), None
-
-    def _wait_data_plane(self, key: str, ticket: pb.DataTicket,
-                         deadline: Deadline) -> tuple[pb.WaitEvent, bytes | None]:
-        """Go on with a wait over the coordinator's data plane (cache.proto,
-        DataTicket): blocked in recv until the event that ends it, which may
-        be the WAIT of a publish that started, and after a HIT the verified
-        bytes when they follow (None when they did not, or did not arrive
-        whole and verified: the caller fetches). OSError (Unreachable, or
-        a connection that broke or went silent before the event) decided
-        nothing; a refusal is raised as the status a Wait call would have
-        ended with."""
-        sock, where = connect_data_plane(ticket, self.target, self.stall_s)
-        with sock, sock.makefile("rb", buffering=0) as answers:
-            sock.sendall(wire.DATA_PLANE_WAIT + ticket.token)
-            # The coordinator answers by the deadline (COMPILE_LOCALLY at worst).
-            sock.settimeout(max(0.001, deadline.left_s()) + self.timeout_s)
-            try:
-                event = pb.WaitEvent.FromString(answer_status(answers, where))
-            except UploadRefused as exc:
-                raise exc.error from None
-            except DecodeError as exc:
-                raise OSError(errno.EPROTO, f"{where} answered a wait with no WaitEvent: "
-                                            f"{exc}") from None
-            if not event.data_follows:
-                return event, None
-            sock.settimeout(self.stall_s)
-            try:
-                return event, read_stored(key, event.artifact, answers, where)
-            except (OSError, CorruptBlob) as exc:
-                log.info("the bytes of %s after the wait did not arrive whole and verified "
-                         "(%s); fetching them", key, exc, extra={"key": key})
-                return event, None
 
     def wait_and_fetch(self, key: str, within: Deadline | float, *,
                        identity: Identity | None = None) -> tuple[pb.WaitEvent, bytes | None]:
@@ -305,35 +254,10 @@ class CacheClient:
         try:
             info, way, answer = self._fetch_stream(key, digest, ladder)
         except Unfollowable as exc:
-            # Asked again: the file is then whole in the host cache, or comes
-            # over the socket.
-            raise RouteFailed(Route.GROWING_FILE, f"cannot follow {exc.path} "
-                              f"({exc.__cause__ or exc})", lasting=not on_this_host(exc.path)) \
-                from None
+            raise self.growing.unfollowable(exc) from None
         if way is None:  # the gRPC stream's bytes, verified
             return info, answer
-        return info, self._takers[way.route](key, info, answer)
-
-    def _take_data_plane(self, key: str, info: pb.ArtifactInfo,
-                         ticket: pb.DataTicket) -> bytes:
-        try:
-            return read_data_plane(key, info, ticket, self.target, self.stall_s)
-        except (OSError, CorruptBlob) as exc:
-            # Unreachable, stalled or dripping: it would again, so off for
-            # this process (only the first transfer pays the stall bound).
-            # A connection cut midway, or bytes that do not verify, cost
-            # nothing to try again: not.
-            lasting = isinstance(exc, Unreachable | TimeoutError) or \
-                getattr(exc, "errno", None) == errno.ETIMEDOUT
-            raise RouteFailed(Route.DATA_PLANE, str(exc), lasting=lasting) from None
-
-    def _take_local_file(self, key: str, info: pb.ArtifactInfo, path: str) -> bytes:
-        try:
-            return read_local(key, info, path)
-        except (OSError, CorruptBlob) as exc:
-            raise RouteFailed(Route.LOCAL_FILE, f"cannot read {path} ({exc})",
-                              lasting=isinstance(exc, OSError) and not on_this_host(path)) \
-                from None
+        return info, self.takers.of(way).take(key, info, answer)
 
     def _fetch_stream(self, key: str, digest: str, ladder: Ladder
                       ) -> tuple[pb.ArtifactInfo, Way | None, Any]:

@@ -12,22 +12,17 @@ import threading
 from collections.abc import Callable, Iterator
 
 from compilecast import retry
-from compilecast.errors import CompilecastError, TooMany
-from compilecast.negotiate import PROCESS_PUBLISH, Ladder, Route, RouteFailed, Routes, carry
+from compilecast.errors import CompilecastError
+from compilecast.negotiate import PROCESS_PUBLISH, Ends, Ladder, Routes, carry
 from compilecast.streams import Sha256
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
 from compilecast.wire import TRANSFER_S, DataChunk, as_chunks
 
-from .dataplane import PUBLISH_CHUNK, upload_data_plane
-from .handoff import HANDOFF_SPARE, NoFile, hand_off, memory_headroom
+from .dataplane import PUBLISH_CHUNK
 from .policy import keepalive_every
-from .received import (
-    Stalled,
-    Unreachable,
-    UploadRefused,
-    Watchdog,
-)
+from .received import Stalled, Watchdog
+from .routeends import Sender, UploadTickets
 
 log = logging.getLogger("compilecast.worker.inprocess.client")
 
@@ -85,12 +80,14 @@ class Publisher:
     again when cut off."""
 
     def __init__(self, stub: rpc.CompileCacheStub, target: str, routes: Routes,
-                 keepers: LeaseKeepers, *, timeout_s: float, stall_s: float) -> None:
+                 keepers: LeaseKeepers, *, tickets: UploadTickets, senders: Ends[Sender],
+                 stall_s: float) -> None:
         self.stub = stub
         self.target = target
         self.routes = routes
         self.keepers = keepers
-        self.timeout_s = timeout_s
+        self.tickets = tickets  # an upload's ticket, and the routes it goes over:
+        self.senders = senders  # a handoff to the host's worker, the coordinator's data plane
         self.stall_s = stall_s
 
     def publish(self, key: str, lease: pb.Lease, data: bytes,
@@ -121,52 +118,13 @@ class Publisher:
                      ladder: Ladder) -> pb.ArtifactInfo:
         """The publish over the first route left that suits it (an upload for
         a ticket: a handoff to this host's worker, or the coordinator's data
-        plane), else the Publish stream."""
-        way = ladder.first(len(data))  # (an upload's ways suit big publishes only)
-        if way is not None and way.route is Route.HANDOFF:
-            room = memory_headroom()
-            # A handed file would hold the bytes a second time: near a
-            # memory limit, they go to the worker in pieces instead.
-            if room is None or room >= len(data) + HANDOFF_SPARE:
-                return self._upload(header, data, Route.HANDOFF)
-            log.info("%d MB of memory left: the publish of %s goes over gRPC",
-                     room >> 20, header.key, extra={"key": header.key})
-        elif way is not None:
-            return self._upload(header, data, way.route)
-        return self._send(header, data)
-
-    def _upload(self, header: pb.PublishHeader, data: bytes, route: Route) -> pb.ArtifactInfo:
-        """Publish over `route` for a ticket (HANDOFF: to this host's worker;
-        DATA_PLANE: to the coordinator's data plane); RouteFailed where the
-        bytes must go another way. The OpenUpload call refuses what a
-        Publish would refuse before its first byte, as the same error; an
-        upload that broke off goes on another way at once (a server that
-        went away then answers that way)."""
-        try:
-            resp = self.stub.OpenUpload(pb.OpenUploadRequest(header=header),
-                                        timeout=self.timeout_s)
-        except TooMany as exc:
-            # Too many tickets out, or an artifact too large: either way the
-            # Publish stream says which (and refuses the latter as this would).
-            raise RouteFailed(Route.UPLOAD_TICKET, str(exc)) from None
-        if not resp.HasField("ticket"):
-            raise RouteFailed(Route.UPLOAD_TICKET, f"{self.target} offers no upload tickets",
-                              lasting=True)
-        handed = resp.ticket.address.startswith("unix:")
-        if handed != (route is Route.HANDOFF):
-            raise RouteFailed(route, f"{self.target} offered a ticket of another route "
-                              f"({resp.ticket.address})")
-        try:
-            if handed:
-                return hand_off(data, resp.ticket, self.stall_s)
-            return upload_data_plane(header, data, resp.ticket, self.target, self.stall_s)
-        except UploadRefused as exc:  # what its Publish stream would have ended with
-            raise exc.error from None
-        except NoFile as exc:
-            raise RouteFailed(route, str(exc)) from None
-        except OSError as exc:
-            raise RouteFailed(route, f"the upload of {header.key} broke off ({exc})",
-                              lasting=isinstance(exc, Unreachable)) from None
+        plane), else the Publish stream. RouteFailed where the bytes must go
+        another way: an upload that broke off goes on another way at once (a
+        server that went away then answers that way)."""
+        sender = self.senders.first(ladder, len(data))  # (uploads suit big publishes only)
+        if sender is None:
+            return self._send(header, data)
+        return sender.send(header, data, self.tickets.open(header))
 
     def _send(self, header: pb.PublishHeader, data: bytes) -> pb.ArtifactInfo:
         key = header.key
