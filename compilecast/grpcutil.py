@@ -8,6 +8,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -101,6 +102,19 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str = ""
         [(_read_required(key_file), _read_required(cert_file))],
         root_certificates=_read(client_ca_file),
         require_client_auth=bool(client_ca_file))
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """How a client trusts its server: the CA's certificate (none:
+    plaintext), and its own certificate and key for mTLS."""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        return channel_credentials(self.ca_file, self.cert_file, self.key_file)
 
 
 def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = ""

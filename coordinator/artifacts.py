@@ -36,7 +36,6 @@ from compilecast.wire import DataChunk
 from .claims import Claims
 from .etcd import (
     KV,
-    EtcdClient,
     cmp_absent,
     cmp_mod_revision,
     op_delete,
@@ -47,9 +46,7 @@ from .keystate import (
     KeyState,
     revocation_reason,
 )
-from .keyview import KeyView
-from .leases import LeasePool
-from .presence import Presence
+from .keyview import Keyspace
 from .records import (
     DEFAULT_TENANT,
     info_from,
@@ -110,19 +107,19 @@ class ArtifactMetrics(Protocol):
 class Artifacts:
     """Publish, Release, KeepAlive and Fetch of one replica."""
 
-    def __init__(self, settings: ArtifactSettings, view: KeyView, claims: Claims, etcd: EtcdClient,
-                 store: ArtifactStore, presence: Presence, metrics: ArtifactMetrics,
-                 uploads: Uploads, farm: Farm, leases: LeasePool) -> None:
+    def __init__(self, settings: ArtifactSettings, keys: Keyspace, claims: Claims,
+                 store: ArtifactStore, metrics: ArtifactMetrics, uploads: Uploads,
+                 farm: Farm) -> None:
         self.settings = settings
-        self.view = view
+        self.view = keys.view
         self.claims = claims
-        self.etcd = etcd
+        self.etcd = keys.etcd
         self.store = store
-        self.presence = presence
+        self.presence = keys.view.presence  # the replica's one, which the view checks with too
         self.metrics = metrics
         self.uploads = uploads
         self.farm = farm
-        self.leases = leases
+        self.leases = keys.leases
         # Publishes write on threads of their own, never queued behind readers.
         self._publish_threads = ThreadPoolExecutor(4, thread_name_prefix="publish")
 

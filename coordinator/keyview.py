@@ -22,8 +22,9 @@ from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import KV, EtcdClient, cmp_mod_revision, op_delete
 from .keystate import RECORD_KINDS, RECORDS, KeyState, holder_name
+from .leases import LeasePool, Session
 from .presence import Presence
-from .records import json_dict, plain, read_info, scope
+from .records import KeyRecords, json_dict, plain, read_info, scope
 from .watch import WatchHub
 
 log = logging.getLogger("compilecast.coordinator.state")
@@ -252,3 +253,17 @@ class KeyView:
         saved = sum(max(info.compile_time_seconds, 0.0) for info in infos)
         if saved:
             self.metrics.saved(tenant, saved)
+
+
+@dataclass(frozen=True)
+class Keyspace:
+    """The keys as the components that read and write them work over them:
+    etcd (`etcd`), this replica's view of it (`view`), the key records
+    (`records`), and the etcd leases: the claims' (`leases`) and this
+    replica's own (`session`)."""
+
+    etcd: EtcdClient
+    view: KeyView
+    records: KeyRecords
+    leases: LeasePool
+    session: Session

@@ -24,7 +24,6 @@ from compilecast.v1 import cache_pb2 as pb
 
 from .etcd import (
     MAX_TXN_OPS,
-    EtcdClient,
     cmp_mod_revision,
     op_delete,
     op_put,
@@ -35,11 +34,9 @@ from .keystate import (
     revocation_reason,
     waiters_by_job,
 )
-from .keyview import KeyView
-from .leases import Session
+from .keyview import Keyspace
 from .records import (
     DEFAULT_TENANT,
-    KeyRecords,
     json_dict,
     plain,
     scope,
@@ -140,19 +137,18 @@ class OperationMetrics(Protocol):
 class Operations:
     """Purge, Revoked, ReportHits and Status of one replica."""
 
-    def __init__(self, settings: OperationSettings, view: KeyView, waiting: Waiting,
-                 session: Session, etcd: EtcdClient, store: ArtifactStore,
-                 metrics: OperationMetrics, records: KeyRecords, farm: Farm) -> None:
+    def __init__(self, settings: OperationSettings, keys: Keyspace, waiting: Waiting,
+                 store: ArtifactStore, metrics: OperationMetrics, farm: Farm) -> None:
         self.settings = settings
-        self.view = view
+        self.view = keys.view
         self.waiting = waiting
-        self.session = session
-        self.etcd = etcd
+        self.session = keys.session
+        self.etcd = keys.etcd
         self.store = store
         self.metrics = metrics
-        self.records = records
+        self.records = keys.records
         self.farm = farm
-        self.prefix = view.prefix
+        self.prefix = keys.view.prefix
         self.reports = HitReports()
 
     # -- Purge -----------------------------------------------------------

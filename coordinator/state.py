@@ -43,7 +43,7 @@ from .claims import Claims, ClaimSettings
 from .etcd import Etcd
 from .farm import Farm
 from .jobwatch import JobWatches
-from .keyview import KeyView, ViewSettings
+from .keyview import Keyspace, KeyView, ViewSettings
 from .leases import LeasePool, Session
 from .manifests import Manifests
 from .metrics import CoordinatorMetrics
@@ -88,27 +88,26 @@ class CoordinatorState:
         self.background = Background(log)
         self.claims = Claims(ClaimSettings(publish_stream_readers=cfg.publish_stream_readers),
                              self.view, etcd, self.leases, self.records, metrics)
+        self.keys = Keyspace(etcd, self.view, self.records, self.leases, self.session)
         self.artifacts = Artifacts(
             ArtifactSettings(publish_stream_readers=cfg.publish_stream_readers,
                              max_artifact_bytes=cfg.max_artifact_bytes,
                              local_marker_ttl_s=cfg.local_marker_ttl_s),
-            self.view, self.claims, etcd, store, self.presence, metrics, self.uploads,
-            self.farm, self.leases)
+            self.keys, self.claims, store, metrics, self.uploads, self.farm)
         self.waiting = Waiting(
             WaitSettings(
                 share_binary_between_hosts_timeout_ms=cfg.share_binary_between_hosts_timeout_ms,
                 publish_stream_readers=cfg.publish_stream_readers,
                 hedge_min_s=cfg.hedge_min_s, hedge_factor=cfg.hedge_factor,
                 designated_grace_s=cfg.designated_grace_s),
-            self.view, self.claims, self.session, etcd, metrics, self.records, self.uploads,
-            self.background)
+            self.keys, self.claims, metrics, self.uploads, self.background)
         self.manifests = Manifests(etcd, self.view, self.hub.prefix)
         self.job_watches = JobWatches(self.waiting, self.view, self._give_back, metrics,
                                       fanout=cfg.job_stream_fanout)
         self.operations = Operations(
             OperationSettings(store_type=cfg.store_type, store_max_bytes=cfg.store_max_bytes,
                               store_description=describe_store(cfg)),
-            self.view, self.waiting, self.session, etcd, store, metrics, self.records, self.farm)
+            self.keys, self.waiting, store, metrics, self.farm)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def _give_back(self, key: str, lease: pb.Lease, tenant: str) -> None:

@@ -24,7 +24,7 @@ from compilecast.serving import Background
 from compilecast.v1 import cache_pb2 as pb
 
 from .claims import Claims
-from .etcd import EtcdClient, LeaseGone, WriteBatcher
+from .etcd import LeaseGone, WriteBatcher
 from .keystate import (
     KeyState,
     KeyWaiters,
@@ -32,11 +32,9 @@ from .keystate import (
     local_verdict,
     lowest_rank,
 )
-from .keyview import KeyView
-from .leases import Session
+from .keyview import Keyspace
 from .records import (
     DEFAULT_TENANT,
-    KeyRecords,
     plain,
     scope,
     tenant_of,
@@ -97,20 +95,19 @@ class WaitMetrics(Protocol):
 class Waiting:
     """Wait, and this replica's waiter records."""
 
-    def __init__(self, settings: WaitSettings, view: KeyView, claims: Claims, session: Session,
-                 etcd: EtcdClient, metrics: WaitMetrics, records: KeyRecords, uploads: Uploads,
-                 background: Background) -> None:
+    def __init__(self, settings: WaitSettings, keys: Keyspace, claims: Claims,
+                 metrics: WaitMetrics, uploads: Uploads, background: Background) -> None:
         self.settings = settings
-        self.view = view
+        self.view = keys.view
         self.claims = claims
-        self.session = session
-        self.etcd = etcd
-        self.hub = view.hub
+        self.session = keys.session
+        self.etcd = keys.etcd
+        self.hub = keys.view.hub
         self.metrics = metrics
-        self.records = records
+        self.records = keys.records
         self.uploads = uploads
         self.background = background
-        self._waiter_writes = WriteBatcher(etcd)  # waiter records, put and deleted together
+        self._waiter_writes = WriteBatcher(keys.etcd)  # waiter records, put and deleted together
         # This replica's waiters, by key: one P/w record per key and replica
         # says how many there are (a pod's job start writes a few per key, not
         # two per waiter). Its id names that record.

@@ -20,7 +20,7 @@ from compilecast.blobstore import DiskBlobStore
 from compilecast.coordinator.artifacts import Artifacts, ArtifactSettings
 from compilecast.coordinator.claims import Claims, ClaimSettings
 from compilecast.coordinator.farm import Farm
-from compilecast.coordinator.keyview import KeyView, ViewSettings
+from compilecast.coordinator.keyview import Keyspace, KeyView, ViewSettings
 from compilecast.coordinator.leases import LeasePool, Session
 from compilecast.coordinator.metrics import CoordinatorMetrics
 from compilecast.coordinator.operations import Operations, OperationSettings
@@ -62,14 +62,16 @@ class Parts:
         return KeyView(ViewSettings(**settings), self.etcd, self.hub,
                        self.presence, self.metrics)
 
+    def keys(self, view: KeyView) -> Keyspace:
+        return Keyspace(self.etcd, view, self.records, self.leases, self.session)
+
     def claims(self, view: KeyView) -> Claims:
         return Claims(ClaimSettings(), view, self.etcd, self.leases,
                       self.records, self.metrics)
 
     def artifacts(self, view: KeyView, claims: Claims) -> Artifacts:
-        return Artifacts(ArtifactSettings(max_artifact_bytes=1 << 20), view, claims,
-                         self.etcd, self.store, self.presence,
-                         self.metrics, self.uploads, self.farm, self.leases)
+        return Artifacts(ArtifactSettings(max_artifact_bytes=1 << 20), self.keys(view), claims,
+                         self.store, self.metrics, self.uploads, self.farm)
 
     @contextlib.contextmanager
     def publishing(self) -> Iterator[tuple[KeyView, Claims, Artifacts]]:
@@ -84,8 +86,7 @@ class Parts:
             self.presence.close()
 
     def waiting(self, view: KeyView, claims: Claims, **settings) -> Waiting:
-        return Waiting(WaitSettings(**settings), view, claims, self.session,
-                       self.etcd, self.metrics, self.records,
+        return Waiting(WaitSettings(**settings), self.keys(view), claims, self.metrics,
                        self.uploads, self.background)
 
 
@@ -208,9 +209,9 @@ def test_the_operations_alone_purge_a_key_and_revoke_its_bytes(tmp_path):
         parts = Parts(tmp_path)
         with parts.publishing() as (view, claims, artifacts):
             waiting = parts.waiting(view, claims)
-            operations = Operations(OperationSettings(store_description="disk (test)"), view,
-                                    waiting, parts.session, parts.etcd,
-                                    parts.store, parts.metrics, parts.records, parts.farm)
+            operations = Operations(OperationSettings(store_description="disk (test)"),
+                                    parts.keys(view), waiting, parts.store, parts.metrics,
+                                    parts.farm)
             info = await published(claims, artifacts, b"to purge" * 10)
             dry = await operations.purge([KEY], [], "test", dry_run=True)
             assert list(dry.purged) == [KEY] and (await claims.acquire(KEY, OTHER)).decision \

@@ -8,6 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from compilecast.grpcutil import TlsFiles
 from compilecast.negotiate import Route
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.inprocess.client import CacheClient, Identity
@@ -117,7 +118,7 @@ def test_tls_coordinator_refuses_plaintext_and_serves_tls_clients(start_coordina
                           tls_key_file=str(pki / "server.key"))
     plain = CacheClient(c.cfg.listen, timeout_s=3)
     assert code_of(lambda: plain.acquire("k")) == grpc.StatusCode.UNAVAILABLE
-    tls = CacheClient(c.cfg.listen, ca_file=str(pki / "ca.pem"))
+    tls = CacheClient(c.cfg.listen, tls=TlsFiles(str(pki / "ca.pem")))
     tls.publish("k", tls.acquire("k").lease, DATA, 1.0)
     worker = start_worker(c.cfg.listen, coordinator_ca_file=str(pki / "ca.pem"))
     assert CacheClient(worker.target).fetch("k")[1] == DATA
@@ -144,7 +145,7 @@ def test_mtls_requires_a_client_certificate(start_coordinator, pki, start_worker
     c = start_coordinator(tls_cert_file=str(pki / "server.pem"),
                           tls_key_file=str(pki / "server.key"),
                           tls_client_ca_file=str(pki / "ca.pem"))
-    no_cert = CacheClient(c.cfg.listen, ca_file=str(pki / "ca.pem"), timeout_s=3)
+    no_cert = CacheClient(c.cfg.listen, tls=TlsFiles(str(pki / "ca.pem")), timeout_s=3)
     assert code_of(lambda: no_cert.acquire("k")) == grpc.StatusCode.UNAVAILABLE
     worker = start_worker(c.cfg.listen, coordinator_ca_file=str(pki / "ca.pem"),
                           coordinator_cert_file=str(pki / "client.pem"),

@@ -119,6 +119,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace, timeout_s: float = 30.0):
+    from compilecast.grpcutil import TlsFiles
     from compilecast.worker.inprocess.client import CacheClient
 
     token = args.token
@@ -131,7 +132,7 @@ def _client(args: argparse.Namespace, timeout_s: float = 30.0):
             raise CliError(f"cannot read --token-file: {exc}") from None
     try:
         return CacheClient(args.coordinator, timeout_s=timeout_s, token=token,
-                           ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
+                           tls=TlsFiles(args.ca_file, args.cert_file, args.key_file))
     except Unauthenticated as exc:  # a token no header can carry
         raise CliError(str(exc)) from None
 

@@ -20,10 +20,11 @@ def human_size(n: float) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from compilecast.grpcutil import TlsFiles
     from compilecast.worker.inprocess.client import CacheClient
 
     client = CacheClient(args.worker, timeout_s=args.timeout, token=args.token,
-                         ca_file=args.ca_file)
+                         tls=TlsFiles(args.ca_file))
     try:
         st = client.status()
     except CompilecastError as exc:

@@ -11,7 +11,7 @@ import grpc
 
 from compilecast.config import WorkerConfig
 from compilecast.errors import CompilecastError, PermissionDenied, Unauthenticated, Unavailable
-from compilecast.grpcutil import rpc_errors
+from compilecast.grpcutil import TlsFiles, rpc_errors
 from compilecast.v1 import cache_pb2 as pb
 
 from ..inprocess.client import CacheClient
@@ -28,6 +28,7 @@ def make_dirsync(cfg: WorkerConfig, token: str, metrics: WorkerMetrics) -> DirSy
     to the coordinator as the process that opened each (its token), or as
     this worker."""
     clients: dict[str, CacheClient] = {}
+    tls = TlsFiles(cfg.coordinator_ca_file, cfg.coordinator_cert_file, cfg.coordinator_key_file)
     # Its own name: claims of one name may share a lease (coordinator/leases.py),
     # and this worker's syncs are not the host's processes.
     me = Identity(client=f"{default_client_name()} dirs {cfg.cache_dir}"[:200])
@@ -36,8 +37,7 @@ def make_dirsync(cfg: WorkerConfig, token: str, metrics: WorkerMetrics) -> DirSy
         if caller not in clients:
             clients[caller] = CacheClient(
                 cfg.coordinator, timeout_s=cfg.rpc_timeout_s, token=caller or token, identity=me,
-                ca_file=cfg.coordinator_ca_file, cert_file=cfg.coordinator_cert_file,
-                key_file=cfg.coordinator_key_file)
+                tls=tls)
         return clients[caller]
 
     tenants: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
@@ -51,8 +51,7 @@ def make_dirsync(cfg: WorkerConfig, token: str, metrics: WorkerMetrics) -> DirSy
         if known is not None and time.monotonic() - known[1] < TENANT_TTL_S:
             return known[0]
         probe = CacheClient(cfg.coordinator, timeout_s=cfg.rpc_timeout_s, token=caller or token,
-                            ca_file=cfg.coordinator_ca_file, cert_file=cfg.coordinator_cert_file,
-                            key_file=cfg.coordinator_key_file)
+                            tls=tls)
         try:
             tenant = probe.revoked(since_revision=1 << 62).tenant or "default"
         except Unauthenticated:

@@ -21,7 +21,7 @@ from compilecast import retry, tracing, validate, wire
 from compilecast.deadline import Deadline
 from compilecast.decide import ends_wait
 from compilecast.errors import CompilecastError, CorruptBlob, CutOff, Unavailable
-from compilecast.grpcutil import CHANNEL_OPTIONS, bearer, channel_credentials
+from compilecast.grpcutil import CHANNEL_OPTIONS, TlsFiles, bearer
 from compilecast.negotiate import PROCESS_FETCH, WAIT, Ends, Ladder, Routes, Way, carry
 from compilecast.rpcedge import edged
 from compilecast.streams import Sha256
@@ -53,13 +53,13 @@ STALL_S = 60.0  # a transfer that moves nothing for this long is given up
 class CacheClient:
     def __init__(self, target: str, *, timeout_s: float = 5.0,
                  identity: Identity | None = None, token: str = "",
-                 ca_file: str = "", cert_file: str = "", key_file: str = "",
+                 tls: TlsFiles | None = None,
                  stall_s: float = STALL_S) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.stall_s = stall_s  # fetches and publishes: given up when nothing moves this long
         self.identity = identity or Identity()
-        creds = channel_credentials(ca_file, cert_file, key_file)
+        creds = tls.credentials() if tls is not None else None  # (None: plaintext)
         self._channel = (grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS) if creds
                          else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
         self._channel = grpc.intercept_channel(self._channel, _Metadata(bearer(token))) \
