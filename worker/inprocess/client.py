@@ -37,6 +37,7 @@ from .policy import acquire_request
 from .received import Follower, Received, Stalled, Unfollowable, Watchdog, inflater
 from .routeends import (
     DataPlane,
+    DataPlaneUpload,
     GrowingFile,
     Handoff,
     LocalFile,
@@ -78,14 +79,16 @@ class CacheClient:
         local = LocalFile() if unix else None
         self.growing = GrowingFile()
         handoff = Handoff(stall_s=stall_s) if unix and handoff_supported() else None
-        plane = DataPlane(target, stall_s=stall_s, timeout_s=timeout_s) \
-            if not unix and creds is None else None
-        self.routes = Routes.of([tickets, local, self.growing if unix else None, handoff, plane])
+        tcp = not unix and creds is None
+        plane = DataPlane(target, stall_s=stall_s, timeout_s=timeout_s) if tcp else None
+        upload = DataPlaneUpload(target, stall_s=stall_s) if tcp else None
+        self.routes = Routes.of([tickets, local, self.growing if unix else None, handoff, plane,
+                                 upload])
         self.takers = Ends[Taker]([local, plane])  # a fetch's answer, and a wait's
         self.waiters = Ends[DataPlane]([plane])
         self.leases = LeaseKeepers(self.keepalive)
         self.publisher = Publisher(self.stub, target, self.routes, self.leases,
-                                   tickets=tickets, senders=Ends[Sender]([handoff, plane]),
+                                   tickets=tickets, senders=Ends[Sender]([handoff, upload]),
                                    stall_s=stall_s)
 
     def close(self) -> None:

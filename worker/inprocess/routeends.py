@@ -4,7 +4,8 @@ sends a publish there, whether it suits, and what its failures mean.
 
     LocalFile     the host cache's file a worker answered with, read and verified
     GrowingFile   a download the worker is still writing, followed in its file
-    DataPlane     a coordinator's data plane: fetches, publishes, and waits that go on there
+    DataPlane     a coordinator's data plane: fetches, and waits that go on there
+    DataPlaneUpload  a publish uploaded to a coordinator's data plane
     Handoff       a publish handed to this host's worker as a sealed memory file
     UploadTickets the ticket a publish over a data plane or a handoff needs
 """
@@ -100,10 +101,10 @@ class GrowingFile(RouteEnd):
                            lasting=not on_this_host(exc.path))
 
 
-class DataPlane(Taker, Sender):
+class DataPlane(Taker):
     """A coordinator's data plane (plaintext TCP, for a ticket): whole
-    artifacts fetched, publishes uploaded, and waits that go on there and
-    bring the bytes along (DATA_WAIT)."""
+    artifacts fetched, and waits that go on there and bring the bytes along
+    (DATA_WAIT)."""
 
     route = Route.DATA_PLANE
     also = (Route.DATA_WAIT,)
@@ -124,10 +125,6 @@ class DataPlane(Taker, Sender):
             lasting = isinstance(exc, Unreachable | TimeoutError) or \
                 getattr(exc, "errno", None) == errno.ETIMEDOUT
             raise self.failed(str(exc), lasting=lasting) from None
-
-    def deliver(self, header: pb.PublishHeader, data: bytes,
-                ticket: pb.DataTicket) -> pb.ArtifactInfo:
-        return upload_data_plane(header, data, ticket, self.target, self.stall_s)
 
     def wait(self, key: str, ticket: pb.DataTicket,
              deadline: Deadline) -> tuple[pb.WaitEvent, bytes | None]:
@@ -168,6 +165,20 @@ class DataPlane(Taker, Sender):
                 log.info("the bytes of %s after the wait did not arrive whole and verified "
                          "(%s); fetching them", key, exc, extra={"key": key})
                 return event, None
+
+
+class DataPlaneUpload(Sender):
+    """A publish uploaded to a coordinator's data plane, for a ticket."""
+
+    route = Route.DATA_PLANE
+
+    def __init__(self, target: str, *, stall_s: float) -> None:
+        self.target = target
+        self.stall_s = stall_s
+
+    def deliver(self, header: pb.PublishHeader, data: bytes,
+                ticket: pb.DataTicket) -> pb.ArtifactInfo:
+        return upload_data_plane(header, data, ticket, self.target, self.stall_s)
 
 
 class Handoff(Sender):
