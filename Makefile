@@ -91,9 +91,9 @@ typecheck: package
 
 # Pyright (editors' language servers) resolves compilecast.worker.* and
 # compilecast.coordinator.* from a checkout through the same tree of links
-# (pyrightconfig.json) and checks the product's types in its basic mode;
-# scripts/resolve_check.py fails on any error of those, and on any import of
-# ours it cannot resolve in tests, bench and scripts.
+# (pyrightconfig.json) and checks the types of the product, bench/ and
+# scripts/ in its basic mode; scripts/resolve_check.py fails on any error of
+# those, and on any import of ours it cannot resolve there and in tests/.
 PYRIGHT_VERSION := 1.1.414
 PYRIGHT := build/pyright/node_modules/.bin/pyright
 $(PYRIGHT):

@@ -72,6 +72,7 @@ def main() -> None:
             _, data, _ = aot.compile_entry(p.trigger)
             compiles, nbytes = compiles + 1, nbytes + len(data)
     else:
+        assert client is not None  # (made for every mode but these two)
         time_calls(client, phases, t0)
         if mode in ("share", "share-after"):
             for p in programs:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from compilecast.blobstore import blob_path
@@ -86,7 +87,7 @@ class Stack:
                      "--initial-cluster", f"default=http://{self.ip}:{peer}"], self._prefix)
         wait_port(client, host=self.ip)
 
-    def _spawn(self, args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
+    def _spawn(self, args: list[str], prefix: Sequence[str] = ()) -> subprocess.Popen:
         p = subprocess.Popen([*prefix, *args], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
         self.procs.append(p)
@@ -185,6 +186,19 @@ def scraped(port: int, name: str, host: str = "127.0.0.1", labels: str = "") -> 
     return total
 
 
+def line_of(proc: subprocess.Popen) -> str:
+    """The next line a child started with stdout=PIPE (text) printed."""
+    assert proc.stdout is not None
+    return proc.stdout.readline()
+
+
+def say(proc: subprocess.Popen, text: str) -> None:
+    """Write `text` to a child started with stdin=PIPE (text), now."""
+    assert proc.stdin is not None
+    proc.stdin.write(text)
+    proc.stdin.flush()
+
+
 def histogram(text: str, name: str) -> dict[tuple[str, float], float]:
     """A histogram's cumulative bucket counts on a /metrics page (metrics_text):
     {(its other labels, le): count}."""
@@ -192,6 +206,8 @@ def histogram(text: str, name: str) -> dict[tuple[str, float], float]:
     for m in re.finditer(rf"^{re.escape(name)}_bucket{{([^}}]*)}} (\S+)$", text, re.M):
         labels = m.group(1)
         le = re.search(r'(?:^|,)le="([^"]+)"', labels)
+        if le is None:
+            continue
         rest = re.sub(r'(?:^|,)le="[^"]+"', "", labels).strip(",")
         out[(rest, float(le.group(1)))] = float(m.group(2))
     return out

@@ -29,7 +29,7 @@ class Trivial(rpc.CompileCacheServicer):
 
 async def main(port: int) -> None:
     server = grpc.aio.server()
-    rpc.add_CompileCacheServicer_to_server(Trivial(), server)
+    rpc.add_CompileCacheServicer_to_server(Trivial(), server)  # type: ignore[abstract]
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()

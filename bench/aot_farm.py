@@ -35,7 +35,7 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
        "TPU_WORKER_HOSTNAMES": "localhost", "PYTHONPATH": str(HERE)}
 
 
-def pod(mode: str, coordinator: str, topology: str, n: int, *,
+def pod(mode: str, coordinator: str | list[str], topology: str, n: int, *,
         entry: str = "aot_job:programs", go_after_s: float | None = None,
         cgroups: list[Path] | None = None) -> dict:
     """Run the n processes of a pod; with go_after_s, they start compiling or
@@ -107,6 +107,7 @@ def main() -> None:
     results = {}
     for mode in ("local", "share", "prewarmed"):
         with fresh_coordinator() as coordinator:
+            assert isinstance(coordinator, str)  # (one, with no workers in front)
             fill = farm_fill(coordinator, args.topology) if mode == "prewarmed" else None
             results[mode] = r = pod(mode, coordinator, args.topology, args.hosts)
         extra = f"  (farm filled the cache in {fill:.1f}s before the job)" if fill else ""

@@ -80,6 +80,9 @@ class Clients:
     """The clients of (worker target, host) pairs, each fetching the artifact
     in its host's CPU quota; `timed` runs them all and returns the seconds."""
 
+    def __init__(self, workers: list, digest: str, zstd: bool) -> None:
+        raise NotImplementedError
+
     def go(self) -> None:
         raise NotImplementedError
 

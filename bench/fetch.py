@@ -48,7 +48,7 @@ from compilecast import wire
 from compilecast.grpcutil import CHANNEL_OPTIONS
 from compilecast.streams import Inflate, Sha256
 from compilecast.v1 import cache_pb2 as pb
-from compilecast.wire import DataChunk
+from compilecast.wire import DataChunk, as_chunks
 from compilecast.worker.inprocess.client import CacheClient
 
 
@@ -73,7 +73,7 @@ def publish_file(target: str, key: str, path: Path) -> str:
     keeper = CacheClient(target)
     keeper.keep_lease(key, lease)  # a long upload outlives the lease TTL
     try:
-        stub.Publish(msgs(), timeout=600)
+        stub.Publish(as_chunks(msgs()), timeout=600)
     finally:
         keeper.close()
         ch.close()
@@ -107,6 +107,7 @@ def fetch(target: str, key: str, expect: str, zstd: bool = False) -> float:
         if chunk.HasField("artifact"):
             inflate = Inflate(h.update, chunk.artifact.size)
         if chunk.zstd_data:
+            assert inflate is not None, "zstd data before the artifact's header"
             inflate.feed(chunk.zstd_data)
         else:
             h.update(chunk.data)

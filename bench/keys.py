@@ -30,9 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 
-def build(size_mb: float, nested: bool = False):
+def build(size_mb: float, nested: bool = False) -> tuple[bytes, bytes, str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -66,7 +67,7 @@ def build(size_mb: float, nested: bool = False):
         params, x, y = make_inputs(layers, 64, batch=8)
         lowered = make_step().lower(params, x, y)
         kind = f"ops ({layers} layers)"
-    hlo = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+    hlo = hlo_of(lowered)
     return module_bytes(lowered.compiler_ir("stablehlo")), hlo, kind, lowered.compiler_ir(
         "stablehlo")
 
@@ -148,7 +149,14 @@ def hlo_proto(layers: int) -> bytes:
     from compilecast.demo.step import make_inputs, make_step
 
     params, x, y = make_inputs(layers, 64, batch=8)
-    return make_step().lower(params, x, y).compiler_ir("hlo").as_serialized_hlo_module_proto()
+    return hlo_of(make_step().lower(params, x, y))
+
+
+def hlo_of(lowered: Any) -> bytes:
+    """A lowered program's HloModuleProto, serialized."""
+    hlo = lowered.compiler_ir("hlo")
+    assert hlo is not None, "this JAX lowers no HLO"
+    return hlo.as_serialized_hlo_module_proto()
 
 
 def side_by_side(layer_counts: list[int], rounds: int) -> list[dict]:

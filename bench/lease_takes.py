@@ -63,7 +63,7 @@ async def takes(endpoint: str, ttl: int, fraction: float, owners: int, interval:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--ttl", type=int, default=5)
     ap.add_argument("--owners", type=int, default=50)
     ap.add_argument("--interval", type=float, default=0.8)

@@ -22,14 +22,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import Stack, cpu_seconds
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.inprocess.client import CacheClient
+
+T = TypeVar("T")
 
 
 def publish_all(target: str, keys: list[str], clients: int) -> None:
@@ -47,7 +51,7 @@ def publish_all(target: str, keys: list[str], clients: int) -> None:
         list(pool.map(part, range(clients)))
 
 
-def timed(pid: int, fn) -> tuple[float, float, object]:
+def timed(pid: int, fn: Callable[[], T]) -> tuple[float, float, T]:
     """(seconds, the coordinator's CPU seconds, fn's result)."""
     cpu, start = cpu_seconds(pid), time.perf_counter()
     out = fn()

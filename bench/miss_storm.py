@@ -61,7 +61,7 @@ def storm(binary: Path, components: int, rate: float, seconds: float) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--rate", type=float, default=1000)
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--components", type=int, nargs="+", default=[0, 11])

@@ -27,7 +27,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from _servers import Stack, peak_rss_mb
+from _servers import Stack, line_of, peak_rss_mb
 
 from compilecast.cli.run import interposer_path
 from compilecast.worker.inprocess.client import CacheClient
@@ -75,7 +75,7 @@ def env(worker: str | None, plugin: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--idle", type=int, default=10_000)
     ap.add_argument("--slow", type=int, default=50)
     ap.add_argument("--huge", type=int, default=4)
@@ -96,7 +96,7 @@ def main() -> None:
         attacker = subprocess.Popen(
             [sys.executable, "-c", ATTACKER, gate, str(args.idle), str(args.slow),
              str(args.huge), "120"], stdout=subprocess.PIPE, text=True)
-        opened = int(attacker.stdout.readline() or 0)
+        opened = int(line_of(attacker) or 0)
         statuses: dict[str, int] = {}
         stop = threading.Event()
 
@@ -107,8 +107,8 @@ def main() -> None:
                     client.status()
                     how = "OK"
                 except Exception as exc:  # the code is the figure
-                    code = exc.code() if hasattr(exc, "code") else None
-                    how = code.name if code is not None else type(exc).__name__
+                    code = getattr(exc, "code", None)
+                    how = getattr(code(), "name", "?") if callable(code) else type(exc).__name__
                 statuses[how] = statuses.get(how, 0) + 1
                 stop.wait(0.5)
 

@@ -53,7 +53,7 @@ def cuda_plugin() -> str:
     for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
         try:
             found = glob.glob(os.path.join(
-                os.path.dirname(importlib.import_module(name).__file__), "*.so"))
+                os.path.dirname(importlib.import_module(name).__file__ or ""), "*.so"))
         except ImportError:
             continue
         if found:
@@ -110,7 +110,7 @@ def compiles(dump: Path) -> collections.Counter:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--plugin", default="cpu",
                     help="cpu (XLA's CPU plugin from PyPI), cuda (jax-cuda*-pjrt), or a path")

@@ -131,7 +131,7 @@ async def stream_hosts(target: str, job: str, ranks: list[int], m: int, relays: 
     async def open_hosts(these: list[int]) -> None:
         for rank in these:
             got = heard[rank] = set()
-            relay = Relay()
+            relay = Relay()  # type: ignore[abstract]
             address = ""
             if rank <= relays:  # (served as a worker's relay service is: wire.SERIALIZED)
                 server, _ = make_server(relay)
@@ -435,7 +435,7 @@ def main() -> None:
         else:
             run_hosts()
         return
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--hosts", type=int, nargs="+", default=[100, 300, 1000])
     ap.add_argument("--per-key-hosts", type=int, nargs="+", default=[30, 100])
     ap.add_argument("--programs", type=int, default=1000)

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -203,8 +204,9 @@ async def etcd_revision(endpoint: str) -> tuple[int, int]:
     from etcd3.etcdrpc import rpc_pb2_grpc as erpc
 
     async with grpc.aio.insecure_channel(endpoint) as ch:
-        resp = await erpc.KVStub(ch).Range(epb.RangeRequest(key=b"\0", range_end=b"\0",
-                                                            count_only=True), timeout=30)
+        ranged: Any = epb.RangeRequest  # (etcd3's protobufs are untyped)
+        resp = await erpc.KVStub(ch).Range(ranged(key=b"\0", range_end=b"\0", count_only=True),
+                                           timeout=30)
         return int(resp.header.revision), int(resp.count)
 
 
@@ -231,7 +233,7 @@ def fit(out: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--hosts", type=int, nargs="+", default=[1000, 3000, 10000])
     ap.add_argument("--programs", type=int, default=1000)
     ap.add_argument("--direct", type=int, default=1_000_000,

@@ -117,7 +117,7 @@ def run(mb: float, pairs: int, through_worker: bool) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[187, 1024])
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--through-worker", action="store_true",

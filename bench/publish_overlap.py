@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import Stack
+from _servers import Stack, line_of
 
 from compilecast.v1 import cache_pb2 as pb
+from compilecast.wire import as_chunks
 from compilecast.worker.inprocess.client import CacheClient, Identity
 from compilecast.worker.inprocess.clientpublish import publish_messages
 
@@ -71,7 +72,7 @@ def publish(holder: CacheClient, key: str, lease: pb.Lease, data: bytes, mbps: f
             sent += len(message.data)
             yield message
 
-    holder.stub.Publish(messages(), timeout=600)
+    holder.stub.Publish(as_chunks(messages()), timeout=600)
 
 
 def one(mode: str, n: int, data: bytes, mbps: float,
@@ -89,13 +90,13 @@ def one(mode: str, n: int, data: bytes, mbps: float,
             waiters = [subprocess.Popen([sys.executable, "-c", WAITER, target, key, str(i), mode],
                                         stdout=subprocess.PIPE, text=True) for i in range(1, n)]
             for w in waiters:
-                assert w.stdout.readline().strip() == "waiting"
+                assert line_of(w).strip() == "waiting"
             time.sleep(1.0)  # every waiter is inside its Wait
             t0 = time.time()
             publish(holder, key, lease, data, mbps, digest_first)
             upload = time.time() - t0
             holder.stop_lease(key, lease)
-            rows = [json.loads(w.stdout.readline()) for w in waiters]
+            rows = [json.loads(line_of(w)) for w in waiters]
             for w in waiters:
                 w.wait(60)
             assert all(r["bytes"] == len(data) for r in rows)

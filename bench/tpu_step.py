@@ -67,8 +67,8 @@ def _count(event: str, **kwargs: object) -> None:
 durations: dict[str, list[float]] = {}
 
 
-def _duration(event: str, seconds: float, **kwargs: object) -> None:
-    durations.setdefault(event, []).append(seconds)
+def _duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
+    durations.setdefault(event, []).append(duration_secs)
 
 
 monitoring.register_event_listener(_count)

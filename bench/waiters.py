@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _servers import Stack
+from _servers import Stack, line_of, say
 
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.worker.inprocess.client import CacheClient, Identity
@@ -83,18 +83,17 @@ def one_round(target: str, coordinator_pid: int, n: int, size: int, data_waits: 
              for i in range(n)]
     try:
         for p in procs:
-            assert p.stdout.readline().startswith("waiting")
+            assert line_of(p).startswith("waiting")
         time.sleep(0.5)  # all in their waits
         holder.keepalive(key, resp.lease)
         busy = busy_cores(idle_s)
         holder.keepalive(key, resp.lease)
         data = os.urandom(size)
         for p in procs:
-            p.stdin.write("\n")
-            p.stdin.flush()
+            say(p, "\n")
         c0, t0 = cpu_s(coordinator_pid), time.time()
         holder.publish(key, resp.lease, data, 1.0)
-        outs = [json.loads(p.stdout.readline()) for p in procs]
+        outs = [json.loads(line_of(p)) for p in procs]
         c1 = cpu_s(coordinator_pid)
         assert all(o["bytes"] == size for o in outs), "a waiter did not get the bytes"
         return {"busy_cores_waiting": busy, "waiter_wake_ms": statistics.median(
@@ -109,7 +108,7 @@ def one_round(target: str, coordinator_pid: int, n: int, size: int, data_waits: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--n", type=int, default=63, help="waiting processes")
     ap.add_argument("--mb", type=float, default=1.4, help="artifact size (random bytes)")
     ap.add_argument("--rounds", type=int, default=2, help="pairs of rounds, alternating")

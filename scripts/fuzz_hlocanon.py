@@ -40,7 +40,7 @@ def build(out: Path) -> Path:
 
 def seeds() -> list[bytes]:
     sys.path.insert(0, str(ROOT / "tests"))
-    import test_hlocanon as t  # the hand-made module builder
+    import test_hlocanon as t  # pyright: ignore[reportMissingImports] (tests/, put on the path above)
 
     from compilecast.worker.keylib.keys import hlo_module_bytes
     out = [hlo_module_bytes(p.read_bytes())
@@ -70,6 +70,7 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
 
 def fuzz(so: Path, iterations: int, seed: int) -> None:
     spec = importlib.util.spec_from_file_location("_hlocanon", so)
+    assert spec is not None and spec.loader is not None, so
     native = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(native)
     from compilecast.worker.keylib import hlocanon

@@ -24,7 +24,7 @@ import sys
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--entry", required=True, help="package.module:function")
     ap.add_argument("--topology", required=True, help="the farm's target, e.g. v5litepod-16 or v5e:4x4")
     ap.add_argument("--platform", default="tpu")

@@ -1,11 +1,11 @@
 """Whether tools beyond mypy read the tree, as editors' language servers do
 (Pyright):
 
-- the product's code (compilecast, coordinator, worker) type-checks in
-  Pyright's basic mode (pyrightconfig.json): one line per error, and the
-  exit status 1 where there is one;
-- every import of compilecast's own modules resolves, in the product and in
-  tests/, bench/ and scripts/ too (read with types off: their imports only),
+- the product's code (compilecast, coordinator, worker), bench/ and
+  scripts/ type-check in Pyright's basic mode (pyrightconfig.json): one line
+  per error, and the exit status 1 where there is one;
+- every import of compilecast's own modules resolves, in those and in
+  tests/ too (read with types off: their imports only),
   as pyrightconfig.json points Pyright at the tree of links `make typecheck`
   lays out (build/typecheck: compilecast.worker.* is worker/*,
   compilecast.coordinator.* is coordinator/*). Other packages a checkout may
@@ -25,7 +25,7 @@ from pathlib import Path
 
 OURS = re.compile(r'Import "(compilecast(\.[\w.]+)?|\.[\w.]*)" could not be resolved')
 ROOT = Path(__file__).resolve().parent.parent
-AROUND = ["tests", "bench", "scripts"]  # read for their imports alone
+AROUND = ["tests"]  # read for its imports alone
 
 
 def report(pyright: str, config: Path) -> dict | None:
@@ -63,8 +63,9 @@ def main(pyright: str) -> int:
         if d not in errors:
             print(f"{where(d)}: {d['message']}", file=sys.stderr)
     files = typed["summary"]["filesAnalyzed"] + around["summary"]["filesAnalyzed"]
-    print(f"pyright read {files} files: the product's {typed['summary']['filesAnalyzed']} in "
-          f"basic mode, {len(errors)} errors; {len(unresolved)} imports of compilecast unresolved")
+    print(f"pyright read {files} files: the product's, bench's and scripts' "
+          f"{typed['summary']['filesAnalyzed']} in basic mode, {len(errors)} errors; "
+          f"{len(unresolved)} imports of compilecast unresolved")
     return 1 if errors or unresolved or not files else 0
 
 

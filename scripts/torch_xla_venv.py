@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     elif len(argv) == 4 and argv[0] == "venv":
         venv(Path(argv[1]), argv[2], Path(argv[3]))
     else:
-        print("usage:\n" + __doc__.split("\n\n")[2], file=sys.stderr)
+        print("usage:\n" + (__doc__ or "").split("\n\n")[2], file=sys.stderr)
         return 2
     return 0
 

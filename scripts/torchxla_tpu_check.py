@@ -57,7 +57,7 @@ def libtpu_path() -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--worker", default=os.environ.get("COMPILECAST_WORKER", ""))
     args = ap.parse_args()
