@@ -84,8 +84,8 @@ class CacheClient:
         upload = DataPlaneUpload(target, stall_s=stall_s) if tcp else None
         self.routes = Routes.of([tickets, local, self.growing if unix else None, handoff, plane,
                                  upload])
-        self.takers = Ends[Taker]([local, plane])  # a fetch's answer, and a wait's
-        self.waiters = Ends[DataPlane]([plane])
+        self.takers = Ends[Taker]([local, plane])  # what a fetch's answer names
+        self.waiters = Ends[DataPlane]([plane])  # where a wait goes on
         self.leases = LeaseKeepers(self.keepalive)
         self.publisher = Publisher(self.stub, target, self.routes, self.leases,
                                    tickets=tickets, senders=Ends[Sender]([handoff, upload]),
