@@ -154,12 +154,13 @@ class Ends(Generic[E]):
     def first(self, ladder: Ladder, size: int, where: str = "") -> E | None:
         """The end of the first way still open on `ladder` (toward `where`)
         that suits a transfer of `size` bytes, as the way and its end say."""
-        for way in ladder.ways:
+
+        def suits(way: Way) -> bool:
             end = self._by_route.get(way.route)
-            if end is not None and way.suits(size) and ladder.open(way, where) \
-                    and end.suits(size):
-                return end
-        return None
+            return end is not None and end.suits(size)
+
+        way = ladder.first(size, where, also=suits)
+        return None if way is None else self._by_route[way.route]
 
 
 class Routes:
@@ -266,9 +267,12 @@ class Ladder:
         return any(w.route is route and w.offers and getattr(request, w.offers, False)
                    for w in self.ways)
 
-    def first(self, size: int, where: str = "") -> Way | None:
-        """The first way still open that suits a transfer of `size` bytes."""
-        return next((w for w in self.ways if w.suits(size) and self.open(w, where)), None)
+    def first(self, size: int, where: str = "", *,
+              also: Callable[[Way], bool] = lambda way: True) -> Way | None:
+        """The first way still open that suits a transfer of `size` bytes (and
+        that `also` says suits it)."""
+        return next((w for w in self.ways if w.suits(size) and self.open(w, where) and also(w)),
+                    None)
 
     def handled(self, exc: Exception) -> bool:
         """Whether `exc` is a route's failure, taken (`failed`): the

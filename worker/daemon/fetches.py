@@ -52,7 +52,6 @@ from .upstream import (
 log = logging.getLogger("compilecast.worker.daemon.service")
 
 
-
 class HostFiles(RouteEnd):
     """This host's processes read the host cache's files themselves: the
     file a fetch is answered with, whole (LOCAL_FILE), or as a fill writes
