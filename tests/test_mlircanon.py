@@ -255,10 +255,16 @@ def test_dense_resource_constants_are_keyed_by_their_bytes_not_their_name():
 
 
 def test_attributes_nested_too_deeply_are_refused_by_both_walks():
-    deep = "[" * 300 + "1" + "]" * 300
-    text = f'module {{ func.func public @main() -> () attributes {{x = {deep}}} {{ return }} }}'
-    assert_both_walks_refuse(keys.parse_program(text.encode())[0], "nested too deeply")
-    assert keys.program_key(text.encode()).components["program_format"] == "raw"
+    """Both walks stop past MAX_NESTING; the key is then the canonical
+    bytecode's (still the program's: another value, another key)."""
+    def text(value: int) -> bytes:
+        deep = "[" * 300 + str(value) + "]" * 300
+        return f'module {{ func.func public @main() -> () attributes {{x = {deep}}} {{ return }} }}'.encode()
+
+    assert_both_walks_refuse(keys.parse_program(text(1))[0], "nested too deeply")
+    one, again, two = keys.program_key(text(1)), keys.program_key(text(1)), keys.program_key(text(2))
+    assert one.components["program_format"] == "mlir-text" and not one.unparsed
+    assert one.value == again.value != two.value
 
 
 BRANCHES = """module {

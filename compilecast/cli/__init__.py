@@ -382,7 +382,8 @@ def _add_inspect(sub) -> None:
 
     p = sub.add_parser("key", help="print the canonical key of program files (like sha256sum)")
     p.add_argument("files", nargs="+",
-                   help="HloProto/HloModuleProto, StableHLO text or MLIR bytecode (- for stdin)")
+                   help="HloProto/HloModuleProto, StableHLO text, MLIR bytecode or a "
+                        "StableHLO portable artifact (- for stdin)")
     p.add_argument("--include-metadata", action="store_true",
                    help="keep debug metadata and names in the key")
     p.add_argument("--raw", action="store_true",

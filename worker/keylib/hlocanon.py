@@ -368,9 +368,52 @@ def _renamed(rename: Callable[[bytes], bytes], entry: bytes) -> bytes:
     return out
 
 
-_QUOTED = re.compile(rb'"((?:[^"\\]|\\.)*)"')
 _MESH_AXIS = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*=\s*\d+')
 MESHES = b"xla.sdy.meshes"
+AXIS_SPANS = (b"#sdy", b"#stablehlo")  # the attributes whose quoted strings are mesh axes
+_NAME = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.$")
+
+
+def rename_axes(text: bytes, renames: dict[bytes, bytes], *, whole: bool = False) -> bytes:
+    """`text` (attributes as MLIR prints them) with the mesh axes renamed
+    where it names them as axes: a quoted string inside a Shardy attribute
+    (#sdy.mesh<...>, #sdy.sharding<...>, #sdy<manual_axes{...}>...) or a
+    StableHLO one that holds axis references. Every other quoted string (a
+    memory kind, a layout mode, a custom call's target, a frontend attribute,
+    a symbol @"name") stays as it is, whatever it spells: it is not an axis,
+    and renaming it would give two different programs one key. `whole`:
+    the text is all an axis span (an attribute that describes a mesh, as
+    stablehlo.mesh = {axes = [{name = "x", size = 2}]} does)."""
+    out = bytearray()
+    floor = 1 if whole else 0
+    i, n, depth = 0, len(text), floor  # depth: of < > inside an axis span
+    while i < n:
+        c = text[i]
+        if c == 0x22:  # a quoted string, to its closing quote (\-escapes inside)
+            j = i + 1
+            while j < n and text[j] != 0x22:
+                j += 2 if text[j] == 0x5C else 1
+            name = text[i + 1:j]
+            if depth and not (i and text[i - 1] == 0x40):  # (not a symbol: @"...")
+                name = renames.get(name, name)
+            out += b'"' + name + b'"'
+            i = j + 1
+            continue
+        if depth == 0 and c == 0x23 and text.startswith(AXIS_SPANS, i):
+            j = i + 1
+            while j < n and text[j] in _NAME:
+                j += 1
+            if j < n and text[j] == 0x3C:  # '<': the span begins
+                out += text[i:j + 1]
+                depth, i = 1, j + 1
+                continue
+        elif depth and c == 0x3C:
+            depth += 1
+        elif depth > floor and c == 0x3E and text[i - 1] != 0x2D:  # '>' (not an arrow's: ->)
+            depth -= 1
+        out.append(c)
+        i += 1
+    return bytes(out)
 
 
 def axis_renamer(module_bytes: bytes | memoryview) -> Callable[[bytes], bytes] | None:
@@ -420,7 +463,7 @@ def axis_renamer(module_bytes: bytes | memoryview) -> Callable[[bytes], bytes] |
                 key = entry[vs:ve]
             elif h == 2 and w == LEN:
                 value = entry[vs:ve]
-        value = _QUOTED.sub(lambda m: b'"' + renames.get(m.group(1), m.group(1)) + b'"', value)
+        value = rename_axes(value, renames)
         body = (varint((1 << 3) | LEN) + varint(len(key)) + key +
                 varint((2 << 3) | LEN) + varint(len(value)) + value)
         return varint(((2 + RENAMED) << 3) | SGROUP) + body + varint(((2 + RENAMED) << 3) | EGROUP)

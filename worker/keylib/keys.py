@@ -205,9 +205,14 @@ def _hlo_module_view(data: bytes) -> bytes | memoryview:
     raise ValueError("no module in the protobuf message")
 
 
+PORTABLE_PRODUCER = b"StableHLO_v"  # a portable artifact's producer, near its start
+
+
 def detect_format(data: bytes) -> str:
     if data.startswith(MLIR_BYTECODE_MAGIC):
-        return "mlir-bytecode"
+        # A StableHLO portable artifact (jax.export's module, what JAX hands
+        # a PJRT plugin): VHLO bytecode, read through StableHLO's own reader.
+        return "stablehlo-portable" if PORTABLE_PRODUCER in data[:64] else "mlir-bytecode"
     head = data[:4096]
     try:
         text = head.decode("utf-8")
@@ -319,6 +324,11 @@ def _rename_uses(module: Any, mapping: dict[str, str], taken: set[str]) -> None:
 def parse_program(data: bytes, fmt: str | None = None) -> tuple[Any, str]:
     """Parse into an MLIR module (in a fresh context); returns (module, format)."""
     fmt = fmt or detect_format(data)
+    if fmt == "stablehlo-portable":
+        try:
+            return jax_adapter.portable_artifact_module(data), fmt
+        except Exception:  # (its reader's any error): not one after all, plain bytecode
+            fmt = "mlir-bytecode"
     ctx = jax_adapter.mlir_context()
     with ctx:
         if fmt == "hlo-proto":
@@ -353,7 +363,9 @@ def canonicalize(module: Any, cfg: KeyConfig, *, copy: bool = True) -> Any:
 # JAX 0.12 lowers a psum inside shard_map.)
 _AXIS_ATTRS = frozenset({"mesh", "sharding", "arg_attrs", "res_attrs", "in_shardings",
                          "out_shardings", "manual_axes", "stablehlo.mesh", "replica_groups"})
-_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+# Of them, those whose every quoted string is an axis (a mesh described as a
+# dictionary); in the others only Shardy's attributes name axes (hlocanon.rename_axes).
+_MESH_ATTRS = frozenset({"stablehlo.mesh", "replica_groups"})
 _MESH_AXIS = re.compile(r'"((?:[^"\\]|\\.)*)"\s*=\s*\d+')
 
 
@@ -391,19 +403,23 @@ def mesh_axes_renamed(module: Any, renames: dict[str, str]) -> Iterator[None]:
 
     changed: list[tuple[Any, str, Any]] = []
 
-    def rename(text: str) -> str:
-        return _QUOTED.sub(lambda m: f'"{renames.get(m.group(1), m.group(1))}"', text)
+    by_bytes = {old.encode(): new.encode() for old, new in renames.items()}
+
+    def rename(text: str, name: str) -> str:
+        return hlocanon.rename_axes(text.encode(), by_bytes,
+                                    whole=name in _MESH_ATTRS).decode()
 
     def visit(op: Any) -> Any:
         attrs = op.attributes
+        shardy = op.name.startswith("sdy.")  # (its collectives' axes: gathering_axes...)
         for named in [attrs[i] for i in range(len(attrs))]:
             name = named.name
-            if name not in _AXIS_ATTRS and not name.startswith("sdy."):
+            if not shardy and name not in _AXIS_ATTRS and not name.startswith("sdy."):
                 continue
             text = str(named.attr)
             if name in ("arg_attrs", "res_attrs") and "#sdy." not in text:
                 continue
-            new = rename(text)
+            new = rename(text, name)
             if new != text:
                 changed.append((op, name, named.attr))
                 attrs[name] = ir.Attribute.parse(new)
@@ -463,6 +479,8 @@ def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
                              mosaic.kernel_part)
         except mlircanon.ResourceRefused:  # blobs outside attributes: the bytecode has them
             h = _Counted(b"resources\n" + _bytecode(canonicalize(module, cfg, copy=True)))
+        except mlircanon.NestingRefused:  # deeper than the walk goes: the same, by bytecode
+            h = _Counted(b"nested\n" + _bytecode(canonicalize(module, cfg, copy=True)))
     text = None
     if keep_text:  # only for explain: the canonical module as MLIR prints it
         text = mosaic.readable(
@@ -473,8 +491,8 @@ def program_digest(module: Any, cfg: KeyConfig, *, keep_text: bool = False,
 # -- keys ----------------------------------------------------------------------
 
 def program_key(data: bytes, cfg: KeyConfig | None = None, *, keep_text: bool = False) -> Key:
-    """The key of a program file (HloProto/HloModuleProto, StableHLO text or
-    MLIR bytecode). Only program-level components: a file carries no
+    """The key of a program file (HloProto/HloModuleProto, StableHLO text,
+    MLIR bytecode or a StableHLO portable artifact). Only program-level components: a file carries no
     platform, flags or topology."""
     cfg = cfg or _default_config()
     key = Key()

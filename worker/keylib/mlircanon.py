@@ -33,9 +33,11 @@ from typing import Any
 
 from .mlirwalk import (  # noqa: F401 (the reference walk, as the gate's callers name it)
     MAX_NESTING,
+    NESTED_REFUSED,
     RESOURCE_REFUSED,
     STREAM_VERSION,
     BindingsRefused,
+    NestingRefused,
     ResourceRefused,
     ir_bindings,
     private_renames,
@@ -300,13 +302,16 @@ def stream(module: Any, hasher: Any, ignore: frozenset[str],
     """The canonical stream of `module` into `hasher`, by the fastest path
     this process may use; ResourceRefused for a module with dense_resource
     constants. renames None: the module's private_renames (found in C on
-    the C path). kernel: as stream_py."""
+    the C path). kernel: as stream_py. NestingRefused for a module nested
+    deeper than MAX_NESTING."""
     if native_ready():
         try:
             _native.canonical_stream(module._CAPIPtr, hasher, ignore, renames, kernel)
         except ValueError as e:
             if str(e) == RESOURCE_REFUSED:
                 raise ResourceRefused(str(e)) from None
+            if str(e) == NESTED_REFUSED:
+                raise NestingRefused(str(e)) from None
             raise
     else:
         stream_py(module, hasher, ignore, renames, kernel)

@@ -73,6 +73,15 @@ class BindingsRefused(ValueError):
     walk compiles such a program locally; the C walk keys it."""
 
 
+NESTED_REFUSED = "operations or attributes nested too deeply"
+
+
+class NestingRefused(ValueError):
+    """A module nested deeper than MAX_NESTING: the walk stops (its recursion
+    is bounded); keys.program_digest keys such a module by its canonicalized
+    bytecode."""
+
+
 class ResourceRefused(ValueError):
     """A module whose constants live in resources: their printed form names a
     blob without its bytes, so the walk refuses it (keys.program_digest keys
@@ -191,7 +200,7 @@ class _Stream:
         if self.intern(self.attrs, a):
             self.attr_depth += 1
             if self.attr_depth > MAX_NESTING:
-                raise ValueError("operations or attributes nested too deeply")
+                raise NestingRefused(NESTED_REFUSED)
             self.attr_content(a)
             self.attr_depth -= 1
 
@@ -361,7 +370,7 @@ class _Stream:
 
     def op(self, op: Any, depth: int) -> None:
         if depth > MAX_NESTING:
-            raise ValueError("operations or attributes nested too deeply")
+            raise NestingRefused(NESTED_REFUSED)
         opname = op.name
         if opname in ("stablehlo.constant", "stablehlo.convert") and self.elided(op, opname):
             return

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 PJRT_KEY_VERSION = "pjrt-3"
 MAX_PLUGIN_BYTES = 2 << 30  # a plugin library larger than this is keyed by its path and size
-PORTABLE_PRODUCER = b"StableHLO_v"  # a portable artifact's producer, near its start
 
 
 @dataclass
@@ -104,16 +103,8 @@ def _digest(data: bytes | str) -> str:
 
 def program_component(program: bytes, fmt: str) -> tuple[str, str, str]:
     """(digest, format, why it was keyed raw or "") of the program a plugin
-    is given: MLIR (a portable artifact, else plain bytecode or text) or an
-    HLO proto."""
-    if fmt == "mlir" and PORTABLE_PRODUCER in program[:64]:
-        try:
-            module = jax_adapter.portable_artifact_module(program)
-        except Exception:  # not a portable artifact: plain MLIR, read as any program file
-            pass
-        else:
-            digest, _, _ = keys.program_digest(module, keys.default_config(), copy=False)
-            return digest, "stablehlo-portable", ""
+    is given: MLIR (a portable artifact, plain bytecode or text) or an HLO
+    proto, keyed as any program file is (keys.program_key)."""
     key = keys.program_key(program)
     return key.components["program"], key.components["program_format"], key.unparsed
 
