@@ -647,6 +647,12 @@ class _SettingsLoader(yaml.SafeLoader):
                 raise yaml.YAMLError(f"more than {MAX_YAML_ALIASES} aliases")
         return super().compose_node(parent, index)
 
+    def construct_yaml_int(self, node):  # type: ignore[no-untyped-def]
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # longer than Python reads: its digits, as the environment has them
+            return self.construct_scalar(node)
+
     def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
         seen = set()
         for key_node, _ in node.value:
@@ -657,6 +663,9 @@ class _SettingsLoader(yaml.SafeLoader):
                                          f"(line {key_node.start_mark.line + 1})")
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+_SettingsLoader.add_constructor("tag:yaml.org,2002:int", _SettingsLoader.construct_yaml_int)
 
 
 def read_yaml(path: str, what: str, max_bytes: int = MAX_SETTINGS_FILE) -> Any:

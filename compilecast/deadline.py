@@ -15,7 +15,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from compilecast.errors import InvalidRequest
+
 FOREVER = float("inf")
+MOST_MS = 7 * 24 * 3600 * 1000  # the longest wait any server takes a request's word for
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,16 @@ class Deadline:
     def after_ms(cls, ms: int) -> Deadline:
         """`ms` from now; 0 or less: unbounded (a request's "the server's own")."""
         return cls.after_s(ms / 1000.0) if ms > 0 else cls(FOREVER, FOREVER)
+
+    @classmethod
+    def asked(cls, ms: int, own_ms: int = 0) -> Deadline:
+        """A request's `timeout_ms` as a server's edge reads it: 0 is the
+        server's own share-binary timeout (`own_ms`; 0: none), more is bounded
+        by it, and every wait by MOST_MS; a negative one is InvalidRequest."""
+        if ms < 0:
+            raise InvalidRequest(f"timeout_ms must be >= 0 (0: the server's own), not {ms}")
+        most = min(own_ms, MOST_MS) if own_ms > 0 else MOST_MS
+        return cls.after_ms(min(ms, most) if ms else (own_ms and most))
 
     @classmethod
     def of(cls, within: Deadline | float) -> Deadline:

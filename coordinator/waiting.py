@@ -17,7 +17,6 @@ from typing import Any, Protocol
 from compilecast import validate
 from compilecast.deadline import Deadline
 from compilecast.errors import (
-    InvalidRequest,
     Unavailable,
 )
 from compilecast.serving import Background
@@ -128,9 +127,7 @@ class Waiting:
         with. (The replica's edge: from here the wait carries the deadline.)"""
         validate.key(key)
         validate.requester(req)
-        if timeout_ms < 0:
-            raise InvalidRequest("timeout_ms must be >= 0")
-        return Deadline.after_ms(timeout_ms or self.settings.share_binary_between_hosts_timeout_ms)
+        return Deadline.asked(timeout_ms, self.settings.share_binary_between_hosts_timeout_ms)
 
     async def wait(self, key: str, req: pb.Requester, within: int | Deadline, *,
                    tenant: str = DEFAULT_TENANT, may_publish: bool = True

@@ -294,7 +294,14 @@ def test_numbers_too_large_for_a_setting_are_refused_in_one_line(tmp_path):
     assert "cache_max_bytes" in _refused(env_over={"COMPILECAST_CACHE_MAX_BYTES": "9" * 30 + "Gi"})
     huge = tmp_path / "huge.yaml"  # more digits than Python reads an int of
     huge.write_text(f"cache_max_bytes: {'7' * 5000}\n")
-    assert "cannot be read" in _refused(file=str(huge))
+    from_file = _refused(file=str(huge))
+    from_env = _refused(env_over={"COMPILECAST_CACHE_MAX_BYTES": "7" * 5000})
+    # The same message from a file as from the environment, never Python's advice.
+    assert "set_int_max_str_digits" not in from_file and len(from_file) < 300
+    assert from_file.split(" from ")[0] == from_env.split(" from ")[0], (from_file, from_env)
+    huge.write_text(f"metrics_port: {'7' * 5000}\n")
+    message = _refused(file=str(huge))
+    assert "metrics_port=" in message and "not an integer" in message
     assert "rpc_timeout_s" in _refused(flags={"rpc_timeout_s": "9" * 5000})
 
 

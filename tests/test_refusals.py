@@ -123,6 +123,49 @@ def test_wait_with_negative_timeout_is_invalid(coordinator):
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+BIG_TIMEOUTS = [2**63 - 1, 10**15]
+
+
+@pytest.mark.parametrize("timeout_ms", BIG_TIMEOUTS)
+def test_a_wait_lasts_no_longer_than_the_coordinators_own_timeout(start_coordinator,
+                                                                   timeout_ms):
+    """A request's timeout_ms past the replica's share-binary timeout is
+    bounded by it: the wait ends there, as one that asked for nothing."""
+    coordinator = start_coordinator(share_binary_between_hosts_timeout_ms=700)
+    a, b = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
+    a.keep_lease("k", a.acquire("k").lease)
+    events = list(b.stub.Wait(pb.WaitRequest(key="k", timeout_ms=timeout_ms,
+                                             requester=pb.Requester(process_id=1)), timeout=60))
+    assert events[-1].decision == pb.COMPILE_LOCALLY, events
+    assert "0.7s" in events[-1].reason, events[-1].reason
+
+
+@pytest.mark.parametrize("timeout_ms", [-1, -(2**63)])
+def test_a_worker_refuses_a_negative_timeout_as_the_coordinator_does(coordinator, start_worker,
+                                                                     timeout_ms):
+    worker = start_worker(coordinator.cfg.listen)
+    for target in (coordinator.cfg.listen, worker.cfg.listen):
+        code, _ = code_of(lambda t=target: list(client(t).stub.Wait(
+            pb.WaitRequest(key="k", timeout_ms=timeout_ms), timeout=30)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, target
+
+
+@pytest.mark.parametrize("timeout_ms", BIG_TIMEOUTS)
+@pytest.mark.parametrize("own_ms", [0, 700])
+def test_a_worker_bounds_a_huge_timeout(start_coordinator, start_worker, timeout_ms, own_ms):
+    """No value reaches a traceback: the worker's own share-binary timeout
+    bounds the wait, or (none set) the coordinator's does, and what is left
+    of it fits the wire's int64 on the way up."""
+    coordinator = start_coordinator(share_binary_between_hosts_timeout_ms=700)
+    worker = start_worker(coordinator.cfg.listen, share_binary_between_hosts_timeout_ms=own_ms)
+    a = client(coordinator.cfg.listen)
+    a.keep_lease("k", a.acquire("k").lease)
+    events = list(client(worker.cfg.listen).stub.Wait(
+        pb.WaitRequest(key="k", timeout_ms=timeout_ms, requester=pb.Requester(process_id=1)),
+        timeout=60))
+    assert events[-1].decision == pb.COMPILE_LOCALLY and "0.7s" in events[-1].reason, events
+
+
 def test_publish_without_the_lease_is_refused_and_stores_nothing(coordinator):
     holder, other = client(coordinator.cfg.listen), client(coordinator.cfg.listen)
     lease = holder.acquire("k").lease

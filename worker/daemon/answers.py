@@ -72,21 +72,18 @@ class Answers:
         assert all(a is not None for a in answers)  # (upstream answers the rest)
         return [a for a in answers if a is not None]
 
-    def bounded(self, request: pb.WaitRequest) -> pb.WaitRequest:
-        """The wait within the operator's share-binary timeout for this host."""
+    def deadline(self, request: pb.WaitRequest) -> Deadline:
+        """When a process's wait ends: as it asks, within the operator's
+        share-binary timeout for this host (the worker's edge)."""
         validate.key(request.key)
-        if self.share_binary_timeout_ms > 0:
-            request.timeout_ms = min(request.timeout_ms or self.share_binary_timeout_ms,
-                                     self.share_binary_timeout_ms)
-        return request
+        return Deadline.asked(request.timeout_ms, self.share_binary_timeout_ms)
 
     async def wait(self, ns: str, md: tuple, request: pb.WaitRequest,
-                   until_publishing: bool, deadline: Deadline | None = None) -> pb.WaitEvent:
-        """A wait (`bounded` already), shared with this host's other waits
-        for the key, over the job's stream or else the Decide stream (a
-        message, not a call of its own), by `deadline` (default: as the
-        request says); an unreachable coordinator means COMPILE_LOCALLY."""
-        within = deadline if deadline is not None else Deadline.after_ms(request.timeout_ms)
+                   until_publishing: bool, within: Deadline) -> pb.WaitEvent:
+        """A wait, shared with this host's other waits for the key, over the
+        job's stream or else the Decide stream (a message, not a call of its
+        own), by `within` (`deadline`); an unreachable coordinator means
+        COMPILE_LOCALLY."""
 
         async def one(req: pb.WaitRequest, until: bool) -> pb.WaitEvent:
             jobs = self.jobs

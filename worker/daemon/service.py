@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 
 from compilecast import decideserve, validate
-from compilecast.deadline import Deadline
 from compilecast.errors import CompilecastError, Unauthenticated, Unimplemented, UpstreamError
 from compilecast.grpcutil import rpc_errors, token_from, unreachable
 from compilecast.v1 import cache_pb2 as pb
@@ -61,15 +60,14 @@ class WorkerService(rpc.CompileCacheServicer):
         ns, md = self.link.credential(context)
         async for answer in decideserve.serve(
                 request_iterator, lambda rs: self.answers.decide(ns, md, rs),
-                wait=lambda r, until: self.answers.wait(ns, md, self.answers.bounded(r), until),
+                wait=lambda r, until: self.answers.wait(ns, md, r, until, self.answers.deadline(r)),
                 streams=self.streams):
             yield answer
 
     @rpc_errors
     async def Wait(self, request, context):
         ns, md = self.link.credential(context)
-        request = self.answers.bounded(request)
-        deadline = Deadline.after_ms(request.timeout_ms)  # (the wait's, from here on)
+        deadline = self.answers.deadline(request)  # (the wait's, from here on)
         event = await self.answers.wait(ns, md, request, True, deadline)
         yield event
         if event.decision != pb.WAIT:
