@@ -31,6 +31,16 @@ MESSAGE_OPTIONS = [
 # ("connection refused", from the old server's last attempt) until an older
 # channel's backoff ran out.
 CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+# A worker's channel to a peer (a relay) pings it while calls are open: a peer
+# that stops without closing (a paused VM, a stopped process) is let go after
+# KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS, and its calls fail (servers accept a
+# ping as often as every PING_EVERY_MS: serving.SERVER_OPTIONS).
+KEEPALIVE_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+PING_EVERY_MS = 10_000
+PEER_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_MS),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                ("grpc.http2.max_pings_without_data", 0)]
 
 
 # Why a connection could not be made, as gRPC's details say it (the OS's

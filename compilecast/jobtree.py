@@ -17,6 +17,16 @@ the last seq it heard, and gets what followed: nothing replayed, nothing
 skipped. A node that no longer holds what followed says so, and the host
 asks again for what it still waits for: a relay's death costs its subtree
 a reconnect, never an answer.
+
+A node that stops without closing its connections (a VM paused, a process
+stopped, a partition) says nothing more, so every stream says something
+while it lives: a node with nothing to send sends an empty message after
+HEARTBEAT_S (its outbox's `next`), and a host with nothing to ask sends an
+empty request as often. A host that hears nothing on its stream for
+SILENT_S (`heard`) takes its relay for frozen and opens its stream again at
+the coordinator with the last news it heard; a node that hears nothing for
+as long from a child that relays ends that child's stream, so that no
+newcomer is placed under it.
 """
 
 from __future__ import annotations
@@ -25,10 +35,10 @@ import asyncio
 import collections
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from compilecast import validate
-from compilecast.errors import InvalidRequest, TooMany
+from compilecast.errors import InvalidRequest, TooMany, Unavailable
 from compilecast.v1 import cache_pb2 as pb
 
 FANOUT = 32  # a node's streams of one job (then newcomers go down the tree)
@@ -37,6 +47,31 @@ LOG_BYTES = 16 << 20  # and at most these bytes of it
 QUEUED = 1024  # messages a stream has not sent yet; past it the stream is ended
 MAX_WAITS = 1000  # keys a stream's message may name
 MAX_HOSTS = 1 << 20  # hosts a stream may say it serves
+HEARTBEAT_S = 3.0  # a stream with nothing to say this long says an empty message
+SILENT_S = 10.0  # a stream that heard nothing at all this long: its peer is taken for frozen
+HEARTBEAT = b""  # (an empty JobEvents: nothing, but from a node that lives)
+
+
+class Silent(Unavailable):
+    """Nothing heard on a stream for SILENT_S: its peer lives no more as far
+    as the stream can tell (frozen, or cut off without a close)."""
+
+
+_T = TypeVar("_T")
+
+
+async def heard(messages: AsyncIterator[_T], silent_s: float = SILENT_S) -> AsyncIterator[_T]:
+    """`messages` as they come; Silent where none came for `silent_s`."""
+    it = messages.__aiter__()
+    while True:
+        try:
+            message = await asyncio.wait_for(it.__anext__(), silent_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise Silent(f"nothing heard on the stream for {silent_s:.0f}s: its peer is "
+                         "taken for frozen") from None
+        yield message
 
 
 class NewsLog:
@@ -146,14 +181,21 @@ class Outbox:
         self.open = False
         self._ready.set()
 
-    async def next(self) -> bytes | None:
+    async def next(self, heartbeat_s: float | None = None) -> bytes | None:
         """What to write next (news waiting joined), or None: the stream ends
-        (what was queued before its end is written first)."""
+        (what was queued before its end is written first); HEARTBEAT where
+        nothing came for `heartbeat_s`."""
         while not self._items:
             if not self.open:
                 return None
             self._ready.clear()
-            await self._ready.wait()
+            if heartbeat_s is None:
+                await self._ready.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._ready.wait(), heartbeat_s)
+            except TimeoutError:
+                return HEARTBEAT
         first = self._items.popleft()
         if not isinstance(first, bytes):
             data = first.SerializeToString()
@@ -179,15 +221,22 @@ def opened(log: NewsLog, first: pb.JobWatchRequest, outbox: Outbox) -> pb.JobEve
 
 
 async def sent(outbox: Outbox, reader: asyncio.Future, slow: str) -> AsyncIterator[bytes]:
-    """A stream's messages to its end; then what ended its `reader` (its
-    requests), or TooMany where its reader fell `outbox.bound` behind
-    (`slow`: what its host is to do)."""
-    while (data := await outbox.next()) is not None:
+    """A stream's messages to its end (a HEARTBEAT after HEARTBEAT_S of
+    nothing); then what ended its `reader` (its requests), or TooMany where
+    its reader fell `outbox.bound` behind (`slow`: what its host is to do)."""
+    while (data := await outbox.next(HEARTBEAT_S)) is not None:
         yield data
     if reader.done() and not reader.cancelled() and (exc := reader.exception()) is not None:
         raise exc
     if outbox.behind:
         raise TooMany(f"the stream was read too slowly ({outbox.bound} messages unsent); {slow}")
+
+
+def requests_of(first: pb.JobWatchRequest, it: AsyncIterator[pb.JobWatchRequest]
+                ) -> AsyncIterator[pb.JobWatchRequest]:
+    """A child's requests after its first, as a node reads them: a child that
+    relays (others hang from it) and says nothing for SILENT_S is Silent."""
+    return heard(it) if first.relay_address else it
 
 
 def checked(message: pb.JobWatchRequest, job: str) -> int:

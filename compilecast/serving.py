@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
 from compilecast.decideserve import Streams
-from compilecast.grpcutil import MESSAGE_OPTIONS, add_service
+from compilecast.grpcutil import MESSAGE_OPTIONS, PING_EVERY_MS, add_service
 from compilecast.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,8 @@ MAX_PENDING_CALLS = 32_768  # calls arrived and not yet picked up (gRPC core's s
 MAX_PENDING_CALLS_HARD = 40_960  # past it gRPC core refuses every new call
 SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0),
                   ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-                  ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS_HARD)]
+                  ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS_HARD),
+                  ("grpc.http2.min_recv_ping_interval_without_data_ms", PING_EVERY_MS)]
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CompileCache"].full_name
 

@@ -321,7 +321,8 @@ class JobWatches:
         if opening.resumed:
             self.resumed += 1
             self.metrics.job_stream_events.labels("resumed").inc()
-        reader = asyncio.ensure_future(self._read(job, me, first, it))
+        reader = asyncio.ensure_future(self._read(job, me, first,
+                                                  jobtree.requests_of(first, it).__aiter__()))
         try:
             yield opening
             async for data in jobtree.sent(me.outbox, reader, "open the stream again, and "

@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 
+from compilecast import jobtree
 from compilecast.coordinator.jobwatch import Gather
 from compilecast.jobtree import Branch, NewsLog, Outbox, place
 from compilecast.launch import free_port
@@ -101,6 +102,40 @@ def test_a_gather_leaves_at_its_cadence_while_news_flows_and_soon_after_it_pause
     # one token left at 1.0 and one back since: two soon; then each waits for
     # its token (0.6 of one back after 0.7 s, then 0.3 of one after 0.3 s)
     assert ends == [pytest.approx(x) for x in (0.1, 0.1, 0.5, 0.8)]
+
+
+def test_an_idle_stream_says_it_lives_and_a_silent_one_is_taken_for_frozen():
+    """A node with nothing to send sends an empty message after its
+    heartbeat; a reader that hears nothing for its limit gives up (Silent),
+    and one that hears heartbeats never does."""
+    from compilecast.errors import Unavailable
+
+    async def run() -> tuple:
+        box = Outbox()
+        beat = await box.next(0.05)  # nothing queued: a heartbeat
+        box.send(b"news")
+        news = await box.next(0.05)
+        gate = asyncio.Event()
+
+        async def frozen():
+            yield pb.JobEvents(seq=1)
+            await gate.wait()  # (says nothing more, never ends)
+            yield pb.JobEvents(seq=2)
+
+        got = []
+        with pytest.raises(Unavailable, match="frozen"):
+            async for m in jobtree.heard(frozen(), silent_s=0.2):
+                got.append(m.seq)
+
+        async def beating():
+            for _ in range(6):
+                await asyncio.sleep(0.05)  # (a heartbeat: well within the limit)
+                yield pb.JobEvents()
+
+        beats = [m async for m in jobtree.heard(beating(), silent_s=0.5)]
+        return beat, news, got, len(beats)
+
+    assert asyncio.run(run()) == (jobtree.HEARTBEAT, b"news", [1], 6)
 
 
 def test_an_outbox_past_its_bound_ends_its_stream():
@@ -213,9 +248,12 @@ class Target:
         self.target = target
 
 
-@pytest.mark.parametrize("kill", ["SIGKILL"])
+@pytest.mark.parametrize("kill", ["SIGKILL", "SIGSTOP"])
 def test_a_relay_killed_mid_job_costs_its_subtree_a_reconnect_never_an_answer(
         start_coordinator, tmp_path, kill):
+    """A relay that dies (its connections closed) or freezes (SIGSTOP: still
+    connected, saying nothing): the host below it resumes the news at the
+    coordinator, and every HIT comes, none compiled, nothing named again."""
     coordinator = start_coordinator(job_stream_fanout=1)
     relay, relay_sock = worker_process(coordinator.cfg.listen, tmp_path, "relay", free_port())
     procs = [relay]
@@ -245,7 +283,8 @@ def test_a_relay_killed_mid_job_costs_its_subtree_a_reconnect_never_an_answer(
                 if i == n // 2:  # mid-job: the relay dies
                     eventually(lambda: len(done) == n // 2, "half the job's hits", 120)
                     os.kill(relay.pid, getattr(signal, kill))
-                    relay.wait(30)
+                    if kill == "SIGKILL":  # (a stopped one stays, frozen, connected)
+                        relay.wait(30)
                 got = decided(designated, me, key)
                 assert got.kind == "COMPILE", got
                 designated.publish(key, got.lease, artifacts[key], 1.0)
@@ -258,12 +297,15 @@ def test_a_relay_killed_mid_job_costs_its_subtree_a_reconnect_never_an_answer(
         # it named nothing, and sent no key upstream.
         assert after.stream_resumes == 1 and after.stream_restarts == 0
         assert watches.resumed >= 1
-        assert watches.named == named
+        # (through a frozen relay's silence, the one key its process waited for
+        # then was named, once: NAME_AFTER_S is shorter than SILENT_S)
+        assert watches.named - named <= (1 if kill == "SIGSTOP" else 0)
         metrics = CacheClient(below_sock).status()
         assert metrics.prefetches
     finally:
         for p in procs:
             if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
                 p.terminate()
                 p.wait(30)
 

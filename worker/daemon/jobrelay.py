@@ -105,7 +105,8 @@ class Subtree:
         me = _Child(Branch(first.relay_address))
         self.children.add(me)
         opening = jobtree.opened(self.up.log, first, me.outbox)
-        reader = asyncio.ensure_future(self._read(me, first, requests))
+        reader = asyncio.ensure_future(self._read(me, first,
+                                                  jobtree.requests_of(first, requests).__aiter__()))
         try:
             yield opening
             async for data in jobtree.sent(me.outbox, reader, "open the stream again"):

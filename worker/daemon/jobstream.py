@@ -22,7 +22,9 @@ was open is opened again at once with the last news it heard (its waits are
 kept meanwhile): where the news is still held, it resumes after it; where
 not, the host names again what it waits for. Only when that reconnect
 fails do its waits go upstream, and it is opened again after a pause
-(retry.JOB_STREAM). A worker that relays (relay_address) serves its own
+(retry.JOB_STREAM). A stream that hears nothing, not even a heartbeat, for
+jobtree.SILENT_S is taken for broken the same way; where a relay served it,
+the coordinator serves it next (a frozen relay is never waited out). A worker that relays (relay_address) serves its own
 subtree of the job's streams (worker/daemon/jobrelay.py): it names its
 children's keys upstream once, and says its subtree's first-ranked process.
 """
@@ -89,6 +91,7 @@ class JobStream:
         self._outbox: list[pb.WaitRequest] = []
         self._more = asyncio.Event()
         self._releases: set[asyncio.Future[None]] = set()
+        self._direct = False  # its relay fell silent: opened again at the coordinator
         self._task = asyncio.ensure_future(self._run())
 
     async def placed(self, within_s: float) -> str:
@@ -184,7 +187,7 @@ class JobStream:
 
     async def _follow(self) -> None:
         """One stream, at the coordinator or at the relay it points to, to its end."""
-        target, direct = "", False
+        target, direct, self._direct = "", self._direct, False
         for hop in range(MAX_HOPS + 1):
             stub = self.link.peer(target) if target else self.link.up
             call = stub.WatchJob(self._requests(direct or hop == MAX_HOPS), metadata=self.md)
@@ -203,8 +206,15 @@ class JobStream:
                     target = opening.relay_from
                     continue
                 self._opened(opening, target)
-                async for events in messages:
-                    self._take(events)
+                try:
+                    async for events in jobtree.heard(messages):
+                        self._take(events)
+                except jobtree.Silent:
+                    if target:  # a frozen relay: its parent serves this stream now
+                        log.info("job %s: relay %s fell silent; the coordinator serves "
+                                 "the stream", self.job, target)
+                        self._direct = True
+                    raise
                 return
             except StopAsyncIteration:
                 return
@@ -242,7 +252,11 @@ class JobStream:
                                  since_epoch=self.log.epoch, since_seq=self.log.seq,
                                  direct=direct, requester=rank, hosts=hosts)
         while True:
-            await self._more.wait()
+            try:  # (nothing to say: an empty request, that this host lives)
+                await asyncio.wait_for(self._more.wait(), jobtree.HEARTBEAT_S)
+            except TimeoutError:
+                yield pb.JobWatchRequest()
+                continue
             self._more.clear()
             rank, said = self._rank(), pb.JobWatchRequest()
             if rank is not None and (self._said_first is None

@@ -12,7 +12,7 @@ import grpc
 
 from compilecast import wire
 from compilecast.errors import Status, UpstreamError
-from compilecast.grpcutil import aio_channel, bearer, status, token_from
+from compilecast.grpcutil import PEER_OPTIONS, aio_channel, bearer, status, token_from
 from compilecast.rpcedge import aedged
 from compilecast.v1 import cache_pb2 as pb
 from compilecast.v1 import cache_pb2_grpc as rpc
@@ -51,7 +51,7 @@ class CoordinatorLink:
 
     def peer(self, address: str) -> rpc.CompileCacheAsyncStub:
         if address not in self._peers:
-            channel = aio_channel(address, self.peer_credentials)
+            channel = aio_channel(address, self.peer_credentials, PEER_OPTIONS)
             self._peers[address] = (channel, aedged(wire.stub(channel), relayed))
         return self._peers[address][1]
 
