@@ -57,6 +57,7 @@ if not args.no_compilecast:
         time_calls(cache.client, phases, start, ("acquire", "wait", "fetch", "wait_and_fetch",
                                                  "publish"))
 
+jax.devices()  # (the devices open at start, as a job's mesh opens them)
 params, x, y = make_inputs(args.layers, args.width)
 step = make_step()
 if args.distributed:

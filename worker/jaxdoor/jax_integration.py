@@ -47,6 +47,8 @@ from ..inprocess import policy
 from ..inprocess.client import CacheClient, ClientShell, Identity
 from ..keylib import keys
 from ..xla import jax_adapter
+from .preload import ENV as PRELOAD_ENV
+from .preload import Preloads
 from .releases import Releases
 
 log = logging.getLogger("compilecast.jax")
@@ -77,8 +79,10 @@ class Stats:
     # process that runs for days keeps compiling new shapes).
     reasons: deque[str] = field(default_factory=lambda: deque(maxlen=REASONS_KEPT))
 
+    preloads: dict[str, Any] = field(default_factory=dict)  # (preload.PreloadStats, as a dict)
+
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__, reasons=list(self.reasons))
+        return dict(self.__dict__, reasons=list(self.reasons), preloads=dict(self.preloads))
 
 
 @dataclass
@@ -114,6 +118,27 @@ class CompilecastCache(jax_adapter.CacheInterface):
         self._down_until = 0.0
         self._releases = Releases()
         self._autotune_dirs: dict[tuple, str] = {}
+        self.preloads: Preloads | None = None  # (preload_job: once the devices are open)
+
+    # -- the preload (worker/jaxdoor/preload.py) ----------------------------
+    def preload_job(self, job: str) -> Preloads:
+        """Load the job's programs this process ran before on background
+        threads, from when the devices open (never opens them itself)."""
+        self.preloads = Preloads(_WorkerSource(self.client), jax_adapter.load_executable,
+                                 jax_adapter.ours)
+        preloads = self.preloads
+        jax_adapter.when_devices_open(lambda: preloads.start(job))
+        return preloads
+
+    def preloaded(self, key: str) -> tuple[Any, int] | None:
+        """The executable of `key` loaded ahead (jax_adapter's hook), or None."""
+        if self.preloads is None:
+            return None
+        loaded = self.preloads.take(key)
+        if loaded is not None:
+            self.stats.hits += 1
+            log.info("compilecast: %s taken preloaded", key, extra={"key": key})
+        return loaded
 
     # -- identity and settings --------------------------------------------
     def _identity(self, program: jax_adapter.Program | None) -> Identity:
@@ -451,6 +476,24 @@ class CompilecastCache(jax_adapter.CacheInterface):
                                                     pb.BELOW_THRESHOLD, why or ""))
 
 
+class _WorkerSource:
+    """A process's preloads from its worker: the job's recipes, and each
+    artifact's bytes (verified against its digest, as any read)."""
+
+    def __init__(self, client: CacheClient) -> None:
+        self.client = client
+
+    def recipes(self, job: str) -> list[pb.Recipe]:
+        return self.client.list_recipes(job)
+
+    def fetch(self, key: str) -> bytes:
+        return self.client.fetch(key)[1]
+
+
+def preload_wanted() -> bool:
+    return os.environ.get(PRELOAD_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 active_cache: CompilecastCache | None = None
 
 
@@ -473,6 +516,8 @@ def enable(target: str | None = None, *, timeout_ms: int | None = None,
             tracing.configure(os.environ.get(tracing.ENV, ""), "compilecast-jax")
         cache = CompilecastCache(target, timeout_ms=timeout_ms, job=job)
         jax_adapter.install(cache, cache)
+        if job and preload_wanted():
+            cache.preload_job(job[:128])
         try:
             keys.prepare()  # the first key's once-per-process work, off the compile's path
         except Exception as exc:  # the first key tries again (and falls back) itself
@@ -500,6 +545,8 @@ def stats() -> dict[str, Any]:
     if active_cache is None:
         return {}
     active_cache._releases.flush()
+    if active_cache.preloads is not None:
+        active_cache.stats.preloads = dict(active_cache.preloads.stats.__dict__)
     return active_cache.stats.as_dict()
 
 

@@ -20,7 +20,10 @@ JAX's persistent compilation cache has no public plugin hook. We use:
   one writer, the others wait for it, and it is stored, so a restarted job
   compiles with the same profile (JAX's own exchange is the fallback);
 - `combine_executable_and_time` / `compress_executable`, to write entries in
-  exactly JAX's own format;
+  exactly JAX's own format, and their inverses with the backend's
+  `deserialize_executable` to load one ahead (`load_executable`, the
+  preload: worker/jaxdoor/preload.py), once `xla_bridge`'s backends are open
+  (`when_devices_open`); a JAX release without them loses the preload only;
 - `jax._src.compilation_cache.get_cache_key`, replaced by compilecast's
   canonical key (worker/keylib/keys.py), which is identical on every process of a
   job and ignores names and debug metadata;
@@ -61,6 +64,7 @@ from jax._src import compilation_cache as _cc
 from jax._src import compiler as _compiler
 from jax._src import config as _config
 from jax._src import distributed as _distributed
+from jax._src import xla_bridge as _xb
 from jax._src.compilation_cache_interface import CacheInterface
 from jax._src.interpreters import mlir as _mlir
 from jax._src.lib import _jax
@@ -413,6 +417,9 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
 
         def _cache_read(module_name, cache_key, compile_options, backend, executable_devices,
                         *rest):  # rest: JAX 0.11's host_callbacks
+            loaded = _preloaded(hooks, cache_key)
+            if loaded is not None:  # loaded while the program started: no read, no load
+                return loaded
             with hooks.acquiring(cache_key, current_program()):
                 return orig_read(module_name, cache_key, compile_options, backend,
                                  executable_devices, *rest)
@@ -445,6 +452,70 @@ def install(cache: CacheInterface, hooks: Hooks) -> None:
         # compilecast replaces JAX's own share-binary exchange.
         jax.config.update("jax_share_binary_between_hosts", False)
         _set_cache(cache)
+
+
+def _preloaded(hooks: Hooks, key: str) -> tuple[Any, int] | None:
+    """The executable of `key` the hooks loaded ahead (`preloaded(key)`, an
+    optional hook), or None: JAX reads its cache as always."""
+    take = getattr(hooks, "preloaded", None)
+    if take is None:
+        return None
+    try:
+        return take(key)
+    except Exception as exc:  # a preload never fails a compile: today's path
+        hooks.failed("the preload", exc)
+        return None
+
+
+def load_executable(entry: bytes, compile_options: bytes, device_ids: list[int],
+                    platform: str) -> tuple[Any, int]:
+    """An entry of JAX's cache format loaded as JAX's own cache read loads it
+    (get_executable_and_time): onto the devices `device_ids` of `platform`'s
+    backend, with the serialized CompileOptionsProto the program was
+    compiled with. Returns (the loaded executable, its compile time as the
+    entry says); raises where a device is not this process's backend's."""
+    backend = _xb.get_backend(platform)
+    by_id = {int(d.id): d for d in backend.devices()}
+    devices = _xc.DeviceList(tuple(by_id[i] for i in device_ids))
+    options = _xc.CompileOptions.ParseFromString(compile_options)
+    serialized, compile_time = _cc.extract_executable_and_time(_cc.decompress_executable(entry))
+    return backend.deserialize_executable(serialized, devices, options), compile_time
+
+
+def ours(device_ids: list[int], platform: str) -> bool:
+    """Whether a program on `device_ids` of `platform` runs in this process
+    (one of them is addressable here): its executable is loaded here."""
+    backend = _xb.get_backend(platform)
+    mine = {int(d.id) for d in backend.local_devices()}
+    return bool(mine.intersection(device_ids))
+
+
+def when_devices_open(then: Callable[[], None]) -> None:
+    """Call `then` once JAX's backends are open: now where they are, else
+    right after the program opens them (it is never this call that opens
+    them: a jax.distributed job must initialize first)."""
+    with _lock:
+        if _xb.backends_are_initialized():
+            opened = True
+        else:
+            opened = False
+            original = _xb.backends
+
+            def backends():
+                result = original()
+                with _lock:
+                    if _xb.backends is backends:
+                        _xb.backends = original
+                        _fire(then)
+                return result
+
+            _xb.backends = backends
+    if opened:
+        _fire(then)
+
+
+def _fire(then: Callable[[], None]) -> None:
+    threading.Thread(target=then, name="compilecast-preload", daemon=True).start()
 
 
 def uninstall() -> None:
