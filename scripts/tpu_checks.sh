@@ -22,7 +22,9 @@
 #   6. the PJRT interposer on libtpu (`compilecast run --interpose-tpu`), twice:
 #      the second run compiles nothing (XLA's own dump), equal losses;
 #   7. PGLE on the one chip (JAX's jax_enable_pgle), twice: the profile is
-#      shared and the second process compiles nothing.
+#      shared and the second process compiles nothing;
+#   8. the preload (STEPS=preload, with up): JAX's own cache against
+#      compilecast's preload at 8 and 24 layers (PRELOAD_LAYERS), alternated.
 #
 # STEPS (default "adapter up train names precompile interposer pgle") picks
 # steps; TPU_STEP_LAYERS sizes the transformer (default 8).
@@ -34,7 +36,7 @@ PY=${PY:-python3}
 trap '$PY scripts/tpu_summary.py "$LOGS" > "$LOGS/summary.txt" 2>&1; cat "$LOGS/summary.txt";
       cp "$LOGS/summary.json" "$OUT/tpu-summary.json" 2>/dev/null;
       tar -czf "$OUT/tpu-logs.tgz" -C "$LOGS" .' EXIT
-STEPS=${STEPS:-adapter up train names precompile interposer pgle}
+STEPS=${STEPS:-adapter up train names precompile interposer pgle preload}
 CC_HOME=/tmp/cc-home
 WORKER=unix://$CC_HOME/worker.sock
 COORD=unix://$CC_HOME/sock/coordinator.sock
@@ -98,8 +100,9 @@ run_step() {  # NAME [ENV=VALUE...]: one fresh process of bench/tpu_step.py
   echo "rc=$?" >> "$LOGS/$name.err"
   tail -1 "$LOGS/$name.out" > "$LOGS/$name.json"
   $PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2].ljust(16),
-  'open %.1fs first step %.1fs wall %.1fs xla compiles %d' % (d['open_s'], d['first_step_s'],
-  d['wall_s'], d['xla_compiles']), d.get('compilecast') or '')" "$LOGS/$name.json" "$name" \
+  'open %.1fs first step %.1fs first call %.2fs wall %.1fs xla compiles %d' % (d['open_s'],
+  d['first_step_s'], d.get('compile_or_load_s', 0), d['wall_s'], d['xla_compiles']),
+  (d.get('compilecast') or {}).get('preloads') or '')" "$LOGS/$name.json" "$name" \
     2>/dev/null || { echo "$name failed:"; tail -5 "$LOGS/$name.err"; }
 }
 JAXC=(JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
@@ -119,6 +122,26 @@ if want train; then
   run_step cc_restarted "${CC[@]}"
   run_step jax_warm2 "${JAXC[@]}"
   run_step cc_warm2 "${CC[@]}"
+fi
+
+if want preload; then
+  # A restart against JAX's own cache: each way's cold run fills its cache
+  # (compilecast's names the job, so its recipe says what a restart loads),
+  # then warm runs alternate. The bench's start-up (its parameters made with
+  # NumPy) is what the preload overlaps.
+  for layers in ${PRELOAD_LAYERS:-8 24}; do
+    step preload at $layers layers: JAX\'s cache against compilecast\'s preload
+    JAXL=(JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache-$layers JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+          JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 TPU_STEP_LAYERS=$layers)
+    PRE=("${CC[@]}" COMPILECAST_JOB=tpu-preload-$layers TPU_STEP_LAYERS=$layers)
+    rm -rf /tmp/jax-cache-$layers
+    run_step "pre_cold_$layers" "${PRE[@]}"
+    run_step "jaxc_cold_$layers" "${JAXL[@]}"
+    for i in 1 2; do
+      run_step "jaxc_warm_${layers}_$i" "${JAXL[@]}"
+      run_step "pre_warm_${layers}_$i" "${PRE[@]}"
+    done
+  done
 fi
 
 if want names; then

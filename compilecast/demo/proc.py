@@ -12,6 +12,8 @@ import json
 import os
 import time
 
+began = time.time()  # (the process's start, as near as Python gets to it)
+
 ap = argparse.ArgumentParser()
 ap.add_argument("layers", type=int)
 ap.add_argument("width", type=int)
@@ -94,6 +96,7 @@ report = {
     "digest": result_digest(new_params, loss),
     "loss": float(loss),
     "seconds": elapsed,
+    "to_first_step_s": time.time() - began,
     "late_s": late,
     # JAX's own accounting: compile requests that missed the cache were compiled by XLA.
     "xla_compiles": requests - hits if not args.no_compilecast else 1,

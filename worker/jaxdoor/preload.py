@@ -21,8 +21,8 @@ executable of exactly that key is taken, and JAX neither reads nor loads.
 - The program never waits for a preload longer than its own load would
   take: one still fetching (or queued) when JAX asks is dropped, and only
   one already loading (local work on bytes in hand) is waited for.
-- Bounds: `programs` preloads, `max_bytes` of their entries, `threads`
-  loading at once; a loaded executable that JAX has not asked for within
+- Bounds: `programs` preloads (the job's newest), `max_bytes` of their
+  entries, `threads` loading at once; a loaded executable that JAX has not asked for within
   `unused_s` is freed (its device memory with it).
 """
 
@@ -129,7 +129,7 @@ class Preloads:
                 mine.append(r)
         with self._lock:
             self.stats.listed = len(mine)
-            for r in mine[:self.programs]:
+            for r in mine[-self.programs:] if self.programs > 0 else ():  # the newest, in order
                 slot = self._slots[r.key] = _Slot(r)
                 self._queue.append(slot)
         log.info("compilecast: preloading %d of job %s's %d programs here", len(self._queue),
