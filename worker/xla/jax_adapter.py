@@ -491,31 +491,38 @@ def ours(device_ids: list[int], platform: str) -> bool:
 
 
 def when_devices_open(then: Callable[[], None]) -> None:
-    """Call `then` once JAX's backends are open: now where they are, else
-    right after the program opens them (it is never this call that opens
-    them: a jax.distributed job must initialize first)."""
+    """Call `then` on a thread of its own once JAX's backends are open: now
+    where they are, else right after the program opens them. It is never
+    this call that opens them (a jax.distributed job initializes first), and
+    it never polls: a thread waits for xla_bridge's lock, which the program
+    holds while it opens them (COMPILECAST_ENABLE's plugin is called just
+    before), and each backend JAX opens later is seen where it is made."""
+    fired = threading.Event()
+    original = _xb._init_backend
+
+    def after_init() -> None:
+        with _xb._backend_lock:  # (held while the program opens the backends)
+            opened = bool(_xb._backends)
+        with _lock:
+            if not opened or fired.is_set():
+                return
+            fired.set()
+            if _xb._init_backend is init_backend:
+                _xb._init_backend = original
+        then()
+
+    def init_backend(platform):
+        backend = original(platform)
+        _thread(after_init)  # (waits for the rest of the program's opening)
+        return backend
+
     with _lock:
-        if _xb.backends_are_initialized():
-            opened = True
-        else:
-            opened = False
-            original = _xb.backends
-
-            def backends():
-                result = original()
-                with _lock:
-                    if _xb.backends is backends:
-                        _xb.backends = original
-                        _fire(then)
-                return result
-
-            _xb.backends = backends
-    if opened:
-        _fire(then)
+        _xb._init_backend = init_backend
+    _thread(after_init)
 
 
-def _fire(then: Callable[[], None]) -> None:
-    threading.Thread(target=then, name="compilecast-preload", daemon=True).start()
+def _thread(target: Callable[[], None]) -> None:
+    threading.Thread(target=target, name="compilecast-preload", daemon=True).start()
 
 
 def uninstall() -> None:
