@@ -50,6 +50,7 @@ MAX_HOSTS = 1 << 20  # hosts a stream may say it serves
 HEARTBEAT_S = 3.0  # a stream with nothing to say this long says an empty message
 SILENT_S = 10.0  # a stream that heard nothing at all this long: its peer is taken for frozen
 HEARTBEAT = b""  # (an empty JobEvents: nothing, but from a node that lives)
+HOLD_S = 1.0  # news unacknowledged this long: the next leaves anyway (a peer that never acks)
 
 
 class Silent(Unavailable):
@@ -104,8 +105,9 @@ class NewsLog:
                               or self._bytes > self.max_bytes):
             self._bytes -= len(self._held.popleft()[1])
 
-    def after(self, epoch: str, seq: int) -> list[bytes] | None:
-        """The messages that followed (epoch, seq), in order; None where this
+    def after(self, epoch: str, seq: int) -> list[tuple[int, bytes]] | None:
+        """The messages that followed (epoch, seq), in order (each with its
+        seq); None where this
         log cannot say: another epoch, what followed no longer held, or a seq
         inside a message held (news joined on its way here: what follows
         that seq alone is not a message of its own)."""
@@ -116,7 +118,7 @@ class NewsLog:
         held = list(self._held)
         for i, (s, _) in enumerate(held):
             if s == seq:
-                return [data for _, data in held[i + 1:]]
+                return held[i + 1:]
         return None
 
 
@@ -151,60 +153,104 @@ class Outbox:
     """A stream's messages not sent yet: the job's news (serialized once for
     every stream) and messages to this stream alone (a turn, an answer).
 
-    News waiting for a slow stream goes as one message: a protobuf's
-    serialized messages, concatenated, parse as their merge (each list the
-    lists in order, the seq the last one's), so a stream that falls behind
-    costs its sender one write, not one a message. A message to the stream
-    alone is never joined to news: a relay passes news on whole, and what is
-    this stream's alone must not go further. Past `bound` messages the
-    stream is ended (`behind`): its host reads too slowly."""
+    News leaves when its stream needs it, as TCP sends (Nagle): at once
+    while the stream has no news in flight (all it was sent, its peer
+    acknowledged: `acked`, its subtree's too), else when the acknowledgement
+    comes, joined with all that waited meanwhile: a protobuf's serialized
+    messages, concatenated, parse as their merge (each list the lists in
+    order, the seq the last one's). So a job's news costs one message a
+    round trip of its tree, however fast it comes, and a program in a job
+    that runs in lockstep is heard at once. A peer that never acknowledges
+    (an older worker) gets news at most `hold_s` apart. A message to the
+    stream alone is never joined to news (a relay passes news on whole, and
+    what is this stream's alone must not go further), and nothing overtakes
+    what was queued before it. Past `bound` messages the stream is ended
+    (`behind`): its host reads too slowly."""
 
-    def __init__(self, bound: int = QUEUED) -> None:
+    def __init__(self, bound: int = QUEUED, *, hold_s: float = HOLD_S) -> None:
         self.bound = bound
+        self.hold_s = hold_s
         self.open = True
         self.behind = False
         self.sent_bytes = 0
-        self._items: collections.deque[bytes | Message] = collections.deque()
+        self.sent_seq = 0  # the last news written
+        self.acked = 0  # the last news its peer (and its subtree) acknowledged
+        self._sent_at = float("-inf")
+        self._items: collections.deque[tuple[int, bytes] | Message] = collections.deque()
         self._ready = asyncio.Event()
 
-    def send(self, message: bytes | Message) -> None:
+    def send(self, message: bytes | Message, seq: int = 0) -> None:
+        """Queue `message`: news (bytes, numbered `seq`), or a message to
+        this stream alone."""
         if not self.open:
             return
         if len(self._items) >= self.bound:
             self.behind = True
             self.end()
             return
-        self._items.append(message)
+        self._items.append((seq, message) if isinstance(message, bytes) else message)
         self._ready.set()
+
+    def opened_at(self, seq: int) -> None:
+        """The stream opens with the news up to `seq` heard (nothing in flight)."""
+        self.sent_seq = self.acked = seq
+
+    def acked_to(self, seq: int) -> None:
+        """Its peer (and its subtree) heard the news up to `seq`."""
+        if seq > self.acked:
+            self.acked = seq
+            self._ready.set()
 
     def end(self) -> None:
         self.open = False
         self._ready.set()
 
+    def _held_s(self) -> float:
+        """How long the news at its head waits yet (0: it leaves now)."""
+        if not self.open or not self._items or not isinstance(self._items[0], tuple) \
+                or self.acked >= self.sent_seq:
+            return 0.0
+        return max(0.0, self._sent_at + self.hold_s - asyncio.get_running_loop().time())
+
+    async def _ready_within(self, seconds: float) -> bool:
+        self._ready.clear()
+        try:
+            await asyncio.wait_for(self._ready.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
     async def next(self, heartbeat_s: float | None = None) -> bytes | None:
         """What to write next (news waiting joined), or None: the stream ends
         (what was queued before its end is written first); HEARTBEAT where
         nothing came for `heartbeat_s`."""
-        while not self._items:
-            if not self.open:
-                return None
-            self._ready.clear()
-            if heartbeat_s is None:
-                await self._ready.wait()
+        while True:
+            if not self._items:
+                if not self.open:
+                    return None
+                if heartbeat_s is None:
+                    self._ready.clear()
+                    await self._ready.wait()
+                elif not await self._ready_within(heartbeat_s):
+                    return HEARTBEAT
                 continue
-            try:
-                await asyncio.wait_for(self._ready.wait(), heartbeat_s)
-            except TimeoutError:
-                return HEARTBEAT
+            held = self._held_s()
+            if held <= 0:
+                break
+            await self._ready_within(held)  # (an acknowledgement, more to send, the end)
         first = self._items.popleft()
-        if not isinstance(first, bytes):
+        if not isinstance(first, tuple):
             data = first.SerializeToString()
         else:
-            run = [first]
-            while self._items and isinstance(more := self._items[0], bytes):
+            seq, data = first
+            run = [data]
+            while self._items and isinstance(more := self._items[0], tuple):
                 self._items.popleft()
-                run.append(more)
+                seq = max(seq, more[0])
+                run.append(more[1])
             data = b"".join(run)
+            if seq:
+                self.sent_seq, self._sent_at = seq, asyncio.get_running_loop().time()
         self.sent_bytes += len(data)
         return data
 
@@ -214,10 +260,18 @@ def opened(log: NewsLog, first: pb.JobWatchRequest, outbox: Outbox) -> pb.JobEve
     it missed queued behind it where it asked to resume and `log` holds
     what followed (`resumed`)."""
     news = log.after(first.since_epoch, first.since_seq) if first.since_epoch else None
-    for message in news or ():
-        outbox.send(message)
-    return pb.JobEvents(epoch=log.epoch, resumed=news is not None,
-                        seq=first.since_seq if news is not None else log.seq)
+    seq = first.since_seq if news is not None else log.seq
+    outbox.opened_at(seq)
+    for s, message in news or ():
+        outbox.send(message, s)
+    return pb.JobEvents(epoch=log.epoch, resumed=news is not None, seq=seq)
+
+
+def acked(message: pb.JobWatchRequest, outbox: Outbox) -> None:
+    """A later request's since_seq: its host (and its subtree) heard the
+    news up to it (the first request's says where it resumes)."""
+    if message.since_seq:
+        outbox.acked_to(message.since_seq)
 
 
 async def sent(outbox: Outbox, reader: asyncio.Future, slow: str) -> AsyncIterator[bytes]:

@@ -19,10 +19,10 @@ Its end goes to the hosts:
 - an upload's start (a coordinator that streams uploads to waiters): the
   artifact goes to every stream as `publishing`, and the wait goes on;
 - HIT: the artifact goes to every stream of the job (the job's news,
-  serialized once for all of them, gathered for `flush_s` at most: longer
-  for more hosts, which streams say they serve, so that a job's news costs
-  its fleet a bounded share of a core however many hosts it has; news that
-  pauses leaves a tenth of that after its last event, Gather);
+  serialized once for all of them, a numbered message of what came in one
+  turn of the event loop; each stream sends it at once where its host, and
+  the host's subtree, acknowledged all it was sent, else joined with what
+  follows when they do: jobtree.Outbox);
 - COMPILE (a promotion or a hedge): to the first-ranked stream alone, as a
   KeyTurn with the lease; the key is then waited for again (the new holder's
   publish is the HIT everyone gets). A host whose waiter left meanwhile gives
@@ -81,60 +81,6 @@ READER_STREAMS = 1_000  # by one identity that may only read
 MAX_WAITS = jobtree.MAX_WAITS  # keys a message may name
 LINGER_S = 30.0  # a job whose streams all ended is kept this long (its news, its waits)
 MAX_LINGERING = 1024  # jobs kept so at once
-FLUSH_S = (0.02, 1.0)  # a job's news is gathered at least, at most this long into a message
-# Gathered this long a host of the job: every host reads every message (~0.1 ms
-# of a core, a relay's sends included), so a job's news costs its whole fleet
-# about a core at most, however many hosts it has (a star's replica: ~1/5 of one).
-SEND_S = 1e-4
-QUIET = 0.1  # news quiet for this share of its gather leaves then (Gather)
-EARLY = 2  # messages a job's news may send in a row (then one a gather: Gather)
-
-
-def flush_s(hosts: int) -> float:
-    """How long a job's news is gathered at most, for a job of `hosts` hosts."""
-    return min(FLUSH_S[1], max(FLUSH_S[0], hosts * SEND_S))
-
-
-@dataclass
-class Gather:
-    """When a job's gathered news leaves: once no news has come for a tenth
-    of the gather (QUIET), so that the last event of a burst (a job's last
-    program published) is not held for the whole of it, or once it is
-    `most_s` old; either way on a token, of EARLY held, which come back one
-    a `most_s`: a job's messages stay within one a gather over time,
-    whatever the pattern of its news (news that never pauses leaves at the
-    gather's cadence and keeps a token for when it pauses)."""
-
-    began: float = -1.0  # when the news now gathered began (< 0: none gathered)
-    last: float = 0.0  # when the last of it came
-    tokens: float = EARLY  # as counted at `counted`
-    counted: float = float("-inf")
-
-    def news(self, now: float) -> bool:
-        """News came at `now`; True where it begins a gather (to be checked at `due`)."""
-        self.last = now
-        if self.began < 0:
-            self.began = now
-            return True
-        return False
-
-    def _tokens(self, now: float, most_s: float) -> float:
-        return min(EARLY, self.tokens + (now - self.counted) / most_s)
-
-    def due(self, most_s: float) -> float:
-        """When what is gathered leaves."""
-        at = min(self.began + most_s, self.last + max(FLUSH_S[0], most_s * QUIET))
-        return at + max(0.0, 1 - self._tokens(at, most_s)) * most_s  # (a token back)
-
-    def leaves(self, now: float, most_s: float) -> bool:
-        """True where what is gathered leaves at `now` (and the gather ends)."""
-        if now < self.due(most_s) - 1e-3:
-            return False
-        self.tokens, self.counted = max(0.0, self._tokens(now, most_s) - 1), now
-        self.began = -1.0
-        return True
-
-
 @dataclass(eq=False)
 class _Stream:
     may_publish: bool
@@ -148,8 +94,8 @@ class _Stream:
     def open(self) -> bool:
         return self.outbox.open
 
-    def send(self, message: pb.JobEvents | bytes) -> None:
-        self.outbox.send(message)  # (past its bound: ended, and its host asks key by key)
+    def send(self, message: pb.JobEvents | bytes, seq: int = 0) -> None:
+        self.outbox.send(message, seq)  # (past its bound: ended, and its host asks key by key)
 
     def end(self) -> None:
         self.outbox.end()
@@ -177,8 +123,7 @@ class _Job:
     ask: list[str] = field(default_factory=list)
     claimed: list[str] = field(default_factory=list)
     publishing: list[pb.ArtifactInfo] = field(default_factory=list)
-    gather: Gather = field(default_factory=Gather)  # when its news leaves
-    flush: asyncio.TimerHandle | None = None  # (the gather's next check)
+    flush: asyncio.Handle | None = None  # (its news leaves at the loop's next turn)
     linger: asyncio.TimerHandle | None = None  # its streams all ended: dropped then
     log: NewsLog = field(default_factory=lambda: NewsLog(os.urandom(8).hex()))
 
@@ -349,6 +294,8 @@ class JobWatches:
             while True:
                 if hosts := jobtree.checked(message, job.job):
                     me.hosts = hosts
+                if message is not first:
+                    jobtree.acked(message, me.outbox)
                 if message.HasField("requester"):
                     r = message.requester
                     # A stream that may not publish ranks nowhere: a wait in its
@@ -461,31 +408,19 @@ class JobWatches:
             job.ask.append(ask)
         if claimed is not None:
             job.claimed.append(claimed)
-        loop = asyncio.get_running_loop()
-        if job.gather.news(loop.time()):
-            job.flush = loop.call_at(job.gather.due(self._most_s(job)), self._due, job)
-
-    @staticmethod
-    def _most_s(job: _Job) -> float:
-        return flush_s(sum(s.hosts for s in job.streams))
-
-    def _due(self, job: _Job) -> None:
-        """The job's gather is checked: its news leaves, or is checked again."""
-        loop, most_s = asyncio.get_running_loop(), self._most_s(job)
-        if job.gather.leaves(loop.time(), most_s):
-            self._flush(job)
-        else:
-            job.flush = loop.call_at(job.gather.due(most_s), self._due, job)
+        if job.flush is None:
+            job.flush = asyncio.get_running_loop().call_soon(self._flush, job)
 
     def _flush(self, job: _Job) -> None:
         job.flush = None
+        seq = job.log.seq + 1
         message = pb.JobEvents(published=job.published, ask=job.ask, claimed=job.claimed,
-                               publishing=job.publishing, seq=job.log.seq + 1,
+                               publishing=job.publishing, seq=seq,
                                epoch=job.log.epoch).SerializeToString()
-        job.log.add(job.log.seq + 1, message)
+        job.log.add(seq, message)
         job.published, job.ask, job.claimed, job.publishing = [], [], [], []
         for s in list(job.streams):
-            s.send(message)  # (serialized once, sent to every host: wire.SERIALIZED)
+            s.send(message, seq)  # (serialized once, sent to every host: wire.SERIALIZED)
 
     def _linger(self, job: _Job) -> None:
         """The job's last stream ended: its news and waits are kept LINGER_S

@@ -18,7 +18,6 @@ import uuid
 import pytest
 
 from compilecast import jobtree
-from compilecast.coordinator.jobwatch import Gather
 from compilecast.jobtree import Branch, NewsLog, Outbox, place
 from compilecast.launch import free_port
 from compilecast.v1 import cache_pb2 as pb
@@ -36,15 +35,15 @@ def test_the_news_log_resumes_after_a_message_it_holds_and_nowhere_else():
     for seq in range(1, 301):
         log.add(seq, f"m{seq}".encode())
     assert log.after("e1", 300) == []
-    assert log.after("e1", 250) == [f"m{s}".encode() for s in range(251, 301)]
-    assert log.after("e1", 201) == [f"m{s}".encode() for s in range(202, 301)]
+    assert log.after("e1", 250) == [(s, f"m{s}".encode()) for s in range(251, 301)]
+    assert log.after("e1", 201) == [(s, f"m{s}".encode()) for s in range(202, 301)]
     assert log.after("e1", 150) is None  # what followed it is no longer held
     assert log.after("e2", 250) is None  # another run of the job
     assert log.after("e1", 301) is None  # never sent
     joined = NewsLog("e1")
     joined.add(3, b"m1m2m3")  # news joined on its way: 1 and 2 are not messages here
     joined.add(4, b"m4")
-    assert joined.after("e1", 3) == [b"m4"]
+    assert joined.after("e1", 3) == [(4, b"m4")]
     assert joined.after("e1", 2) is None
 
 
@@ -75,33 +74,42 @@ def test_an_outbox_joins_waiting_news_but_never_a_message_of_its_stream_alone():
         (2, ["a", "b"], []), (0, [], ["a"]), (3, ["c"], [])]
 
 
-def test_a_gather_leaves_at_its_cadence_while_news_flows_and_soon_after_it_pauses():
-    """News that never pauses leaves once a gather is `most` old; news that
-    pauses leaves a tenth of that after its last event (so a burst's last
-    program does not wait out the gather); each message takes a token, which
-    come back one a gather: the messages stay within one a gather over time."""
-    most = 1.0
-    g = Gather()
-    assert g.news(0.0)
-    for t in (0.05, 0.1, 0.15, 0.2, 0.25):  # news every 50 ms: never quiet for 100 ms
-        assert not g.news(t)
-        assert not g.leaves(t, most)
-    assert g.due(most) == pytest.approx(0.35)  # quiet since 0.25
-    for t in [0.3 + 0.05 * i for i in range(14)]:
-        g.news(t)
-    assert g.due(most) == pytest.approx(1.0)  # (the news flowed: the gather's cadence)
-    assert not g.leaves(0.98, most) and g.leaves(1.0, most)
+def test_news_leaves_at_once_while_nothing_is_in_flight_and_joins_until_acknowledged():
+    """Nagle's rule on a stream: news leaves at once when all it was sent
+    was acknowledged; news that comes while some is in flight waits for the
+    acknowledgement and leaves joined with whatever came meanwhile; a peer
+    that never acknowledges gets news at most `hold_s` apart."""
+    def news(seq: int) -> bytes:
+        return pb.JobEvents(seq=seq, published=[pb.ArtifactInfo(key=f"k{seq}")]).SerializeToString()
 
-    ends, t = [], 2.0  # an event, then a pause: soon, while a token is left
-    for _ in range(4):
-        assert g.news(t)
-        at = g.due(most)
-        assert not g.leaves(at - 0.01, most) and g.leaves(at, most)
-        ends.append(at - t)
-        t = at + 0.2
-    # one token left at 1.0 and one back since: two soon; then each waits for
-    # its token (0.6 of one back after 0.7 s, then 0.3 of one after 0.3 s)
-    assert ends == [pytest.approx(x) for x in (0.1, 0.1, 0.5, 0.8)]
+    async def run() -> tuple:
+        box = Outbox(hold_s=30.0)
+        box.opened_at(0)
+        box.send(news(1), 1)
+        first = pb.JobEvents.FromString(await box.next())  # at once: nothing in flight
+        for seq in (2, 3, 4):
+            box.send(news(seq), seq)
+        waiting = asyncio.ensure_future(box.next())
+        await asyncio.sleep(0)  # (it looks, and waits for the acknowledgement)
+        held = not waiting.done()
+        box.acked_to(1)
+        joined = pb.JobEvents.FromString(await waiting)
+        box.acked_to(4)
+        box.send(news(5), 5)
+        alone = pb.JobEvents.FromString(await box.next())  # acknowledged: at once again
+
+        silent = Outbox(hold_s=0.05)  # a peer that never acknowledges
+        silent.opened_at(0)
+        silent.send(news(1), 1)
+        await silent.next()
+        silent.send(news(2), 2)
+        late = pb.JobEvents.FromString(await silent.next())  # after hold_s, unacknowledged
+        return first, held, joined, alone, late
+
+    first, held, joined, alone, late = asyncio.run(run())
+    assert first.seq == 1 and held
+    assert joined.seq == 4 and [i.key for i in joined.published] == ["k2", "k3", "k4"]
+    assert alone.seq == 5 and late.seq == 2
 
 
 def test_an_idle_stream_says_it_lives_and_a_silent_one_is_taken_for_frozen():

@@ -5,9 +5,11 @@ A worker that relays (relay_listen) says so on its job's stream; the
 replica, or a relay above it, may then point other hosts' streams here
 (RelayService.WatchJob). Each is served what this worker's own stream hears:
 
-- the job's news (a numbered message to every stream), as it came, and kept
-  in the job's NewsLog so that a stream that opens again resumes after what
-  it heard;
+- the job's news (a numbered message to every stream), as it came (joined
+  with the next where a child has not acknowledged the last: jobtree.Outbox),
+  and kept in the job's NewsLog so that a stream that opens again resumes
+  after what it heard; what every child's subtree acknowledged goes up with
+  this worker's own (the tree's acknowledgement, the news's pace);
 - a key a child names: answered at once where this host knows it published,
   else named upstream once for the whole subtree; what comes back for it
   (its publish, or "ask") goes to the children that named it;
@@ -51,8 +53,8 @@ class _Child:
     def open(self) -> bool:
         return self.outbox.open
 
-    def send(self, message: bytes | pb.JobEvents) -> None:
-        self.outbox.send(message)
+    def send(self, message: bytes | pb.JobEvents, seq: int = 0) -> None:
+        self.outbox.send(message, seq)
 
     def end(self) -> None:
         self.outbox.end()
@@ -127,6 +129,9 @@ class Subtree:
                 if hosts := jobtree.checked(message, self.job):
                     me.hosts = hosts
                     self.up.changed()
+                if message is not first and message.since_seq:
+                    jobtree.acked(message, me.outbox)
+                    self.up.changed()  # (its subtree's acknowledgement may go up)
                 if message.HasField("requester"):
                     me.first = message.requester
                     self.up.changed()
@@ -162,10 +167,16 @@ class Subtree:
         return list(self._named)
 
     # -- what comes down ------------------------------------------------------------
-    def news(self, data: bytes) -> None:
-        """A numbered message of the job's news: to every child, as it came."""
+    def news(self, data: bytes, seq: int) -> None:
+        """A numbered message of the job's news: to every child, as it came
+        (or joined with the next, where a child has not acknowledged the last)."""
         for c in list(self.children):
-            c.send(data)
+            c.send(data, seq)
+
+    def acked(self) -> int | None:
+        """The news every open child's subtree heard (None: no child)."""
+        said = [c.outbox.acked for c in self.children if c.open]
+        return min(said) if said else None
 
     def answered(self, events: pb.JobEvents) -> None:
         """The job's news, or a message to this stream alone: the children that

@@ -245,9 +245,15 @@ class JobStream:
         self._outbox = []
         self.name(again)
 
+    def _acked(self) -> int:
+        """The news this host and its subtree heard (what goes up as heard)."""
+        below = self.subtree.acked() if self.subtree is not None else None
+        return self.log.seq if below is None else min(self.log.seq, below)
+
     async def _requests(self, direct: bool) -> AsyncIterator[pb.JobWatchRequest]:
         rank = self._said_first = self._rank()
         hosts = self._hosts()
+        acked = self.log.seq
         yield pb.JobWatchRequest(job=self.job, relay_address=self.relay_address,
                                  since_epoch=self.log.epoch, since_seq=self.log.seq,
                                  direct=direct, requester=rank, hosts=hosts)
@@ -265,7 +271,9 @@ class JobStream:
                 said.requester.CopyFrom(rank)
             if self._hosts() != hosts:
                 hosts = said.hosts = self._hosts()
-            if said.hosts or said.HasField("requester"):
+            if self._acked() > acked:  # heard (with its subtree): the next news may leave
+                acked = said.since_seq = self._acked()
+            if said.hosts or said.HasField("requester") or said.since_seq:
                 yield said
             while self._outbox:
                 page, self._outbox = self._outbox[:MAX_WAITS], self._outbox[MAX_WAITS:]
@@ -275,9 +283,11 @@ class JobStream:
         if events.seq and self.subtree is not None:  # kept, passed on whole to the subtree
             data = events.SerializeToString()
             self.log.add(events.seq, data)
-            self.subtree.news(data)
+            self.subtree.news(data, events.seq)
         elif events.seq:
             self.log.heard(events.seq)
+        if events.seq:
+            self._more.set()  # (acknowledged upward: _requests)
         published = list(events.published)  # (each read once: a message's fields cost a read)
         asked = list(events.ask)
         if self.subtree is not None:
