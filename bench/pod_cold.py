@@ -34,7 +34,7 @@ each stream row.
     python bench/pod_cold.py [--hosts 1200 10000] [--programs 100] [--compile-ms 50]
                              [--per-key-hosts 5000 10000] [--per-key-programs 5]
                              [--fanout 32] [--designated-dies] [--lease-ttl-s 10]
-                             [--leaves go|python]
+                             [--leaves go|python] [--lockstep]
 """
 
 from __future__ import annotations
@@ -76,11 +76,38 @@ def keys_of(job: str, m: int) -> list[str]:
     return [f"{job}-prog{i:06d}" for i in range(m)]
 
 
+class Probe:
+    """A host of the job opened after every other (so placed deepest in the
+    tree), by which the designated process runs in lockstep: program N+1 is
+    compiled once this host heard program N, as a JAX job's next program is
+    traced only after every host ran the last (its collectives join them).
+    `lags`: each program's publish to its hearing here, in seconds."""
+
+    def __init__(self, target: str, job: str) -> None:
+        self.link = CoordinatorLink(target, token="", rpc_timeout_s=60)
+        self.heard: dict[str, asyncio.Event] = {}
+        self.lags: list[float] = []
+        self.stream = JobStream(self.link, (), job, self._published)
+
+    def _published(self, infos: list[pb.ArtifactInfo]) -> None:
+        for i in infos:
+            self.heard.setdefault(i.key, asyncio.Event()).set()
+
+    async def heard_of(self, key: str, since: float) -> None:
+        await self.heard.setdefault(key, asyncio.Event()).wait()
+        self.lags.append(time.monotonic() - since)
+
+    async def close(self) -> None:
+        await self.stream.close()
+        await self.link.close()
+
+
 async def compile_all(stub, job: str, keys: list[str], compile_s: float,
-                      dies: bool = False) -> float:
+                      dies: bool = False, probe: Probe | None = None) -> float:
     """The designated process compiles and publishes each key in turn: when
     the last landed. With `dies`, it dies holding the last key's lease
-    (neither publishes, renews nor releases it): when it died."""
+    (neither publishes, renews nor releases it): when it died. With `probe`
+    (lockstep), each next key once the probe heard the last."""
     me = pb.Requester(job=job, process_id=0, designated_process=0, client="designated")
     for i, k in enumerate(keys):
         a = await stub.Acquire(pb.AcquireRequest(key=k, requester=me), timeout=60)
@@ -89,6 +116,8 @@ async def compile_all(stub, job: str, keys: list[str], compile_s: float,
             return time.time()
         await asyncio.sleep(compile_s)
         await publish(stub, k, a.lease, me, compile_s)
+        if probe is not None:
+            await probe.heard_of(k, time.monotonic())
     return time.time()
 
 
@@ -238,13 +267,15 @@ class Replica:
 
 
 async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
-                  n: int, fanout: int, dies: bool = False, leaves: Path | None = None) -> dict:
+                  n: int, fanout: int, dies: bool = False, leaves: Path | None = None,
+                  lockstep: bool = False) -> dict:
     job = f"cold-{way}-{h}-{n}"
     keys = keys_of(job, m)
     target = replica.target
     start = asyncio.Event()
     children: list[subprocess.Popen] = []
     stubs = [wire.stub(grpc.aio.insecure_channel(target)) for _ in range(CHANNELS)]
+    probe: Probe | None = None
     deciders = [Decider(s, timeout_s=600) for s in stubs]
     relays = tree_relays(h, fanout)
     streams = 0.0
@@ -274,9 +305,15 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
         streams = scraped(replica.metrics_port, "compilecast_coordinator_job_streams",
                           replica.ip)  # (every host's stream open)
         hosts = []
+        if lockstep:  # (a host more, opened last: the deepest)
+            probe = Probe(target, job)
+            if await probe.stream.placed(60) == "" and h > fanout:
+                print("the lockstep probe hangs from the replica", file=sys.stderr)
     else:
         hosts = [asyncio.ensure_future(host_per_key(deciders[i % CHANNELS], job, i + 1, keys,
                                                     start)) for i in range(h)]
+    if way != "stream":
+        probe = None
     try:
         before = {k: cpu_seconds(p) for k, p in replica.pids.items()}
         seen = {k: scraped(replica.metrics_port, k[0], replica.ip, k[1]) for k in COUNTED}
@@ -286,7 +323,8 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
             assert c.stdin is not None
             c.stdin.write("go\n")
             c.stdin.flush()
-        compiled = await compile_all(stubs[0], job, keys, compile_s, dies)
+        compiled = await compile_all(stubs[0], job, keys, compile_s, dies,
+                                     probe if lockstep else None)
         ends = list(await asyncio.gather(*hosts))
         per_relay: list[int] = []
         turns: list[dict] = []
@@ -328,6 +366,8 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
                 c.wait()
         for d in deciders:
             await d.close()
+        if probe is not None:
+            await probe.close()
     compiles_s, all_s = compiled - began, max(ends) - began
     row = {"way": way, "hosts": h, "programs": m, "compiles_s": compiles_s, "every_hit_s": all_s,
            "over_compiles": all_s / compiles_s, "cpu_s": used}
@@ -343,6 +383,17 @@ async def one_run(replica: Replica, way: str, h: int, m: int, compile_s: float,
                    relays_end_s=[min(relay_ends, default=compiled) - compiled,
                                  max(relay_ends, default=compiled) - compiled],
                    leaves_end_s=[e - compiled for e in leaf_ends])
+    if probe is not None and probe.lags:
+        lags = sorted(probe.lags)
+        row.update(lockstep=True, pure_compiles_s=m * compile_s,
+                   lag_s={"min": lags[0], "median": lags[len(lags) // 2],
+                          "p99": lags[min(len(lags) - 1, int(len(lags) * 0.99))],
+                          "max": lags[-1]})
+        print(f"lockstep: {m} programs of {compile_s * 1000:.0f} ms took {compiles_s:.1f} s "
+              f"({compiles_s / (m * compile_s):.2f}x their compiles); a program's news to the "
+              f"deepest host: median {row['lag_s']['median'] * 1000:.0f} ms, p99 "
+              f"{row['lag_s']['p99'] * 1000:.0f} ms, max {row['lag_s']['max'] * 1000:.0f} ms",
+              flush=True)
     if dies:  # the designated process died holding the last key's lease
         row["turns"] = [{"host": t["host"], "after_s": t["at"] - compiled} for t in turns]
     if dies:
@@ -390,7 +441,8 @@ async def run(args) -> dict:
             for n, h in enumerate(args.hosts):
                 out["stream"].append(await one_run(replica, "stream", h, args.programs,
                                                    compile_s, n, args.fanout,
-                                                   args.designated_dies, leaves))
+                                                   args.designated_dies, leaves,
+                                                   args.lockstep))
         finally:
             stack.close()
     return out
@@ -449,6 +501,10 @@ def main() -> None:
                     help="by stream, the designated process dies holding the last program's "
                          "lease: when a host is given the turn, against the lease's TTL")
     ap.add_argument("--lease-ttl-s", type=int, default=10, help="the coordinator's lease_ttl_s")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="by stream, program N+1 is compiled once a host opened last (the "
+                         "deepest) heard program N, as a JAX job in lockstep: each program's "
+                         "lag (median, p99, max) and the run against its compiles alone")
     ap.add_argument("--leaves", choices=("go", "python"), default="go",
                     help="the hosts at the leaves of the tree (that relay nothing): as the "
                          "protocol sees them, from Go (bench/loadgen/leaves), or each the "

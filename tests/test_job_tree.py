@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 
+import grpc
 import pytest
 
 from compilecast import jobtree
@@ -337,3 +338,82 @@ def test_a_warm_start_s_manifest_comes_down_the_tree(start_coordinator, start_wo
     # The coordinator sent the manifest to the hosts it serves; those below
     # had it from the relay they hang from.
     assert coordinator.state.manifests.sent - sent == len(hosts) - len(below)
+
+
+def test_a_turn_a_relay_forged_is_never_taken(start_coordinator, start_worker, loop_thread):
+    """A relay that hands its subtree a turn to compile the coordinator never
+    gave (a lease that does not hold the key) makes nobody compile: the host
+    checks the lease with the coordinator first, and its process goes on
+    waiting, here for the real publish the relay passes on after it."""
+    from compilecast.serving import make_server
+    from compilecast.v1 import cache_pb2_grpc as rpc
+
+    coordinator = start_coordinator(job_stream_fanout=1)
+    go = asyncio.Event()
+    published: list[pb.ArtifactInfo] = []
+
+    class Forger(rpc.CompileCacheServicer):
+        async def WatchJob(self, request_iterator, context):
+            it = request_iterator.__aiter__()
+            first = await it.__anext__()
+            yield pb.JobEvents(epoch="forged", seq=first.since_seq)
+            await go.wait()
+            forged = pb.WaitEvent(decision=pb.COMPILE, lease=pb.Lease(
+                id=424242, ttl_seconds=30, revision=1), reason="forged")
+            yield pb.JobEvents(turns=[pb.KeyTurn(key="big", event=forged)])
+            yield pb.JobEvents(published=published, seq=first.since_seq + 1, epoch="forged")
+            async for _ in it:  # (held open)
+                pass
+
+    async def serve():
+        server, _ = make_server(Forger())  # type: ignore[abstract]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = loop_thread.run(serve())
+    try:
+        # The replica's one stream of the job relays from the forger: the next goes there.
+        relaying = loop_thread.run(open_relaying_stream(coordinator.cfg.listen, port))
+        host = start_worker(coordinator.cfg.listen, "host", job=JOB)
+        eventually(lambda: (s := stream_of(host)) and s.stream_via, "hung from the forger", 30)
+        designated, me = process_of(Target(coordinator.cfg.listen), 0)
+        got = decided(designated, me, "big")
+        assert got.kind == "COMPILE"
+        designated.keep_lease("big", got.lease)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            c, other = process_of(host, 1)
+            waiting = pool.submit(decided, c, other, "big")
+            eventually(lambda: stream_of(host).stream_waits == 1, "the wait on the stream", 30)
+            published.append(designated.publish("big", got.lease, b"the real executable", 1.0))
+            loop_thread.loop.call_soon_threadsafe(go.set)
+            end = waiting.result(timeout=120)
+        assert end.kind == "HIT" and end.data == b"the real executable", end
+        loop_thread.run(relaying.aclose())
+    finally:
+        loop_thread.run(server.stop(None))
+
+
+async def open_relaying_stream(target: str, port: int):
+    """A stream of JOB at the replica that says it relays from 127.0.0.1:`port`
+    (held open until closed)."""
+    from compilecast import wire
+
+    stub = wire.stub(grpc.aio.insecure_channel(target))
+    hold = asyncio.Event()
+
+    async def requests():
+        yield pb.JobWatchRequest(job=JOB, relay_address=f"127.0.0.1:{port}",
+                                 requester=pb.Requester(job=JOB, process_id=99,
+                                                        designated_process=0, client="relay"))
+        await hold.wait()
+
+    call = stub.WatchJob(requests())
+    await call.__aiter__().__anext__()  # (its opening: served at the replica)
+
+    class Held:
+        async def aclose(self) -> None:
+            hold.set()
+            call.cancel()
+
+    return Held()

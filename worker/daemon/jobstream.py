@@ -318,8 +318,30 @@ class JobStream:
         for key in asked:
             self._end(key, None)
         for turn in events.turns:
-            if not self._turn(turn):  # nobody here or below waits for it now
+            if self.upstream:  # a relay's word: taken once the coordinator says it is so
+                self._later(self._proven(turn))
+            elif not self._turn(turn):  # nobody here or below waits for it now
                 self._give_back(turn)
+
+    async def _proven(self, turn: pb.KeyTurn) -> None:
+        """A turn a relay passed down, taken only where the coordinator says
+        its lease holds the key now (a KeepAlive of it: the lease's id and
+        revision checked); else dropped, and the wait goes on: a forged turn
+        never makes this host compile beside the holder."""
+        try:
+            held = await self.link.up.KeepAlive(
+                pb.KeepAliveRequest(key=turn.key, lease=turn.event.lease),
+                timeout=self.link.rpc_timeout_s, metadata=self.md)
+        except CompilecastError as exc:
+            log.warning("job %s: a turn at %s from relay %s not taken: its lease could not "
+                        "be checked (%s)", self.job, turn.key, self.upstream, exc.status.name)
+            return
+        if held.ttl_seconds <= 0:
+            log.warning("job %s: a turn at %s from relay %s not taken: the coordinator says "
+                        "its lease does not hold the key", self.job, turn.key, self.upstream)
+            return
+        if not self._turn(turn):
+            self._give_back(turn)
 
     def _turn(self, turn: pb.KeyTurn) -> bool:
         """A turn to this host's first-ranked process where it ranks first in
@@ -353,7 +375,11 @@ class JobStream:
                 log.info("job %s: a turn at %s not given back (%s); its lease expires",
                          self.job, turn.key, exc.status.name)
 
-        self._releases.add(task := asyncio.ensure_future(release()))
+        self._later(release())
+
+    def _later(self, work) -> None:
+        """`work` on the loop, held until it ends (a release, a turn's check)."""
+        self._releases.add(task := asyncio.ensure_future(work))
         task.add_done_callback(self._releases.discard)
 
     def _end_all(self) -> None:
