@@ -394,8 +394,8 @@ def test_a_turn_a_relay_forged_is_never_taken(start_coordinator, start_worker, l
         loop_thread.run(server.stop(None))
 
 
-async def open_relaying_stream(target: str, port: int):
-    """A stream of JOB at the replica that says it relays from 127.0.0.1:`port`
+async def open_relaying_stream(target: str, port: int, job: str = JOB):
+    """A stream of `job` at the replica that says it relays from 127.0.0.1:`port`
     (held open until closed)."""
     from compilecast import wire
 
@@ -403,8 +403,8 @@ async def open_relaying_stream(target: str, port: int):
     hold = asyncio.Event()
 
     async def requests():
-        yield pb.JobWatchRequest(job=JOB, relay_address=f"127.0.0.1:{port}",
-                                 requester=pb.Requester(job=JOB, process_id=99,
+        yield pb.JobWatchRequest(job=job, relay_address=f"127.0.0.1:{port}",
+                                 requester=pb.Requester(job=job, process_id=99,
                                                         designated_process=0, client="relay"))
         await hold.wait()
 
@@ -417,3 +417,57 @@ async def open_relaying_stream(target: str, port: int):
             call.cancel()
 
     return Held()
+
+
+def test_a_relays_forged_manifest_costs_the_coordinator_one_check(start_coordinator,
+                                                                   start_worker, loop_thread):
+    """A relay that serves its subtree a manifest of 20,000 bogus entries: the
+    host checks the manifest's digest with the coordinator in one call, takes
+    the coordinator's own instead, and fetches nothing on the relay's word
+    (before: a fetch upstream a bogus entry, and the real ones never)."""
+    from compilecast.serving import make_server
+    from compilecast.v1 import cache_pb2_grpc as rpc
+
+    from .test_manifests import JOB as WARM
+    from .test_manifests import prefetch_of, published_job
+
+    coordinator = start_coordinator(job_stream_fanout=1)
+    artifacts = published_job(coordinator, start_worker, 5)
+    up = CacheClient(coordinator.cfg.listen)
+    eventually(lambda: len(up.stub.GetManifest(pb.ManifestRequest(job=WARM), timeout=10).entries)
+               == len(artifacts), "the coordinator's manifest of the job", 30)
+    bogus = [pb.ArtifactInfo(key=f"bogus{i:05d}", digest=f"{i:064x}", size=10)
+             for i in range(20_000)]
+
+    class Forger(rpc.CompileCacheServicer):
+        async def WatchJob(self, request_iterator, context):
+            it = request_iterator.__aiter__()
+            first = await it.__anext__()
+            yield pb.JobEvents(epoch="forged", seq=first.since_seq)
+            async for _ in it:  # (held open)
+                pass
+
+        async def GetManifest(self, request, context):
+            return pb.Manifest(job=request.job, digest="f" * 64, entries=bogus)
+
+    async def serve():
+        server, _ = make_server(Forger())  # type: ignore[abstract]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = loop_thread.run(serve())
+    try:
+        relaying = loop_thread.run(open_relaying_stream(coordinator.cfg.listen, port, WARM))
+        host = start_worker(coordinator.cfg.listen, "host", job=WARM)
+        c = CacheClient(host.target, timeout_s=30)
+        eventually(lambda: (p := prefetch_of(c)) and p.artifacts_done == len(artifacts),
+                   f"the coordinator's manifest prefetched ({prefetch_of(c)})", 60)
+        assert prefetch_of(c).artifacts_total == len(artifacts)
+        assert stream_of(host, WARM).stream_via == f"127.0.0.1:{port}"
+        # Every real program a hit; a bogus entry is what it is: nobody's compile.
+        got = c.acquire_many(["bogus00001", *artifacts])
+        assert got[0].decision == pb.COMPILE and all(a.decision == pb.HIT for a in got[1:])
+        loop_thread.run(relaying.aclose())
+    finally:
+        loop_thread.run(server.stop(None))

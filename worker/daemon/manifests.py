@@ -126,6 +126,18 @@ class HostManifests:
                 log.info("job %s: relay %s had no manifest for it (%s); the coordinator's",
                          j.job, via, exc.status.name)
         try:
+            if manifest is not None and not manifest.unchanged:
+                # A relay's word, checked whole in one call: the coordinator's
+                # manifest has the same digest, or its own entries come back
+                # in place of the relay's (stale, or forged: never a fetch a
+                # bogus entry).
+                mine = await self.link.up.GetManifest(
+                    pb.ManifestRequest(job=j.job, held_digest=manifest.digest),
+                    timeout=self.link.rpc_timeout_s, metadata=j.md)
+                if not mine.unchanged:
+                    log.warning("job %s: relay %s's manifest is not the coordinator's; the "
+                                "coordinator's is used", j.job, via)
+                    manifest = mine
             if manifest is None:
                 manifest = await self.link.up.GetManifest(
                     request, timeout=self.link.rpc_timeout_s, metadata=j.md)
