@@ -65,8 +65,9 @@ async def heard(messages: AsyncIterator[_T], silent_s: float = SILENT_S) -> Asyn
     """`messages` as they come; Silent where none came for `silent_s`."""
     it = messages.__aiter__()
     while True:
-        try:
-            message = await asyncio.wait_for(it.__anext__(), silent_s)
+        try:  # (asyncio.timeout, not wait_for: 3.11's wait_for may swallow a cancel)
+            async with asyncio.timeout(silent_s):
+                message = await it.__anext__()
         except StopAsyncIteration:
             return
         except TimeoutError:
@@ -215,7 +216,8 @@ class Outbox:
     async def _ready_within(self, seconds: float) -> bool:
         self._ready.clear()
         try:
-            await asyncio.wait_for(self._ready.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._ready.wait()
         except TimeoutError:
             return False
         return True
@@ -291,6 +293,14 @@ def requests_of(first: pb.JobWatchRequest, it: AsyncIterator[pb.JobWatchRequest]
     """A child's requests after its first, as a node reads them: a child that
     relays (others hang from it) and says nothing for SILENT_S is Silent."""
     return heard(it) if first.relay_address else it
+
+
+def stop(reader: asyncio.Future) -> None:
+    """A stream's reader of its requests, stopped as the stream ends; what
+    ended it is read here (raised to the stream's caller already, by `sent`,
+    or moot: the call ended under it)."""
+    reader.cancel()
+    reader.add_done_callback(lambda r: r.cancelled() or r.exception())
 
 
 def checked(message: pb.JobWatchRequest, job: str) -> int:

@@ -277,7 +277,7 @@ class JobWatches:
                 yield data
         finally:
             me.end()
-            reader.cancel()
+            jobtree.stop(reader)
             self.streams -= 1
             for k in (tenant, held):
                 self._held[k] -= 1

@@ -115,7 +115,7 @@ class Subtree:
                 yield data
         finally:
             me.end()
-            reader.cancel()
+            jobtree.stop(reader)
             self.children.discard(me)
             for waiting in self._named.values():
                 waiting.discard(me)

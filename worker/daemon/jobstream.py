@@ -259,7 +259,8 @@ class JobStream:
                                  direct=direct, requester=rank, hosts=hosts)
         while True:
             try:  # (nothing to say: an empty request, that this host lives)
-                await asyncio.wait_for(self._more.wait(), jobtree.HEARTBEAT_S)
+                async with asyncio.timeout(jobtree.HEARTBEAT_S):
+                    await self._more.wait()
             except TimeoutError:
                 yield pb.JobWatchRequest()
                 continue
