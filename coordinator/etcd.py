@@ -547,7 +547,8 @@ class _KeepAlives:
                         answer.set_exception(error)
 
     async def close(self) -> None:
-        if self._stream is None:
+        stream = self._stream  # (the one this close ends: a lease lost meanwhile opens another)
+        if stream is None:
             return
         # End the call itself, not only the task reading it: a cancel that
         # lands inside gRPC's read can be taken for the call's own and the
@@ -557,10 +558,10 @@ class _KeepAlives:
             self._requests.put_nowait(None)
         if self._call is not None:
             self._call.cancel()
-        self._stream.cancel()
-        done, _ = await asyncio.wait({self._stream}, timeout=5.0)
-        if done and not self._stream.cancelled():
-            self._stream.exception()  # retrieved: nobody waits on a closed stream
+        stream.cancel()
+        done, _ = await asyncio.wait({stream}, timeout=5.0)
+        if done and not stream.cancelled():
+            stream.exception()  # retrieved: nobody waits on a closed stream
         await asyncio.sleep(0)  # gRPC's request reader takes the None and ends
 
 

@@ -345,7 +345,6 @@ def test_a_turn_a_relay_forged_is_never_taken(start_coordinator, start_worker, l
     gave (a lease that does not hold the key) makes nobody compile: the host
     checks the lease with the coordinator first, and its process goes on
     waiting, here for the real publish the relay passes on after it."""
-    from compilecast.serving import make_server
     from compilecast.v1 import cache_pb2_grpc as rpc
 
     coordinator = start_coordinator(job_stream_fanout=1)
@@ -365,13 +364,7 @@ def test_a_turn_a_relay_forged_is_never_taken(start_coordinator, start_worker, l
             async for _ in it:  # (held open)
                 pass
 
-    async def serve():
-        server, _ = make_server(Forger())  # type: ignore[abstract]
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    server, port = loop_thread.run(serve())
+    server, port = loop_thread.run(served(Forger()))  # type: ignore[abstract]
     try:
         # The replica's one stream of the job relays from the forger: the next goes there.
         relaying = loop_thread.run(open_relaying_stream(coordinator.cfg.listen, port))
@@ -392,6 +385,16 @@ def test_a_turn_a_relay_forged_is_never_taken(start_coordinator, start_worker, l
         loop_thread.run(relaying.aclose())
     finally:
         loop_thread.run(server.stop(None))
+
+
+async def served(servicer) -> tuple:
+    """`servicer` (a relay's forgery) on a port of its own: (server, port)."""
+    from compilecast.serving import make_server
+
+    server, _ = make_server(servicer)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
 
 
 async def open_relaying_stream(target: str, port: int, job: str = JOB):
@@ -425,7 +428,6 @@ def test_a_relays_forged_manifest_costs_the_coordinator_one_check(start_coordina
     host checks the manifest's digest with the coordinator in one call, takes
     the coordinator's own instead, and fetches nothing on the relay's word
     (before: a fetch upstream a bogus entry, and the real ones never)."""
-    from compilecast.serving import make_server
     from compilecast.v1 import cache_pb2_grpc as rpc
 
     from .test_manifests import JOB as WARM
@@ -450,13 +452,7 @@ def test_a_relays_forged_manifest_costs_the_coordinator_one_check(start_coordina
         async def GetManifest(self, request, context):
             return pb.Manifest(job=request.job, digest="f" * 64, entries=bogus)
 
-    async def serve():
-        server, _ = make_server(Forger())  # type: ignore[abstract]
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    server, port = loop_thread.run(serve())
+    server, port = loop_thread.run(served(Forger()))  # type: ignore[abstract]
     try:
         relaying = loop_thread.run(open_relaying_stream(coordinator.cfg.listen, port, WARM))
         host = start_worker(coordinator.cfg.listen, "host", job=WARM)

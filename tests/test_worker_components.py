@@ -220,11 +220,13 @@ def test_answers_take_each_source_in_order_and_upstream_last(metrics):
 def test_a_wait_is_bounded_by_the_host_s_share_binary_timeout(metrics):
     answers = Answers((), None, HostWaits(), metrics, jobs=None,
                       share_binary_timeout_ms=60_000)
-    assert answers.bounded(pb.WaitRequest(key="k", timeout_ms=0)).timeout_ms == 60_000
-    assert answers.bounded(pb.WaitRequest(key="k", timeout_ms=900_000)).timeout_ms == 60_000
-    assert answers.bounded(pb.WaitRequest(key="k", timeout_ms=5_000)).timeout_ms == 5_000
+    assert answers.deadline(pb.WaitRequest(key="k", timeout_ms=0)).length_s == 60.0
+    assert answers.deadline(pb.WaitRequest(key="k", timeout_ms=900_000)).length_s == 60.0
+    assert answers.deadline(pb.WaitRequest(key="k", timeout_ms=5_000)).length_s == 5.0
     with pytest.raises(Exception, match="key"):
-        answers.bounded(pb.WaitRequest(key="../etc"))
+        answers.deadline(pb.WaitRequest(key="../etc"))
+    with pytest.raises(Exception, match="timeout_ms"):
+        answers.deadline(pb.WaitRequest(key="k", timeout_ms=-1))
 
 
 # -- hits, revocations, streams ---------------------------------------------------------------
@@ -374,7 +376,7 @@ def test_a_subtree_names_a_key_once_answers_its_namers_and_turns_to_the_first_ra
         assert [t.key for t in turned.turns] == ["k"] and inboxes[0].empty()
         tree.answered(pb.JobEvents(published=[pb.ArtifactInfo(key="k", digest="b" * 64)]))
         assert [(await inboxes[i].get()).published[0].key for i in (0, 1)] == ["k", "k"]
-        tree.news(pb.JobEvents(seq=2, claimed=["x"]).SerializeToString())
+        tree.news(pb.JobEvents(seq=2, claimed=["x"]).SerializeToString(), 2)
         assert [list((await inboxes[i].get()).claimed) for i in (0, 1)] == [["x"], ["x"]]
         for s in senders:
             s.put_nowait(None)
