@@ -185,7 +185,7 @@ def main() -> None:
         if cache is None:
             return {}
         cache._releases.flush()
-        return {k: v for k, v in cache.stats.as_dict().items() if k != "reasons"}
+        return {k: v for k, v in cache.stats.as_dict().items() if k not in ("reasons", "preloads")}
 
     report: dict = {"process": int(pid), "shapes": {}}
     for shape in shapes.split(","):
