@@ -517,7 +517,10 @@ def enable(target: str | None = None, *, timeout_ms: int | None = None,
         cache = CompilecastCache(target, timeout_ms=timeout_ms, job=job)
         jax_adapter.install(cache, cache)
         if job and preload_wanted():
-            cache.preload_job(job[:128])
+            try:
+                cache.preload_job(job[:128])
+            except Exception as exc:  # (a JAX whose backends moved): no preload, nothing else
+                log.warning("compilecast: no preload: %s: %s", type(exc).__name__, exc)
         try:
             keys.prepare()  # the first key's once-per-process work, off the compile's path
         except Exception as exc:  # the first key tries again (and falls back) itself
