@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 
 MAX_WAITS = jobtree.MAX_WAITS  # keys a message names (the bound of every node)
 # A key nobody has claimed is named upstream after this long: well above the
-# longest a replica gathers a job's news (jobwatch.FLUSH_S, 1 s at 10,000
-# streams), so that a claim reaches every host before any names the key.
+# longest a stream's news waits for an acknowledgement (jobtree.HOLD_S, 1 s),
+# so that a claim reaches every host before any names the key.
 NAME_AFTER_S = 3.0
 MAX_CLAIMED = 100_000  # claimed keys remembered, and asked ones (past it, the oldest go)
 MAX_HOPS = 8  # relays a stream is pointed through before the coordinator serves it
