@@ -22,7 +22,7 @@ nox.options.error_on_missing_interpreters = False
 
 JAX_FACING = ["tests/test_e2e_jax.py", "tests/test_job_shapes.py", "tests/test_keys.py",
               "tests/test_jax_adapter.py", "tests/test_pjrt_interposer.py",
-              "tests/test_pjrt_gate.py"]
+              "tests/test_pjrt_gate.py", "tests/test_key_edges.py", "tests/test_preload.py"]
 
 
 def _pyenv_on_path(*versions: str) -> None:
