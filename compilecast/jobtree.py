@@ -160,23 +160,30 @@ class Outbox:
     comes, joined with all that waited meanwhile: a protobuf's serialized
     messages, concatenated, parse as their merge (each list the lists in
     order, the seq the last one's). So a job's news costs one message a
-    round trip of its tree, however fast it comes, and a program in a job
-    that runs in lockstep is heard at once. A peer that never acknowledges
-    (an older worker) gets news at most `hold_s` apart. A message to the
+    round trip of its tree (and, news that came while some was in flight,
+    no sooner than `gap_s` after the last: the replica's bound on a burst),
+    however fast it comes, and a program in a job that runs in lockstep is
+    heard at once. A peer that never acknowledges (an older worker) gets
+    news at most `hold_s` apart. A stream whose host relays nothing is never
+    held (`gated` False): it has no subtree to pace, and acknowledges nothing. A message to the
     stream alone is never joined to news (a relay passes news on whole, and
     what is this stream's alone must not go further), and nothing overtakes
     what was queued before it. Past `bound` messages the stream is ended
     (`behind`): its host reads too slowly."""
 
-    def __init__(self, bound: int = QUEUED, *, hold_s: float = HOLD_S) -> None:
+    def __init__(self, bound: int = QUEUED, *, hold_s: float = HOLD_S,
+                 gated: bool = True) -> None:
         self.bound = bound
         self.hold_s = hold_s
+        self.gated = gated  # (a stream whose host relays nothing is never held: it acks nothing)
+        self.gap_s = 0.0  # while news is in flight, the next leaves no sooner than this after it
         self.open = True
         self.behind = False
         self.sent_bytes = 0
         self.sent_seq = 0  # the last news written
         self.acked = 0  # the last news its peer (and its subtree) acknowledged
         self._sent_at = float("-inf")
+        self._busy = False  # news came while some was in flight
         self._items: collections.deque[tuple[int, bytes] | Message] = collections.deque()
         self._ready = asyncio.Event()
 
@@ -189,7 +196,11 @@ class Outbox:
             self.behind = True
             self.end()
             return
-        self._items.append((seq, message) if isinstance(message, bytes) else message)
+        if isinstance(message, bytes):
+            self._busy = self._busy or self.acked < self.sent_seq
+            self._items.append((seq, message))
+        else:
+            self._items.append(message)
         self._ready.set()
 
     def opened_at(self, seq: int) -> None:
@@ -207,11 +218,16 @@ class Outbox:
         self._ready.set()
 
     def _held_s(self) -> float:
-        """How long the news at its head waits yet (0: it leaves now)."""
-        if not self.open or not self._items or not isinstance(self._items[0], tuple) \
-                or self.acked >= self.sent_seq:
+        """How long the news at its head waits yet (0: it leaves now): until
+        what is in flight is acknowledged and `gap_s` has passed since it
+        left, or `hold_s` has."""
+        if not self.gated or not self.open or not self._items \
+                or not isinstance(self._items[0], tuple):
             return 0.0
-        return max(0.0, self._sent_at + self.hold_s - asyncio.get_running_loop().time())
+        now = asyncio.get_running_loop().time()
+        if self.acked >= self.sent_seq:  # (news that came while some was in flight: the gap)
+            return max(0.0, self._sent_at + self.gap_s - now) if self._busy else 0.0
+        return max(0.0, self._sent_at + self.hold_s - now)
 
     async def _ready_within(self, seconds: float) -> bool:
         self._ready.clear()
@@ -253,6 +269,7 @@ class Outbox:
             data = b"".join(run)
             if seq:
                 self.sent_seq, self._sent_at = seq, asyncio.get_running_loop().time()
+                self._busy = False
         self.sent_bytes += len(data)
         return data
 

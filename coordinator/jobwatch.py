@@ -81,6 +81,18 @@ READER_STREAMS = 1_000  # by one identity that may only read
 MAX_WAITS = jobtree.MAX_WAITS  # keys a message may name
 LINGER_S = 30.0  # a job whose streams all ended is kept this long (its news, its waits)
 MAX_LINGERING = 1024  # jobs kept so at once
+GAP_S = (0.02, 1.0)  # a burst's news leaves a relaying stream at least, at most this far apart
+# This long a host of the job: every host reads every message (~0.1 ms of a
+# core, a relay's sends included), so a burst of news costs the job's fleet
+# about a core at most, however many hosts it has.
+SEND_S = 1e-4
+
+
+def gap_s(hosts: int) -> float:
+    """How far apart a burst's news leaves a relaying stream of a job of `hosts`."""
+    return min(GAP_S[1], max(GAP_S[0], hosts * SEND_S))
+
+
 @dataclass(eq=False)
 class _Stream:
     may_publish: bool
@@ -256,7 +268,8 @@ class JobWatches:
         self._admit(tenant, identity, may_publish)
         if job is None:
             job = self._jobs[(tenant, first.job)] = _Job(tenant, first.job)
-        me = _Stream(may_publish, identity, Branch(first.relay_address))
+        me = _Stream(may_publish, identity, Branch(first.relay_address),
+                     Outbox(gated=bool(first.relay_address)))
         job.streams.add(me)
         self.streams += 1
         held = (tenant, identity)
@@ -419,7 +432,9 @@ class JobWatches:
                                epoch=job.log.epoch).SerializeToString()
         job.log.add(seq, message)
         job.published, job.ask, job.claimed, job.publishing = [], [], [], []
+        gap = gap_s(sum(s.hosts for s in job.streams))
         for s in list(job.streams):
+            s.outbox.gap_s = gap
             s.send(message, seq)  # (serialized once, sent to every host: wire.SERIALIZED)
 
     def _linger(self, job: _Job) -> None:

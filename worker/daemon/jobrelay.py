@@ -104,7 +104,7 @@ class Subtree:
         if len(self.children) >= self.fanout * 2:  # (direct ones past the fanout: a bound)
             raise TooMany(f"this worker relays job {self.job!r} to {len(self.children)} "
                           "peers; open the stream at the coordinator")
-        me = _Child(Branch(first.relay_address))
+        me = _Child(Branch(first.relay_address), Outbox(gated=bool(first.relay_address)))
         self.children.add(me)
         opening = jobtree.opened(self.up.log, first, me.outbox)
         reader = asyncio.ensure_future(self._read(me, first,
@@ -130,8 +130,10 @@ class Subtree:
                     me.hosts = hosts
                     self.up.changed()
                 if message is not first and message.since_seq:
+                    before = self.acked()
                     jobtree.acked(message, me.outbox)
-                    self.up.changed()  # (its subtree's acknowledgement may go up)
+                    if self.acked() != before:  # (the subtree's acknowledgement goes up)
+                        self.up.changed()
                 if message.HasField("requester"):
                     me.first = message.requester
                     self.up.changed()
@@ -174,8 +176,9 @@ class Subtree:
             c.send(data, seq)
 
     def acked(self) -> int | None:
-        """The news every open child's subtree heard (None: no child)."""
-        said = [c.outbox.acked for c in self.children if c.open]
+        """The news every open relaying child's subtree heard (None: none;
+        a child that relays nothing is never held, and acknowledges nothing)."""
+        said = [c.outbox.acked for c in self.children if c.open and c.outbox.gated]
         return min(said) if said else None
 
     def answered(self, events: pb.JobEvents) -> None:

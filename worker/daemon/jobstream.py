@@ -272,7 +272,7 @@ class JobStream:
                 said.requester.CopyFrom(rank)
             if self._hosts() != hosts:
                 hosts = said.hosts = self._hosts()
-            if self._acked() > acked:  # heard (with its subtree): the next news may leave
+            if self.relay_address and self._acked() > acked:  # (its subtree's pace, upward)
                 acked = said.since_seq = self._acked()
             if said.hosts or said.HasField("requester") or said.since_seq:
                 yield said

@@ -164,13 +164,6 @@ func opening(job string, rank int, epoch string, seq int64, direct bool) []byte 
 	return protowire.AppendVarint(b, 1)
 }
 
-// acking is a later JobWatchRequest that says the news up to seq was heard
-// (since_seq, 6): the next news may leave its relay at once.
-func acking(seq int64) []byte {
-	b := protowire.AppendTag(nil, 6, protowire.VarintType)
-	return protowire.AppendVarint(b, uint64(seq))
-}
-
 // naming is a JobWatchRequest that names keys (waits 2: WaitRequest{key 1, requester 2}).
 func naming(job string, rank int, keys []string) []byte {
 	me := requester(job, rank)
@@ -392,9 +385,6 @@ func (h *host) take(ev events) {
 	defer h.mu.Unlock()
 	if ev.hasSeq {
 		h.seq = ev.seq
-		if ev.seq > 0 {
-			h.sendLocked(acking(ev.seq))
-		}
 	}
 	for _, k := range ev.claimed {
 		h.claimed[k] = true
