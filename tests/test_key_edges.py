@@ -64,10 +64,9 @@ def in_form(text: str, form: str) -> bytes:
     module.operation.write_bytecode(file=out)
     if form == "mlir-bytecode":
         return out.getvalue()
-    from jax._src.lib import _jax  # XLA's own converter, as lowered.compiler_ir("hlo") uses it
+    from compilecast.worker.xla import jax_adapter
 
-    return _jax.mlir.mlir_module_to_xla_computation(
-        out.getvalue(), use_tuple_args=False, return_tuple=False).as_serialized_hlo_module_proto()
+    return jax_adapter.stablehlo_to_hlo(out.getvalue())
 
 
 def key(where: str, axis: str, value: str, form: str) -> str:

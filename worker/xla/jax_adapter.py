@@ -597,6 +597,13 @@ def hlo_to_stablehlo(hlo_module_proto: bytes) -> bytes:
     return _jax.mlir.hlo_to_stablehlo(hlo_module_proto)
 
 
+def stablehlo_to_hlo(bytecode: bytes) -> bytes:
+    """MLIR bytecode converted to a serialized HloModuleProto by XLA's own
+    converter (what lowered.compiler_ir("hlo") uses)."""
+    return _jax.mlir.mlir_module_to_xla_computation(
+        bytecode, use_tuple_args=False, return_tuple=False).as_serialized_hlo_module_proto()
+
+
 def jaxlib_version() -> str:
     return str(_jaxlib_version)
 
